@@ -1,0 +1,39 @@
+"""The wire: every message and config that crosses a process boundary.
+
+Only stdlib, msgspec, pyzmq and numpy may be imported here.
+"""
+from protocol.sampling_params import SamplingParams, SamplingType
+from protocol.engine import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from protocol.scheduler import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from protocol.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+__all__ = [
+    "CacheConfig", "CachedRequestData", "DeviceConfig", "EngineConfig",
+    "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
+    "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
+    "FinishReason", "ModelConfig", "ModelRunnerOutput", "NewRequestData",
+    "ParallelConfig", "SamplingParams", "SamplingType", "SchedulerConfig",
+    "SchedulerOutput", "SchedulerStats", "TokenLogprobs",
+]

@@ -1,0 +1,62 @@
+"""One frozen config tree that every process receives whole.
+
+Built and validated once (``services.engine_args``) with every ``"auto"``
+resolved; each field's description doubles as its CLI help.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: Annotated[str, Meta(description="Path to a GGUF file or a Hugging Face model folder (config.json + safetensors).")]
+    tokenizer: Annotated[str, Meta(description="Folder holding the Hugging Face tokenizer files.")]
+    served_model_name: Annotated[str, Meta(description="Model name reported by the API.")]
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="Weights and activations dtype (auto: bf16 on GPUs and AMX CPUs, else fp32).")]
+    max_model_len: Annotated[int, Meta(ge=1, description="Longest prompt + output, in tokens.")]
+    seed: Annotated[int, Meta(description="Seed for the random sampling of unseeded requests.")] = 0
+    vocab_size: Annotated[int, Meta(ge=1, description="Vocabulary size of the model.")] = 1
+    eos_token_id: Annotated[int | None, Meta(description="End-of-sequence token id.")] = None
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
+    enable_prefix_caching: Annotated[bool, Meta(description="Share full KV blocks between requests with the same prefix.")] = True
+    kv_cache_memory: Annotated[int | None, Meta(description="Bytes of KV cache per worker (CPU default: 2 GiB); bypasses gpu_memory_utilization.")] = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="Fraction of GPU memory the worker may use.")] = 0.9
+    num_gpu_blocks_override: Annotated[int | None, Meta(description="Use exactly this many KV blocks (testing).")] = None
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, description="Token budget of one engine step.")] = 2048
+    max_num_seqs: Annotated[int, Meta(ge=1, description="Most requests running at once.")] = 128
+    long_prefill_token_threshold: Annotated[int, Meta(ge=0, description="Cap a prefill chunk at this many tokens (0: off).")] = 0
+    enable_chunked_prefill: Annotated[bool, Meta(description="Split prefills that do not fit the step's budget.")] = True
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], Meta(description="fcfs, or priority (lower value runs first).")] = "fcfs"
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tensor_parallel_size: Annotated[int, Meta(ge=1, description="Workers (devices) per engine core.")] = 1
+    data_parallel_size: Annotated[int, Meta(ge=1, description="Engine cores in all.")] = 1
+    data_parallel_size_local: Annotated[int | None, Meta(description="Engine cores on this node (default: all).")] = None
+    data_parallel_start_rank: Annotated[int, Meta(ge=0, description="Rank of the first local engine core.")] = 0
+    data_parallel_rank: Annotated[int, Meta(ge=0, description="This engine core's rank (set per process).")] = 0
+    data_parallel_address: Annotated[str, Meta(description="Address of the API node's handshake socket.")] = "127.0.0.1"
+    data_parallel_rpc_port: Annotated[int, Meta(ge=0, le=65535, description="Port of the API node's handshake socket.")] = 29550
+
+
+class DeviceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    device: Annotated[Literal["cpu", "cuda"], Meta(description="Device the workers run on.")] = "cpu"
+    num_threads: Annotated[int, Meta(ge=1, description="torch threads per worker process.")] = 1
+    attention_backend: Annotated[Literal["torch", "triton"], Meta(description="Attention implementation (triton on CUDA).")] = "torch"
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: DeviceConfig = DeviceConfig()

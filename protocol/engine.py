@@ -1,0 +1,107 @@
+"""API <-> EngineCore messages: requests in, per-step output batches out.
+
+Structs marked ``array_like`` travel as msgpack arrays: their field ORDER
+is the wire contract. Append new fields at the end, with defaults.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from protocol.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every message on the request socket (one byte)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+    SHUTDOWN = b"\x04"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; an int on the wire, vLLM's words in ``str()``."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution, 1 = most likely
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    type: EngineCoreEventType
+    timestamp: float  # engine-process monotonic clock; compare only with each other
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    # One entry per prompt position; the first is None (no context to predict it).
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
+    # Set when the request failed on its own (bad input found late); the
+    # engine itself is fine.
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up since the previous stats
+    prefix_cache_hits: int = 0  # tokens found since the previous stats
+    num_preemptions: int = 0  # preemptions since the previous stats
+    step_counter: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    finished_requests: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()

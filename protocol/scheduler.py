@@ -1,0 +1,70 @@
+"""Scheduler <-> worker messages: the pure-data seam of one engine step.
+
+The scheduler imports no torch; the worker keeps a persistent batch that
+each ``SchedulerOutput`` updates incrementally. Field order is the wire
+contract (``array_like``): append new fields at the end, with defaults.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.engine import TokenLogprobs
+from protocol.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the worker has not seen, or sees again after preemption.
+
+    A preempted request is dropped by the worker and comes back as new, with
+    the tokens it had already generated in ``output_token_ids`` (recompute).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """Columnar diff for requests the worker already holds."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []  # appended to each block table
+    num_computed_tokens: list[int] = []
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Finished or preempted since the previous step: the worker drops them.
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+    # Draft tokens to verify this step (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced, per scheduled request (in ``req_ids`` order).
+
+    ``sampled_token_ids[i]`` is empty for a request still mid-prefill.
+    ``logprobs[i]`` has one entry per sampled token when the request asked
+    for logprobs, else is empty. ``prompt_logprobs`` holds, per request that
+    asked, the entries for the prompt positions computed this step.
+    """
+
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[list[TokenLogprobs]] = []
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}

@@ -1,0 +1,36 @@
+"""How an engine core drives its workers.
+
+The engine core sees only this interface; ``UniProcExecutor`` runs one
+worker in the engine-core process, and a multi-process executor (one worker
+process per device, tensor parallel) plugs in behind the same methods.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """Load the model, profile a forward, and return how many KV blocks fit.
+
+        The count includes block 0, which the block pool keeps as a null
+        block. ``cache.num_gpu_blocks_override`` wins when set.
+        """
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache with exactly ``num_blocks`` blocks."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update the batch, forward, sample."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers; safe to call twice."""
