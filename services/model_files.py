@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +66,11 @@ def prepare(gguf_path: Path) -> Path:
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
     tokenizer.save_pretrained(tmp_dir)
     config.save_pretrained(tmp_dir)
-    tmp_dir.replace(hf_dir) if not hf_dir.exists() else None
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    tmp_dir.rename(hf_dir)  # atomic: a half-written folder is never seen
     return hf_dir
 
 

@@ -1,0 +1,91 @@
+"""Turns a request's stream of EngineCoreOutputs into text and results.
+
+Torch-free and shared by the API process and the offline ``LLM``: it owns
+the incremental detokenizer, the stop strings, the accumulated tokens and
+logprobs of one (child) request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
+from services.api.detokenizer import IncrementalDetokenizer
+from services.api.tokenizer import Tokenizer
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestState:
+    """Everything the front end knows about one engine request."""
+
+    request_id: str
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    tokenizer: Tokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @classmethod
+    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> "RequestState":
+        state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer)
+        if params.logprobs is not None:
+            state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = []
+        return state
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def process(self, output: EngineCoreOutput) -> bool:
+        """Take one engine output; True when a stop string ended the request here
+        (the caller must then abort it in the engine)."""
+        self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
+        if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._convert(e) if e else None for e in output.new_prompt_logprobs)
+        for i, token_id in enumerate(output.new_token_ids):
+            self.token_ids.append(token_id)
+            if output.new_logprobs and i < len(output.new_logprobs):
+                self._add_logprobs(output.new_logprobs[i])
+            if self.detokenizer.add_tokens([token_id]):
+                self.finish_reason = str(FinishReason.STOP)
+                self.stop_reason = self.detokenizer.stop_string
+                return True
+        if output.finish_reason is not None:
+            self.finish_reason = str(output.finish_reason)
+            self.stop_reason = output.stop_reason
+            self.error = output.error
+        return False
+
+    def _add_logprobs(self, entry: TokenLogprobs) -> None:
+        self.cumulative_logprob += entry.logprobs[0]
+        if self.logprobs is not None:
+            self.logprobs.append(self._convert(entry))
+
+    def _convert(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        # The chosen token comes first with its true rank; the top-k follow
+        # in rank order (the chosen one may appear among them again).
+        result = {entry.token_ids[0]: Logprob(entry.logprobs[0], entry.rank, self._piece(entry.token_ids[0]))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), 1):
+            result.setdefault(token_id, Logprob(logprob, rank, self._piece(token_id)))
+        return result
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,72 @@
+"""A torch-free tokenizer: HF ``tokenizers`` for the text, jinja2 for chat.
+
+transformers' AutoTokenizer imports torch, which the API process must not
+load, so this reads the same files (tokenizer.json, tokenizer_config.json,
+chat_template.jinja) directly and renders the chat template the way
+transformers does (sandboxed jinja2, trim_blocks, lstrip_blocks).
+"""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+
+class Tokenizer:
+    def __init__(self, hf_dir: str | Path) -> None:
+        hf_dir = Path(hf_dir)
+        self._tok = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        config_path = hf_dir / "tokenizer_config.json"
+        self._config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_path = hf_dir / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_path.read_text() if template_path.exists() else self._config.get("chat_template")
+        )
+        self.eos_token = self._special_token("eos_token")
+        self.bos_token = self._special_token("bos_token")
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def _special_token(self, key: str) -> str | None:
+        value = self._config.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        if self.chat_template is None:
+            raise ValueError("This model's tokenizer has no chat template; use completions instead.")
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"Chat template error: {message}")

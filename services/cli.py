@@ -1,0 +1,67 @@
+"""The ``weft`` command. Each subcommand is imported lazily, so ``weft
+serve``'s API process never loads torch."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def _generate(argv: list[str]) -> int:
+    from services.cli_args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser(prog="weft generate", description="Complete one prompt offline.")
+    parser.add_argument("--prompt", required=True, help="Text to complete.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="Sampling seed of this request.")
+    parser.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
+    add_engine_args(parser, skip=("seed",))
+    args = parser.parse_args(argv)
+
+    from services import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed)
+        llm = LLM(**dataclasses.asdict(engine_args_from(args)))
+        if args.chat:
+            output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+        else:
+            output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"weft generate: {e}", file=sys.stderr)
+        return 2
+    completion = output.outputs[0]
+    print((args.prompt if not args.chat else "") + completion.text)
+    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from services.bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {
+    "generate": (_generate, "Complete a prompt with the offline engine."),
+    "bench": (_bench, "Benchmarks: throughput."),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:10} {text}" for name, (_, text) in COMMANDS.items()]
+        print("usage: weft COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines),
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, _ = COMMANDS[argv[0]]
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Engine arguments on the command line, named as vLLM names them.
+
+Flags are generated from ``EngineArgs``; their help comes from the field
+descriptions of the protocol config tree, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from protocol import config as config_module
+from services.engine_args import EngineArgs
+
+_EXTRA_HELP = {
+    "model": "GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct).",
+    "tokenizer": "Tokenizer folder (default: the model's).",
+    "device": "cpu, cuda or auto.",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and AMX CPUs, else fp32).",
+    "num_threads": "torch threads per engine process (default: cores / local engines).",
+    "max_model_len": "Longest prompt + output in tokens (default: the model's).",
+    "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
+    "max_num_seqs": "Most requests running at once (default 128).",
+}
+
+
+def _descriptions() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for struct in (config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
+                   config_module.ParallelConfig, config_module.DeviceConfig):
+        for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+            for meta in getattr(hint, "__metadata__", ()):
+                if getattr(meta, "description", None):
+                    found[name] = meta.description
+    return found | _EXTRA_HELP
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine arguments")
+    help_text = _descriptions()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text.get(f.name))
+        else:
+            kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
+            group.add_argument(flag, type=kind, default=f.default, help=help_text.get(f.name))
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    values = vars(namespace)
+    return EngineArgs(**{f.name: values[f.name] for f in dataclasses.fields(EngineArgs)
+                         if f.name in values})

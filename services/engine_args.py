@@ -1,0 +1,137 @@
+"""Engine arguments with vLLM's names, resolved once into an EngineConfig.
+
+Every ``"auto"`` and every ``None`` default is decided here, so the frozen
+config that processes receive holds only concrete values. Torch-free: the
+API process builds the config too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol import (
+    CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+)
+from services import model_files
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    device: str = "auto"
+    num_threads: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s) {unknown}; known: {sorted(known)}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        files = model_files.resolve(self.model)
+        hf_config = files.hf_config()
+        device = resolve_device(self.device)
+        return EngineConfig(
+            model=ModelConfig(
+                model=str(files.weights),
+                tokenizer=self.tokenizer or str(files.hf_dir),
+                served_model_name=self.served_model_name or files.name,
+                dtype=resolve_dtype(self.dtype, device),
+                max_model_len=self._max_model_len(hf_config),
+                seed=self.seed,
+                vocab_size=hf_config["vocab_size"],
+                eos_token_id=_first(hf_config.get("eos_token_id")),
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler=self._scheduler_config(),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    data_parallel_size=self.data_parallel_size),
+            device=DeviceConfig(
+                device=device,
+                num_threads=self.num_threads or max(1, (os.cpu_count() or 1) // self.data_parallel_size),
+                attention_backend="triton" if device == "cuda" else "torch",
+            ),
+        )
+
+    def _max_model_len(self, hf_config: dict) -> int:
+        limit = hf_config.get("max_position_embeddings") or 2048
+        if self.max_model_len is None:
+            return limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}.")
+        return self.max_model_len
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens or 2048,
+            max_num_seqs=self.max_num_seqs or 128,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
+        )
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) else value
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}.")
+    if device != "auto":
+        return device
+    # Torch-free probe: the NVIDIA driver exposes its devices here.
+    return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").exists() else "cpu"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX (Sapphire Rapids and later) makes bf16 matmul several times faster than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype not in ("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES):
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}.")
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"

@@ -1,0 +1,88 @@
+"""EngineCore: one data-parallel rank's scheduler, KV cache and executor.
+
+``step()`` is the whole engine: schedule -> execute -> update_from_output.
+The offline ``LLM`` calls it in a loop in-process; the engine-core process
+(serving) calls it from its busy loop between socket reads.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from services.engine_core.prefix_hash import make_block_hasher
+from services.engine_core.request import Request, RequestStatus
+from services.engine_core.scheduler import Scheduler
+from services.worker.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        if executor_class is None:
+            from services.worker.executor import UniProcExecutor as executor_class
+        self.config = config
+        self.executor = executor_class(config)
+        start = time.perf_counter()
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (sized in %.1fs)",
+                    self.num_blocks, config.cache.block_size, time.perf_counter() - start)
+        _check_kv_capacity(config, self.num_blocks)
+        self.scheduler = Scheduler(config, self.num_blocks)
+        self._block_hasher = make_block_hasher(config.cache.block_size)
+        self.engine_index = config.parallel.data_parallel_rank
+
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        """Refuse a request the engine cannot serve, before it costs anything."""
+        prompt = request.prompt_token_ids
+        max_model_len = self.config.model.max_model_len
+        if not prompt:
+            raise ValueError("The prompt is empty; it must have at least one token.")
+        if len(prompt) >= max_model_len:
+            raise ValueError(
+                f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
+                f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
+        vocab_size = self.config.model.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate_request(request)
+        if request.sampling_params.n != 1:
+            raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
+        self.scheduler.add_request(Request.from_engine_core_request(request, self._block_hasher))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(engine_index=self.engine_index,
+                                     scheduler_stats=self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            runner_output = ModelRunnerOutput()
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
+                                 scheduler_stats=self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """One max_model_len request must fit, or it would wait forever (as vLLM checks)."""
+    block_size = config.cache.block_size
+    capacity = (num_blocks - 1) * block_size  # block 0 is the null block
+    if capacity < config.model.max_model_len:
+        raise ValueError(
+            f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of {block_size}), "
+            f"fewer than max_model_len={config.model.max_model_len}. Lower max_model_len or give "
+            f"the cache more memory (kv_cache_memory / gpu_memory_utilization).")

@@ -1,0 +1,144 @@
+"""The scheduler's waiting queue, in two orders: arrival (fcfs) or priority.
+
+Both share one small interface so the scheduler never branches on policy
+except when it picks a preemption victim.
+"""
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from services.engine_core.request import Request
+
+
+class RequestQueue(ABC):
+    @abstractmethod
+    def add(self, request: Request) -> None:
+        """Queue a newly arrived request."""
+
+    @abstractmethod
+    def pop(self) -> Request:
+        """Remove and return the request to schedule next."""
+
+    @abstractmethod
+    def peek(self) -> Request:
+        """Return the request to schedule next without removing it."""
+
+    @abstractmethod
+    def prepend(self, request: Request) -> None:
+        """Queue a preempted request so it runs again as soon as possible."""
+
+    @abstractmethod
+    def remove(self, request: Request) -> None:
+        """Drop one queued request (an abort); ValueError if it is absent."""
+
+    @abstractmethod
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        """Drop those of ``requests`` that are queued, in one pass."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """Requests in the order they would be popped."""
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class FCFSRequestQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def peek(self) -> Request:
+        if not self._queue:
+            raise IndexError("peek from an empty request queue")
+        return self._queue[0]
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        # One pass instead of one O(n) deque.remove per request.
+        drop = {id(r) for r in requests}
+        self._queue = deque(r for r in self._queue if id(r) not in drop)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityRequestQueue(RequestQueue):
+    """A heap on (priority, arrival_time, request_id): smaller value first.
+
+    The request id is unique, so the heap never compares Request objects.
+    A preempted request keeps its key, so ``prepend`` is a plain push: it
+    still comes out ahead of anything that arrived after it.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, str, Request]] = []
+
+    @staticmethod
+    def _entry(request: Request) -> tuple[int, float, str, Request]:
+        return (request.priority, request.arrival_time, request.request_id, request)
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, self._entry(request))
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def peek(self) -> Request:
+        if not self._heap:
+            raise IndexError("peek from an empty request queue")
+        return self._heap[0][-1]
+
+    def prepend(self, request: Request) -> None:
+        self.add(request)
+
+    def remove(self, request: Request) -> None:
+        size = len(self._heap)
+        self.remove_requests((request,))
+        if len(self._heap) == size:
+            raise ValueError(f"{request.request_id!r} is not in the queue")
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        drop = {r.request_id for r in requests}
+        self._heap = [e for e in self._heap if e[2] not in drop]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
+
+
+_POLICIES: dict[str, type[RequestQueue]] = {
+    "fcfs": FCFSRequestQueue,
+    "priority": PriorityRequestQueue,
+}
+
+
+def create_request_queue(policy: str) -> RequestQueue:
+    try:
+        return _POLICIES[policy]()
+    except KeyError:
+        raise ValueError(
+            f"scheduling policy must be one of {sorted(_POLICIES)}, got {policy!r}."
+        ) from None

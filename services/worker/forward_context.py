@@ -1,0 +1,49 @@
+"""Per-step state the layers read during one forward pass.
+
+The model runner builds the attention metadata and hands the KV caches in
+with ``with set_forward_context(metadata, kv_caches):``; attention layers
+fetch them with ``get_forward_context()``. A ``ContextVar`` scopes the value
+to the block (and to the thread), so no module global is set and reset by
+hand and a forgotten reset cannot leak one step's metadata into the next.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.worker.layers.attention_metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    # One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim];
+    # None while profiling, before the cache exists.
+    kv_caches: list[torch.Tensor] | None
+
+
+_current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context", default=None)
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor] | None
+) -> Iterator[ForwardContext]:
+    context = ForwardContext(attn_metadata, kv_caches)
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    context = _current.get()
+    if context is None:
+        raise RuntimeError("No forward context: run the model inside `with set_forward_context(...)`.")
+    return context

@@ -1,0 +1,205 @@
+"""The offline engine end to end, on the real default model in fp32.
+
+Transformers' ``generate`` on the same GGUF checkpoint is the oracle:
+greedy outputs must match it token for token, with chunked prefill,
+prefix caching and preemption all in play.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from protocol import SamplingParams
+from services import LLM
+from tests.text_corpus import prompt_of_length
+
+NEW_TOKENS = 64
+# (length, offset) into the corpus: prompts 3, 4 and 6 start at offset 0,
+# so they share long prefixes (many full blocks) with each other.
+PROMPT_SHAPES = [(10, 300), (37, 500), (120, 700), (600, 0), (250, 0), (75, 900), (400, 0), (180, 1000)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from services.api.tokenizer import Tokenizer
+    return Tokenizer(default_model.hf_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [prompt_of_length(tokenizer, n, offset) for n, offset in PROMPT_SHAPES]
+
+
+@pytest.fixture(scope="module")
+def oracle(default_model, prompts, tokenizer) -> list[list[int]]:
+    """Greedy continuations from transformers, cut after the first EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model.weights.parent, gguf_file=default_model.weights.name, dtype=torch.float32)
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+            new = out[0, len(ids):].tolist()
+            if tokenizer.eos_token_id in new:
+                new = new[: new.index(tokenizer.eos_token_id) + 1]
+            results.append(new)
+    del model
+    return results
+
+
+def make_llm(**kwargs) -> LLM:
+    return LLM(dtype="float32", **kwargs)
+
+
+@contextlib.contextmanager
+def recorded_steps(llm: LLM):
+    """Collect every SchedulerOutput the engine executes."""
+    executor = llm.engine.executor
+    original, steps = executor.execute_model, []
+
+    def record(scheduler_output):
+        steps.append(scheduler_output)
+        return original(scheduler_output)
+
+    executor.execute_model = record
+    try:
+        yield steps
+    finally:
+        executor.execute_model = original
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache_manager.all_blocks_free()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+
+def assert_matches_oracle(outputs, oracle) -> None:
+    for i, (out, expected) in enumerate(zip(outputs, oracle)):
+        assert out.outputs[0].token_ids == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = make_llm()
+    yield engine
+    engine.shutdown()
+
+
+def test_greedy_matches_transformers_with_prefix_caching(llm, prompts, oracle):
+    warm = llm.generate([prompts[6]], greedy(), use_tqdm=False)  # caches a 400-token prefix
+    assert warm[0].outputs[0].token_ids == oracle[6]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert_matches_oracle(outputs, oracle)
+    assert outputs[3].num_cached_tokens >= 384 and outputs[4].num_cached_tokens >= 240
+    assert_no_leaks(llm)
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
+    llm = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
+    with recorded_steps(llm) as steps:
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert_matches_oracle(outputs, oracle)
+    longest = outputs[3].request_id + "-0"
+    prefill_chunks = [s.num_scheduled_tokens[longest] for s in steps
+                      if s.num_scheduled_tokens.get(longest, 0) > 1]
+    assert len(prefill_chunks) >= 4 and sum(prefill_chunks) == len(prompts[3])
+    assert_no_leaks(llm)
+    llm.shutdown()
+
+
+def test_greedy_matches_transformers_under_preemption(prompts, oracle):
+    # 44 usable blocks hold one 700-token request, but not all eight at once.
+    llm = make_llm(max_model_len=700, num_gpu_blocks_override=48)
+    with recorded_steps(llm) as steps:
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert_matches_oracle(outputs, oracle)
+    assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
+    assert_no_leaks(llm)
+    llm.shutdown()
+
+
+def test_shared_three_block_prefix_is_served_from_cache(llm, tokenizer):
+    block = 16
+    base = tokenizer.encode("Notes from the harbour master, kept in a red notebook:") + \
+        prompt_of_length(tokenizer, 80, offset=200)
+    first, second = base[:3 * block + 10], base[:3 * block] + tokenizer.encode(" Something else entirely.")
+    llm.generate([first], greedy(), use_tqdm=False)
+    with recorded_steps(llm) as steps:
+        out = llm.generate([second], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48
+    assert steps[0].num_scheduled_tokens[out.request_id + "-0"] == len(second) - 48
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1] * 9000}, "max_model_len"),
+    ("", "empty"),
+])
+def test_bad_prompts_raise_and_engine_keeps_serving(llm, bad, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["A fine prompt.", bad], greedy(), use_tqdm=False)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0),
+                                          ("n", 0), ("top_k", -5), ("min_p", 1.5)])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm, prompts):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)
+    prompt = "Once upon a time, in a small village by the sea,"
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    others = [{"prompt_token_ids": p} for p in prompts[:4]]
+    batched = llm.generate(others + [prompt], [greedy()] * 4 + [params], use_tqdm=False)
+    assert alone == again == batched[-1].outputs[0].text
+    assert_no_leaks(llm)
+
+
+def test_stop_strings_token_ids_and_n(llm):
+    prompt = "Count with me: one, two, three, four, five, six,"
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text.strip().split()[1]  # a word the model does produce
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    stop_id = base.outputs[0].token_ids[3]
+    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+                         use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == base.outputs[0].token_ids[:4] and by_id.stop_reason == stop_id
+    many = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2] and len({o.text for o in many.outputs}) > 1
+    assert_no_leaks(llm)
+
+
+def test_logprobs_and_chat(llm):
+    out = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                      prompt_logprobs=1), use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs
+    assert len(entries) == 3
+    for token_id, entry in zip(out.outputs[0].token_ids, entries):
+        assert entry[token_id].rank == 1  # greedy picks the most likely token
+        assert entry[token_id].logprob <= 0.0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    reply = llm.chat([{"role": "user", "content": "Say hello."}],
+                     SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert reply.outputs[0].text and reply.prompt.startswith("<|im_start|>system")
+    assert_no_leaks(llm)
