@@ -10,8 +10,9 @@ where a separate frame would cost more than the copy).
 ``Decoder(T).decode(frames)`` decodes the body against ``T`` and rebuilds
 each large array as a view over its received frame, with no copy: the frame
 stays alive as long as the array does, and the array is read-only when the
-frame is (``bytes``, ZMQ frames). Copy an array before changing it. Arrays are rebuilt only where ``T`` says
-``numpy.ndarray`` (a Struct field, a list item, a dict value...).
+frame is (``bytes``, ZMQ frames); copy an array before changing it. Arrays
+are rebuilt only where ``T`` says ``numpy.ndarray`` (a Struct field, a list
+item, a dict value...).
 
 Nothing is ever pickled. Any frame that does not decode to a valid ``T`` --
 random bytes, a truncated body, another message's type, a bad frame index
@@ -117,13 +118,14 @@ class Decoder(Generic[T]):
     def _ext_hook(self, code: int, data: memoryview) -> bytes:
         if code != _EXT_INLINE:
             raise DecodeError(f"Unknown msgpack ext code {code}.")
-        return bytes(data)  # small by construction; the view dies with the body
+        # A copy (small by construction), so the array does not pin the body.
+        return bytes(data)
 
-    def _dec_hook(self, type: Any, obj: Any) -> Any:
+    def _dec_hook(self, target: Any, obj: Any) -> Any:
         # ValueErrors raised here come back as msgspec.ValidationError with
         # the path of the offending field, then as DecodeError from decode().
-        if type is not np.ndarray:
-            raise ValueError(f"No decoder for type {type!r}.")
+        if target is not np.ndarray:
+            raise ValueError(f"No decoder for type {target!r}.")
         if not (isinstance(obj, list) and len(obj) == 3):
             raise ValueError("An array must be encoded as [dtype, shape, data].")
         dtype_str, shape, data = obj

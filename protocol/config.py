@@ -25,7 +25,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
     enable_prefix_caching: Annotated[bool, Meta(description="Share full KV blocks between requests with the same prefix.")] = True
-    kv_cache_memory: Annotated[int | None, Meta(description="Bytes of KV cache per worker (CPU default: 2 GiB); bypasses gpu_memory_utilization.")] = None
+    kv_cache_memory: Annotated[int | None, Meta(description="Memory budget per worker in bytes (CPU default: 2 GiB): weights and the profiled activation peak come out of it, the rest is KV cache. Bypasses gpu_memory_utilization.")] = None
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="Fraction of GPU memory the worker may use.")] = 0.9
     num_gpu_blocks_override: Annotated[int | None, Meta(description="Use exactly this many KV blocks (testing).")] = None
 

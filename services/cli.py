@@ -15,7 +15,8 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None, help="Sampling seed of this request.")
+    parser.add_argument("--seed", dest="request_seed", type=int, default=None,
+                        help="Sampling seed of this request.")
     parser.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
@@ -24,8 +25,8 @@ def _generate(argv: list[str]) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed)
-        llm = LLM(**dataclasses.asdict(engine_args_from(args)))
+                                top_p=args.top_p, seed=args.request_seed)
+        llm = LLM(**dataclasses.asdict(engine_args_from(args, skip=("seed",))))
         if args.chat:
             output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
         else:

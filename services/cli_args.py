@@ -50,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(flag, type=kind, default=f.default, help=help_text.get(f.name))
 
 
-def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+def engine_args_from(namespace: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineArgs:
     values = vars(namespace)
     return EngineArgs(**{f.name: values[f.name] for f in dataclasses.fields(EngineArgs)
-                         if f.name in values})
+                         if f.name in values and f.name not in skip})

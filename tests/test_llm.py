@@ -181,10 +181,11 @@ def test_stop_strings_token_ids_and_n(llm):
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
-    stop_id = base.outputs[0].token_ids[3]
+    base_ids = base.outputs[0].token_ids
+    stop_id = base_ids[3]
     by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
                          use_tqdm=False)[0].outputs[0]
-    assert by_id.token_ids == base.outputs[0].token_ids[:4] and by_id.stop_reason == stop_id
+    assert by_id.token_ids == base_ids[: base_ids.index(stop_id) + 1] and by_id.stop_reason == stop_id
     many = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[0]
     assert [o.index for o in many.outputs] == [0, 1, 2] and len({o.text for o in many.outputs}) > 1
     assert_no_leaks(llm)

@@ -114,7 +114,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, block
-            self._evict(block)
+            self.uncache_block(block)
             block.ref_cnt = 1
         return blocks
 
@@ -173,8 +173,8 @@ class BlockPool:
         self.cached_blocks.clear()
         return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        """Forget the hash of a free block that is being handed out again."""
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: it is handed out again, or its KV was never written."""
         if block.block_hash is None:
             return
         same_hash = self.cached_blocks[block.block_hash]

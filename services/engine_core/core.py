@@ -10,7 +10,6 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
-from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.worker.executor import Executor
@@ -31,7 +30,6 @@ class EngineCore:
                     self.num_blocks, config.cache.block_size, time.perf_counter() - start)
         _check_kv_capacity(config, self.num_blocks)
         self.scheduler = Scheduler(config, self.num_blocks)
-        self._block_hasher = make_block_hasher(config.cache.block_size)
         self.engine_index = config.parallel.data_parallel_rank
 
     def validate_request(self, request: EngineCoreRequest) -> None:
@@ -52,7 +50,7 @@ class EngineCore:
         self.validate_request(request)
         if request.sampling_params.n != 1:
             raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
-        self.scheduler.add_request(Request.from_engine_core_request(request, self._block_hasher))
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.scheduler.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -122,7 +122,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its tail is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        # Blocks are published when allocated, before the step computes them.
+        # A request preempted in the very step that scheduled it never gets
+        # them computed: their hashes must go, or a later hit reads garbage.
+        # (No one else can hold them: that step makes no prefix lookups.)
+        for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
+            assert block.ref_cnt == 1, block
+            self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

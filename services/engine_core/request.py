@@ -80,6 +80,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Prompt positions whose logprobs the front end already has.
+        self.num_prompt_logprobs_sent = 0
         # Events not yet reported to the front end (queue time, TTFT, ITL).
         self.events: list[EngineCoreEvent] = []
 

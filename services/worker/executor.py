@@ -34,3 +34,33 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers; safe to call twice."""
+
+
+class UniProcExecutor(Executor):
+    """One worker, in the engine-core process: no IPC on the step path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from services.worker.worker import Worker  # torch is imported only by executors that need it
+
+        self.worker: Worker | None = Worker(config, rank=0)
+        self.worker.init_device()
+
+    def determine_num_blocks(self) -> int:
+        return self._worker().determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._worker().initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._worker().execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+
+    def _worker(self):
+        if self.worker is None:
+            raise RuntimeError("The executor was shut down.")
+        return self.worker

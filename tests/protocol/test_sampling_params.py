@@ -47,7 +47,7 @@ def test_invalid_field_raises_value_error_naming_it(kwargs: dict[str, Any], fiel
 @pytest.mark.parametrize("kwargs, field", INVALID, ids=_ids)
 def test_invalid_field_is_refused_on_decode(kwargs: dict[str, Any], field: str) -> None:
     body = msgspec.msgpack.encode(kwargs)
-    with pytest.raises(DecodeError, match=rf"{field} must be"):
+    with pytest.raises(DecodeError, match=rf"message: {field} must be"):
         Decoder(SamplingParams).decode([body])
 
 

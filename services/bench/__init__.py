@@ -1,0 +1,1 @@
+"""Benchmarks behind ``weft bench`` (see ``services.bench.cli``)."""

@@ -1,0 +1,87 @@
+"""Offline throughput: the whole workload through weft's ``LLM.generate``.
+
+Only ``generate`` is timed: model loading, KV cache profiling and warm-up
+are the engine's start-up, not its throughput.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from services.bench.workload import Workload
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """The figures of one backend's run over one workload."""
+
+    backend: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # counted tokens only (the HF baseline's padding excluded)
+    elapsed_s: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.elapsed_s > 0, "a timed run takes some time"
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
+
+
+def run_weft(workload: Workload, **engine_args: Any) -> BenchResult:
+    """Run every request of ``workload`` through one ``LLM.generate`` call.
+
+    ``engine_args`` are ``LLM``'s (vLLM's names); the result's details say
+    what the engine resolved ``"auto"`` values to.
+    """
+    # Imported here: it loads torch and the engine, which `weft bench --help`
+    # and the workload checks do not need.
+    from services import LLM, SamplingParams
+
+    llm = LLM(**engine_args)
+    prompts = [request.prompt_token_ids for request in workload.requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+        for request in workload.requests
+    ]
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    config = llm.config
+    return BenchResult(
+        backend="weft",
+        num_requests=len(outputs),
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
+        elapsed_s=elapsed,
+        # As the engine resolved them: the HF baseline runs the same ones.
+        details={
+            "dtype": config.model.dtype,
+            "device": config.device.device,
+            "torch_threads": config.device.num_threads,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+        },
+    )

@@ -1,0 +1,377 @@
+"""The engine core's scheduler: which tokens of which requests run next.
+
+There are no prefill and decode phases. Each step hands out one token
+budget: first to RUNNING requests (decodes and unfinished prefill chunks),
+then to WAITING ones, so that every request's ``num_computed_tokens``
+catches up with its ``num_tokens``. When the KV pool runs dry, running
+requests are preempted by recompute: their blocks are freed and they wait
+again at the front of the queue.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from protocol import (
+    CachedRequestData,
+    EngineConfig,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from services.engine_core.block_pool import KVCacheBlock
+from services.engine_core.kv_cache_manager import KVCacheManager
+from services.engine_core.prefix_hash import make_block_hasher
+from services.engine_core.request import Request, RequestStatus
+from services.engine_core.request_queue import create_request_queue
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)  # the worker does not hold them
+    cached_reqs: list[Request] = field(default_factory=list)  # the worker holds them
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock],
+            is_new: bool) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.budget -= num_tokens
+        (self.new_reqs if is_new else self.cached_reqs).append(request)
+        self.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+
+    def drop(self, request: Request) -> None:
+        """Undo ``add`` for a running request preempted later in the same step."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
+        if num_tokens is None:
+            return
+        self.budget += num_tokens
+        self.cached_reqs.remove(request)
+        del self.new_block_ids[request.request_id]
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set a finished status after the newest output token if it ends the request."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    # min_tokens <= max_tokens, so only the model's length can end a request
+    # before min_tokens: its positions would not exist.
+    if request.num_tokens >= max_model_len or (
+        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        sched = config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.policy = sched.scheduling_policy
+        self.max_model_len = config.model.max_model_len
+        self.num_blocks = num_blocks
+
+        caching = config.cache.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.cache.block_size, caching, self.max_model_len
+        )
+        # Handed to Request.from_engine_core_request; None when no prefix is shared.
+        self.block_hasher = make_block_hasher(config.cache.block_size) if caching else None
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the previous schedule(); ordered for reproducible outputs.
+        self.finished_req_ids: dict[str, None] = {}
+        self._num_preemptions = 0  # since the previous make_stats()
+        self._step_counter = 0
+
+    # ----------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt.")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt "
+                f"tokens; max_model_len {self.max_model_len} allows at most "
+                f"{self.max_model_len - 1}, leaving room for one output token."
+            )
+        request.status = RequestStatus.WAITING
+        request.record_event(EngineCoreEventType.QUEUED)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (aborts); unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished one, got {status!r}.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        queued = []
+        for request_id in dict.fromkeys(request_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                queued.append(request)
+            request.status = status
+            self._free_request(request)
+        self.waiting.remove_requests(queued)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting), the load an engine core reports."""
+        return len(self.running), len(self.waiting)
+
+    # -------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # After a preemption the pool is known to be short: admitting new
+        # work now would only preempt again next step.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        # Advance now, so the next schedule() sees these tokens as computed
+        # even before their outputs come back.
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = {}
+        self._step_counter += 1
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = self._clamp_to_budget(
+                self._clamp_chunk(num_new), request.num_computed_tokens, plan
+            )
+            if num_new == 0:
+                # Its sampled token is not back yet; others may still run.
+                index += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < index:
+                    index -= 1
+                self._preempt(victim, plan)
+                if victim is request:
+                    # Everyone left outranks it (priority) or is ahead of
+                    # it (fcfs): the step's running pass ends here.
+                    return
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            plan.add(request, num_new, new_blocks, is_new=False)
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._clamp_chunk(request.num_tokens - num_hit_tokens)
+            if not self.enable_chunked_prefill and num_new > plan.budget:
+                break  # wait for a step with room, keeping arrival order
+            num_new = self._clamp_to_budget(num_new, num_hit_tokens, plan)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_hit_tokens, hit_blocks
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self._admit(request, num_hit_tokens)
+            plan.add(request, num_new, new_blocks, is_new=True)
+
+    def _clamp_chunk(self, num_new: int) -> int:
+        if self.long_prefill_token_threshold > 0:
+            return min(num_new, self.long_prefill_token_threshold)
+        return num_new
+
+    def _clamp_to_budget(self, num_new: int, num_computed: int, plan: _StepPlan) -> int:
+        # The max_model_len bound is a safety net: add_request and the stop
+        # checks already keep num_tokens below it.
+        return min(num_new, plan.budget, self.max_model_len - num_computed)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.record_event(EngineCoreEventType.SCHEDULED)
+        self.running.append(request)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            # Largest priority value is least important; later arrival loses ties.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # fcfs: the most recently admitted
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Recompute-style preemption: drop the KV, queue again at the front."""
+        self.running.remove(request)
+        plan.drop(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self._num_preemptions += 1
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        block_ids = self.kv_cache_manager.get_block_ids
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                # Non-empty only for a resumed request: the worker dropped it.
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in plan.new_reqs
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in plan.cached_reqs],
+            new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.cached_reqs],
+            num_computed_tokens=[r.num_computed_tokens for r in plan.cached_reqs],
+        )
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=list(self.finished_req_ids),
+            preempted_req_ids=[r.request_id for r in plan.preempted],
+        )
+
+    # ----------------------------------------------------------- outputs back
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        index_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        outputs = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted after it was scheduled
+            first_position = (
+                request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request_id]
+            )
+            output = self._process_one(
+                request, index_of.get(request_id), first_position, model_runner_output
+            )
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _process_one(
+        self,
+        request: Request,
+        index: int | None,
+        first_position: int,
+        runner_output: ModelRunnerOutput,
+    ) -> EngineCoreOutput | None:
+        sampled = runner_output.sampled_token_ids[index] if index is not None else []
+        new_token_ids = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break  # tokens after a stop are dropped
+        prompt_logprobs = self._new_prompt_logprobs(request, first_position, runner_output)
+        if not new_token_ids and prompt_logprobs is None:
+            return None  # mid-prefill: nothing to report yet
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=self._kept_logprobs(runner_output, index, len(new_token_ids)),
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finish_reason(),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            events=request.take_events(),
+        )
+        if request.is_finished:
+            self.running.remove(request)
+            self._free_request(request)
+        return output
+
+    @staticmethod
+    def _kept_logprobs(
+        runner_output: ModelRunnerOutput, index: int | None, num_kept: int
+    ) -> list[TokenLogprobs] | None:
+        if index is None or index >= len(runner_output.logprobs) or num_kept == 0:
+            return None
+        return runner_output.logprobs[index][:num_kept] or None
+
+    @staticmethod
+    def _new_prompt_logprobs(
+        request: Request, first_position: int, runner_output: ModelRunnerOutput
+    ) -> list[TokenLogprobs | None] | None:
+        """This step's prompt logprobs, less positions already sent.
+
+        A request preempted after some prefill recomputes its prompt from
+        position 0; the front end must not see those positions twice.
+        """
+        entries = runner_output.prompt_logprobs.get(request.request_id)
+        if not entries:
+            return None
+        skip = max(request.num_prompt_logprobs_sent - first_position, 0)
+        end = first_position + len(entries)
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, end)
+        return entries[skip:] or None
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids[request.request_id] = None
+
+    # ----------------------------------------------------------------- stats
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.take_prefix_cache_stats()
+        num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.num_blocks - 1,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=num_preemptions,
+            step_counter=self._step_counter,
+        )

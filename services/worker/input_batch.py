@@ -1,0 +1,111 @@
+"""The requests a worker holds between steps, updated from each SchedulerOutput.
+
+Each request owns one row of a few numpy arrays (token ids, block table,
+counters), so building a step's flattened inputs is a handful of vectorized
+gathers rather than a loop over tokens. Rows are recycled as requests leave;
+a request keeps its row for its whole stay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol import NewRequestData, SamplingParams, SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + outputs known
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Unused entries stay 0: the null block, safe to gather from.
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop finished and preempted requests, add new ones, apply the diffs of the rest."""
+        for req_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
+            self.remove_request(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.add_request(new)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = self.requests[req_id].row
+            self.append_block_ids(row, block_ids)
+            self.num_computed_tokens[row] = computed
+
+    def add_request(self, new: NewRequestData) -> None:
+        # A preempted request comes back as new: replace whatever we held.
+        self.remove_request(new.req_id)
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"Request {new.req_id} has {len(tokens)} tokens, more than max_model_len ({self.max_model_len}).")
+        row = self._take_row()
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row] = 0
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, new.block_ids)
+        self.requests[new.req_id] = CachedRequestState(
+            new.req_id, row, list(new.prompt_token_ids), new.sampling_params, list(new.output_token_ids)
+        )
+
+    def remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        if start + len(block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"Block table of row {row} would exceed {self.block_table.shape[1]} blocks (max_model_len).")
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, req_id: str, token_id: int) -> None:
+        """Record a token this worker sampled; it is the input of the request's next step."""
+        state = self.requests[req_id]
+        n = int(self.num_tokens[state.row])
+        if n < self.max_model_len:  # the scheduler stops the request at max_model_len
+            self.token_ids[state.row, n] = token_id
+            self.num_tokens[state.row] = n + 1
+        state.output_token_ids.append(token_id)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow()
+        return self._free_rows.pop()
+
+    def _grow(self) -> None:
+        """More requests than max_num_seqs at once (should not happen): double the rows."""
+        old = self.token_ids.shape[0]
+        for name in ("token_ids", "num_tokens", "num_computed_tokens", "block_table", "num_blocks"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))

@@ -1,0 +1,1 @@
+"""Building blocks of the worker's models: norms, rotary embedding, paged attention."""

@@ -1,0 +1,142 @@
+"""Paged attention, torch backend (CPU, and the reference on GPU).
+
+KV cache layout, one tensor per layer::
+
+    [2, num_kv_heads, num_blocks, block_size, head_dim]   (0: keys, 1: values)
+
+Token slot ``s = block_id * block_size + offset`` is row ``s`` of the
+``[2, num_kv_heads, num_blocks * block_size, head_dim]`` view. Heads come
+before blocks so that gathering a sequence's blocks yields, per head, one
+contiguous ``[tokens, head_dim]`` run: SDPA reads the gathered keys as they
+are, with no transpose copy, which is most of a decode step's attention
+time on CPU.
+
+Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA),
+the same grouping Hugging Face's ``repeat_kv`` makes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.forward_context import get_forward_context
+from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's keys and values ([T, KVH, D] each) in their slots."""
+    two, kvh, nb, bs, d = cache.shape
+    rows = cache.view(two, kvh, nb * bs, d)
+    rows[0].index_copy_(1, slot_mapping, key.transpose(0, 1))
+    rows[1].index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+
+class GatherWorkspace:
+    """One reusable buffer for the decode K/V gathers of every layer.
+
+    A gather of tens of MiB allocated afresh would be served by mmap and
+    page-faulted in on every layer of every step (glibc maps blocks above
+    32 MiB directly), which costs as much as the attention itself. Layers
+    run one after another, so they share the buffer.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``shape`` with ``like``'s dtype and device; its contents are garbage."""
+        numel = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
+
+
+def decode_attention(
+    query: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, scale: float, workspace: GatherWorkspace | None = None
+) -> torch.Tensor:
+    """One new token per sequence over its cached keys: query [n, H, D] -> [n, H, D]."""
+    n, num_heads, d = query.shape
+    _, kvh, num_blocks, bs, _ = cache.shape
+    blocks = cache.view(2 * kvh, num_blocks, bs * d)
+    if workspace is None:
+        kv = blocks.index_select(1, group.block_ids)  # [2 * KVH, n * nb, bs * D]
+    else:
+        kv = workspace.take((2 * kvh, group.block_ids.numel(), bs * d), cache)
+        torch.index_select(blocks, 1, group.block_ids, out=kv)
+    kv = kv.view(2, kvh, n, group.num_blocks * bs, d)  # [2, KVH, n, L, D]
+    # Fold the query heads that share a KV head into SDPA's "query length".
+    q = query.view(n, kvh, num_heads // kvh, d).transpose(0, 1)  # [KVH, n, G, D]
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scale)
+    return out.transpose(0, 1).reshape(n, num_heads, d)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor | None,
+    seq: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:
+    """New tokens [n, H, D] attend causally to the context + themselves -> [n, H, D].
+
+    Inputs are 4-D ([1, heads, tokens, D]): torch's fused CPU kernel takes
+    only those; 3-D ones fall back to the unfused path, several times slower.
+    """
+    q = query.transpose(0, 1)[None]  # [1, H, n, D]
+    if seq.block_ids is None:
+        k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    assert cache is not None, "context attention needs the KV cache"
+    _, kvh, _, bs, d = cache.shape
+    seq_len = seq.context_len + query.shape[0]
+    kv = cache[:, :, seq.block_ids]  # [2, KVH, nb, bs, D]
+    kv = kv.reshape(2, 1, kvh, -1, d)[..., :seq_len, :]  # [2, 1, KVH, S, D]
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seq.mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over the paged KV cache (no weights)."""
+
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: GatherWorkspace | None = None
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads}).")
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.workspace = workspace or GatherWorkspace()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, H * D], key and value [T, KVH * D] (rotated) -> [T, H * D]."""
+        context = get_forward_context()
+        meta = context.attn_metadata
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_dim)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
+        if cache is not None:
+            write_kv(cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            assert cache is not None, "decodes need the KV cache"
+            out[group.token_idx] = decode_attention(q[group.token_idx], cache, group, self.scale, self.workspace)
+        for seq in meta.prefills:
+            s = slice(seq.start, seq.end)
+            out[s] = prefill_attention(q[s], k[s], v[s], cache, seq, self.scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

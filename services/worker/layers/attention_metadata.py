@@ -1,0 +1,144 @@
+"""Per-step attention metadata, built once and shared by every layer.
+
+The step is one flattened batch of ``T`` tokens from ``R`` requests; request
+``i`` owns tokens ``[query_start[i], query_start[i] + query_lens[i])`` and has
+``context_lens[i]`` tokens already in the KV cache before this step.
+
+Requests split two ways:
+
+- decodes (one new token, some context): attended together, a few SDPA calls
+  per layer. Their K/V are gathered block by block into a padded tensor;
+  grouping them by length keeps the padding small when lengths vary.
+- prefills (several new tokens, or no context yet): one SDPA call each,
+  causal within the new tokens, over cached context when there is some
+  (a later chunk of a chunked prefill, or a prefix-cache hit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# A decode group ends when the next (shorter) sequence would waste more than
+# a quarter of its padded row, once the group has _MIN_DECODE_GROUP members:
+# each group costs one more gather and SDPA call per layer, worth it only
+# when it saves a fair amount of padding. (Decode attention on CPU is bound
+# by memory traffic, so padded keys cost as much as real ones.)
+_MIN_DECODE_GROUP = 8
+_MIN_FILL = 0.75
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    token_idx: torch.Tensor  # [n] long: positions in the flat batch
+    block_ids: torch.Tensor  # [n * nb] long: each row's block table, padded with block 0
+    mask: torch.Tensor  # [1, n, 1, nb * block_size] bool: True where a key exists
+    num_blocks: int  # nb
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    start: int  # first token in the flat batch
+    end: int
+    context_len: int
+    block_ids: torch.Tensor | None  # [nb] long covering context + new tokens; None without context
+    mask: torch.Tensor | None  # [n, context_len + n] bool; None: plain causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] long: where each token's K/V is written
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSeq]
+
+
+def build_attention_metadata(
+    *,
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_table: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    max_decode_group_tokens: int | None = None,
+) -> AttentionMetadata:
+    """``block_table`` is ``[R, max_blocks]``, rows padded with block 0 (the null block).
+
+    ``max_decode_group_tokens`` caps one decode group's padded keys (rows x
+    padded length), and so the size of the gather buffer; a sequence longer
+    than the cap still gets a group of its own.
+    """
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    query_start = np.concatenate(([0], np.cumsum(query_lens)))
+    seq_lens = context_lens + query_lens
+    is_decode = (query_lens == 1) & (context_lens > 0)
+    decode_idx = np.flatnonzero(is_decode)
+    groups = [
+        _decode_group(rows, query_start, seq_lens, block_table, block_size, device)
+        for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
+    ]
+    prefills = [
+        _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
+        for i in np.flatnonzero(~is_decode)
+    ]
+    return AttentionMetadata(
+        num_tokens=int(query_start[-1]),
+        block_size=block_size,
+        slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
+        decode_groups=groups,
+        prefills=prefills,
+    )
+
+
+def _split_by_length(
+    decode_idx: np.ndarray, seq_lens: np.ndarray, block_size: int, max_tokens: int | None
+) -> list[np.ndarray]:
+    """Decode rows, longest first, cut into groups padded to their first (longest) member."""
+    if decode_idx.size == 0:
+        return []
+    blocks = -(-seq_lens[decode_idx] // block_size)
+    order = np.argsort(-blocks, kind="stable")
+    groups, first = [], 0
+    for j in range(1, order.size):
+        size, longest = j - first, blocks[order[first]]
+        too_sparse = size >= _MIN_DECODE_GROUP and blocks[order[j]] < _MIN_FILL * longest
+        too_big = max_tokens is not None and (size + 1) * longest * block_size > max_tokens
+        if too_sparse or too_big:
+            groups.append(decode_idx[order[first:j]])
+            first = j
+    groups.append(decode_idx[order[first:]])
+    return groups
+
+
+def _decode_group(rows, query_start, seq_lens, block_table, block_size, device) -> DecodeGroup:
+    lens = seq_lens[rows]
+    nb = int(-(-lens.max() // block_size))
+    mask = np.arange(nb * block_size)[None, :] < lens[:, None]  # [n, nb * bs]
+    return DecodeGroup(
+        token_idx=torch.from_numpy(query_start[rows]).to(device),
+        block_ids=torch.from_numpy(block_table[rows, :nb].astype(np.int64).reshape(-1)).to(device),
+        mask=torch.from_numpy(mask[None, :, None, :]).to(device),
+        num_blocks=nb,
+    )
+
+
+def _prefill_seq(i, query_start, context_lens, seq_lens, block_table, block_size, device) -> PrefillSeq:
+    start, end, context = int(query_start[i]), int(query_start[i + 1]), int(context_lens[i])
+    if context == 0:
+        return PrefillSeq(start, end, 0, None, None)
+    seq_len = int(seq_lens[i])
+    nb = -(-seq_len // block_size)
+    # Query j sits at absolute position context + j and sees keys 0..context + j.
+    key_pos = np.arange(seq_len)[None, :]
+    query_pos = context + np.arange(end - start)[:, None]
+    return PrefillSeq(
+        start,
+        end,
+        context,
+        block_ids=torch.from_numpy(block_table[i, :nb].astype(np.int64)).to(device),
+        mask=torch.from_numpy(key_pos <= query_pos).to(device),
+    )

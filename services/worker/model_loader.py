@@ -1,0 +1,61 @@
+"""Build the model a ``ModelConfig`` names and fill its weights.
+
+The architecture always comes from the Hugging Face ``config.json`` (for a
+GGUF file, the one extracted beside it by ``services.model_files``); the
+weights from the GGUF file or from the folder's ``*.safetensors``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from protocol import ModelConfig
+from services.model_files import ModelFiles, resolve
+from services.worker.gguf_weights import GGUFCheckpoint
+from services.worker.models.llama import LlamaArgs
+from services.worker.models.registry import model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_files(config: ModelConfig) -> ModelFiles:
+    """The weights ``config.model`` names, with the config from ``config.tokenizer`` when it has one."""
+    files = resolve(config.model)
+    tokenizer_dir = Path(config.tokenizer)
+    if (tokenizer_dir / "config.json").exists():
+        files = ModelFiles(weights=files.weights, hf_dir=tokenizer_dir, name=files.name)
+    return files
+
+
+def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    files = model_files(config)
+    hf_config = files.hf_config()
+    cls = model_class(hf_config)
+    args = LlamaArgs.from_hf_config(hf_config)
+    if files.is_gguf:
+        checkpoint = GGUFCheckpoint(files.weights)
+        # A GGUF file without an output head ties it to the embedding, whatever the config says.
+        args = dataclasses.replace(args, tie_word_embeddings=not checkpoint.has_output_head)
+        weights = checkpoint.iter_weights(args.num_heads, args.num_kv_heads)
+    else:
+        weights = iter_safetensors(files.weights)
+    with torch.device(device):
+        model = cls(args, config.max_model_len, DTYPES[config.dtype])
+    model.load_weights(weights)
+    return model.eval()
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files (other weight formats are not supported).")
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

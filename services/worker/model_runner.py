@@ -1,0 +1,145 @@
+"""Run one engine step on this worker: inputs -> forward -> logits -> sample.
+
+The runner owns the model, the paged KV cache, the persistent input batch
+and the sampler. ``execute_model`` takes a ``SchedulerOutput`` and returns a
+``ModelRunnerOutput`` in the scheduled order (the order of
+``num_scheduled_tokens``), with an empty token list for requests still
+mid-prefill.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from services.worker.forward_context import set_forward_context
+from services.worker.input_batch import InputBatch
+from services.worker.layers.attention import kv_cache_shape
+from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.model_loader import DTYPES, load_model
+from services.worker.prompt_logprobs import chunk_prompt_logprobs
+from services.worker.sampler import Sampler
+from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
+from services.worker.step_inputs import StepInputs, prepare_step
+
+# Bytes of K/V one decode group may gather per layer (the shared gather buffer).
+_DECODE_GATHER_BYTES = 64 << 20
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.model = None
+        self.max_decode_group_tokens: int | None = None  # set with the model
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size)
+        self.sampler = Sampler(config.model.seed, self.device)
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model, self.device)
+        a = self.model.args
+        self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize)
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block over all layers: 2 (K and V) x block_size x kv_heads x head_dim x dtype x layers."""
+        a = self.model.args
+        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return per_layer * a.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        a = self.model.args
+        shape = kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        # Zeros, not empty: padded decode gathers read unwritten slots, and
+        # garbage NaNs there would leak through the masked softmax (0 * NaN).
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler may send: max_num_batched_tokens of prefill, then sampling."""
+        hidden = self._profile_forward()
+        # Decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
+        a = self.model.args
+        gather_shape = (2 * a.num_kv_heads, self.max_decode_group_tokens, a.head_dim)
+        self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
+        rows = min(self.config.scheduler.max_num_seqs, hidden.shape[0])
+        dummy = RequestSamplingInput(SamplingParams(top_p=0.9, logprobs=5), [0], [])
+        sampling = build_sampling_metadata([dummy] * rows, vocab_size=a.vocab_size, eos_token_id=None, device=self.device)
+        self.sampler(self.model.compute_logits(hidden[:rows]), sampling)
+
+    def _profile_forward(self) -> torch.Tensor:
+        """Prefill max_num_batched_tokens tokens as max_model_len-long sequences, without a KV cache."""
+        total, max_len = self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len
+        lens = np.array([max_len] * (total // max_len) + ([total % max_len] if total % max_len else []))
+        meta = build_attention_metadata(
+            query_lens=lens,
+            context_lens=np.zeros_like(lens),
+            block_table=np.zeros((len(lens), 1), dtype=np.int32),
+            slot_mapping=np.zeros(total, dtype=np.int64),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
+        with set_forward_context(meta, None):
+            return self.model(torch.zeros(total, dtype=torch.long, device=self.device), positions)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise NotImplementedError("Speculative decoding is not supported by this model runner yet.")
+        self.input_batch.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        step = prepare_step(
+            self.input_batch, req_ids, scheduler_output.num_scheduled_tokens, self.device, self.max_decode_group_tokens
+        )
+        with set_forward_context(step.attn_metadata, self.kv_caches):
+            hidden = self.model(step.input_ids, step.positions)  # [T, H]
+        sampled, logprobs = self._sample(hidden, step)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(hidden, step),
+        )
+
+    def _sample(self, hidden: torch.Tensor, step: StepInputs) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
+        rows = np.flatnonzero(step.samples)  # requests that sample, in scheduled order
+        if rows.size == 0:
+            return sampled, logprobs
+        states = [self.input_batch.requests[step.req_ids[i]] for i in rows]
+        index = torch.from_numpy(step.sample_token_index).to(self.device)
+        logits = self.model.compute_logits(hidden[index])  # [N, V]
+        meta = build_sampling_metadata(
+            [RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids) for s in states],
+            vocab_size=logits.shape[1],
+            eos_token_id=self.config.model.eos_token_id,
+            device=self.device,
+        )
+        out = self.sampler(logits, meta)
+        for i, state, token, entry in zip(rows, states, out.token_ids.tolist(), out.logprobs):
+            self.input_batch.append_token(state.req_id, token)
+            sampled[i] = [token]
+            logprobs[i] = [] if entry is None else [entry]
+        return sampled, logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, list[TokenLogprobs | None]]:
+        result = {}
+        for i, req_id in enumerate(step.req_ids):
+            state = self.input_batch.requests[req_id]
+            context = int(step.context_lens[i])
+            if state.sampling_params.prompt_logprobs is None or context >= state.num_prompt_tokens:
+                continue
+            chunk = hidden[step.query_start[i] : step.query_start[i + 1]]
+            result[req_id] = chunk_prompt_logprobs(state, chunk, context, self.model.compute_logits)
+        return result

@@ -1,0 +1,38 @@
+"""Logit adjustments applied before sampling (greedy included)."""
+from __future__ import annotations
+
+import torch
+
+from services.worker.sampling_metadata import Penalties
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """token_ids [N, L] padded with vocab_size -> counts [N, vocab_size]."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """logits [N, V] -> penalized [N, V] (new tensor).
+
+    Repetition (divides positive logits, multiplies negative ones) looks at
+    prompt and output tokens; presence and frequency at output tokens only,
+    as in vLLM and the OpenAI API.
+    """
+    vocab = logits.shape[1]
+    output_counts = token_counts(penalties.output_ids, vocab)  # [N, V]
+    seen = (output_counts + token_counts(penalties.prompt_ids, vocab)) > 0
+    rep = penalties.repetition[:, None]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, repeated, logits)
+    logits = logits - penalties.frequency[:, None] * output_counts
+    return logits - penalties.presence[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
+    """Set the logits of tokens a row may not produce yet (min_tokens) to -inf, in place."""
+    vocab = logits.shape[1]
+    for row, tokens in banned:
+        ids = [t for t in tokens if t < vocab]
+        logits[row, ids] = float("-inf")

@@ -1,0 +1,73 @@
+"""Flatten one step's scheduled requests into the model's inputs.
+
+Request ``i`` contributes ``query_lens[i]`` tokens starting at its
+``num_computed_tokens``; they sit back to back in one super-sequence of
+``T`` tokens. Everything is computed with numpy gathers over the persistent
+batch's rows, then moved to the device once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.input_batch import InputBatch
+from services.worker.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn_metadata: AttentionMetadata
+    query_start: np.ndarray  # [R + 1]
+    context_lens: np.ndarray  # [R]: tokens computed before this step
+    # [R] bool: the step reaches the request's last known token, so it samples.
+    samples: np.ndarray
+
+    @property
+    def sample_token_index(self) -> np.ndarray:
+        """Flat index of the last token of each sampling request."""
+        return self.query_start[1:][self.samples] - 1
+
+
+def prepare_step(
+    batch: InputBatch,
+    req_ids: list[str],
+    num_scheduled: dict[str, int],
+    device: torch.device | str,
+    max_decode_group_tokens: int | None = None,
+) -> StepInputs:
+    rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
+    query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
+    context = batch.num_computed_tokens[rows]
+    seq_lens = context + query_lens
+    known = batch.num_tokens[rows]
+    if np.any(seq_lens > known):
+        bad = req_ids[int(np.argmax(seq_lens > known))]
+        raise ValueError(f"Request {bad} is scheduled past its known tokens (speculative tokens are not supported).")
+    query_start = np.concatenate(([0], np.cumsum(query_lens)))
+    token_rows = np.repeat(rows, query_lens)  # [T]
+    positions = np.repeat(context - query_start[:-1], query_lens) + np.arange(query_start[-1])
+    bs = batch.block_size
+    slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+    attn = build_attention_metadata(
+        query_lens=query_lens,
+        context_lens=context,
+        block_table=batch.block_table[rows],
+        slot_mapping=slot_mapping,
+        block_size=bs,
+        device=device,
+        max_decode_group_tokens=max_decode_group_tokens,
+    )
+    return StepInputs(
+        req_ids=req_ids,
+        input_ids=torch.from_numpy(batch.token_ids[token_rows, positions].astype(np.int64)).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        attn_metadata=attn,
+        query_start=query_start,
+        context_lens=context,
+        samples=seq_lens == known,
+    )

@@ -1,0 +1,38 @@
+"""GGUF tensor naming and the Q/K row order llama.cpp's converter changes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.worker.gguf_weights import _unpermute_rows, hf_name
+
+
+def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q and K rows: per head, (2 halves, D/2) -> (D/2, 2)."""
+    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 9])
+def test_unpermute_undoes_the_converter(num_heads):
+    weights = np.random.default_rng(0).standard_normal((num_heads * 64, 40)).astype(np.float32)
+    assert np.array_equal(_unpermute_rows(llama_cpp_permute(weights, num_heads), num_heads), weights)
+    bias = np.arange(num_heads * 8, dtype=np.float32)
+    assert np.array_equal(_unpermute_rows(llama_cpp_permute(bias, num_heads), num_heads), bias)
+
+
+def test_names_map_to_hugging_face():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.12.attn_v.bias") == "model.layers.12.self_attn.v_proj.bias"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+def test_unknown_tensors_are_refused():
+    with pytest.raises(ValueError, match="Unknown GGUF tensor"):
+        hf_name("blk.0.ffn_gate_exps.weight")
+    with pytest.raises(ValueError, match="Unknown GGUF tensor"):
+        hf_name("mm.projector.weight")

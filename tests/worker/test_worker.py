@@ -1,0 +1,58 @@
+"""Worker KV sizing and the in-process executor, on a tiny random model."""
+from __future__ import annotations
+
+import pytest
+
+from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from services.worker.executor import UniProcExecutor
+from services.worker.worker import Worker, kv_blocks_from_memory
+
+MiB = 1 << 20
+
+
+def tiny_config(make_engine_config, folder, **kwargs):
+    return make_engine_config(str(folder), str(folder), max_model_len=256, max_num_batched_tokens=256, **kwargs)
+
+
+def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_config, tiny_llama_dir):
+    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=64 * MiB))
+    worker.init_device()
+    num_blocks = worker.determine_num_blocks()
+    runner = worker.model_runner
+    assert runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2  # K/V x block x kv heads x head dim x fp32 x layers
+    upper = (64 * MiB - runner.weights_bytes) // runner.kv_block_bytes
+    assert upper - 2048 < num_blocks <= upper  # the profiled step's activations take at most 16 MiB
+
+
+def test_blocks_formula():
+    assert kv_blocks_from_memory(budget=1000, weights=100, activation_peak=100, block_bytes=100) == 8
+    assert kv_blocks_from_memory(budget=100, weights=100, activation_peak=100, block_bytes=100) == 0
+
+
+def test_too_small_a_budget_says_what_to_change(make_engine_config, tiny_llama_dir):
+    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=MiB // 4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        worker.determine_num_blocks()
+
+
+def test_override_wins_but_needs_two_blocks(make_engine_config, tiny_llama_dir):
+    assert Worker(tiny_config(make_engine_config, tiny_llama_dir, num_blocks=5)).determine_num_blocks() == 5
+    with pytest.raises(ValueError, match="at least 2"):
+        Worker(tiny_config(make_engine_config, tiny_llama_dir, num_blocks=1)).determine_num_blocks()
+
+
+def test_uniproc_executor_runs_steps(make_engine_config, tiny_llama_dir):
+    executor = UniProcExecutor(tiny_config(make_engine_config, tiny_llama_dir, num_blocks=8))
+    num_blocks = executor.determine_num_blocks()
+    executor.initialize_cache(num_blocks)
+    params = SamplingParams(temperature=0.0)
+    out = executor.execute_model(SchedulerOutput(
+        [NewRequestData("r", [3, 1, 4, 1, 5], params, [1], 0)], CachedRequestData(), {"r": 5}, 5))
+    assert out.req_ids == ["r"] and len(out.sampled_token_ids[0]) == 1
+    out = executor.execute_model(SchedulerOutput([], CachedRequestData(["r"], [[]], [5]), {"r": 1}, 1))
+    assert len(out.sampled_token_ids[0]) == 1
+    assert executor.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ["r"])).req_ids == []
+    executor.shutdown()
+    executor.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0))
