@@ -15,13 +15,15 @@ def tiny_config(make_engine_config, folder, **kwargs):
 
 
 def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_config, tiny_llama_dir):
-    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=64 * MiB))
+    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=256 * MiB))
     worker.init_device()
     num_blocks = worker.determine_num_blocks()
     runner = worker.model_runner
     assert runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2  # K/V x block x kv heads x head dim x fp32 x layers
-    upper = (64 * MiB - runner.weights_bytes) // runner.kv_block_bytes
-    assert upper - 2048 < num_blocks <= upper  # the profiled step's activations take at most 16 MiB
+    upper = (256 * MiB - runner.weights_bytes) // runner.kv_block_bytes
+    # The profiled peak is a resident-set rise, so other tests in this process
+    # move it; allow up to 128 MiB (the gather workspace alone may take 64).
+    assert upper - (128 * MiB) // runner.kv_block_bytes < num_blocks < upper
 
 
 def test_blocks_formula():

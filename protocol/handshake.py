@@ -1,0 +1,48 @@
+"""Start-up and stop messages between the API's engine client and an engine core.
+
+1. The engine connects a DEALER (identity: its rank) to the API's handshake
+   ROUTER and sends ``EngineHello``.
+2. The API answers ``EngineHandshakeReply``: the whole config, with this
+   rank's ``parallel.data_parallel_rank`` set, and the data addresses.
+3. The engine builds its EngineCore (slow), connects its input DEALER and
+   sends ``EngineReady`` on it first, so the API's input ROUTER learns the
+   peer before routing any request to it.
+4. An engine that stops sends ``EngineGoodbye`` on the same input DEALER; the
+   API answers with a SHUTDOWN frame, which is the engine's cue that the
+   goodbye arrived (``ipc://`` can lose a process's last messages otherwise).
+
+All are ``array_like``: field ORDER is the wire contract. Append new fields
+at the end, with defaults.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.config import EngineConfig
+
+
+class EngineHello(msgspec.Struct, array_like=True, frozen=True):
+    rank: int
+    local: bool  # started by the API's own launcher on its node
+    headless: bool  # started by `engine-core --headless` (usually another node)
+
+
+class EngineHandshakeReply(msgspec.Struct, array_like=True, frozen=True):
+    config: EngineConfig
+    input_address: str  # the API's input ROUTER: requests in, status out
+    output_address: str  # the API's output PULL: EngineCoreOutputs
+
+
+class EngineReady(msgspec.Struct, array_like=True, frozen=True, tag="ready"):
+    rank: int
+    num_blocks: int  # KV blocks, the null block included
+    max_model_len: int
+
+
+class EngineGoodbye(msgspec.Struct, array_like=True, frozen=True, tag="goodbye"):
+    rank: int
+    reason: str = ""
+
+
+# What an engine sends the API on its input DEALER.
+EngineStatus = EngineReady | EngineGoodbye

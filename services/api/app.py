@@ -1,0 +1,167 @@
+"""The OpenAI-compatible HTTP app.
+
+``build_app`` wires the routes to an ``EngineClient`` (the real balancer in
+``weft serve``, a fake in tests). Every client error leaves as an
+OpenAI-shaped JSON error; a client that disconnects gets its engine
+requests aborted.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import time
+from typing import Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol import EngineConfig
+from services.api.auth import APIKeyMiddleware
+from services.api.engine_client import EngineClient
+from services.api.errors import (
+    APIError,
+    api_error_handler,
+    bad_request,
+    from_validation_error,
+    http_error_handler,
+    internal_error_handler,
+)
+from services.api.metrics import CONTENT_TYPE, APIMetrics
+from services.api.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_body,
+)
+from services.api.serving import ServingContext
+from services.api.serving_chat import ChatServing, chat_prompt_ids
+from services.api.serving_completions import CompletionServing
+from services.api.streaming import ClientDisconnected
+from services.api.tokenizer import Tokenizer
+
+# What a server answers to a request whose client is gone (nginx's code); nobody reads it.
+_CLIENT_CLOSED = 499
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("weft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def _read(request: Request, type: type) -> object:
+    try:
+        return decode_body(await request.body(), type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation_error(e) from e
+
+
+def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
+    """A client gone before the response is ready gets nothing, not a 500."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (ClientDisconnected, ClientDisconnect):
+            return Response(status_code=_CLIENT_CLOSED)
+    return endpoint
+
+
+class _Routes:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.completions = CompletionServing(ctx)
+        self.chat = ChatServing(ctx)
+        self.created = int(time.time())
+
+    async def create_completion(self, request: Request) -> Response:
+        body = await _read(request, CompletionRequest)
+        return await self.completions.create(request, body)
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        body = await _read(request, ChatCompletionRequest)
+        return await self.chat.create(request, body)
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.ctx.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "weft", "root": self.ctx.config.model.model, "parent": None,
+                "max_model_len": self.ctx.max_model_len, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        client = self.ctx.engine_client
+        if client.ready:
+            return JSONResponse({"status": "ok"})
+        by_state: dict[str, list[int]] = {"ready": [], "waiting": [], "dead": []}
+        for rank, stats in sorted(client.rank_stats().items()):
+            by_state.setdefault(stats.state, []).append(rank)
+        return JSONResponse({"status": "unavailable", **by_state}, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _version()})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await _read(request, TokenizeRequest)
+        self.ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
+        if body.messages is not None:
+            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt)
+        else:
+            tokens = self.ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
+                             "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await _read(request, DetokenizeRequest)
+        self.ctx.check_model(body.model)
+        if body.tokens and max(body.tokens) >= self.ctx.vocab_size:
+            raise bad_request(f"Token id {max(body.tokens)} is out of the vocabulary "
+                              f"(size {self.ctx.vocab_size}).", "tokens")
+        return JSONResponse({"prompt": self.ctx.tokenizer.decode(body.tokens)})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    def table(self) -> list[Route]:
+        return [
+            Route("/v1/completions", _client_may_leave(self.create_completion), methods=["POST"]),
+            Route("/v1/chat/completions", _client_may_leave(self.create_chat_completion),
+                  methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenize", _client_may_leave(self.tokenize), methods=["POST"]),
+            Route("/detokenize", _client_may_leave(self.detokenize), methods=["POST"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+
+def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
+              api_key: str | None = None, served_model_name: str | None = None) -> Starlette:
+    """The app; its lifespan starts and shuts down ``engine_client``."""
+    name = served_model_name or config.model.served_model_name
+    metrics = APIMetrics(engine_client.rank_stats, name)
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await engine_client.start()
+        try:
+            yield
+        finally:
+            await engine_client.shutdown()
+
+    return Starlette(
+        routes=routes.table(),
+        middleware=[Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else [],
+        exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
+                            Exception: internal_error_handler},
+        lifespan=lifespan,
+    )

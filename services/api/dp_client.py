@@ -1,0 +1,368 @@
+"""DPLBEngineClient: the API's client of N data-parallel engine cores.
+
+Sockets (all bound here; engines connect):
+
+- handshake ROUTER: answers each engine's hello with its config and the
+  data addresses;
+- input ROUTER: requests out, addressed by rank identity; engines' ready and
+  goodbye messages in;
+- output PULL: ``EngineCoreOutputs`` from every rank (outputs, load stats,
+  heartbeats).
+
+Requests go to the ready rank with the lowest ``4 * waiting + running``, as
+vLLM's DPLBAsyncMPClient does. A rank is dead when its local process exits,
+it says goodbye, or it is silent for ``silence_timeout_s``; its in-flight
+requests then fail with ``EngineDeadError`` and it gets no new ones.
+Torch-free: nothing here may import torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+from typing import AsyncIterator, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol import (
+    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason,
+)
+from protocol.codec import Decoder, Encoder
+from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus
+from protocol.zmq_sockets import (
+    arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, make_socket, rank_identity,
+    tcp_address, tcp_host,
+)
+from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError, RankStats
+
+logger = logging.getLogger(__name__)
+
+_MONITOR_S = 0.2
+_WAITING_LOG_S = 5.0
+_SHUTDOWN_WAIT_S = 5.0
+_STOP_GRACE_S = 10.0
+
+
+def launch_local_engines(num: int, start_rank: int, handshake_address: str,
+                         num_threads: int | None = None) -> list[subprocess.Popen]:
+    """Start ranks ``start_rank..start_rank+num-1`` on this node (stdout/stderr inherited).
+
+    Plain subprocesses: the config reaches them over the handshake, never pickled.
+    """
+    processes = []
+    for rank in range(start_rank, start_rank + num):
+        cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
+               "--handshake-address", handshake_address, "--local"]
+        if num_threads is not None:
+            cmd += ["--num-threads", str(num_threads)]
+        processes.append(subprocess.Popen(cmd))
+    return processes
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float = _STOP_GRACE_S,
+                   exit_wait_s: float = 0.0) -> None:
+    """Give the processes ``exit_wait_s`` to exit on their own, SIGTERM those
+    still running, and SIGKILL those that outlive ``grace_s`` more."""
+    deadline = time.monotonic() + exit_wait_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in processes:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("Engine process %d ignored SIGTERM; killing it.", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+class DPLBEngineClient(EngineClient):
+    def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
+                 local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
+                 silence_timeout_s: float = 3.0) -> None:
+        """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it)."""
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
+        if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
+            raise ValueError(f"Local ranks {local_start_rank}..{local_start_rank + len(local_processes) - 1} "
+                             f"do not fit in {num_ranks} ranks.")
+        self.config = config
+        self.handshake_address = handshake_address
+        self.num_ranks = num_ranks
+        self.silence_timeout_s = silence_timeout_s
+        self._processes = dict(enumerate(local_processes, start=local_start_rank))
+        self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
+        self._last_seen: dict[int, float] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._holder: dict[str, int] = {}
+        self._encoder = Encoder()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # ---- lifecycle
+
+    async def start(self) -> None:
+        if self._ctx is not None:
+            raise RuntimeError("DPLBEngineClient.start() was already called.")
+        self._ctx = zmq.asyncio.Context()
+        self._handshake_sock = make_socket(self._ctx, zmq.ROUTER, self.handshake_address, bind=True)
+        self.handshake_address = bound_address(self._handshake_sock)
+        self._input_sock = make_socket(self._ctx, zmq.ROUTER, self._data_address("input"), bind=True, linger=1000)
+        self._output_sock = make_socket(self._ctx, zmq.PULL, self._data_address("output"), bind=True)
+        self.input_address = bound_address(self._input_sock)
+        self.output_address = bound_address(self._output_sock)
+        for coro in (self._handshake_loop(), self._status_loop(), self._output_loop(), self._monitor_loop()):
+            task = asyncio.create_task(coro, name=coro.__name__)
+            task.add_done_callback(_log_task_failure)
+            self._tasks.append(task)
+
+    def _data_address(self, name: str) -> str:
+        # Remote ranks reach the data sockets on the host they reached the handshake on.
+        if is_tcp(self.handshake_address):
+            return tcp_address(tcp_host(self.handshake_address), 0, bind=True)
+        return ipc_address(name)
+
+    async def shutdown(self) -> None:
+        if self._ctx is None or self._closing:
+            return
+        self._closing = True
+        # Only ready ranks are connected to the input socket; local ones still
+        # starting get SIGTERM below, remote ones time out their handshake.
+        live = [rank for rank, s in self._stats.items() if s.state == "ready"]
+        for rank in live:
+            await self._send(rank, EngineCoreRequestType.SHUTDOWN)
+        # Each live rank answers with its goodbye (handled by _status_loop).
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        while time.monotonic() < deadline and any(self._stats[r].state != "dead" for r in live):
+            await asyncio.sleep(_MONITOR_S)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rank in list(self._stats):
+            self._mark_dead(rank, "the API shut down")
+        # Engines that said goodbye are exiting: let them, before any SIGTERM.
+        await asyncio.to_thread(stop_processes, list(self._processes.values()), exit_wait_s=_SHUTDOWN_WAIT_S)
+        self._ctx.destroy(linger=0)
+
+    # ---- EngineClient
+
+    @property
+    def ready(self) -> bool:
+        return all(s.state == "ready" for s in self._stats.values())
+
+    def rank_stats(self) -> dict[int, RankStats]:
+        return self._stats
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        request_id = request.request_id
+        if request_id in self._holder:
+            raise ValueError(f"Request id {request_id!r} is already in flight.")
+        rank = self._choose_rank(request)
+        stats = self._stats[rank]
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._holder[request_id] = rank
+        stats.in_flight.add(request_id)
+        stats.num_waiting += 1  # counted until the rank's next stats replace it
+        finished = False
+        try:
+            await self._send(rank, EngineCoreRequestType.ADD, request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._forget(request_id)
+            if not finished and self._stats[rank].state != "dead":
+                await self._send(rank, EngineCoreRequestType.ABORT, [request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self._holder.get(request_id)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            for request_id in ids:
+                self._finish_locally(request_id, EngineCoreOutput(
+                    request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
+            if self._stats[rank].state != "dead":
+                await self._send(rank, EngineCoreRequestType.ABORT, ids)
+
+    def _choose_rank(self, request: EngineCoreRequest) -> int:
+        if request.data_parallel_rank is not None:
+            rank = request.data_parallel_rank
+            if rank not in self._stats:
+                raise ValueError(f"data_parallel_rank must be in [0, {self.num_ranks}), got {rank}.")
+            if self._stats[rank].state != "ready":
+                raise EngineNotReadyError(f"Data-parallel rank {rank} is {self._stats[rank].state}.")
+            return rank
+        ready = [s for s in self._stats.values() if s.state == "ready"]
+        if not ready:
+            raise EngineNotReadyError("No engine core is ready.")
+        # min() keeps the first of equal scores: ties go to the lowest rank.
+        return min(ready, key=lambda s: (4 * s.num_waiting + s.num_running, s.rank)).rank
+
+    async def _send(self, rank: int, kind: EngineCoreRequestType, payload: object = None) -> None:
+        identity = rank_identity(rank)
+        if payload is None:
+            await self._input_sock.send_multipart([identity, kind.value])
+        else:
+            await asend(self._input_sock, self._encoder, payload, identity, kind.value)
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        rank = self._holder.pop(request_id, None)
+        if rank is not None:
+            self._stats[rank].in_flight.discard(request_id)
+
+    def _finish_locally(self, request_id: str, item: EngineCoreOutput | BaseException) -> None:
+        """Hand a request its last item and stop tracking it."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+        self._forget(request_id)
+
+    # ---- background tasks
+
+    async def _handshake_loop(self) -> None:
+        decoder = Decoder(EngineHello)
+        while True:
+            try:
+                (identity,), hello = await arecv(self._handshake_sock, decoder, num_header=1)
+            except ValueError as e:
+                logger.warning("Dropped a malformed handshake message: %s", e)
+                continue
+            rank = identity_rank(identity)
+            if rank not in self._stats or hello.rank != rank:
+                logger.warning("Ignored a hello from unknown rank %d (identity %r).", hello.rank, identity)
+                continue
+            if self._stats[rank].state != "waiting":
+                logger.warning("Ignored a second hello from rank %d, which is %s.", rank, self._stats[rank].state)
+                continue
+            if hello.local != (rank in self._processes):
+                logger.warning("Rank %d says local=%s, but this API %s start it.",
+                               rank, hello.local, "did" if rank in self._processes else "did not")
+            logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
+            await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
+
+    def _reply_for(self, rank: int) -> EngineHandshakeReply:
+        parallel = msgspec.structs.replace(self.config.parallel, data_parallel_rank=rank,
+                                           data_parallel_size=self.num_ranks)
+        config = msgspec.structs.replace(self.config, parallel=parallel)
+        return EngineHandshakeReply(config=config, input_address=self.input_address,
+                                    output_address=self.output_address)
+
+    async def _status_loop(self) -> None:
+        decoder: Decoder[EngineStatus] = Decoder(EngineStatus)
+        while True:
+            try:
+                (identity,), status = await arecv(self._input_sock, decoder, num_header=1)
+            except ValueError as e:
+                logger.warning("Dropped a malformed engine status message: %s", e)
+                continue
+            rank = identity_rank(identity)
+            if rank not in self._stats or status.rank != rank:
+                logger.warning("Ignored a status message from unknown rank %d.", status.rank)
+                continue
+            if isinstance(status, EngineReady):
+                self._on_ready(status)
+            elif isinstance(status, EngineGoodbye):
+                self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})")
+                await self._send(rank, EngineCoreRequestType.SHUTDOWN)  # acknowledges the goodbye
+
+    def _on_ready(self, ready: EngineReady) -> None:
+        stats = self._stats[ready.rank]
+        if stats.state == "dead":
+            return  # a dead rank never comes back under the same client
+        stats.state = "ready"
+        stats.num_blocks = ready.num_blocks
+        self._last_seen[ready.rank] = time.monotonic()
+        logger.info("Rank %d is ready (%d KV blocks, max_model_len %d).",
+                    ready.rank, ready.num_blocks, ready.max_model_len)
+
+    async def _output_loop(self) -> None:
+        decoder = Decoder(EngineCoreOutputs)
+        while True:
+            try:
+                _, batch = await arecv(self._output_sock, decoder)
+            except ValueError as e:
+                logger.warning("Dropped malformed engine outputs: %s", e)
+                continue
+            stats = self._stats.get(batch.engine_index)
+            if stats is None or stats.state == "dead":
+                continue
+            self._last_seen[batch.engine_index] = time.monotonic()
+            if batch.scheduler_stats is not None:
+                _update_stats(stats, batch.scheduler_stats)
+            for output in batch.outputs:
+                self._route(output)
+
+    def _route(self, output: EngineCoreOutput) -> None:
+        queue = self._queues.get(output.request_id)
+        if queue is None:
+            return  # aborted here meanwhile
+        if output.finished:
+            self._finish_locally(output.request_id, output)
+        else:
+            queue.put_nowait(output)
+
+    async def _monitor_loop(self) -> None:
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(_MONITOR_S)
+            now = time.monotonic()
+            for rank, stats in self._stats.items():
+                if stats.state == "dead":
+                    continue
+                proc = self._processes.get(rank)
+                if proc is not None and proc.poll() is not None:
+                    self._mark_dead(rank, f"its process exited with code {proc.returncode}")
+                elif stats.state == "ready" and now - self._last_seen[rank] > self.silence_timeout_s:
+                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s")
+            waiting = [r for r, s in self._stats.items() if s.state == "waiting"]
+            if waiting and now - last_log > _WAITING_LOG_S:
+                logger.info("Still waiting for engine core rank(s) %s to be ready.", waiting)
+                last_log = now
+
+    def _mark_dead(self, rank: int, reason: str) -> None:
+        stats = self._stats[rank]
+        if stats.state == "dead":
+            return
+        stats.state = "dead"
+        if not self._closing:
+            logger.error("Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
+                         rank, reason, len(stats.in_flight))
+        for request_id in list(stats.in_flight):
+            self._finish_locally(request_id, EngineDeadError(
+                f"Engine core rank {rank} died while serving request {request_id}: {reason}."))
+        stats.num_running = stats.num_waiting = 0
+
+
+def _update_stats(stats: RankStats, new) -> None:
+    stats.num_running = new.num_running_reqs
+    stats.num_waiting = new.num_waiting_reqs
+    stats.kv_cache_usage = new.kv_cache_usage
+    stats.num_free_blocks = new.num_free_blocks
+    stats.prefix_cache_queries += new.prefix_cache_queries
+    stats.prefix_cache_hits += new.prefix_cache_hits
+    stats.num_preemptions += new.num_preemptions
+
+
+def _log_task_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("Engine client task %s failed", task.get_name(), exc_info=task.exception())
+

@@ -1,0 +1,76 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Routes raise ``APIError`` (or one of its helpers) for anything a client did
+wrong or anything the engines cannot serve now; the app turns it into JSON
+with the HTTP status as ``code``, the way vLLM does.
+"""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def from_validation_error(e: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
+    """A body that is not JSON, or not the right shape (msgspec names the path)."""
+    if isinstance(e, msgspec.ValidationError):
+        message = str(e)
+        param = message.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in message else None
+        return bad_request(f"Invalid request body: {message}", param)
+    return bad_request(f"The body is not valid JSON: {e}")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc.message, exc.status, exc.param)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    message = exc.detail if exc.status_code != 404 else f"Not found: {request.url.path}"
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after this, so the server still logs the traceback.
+    return error_response("Internal server error.", 500)

@@ -1,0 +1,221 @@
+"""OpenAI request and response bodies, as msgspec Structs.
+
+Requests are decoded straight from the HTTP body with ``decode_body``, so a
+wrong type comes back as a 400 naming the field's path (``$.messages[0].role``).
+Unknown fields are ignored: OpenAI clients send extras we do not know.
+Every integer carries bounds, since JSON integers are unbounded and an
+out-of-range one must be a 400 here, never an overflow deeper down.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+T = TypeVar("T")
+
+# The range of a C long long: what a seed or a token id may hold downstream.
+_INT64 = Meta(ge=-(2**63), le=2**63 - 1)
+Int64 = Annotated[int, _INT64]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+# vLLM's default --max-logprobs: the most top logprobs one position may ask for.
+MAX_LOGPROBS = 20
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+
+Prompt = str | list[str | TokenId | list[TokenId]]
+
+
+def decode_body(body: bytes, type: type[T]) -> T:
+    """Decode a JSON body against ``type``; raises ``msgspec.ValidationError``
+    (wrong shape, with the field's path) or ``msgspec.DecodeError`` (not JSON)."""
+    return msgspec.json.decode(body, type=type)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Count = 1
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: Priority = 0
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: Prompt
+    max_tokens: Count | None = 16
+    logprobs: NumLogprobs | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+# ---- responses -------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatChoiceLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)

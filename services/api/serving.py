@@ -1,0 +1,322 @@
+"""What completions and chat share: checks, engine requests, and running them.
+
+A request with ``n`` choices (and, for completions, several prompts) becomes
+one engine request per choice. ``ChoiceRunner`` drives them all at once,
+one task per choice, and hands the route a single ordered stream of
+"choice X changed" updates; the route decides how to show them (SSE chunks
+or one JSON body). Leaving the runner early, for whatever reason, aborts
+every engine request still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+
+from protocol import EngineConfig, EngineCoreRequest, SamplingParams
+from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError
+from services.api.errors import APIError, bad_request, error_body, unavailable
+from services.api.metrics import APIMetrics, RequestMetrics
+from services.api.openai_schemas import PromptTokensDetails, UsageInfo
+from services.api.output_processor import RequestState
+from services.api.streaming import DONE, sse
+from services.api.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_INT64_MOD = 2**64
+_LOGPROB_FLOOR = -9999.0  # what -inf is shown as: JSON has no infinities
+
+
+@dataclass
+class ServingContext:
+    engine_client: EngineClient
+    tokenizer: Tokenizer
+    config: EngineConfig
+    served_model_name: str
+    metrics: APIMetrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        # ModelConfig's default of 1 means "not filled in": trust the tokenizer then.
+        configured = self.config.model.vocab_size
+        return configured if configured > 1 else self.tokenizer.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
+            else self.config.model.eos_token_id
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise bad_request(f"The model `{model}` does not exist; this server serves "
+                              f"`{self.served_model_name}`.", "model")
+
+    def check_can_serve(self) -> None:
+        """503 before any work when no rank could take the request."""
+        if not any(s.state == "ready" for s in self.engine_client.rank_stats().values()):
+            raise unavailable("No engine is ready to serve requests; try again later.")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_prompt_ids(ctx: ServingContext, token_ids: list[int], param: str) -> None:
+    if not token_ids:
+        raise bad_request("The prompt is empty; send at least one token.", param)
+    if max(token_ids) >= ctx.vocab_size:
+        raise bad_request(f"Token id {max(token_ids)} is out of the vocabulary "
+                          f"(size {ctx.vocab_size}).", param)
+    if len(token_ids) >= ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens, and the prompt "
+            f"has {len(token_ids)} tokens, which leaves no room to generate.", param)
+
+
+def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: int,
+                       param: str) -> int:
+    """``None`` fills the context; more than fits is the client's error."""
+    room = ctx.max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"{param} ({requested}) plus the prompt ({prompt_len} tokens) is more than this "
+            f"model's maximum context length ({ctx.max_model_len} tokens).", param)
+    return requested
+
+
+def check_finite(body: msgspec.Struct, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        value = getattr(body, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value!r}.", name)
+
+
+def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
+                         logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the fields completions and chat share; 400 on bad values."""
+    check_finite(body, ("temperature", "top_p", "min_p", "repetition_penalty",
+                        "presence_penalty", "frequency_penalty"))
+    if body.priority != 0 and ctx.config.scheduler.scheduling_policy != "priority":
+        raise bad_request("priority is only allowed when the server schedules by priority.",
+                          "priority")
+    if body.cache_salt is not None and not body.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+    try:
+        return SamplingParams(
+            n=body.n, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
+            top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=body.seed,
+            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
+    except ValueError as e:
+        # SamplingParams' messages start with the field's name.
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+@dataclass
+class Choice:
+    """One engine request, seen as one choice of the response."""
+
+    index: int
+    prompt_index: int
+    request: EngineCoreRequest
+    state: RequestState
+    metrics: RequestMetrics
+    logprobs_sent: int = 0  # entries of ``state.logprobs`` already shown
+    # Set when the route reaches this choice's last update. The engine side
+    # may be further on (``state`` already finished) while earlier updates
+    # are still being shown, so views must go by this flag, not by ``state``.
+    done: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def take_logprobs(self) -> list:
+        """Logprob entries not shown yet (one dict per token)."""
+        entries = self.state.logprobs or []
+        new = entries[self.logprobs_sent:]
+        self.logprobs_sent = len(entries)
+        return new
+
+
+def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], body, arrival: float) -> list[Choice]:
+    """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i."""
+    choices = []
+    for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+        n = prompt_params.n
+        for i in range(n):
+            index = p * n + i
+            seed = None if prompt_params.seed is None else _wrap_int64(prompt_params.seed + i)
+            child = msgspec.structs.replace(prompt_params, n=1, seed=seed)
+            engine_request = EngineCoreRequest(
+                request_id=f"{request_id}-{index}", prompt_token_ids=prompt,
+                sampling_params=child, arrival_time=time.time(),
+                eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt)
+            state = RequestState.create(engine_request.request_id, child, ctx.tokenizer)
+            choices.append(Choice(index, p, engine_request, state,
+                                  ctx.metrics.request(len(prompt), arrival)))
+    return choices
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % _INT64_MOD - 2**63
+
+
+def usage_of(choices: list[Choice]) -> UsageInfo:
+    prompts: dict[int, Choice] = {}
+    cached: dict[int, int] = {}
+    for c in choices:
+        prompts.setdefault(c.prompt_index, c)
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.state.num_cached_tokens)
+    prompt_tokens = sum(c.num_prompt_tokens for c in prompts.values())
+    completion_tokens = sum(len(c.state.token_ids) for c in choices)
+    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                           PromptTokensDetails(sum(cached.values())))
+
+
+def shown_logprob(value: float) -> float:
+    return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+def raise_if_failed(choice: Choice) -> None:
+    """A request the engine finished with an error failed on its own input."""
+    if choice.state.finish_reason == "error":
+        raise APIError(choice.state.error or "The request failed in the engine.", 400)
+
+
+@dataclass
+class ChoiceRunner:
+    """Runs every choice's engine request; ``updates()`` yields a choice each
+    time it changed, the last time with ``done`` set."""
+
+    engine_client: EngineClient
+    choices: list[Choice]
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _ended: set[str] = field(default_factory=set)  # request ids the engine is done with
+
+    async def updates(self) -> AsyncIterator[Choice]:
+        assert not self._tasks, "a runner runs once"
+        self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
+        try:
+            remaining = len(self.choices)
+            while remaining:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                choice, done = item
+                if done:
+                    choice.done = True
+                    remaining -= 1
+                yield choice
+        finally:
+            await self._stop()
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            await self._run(choice)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # surfaced to the route through the queue
+            self._queue.put_nowait(e)
+            return
+        if not choice.state.finished:  # the stream ended without saying why
+            choice.state.finish_reason = "abort"
+        self._ended.add(choice.request.request_id)
+        choice.metrics.on_finish(choice.state.finish_reason)
+        self._queue.put_nowait((choice, True))
+
+    async def _run(self, choice: Choice) -> None:
+        outputs = self.engine_client.generate(choice.request)
+        try:
+            async for output in outputs:
+                choice.metrics.on_output(output)
+                hit_stop = choice.state.process(output)
+                if hit_stop:
+                    await self.engine_client.abort([choice.request.request_id])
+                if hit_stop or output.finished:
+                    return
+                self._queue.put_nowait((choice, False))
+        finally:
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()  # early exit or error: the client aborts the request
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        unfinished = [c.request.request_id for c in self.choices if c.request.request_id not in self._ended]
+        if unfinished:
+            # Closing the iterators already aborted them; being explicit costs nothing.
+            await self.engine_client.abort(unfinished)
+
+
+def engine_error(e: EngineDeadError | EngineNotReadyError) -> APIError:
+    if isinstance(e, EngineNotReadyError):
+        return unavailable(f"No engine can take the request: {e}")
+    return APIError(f"The engine serving this request failed: {e}", 500)
+
+
+async def collect(runner: ChoiceRunner) -> list[Choice]:
+    """Run every choice to its end (non-streaming responses)."""
+    try:
+        async with contextlib.aclosing(runner.updates()) as updates:
+            async for choice in updates:
+                if choice.done:
+                    raise_if_failed(choice)
+    except (EngineDeadError, EngineNotReadyError) as e:
+        raise engine_error(e) from e
+    return runner.choices
+
+
+async def sse_events(runner: ChoiceRunner, chunk_for: Callable[[Choice], Any],
+                     head: tuple = (), usage_chunk: Callable[[], Any] | None = None,
+                     ) -> AsyncIterator[bytes]:
+    """The SSE body: ``head`` events, a chunk per update (when ``chunk_for``
+    gives one), the usage chunk, then ``[DONE]``. Errors after the headers
+    went out can only be told in the stream: an error event, then ``[DONE]``."""
+    try:
+        for event in head:
+            yield sse(event)
+        async with contextlib.aclosing(runner.updates()) as updates:
+            async for choice in updates:
+                raise_if_failed(choice)
+                chunk = chunk_for(choice)
+                if chunk is not None:
+                    yield sse(chunk)
+        if usage_chunk is not None:
+            yield sse(usage_chunk())
+    except (EngineDeadError, EngineNotReadyError) as e:
+        err = engine_error(e)
+        yield sse(error_body(err.message, err.status))
+    except APIError as e:
+        yield sse(error_body(e.message, e.status, e.param))
+    except Exception:
+        logger.exception("Unexpected error while streaming a response.")
+        yield sse(error_body("Internal server error.", 500))
+    yield DONE

@@ -1,0 +1,306 @@
+"""EngineCoreProc: one data-parallel rank's EngineCore as its own process.
+
+Run as ``python -m services.engine_core.proc --rank R --handshake-address ADDR``
+(a plain subprocess: the config arrives over the handshake, never pickled).
+
+Three threads share the work, so socket I/O and (de)serialization overlap
+the forward pass (both release the GIL):
+
+- the input thread owns the input DEALER: it decodes request frames onto
+  ``_inputs``, dropping malformed ones, and at the end says goodbye;
+- the output thread owns the output PUSH: it sends what the busy loop puts on
+  ``_outputs``, and a heartbeat with the latest stats when nothing went out
+  for ``HEARTBEAT_S``, so a long step never looks like a dead engine;
+- the main thread runs the busy loop: drain inputs (blocking only when
+  there is no work), ``engine.step()``, push outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+import zmq
+
+from protocol import (
+    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
+    FinishReason, SchedulerStats,
+)
+from protocol.codec import Decoder, Encoder
+from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
+from protocol.zmq_sockets import make_socket, rank_identity, recv, send, split
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+HANDSHAKE_TIMEOUT_S = 300.0
+# How long a stopping engine waits for the API to acknowledge its goodbye.
+GOODBYE_ACK_S = 2.0
+# Outputs still queued when the process closes get this long to leave (ms).
+OUTPUT_LINGER_MS = 4000
+_POLL_MS = 100
+_IDLE_WAIT_S = 0.1  # the busy loop's longest block, so a stop is noticed quickly
+# After a step that changed nothing the API can see (e.g. requests that wait
+# for blocks), yield this long to the input queue instead of spinning.
+_STALL_WAIT_S = 0.001
+
+
+class EngineCoreProc:
+    """Serves one built EngineCore on the API's data sockets until stopped."""
+
+    def __init__(self, engine, ctx: zmq.Context, reply: EngineHandshakeReply, stop: threading.Event) -> None:
+        self.engine = engine
+        self.rank = reply.config.parallel.data_parallel_rank
+        self._stop = stop  # set by SIGTERM/SIGINT, a SHUTDOWN frame, or a fatal error
+        self._goodbye_now = threading.Event()  # outputs flushed: the input thread may say goodbye
+        self._reason = "stopped by a signal"  # what the goodbye tells the API
+        self._inputs: queue.Queue[tuple[EngineCoreRequestType, object]] = queue.Queue()
+        self._outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        self._stats_dirty = True  # tell the API our (empty) load at once
+        self._stalled = False
+        self._latest_stats = SchedulerStats()
+        self._input_sock = make_socket(ctx, zmq.DEALER, reply.input_address, bind=False,
+                                       identity=rank_identity(self.rank), linger=1000)
+        self._output_sock = make_socket(ctx, zmq.PUSH, reply.output_address, bind=False,
+                                        linger=OUTPUT_LINGER_MS)
+        # First frame on the input socket: the API's ROUTER learns our identity from it.
+        send(self._input_sock, Encoder(), EngineReady(
+            rank=self.rank, num_blocks=engine.num_blocks, max_model_len=reply.config.model.max_model_len))
+        self._input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        self._input_thread.start()
+        self._output_thread.start()
+        code = 0
+        try:
+            while not self._stop.is_set():
+                self._process_input_queue()
+                self._step()
+        except Exception as e:
+            logger.exception("Engine core rank %d failed", self.rank)
+            self._reason = f"engine error: {e}"
+            code = 1
+        finally:
+            self._close()
+        return code
+
+    # ---- busy loop (main thread)
+
+    def _process_input_queue(self) -> None:
+        idle = not (self.engine.has_unfinished_requests() or self._stats_dirty)
+        wait_s = _IDLE_WAIT_S if idle else _STALL_WAIT_S if self._stalled else 0.0
+        while not self._stop.is_set():
+            try:
+                kind, payload = self._inputs.get(timeout=wait_s) if wait_s else self._inputs.get_nowait()
+            except queue.Empty:
+                if not idle:
+                    return
+                continue
+            idle, wait_s = False, 0.0
+            self._handle(kind, payload)
+
+    def _handle(self, kind: EngineCoreRequestType, payload) -> None:
+        self._stats_dirty = True
+        if kind is EngineCoreRequestType.ADD:
+            self._add(payload)
+        elif kind is EngineCoreRequestType.ABORT:
+            self.engine.abort_requests(payload)
+        elif kind is EngineCoreRequestType.SHUTDOWN:
+            self._reason = "the API asked it to stop"
+            self._stop.set()
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.engine.add_request(request)
+        except ValueError as e:
+            # The request failed on its own; the engine is fine and keeps serving.
+            logger.info("Rejected request %s: %s", request.request_id, e)
+            error = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                     finish_reason=FinishReason.ERROR, error=str(e))
+            self._outputs.put(EngineCoreOutputs(engine_index=self.rank, outputs=[error]))
+
+    def _step(self) -> None:
+        if not (self.engine.has_unfinished_requests() or self._stats_dirty):
+            return
+        self._stats_dirty = False
+        outputs = self.engine.step()
+        stats = outputs.scheduler_stats
+        # Stats carry deltas (prefix hits, preemptions): a step whose stats
+        # differ in anything but the step counter must reach the API.
+        changed = stats is not None and (msgspec.structs.replace(stats, step_counter=0)
+                                         != msgspec.structs.replace(self._latest_stats, step_counter=0))
+        self._stalled = not (outputs.outputs or changed)
+        if stats is not None:
+            self._latest_stats = stats
+        if not self._stalled:
+            self._outputs.put(outputs)
+
+    def _close(self) -> None:
+        self._stop.set()
+        self.engine.shutdown()
+        self._outputs.put(None)
+        self._output_thread.join()
+        # The goodbye goes last, after every output was handed to ZMQ.
+        self._goodbye_now.set()
+        self._input_thread.join()
+        self._input_sock.close()
+        self._output_sock.close()
+
+    # ---- output thread
+
+    def _output_loop(self) -> None:
+        encoder = Encoder()
+        while True:
+            try:
+                outputs = self._outputs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                outputs = self._heartbeat()
+            if outputs is None:
+                return
+            send(self._output_sock, encoder, outputs)
+
+    def _heartbeat(self) -> EngineCoreOutputs:
+        # The counters in stats are deltas already reported: zero them here.
+        stats = msgspec.structs.replace(self._latest_stats, prefix_cache_queries=0,
+                                        prefix_cache_hits=0, num_preemptions=0)
+        return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
+
+    # ---- input thread
+
+    def _input_loop(self) -> None:
+        decoders = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
+                    EngineCoreRequestType.ABORT: Decoder(list[str])}
+        while not self._goodbye_now.is_set():
+            if self._input_sock.poll(_POLL_MS):
+                self._read_input(decoders)
+        self._say_goodbye()
+
+    def _read_input(self, decoders: dict) -> None:
+        frames = self._input_sock.recv_multipart(copy=False)
+        try:
+            kind, payload = _decode_request(frames, decoders)
+        except ValueError as e:
+            logger.warning("Rank %d dropped a malformed input message: %s", self.rank, e)
+            return
+        if kind is EngineCoreRequestType.SHUTDOWN:
+            self._reason = "the API asked it to stop"
+            self._stop.set()
+        self._inputs.put((kind, payload))
+
+    def _say_goodbye(self) -> None:
+        """Tell the API we stop, and wait (bounded) for its SHUTDOWN ack:
+        ``ipc://`` may drop the last message of a process that exits at once."""
+        send(self._input_sock, Encoder(), EngineGoodbye(rank=self.rank, reason=self._reason))
+        deadline = time.monotonic() + GOODBYE_ACK_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._input_sock.poll(int(left * 1000) + 1):
+                break
+            frames = self._input_sock.recv_multipart()
+            if frames and frames[0] == EngineCoreRequestType.SHUTDOWN.value:
+                return
+        logger.info("Rank %d: no acknowledgement of its goodbye; the API may be gone.", self.rank)
+
+
+def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType, object]:
+    """``[type byte, payload...]`` -> (type, decoded payload); ValueError if malformed."""
+    if not frames:
+        raise ValueError("empty message")
+    first = frames[0].bytes if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
+    try:
+        kind = EngineCoreRequestType(first)
+    except ValueError:
+        raise ValueError(f"unknown request type byte {first[:4]!r}") from None
+    body = split(frames, 1)[1] if len(frames) > 1 else []
+    if kind is EngineCoreRequestType.SHUTDOWN:
+        return kind, None
+    if kind is EngineCoreRequestType.UTILITY:
+        raise ValueError("utility calls are not supported by this engine core")
+    if not body:
+        raise ValueError(f"{kind.name} message without a payload")
+    return kind, decoders[kind].decode(body)
+
+
+def handshake(ctx: zmq.Context, *, rank: int, address: str, local: bool, headless: bool,
+              stop: threading.Event) -> EngineHandshakeReply | None:
+    """Say hello to the API and return its reply (None if stopped meanwhile)."""
+    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=rank_identity(rank))
+    try:
+        send(sock, Encoder(), EngineHello(rank=rank, local=local, headless=headless))
+        start = last_log = time.monotonic()
+        while not stop.is_set():
+            if sock.poll(_POLL_MS):
+                _, reply = recv(sock, Decoder(EngineHandshakeReply))
+                if reply.config.parallel.data_parallel_rank != rank:
+                    raise ValueError(f"The API sent the config of rank "
+                                     f"{reply.config.parallel.data_parallel_rank} to rank {rank}.")
+                return reply
+            now = time.monotonic()
+            if now - start > HANDSHAKE_TIMEOUT_S:
+                raise TimeoutError(f"Rank {rank}: no handshake reply from {address} "
+                                   f"in {HANDSHAKE_TIMEOUT_S:.0f}s.")
+            if now - last_log > 10:
+                logger.info("Rank %d is waiting for the API at %s", rank, address)
+                last_log = now
+        return None
+    finally:
+        sock.close()
+
+
+def with_num_threads(config: EngineConfig, num_threads: int | None) -> EngineConfig:
+    if num_threads is None:
+        return config
+    if num_threads < 1:
+        raise ValueError(f"--num-threads must be at least 1, got {num_threads}.")
+    return msgspec.structs.replace(config, device=msgspec.structs.replace(config.device, num_threads=num_threads))
+
+
+def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, headless: bool = False,
+                    num_threads: int | None = None) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ctx = zmq.Context()
+    try:
+        reply = handshake(ctx, rank=rank, address=handshake_address, local=local, headless=headless, stop=stop)
+        if reply is None:
+            return 0
+        config = with_num_threads(reply.config, num_threads)
+        reply = msgspec.structs.replace(reply, config=config)
+        import torch  # the engine process is where torch lives
+
+        torch.set_num_threads(config.device.num_threads)
+        from services.engine_core.core import EngineCore
+
+        engine = EngineCore(config)
+        logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
+        return EngineCoreProc(engine, ctx, reply, stop).run()
+    finally:
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.engine_core.proc",
+                                     description="One data-parallel engine-core process.")
+    parser.add_argument("--rank", type=int, required=True, help="Data-parallel rank of this engine core.")
+    parser.add_argument("--handshake-address", required=True, help="The API's handshake socket address.")
+    parser.add_argument("--local", action="store_true", help="Started by the API's launcher on its node.")
+    parser.add_argument("--headless", action="store_true", help="Started by `engine-core --headless`.")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the config's).")
+    args = parser.parse_args(argv)
+    if args.rank < 0:
+        parser.error(f"--rank must be non-negative, got {args.rank}.")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s")
+    return run_engine_core(rank=args.rank, handshake_address=args.handshake_address, local=args.local,
+                           headless=args.headless, num_threads=args.num_threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
