@@ -34,7 +34,7 @@ $(HF_DIR)/config.json: $(GGUF)
 	$(PY) -m services.model_files $(GGUF)
 
 serve: install model
-	$(VENV)/bin/weft generate --prompt "The three most useful things to know about paged attention are" --max-tokens 64
+	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
 test: install model
 	$(PY) -m pytest -q

@@ -47,9 +47,16 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from services.api.server import main as serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS = {
+    "serve": (_serve, "Serve the OpenAI-compatible API and its engine cores."),
     "generate": (_generate, "Complete a prompt with the offline engine."),
-    "bench": (_bench, "Benchmarks: throughput."),
+    "bench": (_bench, "Benchmarks: throughput, serve."),
 }
 
 

@@ -95,13 +95,20 @@ class _Routes:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
+        """200 only when every rank is ready; otherwise 503, "degraded" when
+        some rank died but others still serve. Per-rank load rides along."""
         client = self.ctx.engine_client
-        if client.ready:
-            return JSONResponse({"status": "ok"})
         by_state: dict[str, list[int]] = {"ready": [], "waiting": [], "dead": []}
+        ranks = []
         for rank, stats in sorted(client.rank_stats().items()):
             by_state.setdefault(stats.state, []).append(rank)
-        return JSONResponse({"status": "unavailable", **by_state}, status_code=503)
+            ranks.append({"rank": rank, "state": stats.state, "num_blocks": stats.num_blocks,
+                          "num_free_blocks": stats.num_free_blocks, "num_running": stats.num_running,
+                          "num_waiting": stats.num_waiting, "num_routed": stats.num_routed})
+        if client.ready:
+            return JSONResponse({"status": "ok", **by_state, "ranks": ranks})
+        status = "degraded" if by_state["dead"] and by_state["ready"] else "unavailable"
+        return JSONResponse({"status": status, **by_state, "ranks": ranks}, status_code=503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})

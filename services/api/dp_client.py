@@ -173,6 +173,7 @@ class DPLBEngineClient(EngineClient):
         self._queues[request_id] = queue
         self._holder[request_id] = rank
         stats.in_flight.add(request_id)
+        stats.num_routed += 1
         stats.num_waiting += 1  # counted until the rank's next stats replace it
         finished = False
         try:

@@ -38,6 +38,7 @@ class RankStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_routed: int = 0  # requests the API sent to this rank, ever
     in_flight: set[str] = field(default_factory=set)  # request ids routed here, not finished
 
 

