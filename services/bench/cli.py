@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from services.bench import throughput
+from services.bench import serve_cli, throughput
 from services.bench.throughput import BenchResult
-from services.bench.workload import Workload, load_workload, resolve_dataset
+from services.bench.datasets import default_tokenizer, load_any, random_workload
+from services.bench.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -31,26 +32,37 @@ class Subcommand:
 def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli_args import add_engine_args
 
-    parser.add_argument("--dataset", required=True, help="Workload JSON file, or the name of one in $WEFT_WORKLOADS_DIR (e.g. offline-64).")
-    parser.add_argument("--num-prompts", type=int, default=None, help="Run only the first N requests of the workload.")
+    add_dataset_arguments(parser)
     parser.add_argument("--compare-hf", action="store_true", help="Also run Hugging Face generate (static batches, same dtype) and print weft/HF.")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="Batch size of the HF baseline.")
     parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     add_engine_args(parser)  # --model, --dtype, --max-num-seqs, ... as `weft serve` takes them
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """A workload file, a ShareGPT file, or random prompts (one of them)."""
+    parser.add_argument("--dataset", default=None,
+                        help="A workload JSON file or the name of one in $WEFT_WORKLOADS_DIR (e.g. offline-64), "
+                             "or a ShareGPT-format JSON file (a list of conversations).")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="Run only the first N requests of the dataset; with --random-*, how many prompts.")
+    parser.add_argument("--random-input-len", type=int, default=None, help="Random token prompts of this length.")
+    parser.add_argument("--random-output-len", type=int, default=None, help="Output length of the random prompts.")
 
 
 def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from services.cli_args import engine_args_from
 
-    workload = _load(args, parser)
+    workload = load_dataset(args, parser)
     engine_args = engine_args_from(args)
     try:
         # Torch-free and quick: refuse bad engine arguments before loading anything.
         config = engine_args.create_engine_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    weft = throughput.run_weft(workload, **dataclasses.asdict(engine_args))
-    _warn_if_short(weft, workload)
+    weft = throughput.run_weft(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
+    warn_if_short(weft, workload)
     results = [weft]
     if args.compare_hf:
         gc.collect()  # let the engine's memory go before HF loads its own copy
@@ -62,15 +74,24 @@ def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return 0
 
 
-def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
-    for name in ("num_prompts", "hf_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+def load_dataset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
+    """The workload the arguments name, or a usage error saying what is wrong."""
+    for name in ("num_prompts", "hf_batch_size", "random_input_len", "random_output_len"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    is_random = args.random_input_len is not None or args.random_output_len is not None
+    if (args.dataset is None) == (not is_random):
+        parser.error("give either --dataset or --random-input-len, --random-output-len and --num-prompts.")
     try:
-        workload = load_workload(resolve_dataset(args.dataset))
+        if args.dataset is not None:
+            return load_any(args.dataset, args.tokenizer, args.num_prompts)
+        if None in (args.random_input_len, args.random_output_len, args.num_prompts):
+            parser.error("random prompts need --random-input-len, --random-output-len and --num-prompts.")
+        tokenizer = default_tokenizer(args.tokenizer)
+        return random_workload(args.random_input_len, args.random_output_len, args.num_prompts,
+                               tokenizer.vocab_size, seed=args.seed, tokenizer=tokenizer)
     except ValueError as e:
         parser.error(str(e))
-    return workload.head(args.num_prompts) if args.num_prompts else workload
 
 
 def _run_hf(workload: Workload, model: str | None, engine: dict[str, Any], batch_size: int) -> BenchResult:
@@ -84,7 +105,7 @@ def _run_hf(workload: Workload, model: str | None, engine: dict[str, Any], batch
     return run_hf_baseline(workload, hf_model, batch_size)
 
 
-def _warn_if_short(result: BenchResult, workload: Workload) -> None:
+def warn_if_short(result: BenchResult, workload: Workload) -> None:
     if result.output_tokens != workload.num_output_tokens:
         print(
             f"warning: {result.backend} produced {result.output_tokens} output tokens, "
@@ -122,11 +143,103 @@ def _table(workload: Workload, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.cli_args import add_engine_args
+
+    parser.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
+    parser.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
+    parser.add_argument("--batch-size", type=int, default=8, help="Requests per batch.")
+    parser.add_argument("--num-iters", type=int, default=10, help="Timed batches.")
+    parser.add_argument("--num-iters-warmup", type=int, default=2, help="Untimed batches first.")
+    parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bars.")
+    add_engine_args(parser)
+
+
+def _run_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from services.bench.latency import run_latency
+    from services.cli_args import engine_args_from
+
+    for name in ("input_len", "output_len", "batch_size", "num_iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.num_iters_warmup < 0:
+        parser.error("--num-iters-warmup must be at least 0.")
+    engine_args = engine_args_from(args)
+    try:
+        engine_args.create_engine_config()
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    report = run_latency(args.input_len, args.output_len, args.batch_size, args.num_iters,
+                         args.num_iters_warmup, quiet=args.quiet, **dataclasses.asdict(engine_args))
+    lines = [f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out), "
+             f"{args.num_iters} iterations, dtype {report['dtype']}",
+             f"{'ms':<22}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}"]
+    for key, label in (("ttft_ms", "TTFT (prefill)"), ("decode_ms_per_token", "decode per token"),
+                       ("batch_latency_ms", "whole batch")):
+        s = report[key]
+        lines.append(f"{label:<22}{s['mean']:>9.2f}{s['median']:>9.2f}{s['p90']:>9.2f}{s['p99']:>9.2f}")
+    print("\n".join(lines))
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.cli_args import add_engine_args
+
+    add_dataset_arguments(parser)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 16, 64],
+                        help="Static batch sizes of the HF generate baseline.")
+    parser.add_argument("--no-hf-continuous", dest="hf_continuous", action="store_false",
+                        help="Skip transformers' continuous batching.")
+    parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bar.")
+    add_engine_args(parser)
+
+
+def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from services.bench.compare import format_compare, run_compare
+    from services.cli_args import engine_args_from
+
+    if min(args.hf_batch_sizes) < 1:
+        parser.error("--hf-batch-sizes must be at least 1.")
+    workload = load_dataset(args, parser)
+    engine_args = engine_args_from(args)
+    try:
+        engine_args.create_engine_config()
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    kwargs = dataclasses.asdict(engine_args)
+    model = kwargs.pop("model")
+    report = run_compare(workload, model, args.hf_batch_sizes, args.hf_continuous, not args.quiet, **kwargs)
+    print(format_compare(report))
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "throughput": Subcommand(
         help="Offline throughput of weft's LLM.generate on a workload (optionally vs HF generate).",
         add_arguments=_add_throughput_arguments,
         run=_run_throughput,
+    ),
+    "latency": Subcommand(
+        help="Offline latency of fixed-shape batches: TTFT (prefill) and decode time per token.",
+        add_arguments=_add_latency_arguments,
+        run=_run_latency,
+    ),
+    "compare": Subcommand(
+        help="weft offline vs HF generate (static batches) and HF continuous batching, and step time vs pure forward.",
+        add_arguments=_add_compare_arguments,
+        run=_run_compare,
+    ),
+    "serve": Subcommand(
+        help="Streaming client against an OpenAI-compatible server (--base-url), or, without it, "
+             "a local `weft serve` compared with the offline engine.",
+        add_arguments=serve_cli.add_arguments,
+        run=serve_cli.run,
     ),
 }
 

@@ -46,7 +46,7 @@ class BenchResult:
         }
 
 
-def run_weft(workload: Workload, **engine_args: Any) -> BenchResult:
+def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> BenchResult:
     """Run every request of ``workload`` through one ``LLM.generate`` call.
 
     ``engine_args`` are ``LLM``'s (vLLM's names); the result's details say
@@ -64,7 +64,7 @@ def run_weft(workload: Workload, **engine_args: Any) -> BenchResult:
     ]
     try:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()

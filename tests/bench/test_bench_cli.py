@@ -21,7 +21,9 @@ def smoke8(workloads_dir: Path) -> str:
 
 def test_end_to_end_throughput_on_smoke8(tmp_path: Path, smoke8: str) -> None:
     out = tmp_path / "result.json"
-    assert cli.main(["throughput", "--dataset", smoke8, "--output-json", str(out)]) == 0
+    argv = ["throughput", "--dataset", smoke8, "--num-threads", "1", "--max-num-batched-tokens", "512",
+            "--quiet", "--output-json", str(out)]
+    assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     weft = report["weft"]
     assert all(weft[figure] > 0 for figure in FIGURES)
@@ -89,7 +91,8 @@ def test_engine_args_reach_the_engine(monkeypatch: pytest.MonkeyPatch, smoke8: s
         (["throughput", "--dataset", "{smoke8}", "--dtype", "int8"], "dtype must be one of"),
         (["throughput", "--dataset", "{smoke8}", "--model", "/no/such.gguf"], "Model not found"),
         (["throughput"], "--dataset"),
-        (["latency"], "invalid choice"),
+        (["latency", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["throughput", "--random-input-len", "4"], "need --random-input-len"),
     ],
 )
 def test_bad_arguments_exit_with_a_reason(

@@ -22,8 +22,9 @@ def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_co
     assert runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2  # K/V x block x kv heads x head dim x fp32 x layers
     upper = (256 * MiB - runner.weights_bytes) // runner.kv_block_bytes
     # The profiled peak is a resident-set rise, so other tests in this process
-    # move it; allow up to 128 MiB (the gather workspace alone may take 64).
-    assert upper - (128 * MiB) // runner.kv_block_bytes < num_blocks < upper
+    # move it (freed memory reused from earlier tests can make it 0); allow up
+    # to 128 MiB (the gather workspace alone may take 64).
+    assert upper - (128 * MiB) // runner.kv_block_bytes < num_blocks <= upper
 
 
 def test_blocks_formula():

@@ -1,0 +1,36 @@
+"""`weft bench compare` end to end on two requests: weft vs HF static batching, and
+the engine's step time against the replayed pure forward."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.bench import cli
+from services.bench.compare import run_hf_continuous
+from services.bench.workload import load_workload
+
+
+def test_end_to_end_compare(tmp_path: Path, workloads_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["compare", "--dataset", str(workloads_dir / "smoke-8.json"), "--num-prompts", "2",
+            "--hf-batch-sizes", "2", "--no-hf-continuous", "--dtype", "float32", "--num-threads", "1",
+            "--max-num-batched-tokens", "64", "--quiet", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    weft, (hf,) = report["weft"], report["peers"]
+    assert weft["output_tokens"] == hf["output_tokens"] == 18  # exactly the requested tokens
+    assert hf["label"] == "hf static (batch 2)" and hf["details"]["dtype"] == "float32"
+    assert hf["weft_over_peer"] == pytest.approx(weft["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    e = report["efficiency"]
+    assert e["forward_steps"] >= 9  # at least one step per token of the longest request
+    assert e["step_s"] >= e["execute_model_s"] > 0 and e["forward_s"] > 0
+    assert e["step_over_forward"] == pytest.approx(e["step_s"] / e["forward_s"])
+    assert "step/forward" in capsys.readouterr().out
+
+
+def test_continuous_batching_absent_is_a_note(workloads_dir: Path) -> None:
+    workload = load_workload(workloads_dir / "smoke-8.json").head(1)
+    note = run_hf_continuous(workload, hf_model=object())
+    assert isinstance(note, str) and "no continuous batching" in note

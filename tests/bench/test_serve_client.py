@@ -1,0 +1,153 @@
+"""`weft bench serve --base-url` against a stub OpenAI-compatible server (not weft's):
+the client, its report, goodput, failures, chat streams without usage, and a sweep with its plot."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.bench import cli
+
+FAIL_MAX_TOKENS = 7  # the stub answers HTTP 500 to requests asking for this many tokens
+
+
+def _stub_app(bodies: list[dict[str, Any]]) -> Starlette:
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def complete(request: Request) -> Response:
+        body = await request.json()
+        bodies.append(body)
+        if body["max_tokens"] == FAIL_MAX_TOKENS:
+            return JSONResponse({"error": {"message": "stub failure"}}, status_code=500)
+        chat = request.url.path.endswith("/chat/completions")
+
+        async def events() -> Any:
+            if chat:
+                yield _event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(0)  # let other streams interleave
+                choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+                yield _event({"choices": [choice]})
+            if not chat:  # the chat stub sends no usage: the client counts chunks
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+                yield _event({"choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
+                             Route("/v1/chat/completions", complete, methods=["POST"])])
+
+
+def _event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    bodies: list[dict[str, Any]] = []
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # listening before the thread starts: clients queue instead of racing start-up
+    server = uvicorn.Server(uvicorn.Config(_stub_app(bodies), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", bodies
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+def _workload(path: Path, max_tokens: list[int]) -> str:
+    requests = [{"prompt": f"word {i}", "prompt_token_ids": list(range(1, 3 + i)), "max_tokens": n}
+                for i, n in enumerate(max_tokens)]
+    path.write_text(json.dumps({"name": "tiny", "requests": requests}))
+    return str(path)
+
+
+def _check_stats(report: dict[str, Any]) -> None:
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = report[name]
+        assert 0 <= s["median"] <= s["p90"] <= s["p99"], name
+        assert s["mean"] >= 0
+    assert report["ttft_ms"]["mean"] <= report["e2el_ms"]["mean"]
+    assert report["ttft_ms"]["p99"] <= report["e2el_ms"]["p99"]
+
+
+def test_completions_against_the_stub(tmp_path: Path, stub: tuple[str, list]) -> None:
+    url, bodies = stub
+    out = tmp_path / "result.json"
+    argv = ["serve", "--base-url", url, "--dataset", _workload(tmp_path / "w.json", [3, 5, 2, 1]),
+            "--request-rate", "200", "--max-concurrency", "2", "--goodput", "ttft:60000", "tpot:60000",
+            "--seed", "1", "--quiet", "--result-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (4, 0)
+    assert report["total_output_tokens"] == 11 and report["total_input_tokens"] == 2 + 3 + 4 + 5
+    assert report["model"] == "stub-model"  # found through /v1/models
+    assert report["duration_s"] > 0 and report["output_throughput"] == pytest.approx(11 / report["duration_s"])
+    assert report["request_throughput"] > 0 and report["total_token_throughput"] > report["output_throughput"]
+    assert report["good_requests"] == 4 and report["request_goodput"] == pytest.approx(report["request_throughput"])
+    _check_stats(report)
+    assert len(bodies) == 4 and all(b["ignore_eos"] and b["stream"] for b in bodies)
+    assert sorted(b["prompt"] for b in bodies)[0] == [1, 2]  # token ids, exactly
+
+
+def test_chat_without_usage_and_a_failure(tmp_path: Path, stub: tuple[str, list],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    url, bodies = stub
+    out = tmp_path / "result.json"
+    argv = ["serve", "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", "anything",
+            "--dataset", _workload(tmp_path / "w.json", [4, FAIL_MAX_TOKENS, 2]), "--quiet",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (2, 1)
+    assert report["total_output_tokens"] == 6  # counted from the content chunks
+    assert "HTTP 500" in report["errors"][0]
+    assert bodies[0]["model"] == "anything" and bodies[0]["messages"][0]["role"] == "user"
+    _check_stats(report)
+    assert "successful requests: 2" in capsys.readouterr().out
+
+
+def test_concurrency_sweep_writes_a_plot(tmp_path: Path, stub: tuple[str, list]) -> None:
+    url, _ = stub
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["serve", "--base-url", url, "--dataset", _workload(tmp_path / "w.json", [3, 3, 3]),
+            "--sweep", "concurrencies", "1", "3", "--plot", str(plot), "--quiet", "--result-json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [run["swept_value"] for run in report["runs"]] == [1, 3]
+    assert [run["max_concurrency"] for run in report["runs"]] == [1, 3]
+    assert all(run["completed"] == 3 and run["total_output_tokens"] == 9 for run in report["runs"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["--goodput", "ttft"], "--goodput takes NAME:MS"),
+        (["--sweep", "rates"], "--sweep takes"),
+        (["--sweep", "concurrencies", "1.5"], "whole numbers"),
+        (["--request-rate", "0"], "--request-rate must be positive"),
+        (["--endpoint", "/v1/embeddings"], "invalid choice"),
+        ([], "cannot list the models"),  # nothing listens on the discard port
+    ],
+)
+def test_bad_client_arguments(extra: list[str], why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--base-url", "http://127.0.0.1:9", "--dataset", _workload(tmp_path / "w.json", [1]), *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert why in capsys.readouterr().err
