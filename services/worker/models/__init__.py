@@ -1,0 +1,1 @@
+"""The worker's own model implementations and the registry that picks one."""
