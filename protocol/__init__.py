@@ -3,6 +3,7 @@
 Only stdlib, msgspec, pyzmq and numpy may be imported here.
 """
 from protocol.sampling_params import SamplingParams, SamplingType
+from protocol.structured_outputs import StructuredOutputsParams
 from protocol.engine import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -27,6 +28,8 @@ from protocol.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 __all__ = [
@@ -35,5 +38,6 @@ __all__ = [
     "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
     "FinishReason", "ModelConfig", "ModelRunnerOutput", "NewRequestData",
     "ParallelConfig", "SamplingParams", "SamplingType", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "TokenLogprobs",
+    "SchedulerOutput", "SchedulerStats", "SpeculativeConfig", "StructuredOutputsConfig",
+    "StructuredOutputsParams", "TokenLogprobs",
 ]

@@ -10,6 +10,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.kv_transfer import KVTransferConfig
+
+# Most draft tokens one request may verify in a step (vLLM's bound too).
+MAX_SPEC_TOKENS = 128
+
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: Annotated[str, Meta(description="Path to a GGUF file or a Hugging Face model folder (config.json + safetensors).")]
@@ -20,6 +25,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: Annotated[int, Meta(description="Seed for the random sampling of unseeded requests.")] = 0
     vocab_size: Annotated[int, Meta(ge=1, description="Vocabulary size of the model.")] = 1
     eos_token_id: Annotated[int | None, Meta(description="End-of-sequence token id.")] = None
+    load_format: Annotated[Literal["auto", "dummy"], Meta(description="auto: read the checkpoint; dummy: random weights of the config's shape, no checkpoint read (benchmarks).")] = "auto"
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -52,6 +58,41 @@ class DeviceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Annotated[Literal["cpu", "cuda"], Meta(description="Device the workers run on.")] = "cpu"
     num_threads: Annotated[int, Meta(ge=1, description="torch threads per worker process.")] = 1
     attention_backend: Annotated[Literal["torch", "triton"], Meta(description="Attention implementation (triton on CUDA).")] = "torch"
+    enforce_eager: Annotated[bool, Meta(description="Never capture or replay CUDA graphs (they speed up decode steps on GPU).")] = False
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Speculative decoding: draft tokens proposed cheaply, verified in one forward."""
+
+    method: Annotated[Literal["ngram"], Meta(description="How drafts are proposed: ngram (prompt lookup).")] = "ngram"
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=MAX_SPEC_TOKENS, description="Draft tokens per request per step (K).")]
+    prompt_lookup_min: Annotated[int, Meta(ge=1, description="Shortest n-gram matched against the context.")]
+    prompt_lookup_max: Annotated[int, Meta(ge=1, description="Longest n-gram matched against the context (tried first).")]
+
+    def __post_init__(self) -> None:
+        # msgspec checks the Meta bounds only when decoding; direct
+        # construction must refuse the same values.
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}.")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPEC_TOKENS}], "
+                             f"got {self.num_speculative_tokens}.")
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}.")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least "
+                             f"prompt_lookup_min ({self.prompt_lookup_min}).")
+
+
+class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Guided decoding: how the engine core compiles request grammars."""
+
+    compile_timeout: Annotated[float, Meta(gt=0, description="Seconds a request's grammar may take to compile before the request fails.")] = 5.0
+
+    def __post_init__(self) -> None:
+        # Meta bounds are checked on decode only; construction checks here.
+        if not self.compile_timeout > 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be positive, got {self.compile_timeout}.")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -60,3 +101,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     device: DeviceConfig = DeviceConfig()
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill/decode

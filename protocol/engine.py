@@ -10,7 +10,9 @@ import time
 
 import msgspec
 
+from protocol.kv_transfer import KVTransferParams
 from protocol.sampling_params import SamplingParams
+from protocol.structured_outputs import StructuredOutputStats
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -20,6 +22,10 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x03"
     SHUTDOWN = b"\x04"
+    # The API routes nothing more to this engine: sent in answer to its
+    # EngineDraining notice, so every ADD sent before it is already queued
+    # at the engine when this arrives (one ordered link).
+    DRAIN = b"\x05"
 
 
 class FinishReason(enum.IntEnum):
@@ -43,6 +49,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: str | None = None
     data_parallel_rank: int | None = None
+    # Disaggregated prefill/decode: what the proxy asks of this engine.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -77,6 +85,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Set when the request failed on its own (bad input found late); the
     # engine itself is fine.
     error: str | None = None
+    # On a finished request: what another engine needs to take over its KV.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -93,6 +103,22 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0  # tokens found since the previous stats
     num_preemptions: int = 0  # preemptions since the previous stats
     step_counter: int = 0
+    # Speculative decoding, since the previous stats: requests that verified
+    # drafts, draft tokens verified, drafts accepted, and accepted per draft
+    # position (index 0: the first draft token).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # Structured outputs: totals since the engine started; None before any.
+    structured_outputs: StructuredOutputStats | None = None
+    # Malformed input frames the engine dropped since it started (a running
+    # total, not a delta: a lost stats message loses nothing).
+    num_dropped_frames: int = 0
+    # Disaggregated prefill/decode, since the previous stats: prompt tokens
+    # offered by a KV connector, and those loaded from it instead of computed.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -10,6 +10,11 @@
 4. An engine that stops sends ``EngineGoodbye`` on the same input DEALER; the
    API answers with a SHUTDOWN frame, which is the engine's cue that the
    goodbye arrived (``ipc://`` can lose a process's last messages otherwise).
+5. An engine told to stop gracefully (SIGTERM) first sends ``EngineDraining``:
+   the API routes it nothing more and answers with a DRAIN frame; the engine
+   finishes what it holds (up to its shutdown timeout), then says goodbye.
+
+A restarted engine core says hello again with the same rank and rejoins.
 
 All are ``array_like``: field ORDER is the wire contract. Append new fields
 at the end, with defaults.
@@ -44,5 +49,10 @@ class EngineGoodbye(msgspec.Struct, array_like=True, frozen=True, tag="goodbye")
     reason: str = ""
 
 
+class EngineDraining(msgspec.Struct, array_like=True, frozen=True, tag="draining"):
+    rank: int
+    timeout_s: float  # how long it keeps serving what it holds
+
+
 # What an engine sends the API on its input DEALER.
-EngineStatus = EngineReady | EngineGoodbye
+EngineStatus = EngineReady | EngineGoodbye | EngineDraining

@@ -10,6 +10,8 @@ import enum
 
 import msgspec
 
+from protocol.structured_outputs import StructuredOutputsParams
+
 # Below this temperature a request is greedy (vLLM uses the same cut-off).
 _GREEDY_TEMPERATURE = 1e-5
 _MAX_N = 16384
@@ -46,6 +48,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Guided decoding: the output must match this constraint.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -7,8 +7,10 @@ contract (``array_like``): append new fields at the end, with defaults.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from protocol.engine import TokenLogprobs
+from protocol.kv_transfer import KVConnectorMetadata
 from protocol.sampling_params import SamplingParams
 
 
@@ -49,6 +51,14 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     preempted_req_ids: list[str] = []
     # Draft tokens to verify this step (speculative decoding).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Structured outputs: the constrained requests that sample this step, and
+    # their packed token masks (int32 [rows, ceil(vocab / 32)], bit j of word
+    # w allows token 32 * w + j). Each request has 1 + len(its scheduled
+    # drafts) consecutive rows, in the order of structured_output_request_ids.
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
+    # Disaggregated prefill/decode: the KV blocks the worker saves and loads.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -68,3 +78,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]] = []
     logprobs: list[list[TokenLogprobs]] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    # Speculative decoding: per request (``req_ids`` order), the draft tokens
+    # proposed for its NEXT step; empty where none were found.
+    spec_token_ids: list[list[int]] = []
+    # Disaggregated prefill/decode: requests whose KV blocks the worker has
+    # finished saving (the scheduler may free them now), and requests whose
+    # KV load ended, with how many of the asked blocks (a prefix) arrived
+    # intact; the rest of such a prompt is computed.
+    finished_sending: list[str] = []
+    finished_recving: dict[str, int] = {}

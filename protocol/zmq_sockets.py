@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.codec import Decoder, Encoder
+from protocol.curve import CurveKeys
 
 T = TypeVar("T")
 
@@ -35,11 +36,16 @@ _ipc_dir: str | None = None
 
 
 def make_socket(ctx: zmq.Context, socket_type: int, address: str, *, bind: bool,
-                identity: bytes | None = None, linger: int = 0) -> zmq.Socket:
+                identity: bytes | None = None, linger: int = 0, curve: CurveKeys | None = None,
+                router_handover: bool = False) -> zmq.Socket:
     """Open, configure and bind or connect one socket.
 
     ``linger`` (ms) is how long closing waits for unsent messages; 0 drops
     them, which is right for sockets whose peer may already be gone.
+    ``curve`` makes it a CurveZMQ server (binding side) or client; a server's
+    context needs a ``protocol.curve.ZapAuthenticator`` to let clients in.
+    ``router_handover`` lets a peer that reconnects with a known identity (a
+    restarted engine core) take it over from a connection not yet seen dead.
     """
     sock = ctx.socket(socket_type)
     if socket_type in _NO_RCVHWM:
@@ -48,6 +54,10 @@ def make_socket(ctx: zmq.Context, socket_type: int, address: str, *, bind: bool,
         sock.setsockopt(zmq.SNDHWM, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if router_handover:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if curve is not None:
+        curve.apply(sock)
     sock.setsockopt(zmq.LINGER, linger)
     if bind:
         sock.bind(address)
@@ -62,10 +72,15 @@ def bound_address(sock: zmq.Socket) -> str:
 
 
 def ipc_address(name: str) -> str:
-    """A fresh ``ipc://`` address in a temporary folder owned by this process."""
+    """A fresh ``ipc://`` address in a temporary folder owned by this process.
+
+    The folder is mode 0700: only this user can reach the sockets in it,
+    which is what authenticates local links (no CURVE needed on them).
+    """
     global _ipc_dir
     if _ipc_dir is None:
-        _ipc_dir = tempfile.mkdtemp(prefix="weft-")
+        _ipc_dir = tempfile.mkdtemp(prefix="weft-")  # created 0700
+        os.chmod(_ipc_dir, 0o700)  # and said so, whatever mkdtemp does elsewhere
         atexit.register(shutil.rmtree, _ipc_dir, True)
     # Unix socket paths are limited to ~107 bytes: keep names short.
     return f"ipc://{os.path.join(_ipc_dir, f'{name}-{uuid.uuid4().hex[:8]}')}"

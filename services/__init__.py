@@ -22,6 +22,7 @@ _LAZY = {
     "RequestOutput": ("services.llm", "RequestOutput"),
     "CompletionOutput": ("services.llm", "CompletionOutput"),
     "SamplingParams": ("protocol", "SamplingParams"),
+    "StructuredOutputsParams": ("protocol", "StructuredOutputsParams"),
 }
 
 

@@ -53,17 +53,51 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _keys(argv: list[str]) -> int:
+    from protocol.curve import generate_keys
+
+    parser = argparse.ArgumentParser(prog="weft keys", description=(
+        "Generate the CurveZMQ keypairs that authenticate and encrypt the links between the API and "
+        "its engine cores (`--zmq-curve-keys DIR` on weft serve and engine-core). Copy the folder to "
+        "every node, readable only by the user that runs weft."))
+    parser.add_argument("--dir", required=True, help="Folder to write the keys into (created mode 0700).")
+    parser.add_argument("--force", action="store_true", help="Replace keys already in the folder.")
+    args = parser.parse_args(argv)
+    try:
+        paths = generate_keys(args.dir, overwrite=args.force)
+    except (FileExistsError, OSError) as e:
+        print(f"weft keys: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def _kv_transfer(argv: list[str]) -> int:
+    from services.kv_transfer.service import main as service_main
+
+    return service_main(argv)
+
+
+def _pd_proxy(argv: list[str]) -> int:
+    from services.kv_transfer.proxy import main as proxy_main
+
+    return proxy_main(argv)
+
+
 COMMANDS = {
     "serve": (_serve, "Serve the OpenAI-compatible API and its engine cores."),
+    "keys": (_keys, "Generate CurveZMQ keys for the links between the API and engine cores."),
     "generate": (_generate, "Complete a prompt with the offline engine."),
     "bench": (_bench, "Benchmarks: throughput, serve."),
+    "kv-transfer": (_kv_transfer, "Run the KV transfer service of disaggregated prefill/decode."),
+    "pd-proxy": (_pd_proxy, "Run the disaggregated prefill/decode proxy in front of prefill and decode servers."),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {name:10} {text}" for name, (_, text) in COMMANDS.items()]
+        lines = [f"  {name:12} {text}" for name, (_, text) in COMMANDS.items()]
         print("usage: weft COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines),
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

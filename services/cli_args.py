@@ -21,6 +21,14 @@ _EXTRA_HELP = {
     "max_model_len": "Longest prompt + output in tokens (default: the model's).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most requests running at once (default 128).",
+    "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
+    "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
+    "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
+                          "(default: off).",
+    "kv_transfer_config": "Disaggregated prefill/decode as JSON, e.g. '{\"kv_connector\": \"ZmqConnector\", "
+                          "\"kv_role\": \"kv_consumer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579}' "
+                          "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
 }
 
 

@@ -13,8 +13,13 @@ from pathlib import Path
 
 from protocol import (
     CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    StructuredOutputsConfig,
 )
+from protocol.kv_transfer import KVTransferConfig
 from services import model_files
+from services.parallel_args import check_tensor_parallel
+from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
+from services.speculative_args import resolve_speculative_config
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -41,6 +46,11 @@ class EngineArgs:
     data_parallel_size: int = 1
     device: str = "auto"
     num_threads: int | None = None
+    speculative_config: dict | str | None = None  # a dict, or its JSON on the command line
+    structured_outputs_compile_timeout: float = 5.0
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -53,6 +63,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         files = model_files.resolve(self.model)
         hf_config = files.hf_config()
+        check_tensor_parallel(hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None)
         device = resolve_device(self.device)
         return EngineConfig(
             model=ModelConfig(
@@ -64,6 +75,7 @@ class EngineArgs:
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
                 eos_token_id=_first(hf_config.get("eos_token_id")),
+                load_format=_check_load_format(self.load_format),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -78,9 +90,19 @@ class EngineArgs:
             device=DeviceConfig(
                 device=device,
                 num_threads=self.num_threads or max(1, (os.cpu_count() or 1) // self.data_parallel_size),
-                attention_backend="triton" if device == "cuda" else "torch",
+                attention_backend=resolve_attention_backend(device),
+                enforce_eager=self.enforce_eager,
             ),
+            speculative=resolve_speculative_config(self.speculative_config),
+            structured_outputs=StructuredOutputsConfig(compile_timeout=self.structured_outputs_compile_timeout),
+            kv_transfer=self._kv_transfer_config(),
         )
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        config = resolve_kv_transfer_config(self.kv_transfer_config)
+        check_engine_supports(config, tensor_parallel_size=self.tensor_parallel_size,
+                              enable_prefix_caching=self.enable_prefix_caching)
+        return config
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048
@@ -108,6 +130,20 @@ class EngineArgs:
 
 def _first(value):
     return value[0] if isinstance(value, list) else value
+
+
+def _check_load_format(load_format: str) -> str:
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
+    return load_format
+
+
+def resolve_attention_backend(device: str) -> str:
+    """Triton kernels on CUDA, torch elsewhere; ``WEFT_ATTENTION_BACKEND=torch|triton`` forces either."""
+    forced = os.environ.get("WEFT_ATTENTION_BACKEND", "").strip().lower()
+    if forced and forced not in ("torch", "triton"):
+        raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch' or 'triton', got {forced!r}.")
+    return forced or ("triton" if device == "cuda" else "torch")
 
 
 def resolve_device(device: str) -> str:

@@ -30,6 +30,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 @dataclass
@@ -141,7 +142,8 @@ def _request_output(prompt: Prompt, children: list[EngineCoreRequest],
         outputs=[CompletionOutput(
             index=i, text=s.text, token_ids=s.token_ids,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-            logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            error=s.error)
             for i, s in enumerate(child_states)],
         finished=all(s.finished for s in child_states),
         num_cached_tokens=first.num_cached_tokens,

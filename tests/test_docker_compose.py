@@ -14,6 +14,9 @@ from services.engine_core.cli import parse_args as engine_core_args
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+# What plain `docker compose up` starts: the services outside any profile
+# (the `pd` profile is tested in tests/kv_transfer/test_compose_pd.py).
+DEFAULT_SERVICES = {name: s for name, s in COMPOSE["services"].items() if not s.get("profiles")}
 
 
 def parse_command(command: list[str]):
@@ -28,7 +31,7 @@ def parse_command(command: list[str]):
 
 
 def test_services_and_shared_image():
-    services = COMPOSE["services"]
+    services = DEFAULT_SERVICES
     assert set(services) == {"api", "engine-core-0", "engine-core-1"}
     assert services["api"]["build"] == "."
     assert {s["image"] for s in services.values()} == {services["api"]["image"]}

@@ -2,15 +2,18 @@
 
 ``build_app`` wires the routes to an ``EngineClient`` (the real balancer in
 ``weft serve``, a fake in tests). Every client error leaves as an
-OpenAI-shaped JSON error; a client that disconnects gets its engine
-requests aborted.
+OpenAI-shaped JSON error, never a stack trace; a client that disconnects
+gets its engine requests aborted. ``ServingLimits`` bound what a request may
+ask; admission control (``services.api.admission``) answers 503 with
+Retry-After when the engines' queues are full, and ``app.state.admission``
+is what a graceful shutdown drains.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette
@@ -21,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol import EngineConfig
+from services.api.admission import Admission, TicketReleaseMiddleware
 from services.api.auth import APIKeyMiddleware
 from services.api.engine_client import EngineClient
 from services.api.errors import (
@@ -31,6 +35,7 @@ from services.api.errors import (
     http_error_handler,
     internal_error_handler,
 )
+from services.api.limits import BodySizeLimitMiddleware, ServingLimits
 from services.api.metrics import CONTENT_TYPE, APIMetrics
 from services.api.openai_schemas import (
     ChatCompletionRequest,
@@ -39,6 +44,7 @@ from services.api.openai_schemas import (
     TokenizeRequest,
     decode_body,
 )
+from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids
 from services.api.serving_completions import CompletionServing
@@ -104,11 +110,15 @@ class _Routes:
             by_state.setdefault(stats.state, []).append(rank)
             ranks.append({"rank": rank, "state": stats.state, "num_blocks": stats.num_blocks,
                           "num_free_blocks": stats.num_free_blocks, "num_running": stats.num_running,
-                          "num_waiting": stats.num_waiting, "num_routed": stats.num_routed})
-        if client.ready:
-            return JSONResponse({"status": "ok", **by_state, "ranks": ranks})
-        status = "degraded" if by_state["dead"] and by_state["ready"] else "unavailable"
-        return JSONResponse({"status": status, **by_state, "ranks": ranks}, status_code=503)
+                          "num_waiting": stats.num_waiting, "num_routed": stats.num_routed,
+                          "num_in_flight": len(stats.in_flight)})
+        admission = self.ctx.admission
+        load = {"admitted": admission.in_use, "capacity": admission.capacity()}
+        if client.ready and not admission.draining:
+            return JSONResponse({"status": "ok", **by_state, **load, "ranks": ranks})
+        status = "draining" if admission.draining else \
+            "degraded" if by_state["ready"] and len(by_state["ready"]) < len(ranks) else "unavailable"
+        return JSONResponse({"status": status, **by_state, **load, "ranks": ranks}, status_code=503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})
@@ -151,11 +161,16 @@ class _Routes:
 
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
-              api_key: str | None = None, served_model_name: str | None = None) -> Starlette:
-    """The app; its lifespan starts and shuts down ``engine_client``."""
+              api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
+              limits: ServingLimits | None = None) -> Starlette:
+    """The app; its lifespan starts and shuts down ``engine_client``.
+    ``api_key``: one key or several (any of them is accepted)."""
     name = served_model_name or config.model.served_model_name
+    limits = limits or ServingLimits()
     metrics = APIMetrics(engine_client.rank_stats, name)
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics))
+    admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
+    metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -165,10 +180,19 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
         finally:
             await engine_client.shutdown()
 
-    return Starlette(
+    # Outermost first: every exchange returns its tickets; bodies are capped
+    # before anything reads them; keys are checked before any work.
+    middleware = [Middleware(TicketReleaseMiddleware),
+                  Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)]
+    if api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key))
+    app = Starlette(
         routes=routes.table(),
-        middleware=[Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else [],
+        middleware=middleware,
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: internal_error_handler},
         lifespan=lifespan,
     )
+    app.state.admission = admission
+    app.state.limits = limits
+    return app

@@ -1,14 +1,16 @@
 """The ``--api-key`` check: pure ASGI, on /v1 paths only.
 
 /health, /metrics, /version, /tokenize and /detokenize stay open (vLLM does
-the same: probes and scrapers carry no key). Keys are compared as SHA-256
-digests with a constant-time compare, so neither the key's length nor its
-prefix leaks through timing.
+the same: probes and scrapers carry no key). Several keys may be valid at
+once (to rotate them). Keys are compared as SHA-256 digests with a
+constant-time compare, against every key each time, so neither a key's
+length, its prefix nor which key matched leaks through timing.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Sequence
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,11 +27,12 @@ def _is_protected(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        if not api_key:
-            raise ValueError("api_key must be a non-empty string.")
+    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str]) -> None:
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+        if not keys or not all(keys):
+            raise ValueError("API keys must be non-empty strings.")
         self.app = app
-        self._digest = _digest(api_key)
+        self._digests = [_digest(key) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_protected(scope["path"]):
@@ -44,6 +47,8 @@ class APIKeyMiddleware:
 
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
-        # Always compare, even on a bad scheme, so every refusal costs the same.
-        match = hmac.compare_digest(_digest(token.strip()), self._digest)
-        return match and scheme.lower() == "bearer"
+        # Always compare with every key, even on a bad scheme, so every
+        # answer costs the same.
+        digest = _digest(token.strip())
+        matches = [hmac.compare_digest(digest, known) for known in self._digests]
+        return any(matches) and scheme.lower() == "bearer"

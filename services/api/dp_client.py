@@ -4,15 +4,23 @@ Sockets (all bound here; engines connect):
 
 - handshake ROUTER: answers each engine's hello with its config and the
   data addresses;
-- input ROUTER: requests out, addressed by rank identity; engines' ready and
-  goodbye messages in;
+- input ROUTER: requests out, addressed by rank identity; engines' ready,
+  draining and goodbye messages in;
 - output PULL: ``EngineCoreOutputs`` from every rank (outputs, load stats,
   heartbeats).
 
+With ``curve`` keys every socket is a CurveZMQ server and only engines
+holding the client key get in (``protocol.curve``); a frame that does not
+decode is counted (``dropped_frames()``) and dropped.
+
 Requests go to the ready rank with the lowest ``4 * waiting + running``, as
-vLLM's DPLBAsyncMPClient does. A rank is dead when its local process exits,
-it says goodbye, or it is silent for ``silence_timeout_s``; its in-flight
-requests then fail with ``EngineDeadError`` and it gets no new ones.
+vLLM's DPLBAsyncMPClient does. A rank's life: ``waiting`` (until its hello
+and ready) -> ``ready`` -> ``draining`` (it was told to stop: it finishes
+what it holds, gets nothing new) -> ``dead`` (its process exited, it said
+goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests
+then fail with ``EngineDeadError``. A dead rank that says hello again (a
+local one restarted by ``LocalEngines``, a headless one restarted by the
+operator) is handed its config and rejoins once ready.
 Torch-free: nothing here may import torch.
 """
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
-import sys
 import time
 from typing import AsyncIterator, Sequence
 
@@ -32,64 +39,37 @@ from protocol import (
     EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason,
 )
 from protocol.codec import Decoder, Encoder
-from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus
+from protocol.curve import CurveKeys, ZapAuthenticator
+from protocol.handshake import (
+    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
+)
 from protocol.zmq_sockets import (
     arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, make_socket, rank_identity,
     tcp_address, tcp_host,
 )
-from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError, RankStats
+from services.api.engine_client import (
+    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_spec_decode_stats,
+)
+from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
+
+__all__ = ["DPLBEngineClient", "launch_local_engines", "stop_processes"]
 
 logger = logging.getLogger(__name__)
 
 _MONITOR_S = 0.2
 _WAITING_LOG_S = 5.0
 _SHUTDOWN_WAIT_S = 5.0
-_STOP_GRACE_S = 10.0
-
-
-def launch_local_engines(num: int, start_rank: int, handshake_address: str,
-                         num_threads: int | None = None) -> list[subprocess.Popen]:
-    """Start ranks ``start_rank..start_rank+num-1`` on this node (stdout/stderr inherited).
-
-    Plain subprocesses: the config reaches them over the handshake, never pickled.
-    """
-    processes = []
-    for rank in range(start_rank, start_rank + num):
-        cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
-               "--handshake-address", handshake_address, "--local"]
-        if num_threads is not None:
-            cmd += ["--num-threads", str(num_threads)]
-        processes.append(subprocess.Popen(cmd))
-    return processes
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float = _STOP_GRACE_S,
-                   exit_wait_s: float = 0.0) -> None:
-    """Give the processes ``exit_wait_s`` to exit on their own, SIGTERM those
-    still running, and SIGKILL those that outlive ``grace_s`` more."""
-    deadline = time.monotonic() + exit_wait_s
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in processes:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in processes:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("Engine process %d ignored SIGTERM; killing it.", proc.pid)
-            proc.kill()
-            proc.wait()
+# Ranks that serve requests (ready) or finish the ones they hold (draining).
+_LIVE = ("ready", "draining")
 
 
 class DPLBEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
                  local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
-                 silence_timeout_s: float = 3.0) -> None:
-        """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it)."""
+                 silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
+                 restart_local: bool = False) -> None:
+        """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
+        with ``restart_local`` one that dies is started again (with back-off)."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
@@ -99,15 +79,20 @@ class DPLBEngineClient(EngineClient):
         self.handshake_address = handshake_address
         self.num_ranks = num_ranks
         self.silence_timeout_s = silence_timeout_s
-        self._processes = dict(enumerate(local_processes, start=local_start_rank))
+        self.curve = curve
+        self.local = LocalEngines(dict(enumerate(local_processes, start=local_start_rank)),
+                                  restart=restart_local)
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
         self._last_seen: dict[int, float] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._holder: dict[str, int] = {}
         self._encoder = Encoder()
         self._ctx: zmq.asyncio.Context | None = None
+        self._auth: ZapAuthenticator | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # Frames that failed to decode, by the socket they came in on.
+        self._dropped_frames = {"handshake": 0, "status": 0, "output": 0}
 
     # ---- lifecycle
 
@@ -115,16 +100,24 @@ class DPLBEngineClient(EngineClient):
         if self._ctx is not None:
             raise RuntimeError("DPLBEngineClient.start() was already called.")
         self._ctx = zmq.asyncio.Context()
-        self._handshake_sock = make_socket(self._ctx, zmq.ROUTER, self.handshake_address, bind=True)
+        if self.curve is not None:
+            self._auth = ZapAuthenticator(self._ctx, self.curve)  # before any socket accepts a peer
+        self._handshake_sock = self._bind(zmq.ROUTER, self.handshake_address)
         self.handshake_address = bound_address(self._handshake_sock)
-        self._input_sock = make_socket(self._ctx, zmq.ROUTER, self._data_address("input"), bind=True, linger=1000)
-        self._output_sock = make_socket(self._ctx, zmq.PULL, self._data_address("output"), bind=True)
+        self._input_sock = self._bind(zmq.ROUTER, self._data_address("input"), linger=1000)
+        self._output_sock = self._bind(zmq.PULL, self._data_address("output"))
         self.input_address = bound_address(self._input_sock)
         self.output_address = bound_address(self._output_sock)
         for coro in (self._handshake_loop(), self._status_loop(), self._output_loop(), self._monitor_loop()):
             task = asyncio.create_task(coro, name=coro.__name__)
             task.add_done_callback(_log_task_failure)
             self._tasks.append(task)
+
+    def _bind(self, socket_type: int, address: str, linger: int = 0) -> zmq.asyncio.Socket:
+        # ROUTER handover: a restarted rank reconnects with its old identity
+        # and must win over a connection whose death is not yet noticed.
+        return make_socket(self._ctx, socket_type, address, bind=True, linger=linger, curve=self.curve,
+                           router_handover=socket_type == zmq.ROUTER)
 
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.
@@ -136,9 +129,10 @@ class DPLBEngineClient(EngineClient):
         if self._ctx is None or self._closing:
             return
         self._closing = True
-        # Only ready ranks are connected to the input socket; local ones still
+        self.local.restart = False
+        # Only live ranks are connected to the input socket; local ones still
         # starting get SIGTERM below, remote ones time out their handshake.
-        live = [rank for rank, s in self._stats.items() if s.state == "ready"]
+        live = [rank for rank, s in self._stats.items() if s.state in _LIVE]
         for rank in live:
             await self._send(rank, EngineCoreRequestType.SHUTDOWN)
         # Each live rank answers with its goodbye (handled by _status_loop).
@@ -151,7 +145,9 @@ class DPLBEngineClient(EngineClient):
         for rank in list(self._stats):
             self._mark_dead(rank, "the API shut down")
         # Engines that said goodbye are exiting: let them, before any SIGTERM.
-        await asyncio.to_thread(stop_processes, list(self._processes.values()), exit_wait_s=_SHUTDOWN_WAIT_S)
+        await asyncio.to_thread(self.local.stop, exit_wait_s=_SHUTDOWN_WAIT_S)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.destroy(linger=0)
 
     # ---- EngineClient
@@ -162,6 +158,9 @@ class DPLBEngineClient(EngineClient):
 
     def rank_stats(self) -> dict[int, RankStats]:
         return self._stats
+
+    def dropped_frames(self) -> dict[str, int]:
+        return dict(self._dropped_frames)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         request_id = request.request_id
@@ -187,7 +186,7 @@ class DPLBEngineClient(EngineClient):
                 yield item
         finally:
             self._forget(request_id)
-            if not finished and self._stats[rank].state != "dead":
+            if not finished and self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, [request_id])
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -200,7 +199,7 @@ class DPLBEngineClient(EngineClient):
             for request_id in ids:
                 self._finish_locally(request_id, EngineCoreOutput(
                     request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
-            if self._stats[rank].state != "dead":
+            if self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, ids)
 
     def _choose_rank(self, request: EngineCoreRequest) -> int:
@@ -245,18 +244,22 @@ class DPLBEngineClient(EngineClient):
             try:
                 (identity,), hello = await arecv(self._handshake_sock, decoder, num_header=1)
             except ValueError as e:
-                logger.warning("Dropped a malformed handshake message: %s", e)
+                self._dropped("handshake", e)
                 continue
             rank = identity_rank(identity)
             if rank not in self._stats or hello.rank != rank:
                 logger.warning("Ignored a hello from unknown rank %d (identity %r).", hello.rank, identity)
                 continue
-            if self._stats[rank].state != "waiting":
-                logger.warning("Ignored a second hello from rank %d, which is %s.", rank, self._stats[rank].state)
+            state = self._stats[rank].state
+            if state in _LIVE or self._closing:
+                # Another process already serves this rank (or we stop): it keeps it.
+                logger.warning("Ignored a hello from rank %d, which is %s.", rank, state)
                 continue
-            if hello.local != (rank in self._processes):
+            if hello.local != (rank in self.local):
                 logger.warning("Rank %d says local=%s, but this API %s start it.",
-                               rank, hello.local, "did" if rank in self._processes else "did not")
+                               rank, hello.local, "did" if rank in self.local else "did not")
+            if state == "dead":
+                self._stats[rank].state = "waiting"  # a restarted rank rejoins
             logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 
@@ -273,7 +276,7 @@ class DPLBEngineClient(EngineClient):
             try:
                 (identity,), status = await arecv(self._input_sock, decoder, num_header=1)
             except ValueError as e:
-                logger.warning("Dropped a malformed engine status message: %s", e)
+                self._dropped("status", e)
                 continue
             rank = identity_rank(identity)
             if rank not in self._stats or status.rank != rank:
@@ -281,19 +284,32 @@ class DPLBEngineClient(EngineClient):
                 continue
             if isinstance(status, EngineReady):
                 self._on_ready(status)
+            elif isinstance(status, EngineDraining):
+                await self._on_draining(status)
             elif isinstance(status, EngineGoodbye):
-                self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})")
+                self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})", expected=True)
                 await self._send(rank, EngineCoreRequestType.SHUTDOWN)  # acknowledges the goodbye
 
     def _on_ready(self, ready: EngineReady) -> None:
         stats = self._stats[ready.rank]
-        if stats.state == "dead":
-            return  # a dead rank never comes back under the same client
+        if stats.state != "waiting":
+            return  # a late message of an instance declared dead
         stats.state = "ready"
         stats.num_blocks = ready.num_blocks
+        stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
         self._last_seen[ready.rank] = time.monotonic()
         logger.info("Rank %d is ready (%d KV blocks, max_model_len %d).",
                     ready.rank, ready.num_blocks, ready.max_model_len)
+
+    async def _on_draining(self, draining: EngineDraining) -> None:
+        stats = self._stats[draining.rank]
+        if stats.state != "ready":
+            return
+        stats.state = "draining"
+        logger.info("Rank %d is draining: it finishes its %d request(s) (at most %.0fs) and gets no new ones.",
+                    draining.rank, len(stats.in_flight), draining.timeout_s)
+        # Every ADD for this rank was sent before this: the engine may stop once idle.
+        await self._send(draining.rank, EngineCoreRequestType.DRAIN)
 
     async def _output_loop(self) -> None:
         decoder = Decoder(EngineCoreOutputs)
@@ -301,16 +317,22 @@ class DPLBEngineClient(EngineClient):
             try:
                 _, batch = await arecv(self._output_sock, decoder)
             except ValueError as e:
-                logger.warning("Dropped malformed engine outputs: %s", e)
+                self._dropped("output", e)
                 continue
             stats = self._stats.get(batch.engine_index)
-            if stats is None or stats.state == "dead":
+            if stats is None or stats.state not in _LIVE:
                 continue
             self._last_seen[batch.engine_index] = time.monotonic()
             if batch.scheduler_stats is not None:
                 _update_stats(stats, batch.scheduler_stats)
             for output in batch.outputs:
                 self._route(output)
+
+    def _dropped(self, socket_name: str, error: Exception) -> None:
+        self._dropped_frames[socket_name] += 1
+        if self._dropped_frames[socket_name] % 100 == 1:  # garbage must not flood the log
+            logger.warning("Dropped a malformed %s message (%d so far): %s", socket_name,
+                           self._dropped_frames[socket_name], error)
 
     def _route(self, output: EngineCoreOutput) -> None:
         queue = self._queues.get(output.request_id)
@@ -327,29 +349,32 @@ class DPLBEngineClient(EngineClient):
             await asyncio.sleep(_MONITOR_S)
             now = time.monotonic()
             for rank, stats in self._stats.items():
-                if stats.state == "dead":
-                    continue
-                proc = self._processes.get(rank)
-                if proc is not None and proc.poll() is not None:
-                    self._mark_dead(rank, f"its process exited with code {proc.returncode}")
-                elif stats.state == "ready" and now - self._last_seen[rank] > self.silence_timeout_s:
-                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s")
+                code = self.local.exit_code(rank)
+                if stats.state != "dead" and code is not None:
+                    self._mark_dead(rank, f"its process exited with code {code}")
+                elif stats.state in _LIVE and now - self._last_seen[rank] > self.silence_timeout_s:
+                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s", hung=True)
+            for rank in self.local.restart_due():
+                self._stats[rank].state = "waiting"
             waiting = [r for r, s in self._stats.items() if s.state == "waiting"]
             if waiting and now - last_log > _WAITING_LOG_S:
                 logger.info("Still waiting for engine core rank(s) %s to be ready.", waiting)
                 last_log = now
 
-    def _mark_dead(self, rank: int, reason: str) -> None:
+    def _mark_dead(self, rank: int, reason: str, *, hung: bool = False, expected: bool = False) -> None:
+        """``expected``: it said goodbye (a drain, a stop), rather than crashed or went silent."""
         stats = self._stats[rank]
         if stats.state == "dead":
             return
         stats.state = "dead"
         if not self._closing:
-            logger.error("Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
-                         rank, reason, len(stats.in_flight))
+            level = logging.INFO if expected and not stats.in_flight else logging.ERROR
+            logger.log(level, "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
+                       rank, reason, len(stats.in_flight))
+            self.local.on_dead(rank, hung=hung)
         for request_id in list(stats.in_flight):
             self._finish_locally(request_id, EngineDeadError(
-                f"Engine core rank {rank} died while serving request {request_id}: {reason}."))
+                f"Engine core rank {rank} stopped while serving request {request_id}: {reason}."))
         stats.num_running = stats.num_waiting = 0
 
 
@@ -361,9 +386,14 @@ def _update_stats(stats: RankStats, new) -> None:
     stats.prefix_cache_queries += new.prefix_cache_queries
     stats.prefix_cache_hits += new.prefix_cache_hits
     stats.num_preemptions += new.num_preemptions
+    stats.external_prefix_cache_queries += new.external_prefix_cache_queries
+    stats.external_prefix_cache_hits += new.external_prefix_cache_hits
+    stats.num_dropped_frames = new.num_dropped_frames
+    add_spec_decode_stats(stats, new)
+    if new.structured_outputs is not None:  # totals, not deltas: keep the latest
+        stats.structured_outputs = new.structured_outputs
 
 
 def _log_task_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("Engine client task %s failed", task.get_name(), exc_info=task.exception())
-

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protocol import EngineCoreOutput, EngineCoreRequest
+from protocol.structured_outputs import StructuredOutputStats
 
 
 class EngineDeadError(RuntimeError):
@@ -28,7 +29,7 @@ class RankStats:
     """What the API knows of one data-parallel rank."""
 
     rank: int
-    state: str = "waiting"  # "waiting" (not yet ready), "ready", "dead"
+    state: str = "waiting"  # "waiting", "ready", "draining" (finishes, gets nothing new), "dead"
     num_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -40,6 +41,30 @@ class RankStats:
     num_preemptions: int = 0
     num_routed: int = 0  # requests the API sent to this rank, ever
     in_flight: set[str] = field(default_factory=set)  # request ids routed here, not finished
+    num_dropped_frames: int = 0  # malformed input frames the engine dropped (its running total)
+    # Speculative decoding running totals (see SchedulerStats).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Structured outputs: the rank's totals as it last reported them.
+    structured_outputs: StructuredOutputStats | None = None
+    # Disaggregated prefill/decode running totals: prompt tokens a KV
+    # connector offered, and those loaded from it instead of computed.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+
+
+def add_spec_decode_stats(stats: RankStats, new) -> None:
+    """Add one ``SchedulerStats``' speculative-decoding deltas to a rank's totals."""
+    stats.spec_decode_num_drafts += new.spec_decode_num_drafts
+    stats.spec_decode_num_draft_tokens += new.spec_decode_num_draft_tokens
+    stats.spec_decode_num_accepted_tokens += new.spec_decode_num_accepted_tokens
+    totals = stats.spec_decode_num_accepted_tokens_per_pos
+    for position, count in enumerate(new.spec_decode_num_accepted_tokens_per_pos):
+        if position == len(totals):
+            totals.append(0)
+        totals[position] += count
 
 
 class EngineClient(ABC):
@@ -67,6 +92,10 @@ class EngineClient(ABC):
     @abstractmethod
     def rank_stats(self) -> dict[int, RankStats]:
         """Per-rank state and load, for /health and /metrics."""
+
+    def dropped_frames(self) -> dict[str, int]:
+        """Malformed frames the client dropped, by socket (for /metrics)."""
+        return {}
 
     @abstractmethod
     async def shutdown(self) -> None:

@@ -25,19 +25,22 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers or {}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param)
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(message, 503)
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    """503: the client may try again after ``retry_after_s`` seconds."""
+    return APIError(message, 503, headers={"Retry-After": str(retry_after_s)})
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -60,7 +63,9 @@ def from_validation_error(e: msgspec.ValidationError | msgspec.DecodeError) -> A
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc.message, exc.status, exc.param)
+    response = error_response(exc.message, exc.status, exc.param)
+    response.headers.update(exc.headers)
+    return response
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:

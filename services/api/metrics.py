@@ -8,15 +8,17 @@ routes through ``RequestMetrics``, one per engine request.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol import EngineCoreEventType, EngineCoreOutput
+from protocol.structured_outputs import COMPILE_TIME_BUCKETS, StructuredOutputStats
 from services.api.engine_client import RankStats
 
 # vLLM does the same: the `*_created` series only double what scrapers see.
@@ -55,6 +57,13 @@ class _RankCollector(Collector):
                 "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels),
             "num_preemptions": CounterMetricFamily(
                 "vllm:num_preemptions", "Requests preempted by the scheduler.", labels=labels),
+            "external_prefix_cache_queries": CounterMetricFamily(
+                "vllm:external_prefix_cache_queries", "Prompt tokens a KV connector offered to load.",
+                labels=labels),
+            "external_prefix_cache_hits": CounterMetricFamily(
+                "vllm:external_prefix_cache_hits", "Prompt tokens loaded by a KV connector instead of computed.",
+                labels=labels),
+            **_spec_decode_families(labels),
         }
         for rank, stats in sorted(self._rank_stats().items()):
             values = {
@@ -64,10 +73,53 @@ class _RankCollector(Collector):
                 "prefix_cache_queries": stats.prefix_cache_queries,
                 "prefix_cache_hits": stats.prefix_cache_hits,
                 "num_preemptions": stats.num_preemptions,
+                "external_prefix_cache_queries": stats.external_prefix_cache_queries,
+                "external_prefix_cache_hits": stats.external_prefix_cache_hits,
+                "spec_decode_num_drafts": stats.spec_decode_num_drafts,
+                "spec_decode_num_draft_tokens": stats.spec_decode_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens,
             }
             for key, value in values.items():
                 families[key].add_metric([self._model_name, str(rank)], value)
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                families["spec_decode_num_accepted_tokens_per_pos"].add_metric(
+                    [self._model_name, str(rank), str(position)], count)
         yield from families.values()
+        yield from _structured_output_families(self._rank_stats(), labels, self._model_name)
+
+
+def _structured_output_families(ranks: dict[int, RankStats], labels: list[str],
+                                model_name: str) -> Iterator[Metric]:
+    """Constrained requests and grammar compile times, from each rank's running totals."""
+    requests = CounterMetricFamily("weft:structured_output_requests",
+                                   "Requests with a structured-output constraint.", labels=labels)
+    compile_time = HistogramMetricFamily("weft:structured_output_compile_seconds",
+                                         "Time to compile a request's grammar.", labels=labels)
+    for rank, stats in sorted(ranks.items()):
+        totals = stats.structured_outputs or StructuredOutputStats()
+        label_values = [model_name, str(rank)]
+        requests.add_metric(label_values, totals.num_requests)
+        counts = totals.compile_counts or [0] * (len(COMPILE_TIME_BUCKETS) + 1)
+        bounds = [*map(str, COMPILE_TIME_BUCKETS), "+Inf"]
+        compile_time.add_metric(label_values, list(zip(bounds, itertools.accumulate(counts))),
+                                totals.compile_seconds)
+    yield requests
+    yield compile_time
+
+
+def _spec_decode_families(labels: list[str]) -> dict[str, CounterMetricFamily]:
+    """Speculative decoding counters (zero while it is off), vLLM's names."""
+    return {
+        "spec_decode_num_drafts": CounterMetricFamily(
+            "vllm:spec_decode_num_drafts", "Request steps that verified draft tokens.", labels=labels),
+        "spec_decode_num_draft_tokens": CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels=labels),
+        "spec_decode_num_accepted_tokens": CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=labels),
+        "spec_decode_num_accepted_tokens_per_pos": CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+            labels=[*labels, "position"]),
+    }
 
 
 class APIMetrics:

@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from protocol import StructuredOutputsParams
+from protocol.kv_transfer import KVTransferParams
+
 T = TypeVar("T")
 
 # The range of a C long long: what a seed or a token id may hold downstream.
@@ -39,6 +42,20 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -63,6 +80,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: Priority = 0
     cache_salt: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
+    # and the older guided_* fields many clients still send.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Disaggregated prefill/decode (vLLM's field): set by the P/D proxy.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -145,6 +172,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: Literal["text_completion"] = "text_completion"
+    kv_transfer_params: KVTransferParams | None = None  # what a decode engine needs (P/D)
 
 
 class TopLogprob(msgspec.Struct):
@@ -184,6 +212,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     object: Literal["chat.completion"] = "chat.completion"
+    kv_transfer_params: KVTransferParams | None = None  # what a decode engine needs (P/D)
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -215,6 +244,19 @@ class CompletionChunk(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: Literal["text_completion"] = "text_completion"
+
+
+class ChatCompletionFinalChunk(ChatCompletionChunk):
+    """A choice's last chunk when the engine handed back ``kv_transfer_params``
+    (only then: other chunks do not carry the field at all)."""
+
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class CompletionFinalChunk(CompletionChunk):
+    """See ``ChatCompletionFinalChunk``."""
+
+    kv_transfer_params: KVTransferParams | None = None
 
 
 def encode(obj: Any) -> bytes:

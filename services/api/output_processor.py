@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
+from protocol.kv_transfer import KVTransferParams
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: KVTransferParams | None = None  # from the finished output (P/D)
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> "RequestState":
@@ -72,6 +74,7 @@ class RequestState:
             self.finish_reason = str(output.finish_reason)
             self.stop_reason = output.stop_reason
             self.error = output.error
+            self.kv_transfer_params = output.kv_transfer_params
         return False
 
     def _add_logprobs(self, entry: TokenLogprobs) -> None:

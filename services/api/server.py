@@ -1,9 +1,11 @@
 """``weft serve``: the API process, and the engine cores local to this node.
 
 Builds the config once (torch-free), starts ``--data-parallel-size-local``
-engine-core processes, and serves the Starlette app on uvicorn + uvloop.
-Remote ranks are started on their nodes with ``engine-core --headless`` and
-connect to ``--data-parallel-address``:``--data-parallel-rpc-port``.
+engine-core processes (restarted with back-off if they die), and serves the
+Starlette app on uvicorn + uvloop until SIGTERM/SIGINT, then drains
+(``services.api.graceful``). Remote ranks are started on their nodes with
+``engine-core --headless`` and connect to
+``--data-parallel-address``:``--data-parallel-rpc-port``.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import os
 import socket
 import sys
 
+from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
+from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
 from services.cli_args import add_engine_args, engine_args_from
 
 logger = logging.getLogger("weft.serve")
@@ -23,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft serve", description="Serve the OpenAI-compatible API.")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("WEFT_API_KEY"),
-                        help="Require 'Authorization: Bearer KEY' on /v1 routes.")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat to accept several keys "
+                             "(default: $WEFT_API_KEY, comma-separated).")
+    _add_hardening_args(parser)
     parser.add_argument("--data-parallel-size-local", type=int, default=None,
                         help="Engine cores to start on this node (default: all ranks).")
     parser.add_argument("--data-parallel-start-rank", type=int, default=0,
@@ -37,16 +43,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("reliability and security")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="Engine requests that may wait per ready engine core beyond the max-num-seqs it runs; "
+                            "more get 503 with Retry-After (default: 2 x max-num-seqs).")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="Abort a request still running after this many seconds (504; default: none).")
+    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="On SIGTERM, seconds in-flight requests may run before they are ended with an error.")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="Largest request body accepted (413 beyond).")
+    group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="Most choices (n) per request.")
+    group.add_argument("--max-tokens-limit", type=int, default=None,
+                       help="Largest max_tokens a request may ask for (default: up to max-model-len).")
+    group.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="Longest prompt in tokens (default: max-model-len - 1).")
+    group.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                       help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
+                            "keys `weft keys --dir DIR` made (give engine-core the same folder).")
+    group.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
+                       help="Restart a local engine core that dies (with back-off).")
+
+
+def serving_limits(args: argparse.Namespace) -> ServingLimits:
+    return ServingLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                         max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
+                         shutdown_timeout_s=args.shutdown_timeout)
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    if args.api_key:
+        return args.api_key
+    return [key for key in os.environ.get("WEFT_API_KEY", "").split(",") if key]
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
+        limits = serving_limits(args)
+        curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
+        if args.zmq_curve_keys is not None and local:
+            load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
+        if any(not key for key in args.api_key or ()):
+            raise ValueError("--api-key must not be empty.")
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake)
+    return _run(args, config, local, handshake, limits, curve)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -74,22 +122,26 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _run(args: argparse.Namespace, config, local: int, handshake: str) -> int:
-    import uvicorn
-
+def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
+         curve: CurveKeys | None) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
+    from services.api.graceful import serve
     from services.api.tokenizer import Tokenizer
 
     # Engines take their torch thread count from the config (--num-threads).
-    procs = launch_local_engines(local, args.data_parallel_start_rank, handshake)
+    procs = launch_local_engines(local, args.data_parallel_start_rank, handshake, curve_keys=args.zmq_curve_keys,
+                                 shutdown_timeout_s=args.shutdown_timeout)
+    client = None
     try:
         client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
-                                  local_start_rank=args.data_parallel_start_rank)
-        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=args.api_key,
-                        served_model_name=config.model.served_model_name)
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="info")
+                                  local_start_rank=args.data_parallel_start_rank, curve=curve,
+                                  restart_local=args.restart_engines)
+        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
+                        served_model_name=config.model.served_model_name, limits=limits)
+        serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
     finally:
-        # The app's shutdown already stopped them; this covers a failed start.
-        stop_processes(procs, grace_s=5.0)
+        # The app's shutdown already stopped them (restarted ones included);
+        # this covers a failed start.
+        stop_processes(list(client.local.processes.values()) if client else procs, grace_s=5.0)
     return 0

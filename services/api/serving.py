@@ -19,14 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
+from starlette.requests import Request
 
 from protocol import EngineConfig, EngineCoreRequest, SamplingParams
+from protocol.kv_transfer import KVTransferParams
+from services.api.admission import Admission, hold_ticket
 from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError
 from services.api.errors import APIError, bad_request, error_body, unavailable
+from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
 from services.api.streaming import DONE, sse
+from services.api.structured_outputs import structured_outputs_from
 from services.api.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,12 @@ class ServingContext:
     config: EngineConfig
     served_model_name: str
     metrics: APIMetrics
+    limits: ServingLimits = field(default_factory=ServingLimits)
+    admission: Admission | None = None  # made from the limits when not given
+
+    def __post_init__(self) -> None:
+        if self.admission is None:
+            self.admission = Admission(self.engine_client, self.config.scheduler.max_num_seqs, self.limits)
 
     @property
     def max_model_len(self) -> int:
@@ -63,10 +74,23 @@ class ServingContext:
             raise bad_request(f"The model `{model}` does not exist; this server serves "
                               f"`{self.served_model_name}`.", "model")
 
-    def check_can_serve(self) -> None:
-        """503 before any work when no rank could take the request."""
-        if not any(s.state == "ready" for s in self.engine_client.rank_stats().values()):
-            raise unavailable("No engine is ready to serve requests; try again later.")
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """400 for more choices than this server serves in one request."""
+        if n > self.limits.max_n:
+            raise bad_request(f"n must be at most {self.limits.max_n}, got {n}.", "n")
+        if num_prompts * n > self.admission.per_rank:
+            raise bad_request(f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
+                              f"at once ({self.admission.per_rank}).", "n" if num_prompts == 1 else "prompt")
+
+    def admit(self, request: Request, choices: list["Choice"]) -> "ChoiceRunner":
+        """The runner of ``choices`` if the engines have room for them (else a
+        503 with Retry-After); their slots come back when the HTTP exchange ends."""
+        ticket = self.admission.admit(len(choices))
+        timeout = self.limits.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        runner = ChoiceRunner(self.engine_client, choices, deadline=deadline)
+        hold_ticket(request.scope, ticket, runner)
+        return runner
 
 
 def new_request_id(prefix: str) -> str:
@@ -83,14 +107,21 @@ def check_prompt_ids(ctx: ServingContext, token_ids: list[int], param: str) -> N
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens, and the prompt "
             f"has {len(token_ids)} tokens, which leaves no room to generate.", param)
+    limit = ctx.limits.max_prompt_tokens
+    if limit is not None and len(token_ids) > limit:
+        raise bad_request(f"The prompt has {len(token_ids)} tokens; this server takes at most {limit}.", param)
 
 
 def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: int,
                        param: str) -> int:
-    """``None`` fills the context; more than fits is the client's error."""
+    """``None`` fills the context (up to the server's cap); more than fits is
+    the client's error."""
     room = ctx.max_model_len - prompt_len
+    cap = ctx.limits.max_tokens
     if requested is None:
-        return room
+        return room if cap is None else min(room, cap)
+    if cap is not None and requested > cap:
+        raise bad_request(f"{param} ({requested}) is more than this server allows ({cap}).", param)
     if requested > room:
         raise bad_request(
             f"{param} ({requested}) plus the prompt ({prompt_len} tokens) is more than this "
@@ -115,6 +146,8 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
                           "priority")
     if body.cache_salt is not None and not body.cache_salt:
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+    ctx.check_num_sequences(1, body.n)
+    structured_outputs = structured_outputs_from(body)  # 400 when invalid
     try:
         return SamplingParams(
             n=body.n, presence_penalty=body.presence_penalty,
@@ -125,7 +158,8 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured_outputs)
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
@@ -175,7 +209,8 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
             engine_request = EngineCoreRequest(
                 request_id=f"{request_id}-{index}", prompt_token_ids=prompt,
                 sampling_params=child, arrival_time=time.time(),
-                eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt)
+                eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt,
+                kv_transfer_params=body.kv_transfer_params)
             state = RequestState.create(engine_request.request_id, child, ctx.tokenizer)
             choices.append(Choice(index, p, engine_request, state,
                                   ctx.metrics.request(len(prompt), arrival)))
@@ -198,6 +233,11 @@ def usage_of(choices: list[Choice]) -> UsageInfo:
                            PromptTokensDetails(sum(cached.values())))
 
 
+def kv_transfer_params_of(choices: list[Choice]) -> KVTransferParams | None:
+    """What the engine handed back for another engine (the first choice's: all share the prompt)."""
+    return choices[0].state.kv_transfer_params if choices else None
+
+
 def shown_logprob(value: float) -> float:
     return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
@@ -215,6 +255,7 @@ class ChoiceRunner:
 
     engine_client: EngineClient
     choices: list[Choice]
+    deadline: float | None = None  # time.monotonic() past which the request times out
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _ended: set[str] = field(default_factory=set)  # request ids the engine is done with
@@ -225,7 +266,7 @@ class ChoiceRunner:
         try:
             remaining = len(self.choices)
             while remaining:
-                item = await self._queue.get()
+                item = await self._next_item()
                 if isinstance(item, BaseException):
                     raise item
                 choice, done = item
@@ -235,6 +276,18 @@ class ChoiceRunner:
                 yield choice
         finally:
             await self._stop()
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error`` (the server stops); its engine requests are aborted."""
+        self._queue.put_nowait(error)
+
+    async def _next_item(self):
+        if self.deadline is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), self.deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            return APIError("The request timed out and was aborted.", 504)
 
     async def _pump(self, choice: Choice) -> None:
         try:

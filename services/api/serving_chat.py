@@ -12,6 +12,7 @@ from services.api.openai_schemas import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
+    ChatCompletionFinalChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobEntry,
@@ -23,7 +24,7 @@ from services.api.openai_schemas import (
     encode,
 )
 from services.api.output_processor import Logprob
-from services.api.serving import Choice, ChoiceRunner, ServingContext
+from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected
 
 
@@ -75,10 +76,9 @@ class ChatServing:
         else:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
-        ctx.check_can_serve()
         request_id = serving.new_request_id("chatcmpl")
         choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
-        runner = ChoiceRunner(ctx.engine_client, choices)
+        runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         view = _ChatView(request_id, int(time.time()), ctx.served_model_name)
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
@@ -113,7 +113,11 @@ class _ChatView:
         logprobs = self._logprobs(choice, entries)
         finish, stop = _finish(choice)
         delta = DeltaMessage(content=text) if text or not choice.done else DeltaMessage()
-        return self._chunk([ChatStreamChoice(choice.index, delta, logprobs, finish, stop)])
+        shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
+        if choice.done and choice.state.kv_transfer_params is not None:
+            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
+                                            kv_transfer_params=choice.state.kv_transfer_params)
+        return self._chunk(shown)
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
         return self._chunk([], usage=serving.usage_of(choices))
@@ -125,7 +129,8 @@ class _ChatView:
             finish, stop = _finish(c)
             shown.append(ChatChoice(c.index, message, self._logprobs(c, c.take_logprobs()), finish, stop))
         return ChatCompletionResponse(self.request_id, self.created, self.model, shown,
-                                      serving.usage_of(choices))
+                                      serving.usage_of(choices),
+                                      kv_transfer_params=serving.kv_transfer_params_of(choices))
 
     def _chunk(self, choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.request_id, self.created, self.model, choices, usage)

@@ -11,6 +11,7 @@ from services.api.errors import bad_request
 from services.api.openai_schemas import (
     CompletionChoice,
     CompletionChunk,
+    CompletionFinalChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
@@ -18,7 +19,7 @@ from services.api.openai_schemas import (
     encode,
 )
 from services.api.output_processor import Logprob
-from services.api.serving import Choice, ChoiceRunner, ServingContext
+from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected
 
 
@@ -48,15 +49,15 @@ class CompletionServing:
         ctx = self.ctx
         ctx.check_model(body.model)
         prompts = prompt_token_lists(ctx, body.prompt, body.add_special_tokens)
+        ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
         params = []
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, "prompt")
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
             params.append(serving.make_sampling_params(ctx, body, max_tokens, body.logprobs))
-        ctx.check_can_serve()
         request_id = serving.new_request_id("cmpl")
         choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival)
-        runner = ChoiceRunner(ctx.engine_client, choices)
+        runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         view = _CompletionView(request_id, int(time.time()), ctx.served_model_name)
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
@@ -77,8 +78,11 @@ class _CompletionView:
         entries = choice.take_logprobs()
         if not text and not entries and not choice.done:
             return None
-        return CompletionChunk(self.request_id, self.created, self.model,
-                               [self._choice(choice, text, entries)])
+        shown = [self._choice(choice, text, entries)]
+        if choice.done and choice.state.kv_transfer_params is not None:
+            return CompletionFinalChunk(self.request_id, self.created, self.model, shown,
+                                        kv_transfer_params=choice.state.kv_transfer_params)
+        return CompletionChunk(self.request_id, self.created, self.model, shown)
 
     def usage_chunk(self, choices: list[Choice]) -> CompletionChunk:
         return CompletionChunk(self.request_id, self.created, self.model, [],
@@ -87,7 +91,8 @@ class _CompletionView:
     def response(self, choices: list[Choice]) -> CompletionResponse:
         shown = [self._choice(c, c.state.text, c.take_logprobs()) for c in choices]
         return CompletionResponse(self.request_id, self.created, self.model, shown,
-                                  serving.usage_of(choices))
+                                  serving.usage_of(choices),
+                                  kv_transfer_params=serving.kv_transfer_params_of(choices))
 
     def _choice(self, choice: Choice, text: str, entries: list[dict[int, Logprob]]) -> CompletionChoice:
         logprobs = None

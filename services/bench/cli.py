@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from services.bench import serve_cli, throughput
+from services.bench import executor_overhead, serve_cli, throughput
 from services.bench.throughput import BenchResult
 from services.bench.datasets import default_tokenizer, load_any, random_workload
 from services.bench.workload import Workload
@@ -35,6 +35,12 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser)
     parser.add_argument("--compare-hf", action="store_true", help="Also run Hugging Face generate (static batches, same dtype) and print weft/HF.")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="Batch size of the HF baseline.")
+    parser.add_argument("--structured", choices=["json"], default=None,
+                        help="Run the workload unconstrained, then with every request constrained by one "
+                             "JSON schema, and compare (guided decoding's cost).")
+    parser.add_argument("--compare-no-spec", action="store_true",
+                        help="With --speculative-config: run the workload without speculation too, and print "
+                             "the speed-up and the acceptance rate.")
     parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     add_engine_args(parser)  # --model, --dtype, --max-num-seqs, ... as `weft serve` takes them
@@ -61,6 +67,10 @@ def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         config = engine_args.create_engine_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    if args.structured is not None:
+        return _run_structured(args, workload, engine_args)
+    if args.compare_no_spec:
+        return _run_spec_comparison(args, workload, engine_args, parser)
     weft = throughput.run_weft(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
     warn_if_short(weft, workload)
     results = [weft]
@@ -69,6 +79,29 @@ def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         results.append(_run_hf(workload, args.model, weft.details, args.hf_batch_size))
     report = _report(workload, config.model.served_model_name, weft.details["dtype"], results)
     print(_table(workload, report))
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _run_structured(args: argparse.Namespace, workload: Workload, engine_args) -> int:
+    from services.bench.structured import run_structured, structured_table
+
+    report = run_structured(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
+    print(structured_table(workload, report))
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _run_spec_comparison(args: argparse.Namespace, workload: Workload, engine_args,
+                         parser: argparse.ArgumentParser) -> int:
+    from services.bench.spec_decode import run_spec_comparison, spec_table
+
+    if engine_args.speculative_config is None:
+        parser.error("--compare-no-spec needs --speculative-config.")
+    report = run_spec_comparison(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
+    print(spec_table(workload, report))
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
@@ -191,6 +224,9 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 16, 64],
                         help="Static batch sizes of the HF generate baseline.")
+    parser.add_argument("--hf-bs1-requests", type=int, default=16,
+                        help="HF at batch size 1 runs only this many requests, spread evenly over the workload "
+                             "(its tok/s is a per-request rate; 0 = all of them).")
     parser.add_argument("--no-hf-continuous", dest="hf_continuous", action="store_false",
                         help="Skip transformers' continuous batching.")
     parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
@@ -204,6 +240,8 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     if min(args.hf_batch_sizes) < 1:
         parser.error("--hf-batch-sizes must be at least 1.")
+    if args.hf_bs1_requests < 0:
+        parser.error("--hf-bs1-requests must be 0 (all) or more.")
     workload = load_dataset(args, parser)
     engine_args = engine_args_from(args)
     try:
@@ -212,7 +250,8 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error(str(e))
     kwargs = dataclasses.asdict(engine_args)
     model = kwargs.pop("model")
-    report = run_compare(workload, model, args.hf_batch_sizes, args.hf_continuous, not args.quiet, **kwargs)
+    report = run_compare(workload, model, args.hf_batch_sizes, args.hf_continuous, not args.quiet,
+                         bs1_requests=args.hf_bs1_requests or None, **kwargs)
     print(format_compare(report))
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
@@ -240,6 +279,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
              "a local `weft serve` compared with the offline engine.",
         add_arguments=serve_cli.add_arguments,
         run=serve_cli.run,
+    ),
+    "executor": Subcommand(
+        help="Per-step round trip of the multi-process (tensor-parallel) executor vs the in-process one, "
+             "with a model-free worker.",
+        add_arguments=executor_overhead.add_arguments,
+        run=executor_overhead.run,
     ),
 }
 

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
@@ -65,16 +67,16 @@ def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) ->
     prompts = [r.prompt_token_ids for r in workload.requests]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         forward_s = replay_forward(llm.engine.executor.worker.model_runner, recorder.executed)
     finally:
         llm.shutdown()
     config = llm.config
     result = BenchResult(
         backend="weft", num_requests=len(outputs), prompt_tokens=workload.num_prompt_tokens,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs), elapsed_s=elapsed,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs), elapsed_s=elapsed, cpu_s=cpu,
         details={"dtype": config.model.dtype, "device": config.device.device,
                  "torch_threads": config.device.num_threads})
     # All steps count: one that runs no forward is overhead too.
@@ -130,7 +132,7 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
         manager.start()
         try:
             _warm_up_continuous(manager, workload.requests[0].prompt_token_ids)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             # eos -1 is never sampled: ignore_eos, so lengths are exact.
             ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
                    for r in workload.requests]
@@ -141,7 +143,7 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
                     raise RuntimeError("no result within 60 s")
                 if result.is_finished():
                     results[result.request_id] = result
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         finally:
             manager.stop(block=True, timeout=30)
     except Exception as e:  # noqa: BLE001 - an optional peer: report, do not fail the comparison
@@ -150,7 +152,7 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
     return BenchResult(
         backend="hf-continuous", num_requests=len(results), prompt_tokens=workload.num_prompt_tokens,
         output_tokens=sum(min(len(r.generated_tokens), requested[i]) for i, r in results.items()),
-        elapsed_s=elapsed, details={"dtype": str(hf_model.dtype).removeprefix("torch.")})
+        elapsed_s=elapsed, cpu_s=cpu, details={"dtype": str(hf_model.dtype).removeprefix("torch.")})
 
 
 def _warm_up_continuous(manager: Any, prompt: list[int]) -> None:
@@ -164,8 +166,24 @@ def _warm_up_continuous(manager: Any, prompt: list[int]) -> None:
             return
 
 
+def spread_subset(workload: Workload, count: int | None) -> Workload:
+    """``count`` requests spread evenly over the workload (all of them if None).
+
+    HF at batch size 1 has no padding, so its tokens/s is a per-request rate
+    and a spread sample of the requests estimates it; the whole of
+    offline-64 one at a time takes most of an hour on two cores.
+    """
+    if count is None or count >= len(workload.requests):
+        return workload
+    if count < 1:
+        raise ValueError(f"the batch-1 subset needs at least one request, got {count}.")
+    step = len(workload.requests) / count
+    picked = [workload.requests[int(i * step)] for i in range(count)]
+    return msgspec.structs.replace(workload, requests=picked, total_prompt_tokens=None, total_output_tokens=None)
+
+
 def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], continuous: bool,
-                use_tqdm: bool, **engine_args: Any) -> dict[str, Any]:
+                use_tqdm: bool, bs1_requests: int | None = None, **engine_args: Any) -> dict[str, Any]:
     import torch
 
     from services.bench.hf_baseline import load_hf_model, run_hf_baseline
@@ -177,7 +195,7 @@ def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], c
     _progress(use_tqdm, f"weft: {weft.output_tokens_per_s:.1f} output tok/s")
     peers: list[BenchResult] = []
     for size in batch_sizes:  # one at a time, each reported as it ends: the small batches take long
-        peers.append(run_hf_baseline(workload, hf_model, size))
+        peers.append(run_hf_baseline(spread_subset(workload, bs1_requests) if size == 1 else workload, hf_model, size))
         _progress(use_tqdm, f"hf static batch {size}: {peers[-1].output_tokens_per_s:.1f} output tok/s")
     notes = []
     if continuous:
@@ -186,7 +204,8 @@ def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], c
             notes.append(cb)
         else:
             peers.append(cb)
-    rows = [{**r.to_dict(), "label": _label(r), "weft_over_peer": weft.output_tokens_per_s / r.output_tokens_per_s}
+    rows = [{**r.to_dict(), "label": _label(r), "weft_over_peer": weft.output_tokens_per_s / r.output_tokens_per_s,
+             "weft_over_peer_cpu": weft.output_tokens_per_cpu_s / r.output_tokens_per_cpu_s}
             for r in peers]
     return {"workload": workload.name, "dtype": weft.details["dtype"], "torch_threads": weft.details["torch_threads"],
             "weft": weft.to_dict(), "peers": rows, "efficiency": efficiency, "notes": notes}
@@ -199,18 +218,21 @@ def _progress(enabled: bool, line: str) -> None:
 
 def _label(result: BenchResult) -> str:
     if result.backend == "hf":
-        return f"hf static (batch {result.details['batch_size']})"
+        return f"hf static (batch {result.details['batch_size']}, {result.num_requests} req)"
     return "hf continuous batching"
 
 
 def format_compare(report: dict[str, Any]) -> str:
     weft = report["weft"]
     lines = [f"workload {report['workload']}: dtype {report['dtype']}, {report['torch_threads']} torch threads",
-             f"{'backend':<28}{'time (s)':>10}{'output tok/s':>14}{'weft/peer':>11}",
-             f"{'weft (offline LLM)':<28}{weft['elapsed_s']:>10.2f}{weft['output_tokens_per_s']:>14.1f}{'':>11}"]
+             f"{'backend':<32}{'time (s)':>10}{'output tok/s':>14}{'weft/peer':>11}"
+             f"{'tok/CPU-s':>11}{'weft/peer':>11}",
+             f"{'weft (offline LLM)':<32}{weft['elapsed_s']:>10.2f}{weft['output_tokens_per_s']:>14.1f}{'':>11}"
+             f"{weft['output_tokens_per_cpu_s']:>11.1f}{'':>11}"]
     for row in report["peers"]:
-        lines.append(f"{row['label']:<28}{row['elapsed_s']:>10.2f}{row['output_tokens_per_s']:>14.1f}"
-                     f"{row['weft_over_peer']:>10.2f}x")
+        lines.append(f"{row['label']:<32}{row['elapsed_s']:>10.2f}{row['output_tokens_per_s']:>14.1f}"
+                     f"{row['weft_over_peer']:>10.2f}x{row['output_tokens_per_cpu_s']:>11.1f}"
+                     f"{row['weft_over_peer_cpu']:>10.2f}x")
     e = report["efficiency"]
     lines.append(f"engine efficiency over {e['steps']} steps: step {e['step_s']:.2f} s, execute_model "
                  f"{e['execute_model_s']:.2f} s, pure forward {e['forward_s']:.2f} s -> step/forward "

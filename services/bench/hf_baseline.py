@@ -44,15 +44,16 @@ def run_hf_baseline(workload: Workload, hf_model: Any, batch_size: int = 16) -> 
     requests = workload.requests
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     _warm_up(hf_model, requests[0])
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = [tokens for batch in batches for tokens in generate_batch(hf_model, batch)]
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return BenchResult(
         backend="hf",
         num_requests=len(outputs),
         prompt_tokens=workload.num_prompt_tokens,
         output_tokens=sum(len(tokens) for tokens in outputs),
         elapsed_s=elapsed,
+        cpu_s=cpu,
         details={
             "batch_size": batch_size,
             "dtype": str(hf_model.dtype).removeprefix("torch."),

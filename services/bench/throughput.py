@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from services.bench.spec_decode import spec_details
 from services.bench.workload import Workload
 
 
@@ -22,6 +23,10 @@ class BenchResult:
     output_tokens: int  # counted tokens only (the HF baseline's padding excluded)
     elapsed_s: float
     details: dict[str, Any] = field(default_factory=dict)
+    # CPU seconds of this process over the timed run (all its threads). On a
+    # shared machine the wall clock moves with other people's load; CPU time
+    # per token moves much less, so ratios of it are the steadier figure.
+    cpu_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.elapsed_s > 0, "a timed run takes some time"
@@ -35,6 +40,10 @@ class BenchResult:
         return self.output_tokens / self.elapsed_s
 
     @property
+    def output_tokens_per_cpu_s(self) -> float | None:
+        return None if not self.cpu_s else self.output_tokens / self.cpu_s
+
+    @property
     def total_tokens_per_s(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
 
@@ -43,6 +52,7 @@ class BenchResult:
             "requests_per_s": self.requests_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
             "total_tokens_per_s": self.total_tokens_per_s,
+            "output_tokens_per_cpu_s": self.output_tokens_per_cpu_s,
         }
 
 
@@ -63,9 +73,9 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
         for request in workload.requests
     ]
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         llm.shutdown()
     config = llm.config
@@ -75,6 +85,7 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
         prompt_tokens=workload.num_prompt_tokens,
         output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
         elapsed_s=elapsed,
+        cpu_s=cpu,
         # As the engine resolved them: the HF baseline runs the same ones.
         details={
             "dtype": config.model.dtype,
@@ -83,5 +94,6 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "spec_decode": spec_details(llm),
         },
     )

@@ -2,8 +2,10 @@
 
 Starts ranks R..R+L-1 as ``python -m services.engine_core.proc`` processes
 that shake hands with the API node at ``tcp://HOST:PORT``, and watches them:
-when one exits, or on SIGTERM/SIGINT, all of them are stopped. Torch-free
-itself; only the engine processes load it.
+when one exits, or on SIGTERM/SIGINT, all of them are stopped (SIGTERM: each
+drains first, up to ``--shutdown-timeout``). Restarting this command later
+brings the ranks back: they say hello again and the API routes to them once
+they are ready. Torch-free itself; only the engine processes load it.
 """
 from __future__ import annotations
 
@@ -20,10 +22,13 @@ logger = logging.getLogger("engine-core")
 
 _STOP_GRACE_S = 10.0
 _WATCH_S = 0.2
+_DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def engine_command(rank: int, handshake_address: str, *, local: bool, headless: bool,
-                   num_threads: int | None) -> list[str]:
+                   num_threads: int | None, curve_keys: str | None = None,
+                   shutdown_timeout_s: float | None = None, tensor_parallel_size: int | None = None,
+                   kv_transfer_config: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
            "--handshake-address", handshake_address]
     if local:
@@ -32,6 +37,14 @@ def engine_command(rank: int, handshake_address: str, *, local: bool, headless: 
         cmd.append("--headless")
     if num_threads is not None:
         cmd += ["--num-threads", str(num_threads)]
+    if curve_keys is not None:
+        cmd += ["--zmq-curve-keys", curve_keys]
+    if shutdown_timeout_s is not None:
+        cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
+    if tensor_parallel_size is not None:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", kv_transfer_config]
     return cmd
 
 
@@ -62,7 +75,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-parallel-rpc-port", type=int, required=True,
                         help="Port of the API node's handshake socket.")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per engine process.")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="Worker processes per engine core on this node (default: the API's config).")
+    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).")
+    parser.add_argument("--shutdown-timeout", type=float, default=_DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="On SIGTERM, seconds each engine core may take to finish its requests.")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help="Disaggregated prefill/decode role of these engine cores, as JSON "
+                             "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).")
     args = parser.parse_args(argv)
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
+    if args.kv_transfer_config is not None:
+        from services.kv_transfer.config import resolve_kv_transfer_config
+
+        try:
+            resolve_kv_transfer_config(args.kv_transfer_config)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.zmq_curve_keys is not None:
+        from protocol.curve import CLIENT, load_keys
+
+        try:
+            load_keys(args.zmq_curve_keys, CLIENT)
+        except ValueError as e:
+            parser.error(str(e))
     if args.data_parallel_size_local is None:
         args.data_parallel_size_local = args.data_parallel_size - args.start_rank
     if args.start_rank < 0 or args.data_parallel_size_local < 1:
@@ -84,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     ranks = range(args.start_rank, args.start_rank + args.data_parallel_size_local)
     processes = [subprocess.Popen(engine_command(rank, address, local=False, headless=True,
-                                                 num_threads=args.num_threads)) for rank in ranks]
+                                                 num_threads=args.num_threads, curve_keys=args.zmq_curve_keys,
+                                                 shutdown_timeout_s=args.shutdown_timeout,
+                                                 tensor_parallel_size=args.tensor_parallel_size,
+                                                 kv_transfer_config=args.kv_transfer_config))
+                 for rank in ranks]
     logger.info("Started engine cores %s for the API at %s", list(ranks), address)
     try:
         while not stop.wait(_WATCH_S):
@@ -93,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("Engine core(s) exited (rank, code): %s; stopping the others.", exited)
                 break
     finally:
-        stop_processes(processes)
+        stop_processes(processes, grace_s=args.shutdown_timeout + _STOP_GRACE_S)
     codes = [p.returncode for p in processes]
     return 0 if stop.is_set() or all(c == 0 for c in codes) else 1
 

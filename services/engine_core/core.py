@@ -12,7 +12,8 @@ import time
 from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
-from services.worker.executor import Executor
+from services.engine_core.stats_logger import EngineStatsLogger
+from services.worker.executor import Executor, executor_class_for
 
 logger = logging.getLogger(__name__)
 
@@ -20,17 +21,22 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         if executor_class is None:
-            from services.worker.executor import UniProcExecutor as executor_class
+            executor_class = executor_class_for(config)  # worker processes when tensor parallel
         self.config = config
         self.executor = executor_class(config)
         start = time.perf_counter()
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        try:
+            self.num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # worker processes must not outlive a failed start
+            raise
         logger.info("KV cache: %d blocks of %d tokens (sized in %.1fs)",
                     self.num_blocks, config.cache.block_size, time.perf_counter() - start)
         _check_kv_capacity(config, self.num_blocks)
         self.scheduler = Scheduler(config, self.num_blocks)
         self.engine_index = config.parallel.data_parallel_rank
+        self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Refuse a request the engine cannot serve, before it costs anything."""
@@ -63,16 +69,20 @@ class EngineCore:
             return EngineCoreOutputs(engine_index=self.engine_index,
                                      scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        # An empty step still reaches the workers while KV transfers are in
+        # flight (the plan is set): they report the transfers that finished.
+        if scheduler_output.is_empty and scheduler_output.kv_connector_metadata is None:
             runner_output = ModelRunnerOutput()
         else:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
-                                 scheduler_stats=self.scheduler.make_stats())
+        stats = self.scheduler.make_stats()
+        self.stats_logger.observe(stats, sum(len(o.new_token_ids) for o in outputs))
+        return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.scheduler.structured_output_manager.shutdown()
 
 
 def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:

@@ -73,13 +73,16 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give a request room for ``num_new_tokens`` more tokens this step.
 
         ``new_computed_blocks`` are prefix-cache hits covering the next
         ``num_new_computed_tokens`` tokens. Returns the newly allocated
         blocks, or None when the pool is short, in which case nothing at
-        all has changed.
+        all has changed. ``delay_cache_blocks`` keeps the new blocks out of
+        the prefix cache until ``cache_blocks`` (their KV is loaded from
+        another engine over several steps, and must not be shared before).
         """
         assert num_new_tokens > 0, "schedule at least one token"
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -102,8 +105,13 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks up to ``num_computed_tokens`` (see ``delay_cache_blocks``)."""
+        self._cache_full_blocks(request, num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         if not self.enable_caching:

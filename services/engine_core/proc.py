@@ -13,11 +13,17 @@ the forward pass (both release the GIL):
   for ``HEARTBEAT_S``, so a long step never looks like a dead engine;
 - the main thread runs the busy loop: drain inputs (blocking only when
   there is no work), ``engine.step()``, push outputs.
+
+SIGTERM drains (``services.engine_core.drain``); a second SIGTERM, the API's
+SHUTDOWN frame or a fatal error stops at once; the death of the launcher
+kills it (Linux), so a crashed API or ``engine-core`` leaves no orphan.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
 import queue
 import signal
 import sys
@@ -31,9 +37,12 @@ from protocol import (
     EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
     FinishReason, SchedulerStats,
 )
-from protocol.codec import Decoder, Encoder
-from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
+from protocol.codec import DecodeError, Decoder, Encoder
+from protocol.curve import CLIENT, CurveKeys, load_keys
+from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import make_socket, rank_identity, recv, send, split
+from services.engine_core.drain import Drain
+from services.kv_transfer.config import with_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +57,22 @@ _IDLE_WAIT_S = 0.1  # the busy loop's longest block, so a stop is noticed quickl
 # After a step that changed nothing the API can see (e.g. requests that wait
 # for blocks), yield this long to the input queue instead of spinning.
 _STALL_WAIT_S = 0.001
+# A hello can be lost or ignored (the API still thinks an earlier instance of
+# this rank is alive): say it again this often until the API answers.
+_HELLO_RESEND_S = 5.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class EngineCoreProc:
     """Serves one built EngineCore on the API's data sockets until stopped."""
 
-    def __init__(self, engine, ctx: zmq.Context, reply: EngineHandshakeReply, stop: threading.Event) -> None:
+    def __init__(self, engine, ctx: zmq.Context, reply: EngineHandshakeReply, stop: threading.Event,
+                 *, drain: Drain | None = None, curve: CurveKeys | None = None) -> None:
         self.engine = engine
         self.rank = reply.config.parallel.data_parallel_rank
-        self._stop = stop  # set by SIGTERM/SIGINT, a SHUTDOWN frame, or a fatal error
+        self._stop = stop  # set by a second signal, a SHUTDOWN frame, or a fatal error
+        self._drain = drain or Drain(stop, DEFAULT_SHUTDOWN_TIMEOUT_S)
+        self._num_dropped = 0  # malformed input frames, reported in the stats
         self._goodbye_now = threading.Event()  # outputs flushed: the input thread may say goodbye
         self._reason = "stopped by a signal"  # what the goodbye tells the API
         self._inputs: queue.Queue[tuple[EngineCoreRequestType, object]] = queue.Queue()
@@ -65,12 +81,14 @@ class EngineCoreProc:
         self._stalled = False
         self._latest_stats = SchedulerStats()
         self._input_sock = make_socket(ctx, zmq.DEALER, reply.input_address, bind=False,
-                                       identity=rank_identity(self.rank), linger=1000)
+                                       identity=rank_identity(self.rank), linger=1000, curve=curve)
         self._output_sock = make_socket(ctx, zmq.PUSH, reply.output_address, bind=False,
-                                        linger=OUTPUT_LINGER_MS)
+                                        linger=OUTPUT_LINGER_MS, curve=curve)
         # First frame on the input socket: the API's ROUTER learns our identity from it.
         send(self._input_sock, Encoder(), EngineReady(
             rank=self.rank, num_blocks=engine.num_blocks, max_model_len=reply.config.model.max_model_len))
+        self._executor_failed = False
+        engine.executor.register_failure_callback(self._on_executor_failure)
         self._input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
 
@@ -78,18 +96,27 @@ class EngineCoreProc:
         """Serve until stopped; returns the process exit code."""
         self._input_thread.start()
         self._output_thread.start()
+        self._drain.begin_serving()
         code = 0
         try:
             while not self._stop.is_set():
                 self._process_input_queue()
                 self._step()
+                self._check_drain()
         except Exception as e:
             logger.exception("Engine core rank %d failed", self.rank)
             self._reason = f"engine error: {e}"
             code = 1
         finally:
             self._close()
-        return code
+        return 1 if self._executor_failed else code
+
+    def _on_executor_failure(self, reason: str) -> None:
+        """A worker process died (called from the executor's monitor thread):
+        stop, tell the API why, and exit non-zero."""
+        self._executor_failed = True
+        self._reason = f"engine error: {reason}"
+        self._stop.set()
 
     # ---- busy loop (main thread)
 
@@ -100,7 +127,7 @@ class EngineCoreProc:
             try:
                 kind, payload = self._inputs.get(timeout=wait_s) if wait_s else self._inputs.get_nowait()
             except queue.Empty:
-                if not idle:
+                if not idle or self._drain.requested.is_set():
                     return
                 continue
             idle, wait_s = False, 0.0
@@ -114,6 +141,19 @@ class EngineCoreProc:
             self.engine.abort_requests(payload)
         elif kind is EngineCoreRequestType.SHUTDOWN:
             self._reason = "the API asked it to stop"
+            self._stop.set()
+        elif kind is EngineCoreRequestType.DRAIN:
+            self._drain.acknowledged = True  # every ADD the API sent is handled by now
+
+    def _check_drain(self) -> None:
+        stats = self._latest_stats
+        held = 0
+        if self.engine.has_unfinished_requests():  # the stats may lag a step: never read 0 then
+            held = max(1, stats.num_running_reqs + stats.num_waiting_reqs)
+        reason = self._drain.stop_reason(held)
+        if reason is not None:
+            logger.info("Rank %d stops: %s.", self.rank, reason)
+            self._reason = reason
             self._stop.set()
 
     def _add(self, request: EngineCoreRequest) -> None:
@@ -164,12 +204,18 @@ class EngineCoreProc:
                 outputs = self._heartbeat()
             if outputs is None:
                 return
+            if outputs.scheduler_stats is not None:
+                outputs.scheduler_stats.num_dropped_frames = self._num_dropped
             send(self._output_sock, encoder, outputs)
 
     def _heartbeat(self) -> EngineCoreOutputs:
         # The counters in stats are deltas already reported: zero them here.
         stats = msgspec.structs.replace(self._latest_stats, prefix_cache_queries=0,
-                                        prefix_cache_hits=0, num_preemptions=0)
+                                        prefix_cache_hits=0, num_preemptions=0,
+                                        spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                                        spec_decode_num_accepted_tokens=0,
+                                        spec_decode_num_accepted_tokens_per_pos=[],
+                                        external_prefix_cache_queries=0, external_prefix_cache_hits=0)
         return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
 
     # ---- input thread
@@ -180,6 +226,9 @@ class EngineCoreProc:
         while not self._goodbye_now.is_set():
             if self._input_sock.poll(_POLL_MS):
                 self._read_input(decoders)
+            if self._drain.requested.is_set() and not self._drain.announced:
+                send(self._input_sock, Encoder(), EngineDraining(rank=self.rank, timeout_s=self._drain.timeout_s))
+                self._drain.announced = True
         self._say_goodbye()
 
     def _read_input(self, decoders: dict) -> None:
@@ -187,7 +236,10 @@ class EngineCoreProc:
         try:
             kind, payload = _decode_request(frames, decoders)
         except ValueError as e:
-            logger.warning("Rank %d dropped a malformed input message: %s", self.rank, e)
+            self._num_dropped += 1
+            if self._num_dropped % 100 == 1:  # a flood of garbage must not flood the log
+                logger.warning("Rank %d dropped a malformed input message (%d so far): %s",
+                               self.rank, self._num_dropped, e)
             return
         if kind is EngineCoreRequestType.SHUTDOWN:
             self._reason = "the API asked it to stop"
@@ -218,7 +270,7 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
     except ValueError:
         raise ValueError(f"unknown request type byte {first[:4]!r}") from None
     body = split(frames, 1)[1] if len(frames) > 1 else []
-    if kind is EngineCoreRequestType.SHUTDOWN:
+    if kind in (EngineCoreRequestType.SHUTDOWN, EngineCoreRequestType.DRAIN):
         return kind, None
     if kind is EngineCoreRequestType.UTILITY:
         raise ValueError("utility calls are not supported by this engine core")
@@ -228,15 +280,26 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
 
 
 def handshake(ctx: zmq.Context, *, rank: int, address: str, local: bool, headless: bool,
-              stop: threading.Event) -> EngineHandshakeReply | None:
-    """Say hello to the API and return its reply (None if stopped meanwhile)."""
-    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=rank_identity(rank))
+              stop: threading.Event, curve: CurveKeys | None = None) -> EngineHandshakeReply | None:
+    """Say hello to the API and return its reply (None if stopped meanwhile).
+
+    A reply that does not decode is dropped, and the hello said again."""
+    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=rank_identity(rank), curve=curve)
+    decoder, encoder = Decoder(EngineHandshakeReply), Encoder()
+    hello = EngineHello(rank=rank, local=local, headless=headless)
     try:
-        send(sock, Encoder(), EngineHello(rank=rank, local=local, headless=headless))
         start = last_log = time.monotonic()
+        last_hello = -_HELLO_RESEND_S
         while not stop.is_set():
+            if time.monotonic() - last_hello >= _HELLO_RESEND_S:
+                send(sock, encoder, hello)
+                last_hello = time.monotonic()
             if sock.poll(_POLL_MS):
-                _, reply = recv(sock, Decoder(EngineHandshakeReply))
+                try:
+                    _, reply = recv(sock, decoder)
+                except DecodeError as e:
+                    logger.warning("Rank %d dropped a malformed handshake reply: %s", rank, e)
+                    continue
                 if reply.config.parallel.data_parallel_rank != rank:
                     raise ValueError(f"The API sent the config of rank "
                                      f"{reply.config.parallel.data_parallel_rank} to rank {rank}.")
@@ -261,17 +324,32 @@ def with_num_threads(config: EngineConfig, num_threads: int | None) -> EngineCon
     return msgspec.structs.replace(config, device=msgspec.structs.replace(config.device, num_threads=num_threads))
 
 
+def with_tensor_parallel_size(config: EngineConfig, size: int | None) -> EngineConfig:
+    """This node's worker count, when it differs from the API's config (the API runs no model)."""
+    if size is None:
+        return config
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}.")
+    return msgspec.structs.replace(config, parallel=msgspec.structs.replace(config.parallel, tensor_parallel_size=size))
+
+
 def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, headless: bool = False,
-                    num_threads: int | None = None) -> int:
+                    num_threads: int | None = None, curve_keys: str | None = None,
+                    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                    tensor_parallel_size: int | None = None, kv_transfer_config: str | None = None) -> int:
     stop = threading.Event()
+    drain = Drain(stop, shutdown_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, drain.on_signal)
+    curve = load_keys(curve_keys, CLIENT) if curve_keys is not None else None
     ctx = zmq.Context()
     try:
-        reply = handshake(ctx, rank=rank, address=handshake_address, local=local, headless=headless, stop=stop)
+        reply = handshake(ctx, rank=rank, address=handshake_address, local=local, headless=headless, stop=stop,
+                          curve=curve)
         if reply is None:
             return 0
-        config = with_num_threads(reply.config, num_threads)
+        config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
+        config = with_kv_transfer_config(config, kv_transfer_config)
         reply = msgspec.structs.replace(reply, config=config)
         import torch  # the engine process is where torch lives
 
@@ -280,12 +358,28 @@ def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, h
 
         engine = EngineCore(config)
         logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
-        return EngineCoreProc(engine, ctx, reply, stop).run()
+        return EngineCoreProc(engine, ctx, reply, stop, drain=drain, curve=curve).run()
     finally:
         ctx.term()
 
 
+def die_with_launcher() -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that started
+    it exits (PR_SET_PDEATHSIG), so a launcher killed by anything, SIGKILL
+    included, leaves no engine behind. Launchers start engines from a
+    long-lived thread for that reason."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d).", ctypes.get_errno())
+    elif os.getppid() != launcher:  # it died before the call took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     parser = argparse.ArgumentParser(prog="python -m services.engine_core.proc",
                                      description="One data-parallel engine-core process.")
     parser.add_argument("--rank", type=int, required=True, help="Data-parallel rank of this engine core.")
@@ -293,13 +387,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local", action="store_true", help="Started by the API's launcher on its node.")
     parser.add_argument("--headless", action="store_true", help="Started by `engine-core --headless`.")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the config's).")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="Worker processes of this engine core (default: the config's).")
+    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="On SIGTERM, seconds to finish the requests held before stopping anyway.")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help="Disaggregated prefill/decode role of this engine (default: the API's config).")
     args = parser.parse_args(argv)
     if args.rank < 0:
         parser.error(f"--rank must be non-negative, got {args.rank}.")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s")
+    try:
+        curve_keys = args.zmq_curve_keys
+        if curve_keys is not None:
+            load_keys(curve_keys, CLIENT)  # refuse a bad folder before loading a model
+    except ValueError as e:
+        parser.error(str(e))
     return run_engine_core(rank=args.rank, handshake_address=args.handshake_address, local=args.local,
-                           headless=args.headless, num_threads=args.num_threads)
+                           headless=args.headless, num_threads=args.num_threads, curve_keys=curve_keys,
+                           shutdown_timeout_s=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
+                           kv_transfer_config=args.kv_transfer_config)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from protocol import (
     EngineCoreEvent,
@@ -18,6 +19,10 @@ from protocol import (
     FinishReason,
     SamplingParams,
 )
+from protocol.kv_transfer import KVTransferParams
+
+if TYPE_CHECKING:
+    from services.engine_core.structured_output.manager import StructuredOutputRequest
 
 # (request) -> hashes of the request's full blocks that are not hashed yet.
 BlockHasher = Callable[["Request"], list[bytes]]
@@ -27,6 +32,8 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # structured output: its grammar is compiling
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # its prompt's KV is loading from another engine
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -62,6 +69,7 @@ class Request:
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +78,8 @@ class Request:
         self.priority = priority
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
+        # Disaggregated prefill/decode: what the proxy asked of this engine.
+        self.kv_transfer_params = kv_transfer_params
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -77,6 +87,9 @@ class Request:
         # the hasher nor the scheduler has to concatenate every step.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Draft tokens (speculative decoding) to verify at the next step; their
+        # KV is scheduled but they are not tokens of the request until accepted.
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -84,6 +97,9 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         # Events not yet reported to the front end (queue time, TTFT, ITL).
         self.events: list[EngineCoreEvent] = []
+        # Structured outputs: the grammar, set by the StructuredOutputManager.
+        self.structured_output: StructuredOutputRequest | None = None
+        self.error: str | None = None  # why a FINISHED_ERROR request failed
 
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
@@ -103,6 +119,7 @@ class Request:
             eos_token_id=req.eos_token_id,
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
+            kv_transfer_params=req.kv_transfer_params,
         )
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:

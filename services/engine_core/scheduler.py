@@ -17,17 +17,22 @@ from protocol import (
     EngineConfig,
     EngineCoreEventType,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
 )
+from protocol.kv_transfer import KVTransferParams
 from services.engine_core.block_pool import KVCacheBlock
 from services.engine_core.kv_cache_manager import KVCacheManager
+from services.engine_core.kv_transfer_scheduling import KVTransferScheduling
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import create_request_queue
+from services.engine_core.spec_decode import SpecDecodeScheduling
+from services.engine_core.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -40,6 +45,7 @@ class _StepPlan:
     cached_reqs: list[Request] = field(default_factory=list)  # the worker holds them
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock],
             is_new: bool) -> None:
@@ -56,6 +62,7 @@ class _StepPlan:
         self.budget += num_tokens
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
+        self.spec_tokens.pop(request.request_id, None)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -104,6 +111,13 @@ class Scheduler:
         # Finished since the previous schedule(); ordered for reproducible outputs.
         self.finished_req_ids: dict[str, None] = {}
         self._num_preemptions = 0  # since the previous make_stats()
+        self.spec_decode = SpecDecodeScheduling(config.speculative, self.max_model_len)
+        # Disaggregated prefill/decode: KV loaded from / handed to other engines.
+        self.kv_transfer = KVTransferScheduling(config, self.kv_cache_manager)
+        self.structured_output_manager = StructuredOutputManager(config)
+        # Constrained requests whose grammar compiles; they join `waiting` when it is done.
+        self.waiting_for_grammar: list[Request] = []
+        self._error_outputs: list[EngineCoreOutput] = []  # failed outside a step's outputs
         self._step_counter = 0
 
     # ----------------------------------------------------------- requests in
@@ -122,7 +136,12 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.sampling_params.structured_outputs is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.structured_output_manager.add_request(request)
+            self.waiting_for_grammar.append(request)
+        else:
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (aborts); unknown or finished ids are ignored."""
@@ -144,22 +163,28 @@ class Scheduler:
         self.waiting.remove_requests(queued)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return (bool(self.running) or bool(self.waiting) or bool(self.waiting_for_grammar)
+                or self.kv_transfer.has_pending())
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting), the load an engine core reports."""
-        return len(self.running), len(self.waiting)
+        return len(self.running), (len(self.waiting) + len(self.waiting_for_grammar)
+                                   + len(self.kv_transfer.waiting_for_remote))
 
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._admit_compiled_grammars()
+        self.structured_output_manager.filter_drafts(self.running)
         self._schedule_running(plan)
         # After a preemption the pool is known to be short: admitting new
         # work now would only preempt again next step.
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        self._attach_grammar_bitmask(output)
+        self.kv_transfer.build_connector_meta(output)
         # Advance now, so the next schedule() sees these tokens as computed
         # even before their outputs come back.
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
@@ -172,7 +197,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_drafts = self.spec_decode.num_schedulable_drafts(request)
+            num_new = request.num_tokens + num_drafts - request.num_computed_tokens
             num_new = self._clamp_to_budget(
                 self._clamp_chunk(num_new), request.num_computed_tokens, plan
             )
@@ -192,23 +218,36 @@ class Scheduler:
                     return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             plan.add(request, num_new, new_blocks, is_new=False)
+            if num_drafts:
+                drafts = self.spec_decode.scheduled_drafts(request, num_new)
+                if drafts:
+                    plan.spec_tokens[request.request_id] = drafts
             index += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = self._clamp_chunk(request.num_tokens - num_hit_tokens)
+            # A request back from a remote KV load already holds its blocks.
+            hit_blocks, num_hit_tokens = (
+                ([], 0) if request.num_computed_tokens else self.kv_cache_manager.get_computed_blocks(request))
+            num_external = self.kv_transfer.num_external_tokens(request, num_hit_tokens)
+            if num_external:
+                if not self.kv_transfer.park(request, hit_blocks, num_hit_tokens, num_external):
+                    break
+                self.waiting.pop()  # it waits for its KV off the queue
+                continue
+            num_computed = request.num_computed_tokens + num_hit_tokens
+            num_new = self._clamp_chunk(request.num_tokens - num_computed)
             if not self.enable_chunked_prefill and num_new > plan.budget:
                 break  # wait for a step with room, keeping arrival order
-            num_new = self._clamp_to_budget(num_new, num_hit_tokens, plan)
+            num_new = self._clamp_to_budget(num_new, num_computed, plan)
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new, num_hit_tokens, hit_blocks
             )
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self._admit(request, num_hit_tokens)
+            self._admit(request, num_computed)
             plan.add(request, num_new, new_blocks, is_new=True)
 
     def _clamp_chunk(self, num_new: int) -> int:
@@ -242,6 +281,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         self._num_preemptions += 1
@@ -274,7 +314,38 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=list(self.finished_req_ids),
             preempted_req_ids=[r.request_id for r in plan.preempted],
+            scheduled_spec_decode_tokens=dict(plan.spec_tokens),
         )
+
+    # ------------------------------------------------- structured outputs
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the queue; a failed compile ends its request."""
+        if not self.waiting_for_grammar:
+            return
+        ready, failed, self.waiting_for_grammar = self.structured_output_manager.split_compiled(
+            self.waiting_for_grammar)
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self._error_outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                events=request.take_events(), error=error))
+
+    def _attach_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Token masks of the constrained requests that sample this step."""
+        scheduled = [self.requests[request_id] for request_id in output.num_scheduled_tokens]
+        output.structured_output_request_ids, output.grammar_bitmask = (
+            self.structured_output_manager.grammar_bitmask(
+                scheduled, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens))
+
+    def _grammar_ends(self, request: Request, token_id: int) -> bool:
+        """Advance a constrained request's grammar; True once it ended (or refused)."""
+        return (request.structured_output is not None
+                and self.structured_output_manager.accept_token(request, token_id))
 
     # ----------------------------------------------------------- outputs back
 
@@ -282,13 +353,19 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         index_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
-        outputs = []
+        outputs, self._error_outputs = self._error_outputs, []
+        for request in self.kv_transfer.update_from_output(model_runner_output):
+            self.waiting.prepend(request)  # its remote KV load ended
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted after it was scheduled
             first_position = (
                 request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request_id]
+            )
+            self.spec_decode.apply_output(
+                request, scheduler_output.scheduled_spec_decode_tokens.get(request_id, []),
+                index_of.get(request_id), model_runner_output,
             )
             output = self._process_one(
                 request, index_of.get(request_id), first_position, model_runner_output
@@ -309,7 +386,7 @@ class Scheduler:
         for token_id in sampled:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
-            if check_stop(request, self.max_model_len):
+            if check_stop(request, self.max_model_len) or self._grammar_ends(request, token_id):
                 break  # tokens after a stop are dropped
         prompt_logprobs = self._new_prompt_logprobs(request, first_position, runner_output)
         if not new_token_ids and prompt_logprobs is None:
@@ -323,10 +400,11 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             events=request.take_events(),
+            error=request.error,
         )
         if request.is_finished:
             self.running.remove(request)
-            self._free_request(request)
+            output.kv_transfer_params = self._free_request(request)
         return output
 
     @staticmethod
@@ -354,10 +432,15 @@ class Scheduler:
         request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, end)
         return entries[skip:] or None
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> KVTransferParams | None:
+        """Forget a finished request; returns what another engine needs to
+        take over its KV (a KV producer may keep its blocks until they are sent)."""
+        free_now, kv_transfer_params = self.kv_transfer.request_finished(request)
+        if free_now:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids[request.request_id] = None
+        return kv_transfer_params
 
     # ----------------------------------------------------------------- stats
 
@@ -366,7 +449,8 @@ class Scheduler:
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=(len(self.waiting) + len(self.waiting_for_grammar)
+                              + len(self.kv_transfer.waiting_for_remote)),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.num_blocks - 1,
@@ -374,4 +458,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             step_counter=self._step_counter,
+            **self.spec_decode.take_stats(),
+            **self.kv_transfer.take_stats(),
+            structured_outputs=self.structured_output_manager.make_stats(),
         )

@@ -6,9 +6,29 @@ process per device, tensor parallel) plugs in behind the same methods.
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from typing import Callable
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+
+# "module:Class" of the worker an executor runs; benchmarks and tests swap in
+# a model-free one to measure or exercise the executor alone.
+DEFAULT_WORKER_CLASS = "services.worker.worker:Worker"
+
+
+def executor_class_for(config: EngineConfig) -> type[Executor]:
+    """In-process for one device; worker processes for tensor parallelism."""
+    if config.parallel.tensor_parallel_size == 1:
+        return UniProcExecutor
+    from services.worker.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor
+
+
+def import_worker_class(path: str) -> type:
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 class Executor(ABC):
@@ -35,15 +55,19 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Release the workers; safe to call twice."""
 
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(reason)`` called, from another thread, if the workers
+        die between calls. Workers in this process cannot die on their own:
+        the default never calls it."""
+
 
 class UniProcExecutor(Executor):
     """One worker, in the engine-core process: no IPC on the step path."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_class: str = DEFAULT_WORKER_CLASS) -> None:
         super().__init__(config)
-        from services.worker.worker import Worker  # torch is imported only by executors that need it
-
-        self.worker: Worker | None = Worker(config, rank=0)
+        # Imported here: torch is loaded only by executors that need it.
+        self.worker = import_worker_class(worker_class)(config, rank=0)
         self.worker.init_device()
 
     def determine_num_blocks(self) -> int:

@@ -17,14 +17,18 @@ if TYPE_CHECKING:
     import torch
 
     from services.worker.layers.attention_metadata import AttentionMetadata
+    from services.worker.layers.triton_attention import TritonAttentionMetadata
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | TritonAttentionMetadata
     # One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim];
     # None while profiling, before the cache exists.
     kv_caches: list[torch.Tensor] | None
+    # Which kernels the layers run: "torch" ops or the "triton" kernels
+    # (services.worker.layers.triton_attention says how it is chosen).
+    backend: str = "torch"
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context", default=None)
@@ -32,14 +36,20 @@ _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context",
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor] | None
+    attn_metadata: AttentionMetadata | TritonAttentionMetadata, kv_caches: list[torch.Tensor] | None, backend: str = "torch"
 ) -> Iterator[ForwardContext]:
-    context = ForwardContext(attn_metadata, kv_caches)
+    context = ForwardContext(attn_metadata, kv_caches, backend)
     token = _current.set(context)
     try:
         yield context
     finally:
         _current.reset(token)
+
+
+def current_backend() -> str:
+    """The forward's kernel backend; "torch" outside a forward (a layer called on its own)."""
+    context = _current.get()
+    return "torch" if context is None else context.backend
 
 
 def get_forward_context() -> ForwardContext:

@@ -3,6 +3,11 @@
 The architecture always comes from the Hugging Face ``config.json`` (for a
 GGUF file, the one extracted beside it by ``services.model_files``); the
 weights from the GGUF file or from the folder's ``*.safetensors``.
+
+Weights stream in one tensor at a time and each layer keeps only its
+tensor-parallel slice: safetensors tensors arrive as lazy slices, so a rank
+reads just its part from the file; GGUF tensors are dequantized one at a
+time (quantized blocks do not split along arbitrary columns) and sliced.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from torch import nn
 
 from protocol import ModelConfig
 from services.model_files import ModelFiles, resolve
+from services.worker.dummy_weights import fill_dummy_weights
 from services.worker.gguf_weights import GGUFCheckpoint
 from services.worker.models.llama import LlamaArgs
 from services.worker.models.registry import model_class
@@ -32,11 +38,14 @@ def model_files(config: ModelConfig) -> ModelFiles:
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """The model on ``device``, holding this process's tensor-parallel share."""
     files = model_files(config)
     hf_config = files.hf_config()
     cls = model_class(hf_config)
     args = LlamaArgs.from_hf_config(hf_config)
-    if files.is_gguf:
+    if config.load_format == "dummy":
+        weights = None  # random weights below; no checkpoint is opened
+    elif files.is_gguf:
         checkpoint = GGUFCheckpoint(files.weights)
         # A GGUF file without an output head ties it to the embedding, whatever the config says.
         args = dataclasses.replace(args, tie_word_embeddings=not checkpoint.has_output_head)
@@ -45,11 +54,30 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
         weights = iter_safetensors(files.weights)
     with torch.device(device):
         model = cls(args, config.max_model_len, DTYPES[config.dtype])
-    model.load_weights(weights)
+    if weights is None:
+        fill_dummy_weights(model, config.seed)
+    else:
+        model.load_weights(weights)
     return model.eval()
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A safetensors tensor not read yet: ``narrow`` reads only the part asked for.
+
+    Valid while the generator that yielded it has not moved on (the file is open).
+    """
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.shape = tuple(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._handle[tuple(index)]
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, LazySlice]]:
     from safetensors import safe_open
 
     paths = sorted(folder.glob("*.safetensors"))
@@ -58,4 +86,4 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazySlice(f.get_slice(name))

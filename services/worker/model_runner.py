@@ -8,19 +8,26 @@ mid-prefill.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from services.worker.distributed import get_tp_group
+from services.worker.cuda_graphs import maybe_capture_decode_graphs
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.triton_attention import check_backend
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
+from services.worker.spec_decode.spec_decoder import SpecDecoder
 from services.worker.step_inputs import StepInputs, prepare_step
+from services.worker.structured_output import with_grammar_bitmask
 
 # Bytes of K/V one decode group may gather per layer (the shared gather buffer).
 _DECODE_GATHER_BYTES = 64 << 20
@@ -37,6 +44,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] | None = None
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size)
         self.sampler = Sampler(config.model.seed, self.device)
+        self.attention_backend = check_backend(config.device.attention_backend, self.device)
+        self.cuda_graphs = None  # captured with the KV cache, on CUDA only
+        self.spec_decoder = (
+            SpecDecoder(config, self.sampler.generator, self.device) if config.speculative is not None else None
+        )
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device)
@@ -60,6 +72,11 @@ class ModelRunner:
         # Zeros, not empty: padded decode gathers read unwritten slots, and
         # garbage NaNs there would leak through the masked softmax (0 * NaN).
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)]
+        self.cuda_graphs = maybe_capture_decode_graphs(
+            self.model, self.kv_caches, backend=self.attention_backend, enforce_eager=self.config.device.enforce_eager,
+            max_num_seqs=self.config.scheduler.max_num_seqs, block_size=self.block_size,
+            max_model_len=self.config.model.max_model_len, device=self.device,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -69,10 +86,16 @@ class ModelRunner:
         a = self.model.args
         gather_shape = (2 * a.num_kv_heads, self.max_decode_group_tokens, a.head_dim)
         self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
+        # Speculation computes logits at every draft position too, but samples them in chunks.
         rows = min(self.config.scheduler.max_num_seqs, hidden.shape[0])
+        logits_rows = rows if self.spec_decoder is None else min(self.spec_decoder.max_logits_rows, hidden.shape[0])
+        sample_rows = rows if self.spec_decoder is None else min(self.spec_decoder.max_chunk_rows, logits_rows)
         dummy = RequestSamplingInput(SamplingParams(top_p=0.9, logprobs=5), [0], [])
-        sampling = build_sampling_metadata([dummy] * rows, vocab_size=a.vocab_size, eos_token_id=None, device=self.device)
-        self.sampler(self.model.compute_logits(hidden[:rows]), sampling)
+        sampling = build_sampling_metadata([dummy] * sample_rows, vocab_size=a.vocab_size, eos_token_id=None,
+                                           device=self.device)
+        logits = self.model.compute_logits(hidden[:logits_rows])  # None on tensor-parallel followers: they never sample
+        if logits is not None:
+            self.sampler(logits[:sample_rows], sampling)
 
     def _profile_forward(self) -> torch.Tensor:
         """Prefill max_num_batched_tokens tokens as max_model_len-long sequences, without a KV cache."""
@@ -92,26 +115,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise NotImplementedError("Speculative decoding is not supported by this model runner yet.")
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_tokens and self.spec_decoder is None:
+            raise ValueError("The scheduler sent draft tokens, but speculative decoding is off in this worker.")
         self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        num_drafts = self.spec_decoder.write_drafts(self.input_batch, spec_tokens) if spec_tokens else None
         step = prepare_step(
-            self.input_batch, req_ids, scheduler_output.num_scheduled_tokens, self.device, self.max_decode_group_tokens
+            self.input_batch, req_ids, scheduler_output.num_scheduled_tokens, self.device, self.max_decode_group_tokens,
+            num_drafts, self.attention_backend,
         )
-        with set_forward_context(step.attn_metadata, self.kv_caches):
-            hidden = self.model(step.input_ids, step.positions)  # [T, H]
-        sampled, logprobs = self._sample(hidden, step)
+        hidden = self._forward(step)  # [T, H]
+        # Structured outputs: the sampled positions' logits come masked by their grammars.
+        compute_logits = with_grammar_bitmask(self.model.compute_logits, scheduler_output, req_ids, step.samples)
+        if spec_tokens:
+            sampled, logprobs = self.spec_decoder.sample(
+                hidden, step, spec_tokens, self.input_batch, compute_logits
+            )
+        else:
+            sampled, logprobs = self._sample(hidden, step, compute_logits)
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(hidden, step),
+            spec_token_ids=self.spec_decoder.propose(self.input_batch, req_ids, sampled) if self.spec_decoder else [],
         )
 
-    def _sample(self, hidden: torch.Tensor, step: StepInputs) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's hidden states [T, H]: a CUDA-graph replay for a pure decode step when one was captured."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step.attn_metadata):
+            return self.cuda_graphs.replay(step.input_ids, step.positions, step.attn_metadata)
+        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend):
+            return self.model(step.input_ids, step.positions)
+
+    def _sample(
+        self, hidden: torch.Tensor, step: StepInputs, compute_logits: Callable[[torch.Tensor], torch.Tensor | None]
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
         rows = np.flatnonzero(step.samples)  # requests that sample, in scheduled order
@@ -119,15 +161,21 @@ class ModelRunner:
             return sampled, logprobs
         states = [self.input_batch.requests[step.req_ids[i]] for i in rows]
         index = torch.from_numpy(step.sample_token_index).to(self.device)
-        logits = self.model.compute_logits(hidden[index])  # [N, V]
-        meta = build_sampling_metadata(
-            [RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids) for s in states],
-            vocab_size=logits.shape[1],
-            eos_token_id=self.config.model.eos_token_id,
-            device=self.device,
-        )
-        out = self.sampler(logits, meta)
-        for i, state, token, entry in zip(rows, states, out.token_ids.tolist(), out.logprobs):
+        logits = compute_logits(hidden[index])  # [N, V]; None on tensor-parallel followers
+        tp = get_tp_group()
+        if logits is None:  # a follower feeds the driver's tokens to its next step
+            token_ids = tp.broadcast_from_driver(torch.empty(len(rows), dtype=torch.long, device=self.device))
+            entries = [None] * len(rows)
+        else:
+            meta = build_sampling_metadata(
+                [RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids) for s in states],
+                vocab_size=logits.shape[1],
+                eos_token_id=self.config.model.eos_token_id,
+                device=self.device,
+            )
+            out = self.sampler(logits, meta)
+            token_ids, entries = tp.broadcast_from_driver(out.token_ids), out.logprobs
+        for i, state, token, entry in zip(rows, states, token_ids.tolist(), entries):
             self.input_batch.append_token(state.req_id, token)
             sampled[i] = [token]
             logprobs[i] = [] if entry is None else [entry]

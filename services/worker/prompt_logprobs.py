@@ -24,7 +24,7 @@ def chunk_prompt_logprobs(
     state: CachedRequestState,
     hidden: torch.Tensor,
     context_len: int,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
 ) -> list[TokenLogprobs | None]:
     """hidden [n, H]: this step's hidden states of the request, from position ``context_len``."""
     num_prompt = state.num_prompt_tokens
@@ -34,6 +34,9 @@ def chunk_prompt_logprobs(
     targets = torch.tensor(state.prompt_token_ids, device=hidden.device)
     for start in range(context_len, end, _SLICE):
         stop = min(start + _SLICE, end)
-        logprobs = compute_logits(hidden[start - context_len : stop - context_len]).log_softmax(dim=-1)
+        logits = compute_logits(hidden[start - context_len : stop - context_len])
+        if logits is None:  # a tensor-parallel follower only joins the driver's gather
+            continue
+        logprobs = logits.log_softmax(dim=-1)
         entries += token_logprobs(logprobs, targets[start + 1 : stop + 1], [count] * (stop - start))
     return entries

@@ -35,11 +35,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] fp32 -> sampled ids [N] and the logprobs rows asked for."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
-        if meta.penalties is not None:
-            logits = apply_penalties(logits, meta.penalties)
-        if meta.banned:
-            logits = logits.clone() if meta.penalties is None else logits
-            ban_tokens(logits, meta.banned)
+        logits = adjusted_logits(logits, meta)
         token_ids = logits.argmax(dim=-1)  # [N]
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)  # random rows only
@@ -48,15 +44,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
         """logits [R, V] of the random rows (batch rows ``rows``) -> token ids [R]."""
-        logits = logits / meta.temperature[rows, None]
-        top_k = None if meta.top_k is None else meta.top_k[rows]
-        top_p = None if meta.top_p is None else meta.top_p[rows]
-        if top_k is not None or top_p is not None:
-            logits = _mask_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)  # [R, V]
-        if meta.min_p is not None:
-            floor = meta.min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+        probs = random_probs(logits, rows, meta)  # [R, V]
         return (probs / self._exponential_noise(probs, rows, meta)).argmax(dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
@@ -79,6 +67,33 @@ class Sampler:
         for row, entry in zip(rows, entries):
             out[row] = entry
         return out
+
+
+def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Penalties and min_tokens bans, which greedy rows obey too: logits [N, V] -> [N, V]
+    (a new tensor when anything applies; the input is never changed)."""
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    if meta.banned:
+        logits = logits.clone() if meta.penalties is None else logits
+        ban_tokens(logits, meta.banned)
+    return logits
+
+
+def random_probs(logits: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: adjusted logits [R, V] of batch rows
+    ``rows`` -> probabilities [R, V] after temperature, top-k, top-p and min-p
+    (min-p leaves them unnormalized; a draw only needs proportions)."""
+    logits = logits / meta.temperature[rows, None]
+    top_k = None if meta.top_k is None else meta.top_k[rows]
+    top_p = None if meta.top_p is None else meta.top_p[rows]
+    if top_k is not None or top_p is not None:
+        logits = _mask_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)  # [R, V]
+    if meta.min_p is not None:
+        floor = meta.min_p[rows, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

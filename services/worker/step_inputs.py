@@ -14,6 +14,7 @@ import torch
 
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from services.worker.layers.triton_attention import TritonAttentionMetadata, build_triton_metadata
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,10 @@ class StepInputs:
     req_ids: list[str]
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | TritonAttentionMetadata
     query_start: np.ndarray  # [R + 1]
     context_lens: np.ndarray  # [R]: tokens computed before this step
-    # [R] bool: the step reaches the request's last known token, so it samples.
+    # [R] bool: the step reaches the request's last known (or draft) token, so it samples.
     samples: np.ndarray
 
     @property
@@ -39,29 +40,41 @@ def prepare_step(
     num_scheduled: dict[str, int],
     device: torch.device | str,
     max_decode_group_tokens: int | None = None,
+    num_drafts: dict[str, int] | None = None,
+    attention_backend: str = "torch",
 ) -> StepInputs:
+    """``num_drafts``: draft tokens written after a request's known tokens, to verify.
+    ``attention_backend`` picks the metadata the layers get ("torch" or "triton")."""
     rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
     query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
     context = batch.num_computed_tokens[rows]
     seq_lens = context + query_lens
     known = batch.num_tokens[rows]
+    if num_drafts:
+        known = known + np.array([num_drafts.get(r, 0) for r in req_ids], dtype=np.int64)
     if np.any(seq_lens > known):
         bad = req_ids[int(np.argmax(seq_lens > known))]
-        raise ValueError(f"Request {bad} is scheduled past its known tokens (speculative tokens are not supported).")
+        raise ValueError(f"Request {bad} is scheduled past its known tokens and drafts.")
     query_start = np.concatenate(([0], np.cumsum(query_lens)))
     token_rows = np.repeat(rows, query_lens)  # [T]
     positions = np.repeat(context - query_start[:-1], query_lens) + np.arange(query_start[-1])
     bs = batch.block_size
     slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-    attn = build_attention_metadata(
-        query_lens=query_lens,
-        context_lens=context,
-        block_table=batch.block_table[rows],
-        slot_mapping=slot_mapping,
-        block_size=bs,
-        device=device,
-        max_decode_group_tokens=max_decode_group_tokens,
-    )
+    if attention_backend == "triton":
+        attn = build_triton_metadata(
+            query_lens=query_lens, context_lens=context, block_table=batch.block_table[rows],
+            slot_mapping=slot_mapping, block_size=bs, device=device,
+        )
+    else:
+        attn = build_attention_metadata(
+            query_lens=query_lens,
+            context_lens=context,
+            block_table=batch.block_table[rows],
+            slot_mapping=slot_mapping,
+            block_size=bs,
+            device=device,
+            max_decode_group_tokens=max_decode_group_tokens,
+        )
     return StepInputs(
         req_ids=req_ids,
         input_ids=torch.from_numpy(batch.token_ids[token_rows, positions].astype(np.int64)).to(device),

@@ -1,4 +1,10 @@
-"""One worker: a device, the model on it, its KV cache and its model runner."""
+"""One worker: a device, the model on it, its KV cache and its model runner.
+
+Under tensor parallelism there is one worker per rank, each in its own
+process (``services.worker.multiproc_executor``); ``init_device`` joins the
+ranks' process group before the model is built, so the model's layers hold
+this rank's shard.
+"""
 from __future__ import annotations
 
 import logging
@@ -6,6 +12,7 @@ import logging
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
 from services.worker.memory_profiling import peak_increase, total_budget
 from services.worker.model_runner import ModelRunner
 
@@ -13,18 +20,24 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        """``rank`` is this worker's tensor-parallel rank; with more than one,
+        the ranks meet at ``distributed_init_method`` (a ``tcp://`` address)."""
         self.config = config
         self.rank = rank
+        self.world_size = config.parallel.tensor_parallel_size
+        self.distributed_init_method = distributed_init_method
         kind = config.device.device
         self.device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         self.model_runner: ModelRunner | None = None
+        self.kv_connector = None  # disaggregated prefill/decode: set with the KV cache
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
+        init_tensor_parallel(self.rank, self.world_size, self.distributed_init_method, self.device)
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
@@ -59,12 +72,25 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.load_model()
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer is not None:
+            from services.kv_transfer.factory import create_worker_connector
+
+            self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is not None:
+            from services.kv_transfer.worker_step import execute_with_kv_connector
+
+            return execute_with_kv_connector(self.kv_connector, scheduler_output, self.model_runner.execute_model)
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
         self.model_runner = None
+        if self.world_size > 1:
+            destroy_tensor_parallel()
 
 
 def kv_blocks_from_memory(budget: int, weights: int, activation_peak: int, block_bytes: int) -> int:

@@ -30,6 +30,8 @@ from protocol import (
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
+    SpeculativeConfig,
+    StructuredOutputsParams,
     TokenLogprobs,
 )
 from protocol.codec import DEFAULT_SIZE_THRESHOLD, DecodeError, Decoder, Encoder
@@ -97,6 +99,7 @@ def _model_runner_output() -> ModelRunnerOutput:
         req_ids=["a", "b"], sampled_token_ids=[[], [42, 43]],
         logprobs=[[], [_logprobs(42), _logprobs(43)]],
         prompt_logprobs={"a": [None, _logprobs(6)]},
+        spec_token_ids=[[], [44, 45]],
     )
 
 
@@ -110,6 +113,7 @@ def _engine_config() -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=512, scheduling_policy="priority"),
         parallel=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1),
         device=DeviceConfig(device="cuda", num_threads=2, attention_backend="triton"),
+        speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5),
     )
 
 
@@ -120,6 +124,7 @@ SAMPLES = [
     _model_runner_output(),
     _engine_config(),
     SamplingParams(),
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)),
 ]
 
 

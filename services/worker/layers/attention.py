@@ -13,6 +13,9 @@ time on CPU.
 
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA),
 the same grouping Hugging Face's ``repeat_kv`` makes.
+
+On CUDA the forward context selects the Triton backend instead
+(``triton_attention.py``), with the same cache layout.
 """
 from __future__ import annotations
 
@@ -130,6 +133,11 @@ class PagedAttention(nn.Module):
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
+        if context.backend == "triton":
+            from services.worker.layers.triton_attention import triton_attention
+
+            out = triton_attention(q, k, v, cache, meta, self.scale)
+            return out.view(num_tokens, self.num_heads * self.head_dim)
         if cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)

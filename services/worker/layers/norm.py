@@ -1,8 +1,15 @@
-"""RMSNorm, computed in fp32 whatever the activation dtype (as Llama was trained)."""
+"""RMSNorm, computed in fp32 whatever the activation dtype (as Llama was trained).
+
+Given the residual stream too, it adds the sublayer's output to it first and
+returns both the normalized sum and the new residual: one fused kernel on
+the Triton backend.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from services.worker.forward_context import current_backend
 
 
 class RMSNorm(nn.Module):
@@ -11,8 +18,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]; the same operation order as Hugging Face's, so fp32 results match bit for bit."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> [T, H]; with ``residual`` [T, H]: (norm(x + residual), x + residual)."""
+        if current_backend() == "triton":
+            from kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The same operation order as Hugging Face's, so fp32 results match bit for bit."""
         dtype = x.dtype
         x = x.float()
         variance = x.pow(2).mean(-1, keepdim=True)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from services.worker.forward_context import current_backend
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -60,7 +62,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H * D], key [T, KVH * D] -> rotated, same shapes."""
+        """positions [T]; query [T, H * D], key [T, KVH * D] -> rotated, same shapes.
+
+        The Triton backend rotates query and key in place and returns them.
+        """
+        if current_backend() == "triton":
+            from kernels.rotary import rotary_embedding
+
+            rotary_embedding(positions, query, key, self.cos, self.sin, self.head_dim)
+            return query, key
         num_tokens = positions.shape[0]
         cos = self.cos[positions].to(query.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin[positions].to(query.dtype)[:, None, :]

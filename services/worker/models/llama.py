@@ -7,20 +7,31 @@ forward context (``services.worker.forward_context``).
 
 Q, K and V share one projection and gate/up share another (fewer, larger
 matmuls); ``load_weights`` takes checkpoint tensors under their Hugging
-Face names and fills the fused weights shard by shard.
+Face names and fills the fused weights part by part.
+
+Under tensor parallelism (``tp``) every rank builds the same model with its
+share of each layer: its query heads and the KV heads they read, its slice
+of the MLP, its rows of the vocabulary. Each layer cuts its slice out of a
+checkpoint tensor as it loads it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from services.worker.distributed import TensorParallelGroup, divide, get_tp_group
+from services.worker.layers.activation import silu_and_mul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
-from services.worker.layers.linear import Embedding, Linear
+from services.worker.layers.linear import (
+    ColumnParallelLinear, RowParallelLinear, copy_weight, even_slices, kv_heads_of_rank, qkv_slices, whole,
+)
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -86,61 +97,73 @@ def _sliding_window(config: dict) -> int | None:
 
 
 class LlamaAttention(nn.Module):
+    """``args`` counts this rank's heads (see ``LlamaForCausalLM.args``)."""
+
     def __init__(
-        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace, dtype: torch.dtype
+        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
+        dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: LlamaArgs,
     ) -> None:
         super().__init__()
         d = args.head_dim
         self.q_size, self.kv_size = args.num_heads * d, args.num_kv_heads * d
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, args.hidden_size, args.o_bias, dtype)
+        c = checkpoint_args
+        self.qkv_proj = ColumnParallelLinear(
+            args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), args.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(c.num_heads * d, args.hidden_size, args.o_bias, dtype, tp)
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, args.num_heads, args.num_kv_heads, d, workspace)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T], x [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D], this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias, dtype)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
+        size = args.intermediate_size
+        slices = even_slices([size, size], tp, ["intermediate_size"] * 2)
+        self.intermediate_size = slices[0].size  # this rank's share
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, slices, args.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(size, args.hidden_size, args.mlp_bias, dtype, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] (this rank's share)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace, dtype: torch.dtype
+        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
+        dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: LlamaArgs,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, layer_idx, rotary, workspace, dtype)
-        self.mlp = LlamaMLP(args, dtype)
+        self.self_attn = LlamaAttention(args, layer_idx, rotary, workspace, dtype, tp, checkpoint_args)
+        self.mlp = LlamaMLP(args, dtype, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(positions, self.input_layernorm(x))
+        normed, x = self.post_attention_layernorm(attn, residual=x)  # x += attn, fused with the norm
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype, tp: TensorParallelGroup,
+        checkpoint_args: LlamaArgs,
+    ) -> None:
         super().__init__()
         # Shared by all layers: one rotation table, one decode gather buffer.
         rotary = RotaryEmbedding(args.head_dim, max_model_len, args.rope_theta, args.rope_scaling)
         self.workspace = GatherWorkspace()
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, i, rotary, self.workspace, dtype) for i in range(args.num_layers)
+            LlamaDecoderLayer(args, i, rotary, self.workspace, dtype, tp, checkpoint_args)
+            for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -162,16 +185,24 @@ _FUSED = (
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype = torch.float32,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         if args.sliding_window is not None and max_model_len > args.sliding_window:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's sliding window ({args.sliding_window}), "
                 "which is not implemented; lower max_model_len to at most the window."
             )
-        self.args = args
-        self.model = LlamaModel(args, max_model_len, dtype)
-        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
+        tp = tp or get_tp_group()
+        self.checkpoint_args = args
+        # What this rank holds: its share of the heads (the KV cache is sized
+        # from these). Everything else is the checkpoint's.
+        self.args = rank_args(args, tp)
+        self.model = LlamaModel(self.args, max_model_len, dtype, tp, args)
+        tied = self.model.embed_tokens if args.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, dtype, tp, tied_to=tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T], positions [T] -> hidden states [T, hidden]."""
@@ -181,22 +212,32 @@ class LlamaForCausalLM(nn.Module):
     def attention_workspace(self) -> GatherWorkspace:
         return self.model.workspace
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] (fp32)."""
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] (fp32) on the driver rank; None on the
+        other tensor-parallel ranks, which must still call it (a collective)."""
+        return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be filled.
+
+        A weight may be a tensor or a lazy slice (``shape`` + ``narrow``):
+        each layer reads only the part this rank keeps.
+        """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         filled: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.checkpoint_args.tie_word_embeddings):
                 continue  # derived from the config, or tied to the embedding
             target, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-            self._copy_shard(target, params[target], tensor, shard)
+            module_name, _, param_name = target.rpartition(".")
+            module = modules[module_name]
+            if hasattr(module, "load_weight"):
+                module.load_weight(param_name, tensor, shard)
+            else:  # replicated (norms): every rank keeps all of it
+                copy_weight(params[target], whole(tensor), target)
             filled.add(target if shard is None else f"{target}#{shard}")
         missing = [n for n in self._expected_fills(params) if n not in filled]
         if missing:
@@ -208,24 +249,19 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
 
-    def _copy_shard(self, name: str, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
-        dest = param
-        if shard is not None:
-            sizes = self._shard_sizes(name)
-            dest = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if dest.shape != tensor.shape:
-            raise ValueError(f"Checkpoint tensor of shape {tuple(tensor.shape)} does not fit {name} {tuple(dest.shape)}.")
-        dest.copy_(tensor)
-
-    def _shard_sizes(self, fused_name: str) -> list[int]:
-        a = self.args
-        if ".qkv_proj." in fused_name:
-            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        return [a.intermediate_size, a.intermediate_size]
-
     def _expected_fills(self, params: dict[str, torch.Tensor]) -> list[str]:
         names = []
         for name in params:
             fused = [shard for f, _, shard in _FUSED if f".{f}." in name]
             names += [f"{name}#{s}" for s in fused] if fused else [name]
         return names
+
+
+def rank_args(args: LlamaArgs, tp: TensorParallelGroup) -> LlamaArgs:
+    """``args`` with this rank's head counts; a ValueError if the heads do not split over the ranks."""
+    if tp.world_size == 1:
+        return args
+    num_heads = divide(args.num_heads, tp.world_size, "num_attention_heads")
+    num_kv_heads, _ = kv_heads_of_rank(args.num_kv_heads, tp)
+    divide(args.intermediate_size, tp.world_size, "intermediate_size")
+    return dataclasses.replace(args, num_heads=num_heads, num_kv_heads=num_kv_heads)

@@ -1,0 +1,141 @@
+"""Torch twins of the Triton kernels: the same signatures, written for clarity.
+
+Each twin states what its kernel computes, in plain torch on any device;
+the kernel tests compare the two. Arithmetic is fp32 whatever the input
+dtype, as in the kernels, with one cast to the output dtype at the end.
+The argument checks live here too, so a kernel wrapper and its twin refuse
+the same inputs with the same messages.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"expected query [T, H, D] and kv_cache [2, KVH, num_blocks, block_size, D], "
+            f"got {tuple(query.shape)} and {tuple(kv_cache.shape)}."
+        )
+    _, num_heads, head_dim = query.shape
+    _, num_kv_heads, _, _, cache_dim = kv_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads}) "
+            f"and head sizes must agree ({head_dim} vs {cache_dim})."
+        )
+    if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
+        raise ValueError(f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}.")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("query and kv_cache must be contiguous in the head dimension.")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}.")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+        raise ValueError(
+            f"query_start_loc needs R + 1 entries and block_table R rows for R = {seq_lens.shape[0]} "
+            f"sequences, got {query_start_loc.shape[0]} and {block_table.shape[0]}."
+        )
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Twin of ``kernels.paged_attention.paged_attention`` (tiling arguments are ignored)."""
+    check_paged_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table)
+    out = torch.empty_like(query) if out is None else out
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        blocks = block_table[i, : -(-seq_len // block_size)].long()
+        kv = kv_cache[:, :, blocks].reshape(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].float()  # [2, KVH, S, D]
+        k = kv[0].repeat_interleave(group, dim=0)  # [H, S, D]
+        v = kv[1].repeat_interleave(group, dim=0)
+        q = query[start:end].float().transpose(0, 1)  # [H, n, D]
+        scores = q @ k.transpose(1, 2) * scale  # [H, n, S]
+        query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
+        hidden = torch.arange(seq_len, device=query.device)[None, :] > query_pos[:, None]  # [n, S]
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out[start:end] = (probs @ v).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or kv_cache.shape[1] != num_kv_heads or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"key and value [T, KVH, D] must match each other and kv_cache [2, KVH, blocks, block_size, D]: "
+            f"got {tuple(key.shape)}, {tuple(value.shape)} and {tuple(kv_cache.shape)}."
+        )
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be [T] int32 or int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}.")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("key, value and kv_cache must be contiguous in the head dimension.")
+
+
+def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Twin of ``kernels.kv_cache.write_kv_cache``: token ``t`` goes to slot ``slot_mapping[t]``; -1 skips it."""
+    check_kv_write_args(key, value, kv_cache, slot_mapping)
+    two, kvh, num_blocks, block_size, d = kv_cache.shape
+    rows = kv_cache.view(two, kvh, num_blocks * block_size, d)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    rows[0, :, slots] = key[keep].transpose(0, 1).to(kv_cache.dtype)
+    rows[1, :, slots] = value[keep].transpose(0, 1).to(kv_cache.dtype)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.norms.rms_norm``: ``norm(x) * weight``, or with a residual
+    ``(norm(x + residual) * weight, x + residual)``."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (normed.float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> None:
+    """Twin of ``kernels.rotary.rotary_embedding``: rotate query ``[T, H * D]`` and key
+    ``[T, KVH * D]`` in place, neox style (the two halves of each head form the pairs).
+
+    ``cos`` and ``sin`` are ``[max_positions, D]`` tables whose halves repeat, as
+    ``RotaryEmbedding`` builds them.
+    """
+    half = head_dim // 2
+    c = cos[positions.long(), :half].float()[:, None, :]  # [T, 1, D/2]
+    s = sin[positions.long(), :half].float()[:, None, :]
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_dim)  # [T, heads, D]
+        x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        heads.copy_(rotated.to(x.dtype))
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.activation.silu_and_mul``: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

@@ -1,0 +1,235 @@
+"""The GPU figures of scripts/gpu_check.sh, one line each ("gpu_check | ...").
+
+    python scripts/gpu_bench.py e2e          # default model, greedy: Triton + CUDA graphs vs torch (fp32)
+    python scripts/gpu_bench.py kernels      # paged attention kernel vs torch SDPA, Llama-3-8B heads, bf16
+    python scripts/gpu_bench.py throughput   # dummy-weight Llama-3-8B: decode tok/s at batch 1/32/256, prefill tok/s
+
+``--smoke`` runs the same code on CPU with tiny shapes (Triton interpreted),
+to check the script itself where there is no GPU; its figures mean nothing.
+Exit status 1 when a check fails (the e2e tokens differ).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3-8B), for dummy weights.
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=128000, eos_token_id=128001,
+)
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def report(line: str) -> None:
+    print(f"gpu_check | {line}", flush=True)
+
+
+def device_kind(smoke: bool) -> str:
+    return "cpu" if smoke else "cuda"
+
+
+def release(llm) -> None:
+    import torch
+
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+E2E_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "1, 1, 2, 3, 5, 8,",
+]
+
+
+def e2e(smoke: bool) -> int:
+    from services import LLM, SamplingParams
+
+    prompts = E2E_PROMPTS[:1] if smoke else E2E_PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=2 if smoke else 16, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        os.environ["WEFT_ATTENTION_BACKEND"] = backend
+        llm = LLM(None, device=device_kind(smoke), dtype="float32", max_model_len=512, kv_cache_memory=4 << 30,
+                  max_num_seqs=8, enforce_eager=backend == "torch", num_threads=1)
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        release(llm)
+    pairs = [(a, b) for want, got in zip(tokens["torch"], tokens["triton"]) for a, b in zip(want, got)]
+    same = sum(a == b for a, b in pairs)
+    ok = tokens["torch"] == tokens["triton"]
+    report(f"e2e greedy, default model fp32, {len(prompts)} prompts x {params.max_tokens} tokens, "
+           f"triton + CUDA graphs vs torch: {same}/{len(pairs)} tokens identical -> {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        report(f"  torch:  {tokens['torch']}\n  triton: {tokens['triton']}")
+    return 0 if ok else 1
+
+
+# --- kernel timings -------------------------------------------------------------------------------
+
+def kernels(smoke: bool) -> int:
+    import torch
+
+    if smoke:
+        shapes = [("decode", 2, 64), ("prefill", 1, 32)]
+        heads, kv_heads, head_dim, dtype = 4, 2, 64, torch.float32
+    else:
+        shapes = [("decode", 1, 8192), ("decode", 32, 2048), ("decode", 256, 1024), ("prefill", 1, 2048),
+                  ("prefill", 8, 512)]
+        heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    for kind, batch, length in shapes:
+        triton_ms, sdpa_ms = _time_attention(kind, batch, length, heads, kv_heads, head_dim, dtype, smoke)
+        what = f"ctx={length}" if kind == "decode" else f"len={length}"
+        report(f"kernel {kind} b={batch} {what} (H={heads}, KVH={kv_heads}, D={head_dim}, {str(dtype)[6:]}): "
+               f"triton paged {triton_ms:.3f} ms, torch SDPA (dense K/V) {sdpa_ms:.3f} ms, "
+               f"ratio {triton_ms / sdpa_ms:.2f}")
+    return 0
+
+
+def _time_attention(kind, batch, length, heads, kv_heads, head_dim, dtype, smoke):
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.paged_attention import paged_attention
+
+    device = device_kind(smoke)
+    block_size = 16
+    blocks_per_seq = -(-length // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    # Each sequence's blocks scattered over the pool, as a busy server's would be.
+    table = (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).view(batch, -1).int()
+    q_len = 1 if kind == "decode" else length
+    query = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device=device)
+    query_start = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+
+    def run_triton():
+        paged_attention(query, cache, query_start, seq_lens, table, head_dim**-0.5, max_query_len=q_len)
+
+    # The same keys, gathered into dense [B, KVH, S, D] tensors before timing.
+    k = cache[0][:, table.long()].reshape(kv_heads, batch, -1, head_dim)[:, :, :length].transpose(0, 1).contiguous()
+    v = cache[1][:, table.long()].reshape(kv_heads, batch, -1, head_dim)[:, :, :length].transpose(0, 1).contiguous()
+    q = query.view(batch, q_len, heads, head_dim).transpose(1, 2)  # [B, H, q, D]
+
+    def run_sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=kind == "prefill", enable_gqa=True)
+
+    return _time_ms(run_triton, smoke), _time_ms(run_sdpa, smoke)
+
+
+def _time_ms(fn, smoke: bool) -> float:
+    if smoke:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+# --- throughput -------------------------------------------------------------------------------
+
+def throughput(smoke: bool) -> int:
+    from services import LLM
+
+    folder = Path(tempfile.mkdtemp(prefix="weft-dummy-8b-"))
+    try:
+        write_dummy_model(folder, TINY if smoke else LLAMA3_8B)
+        llm = LLM(str(folder), load_format="dummy", device=device_kind(smoke), dtype="float32" if smoke else "bfloat16",
+                  max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False,
+                  kv_cache_memory=(1 << 30) if smoke else (60 << 30), num_threads=1)
+        shape = "tiny smoke model" if smoke else "Llama-3-8B shape, dummy weights, bf16"
+        _generate(llm, batch=1, prompt_len=16, max_tokens=4)  # warm-up
+        steps = 4 if smoke else 128
+        for batch in (1, 2) if smoke else (1, 32, 256):
+            rate = _decode_rate(llm, batch, prompt_len=32 if smoke else 128, steps=steps)
+            report(f"decode {shape}: batch {batch}: {rate:.0f} tokens/s ({rate / batch:.1f} per sequence)")
+        batch, prompt_len = (2, 64) if smoke else (32, 1024)
+        seconds = _generate(llm, batch=batch, prompt_len=prompt_len, max_tokens=1)
+        report(f"prefill {shape}: {batch} x {prompt_len} tokens: {batch * prompt_len / seconds:.0f} tokens/s")
+        release(llm)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def write_dummy_model(folder: Path, config: dict) -> None:
+    """config.json of the shape, and the default model's tokenizer (prompts are token ids anyway)."""
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer_dir = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.hf"
+    if (tokenizer_dir / "tokenizer.json").exists():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, folder / name)
+    else:
+        _write_byte_tokenizer(folder)
+
+
+def _write_byte_tokenizer(folder: Path) -> None:
+    """A 256-token byte-level tokenizer, when the default model's files are not on this machine."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(i) if chr(i).isprintable() else f"<0x{i:02X}>": i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0x00>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def _decode_rate(llm, batch: int, prompt_len: int, steps: int) -> float:
+    """Decode tokens/s: (batch x steps) tokens over the time beyond a prefill-only run of the same batch."""
+    prefill = _generate(llm, batch, prompt_len, max_tokens=1)
+    full = _generate(llm, batch, prompt_len, max_tokens=1 + steps)
+    return batch * steps / max(full - prefill, 1e-9)
+
+
+def _generate(llm, batch: int, prompt_len: int, max_tokens: int) -> float:
+    """Seconds to run ``batch`` random prompts of ``prompt_len`` tokens for ``max_tokens`` tokens each."""
+    import random
+
+    from services import SamplingParams
+
+    rng = random.Random(batch * 1000 + prompt_len + max_tokens)
+    top = min(20000, llm.config.model.vocab_size)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, top) for _ in range(prompt_len)]} for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["e2e", "kernels", "throughput"])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreted): checks the script")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+        os.environ.setdefault("WEFT_ATTENTION_BACKEND", "triton")  # CPU would pick torch
+    return {"e2e": e2e, "kernels": kernels, "throughput": throughput}[args.what](args.smoke)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The engine-core processes the API started on its own node.
+
+``launch_local_engines`` starts them; ``LocalEngines`` watches them for the
+engine client and restarts one that exits, with exponential back-off for a
+rank that keeps dying soon after it starts (a crash loop), and at once
+(``base_s``) for one that had served a while. Torch-free.
+
+Engines run in their own session, so a terminal's Ctrl-C reaches only the
+API, which stops them in order; each engine asks the kernel to kill it when
+the thread that started it exits (``die_with_launcher`` in
+``services.engine_core.proc``), so every ``Popen`` here must run on a
+long-lived thread -- the event loop's, never a ``to_thread`` worker.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 10.0
+
+
+def engine_command(rank: int, handshake_address: str, *, num_threads: int | None = None,
+                   curve_keys: str | None = None, shutdown_timeout_s: float | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
+           "--handshake-address", handshake_address, "--local"]
+    if num_threads is not None:
+        cmd += ["--num-threads", str(num_threads)]
+    if curve_keys is not None:
+        cmd += ["--zmq-curve-keys", str(curve_keys)]
+    if shutdown_timeout_s is not None:
+        cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
+    return cmd
+
+
+def launch_local_engines(num: int, start_rank: int, handshake_address: str, num_threads: int | None = None,
+                         *, curve_keys: str | None = None,
+                         shutdown_timeout_s: float | None = None) -> list[subprocess.Popen]:
+    """Start ranks ``start_rank..start_rank+num-1`` on this node (stdout/stderr inherited).
+
+    Plain subprocesses: the config reaches them over the handshake, never pickled.
+    """
+    return [subprocess.Popen(engine_command(rank, handshake_address, num_threads=num_threads,
+                                            curve_keys=curve_keys, shutdown_timeout_s=shutdown_timeout_s),
+                             start_new_session=True)
+            for rank in range(start_rank, start_rank + num)]
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float = _STOP_GRACE_S,
+                   exit_wait_s: float = 0.0) -> None:
+    """Give the processes ``exit_wait_s`` to exit on their own, SIGTERM those
+    still running, and SIGKILL those that outlive ``grace_s`` more."""
+    deadline = time.monotonic() + exit_wait_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in processes:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("Engine process %d ignored SIGTERM; killing it.", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class RestartBackoff:
+    """Delay before restarting a rank: ``base_s`` after a life of at least
+    ``stable_s``, doubling (up to ``max_s``) for each quicker death in a row."""
+
+    base_s: float = 1.0
+    max_s: float = 30.0
+    stable_s: float = 30.0
+    _quick_deaths: dict[int, int] = field(default_factory=dict)
+
+    def delay(self, rank: int, lifetime_s: float) -> float:
+        quick = self._quick_deaths.get(rank, 0) + 1 if lifetime_s < self.stable_s else 0
+        self._quick_deaths[rank] = quick
+        return min(self.max_s, self.base_s * 2 ** max(0, quick - 1))
+
+
+class LocalEngines:
+    """Rank -> process of the engines started here, restarting them if asked."""
+
+    def __init__(self, processes: dict[int, subprocess.Popen], *, restart: bool = False,
+                 backoff: RestartBackoff | None = None) -> None:
+        self.processes = dict(processes)
+        self.restart = restart
+        self.backoff = backoff or RestartBackoff()
+        self.num_restarts = {rank: 0 for rank in self.processes}
+        self._started = {rank: time.monotonic() for rank in self.processes}
+        self._due: dict[int, float] = {}  # rank -> when to start it again
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.processes
+
+    def exit_code(self, rank: int) -> int | None:
+        """The exit code if ``rank``'s process has exited (and is not about to be restarted)."""
+        proc = self.processes.get(rank)
+        return None if proc is None or rank in self._due else proc.poll()
+
+    def on_dead(self, rank: int, *, hung: bool = False) -> None:
+        """The client marked ``rank`` dead: kill its process if it ``hung``
+        (went silent), and plan its restart."""
+        proc = self.processes.get(rank)
+        if proc is None:
+            return
+        if hung and proc.poll() is None:
+            proc.kill()
+        if self.restart and rank not in self._due:
+            delay = self.backoff.delay(rank, time.monotonic() - self._started[rank])
+            self._due[rank] = time.monotonic() + delay
+            logger.info("Restarting engine core rank %d in %.1fs.", rank, delay)
+
+    def restart_due(self) -> list[int]:
+        """Start again every rank whose back-off is over and whose old process
+        has exited (one that said goodbye gets ``_STOP_GRACE_S`` to do so);
+        returns those ranks."""
+        now = time.monotonic()
+        ranks = []
+        for rank, due in list(self._due.items()):
+            old = self.processes[rank]
+            if due > now:
+                continue
+            if old.poll() is None:
+                if now > due + _STOP_GRACE_S:
+                    old.kill()
+                continue
+            ranks.append(rank)
+            self.processes[rank] = subprocess.Popen(old.args, start_new_session=True)
+            self._started[rank] = now
+            self.num_restarts[rank] += 1
+            del self._due[rank]
+            logger.info("Engine core rank %d restarted (pid %d, restart #%d).", rank,
+                        self.processes[rank].pid, self.num_restarts[rank])
+        return ranks
+
+    def stop(self, grace_s: float = _STOP_GRACE_S, exit_wait_s: float = 0.0) -> None:
+        self.restart = False
+        self._due.clear()
+        stop_processes(list(self.processes.values()), grace_s=grace_s, exit_wait_s=exit_wait_s)

@@ -1,0 +1,263 @@
+"""StructuredOutputManager: request grammars for the scheduler.
+
+It compiles each constrained request's grammar on a thread pool, so the
+engine loop never waits for a compile: the request sits in
+WAITING_FOR_GRAMMAR and the scheduler asks ``split_compiled`` each step
+which ones are ready. Compiled grammars are cached by constraint, and a
+compile in flight is shared by every request that asks for the same one.
+
+Each step it fills the token masks of the constrained requests that sample
+(``grammar_bitmask``), and after the step it advances each request's
+grammar over its new tokens (``accept_token``).
+
+The backend (xgrammar, which imports torch) is created on the first
+constrained request, on a pool thread: engines that never see one never
+load it, and the scheduler's tests stay torch-free.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protocol import EngineConfig, StructuredOutputsParams
+from protocol.structured_outputs import COMPILE_TIME_BUCKETS, StructuredOutputStats
+from services.engine_core.request import Request, RequestStatus
+from services.engine_core.structured_output.backend import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    bitmask_words,
+)
+
+# Compiled grammars kept for reuse; the least recently asked for goes first.
+MAX_CACHED_GRAMMARS = 256
+# Half the cores, as vLLM does, but at least two: a compile that runs past
+# its timeout keeps its thread until it ends, and must not stall the others.
+_COMPILE_THREADS = max(2, (os.cpu_count() or 2) // 2)
+
+
+@dataclass
+class _CompileJob:
+    future: Future | None = None
+    started_at: float | None = None  # set by the pool thread when compiling begins
+
+
+@dataclass
+class StructuredOutputRequest:
+    """A constrained request's grammar: compiling until ``grammar`` is set."""
+
+    params: StructuredOutputsParams
+    job: _CompileJob
+    grammar: StructuredOutputGrammar | None = None
+
+
+@dataclass
+class _Totals:
+    """Running totals since the engine started (reported whole, never as deltas)."""
+
+    num_requests: int = 0
+    compile_counts: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_TIME_BUCKETS) + 1))
+    compile_seconds: float = 0.0
+    # Engine-side mask cost, for benchmarks: seconds filling masks, the steps
+    # that did and the rows they filled.
+    fill_seconds: float = 0.0
+    num_fill_steps: int = 0
+    num_fill_rows: int = 0
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig,
+                 backend_factory: Callable[[], StructuredOutputBackend] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.compile_timeout = config.structured_outputs.compile_timeout
+        self.vocab_size = config.model.vocab_size
+        self._backend_factory = backend_factory or (lambda: _xgrammar_backend(config))
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._clock = clock
+        self._executor: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple, _CompileJob] = OrderedDict()
+        self._totals_lock = threading.Lock()  # pool threads add compile times
+        self.totals = _Totals()
+
+    # ------------------------------------------------------------ compiling
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar, or share a cached/in-flight one."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None, "only constrained requests have grammars"
+        key = params.cache_key
+        job = self._cache.get(key)
+        if job is None:
+            job = self._submit(params)
+            self._cache[key] = job
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        request.structured_output = StructuredOutputRequest(params, job)
+        self.totals.num_requests += 1
+
+    def split_compiled(self, requests: Iterable[Request]
+                       ) -> tuple[list[Request], list[tuple[Request, str]], list[Request]]:
+        """Requests waiting for grammars -> (ready, failed with the reason, still compiling).
+
+        A compile fails on a bad constraint, or once it has run longer than
+        ``compile_timeout`` (time queued behind other compiles not counted).
+        """
+        ready, failed, pending = [], [], []
+        for request in requests:
+            if request.is_finished:
+                continue  # aborted while compiling
+            error = self._compile_error(request.structured_output)
+            if error is not None:
+                failed.append((request, error))
+            elif request.structured_output.job.future.done():
+                request.structured_output.grammar = self._backend.new_grammar(
+                    request.structured_output.job.future.result())
+                ready.append(request)
+            else:
+                pending.append(request)
+        return ready, failed, pending
+
+    def _compile_error(self, so_request: StructuredOutputRequest) -> str | None:
+        job = so_request.job
+        if not job.future.done():
+            started = job.started_at
+            if started is not None and self._clock() - started > self.compile_timeout:
+                return (f"Compiling the {so_request.params.kind} constraint took longer than "
+                        f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout).")
+            return None
+        exc = job.future.exception()
+        if exc is None:
+            return None
+        if self._cache.get(so_request.params.cache_key) is job:
+            del self._cache[so_request.params.cache_key]  # cache successes only
+        if isinstance(exc, ValueError):
+            return str(exc)
+        return f"Compiling the {so_request.params.kind} constraint failed: {type(exc).__name__}: {exc}"
+
+    def _submit(self, params: StructuredOutputsParams) -> _CompileJob:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        job = _CompileJob()
+        job.future = self._executor.submit(self._compile, job, params)
+        return job
+
+    def _compile(self, job: _CompileJob, params: StructuredOutputsParams) -> Any:
+        """On a pool thread: the backend's first use builds it (not timed)."""
+        backend = self._get_backend()
+        job.started_at = self._clock()
+        compiled = backend.compile(params)
+        self._record_compile(self._clock() - job.started_at)
+        return compiled
+
+    def _get_backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def _record_compile(self, seconds: float) -> None:
+        with self._totals_lock:
+            self.totals.compile_counts[bisect.bisect_left(COMPILE_TIME_BUCKETS, seconds)] += 1
+            self.totals.compile_seconds += seconds
+
+    # ---------------------------------------------------------- each step
+
+    def filter_drafts(self, requests: Iterable[Request]) -> None:
+        """Keep only the draft tokens (speculative decoding) each constrained
+        request's grammar accepts: a draft it refuses can never be the output."""
+        for request in requests:
+            so_request = request.structured_output
+            drafts = getattr(request, "spec_token_ids", None)
+            if so_request is not None and so_request.grammar is not None and drafts:
+                request.spec_token_ids = so_request.grammar.validate_tokens(list(drafts))
+
+    def grammar_bitmask(self, requests: Iterable[Request], num_scheduled_tokens: dict[str, int],
+                        spec_tokens: dict[str, list[int]]) -> tuple[list[str], np.ndarray | None]:
+        """The masks of the constrained requests that sample this step.
+
+        Call before ``num_computed_tokens`` advances. A request gets one row
+        per position it samples: one per scheduled draft token, plus one.
+        """
+        start = time.perf_counter()
+        sampling = [r for r in requests if r.structured_output is not None
+                    and r.num_computed_tokens + num_scheduled_tokens[r.request_id] >= r.num_tokens]
+        if not sampling:
+            return [], None
+        num_rows = sum(1 + len(spec_tokens.get(r.request_id, ())) for r in sampling)
+        bitmask = np.full((num_rows, bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        row = 0
+        for request in sampling:
+            row = self._fill_rows(request, spec_tokens.get(request.request_id, []), bitmask, row)
+        self.totals.fill_seconds += time.perf_counter() - start
+        self.totals.num_fill_steps += 1
+        self.totals.num_fill_rows += num_rows
+        return [r.request_id for r in sampling], bitmask
+
+    @staticmethod
+    def _fill_rows(request: Request, drafts: list[int], bitmask: np.ndarray, row: int) -> int:
+        """Rows ``row..row + len(drafts)``: the mask before each draft and after
+        the last, walking the grammar through the drafts and back."""
+        grammar = request.structured_output.grammar
+        assert grammar is not None, "a request is scheduled only once its grammar compiled"
+        num_accepted = 0
+        for position in range(len(drafts) + 1):
+            # A terminated grammar allows nothing more; its row stays all-ones
+            # and the request stops on the token already sampled.
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, row + position)
+            if position < len(drafts) and grammar.accept_tokens([drafts[position]]):
+                num_accepted += 1
+        grammar.rollback(num_accepted)
+        return row + len(drafts) + 1
+
+    def accept_token(self, request: Request, token_id: int) -> bool:
+        """Advance ``request``'s grammar over a token it just produced; True if
+        that ends the request (its status says how: the grammar is complete,
+        or -- a broken invariant, the mask forbade it -- refused the token)."""
+        grammar = request.structured_output.grammar
+        if not grammar.accept_tokens([token_id]):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"The grammar refused token {token_id} that the model produced."
+            return True
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    # -------------------------------------------------------------- stats
+
+    def make_stats(self) -> StructuredOutputStats | None:
+        if self.totals.num_requests == 0:
+            return None
+        with self._totals_lock:
+            return StructuredOutputStats(
+                num_requests=self.totals.num_requests,
+                compile_counts=list(self.totals.compile_counts),
+                compile_seconds=self.totals.compile_seconds,
+            )
+
+    def shutdown(self) -> None:
+        """Stop the pool; compiles already running finish on their own."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def _xgrammar_backend(config: EngineConfig) -> StructuredOutputBackend:
+    from services.engine_core.structured_output.xgrammar_backend import XgrammarBackend
+
+    eos = config.model.eos_token_id
+    return XgrammarBackend(config.model.tokenizer, config.model.vocab_size,
+                           [] if eos is None else [eos])

@@ -1,0 +1,92 @@
+"""``kv_transfer_config`` as users give it (a dict, or JSON on the command
+line), resolved into the frozen ``KVTransferConfig``.
+
+Torch-free: the API process builds the engine config too. Each connector's
+``kv_connector_extra_config`` is checked against its own Struct here, so a
+misspelt option fails at start-up, not at the first transfer.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from protocol import EngineConfig
+from protocol.kv_transfer import KV_CONNECTORS, KVTransferConfig
+
+DEFAULT_SHARED_STORAGE_PATH = "/tmp/weft-kv-cache"
+# How long one transfer may wait: a reply from the kv_transfer service, or
+# blocks that a producer has not finished writing yet.
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class SharedStorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    shared_storage_path: str = DEFAULT_SHARED_STORAGE_PATH
+    timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
+
+
+class ZmqOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
+
+
+_OPTIONS: dict[str, type[msgspec.Struct]] = {
+    "SharedStorageConnector": SharedStorageOptions,
+    "ZmqConnector": ZmqOptions,
+}
+assert set(_OPTIONS) == set(KV_CONNECTORS)
+
+
+def connector_options(config: KVTransferConfig) -> SharedStorageOptions | ZmqOptions:
+    """The connector's typed ``kv_connector_extra_config``; ValueError when it is wrong."""
+    try:
+        return msgspec.convert(config.kv_connector_extra_config, _OPTIONS[config.kv_connector])
+    except msgspec.ValidationError as e:
+        raise ValueError(f"kv_connector_extra_config of {config.kv_connector} is not valid: {e}.") from e
+
+
+def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransferConfig | None:
+    """None (or an empty value) turns KV transfer off; otherwise a validated config."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON ({e}): {value!r}.") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_config must be a JSON object (a dict), got {value!r}.")
+    if value.get("kv_connector") not in KV_CONNECTORS:
+        raise ValueError(f"kv_transfer_config needs kv_connector, one of {', '.join(KV_CONNECTORS)}; "
+                         f"got {value.get('kv_connector')!r}.")
+    try:
+        config = msgspec.convert(value, KVTransferConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"kv_transfer_config is not valid: {e}.") from e
+    connector_options(config)
+    return config
+
+
+def check_engine_supports(config: KVTransferConfig | None, *, tensor_parallel_size: int,
+                          enable_prefix_caching: bool) -> None:
+    """Blocks are named by their prefix-cache hashes, and one worker moves them."""
+    if config is None:
+        return
+    if not enable_prefix_caching:
+        raise ValueError("kv_transfer_config needs prefix caching (KV blocks are named by their "
+                         "prefix-cache hashes): drop --no-enable-prefix-caching.")
+    if tensor_parallel_size != 1:
+        raise ValueError("kv_transfer_config supports tensor_parallel_size 1 only "
+                         f"(got {tensor_parallel_size}).")
+
+
+def with_kv_transfer_config(config: EngineConfig, value: dict[str, Any] | str | None) -> EngineConfig:
+    """``config`` with its KV transfer replaced by ``value`` (``engine-core
+    --kv-transfer-config``: an engine's role may differ from the API's)."""
+    if value is None:
+        return config
+    kv_transfer = resolve_kv_transfer_config(value)
+    check_engine_supports(kv_transfer, tensor_parallel_size=config.parallel.tensor_parallel_size,
+                          enable_prefix_caching=config.cache.enable_prefix_caching)
+    return msgspec.structs.replace(config, kv_transfer=kv_transfer)

@@ -1,0 +1,264 @@
+"""``weft pd-proxy``: one OpenAI-compatible front for disaggregated prefill/decode.
+
+Each completion or chat request runs in two legs (vLLM's proxy pattern):
+
+1. prefill: a copy of the request goes to a prefill server with
+   ``max_tokens=1``, no streaming, ``n=1`` and ``kv_transfer_params =
+   {"do_remote_decode": true}``; that engine computes the prompt's KV, hands
+   it to the connector, and answers with the ``kv_transfer_params`` a
+   decode engine needs;
+2. decode: the original request plus those parameters goes to a decode
+   server, whose answer (streamed or whole) is passed to the client as is.
+
+Both legs carry the same ``X-Request-Id``. A prefill server that fails
+(unreachable, 5xx) costs only speed: the decode server then gets the plain
+request and computes the prompt itself. A 4xx from the prefill server is the
+client's error, and goes back to the client. Servers are picked per pool by
+round robin or by the fewest requests this proxy has in flight on them.
+Torch-free: Starlette, httpx and uvicorn only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+logger = logging.getLogger("weft.pd_proxy")
+
+POLICIES = ("round_robin", "least_loaded")
+# Prefills of long prompts and long streams take as long as they take; only
+# connecting is bounded.
+_TIMEOUT = httpx.Timeout(None, connect=10.0)
+# Request headers worth passing on to the servers.
+_FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class BackendPool:
+    """The servers of one role: ``acquire`` picks one and counts it busy until ``release``."""
+
+    def __init__(self, urls: list[str], policy: str) -> None:
+        if not urls:
+            raise ValueError("a pool needs at least one server URL")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}.")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.policy = policy
+        self.in_flight = {url: 0 for url in self.urls}
+        self._next = itertools.cycle(self.urls)
+
+    def acquire(self) -> str:
+        if self.policy == "round_robin":
+            url = next(self._next)
+        else:
+            url = min(self.urls, key=lambda u: self.in_flight[u])  # the first of the least busy
+        self.in_flight[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.in_flight[url] -= 1
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's request: one token, whole, one choice, KV handed on."""
+    prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
+    prefill.update(stream=False, max_tokens=1, n=1,
+                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    return prefill
+
+
+class PDProxy:
+    def __init__(self, prefill: BackendPool, decode: BackendPool, client: httpx.AsyncClient | None = None) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.client = client  # opened with the app when not given
+        self.num_prefill_failures = 0  # requests decoded without a transfer
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "/v1/completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "/v1/chat/completions")
+
+    async def _handle(self, request: Request, path: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(f"The body is not valid JSON: {e}", 400)
+        if not isinstance(body, dict):
+            return _error("The body must be a JSON object.", 400)
+        headers = _forwarded_headers(request)
+        params = await self._run_prefill(path, prefill_body(body), headers)
+        if isinstance(params, Response):
+            return params  # the client's own error
+        decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
+        if params is not None:
+            decode["kv_transfer_params"] = params
+        return await self._run_decode(path, decode, headers, stream=bool(body.get("stream")))
+
+    async def _run_prefill(self, path: str, body: dict, headers: dict) -> dict | Response | None:
+        """The prefill server's ``kv_transfer_params``; its response if the
+        request is at fault (4xx); None when the decode must compute the prompt."""
+        url = self.prefill.acquire()
+        try:
+            response = await self.client.post(url + path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            return self._prefill_failed(url, f"{type(e).__name__}: {e}")
+        finally:
+            self.prefill.release(url)
+        if 400 <= response.status_code < 500:
+            return Response(response.content, response.status_code, media_type="application/json")
+        if response.status_code != 200:
+            return self._prefill_failed(url, f"HTTP {response.status_code}")
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (json.JSONDecodeError, AttributeError):
+            return self._prefill_failed(url, "a response that is not a JSON object")
+        return params if isinstance(params, dict) else None
+
+    def _prefill_failed(self, url: str, reason: str) -> None:
+        self.num_prefill_failures += 1
+        logger.warning("Prefill at %s failed (%s); the decode server computes the prompt.", url, reason)
+        return None
+
+    async def _run_decode(self, path: str, body: dict, headers: dict, stream: bool) -> Response:
+        url = self.decode.acquire()
+        try:
+            request = self.client.build_request("POST", url + path, json=body, headers=headers)
+            upstream = await self.client.send(request, stream=stream)
+        except httpx.HTTPError as e:
+            self.decode.release(url)
+            return _error(f"The decode server {url} failed: {type(e).__name__}: {e}", 502)
+        if not stream:
+            self.decode.release(url)
+            return Response(upstream.content, upstream.status_code,
+                            media_type=upstream.headers.get("content-type", "application/json"))
+        relay = _Relay(url, upstream, self.decode)
+        # The background task also runs when the client left before the first byte.
+        return StreamingResponse(relay.chunks(), status_code=upstream.status_code, background=BackgroundTask(relay.close),
+                                 media_type=upstream.headers.get("content-type", "text/event-stream"))
+
+    async def models(self, request: Request) -> Response:
+        url = self.decode.urls[0]
+        try:
+            response = await self.client.get(url + "/v1/models", headers=_forwarded_headers(request))
+        except httpx.HTTPError as e:
+            return _error(f"The decode server {url} failed: {e}", 502)
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        """200 when every server answers its /health with 200."""
+        servers = {}
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            for url in pool.urls:
+                try:
+                    ok = (await self.client.get(url + "/health", timeout=5.0)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                servers[url] = {"role": role, "healthy": ok, "in_flight": pool.in_flight[url]}
+        healthy = all(s["healthy"] for s in servers.values())
+        return JSONResponse({"status": "ok" if healthy else "unavailable", "servers": servers},
+                            status_code=200 if healthy else 503)
+
+
+class _Relay:
+    """A decode server's stream passed on as it comes; closing it (the client
+    left, or the stream ended) closes the upstream one, so that server aborts."""
+
+    def __init__(self, url: str, upstream: httpx.Response, pool: BackendPool) -> None:
+        self.url, self.upstream, self.pool = url, upstream, pool
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            logger.warning("The stream from %s broke: %s", self.url, e)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pool.release(self.url)
+            await self.upstream.aclose()
+
+
+def _forwarded_headers(request: Request) -> dict[str, str]:
+    headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+    headers.setdefault("x-request-id", uuid.uuid4().hex)  # the same on both legs
+    return headers
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "proxy_error", "code": status}},
+                        status_code=status)
+
+
+def build_app(proxy: PDProxy) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        owned = proxy.client is None
+        if owned:
+            proxy.client = httpx.AsyncClient(timeout=_TIMEOUT, limits=httpx.Limits(max_connections=None))
+        try:
+            yield
+        finally:
+            if owned:
+                await proxy.client.aclose()
+                proxy.client = None
+
+    routes = [
+        Route("/v1/completions", proxy.completions, methods=["POST"]),
+        Route("/v1/chat/completions", proxy.chat_completions, methods=["POST"]),
+        Route("/v1/models", proxy.models, methods=["GET"]),
+        Route("/health", proxy.health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = proxy
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weft pd-proxy", description=(
+        "OpenAI-compatible proxy for disaggregated prefill/decode: each request is prefilled on a "
+        "--prefill server (kv_producer) and decoded on a --decode server (kv_consumer)."))
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="Prefill servers, e.g. http://127.0.0.1:8100.")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="Decode servers, e.g. http://127.0.0.1:8200.")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+                        help="How a server is picked in each pool.")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        proxy = PDProxy(BackendPool(args.prefill, args.policy), BackendPool(args.decode, args.policy))
+    except ValueError as e:
+        print(f"weft pd-proxy: {e}", file=sys.stderr)
+        return 2
+    logger.info("P/D proxy: prefill %s, decode %s (%s)", proxy.prefill.urls, proxy.decode.urls, args.policy)
+    uvicorn.run(build_app(proxy), host=args.host, port=args.port, loop="uvloop", log_level="warning")
+    return 0

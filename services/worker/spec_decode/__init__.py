@@ -1,0 +1,1 @@
+"""Speculative decoding in the worker: n-gram drafts, and their verification."""

@@ -1,0 +1,126 @@
+"""A disaggregated prefill/decode stack of real processes on loopback, as the
+docker-compose ``pd`` profile lays it out: a prefill ``weft serve``
+(kv_producer), a decode ``weft serve`` (kv_consumer), ``weft pd-proxy`` in
+front, and for the ZmqConnector the ``weft kv-transfer`` service. Used by the
+end-to-end tests; every process runs in its own session and is killed, with
+its children, on close."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from services.model_files import resolve
+
+MODEL = resolve(None)
+STARTUP_DEADLINE_S = 300.0  # two model loads on two shared cores
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "128",
+               "--max-num-batched-tokens", "256", "--num-threads", "1"]
+# Short, so the tests of a dead service spend seconds, not minutes, in fallbacks.
+TRANSFER_TIMEOUT_S = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path) -> dict:
+    extra = {"timeout_s": TRANSFER_TIMEOUT_S}
+    if connector == "SharedStorageConnector":
+        extra["shared_storage_path"] = str(storage)
+    return {"kv_connector": connector, "kv_role": role, "kv_ip": "127.0.0.1", "kv_port": kv_port,
+            "kv_connector_extra_config": extra}
+
+
+class PDStack:
+    def __init__(self, connector: str, work_dir: Path, engine_args: list[str] = ENGINE_ARGS) -> None:
+        self.connector = connector
+        self.log_dir = work_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.storage = work_dir / "kv-store"
+        self.kv_port = free_port()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.engine_args = engine_args
+        if connector == "ZmqConnector":
+            self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port)])
+        self.prefill_url = self._serve("prefill", "kv_producer")
+        self.decode_url = self._serve("decode", "kv_consumer")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._start("proxy", ["pd-proxy", "--prefill", self.prefill_url, "--decode", self.decode_url,
+                              "--host", "127.0.0.1", "--port", str(port)])
+
+    def _serve(self, name: str, role: str) -> str:
+        port = free_port()
+        config = kv_transfer_config(self.connector, role, self.kv_port, self.storage)
+        self._start(name, ["serve", "--model", str(MODEL.weights), "--host", "127.0.0.1", "--port", str(port),
+                           "--kv-transfer-config", json.dumps(config), *self.engine_args])
+        return f"http://127.0.0.1:{port}"
+
+    def _start(self, name: str, weft_argv: list[str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=env)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    def wait_healthy(self) -> None:
+        """Until the proxy reports both servers healthy (polling, with a deadline)."""
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while time.monotonic() < deadline:
+            exited = [name for name, p in self.processes.items() if p.poll() is not None]
+            assert not exited, f"{exited} exited during start-up:\n{self.logs()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"The P/D stack was not healthy in {STARTUP_DEADLINE_S}s:\n{self.logs()}")
+
+    def stop(self, name: str) -> None:
+        proc = self.processes[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def close(self) -> None:
+        for name in self.processes:
+            self.stop(name)
+
+    # ---- what the servers say
+
+    def ranks(self, url: str) -> list[dict]:
+        return httpx.get(url + "/health", timeout=10).json()["ranks"]
+
+    def wait_until_idle(self, deadline_s: float = 30.0) -> None:
+        """Both servers run nothing and have every KV block free (producers free after the save)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            ranks = [r for url in (self.prefill_url, self.decode_url) for r in self.ranks(url)]
+            if all(r["num_running"] == 0 and r["num_waiting"] == 0
+                   and r["num_free_blocks"] == r["num_blocks"] - 1 for r in ranks):
+                return
+            assert time.monotonic() < deadline, f"not idle, or KV blocks leaked: {ranks}"
+            time.sleep(0.1)
+
+    def counter(self, url: str, name: str) -> float:
+        """A counter of a server's /metrics, summed over its labels."""
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))

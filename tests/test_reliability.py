@@ -1,0 +1,119 @@
+"""The real stack under faults: chaos soak, an engine core drained, the API stopped.
+
+One ``weft serve`` with two local engine cores (a tiny random Llama, so the
+test spends its time on faults, not on matrix products), in this order:
+
+1. a chaos soak (``services.bench.soak``): random clients for 36 s while an
+   engine core is SIGKILLed every 12 s -- nothing lost, no error outside the
+   chaos windows, no KV block leaked, every killed rank back and serving
+   (shorter than the issue's 60 s / 15 s to fit the suite's time; the
+   10-minute run with ``scripts/soak.py`` is in the README);
+2. SIGTERM to one engine core during streams: every stream still completes,
+   and the rank comes back;
+3. SIGTERM to the API during 32 streams: each ends with its full output or
+   an error event, the API exits 0 and no engine process outlives it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from services.bench.soak import SoakConfig, run_soak
+from services.bench.soak_stack import Stack
+from tests.tiny_model import build_tiny_llama
+
+MODEL = "tiny-llama"
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    stack = Stack(["--model", str(model), "--served-model-name", MODEL, "--data-parallel-size", "2",
+                   "--num-gpu-blocks-override", "256", "--max-model-len", "512", "--dtype", "float32",
+                   "--num-threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
+                  tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.kill()
+
+
+async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Event | None = None) -> dict:
+    """One streaming completion: its events, whether it finished, its token count."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if started is not None:
+                    started.set()
+    parsed = [json.loads(e) for e in events[:-1]]
+    usage = next((e["usage"] for e in parsed if e.get("usage")), None)
+    return {"done": events[-1:] == ["[DONE]"], "error": next((e["error"] for e in parsed if "error" in e), None),
+            "finished": any(c.get("finish_reason") for e in parsed for c in e.get("choices", [])),
+            "tokens": usage["completion_tokens"] if usage else None}
+
+
+def test_chaos_soak_loses_nothing_and_leaks_nothing(stack):
+    config = SoakConfig(duration_s=36, chaos_interval_s=12, concurrency=8, max_tokens=32, warmup_s=4,
+                        quiesce_timeout_s=60, client_timeout_s=60)
+    report = asyncio.run(run_soak(stack, config, MODEL))
+    print("\n" + report.table())
+    assert len(report.kills) == 2
+    assert report.lost == 0, report.lost_causes
+    assert report.errors_outside_chaos == 0, report.failures_by_cause
+    assert report.quiesced and report.leaked_blocks == {0: 0, 1: 0}
+    assert report.killed_ranks_serving_again
+    assert report.completed > 20 and set(report.failures_by_cause) <= {"500 engine core died"}
+
+
+def test_sigterm_on_an_engine_core_finishes_its_streams(stack):
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+            started = [asyncio.Event() for _ in range(6)]
+            streams = [asyncio.create_task(stream(client, 60, e)) for e in started]
+            await asyncio.gather(*(e.wait() for e in started))
+            assert all(r["num_in_flight"] > 0 for r in stack.health()["ranks"])  # both ranks hold some
+            stack.kill_engine(0, signal.SIGTERM)  # a graceful stop this time
+            return await asyncio.gather(*streams)
+
+    results = asyncio.run(run())
+    assert all(r["done"] and r["error"] is None and r["tokens"] == 60 for r in results), results
+    health = stack.wait_healthy(timeout_s=90)  # rank 0 drained, exited, and was started again
+    assert health["ready"] == [0, 1]
+
+
+def test_sigterm_on_the_api_during_32_streams(stack):
+    """Last: it stops the stack."""
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120, limits=limits) as client:
+            started = [asyncio.Event() for _ in range(32)]
+            streams = [asyncio.create_task(stream(client, 8 if i % 2 else 400, e)) for i, e in enumerate(started)]
+            await asyncio.gather(*(e.wait() for e in started))
+            stack.engines()  # remember the engine pids
+            stack.api.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*streams)
+
+    began = time.monotonic()
+    results = asyncio.run(run())
+    for i, result in enumerate(results):
+        assert result["done"], result  # every stream ends properly: no cut connection
+        if result["error"] is None:
+            assert result["finished"] and result["tokens"] == (8 if i % 2 else 400)
+        else:
+            assert result["error"]["code"] == 503 and "shutting down" in result["error"]["message"]
+    assert any(r["error"] for r in results) and any(r["error"] is None for r in results)
+    assert time.monotonic() - began < SHUTDOWN_TIMEOUT_S + 30
+    assert stack.api.wait(timeout=60) == 0
+    assert stack.survivors() == []  # every engine core exited with the API
