@@ -5,12 +5,12 @@ Torch-free: the API process builds the engine config too.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
 from protocol import SpeculativeConfig
+from services.json_arg import parse_json_object
 
 # vLLM's default when neither prompt_lookup bound is given.
 _DEFAULT_LOOKUP = 5
@@ -22,16 +22,9 @@ def resolve_speculative_config(value: dict[str, Any] | str | None) -> Speculativ
     Like vLLM: when only one of ``prompt_lookup_min`` / ``prompt_lookup_max``
     is given the other copies it, and when neither is, both are 5.
     """
-    if value is None or value == "" or value == {}:
+    value = parse_json_object(value, "speculative_config")
+    if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON ({e}): {value!r}.") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object (a dict), got {value!r}.")
-    value = dict(value)
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config needs num_speculative_tokens (the draft length K).")
     low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")

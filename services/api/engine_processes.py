@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+
+from services.processes import STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger(__name__)
-
-_STOP_GRACE_S = 10.0
 
 
 def engine_command(rank: int, handshake_address: str, *, num_threads: int | None = None,
@@ -49,28 +48,6 @@ def launch_local_engines(num: int, start_rank: int, handshake_address: str, num_
                                             curve_keys=curve_keys, shutdown_timeout_s=shutdown_timeout_s),
                              start_new_session=True)
             for rank in range(start_rank, start_rank + num)]
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float = _STOP_GRACE_S,
-                   exit_wait_s: float = 0.0) -> None:
-    """Give the processes ``exit_wait_s`` to exit on their own, SIGTERM those
-    still running, and SIGKILL those that outlive ``grace_s`` more."""
-    deadline = time.monotonic() + exit_wait_s
-    for proc in processes:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in processes:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in processes:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("Engine process %d ignored SIGTERM; killing it.", proc.pid)
-            proc.kill()
-            proc.wait()
 
 
 @dataclass
@@ -124,7 +101,7 @@ class LocalEngines:
 
     def restart_due(self) -> list[int]:
         """Start again every rank whose back-off is over and whose old process
-        has exited (one that said goodbye gets ``_STOP_GRACE_S`` to do so);
+        has exited (one that said goodbye gets ``STOP_GRACE_S`` to do so);
         returns those ranks."""
         now = time.monotonic()
         ranks = []
@@ -133,7 +110,7 @@ class LocalEngines:
             if due > now:
                 continue
             if old.poll() is None:
-                if now > due + _STOP_GRACE_S:
+                if now > due + STOP_GRACE_S:
                     old.kill()
                 continue
             ranks.append(rank)
@@ -145,7 +122,7 @@ class LocalEngines:
                         self.processes[rank].pid, self.num_restarts[rank])
         return ranks
 
-    def stop(self, grace_s: float = _STOP_GRACE_S, exit_wait_s: float = 0.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S, exit_wait_s: float = 0.0) -> None:
         self.restart = False
         self._due.clear()
         stop_processes(list(self.processes.values()), grace_s=grace_s, exit_wait_s=exit_wait_s)

@@ -28,11 +28,17 @@ from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
 
+# transformers' continuous batching answers nothing until its first batch is
+# through; on two shared cores that can take minutes.
+_RESULT_TIMEOUT_S = 600
+
+
 @dataclass
 class StepRecorder:
     """Wraps one engine's ``step`` and executor's ``execute_model`` with timers."""
 
     step_s: list[float] = field(default_factory=list)
+    step_cpu_s: list[float] = field(default_factory=list)  # process CPU time: steadier under others' load
     execute_s: list[float] = field(default_factory=list)
     executed: list[tuple[Any, Any]] = field(default_factory=list)  # (SchedulerOutput, ModelRunnerOutput)
 
@@ -40,9 +46,10 @@ class StepRecorder:
         step, execute = engine.step, engine.executor.execute_model
 
         def timed_step() -> Any:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = step()
             self.step_s.append(time.perf_counter() - start)
+            self.step_cpu_s.append(time.process_time() - cpu_start)
             return out
 
         def timed_execute(scheduler_output: Any) -> Any:
@@ -70,7 +77,7 @@ def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) ->
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        forward_s = replay_forward(llm.engine.executor.worker.model_runner, recorder.executed)
+        forward_s, forward_cpu_s = replay_forward(llm.engine.executor.worker.model_runner, recorder.executed)
     finally:
         llm.shutdown()
     config = llm.config
@@ -88,14 +95,17 @@ def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) ->
         "execute_model_s": sum(recorder.execute_s),
         "forward_s": forward_s,
         "step_over_forward": step_s / forward_s,
+        "step_cpu_s": sum(recorder.step_cpu_s),
+        "forward_cpu_s": forward_cpu_s,
+        "step_over_forward_cpu": sum(recorder.step_cpu_s) / forward_cpu_s,
         "execute_over_forward": sum(recorder.execute_s) / forward_s,
     }
     return result, efficiency
 
 
-def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> float:
-    """Seconds the model's forward (with the LM head on sampling rows) takes over
-    the recorded batches, with the recorded tokens fed back untimed."""
+def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> tuple[float, float]:
+    """Wall and CPU seconds the model's forward (with the LM head on sampling
+    rows) takes over the recorded batches, with the recorded tokens fed back untimed."""
     import torch
 
     from services.worker.forward_context import set_forward_context
@@ -104,23 +114,24 @@ def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> float:
     batch = runner.input_batch
     for req_id in list(batch.requests):  # finished requests the engine never told the worker about
         batch.remove_request(req_id)
-    total = 0.0
+    total = total_cpu = 0.0
     with torch.inference_mode():
         for scheduler_output, output in executed:
             batch.update(scheduler_output)
             req_ids = list(scheduler_output.num_scheduled_tokens)
             step = prepare_step(batch, req_ids, scheduler_output.num_scheduled_tokens, runner.device,
                                 runner.max_decode_group_tokens)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with set_forward_context(step.attn_metadata, runner.kv_caches):
                 hidden = runner.model(step.input_ids, step.positions)  # [T, H]
             if len(step.sample_token_index):
                 runner.model.compute_logits(hidden[torch.from_numpy(step.sample_token_index)])  # [N, V]
             total += time.perf_counter() - start
+            total_cpu += time.process_time() - cpu_start
             for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
                 for token in tokens:
                     batch.append_token(req_id, token)
-    return total
+    return total, total_cpu
 
 
 def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
@@ -138,9 +149,9 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
                    for r in workload.requests]
             results = {}
             while len(results) < len(ids):
-                result = manager.get_result(timeout=60)
+                result = manager.get_result(timeout=_RESULT_TIMEOUT_S)
                 if result is None:
-                    raise RuntimeError("no result within 60 s")
+                    raise RuntimeError(f"no result within {_RESULT_TIMEOUT_S} s")
                 if result.is_finished():
                     results[result.request_id] = result
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -159,9 +170,9 @@ def _warm_up_continuous(manager: Any, prompt: list[int]) -> None:
     """One short untimed request: the manager sizes its cache on the first batch."""
     request_id = manager.add_request(prompt, max_new_tokens=2, eos_token_id=-1)
     while True:
-        result = manager.get_result(request_id=request_id, timeout=60)
+        result = manager.get_result(request_id=request_id, timeout=_RESULT_TIMEOUT_S)
         if result is None:
-            raise RuntimeError("no warm-up result within 60 s")
+            raise RuntimeError(f"no warm-up result within {_RESULT_TIMEOUT_S} s")
         if result.is_finished():
             return
 
@@ -236,6 +247,8 @@ def format_compare(report: dict[str, Any]) -> str:
     e = report["efficiency"]
     lines.append(f"engine efficiency over {e['steps']} steps: step {e['step_s']:.2f} s, execute_model "
                  f"{e['execute_model_s']:.2f} s, pure forward {e['forward_s']:.2f} s -> step/forward "
-                 f"{e['step_over_forward']:.3f}, execute/forward {e['execute_over_forward']:.3f}")
+                 f"{e['step_over_forward']:.3f}, execute/forward {e['execute_over_forward']:.3f}; "
+                 f"in CPU time step {e['step_cpu_s']:.2f} s / forward {e['forward_cpu_s']:.2f} s = "
+                 f"{e['step_over_forward_cpu']:.3f}")
     lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)

@@ -17,10 +17,10 @@ import sys
 import threading
 
 from protocol.zmq_sockets import tcp_address
+from services.processes import STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger("engine-core")
 
-_STOP_GRACE_S = 10.0
 _WATCH_S = 0.2
 _DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -46,20 +46,6 @@ def engine_command(rank: int, handshake_address: str, *, local: bool, headless: 
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", kv_transfer_config]
     return cmd
-
-
-def stop_processes(processes: list[subprocess.Popen], grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM every process still running, then SIGKILL those that outlive ``grace_s``."""
-    for proc in processes:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in processes:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("Engine process %d ignored SIGTERM; killing it.", proc.pid)
-            proc.kill()
-            proc.wait()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -135,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("Engine core(s) exited (rank, code): %s; stopping the others.", exited)
                 break
     finally:
-        stop_processes(processes, grace_s=args.shutdown_timeout + _STOP_GRACE_S)
+        stop_processes(processes, grace_s=args.shutdown_timeout + STOP_GRACE_S)
     codes = [p.returncode for p in processes]
     return 0 if stop.is_set() or all(c == 0 for c in codes) else 1
 

@@ -7,7 +7,6 @@ misspelt option fails at start-up, not at the first transfer.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import msgspec
@@ -15,6 +14,7 @@ from msgspec import Meta
 
 from protocol import EngineConfig
 from protocol.kv_transfer import KV_CONNECTORS, KVTransferConfig
+from services.json_arg import parse_json_object
 
 DEFAULT_SHARED_STORAGE_PATH = "/tmp/weft-kv-cache"
 # How long one transfer may wait: a reply from the kv_transfer service, or
@@ -48,15 +48,9 @@ def connector_options(config: KVTransferConfig) -> SharedStorageOptions | ZmqOpt
 
 def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransferConfig | None:
     """None (or an empty value) turns KV transfer off; otherwise a validated config."""
-    if value is None or value == "" or value == {}:
+    value = parse_json_object(value, "kv_transfer_config")
+    if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON ({e}): {value!r}.") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_config must be a JSON object (a dict), got {value!r}.")
     if value.get("kv_connector") not in KV_CONNECTORS:
         raise ValueError(f"kv_transfer_config needs kv_connector, one of {', '.join(KV_CONNECTORS)}; "
                          f"got {value.get('kv_connector')!r}.")

@@ -30,6 +30,8 @@ def test_end_to_end_compare(tmp_path: Path, workloads_dir: Path, capsys: pytest.
     assert e["forward_steps"] >= 9  # at least one step per token of the longest request
     assert e["step_s"] >= e["execute_model_s"] > 0 and e["forward_s"] > 0
     assert e["step_over_forward"] == pytest.approx(e["step_s"] / e["forward_s"])
+    assert e["step_cpu_s"] > 0 and e["forward_cpu_s"] > 0
+    assert e["step_over_forward_cpu"] == pytest.approx(e["step_cpu_s"] / e["forward_cpu_s"])
     assert "step/forward" in capsys.readouterr().out
 
 
