@@ -65,11 +65,13 @@ async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Ev
 
 
 def test_chaos_soak_loses_nothing_and_leaks_nothing(stack):
-    config = SoakConfig(duration_s=36, chaos_interval_s=12, concurrency=8, max_tokens=32, warmup_s=4,
+    config = SoakConfig(duration_s=60, chaos_interval_s=15, concurrency=8, max_tokens=32, warmup_s=4,
                         quiesce_timeout_s=60, client_timeout_s=60)
     report = asyncio.run(run_soak(stack, config, MODEL))
     print("\n" + report.table())
-    assert len(report.kills) == 2
+    # Kills fall due at 15, 30 and 45 s; one is skipped only if the rank killed
+    # before it is not ready again yet (the soak never kills the last ready rank).
+    assert len(report.kills) >= 2
     assert report.lost == 0, report.lost_causes
     assert report.errors_outside_chaos == 0, report.failures_by_cause
     assert report.quiesced and report.leaked_blocks == {0: 0, 1: 0}
