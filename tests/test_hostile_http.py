@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from services.bench.soak_stack import Stack
 from tests.api.test_app_fuzz import FIELDS, MODEL_NAME, json_values
 from tests.tiny_model import build_tiny_llama
+from tests.polling import wait_for
 
 KEYS = ["first-key", "second-key"]
 MAX_NUM_SEQS = MAX_WAITING = 4
@@ -53,15 +54,16 @@ def http(stack):
 
 def wait_idle(stack: Stack, timeout_s: float = 20.0) -> dict:
     """Every rank ready and idle, every KV block free, nothing admitted."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> dict | None:
         health = stack.health()
-        if health["admitted"] == 0 and all(
-                r["state"] == "ready" and r["num_running"] == r["num_waiting"] == r["num_in_flight"] == 0
-                and r["num_free_blocks"] == r["num_blocks"] - 1 for r in health["ranks"]):
-            return health
-        assert time.monotonic() < deadline, f"not idle: {health}"
-        time.sleep(0.1)  # polling another process, with a deadline
+        return health if health["admitted"] == 0 and all(
+            r["state"] == "ready" and r["num_running"] == r["num_waiting"] == r["num_in_flight"] == 0
+            and r["num_free_blocks"] == r["num_blocks"] - 1 for r in health["ranks"]) else None
+
+    try:
+        return wait_for(idle, timeout_s, "every rank ready and idle with every KV block free")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {stack.health()}") from None
 
 
 # ---- the fuzz

@@ -31,6 +31,7 @@ from services.api.server import _local_ranks_and_handshake
 from services.api.server import build_parser as serve_parser
 from services.api.server import main as serve_main
 from services.model_files import resolve
+from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
 STARTUP_DEADLINE_S = 180.0
@@ -77,17 +78,11 @@ class Stack:
                          for p in sorted(self.log_dir.glob("*.log")))
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while time.monotonic() < deadline:
+        def alive() -> None:
             exited = [p.args for p in self.processes if p.poll() is not None]
             assert not exited, f"{exited} exited during start-up:\n{self.logs()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)  # polling with a deadline
-        raise AssertionError(f"The stack was not healthy within {STARTUP_DEADLINE_S}s:\n{self.logs()}")
+
+        wait_healthy(self.url, STARTUP_DEADLINE_S, alive, self.logs)
 
     def kill(self) -> None:
         for proc in self.processes:
@@ -126,14 +121,15 @@ def client(stack):
 
 def wait_until_idle(stack: Stack, ranks=(0, 1), deadline_s: float = 15.0) -> dict[int, dict]:
     """Poll /health until ``ranks`` run nothing and every KV block is free."""
-    deadline = time.monotonic() + deadline_s
-    while True:
+    def idle() -> dict | None:
         state = stack.ranks()
-        if all(state[r]["num_running"] == 0 and state[r]["num_waiting"] == 0
-               and state[r]["num_free_blocks"] == state[r]["num_blocks"] - 1 for r in ranks):
-            return state
-        assert time.monotonic() < deadline, f"ranks not idle: {state}"
-        time.sleep(0.1)
+        return state if all(state[r]["num_running"] == 0 and state[r]["num_waiting"] == 0
+                            and state[r]["num_free_blocks"] == state[r]["num_blocks"] - 1 for r in ranks) else None
+
+    try:
+        return wait_for(idle, deadline_s, f"ranks {ranks} idle with every KV block free")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {stack.ranks()}") from None
 
 
 def serve_layout(*argv: str) -> tuple[int, str]:
@@ -280,10 +276,8 @@ def test_disconnecting_a_stream_aborts_it(stack):
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            deadline = time.monotonic() + 10
-            while sum(r["num_running"] for r in stack.ranks().values()) != 1:
-                assert time.monotonic() < deadline, stack.ranks()
-                time.sleep(0.1)
+            wait_for(lambda: sum(r["num_running"] for r in stack.ranks().values()) == 1, 10,
+                     "the request to run")
         # Leaving the block closes the connection mid-stream.
     wait_until_idle(stack)
 
@@ -314,18 +308,14 @@ def test_sigkill_of_one_engine_fails_its_requests_and_the_other_serves(stack):
     for thread in threads:
         thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not all(streams) or sum(r["num_running"] for r in stack.ranks().values()) < 2:
-            assert time.monotonic() < deadline, stack.ranks()
-            time.sleep(0.1)
+        wait_for(lambda: all(streams) and sum(r["num_running"] for r in stack.ranks().values()) >= 2, 30,
+                 "both streams to run")
         routed = [stack.ranks()[r]["num_routed"] - before[r]["num_routed"] for r in (0, 1)]
         assert routed == [1, 1]  # one endless stream on each rank
 
         stack.engine_process(1).kill()  # SIGKILL
         killed_at = time.monotonic()
-        while _ended(streams) is None and time.monotonic() < killed_at + 10:
-            time.sleep(0.05)
-        failed = _ended(streams)
+        failed = wait_for(lambda: _ended(streams), 10, "the killed rank's stream to end", interval_s=0.05)
         assert failed is not None and failed[-1][0] - killed_at < 5.0, "the killed rank's stream hung"
         error = json.loads(failed[-2][1])["error"]
         assert error["code"] == 500 and "rank 1" in error["message"]

@@ -35,6 +35,7 @@ from services.engine_args import EngineArgs
 from services.worker.distributed import TensorParallelGroup
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from tests.text_corpus import prompt_of_length
+from tests.polling import wait_for, wait_healthy
 
 DEFAULT = model_files.resolve(None)
 # Small, fixed KV cache (no profiling) and a 64-token step budget, so
@@ -177,16 +178,10 @@ class ServeTP3:
                                     env=os.environ | {"OMP_NUM_THREADS": "1"})
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.STARTUP_DEADLINE_S
-        while time.monotonic() < deadline:
+        def alive() -> None:
             assert self.api.poll() is None, f"weft serve exited:\n{self.log_path.read_text()[-4000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)  # polling with a deadline
-        raise AssertionError(f"not healthy in {self.STARTUP_DEADLINE_S}s:\n{self.log_path.read_text()[-4000:]}")
+
+        wait_healthy(self.url, self.STARTUP_DEADLINE_S, alive, lambda: self.log_path.read_text()[-4000:])
 
     def engine_core(self) -> psutil.Process:
         (engine,) = psutil.Process(self.api.pid).children()
@@ -245,10 +240,7 @@ def test_sigkill_of_a_non_driver_worker_ends_the_engine_core_cleanly(served):
     stream = threading.Thread(target=_stream, args=(served.url, events))
     stream.start()
     try:
-        deadline = time.monotonic() + 60
-        while len(events) < 2:
-            assert time.monotonic() < deadline, "the stream did not start"
-            time.sleep(0.05)
+        wait_for(lambda: len(events) >= 2, 60, "the stream to start", interval_s=0.05)
         workers["weft-tp1"].kill()  # SIGKILL
         killed_at = time.monotonic()
         _, alive = psutil.wait_procs(everything, timeout=5.0)

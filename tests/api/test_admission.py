@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import msgspec
@@ -18,6 +17,7 @@ from protocol import SchedulerConfig
 from services.api.limits import ServingLimits
 from tests.api.fake_engine_client import FakeEngineClient, engine_config, http_client, make_app
 from tests.api.test_app_disconnect import call
+from tests.polling import wait_until
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_NUM_SEQS, MAX_WAITING = 2, 1  # one rank holds 3 sequences
@@ -30,13 +30,6 @@ def app_with(limits: ServingLimits | None = None, hang_after: int | None = None,
     limits = limits or ServingLimits(max_waiting_requests=MAX_WAITING)
     app, _ = make_app(engine, config=config, limits=limits, **kwargs)
     return app, engine
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = "unset") -> dict:
@@ -54,7 +47,7 @@ async def test_excess_requests_get_503_with_retry_after_until_slots_free_up():
     admission = app.state.admission
     hanging = [asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9}))
                for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
-    await until(lambda: admission.in_use == 3 and len(engine.requests) == 3)
+    await wait_until(lambda: admission.in_use == 3 and len(engine.requests) == 3, 10, "3 admitted", interval_s=0.01)
     response = await client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert "overloaded" in assert_error(response, 503)["message"]
     assert response.headers["Retry-After"] == "1"
@@ -144,7 +137,7 @@ async def test_drain_refuses_new_requests_and_stops_the_stragglers():
     stream = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9, "stream": True}))
     await engine.hanging.wait()
     drain = asyncio.create_task(admission.drain(0.3))
-    await until(lambda: admission.draining)
+    await wait_until(lambda: admission.draining, 10, "draining", interval_s=0.01)
     refused = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1})
     assert "shutting down" in assert_error(refused, 503)["message"]
     health = await client.get("/health")

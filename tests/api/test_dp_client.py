@@ -19,19 +19,12 @@ from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 NUM_BLOCKS = 64
 START_S = 60.0  # engine start-up on two busy cores
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def make_request(request_id: str, max_tokens: int = 4, prompt_len: int = 8) -> EngineCoreRequest:

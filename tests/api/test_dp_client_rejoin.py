@@ -8,7 +8,6 @@ tests/test_reliability.py.)
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -23,18 +22,11 @@ from protocol.zmq_sockets import tcp_address
 from services.api.dp_client import DPLBEngineClient
 from services.api.engine_client import EngineDeadError
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 START_S = 90.0  # engine start-up on two busy cores
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def make_request(request_id: str, max_tokens: int = 4) -> EngineCoreRequest:

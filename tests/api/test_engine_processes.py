@@ -4,9 +4,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 from services.api.engine_processes import LocalEngines, RestartBackoff, engine_command
+from tests.polling import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -26,24 +26,17 @@ def test_engine_command_passes_the_security_and_drain_flags():
     assert cmd[cmd.index("--shutdown-timeout") + 1] == "7.5"
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)  # polling other processes, with a deadline
-
-
 def test_a_dead_process_is_restarted_after_its_backoff_and_stop_ends_all():
     first = subprocess.Popen(SLEEPER, start_new_session=True)
     engines = LocalEngines({4: first}, restart=True, backoff=RestartBackoff(base_s=0.2))
     try:
         assert 4 in engines and engines.exit_code(4) is None
         first.send_signal(signal.SIGKILL)
-        wait_for(lambda: engines.exit_code(4) is not None)
+        wait_for(lambda: engines.exit_code(4) is not None, 10, "rank 4 to exit", interval_s=0.02)
         engines.on_dead(4)
         assert engines.exit_code(4) is None  # planned for restart: not "exited" any more
         assert engines.restart_due() == []  # still backing off
-        wait_for(lambda: engines.restart_due() == [4])
+        wait_for(lambda: engines.restart_due() == [4], 10, "rank 4's restart to fall due", interval_s=0.02)
         second = engines.processes[4]
         assert second.pid != first.pid and second.poll() is None and second.args == first.args
         assert engines.num_restarts[4] == 1

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import jsonschema
@@ -23,6 +22,7 @@ import pytest
 from protocol import StructuredOutputsParams
 from services.model_files import resolve
 from tests.api.fake_engine_client import MODEL_NAME, make_app, openai_client
+from tests.polling import wait_healthy
 
 SCHEMA = {
     "type": "object",
@@ -134,16 +134,10 @@ def server(tmp_path_factory):
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log_path, deadline_s: float = 240.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
+    def alive() -> None:
         assert proc.poll() is None, f"weft serve exited:\n{log_path.read_text()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)  # polling with a deadline
-    raise AssertionError(f"weft serve was not healthy in {deadline_s}s:\n{log_path.read_text()[-3000:]}")
+
+    wait_healthy(url, deadline_s, alive, lambda: log_path.read_text()[-3000:])
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from services.model_files import resolve
+from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
 STARTUP_DEADLINE_S = 300.0  # two model loads on two shared cores
@@ -80,17 +80,11 @@ class PDStack:
 
     def wait_healthy(self) -> None:
         """Until the proxy reports both servers healthy (polling, with a deadline)."""
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while time.monotonic() < deadline:
+        def alive() -> None:
             exited = [name for name, p in self.processes.items() if p.poll() is not None]
             assert not exited, f"{exited} exited during start-up:\n{self.logs()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"The P/D stack was not healthy in {STARTUP_DEADLINE_S}s:\n{self.logs()}")
+
+        wait_healthy(self.url, STARTUP_DEADLINE_S, alive, self.logs)
 
     def stop(self, name: str) -> None:
         proc = self.processes[name]
@@ -111,14 +105,15 @@ class PDStack:
 
     def wait_until_idle(self, deadline_s: float = 30.0) -> None:
         """Both servers run nothing and have every KV block free (producers free after the save)."""
-        deadline = time.monotonic() + deadline_s
-        while True:
+        def idle() -> bool:
             ranks = [r for url in (self.prefill_url, self.decode_url) for r in self.ranks(url)]
-            if all(r["num_running"] == 0 and r["num_waiting"] == 0
-                   and r["num_free_blocks"] == r["num_blocks"] - 1 for r in ranks):
-                return
-            assert time.monotonic() < deadline, f"not idle, or KV blocks leaked: {ranks}"
-            time.sleep(0.1)
+            return all(r["num_running"] == 0 and r["num_waiting"] == 0
+                       and r["num_free_blocks"] == r["num_blocks"] - 1 for r in ranks)
+
+        try:
+            wait_for(idle, deadline_s, "both servers idle with every KV block free")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {[self.ranks(u) for u in (self.prefill_url, self.decode_url)]}") from None
 
     def counter(self, url: str, name: str) -> float:
         """A counter of a server's /metrics, summed over its labels."""

@@ -1,0 +1,51 @@
+"""Waiting on another process's state: poll with a deadline, fail with what was seen.
+
+The one place tests sleep: a process we do not own (an HTTP server, an
+engine core) has no event to wait on, so we ask it again after a short pause
+until the deadline passes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+import httpx
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str = "the condition",
+             interval_s: float = 0.1) -> Any:
+    """Call ``check`` until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+    return result
+
+
+async def wait_until(check: Callable[[], Any], timeout_s: float, what: str = "the condition",
+                     interval_s: float = 0.05) -> Any:
+    """``wait_for`` for a test running on the event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+    return result
+
+
+def wait_healthy(url: str, timeout_s: float, check_alive: Callable[[], None],
+                 describe: Callable[[], str] = lambda: "") -> None:
+    """Until ``url``/health answers 200; ``check_alive`` asserts the servers still run."""
+    def healthy() -> bool:
+        check_alive()
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, timeout_s, f"{url}/health", interval_s=0.5)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{describe()}") from None
