@@ -57,7 +57,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class DeviceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Annotated[Literal["cpu", "cuda"], Meta(description="Device the workers run on.")] = "cpu"
     num_threads: Annotated[int, Meta(ge=1, description="torch threads per worker process.")] = 1
-    attention_backend: Annotated[Literal["torch", "triton"], Meta(description="Attention implementation (triton on CUDA).")] = "torch"
+    attention_backend: Annotated[Literal["torch", "cpu", "triton"], Meta(description="Attention implementation (cpu: compiled decode kernel on CPU; triton on CUDA).")] = "torch"
     enforce_eager: Annotated[bool, Meta(description="Never capture or replay CUDA graphs (they speed up decode steps on GPU).")] = False
 
 

@@ -139,11 +139,12 @@ def _check_load_format(load_format: str) -> str:
 
 
 def resolve_attention_backend(device: str) -> str:
-    """Triton kernels on CUDA, torch elsewhere; ``WEFT_ATTENTION_BACKEND=torch|triton`` forces either."""
+    """Triton kernels on CUDA, the compiled CPU kernel elsewhere (services/worker/layers/backends.py);
+    ``WEFT_ATTENTION_BACKEND=torch|cpu|triton`` forces one."""
     forced = os.environ.get("WEFT_ATTENTION_BACKEND", "").strip().lower()
-    if forced and forced not in ("torch", "triton"):
-        raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch' or 'triton', got {forced!r}.")
-    return forced or ("triton" if device == "cuda" else "torch")
+    if forced and forced not in ("torch", "cpu", "triton"):
+        raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch', 'cpu' or 'triton', got {forced!r}.")
+    return forced or ("triton" if device == "cuda" else "cpu")
 
 
 def resolve_device(device: str) -> str:

@@ -20,7 +20,7 @@ from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
-from services.worker.layers.triton_attention import check_backend
+from services.worker.layers.backends import check_backend
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
@@ -82,10 +82,11 @@ class ModelRunner:
     def profile_run(self) -> None:
         """The largest step the scheduler may send: max_num_batched_tokens of prefill, then sampling."""
         hidden = self._profile_forward()
-        # Decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
         a = self.model.args
-        gather_shape = (2 * a.num_kv_heads, self.max_decode_group_tokens, a.head_dim)
-        self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
+        if self.attention_backend == "torch":
+            # Its decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
+            gather_shape = (2 * a.num_kv_heads, self.max_decode_group_tokens, a.head_dim)
+            self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
         # Speculation computes logits at every draft position too, but samples them in chunks.
         rows = min(self.config.scheduler.max_num_seqs, hidden.shape[0])
         logits_rows = rows if self.spec_decoder is None else min(self.spec_decoder.max_logits_rows, hidden.shape[0])

@@ -44,7 +44,7 @@ def prepare_step(
     attention_backend: str = "torch",
 ) -> StepInputs:
     """``num_drafts``: draft tokens written after a request's known tokens, to verify.
-    ``attention_backend`` picks the metadata the layers get ("torch" or "triton")."""
+    ``attention_backend`` picks the metadata the layers get (``layers/backends.py``)."""
     rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
     query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
     context = batch.num_computed_tokens[rows]
@@ -74,6 +74,7 @@ def prepare_step(
             block_size=bs,
             device=device,
             max_decode_group_tokens=max_decode_group_tokens,
+            paged_decodes=attention_backend == "cpu",
         )
     return StepInputs(
         req_ids=req_ids,

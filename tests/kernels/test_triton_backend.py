@@ -7,13 +7,14 @@ import torch
 
 from services.engine_args import resolve_attention_backend
 from services.worker.forward_context import current_backend, set_forward_context
-from services.worker.layers import triton_attention
+from services.worker.layers import backends
 from services.worker.layers.activation import silu_and_mul
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
-from services.worker.layers.triton_attention import build_triton_metadata, check_backend
+from services.worker.layers.backends import check_backend
+from services.worker.layers.triton_attention import build_triton_metadata
 
 H, KVH, D, BS = 6, 2, 64, 16
 
@@ -77,7 +78,7 @@ def test_norm_rotary_and_gate_follow_the_backend(generator, close, device):
 
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("WEFT_ATTENTION_BACKEND", raising=False)
-    assert resolve_attention_backend("cuda") == "triton" and resolve_attention_backend("cpu") == "torch"
+    assert resolve_attention_backend("cuda") == "triton" and resolve_attention_backend("cpu") == "cpu"
     monkeypatch.setenv("WEFT_ATTENTION_BACKEND", "torch")
     assert resolve_attention_backend("cuda") == "torch"
     monkeypatch.setenv("WEFT_ATTENTION_BACKEND", "triton")
@@ -88,9 +89,9 @@ def test_backend_selection(monkeypatch):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(triton_attention, "_interpreting", lambda: True)
+    monkeypatch.setattr(backends, "_interpreting", lambda: True)
     assert check_backend("triton", torch.device("cpu")) == "triton"
-    monkeypatch.setattr(triton_attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(backends, "_interpreting", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         check_backend("triton", torch.device("cpu"))
     assert check_backend("torch", torch.device("cpu")) == "torch"

@@ -14,8 +14,11 @@ time on CPU.
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA),
 the same grouping Hugging Face's ``repeat_kv`` makes.
 
-On CUDA the forward context selects the Triton backend instead
-(``triton_attention.py``), with the same cache layout.
+On CPU, decodes go to a compiled kernel (``kernels/cpu_attention.py``,
+the "cpu" backend) when it could be built: it reads K/V in place through
+the block table, with no gather. On CUDA the forward context selects the
+Triton backend instead (``triton_attention.py``), with the same cache
+layout.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_attention import paged_decode_attention
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
 
@@ -141,6 +145,11 @@ class PagedAttention(nn.Module):
         if cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        if meta.paged_decodes is not None:
+            assert cache is not None, "decodes need the KV cache"
+            d = meta.paged_decodes
+            # Arguments built and bounded by build_attention_metadata, once per step.
+            paged_decode_attention(q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out, check=False)
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"
             out[group.token_idx] = decode_attention(q[group.token_idx], cache, group, self.scale, self.workspace)

@@ -6,9 +6,11 @@ The step is one flattened batch of ``T`` tokens from ``R`` requests; request
 
 Requests split two ways:
 
-- decodes (one new token, some context): attended together, a few SDPA calls
-  per layer. Their K/V are gathered block by block into a padded tensor;
-  grouping them by length keeps the padding small when lengths vary.
+- decodes (one new token, some context): attended together. With the
+  compiled CPU kernel (``paged_decodes``) in one call per layer that reads
+  K/V in place through the block table; otherwise a few SDPA calls per
+  layer over K/V gathered block by block into a padded tensor, grouped by
+  length to keep the padding small when lengths vary.
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit).
@@ -38,6 +40,15 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class PagedDecodes:
+    """Every decode of the step, for ``kernels.cpu_attention.paged_decode_attention``."""
+
+    token_idx: torch.Tensor  # [n] long: positions in the flat batch
+    seq_lens: torch.Tensor  # [n] int32: keys per decode, its new token's included
+    block_table: torch.Tensor  # [n, max_blocks] int32, rows padded with block 0
+
+
+@dataclass(frozen=True)
 class PrefillSeq:
     start: int  # first token in the flat batch
     end: int
@@ -53,6 +64,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each token's K/V is written
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    paged_decodes: PagedDecodes | None = None  # instead of decode_groups, with the CPU kernel
 
 
 def build_attention_metadata(
@@ -64,12 +76,14 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     max_decode_group_tokens: int | None = None,
+    paged_decodes: bool = False,
 ) -> AttentionMetadata:
     """``block_table`` is ``[R, max_blocks]``, rows padded with block 0 (the null block).
 
     ``max_decode_group_tokens`` caps one decode group's padded keys (rows x
     padded length), and so the size of the gather buffer; a sequence longer
-    than the cap still gets a group of its own.
+    than the cap still gets a group of its own. ``paged_decodes`` describes
+    the decodes for the CPU kernel instead of grouping them.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -77,10 +91,14 @@ def build_attention_metadata(
     seq_lens = context_lens + query_lens
     is_decode = (query_lens == 1) & (context_lens > 0)
     decode_idx = np.flatnonzero(is_decode)
-    groups = [
-        _decode_group(rows, query_start, seq_lens, block_table, block_size, device)
-        for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
-    ]
+    if paged_decodes:
+        groups, paged = [], _paged_decodes(decode_idx, query_start, seq_lens, block_table, block_size, device)
+    else:
+        paged = None
+        groups = [
+            _decode_group(rows, query_start, seq_lens, block_table, block_size, device)
+            for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
+        ]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
         for i in np.flatnonzero(~is_decode)
@@ -91,6 +109,7 @@ def build_attention_metadata(
         slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
         decode_groups=groups,
         prefills=prefills,
+        paged_decodes=paged,
     )
 
 
@@ -123,6 +142,18 @@ def _decode_group(rows, query_start, seq_lens, block_table, block_size, device) 
         block_ids=torch.from_numpy(block_table[rows, :nb].astype(np.int64).reshape(-1)).to(device),
         mask=torch.from_numpy(mask[None, :, None, :]).to(device),
         num_blocks=nb,
+    )
+
+
+def _paged_decodes(rows, query_start, seq_lens, block_table, block_size, device) -> PagedDecodes | None:
+    if rows.size == 0:
+        return None
+    lens = seq_lens[rows]
+    nb = int(-(-lens.max() // block_size))
+    return PagedDecodes(
+        token_idx=torch.from_numpy(query_start[rows]).to(device),
+        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        block_table=torch.from_numpy(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)).to(device),
     )
 
 

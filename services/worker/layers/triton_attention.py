@@ -8,9 +8,8 @@ sequence lengths, block table), a few small int32 tensors whose shapes
 depend only on the batch size. That is also what lets a decode step be
 captured once as a CUDA graph and replayed with new values.
 
-Which backend runs is chosen once per engine (``DeviceConfig.attention_backend``:
-Triton on CUDA, torch elsewhere, ``WEFT_ATTENTION_BACKEND`` forces either)
-and reaches the layers through the forward context. Norms, rotary and the
+Which backend runs is chosen once per engine (``backends.py``) and reaches
+the layers through the forward context. Norms, rotary and the
 MLP activation follow the same choice. Triton is imported only when this
 backend runs.
 """
@@ -20,9 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-BACKENDS = ("torch", "triton")
-
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
@@ -85,21 +81,3 @@ def triton_attention(
     return paged_attention(
         query, cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, max_query_len=meta.max_query_len
     )
-
-
-def check_backend(backend: str, device: torch.device) -> str:
-    """``backend`` if it can run on ``device``, else a ValueError that says why."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(
-            f"The triton backend runs on CUDA devices (got {device.type}); on CPU, use the torch backend, "
-            "or set TRITON_INTERPRET=1 before triton is imported to run the kernels interpreted (slow)."
-        )
-    return backend
-
-
-def _interpreting() -> bool:
-    from kernels import interpreting
-
-    return interpreting()

@@ -1,0 +1,146 @@
+"""The compiled CPU decode-attention kernel (``csrc/cpu_paged_attention.cpp``).
+
+Built on first use with the machine's C++ compiler through
+``torch.utils.cpp_extension`` (about 20 s; later processes load the cached
+build, and concurrent builders wait on one lock). ``load()`` raises
+``KernelUnavailable`` with the reason when the build cannot happen (no
+compiler, no ninja); the worker then falls back to the torch path.
+
+Its torch twin is ``kernels.reference.paged_attention_ref`` with one query
+token per sequence.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here."""
+
+
+@functools.cache
+def load() -> None:
+    """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``."""
+    from torch.utils import cpp_extension
+
+    # The venv's ninja, when weft is run through .venv/bin/python without activating it.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
+    if missing:
+        raise KernelUnavailable(f"building the CPU attention kernel needs {' and '.join(missing)} on PATH.")
+    try:
+        cpp_extension.load(
+            name="weft_cpu_paged_attention",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler or linker errors come as several exception types
+        raise KernelUnavailable(f"building the CPU attention kernel failed: {exc}") from exc
+
+
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    token_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
+    """``out[token_idx[i]]`` = attention of ``query[token_idx[i]]`` ([H, D]) over the first
+    ``seq_lens[i]`` keys and values of the blocks in ``block_table[i]``.
+
+    ``query`` and ``out`` are ``[T, H, D]``; ``kv_cache`` is ``[2, KVH, num_blocks,
+    block_size, D]``; ``token_idx`` int64 ``[n]``, ``seq_lens`` int32 ``[n]``,
+    ``block_table`` int32 ``[n, max_blocks]``. Rows of ``out`` not in
+    ``token_idx`` are left as they are.
+
+    ``check=False`` skips the argument checks, for callers that built the
+    arguments themselves and checked them once (an attention layer runs the
+    kernel once per layer on the same step metadata).
+    """
+    if check:
+        check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out)
+    load()
+    torch.ops.weft_cpu.paged_decode_attention(query, kv_cache, token_idx, seq_lens, block_table, float(scale), out)
+
+
+def check_decode_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    token_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """A ValueError naming the first argument the kernel cannot take; it reads
+    memory through all of them, so they are checked in full, bounds included."""
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"expected query [T, H, D] and kv_cache [2, KVH, num_blocks, block_size, D], "
+            f"got {tuple(query.shape)} and {tuple(kv_cache.shape)}."
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, num_blocks, block_size, cache_dim = kv_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads}) "
+            f"and head sizes must agree ({head_dim} vs {cache_dim})."
+        )
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}.")
+    if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
+        raise ValueError(f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}.")
+    if any(t.device.type != "cpu" for t in (query, kv_cache, token_idx, seq_lens, block_table, out)):
+        raise ValueError("the CPU attention kernel takes CPU tensors only.")
+    if query.stride(-1) != 1 or out.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("query and out must be contiguous in the head dimension, and kv_cache contiguous.")
+    n = token_idx.shape[0]
+    if token_idx.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"token_idx must be int64, seq_lens and block_table int32; got {token_idx.dtype}, "
+            f"{seq_lens.dtype} and {block_table.dtype}."
+        )
+    if token_idx.shape != (n,) or seq_lens.shape != (n,) or block_table.dim() != 2 or block_table.shape[0] != n:
+        raise ValueError(
+            f"token_idx and seq_lens must be [n] and block_table [n, max_blocks]; got {tuple(token_idx.shape)}, "
+            f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}."
+        )
+    if n == 0:
+        return
+    if int(token_idx.min()) < 0 or int(token_idx.max()) >= num_tokens:
+        raise ValueError(f"token_idx must lie in [0, {num_tokens}).")
+    lens_min, lens_max = int(seq_lens.min()), int(seq_lens.max())
+    if lens_min < 1 or lens_max > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"seq_lens must lie in [1, {block_table.shape[1] * block_size}] (block_table columns x block size), "
+            f"got [{lens_min}, {lens_max}]."
+        )
+    used = torch.arange(block_table.shape[1]) < ((seq_lens + block_size - 1) // block_size)[:, None]
+    ids = block_table[used]
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        raise ValueError(f"block_table entries in use must lie in [0, {num_blocks}).")
