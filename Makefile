@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# CPU machines: this exact pin installs the CPU build; keep a torch that is already there.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The CPU attention kernel, built now rather than by the first engine to start;
+	# without a compiler weft still runs, on the slower torch path.
+	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
 	touch $@
 
 model: $(HF_DIR)/config.json

@@ -21,6 +21,7 @@ from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.layers.backends import check_backend
+from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
@@ -52,12 +53,14 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device)
+        if self.attention_backend == "cpu":
+            pack_linear_weights(self.model, self.dtype, self.device)
         a = self.model.args
         self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize)
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_weights_bytes(self.model)
 
     @property
     def kv_block_bytes(self) -> int:

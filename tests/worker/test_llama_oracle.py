@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from services.worker.gguf_weights import GGUFCheckpoint
+from services.worker.layers.linear import pack_linear_weights
 from services.worker.model_loader import load_model
 
 PROMPTS = [
@@ -54,14 +55,17 @@ def test_logits_match_the_oracle(prompt, smollm_runner, hf_oracle, tokenizer, ru
 
 @pytest.fixture
 def compare_with_hf(make_engine_config, run_dense):
-    return lambda folder, token_ids: _compare_with_hf(folder, token_ids, make_engine_config, run_dense)
+    return lambda folder, token_ids, packed=False: _compare_with_hf(folder, token_ids, make_engine_config, run_dense, packed)
 
 
-def _compare_with_hf(folder, token_ids, make_engine_config, run_dense):
+def _compare_with_hf(folder, token_ids, make_engine_config, run_dense, packed):
     from transformers import AutoModelForCausalLM
 
     config = make_engine_config(str(folder), str(folder), max_model_len=256)
-    ours = run_dense(load_model(config.model), token_ids)
+    model = load_model(config.model)
+    if packed:  # the cpu backend's oneDNN-packed linear weights
+        assert pack_linear_weights(model, torch.float32, torch.device("cpu"))
+    ours = run_dense(model, token_ids)
     with torch.inference_mode():
         theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
@@ -77,6 +81,12 @@ def test_safetensors_llama_matches(tiny_llama_dir, compare_with_hf):
 def test_qwen2_with_qkv_bias_and_untied_head(tmp_path, make_tiny_hf_model, compare_with_hf):
     folder = make_tiny_hf_model(tmp_path, "qwen2", tie_word_embeddings=False)
     compare_with_hf(folder, TOKENS)
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": False})])
+def test_packed_weights_match(tmp_path, make_tiny_hf_model, compare_with_hf, model_type, overrides):
+    """Tied and untied heads, biased and unbiased projections, through oneDNN's packed weights."""
+    compare_with_hf(make_tiny_hf_model(tmp_path, model_type, **overrides), TOKENS, packed=True)
 
 
 def test_llama3_rope_scaling(tmp_path, make_tiny_hf_model, compare_with_hf):

@@ -1,4 +1,4 @@
-"""Paged attention (torch backend) against dense causal attention per sequence."""
+"""Paged attention (torch and cpu backends) against dense causal attention per sequence."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +48,11 @@ def dense_reference(seq: Seq) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_step(seqs: list[Seq], cache: torch.Tensor | None, max_decode_group_tokens: int | None = None) -> torch.Tensor:
-    """Cache every sequence's context, then run one flattened step; returns [T, H, D]."""
+def run_step(
+    seqs: list[Seq], cache: torch.Tensor | None, max_decode_group_tokens: int | None = None, backend: str = "torch"
+) -> torch.Tensor:
+    """Cache every sequence's context, then run one flattened step; returns [T, H, D].
+    ``backend`` "cpu" sends the decodes to the compiled kernel."""
     if cache is not None:
         for s in seqs:
             if s.context:
@@ -66,12 +69,13 @@ def run_step(seqs: list[Seq], cache: torch.Tensor | None, max_decode_group_token
         slot_mapping=slot_mapping.numpy(),
         block_size=BS,
         max_decode_group_tokens=max_decode_group_tokens,
+        paged_decodes=backend == "cpu",
     )
     q = torch.cat([s.queries for s in seqs]).reshape(-1, H * D)
     k = torch.cat([s.keys[s.context :] for s in seqs]).reshape(-1, KVH * D)
     v = torch.cat([s.values[s.context :] for s in seqs]).reshape(-1, KVH * D)
     layer = PagedAttention(layer_idx=0, num_heads=H, num_kv_heads=KVH, head_dim=D)
-    with set_forward_context(meta, None if cache is None else [cache]):
+    with set_forward_context(meta, None if cache is None else [cache], backend):
         return layer(q, k, v).view(-1, H, D)
 
 
@@ -82,7 +86,8 @@ def assert_matches_reference(seqs: list[Seq], out: torch.Tensor) -> None:
         start += s.new
 
 
-def test_mixed_batch_of_prefills_chunks_decodes_and_a_prefix_hit():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_batch_of_prefills_chunks_decodes_and_a_prefix_hit(backend):
     gen = torch.Generator().manual_seed(0)
     chunked = make_seq(gen, [5, 9, 3], context=6, new=3)  # a later chunk of a chunked prefill
     seqs = [
@@ -94,7 +99,7 @@ def test_mixed_batch_of_prefills_chunks_decodes_and_a_prefix_hit():
         make_seq(gen, [5, 9, 30], context=8, new=4, prefix=chunked),
     ]
     cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, KVH, D))
-    assert_matches_reference(seqs, run_step(seqs, cache))
+    assert_matches_reference(seqs, run_step(seqs, cache, backend=backend))
 
 
 def test_new_tokens_are_written_to_their_slots():
@@ -132,6 +137,25 @@ def test_many_decodes_of_very_different_lengths(max_group_tokens):
     if max_group_tokens is not None:  # only a sequence longer than the cap may exceed it, alone
         assert all(g.block_ids.numel() * BS <= max_group_tokens or len(g.token_idx) == 1 for g in meta_groups)
     assert_matches_reference(seqs, run_step(seqs, cache, max_group_tokens))
+
+
+def test_cpu_backend_takes_every_decode_in_one_kernel_call():
+    """Decodes of very different lengths over blocks out of order, mixed with a prefill: one
+    PagedDecodes with each decode's own length, no groups, no padding."""
+    gen = torch.Generator().manual_seed(4)
+    pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    seqs = []
+    for context, new in [(1, 1), (3, 1), (4, 1), (17, 1), (0, 6), (40, 1), (7, 1), (8, 1)]:
+        seqs.append(make_seq(gen, [pool.pop() for _ in range(-(-(context + new) // BS))], context, new))
+    cache = torch.full(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan"))  # unwritten slots must never be read
+    meta = build_attention_metadata(
+        query_lens=np.array([s.new for s in seqs]), context_lens=np.array([s.context for s in seqs]),
+        block_table=np.zeros((len(seqs), 11), dtype=np.int32), slot_mapping=np.zeros(sum(s.new for s in seqs)),
+        block_size=BS, paged_decodes=True,
+    )
+    assert meta.decode_groups == [] and len(meta.prefills) == 1
+    assert meta.paged_decodes.seq_lens.tolist() == [s.context + 1 for s in seqs if s.new == 1]
+    assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
 
 
 def test_profiling_step_runs_without_a_cache():

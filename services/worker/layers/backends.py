@@ -3,9 +3,10 @@
 - ``torch``: torch ops only. Decodes gather their K/V blocks into a padded
   tensor and run SDPA; prefills run SDPA (``attention.py``).
 - ``cpu``: the torch backend with decodes in a compiled kernel that reads
-  K/V in place through the block table (``kernels/cpu_attention.py``).
-  The default on CPU; when the kernel cannot be built here (no compiler),
-  the worker says why and runs ``torch``.
+  K/V in place through the block table (``kernels/cpu_attention.py``), and
+  the linear layers' weights packed once for oneDNN (``linear.py``). The
+  default on CPU; when the kernel cannot be built here (no compiler), the
+  worker says why and runs ``torch``.
 - ``triton``: Triton kernels for attention, cache writes, norms, rotary and
   the MLP activation (``triton_attention.py``); the default on CUDA.
 

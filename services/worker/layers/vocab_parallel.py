@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TensorParallelGroup
-from services.worker.layers.linear import copy_weight
+from services.worker.layers.linear import LinearBase, copy_weight
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard.load(self.weight, source, "embed_tokens.weight")
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(LinearBase):
     """hidden -> logits over the whole vocabulary, on the driver rank."""
 
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TensorParallelGroup,
@@ -77,7 +77,9 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.shard = VocabShard.of_rank(vocab_size, tp)
-        # Tied: the embedding's own Parameter (named_parameters lists it once).
+        # Tied: the embedding's own Parameter (named_parameters lists it once);
+        # packing then keeps it, for the embedding.
+        self.weight_is_shared = tied_to is not None
         self.weight = tied_to.weight if tied_to is not None else self.shard.new_weight(dim, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -85,7 +87,7 @@ class ParallelLMHead(nn.Module):
 
         Every rank must call it (the gather is a collective).
         """
-        local = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        local = self.linear(hidden, None)  # [N, rows_per_rank]
         logits = self.tp.gather(local, dim=-1)  # [N, world_size * rows_per_rank] on the driver
         if logits is None:
             return None

@@ -1,0 +1,145 @@
+"""The compiled CPU decode-attention kernel against its torch twin, and the cpu backend's selection."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+from kernels.reference import paged_attention_ref
+from services.worker.layers import backends
+from services.worker.layers.backends import check_backend
+
+BS = 16
+
+
+def decode_case(gen, lens, num_heads, num_kv_heads, head_dim, dtype, num_tokens=None, spare_blocks=5):
+    """Decodes of the given lengths over blocks in random order; query rows scattered over a
+    wider batch of ``num_tokens`` (default: one row per decode, in order)."""
+    n = len(lens)
+    per_seq = [-(-length // BS) for length in lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(n, max(per_seq), dtype=torch.int32)
+    for i, nb in enumerate(per_seq):
+        table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
+    cache = torch.randn(2, num_kv_heads, num_blocks, BS, head_dim, generator=gen).to(dtype)
+    num_tokens = num_tokens or n
+    token_idx = torch.randperm(num_tokens, generator=gen)[:n].sort().values if num_tokens > n else torch.arange(n)
+    # The query is a view into a wider projection, as the model's q is of its fused qkv.
+    qkv = torch.randn(num_tokens, (num_heads + 2) * head_dim, generator=gen).to(dtype)
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    return query, cache, token_idx, torch.tensor(lens, dtype=torch.int32), table
+
+
+def reference(query, cache, token_idx, seq_lens, table, scale):
+    q = query[token_idx].contiguous()
+    starts = torch.arange(len(token_idx) + 1, dtype=torch.int32)
+    return paged_attention_ref(q, cache, starts, seq_lens, table, scale, max_query_len=1)
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (4, 4, 128), (8, 2, 40)],  # SmolLM2's GQA; no grouping at 128; a size with no fixed-size path
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_the_torch_twin(num_heads, num_kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(0)
+    # Lengths at and around block edges, a single key, and one long sequence.
+    lens = [1, 15, 16, 17, 32, 33, 5, 300, 2, 64]
+    query, cache, token_idx, seq_lens, table = decode_case(gen, lens, num_heads, num_kv_heads, head_dim, dtype)
+    out = torch.zeros(query.shape, dtype=dtype)
+    scale = head_dim**-0.5
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, scale, out)
+    want = reference(query, cache, token_idx, seq_lens, table, scale)
+    assert (out.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_writes_only_the_rows_of_its_decodes():
+    gen = torch.Generator().manual_seed(1)
+    query, cache, token_idx, seq_lens, table = decode_case(gen, [40, 3, 70], 6, 2, 64, torch.float32, num_tokens=9)
+    out = torch.full(query.shape, 7.0)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
+    torch.testing.assert_close(out[token_idx], reference(query, cache, token_idx, seq_lens, table, 0.125),
+                               atol=2e-5, rtol=1e-5)
+    others = torch.ones(9, dtype=torch.bool)
+    others[token_idx] = False
+    assert torch.all(out[others] == 7.0)
+
+
+def test_large_scores_keep_the_softmax_exact():
+    """Scores far apart (hundreds): the max is subtracted, and tiny weights underflow to ~0."""
+    gen = torch.Generator().manual_seed(2)
+    query, cache, token_idx, seq_lens, table = decode_case(gen, [200, 50], 9, 3, 64, torch.float32)
+    query.mul_(40.0)
+    out = torch.empty(query.shape)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
+    torch.testing.assert_close(out, reference(query, cache, token_idx, seq_lens, table, 0.125), atol=2e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+def test_no_decodes_is_a_no_op():
+    query, out = torch.randn(3, 4, 64), torch.zeros(3, 4, 64)
+    cache = torch.randn(2, 2, 4, BS, 64)
+    empty = torch.zeros(0, dtype=torch.int32)
+    cpu_attention.paged_decode_attention(query, cache, empty.long(), empty, empty.view(0, 1), 0.1, out)
+    assert torch.all(out == 0)
+
+
+def bad_inputs():
+    gen = torch.Generator().manual_seed(3)
+    q, cache, idx, lens, table = decode_case(gen, [20, 5], 6, 2, 64, torch.float32, spare_blocks=1)
+    out = torch.empty(q.shape)
+    good = dict(query=q, kv_cache=cache, token_idx=idx, seq_lens=lens, block_table=table, out=out)
+    too_far = table.clone()
+    too_far[0, 1] = cache.shape[2]
+    return good, [
+        (dict(kv_cache=cache.to(torch.float16)), "share a float dtype"),
+        (dict(query=q[:, :5]), "multiple of KV heads"),
+        (dict(seq_lens=lens.long()), "int32"),
+        (dict(seq_lens=torch.tensor([20, 40], dtype=torch.int32)), "seq_lens must lie in"),
+        (dict(seq_lens=torch.tensor([0, 5], dtype=torch.int32)), "seq_lens must lie in"),
+        (dict(block_table=too_far), "block_table entries"),
+        (dict(token_idx=torch.tensor([0, 2])), "token_idx must lie in"),
+        (dict(out=torch.empty(2, 6, 32)), "out must match"),
+        (dict(kv_cache=torch.cat([cache, cache], -1)[..., :64]), "contiguous"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_inputs()[1])))
+def test_bad_arguments_get_a_clear_error(case):
+    good, cases = bad_inputs()
+    change, message = cases[case]
+    args = good | change
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.paged_decode_attention(args["query"], args["kv_cache"], args["token_idx"], args["seq_lens"],
+                                             args["block_table"], 0.1, args["out"])
+
+
+def test_cpu_backend_selection(monkeypatch, caplog):
+    assert check_backend("cpu", torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="runs on CPU devices"):
+        check_backend("cpu", torch.device("cuda"))
+
+    def cannot_build():
+        raise cpu_attention.KernelUnavailable("building the CPU attention kernel needs c++ on PATH.")
+
+    monkeypatch.setattr(cpu_attention, "load", cannot_build)
+    with caplog.at_level(logging.WARNING, logger=backends.__name__):
+        assert check_backend("cpu", torch.device("cpu")) == "torch"
+    assert "needs c++" in caplog.text and "falls back to the torch backend" in caplog.text
+
+
+def test_missing_tools_are_named(monkeypatch):
+    cpu_attention.load.cache_clear()
+    try:
+        monkeypatch.setenv("PATH", "/nonexistent")
+        monkeypatch.setattr(cpu_attention.sys, "executable", "/nonexistent/python")
+        with pytest.raises(cpu_attention.KernelUnavailable, match="needs ninja"):
+            cpu_attention.load()
+    finally:
+        cpu_attention.load.cache_clear()
