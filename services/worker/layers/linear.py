@@ -73,6 +73,9 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this torch has oneDNN's packed linear for ``dtype`` on ``device``."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
+    # Private ops (torch's own CPU compiler path uses them): a torch without them runs unpacked.
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
+        return False
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
