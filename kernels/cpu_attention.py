@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.reference import check_query_and_cache
+
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class KernelUnavailable(RuntimeError):
@@ -120,26 +121,15 @@ def check_decode_args(
 ) -> None:
     """A ValueError naming the first argument the kernel cannot take; it reads
     memory through all of them, so they are checked in full, bounds included."""
-    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"expected query [T, H, D] and kv_cache [2, KVH, num_blocks, block_size, D], "
-            f"got {tuple(query.shape)} and {tuple(kv_cache.shape)}."
-        )
-    num_tokens, num_heads, head_dim = query.shape
-    _, num_kv_heads, num_blocks, block_size, cache_dim = kv_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads}) "
-            f"and head sizes must agree ({head_dim} vs {cache_dim})."
-        )
+    check_query_and_cache(query, kv_cache)
+    num_tokens = query.shape[0]
+    _, _, num_blocks, block_size, _ = kv_cache.shape
     if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}.")
-    if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
-        raise ValueError(f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}.")
     if any(t.device.type != "cpu" for t in (query, kv_cache, token_idx, seq_lens, block_table, out)):
         raise ValueError("the CPU attention kernel takes CPU tensors only.")
-    if query.stride(-1) != 1 or out.stride(-1) != 1 or not kv_cache.is_contiguous():
-        raise ValueError("query and out must be contiguous in the head dimension, and kv_cache contiguous.")
+    if out.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("out must be contiguous in the head dimension, and kv_cache contiguous.")
     n = token_idx.shape[0]
     if token_idx.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise ValueError(

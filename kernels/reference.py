@@ -21,6 +21,19 @@ def check_paged_attention_args(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
 ) -> None:
+    check_query_and_cache(query, kv_cache)
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}.")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
+        raise ValueError(
+            f"query_start_loc needs R + 1 entries and block_table R rows for R = {seq_lens.shape[0]} "
+            f"sequences, got {query_start_loc.shape[0]} and {block_table.shape[0]}."
+        )
+
+
+def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Shapes, dtypes and layout every paged-attention kernel needs of its query and cache."""
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"expected query [T, H, D] and kv_cache [2, KVH, num_blocks, block_size, D], "
@@ -37,14 +50,6 @@ def check_paged_attention_args(
         raise ValueError(f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}.")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache must be contiguous in the head dimension.")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}.")
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
-        raise ValueError(
-            f"query_start_loc needs R + 1 entries and block_table R rows for R = {seq_lens.shape[0]} "
-            f"sequences, got {query_start_loc.shape[0]} and {block_table.shape[0]}."
-        )
 
 
 def paged_attention_ref(
