@@ -39,6 +39,17 @@ def test_packed_layers_compute_what_they_computed(rows):
         torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="oneDNN has no bf16 on this CPU")
+def test_bf16_packed_layers_round_like_f_linear():
+    layer = filled(ColumnParallelLinear(64, [RowSlice(0, 96)], bias=True, dtype=torch.bfloat16), 6)
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert pack_linear_weights(layer, torch.bfloat16, CPU)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=2e-2)  # bf16 output rounding of values ~8
+
+
 def test_tied_head_keeps_the_embedding_and_the_budget_counts_every_weight():
     embedding = filled(VocabParallelEmbedding(50, 16, torch.float32, ONE_RANK), 4)
     head = ParallelLMHead(50, 16, torch.float32, ONE_RANK, tied_to=embedding)
