@@ -148,8 +148,11 @@ class PagedAttention(nn.Module):
         if meta.paged_decodes is not None:
             assert cache is not None, "decodes need the KV cache"
             d = meta.paged_decodes
-            # Arguments built and bounded by build_attention_metadata, once per step.
-            paged_decode_attention(q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out, check=False)
+            # The kernel reads memory through these indices: checked in full by the first
+            # layer; the later layers get the same metadata and caches of the same shape.
+            paged_decode_attention(
+                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out, check=self.layer_idx == 0
+            )
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"
             out[group.token_idx] = decode_attention(q[group.token_idx], cache, group, self.scale, self.workspace)
