@@ -1,8 +1,9 @@
 """The compiled CPU decode-attention kernel (``csrc/cpu_paged_attention.cpp``).
 
-Built on first use with the machine's C++ compiler through
-``torch.utils.cpp_extension`` (about 20 s; later processes load the cached
-build, and concurrent builders wait on one lock). ``load()`` raises
+Built with the machine's C++ compiler through ``torch.utils.cpp_extension``
+by ``make install`` (``python -m kernels.cpu_attention``), else on first use
+(about 20 s; later processes load the cached build, and concurrent builders
+wait on one lock). ``load()`` raises
 ``KernelUnavailable`` with the reason when the build cannot happen (no
 compiler, no ninja); the worker then falls back to the torch path.
 
@@ -72,14 +73,6 @@ def target_isa() -> tuple[str, list[str]]:
     if all(f in flags for f in ("avx2", "fma", "f16c")):
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
-
-
-def available() -> bool:
-    try:
-        load()
-    except KernelUnavailable:
-        return False
-    return True
 
 
 def paged_decode_attention(
