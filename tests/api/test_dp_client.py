@@ -18,6 +18,7 @@ from protocol import EngineCoreRequest, FinishReason, SamplingParams
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
+from tests.api.dp_requests import collect, make_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.polling import wait_until
 
@@ -25,21 +26,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 NUM_BLOCKS = 64
 START_S = 60.0  # engine start-up on two busy cores
-
-
-def make_request(request_id: str, max_tokens: int = 4, prompt_len: int = 8) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=list(range(200, 200 + prompt_len)),
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        arrival_time=time.time())
-
-
-async def collect(client: DPLBEngineClient, request: EngineCoreRequest):
-    tokens, last = [], None
-    async for output in client.generate(request):
-        tokens += output.new_token_ids
-        last = output
-    return tokens, last
 
 
 @pytest.fixture(scope="module")

@@ -12,36 +12,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from protocol import EngineCoreRequest, FinishReason, SamplingParams
+from protocol import FinishReason
 from protocol.curve import SERVER, generate_keys, load_keys
 from protocol.zmq_sockets import tcp_address
 from services.api.dp_client import DPLBEngineClient
 from services.api.engine_client import EngineDeadError
+from tests.api.dp_requests import collect, make_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 START_S = 90.0  # engine start-up on two busy cores
-
-
-def make_request(request_id: str, max_tokens: int = 4) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=list(range(300, 308)),
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        arrival_time=time.time())
-
-
-async def collect(client: DPLBEngineClient, request: EngineCoreRequest):
-    tokens, last = [], None
-    async for output in client.generate(request):
-        tokens += output.new_token_ids
-        last = output
-    return tokens, last
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +63,7 @@ async def test_a_headless_rank_restarted_by_the_operator_rejoins_over_curve(tiny
         await client.start()
         start_node()
         await wait_until(lambda: client.ready, START_S, "the headless rank")
-        in_flight = client.generate(make_request("remote", max_tokens=400))
+        in_flight = client.generate(make_request("remote", max_tokens=400, first_token=300))
         await anext(in_flight)
         os.killpg(operator_processes[0].pid, signal.SIGKILL)  # the node's processes crash
         with pytest.raises(EngineDeadError, match="sent nothing"):
@@ -86,7 +71,7 @@ async def test_a_headless_rank_restarted_by_the_operator_rejoins_over_curve(tiny
                 pass
         start_node()  # the operator starts it again: same rank, new process
         await wait_until(lambda: client.ready, START_S, "the rank to rejoin")
-        tokens, last = await collect(client, make_request("rejoined", max_tokens=6))
+        tokens, last = await collect(client, make_request("rejoined", max_tokens=6, first_token=300))
         assert len(tokens) == 6 and last.finish_reason == FinishReason.LENGTH
     finally:
         await client.shutdown()
