@@ -28,6 +28,30 @@ class EngineCoreRequestType(bytes, enum.Enum):
     DRAIN = b"\x05"
 
 
+class UtilityMethod(str, enum.Enum):
+    """Engine-wide operations the API may call on every rank (UTILITY frames)."""
+
+    # Forget every cached prefix; refused (False) while any KV block is in use.
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    # Stop scheduling: requests stay where they are (queued, or holding their
+    # blocks) and new ones queue, until RESUME. Answers True.
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, frozen=True):
+    """Payload of a UTILITY frame; answered by an ``EngineCoreOutputs`` carrying a ``UtilityResult``."""
+
+    call_id: int  # the API's, echoed back so it can match the answer
+    method: UtilityMethod
+
+
+class UtilityResult(msgspec.Struct, array_like=True, frozen=True):
+    call_id: int
+    ok: bool  # what the method answered (reset: whether the cache was reset)
+    error: str | None = None  # the call itself failed (a bug, not a refusal)
+
+
 class FinishReason(enum.IntEnum):
     """Why a request ended; an int on the wire, vLLM's words in ``str()``."""
 
@@ -87,6 +111,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # On a finished request: what another engine needs to take over its KV.
     kv_transfer_params: KVTransferParams | None = None
+    # The engine's monotonic clock when the step that made this output ended
+    # (first/last token times of the request metrics), and the rank that made
+    # it: per-request metrics carry vLLM's `engine` label, and the API's
+    # consumer of one request sees single outputs, not their batch.
+    timestamp: float = 0.0
+    engine_index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -119,6 +149,38 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # offered by a KV connector, and those loaded from it instead of computed.
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Tokens scheduled per engine step, since the previous stats, counted
+    # into ITERATION_TOKENS_BUCKETS (one count per bucket, then +Inf), and
+    # their sum: vllm:iteration_tokens_total.
+    iteration_tokens_counts: list[int] = []
+    iteration_tokens_sum: int = 0
+
+
+# Upper bounds of the tokens-per-step histogram (vLLM's buckets); the engine
+# counts into them and the API exposes them, so both read this list.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# The SchedulerStats fields that count since the previous stats (ints, or
+# lists added element-wise). Declared once: the API sums exactly these into
+# its running totals, and a heartbeat repeating old stats zeroes them.
+SCHEDULER_STATS_DELTAS = (
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+    "external_prefix_cache_queries", "external_prefix_cache_hits",
+    "iteration_tokens_counts", "iteration_tokens_sum",
+)
+
+
+def without_deltas(stats: SchedulerStats) -> SchedulerStats:
+    """``stats`` with every delta zeroed: what may be sent again without counting twice."""
+    return msgspec.structs.replace(stats, **{
+        name: [] if isinstance(getattr(stats, name), list) else 0 for name in SCHEDULER_STATS_DELTAS})
+
+
+def has_deltas(stats: SchedulerStats) -> bool:
+    """True when ``stats`` counts something new (it must reach the API)."""
+    return any(getattr(stats, name) for name in SCHEDULER_STATS_DELTAS)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -127,6 +189,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     finished_requests: list[str] | None = None
+    # The answer to a UTILITY frame (sent alone, without outputs).
+    utility_output: UtilityResult | None = None
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:

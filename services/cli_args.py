@@ -15,6 +15,8 @@ from services.engine_args import EngineArgs
 _EXTRA_HELP = {
     "model": "GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct).",
     "tokenizer": "Tokenizer folder (default: the model's).",
+    "served_model_name": "Model name(s) the API serves: responses report the first, requests may name any "
+                         "(default: the model file's name).",
     "device": "cpu, cuda or auto.",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and AMX CPUs, else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
@@ -30,6 +32,10 @@ _EXTRA_HELP = {
                           "\"kv_role\": \"kv_consumer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579}' "
                           "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
 }
+
+
+# Flags that take one or more values (vLLM's nargs="+").
+_SEVERAL = ("served_model_name",)
 
 
 def _descriptions() -> dict[str, str]:
@@ -50,7 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if f.name in _SEVERAL:
+            group.add_argument(flag, nargs="+", default=f.default, help=help_text.get(f.name))
+        elif f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text.get(f.name))
         else:

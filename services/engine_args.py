@@ -28,7 +28,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf1
 class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # several: the first is the one reported
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
@@ -69,7 +69,7 @@ class EngineArgs:
             model=ModelConfig(
                 model=str(files.weights),
                 tokenizer=self.tokenizer or str(files.hf_dir),
-                served_model_name=self.served_model_name or files.name,
+                served_model_name=_first(self.served_model_name) or files.name,
                 dtype=resolve_dtype(self.dtype, device),
                 max_model_len=self._max_model_len(hf_config),
                 seed=self.seed,

@@ -69,6 +69,11 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    @property
+    def num_requests(self) -> int:
+        """HTTP requests holding a ticket: admitted and not yet answered (vLLM's server load)."""
+        return len(self._tickets)
+
     def capacity(self) -> int:
         ready = sum(s.state == "ready" for s in self.engine_client.rank_stats().values())
         return ready * self.per_rank

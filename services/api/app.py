@@ -36,6 +36,7 @@ from services.api.errors import (
     internal_error_handler,
 )
 from services.api.limits import BodySizeLimitMiddleware, ServingLimits
+from services.api.management import MANAGEMENT_PATHS, ManagementRoutes
 from services.api.metrics import CONTENT_TYPE, APIMetrics
 from services.api.openai_schemas import (
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ from services.api.openai_schemas import (
     TokenizeRequest,
     decode_body,
 )
+from services.api.pausable import PausableEngineClient
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids
@@ -94,11 +96,17 @@ class _Routes:
         body = await _read(request, ChatCompletionRequest)
         return await self.chat.create(request, body)
 
-    async def models(self, request: Request) -> Response:
-        card = {"id": self.ctx.served_model_name, "object": "model", "created": self.created,
+    def model_card(self, name: str) -> dict | None:
+        """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
+        if name != self.ctx.served_model_name and name not in self.ctx.model_aliases:
+            return None
+        return {"id": name, "object": "model", "created": self.created,
                 "owned_by": "weft", "root": self.ctx.config.model.model, "parent": None,
                 "max_model_len": self.ctx.max_model_len, "permission": []}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        names = [self.ctx.served_model_name, *self.ctx.model_aliases]
+        return JSONResponse({"object": "list", "data": [self.model_card(name) for name in names]})
 
     async def health(self, request: Request) -> Response:
         """200 only when every rank is ready; otherwise 503, "degraded" when
@@ -161,16 +169,21 @@ class _Routes:
 
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
-              api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
+              api_key: str | Sequence[str] | None = None, served_model_name: str | Sequence[str] | None = None,
               limits: ServingLimits | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
-    ``api_key``: one key or several (any of them is accepted)."""
-    name = served_model_name or config.model.served_model_name
+    ``api_key``: one key or several (any of them is accepted). ``served_model_name``:
+    one name or several; the first is the one responses report, any is accepted."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    name, aliases = (names or [config.model.served_model_name])[0], tuple(dict.fromkeys(names[1:]))
     limits = limits or ServingLimits()
-    metrics = APIMetrics(engine_client.rank_stats, name)
+    engine_client = PausableEngineClient(engine_client)
+    metrics = APIMetrics(engine_client.rank_stats, name, config)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission))
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
+                                    model_aliases=tuple(a for a in aliases if a != name)))
+    management = ManagementRoutes(engine_client, admission, routes.model_card)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -185,9 +198,9 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     middleware = [Middleware(TicketReleaseMiddleware),
                   Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)]
     if api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key, also_protect=MANAGEMENT_PATHS))
     app = Starlette(
-        routes=routes.table(),
+        routes=routes.table() + management.table(),
         middleware=middleware,
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: internal_error_handler},

@@ -1,7 +1,8 @@
 """The ``--api-key`` check: pure ASGI, on /v1 paths only.
 
 /health, /metrics, /version, /tokenize and /detokenize stay open (vLLM does
-the same: probes and scrapers carry no key). Several keys may be valid at
+the same: probes and scrapers carry no key); ``also_protect`` names more
+exact paths that need a key (the management routes that change serving). Several keys may be valid at
 once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
 length, its prefix nor which key matched leaks through timing.
@@ -27,15 +28,17 @@ def _is_protected(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str], also_protect: Sequence[str] = ()) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
         if not keys or not all(keys):
             raise ValueError("API keys must be non-empty strings.")
         self.app = app
         self._digests = [_digest(key) for key in keys]
+        self._also_protected = frozenset(also_protect)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_protected(scope["path"]):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
+                _is_protected(scope["path"]) or scope["path"] in self._also_protected):
             await self.app(scope, receive, send)
             return
         if self._authorized(Headers(scope=scope).get("authorization", "")):

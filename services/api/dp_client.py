@@ -26,6 +26,7 @@ Torch-free: nothing here may import torch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import subprocess
 import time
@@ -40,6 +41,7 @@ from protocol import (
 )
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
+from protocol.engine import SCHEDULER_STATS_DELTAS, UtilityMethod, UtilityRequest, UtilityResult
 from protocol.handshake import (
     EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
@@ -48,7 +50,7 @@ from protocol.zmq_sockets import (
     tcp_address, tcp_host,
 )
 from services.api.engine_client import (
-    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_spec_decode_stats,
+    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_delta,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
 
@@ -59,6 +61,8 @@ logger = logging.getLogger(__name__)
 _MONITOR_S = 0.2
 _WAITING_LOG_S = 5.0
 _SHUTDOWN_WAIT_S = 5.0
+# An engine answers a utility call between two steps; a longer wait means it is stuck.
+_UTILITY_TIMEOUT_S = 60.0
 # Ranks that serve requests (ready) or finish the ones they hold (draining).
 _LIVE = ("ready", "draining")
 
@@ -93,6 +97,9 @@ class DPLBEngineClient(EngineClient):
         self._closing = False
         # Frames that failed to decode, by the socket they came in on.
         self._dropped_frames = {"handshake": 0, "status": 0, "output": 0}
+        # Utility calls sent and not answered: call id -> (rank, its answer).
+        self._utility_calls: dict[int, tuple[int, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
 
     # ---- lifecycle
 
@@ -201,6 +208,33 @@ class DPLBEngineClient(EngineClient):
                     request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
             if self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, ids)
+
+    async def call_utility(self, method: UtilityMethod) -> dict[int, bool]:
+        ranks = [rank for rank, s in self._stats.items() if s.state in _LIVE]
+        if not ranks:
+            raise EngineNotReadyError("No engine core is ready.")
+        loop = asyncio.get_running_loop()
+        calls = {next(self._call_ids): rank for rank in ranks}
+        futures = {}
+        try:
+            for call_id, rank in calls.items():
+                futures[rank] = self._utility_calls[call_id] = (rank, loop.create_future())
+                await self._send(rank, EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method))
+            results = await asyncio.wait_for(asyncio.gather(*(f for _, f in futures.values())),
+                                             _UTILITY_TIMEOUT_S)
+        finally:
+            for call_id in calls:
+                self._utility_calls.pop(call_id, None)
+        failed = [f"rank {rank}: {r.error}" for rank, r in zip(futures, results) if r.error is not None]
+        if failed:
+            raise RuntimeError(f"{method.value} failed on " + "; ".join(failed))
+        return {rank: r.ok for rank, r in zip(futures, results)}
+
+    def _on_utility_result(self, rank: int, result: UtilityResult) -> None:
+        pending = self._utility_calls.get(result.call_id)
+        if pending is None or pending[0] != rank or pending[1].done():
+            return  # a late answer to a call that timed out, or not ours
+        pending[1].set_result(result)
 
     def _choose_rank(self, request: EngineCoreRequest) -> int:
         if request.data_parallel_rank is not None:
@@ -325,6 +359,8 @@ class DPLBEngineClient(EngineClient):
             self._last_seen[batch.engine_index] = time.monotonic()
             if batch.scheduler_stats is not None:
                 _update_stats(stats, batch.scheduler_stats)
+            if batch.utility_output is not None:
+                self._on_utility_result(batch.engine_index, batch.utility_output)
             for output in batch.outputs:
                 self._route(output)
 
@@ -375,6 +411,9 @@ class DPLBEngineClient(EngineClient):
         for request_id in list(stats.in_flight):
             self._finish_locally(request_id, EngineDeadError(
                 f"Engine core rank {rank} stopped while serving request {request_id}: {reason}."))
+        for held_by, future in self._utility_calls.values():
+            if held_by == rank and not future.done():
+                future.set_exception(EngineDeadError(f"Engine core rank {rank} stopped: {reason}."))
         stats.num_running = stats.num_waiting = 0
 
 
@@ -383,13 +422,9 @@ def _update_stats(stats: RankStats, new) -> None:
     stats.num_waiting = new.num_waiting_reqs
     stats.kv_cache_usage = new.kv_cache_usage
     stats.num_free_blocks = new.num_free_blocks
-    stats.prefix_cache_queries += new.prefix_cache_queries
-    stats.prefix_cache_hits += new.prefix_cache_hits
-    stats.num_preemptions += new.num_preemptions
-    stats.external_prefix_cache_queries += new.external_prefix_cache_queries
-    stats.external_prefix_cache_hits += new.external_prefix_cache_hits
+    for name in SCHEDULER_STATS_DELTAS:
+        add_delta(stats, name, getattr(new, name))
     stats.num_dropped_frames = new.num_dropped_frames
-    add_spec_decode_stats(stats, new)
     if new.structured_outputs is not None:  # totals, not deltas: keep the latest
         stats.structured_outputs = new.structured_outputs
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from protocol import EngineCoreOutput, EngineCoreRequest
+from protocol.engine import SCHEDULER_STATS_DELTAS, UtilityMethod
 from protocol.structured_outputs import StructuredOutputStats
 
 
@@ -53,18 +54,27 @@ class RankStats:
     # connector offered, and those loaded from it instead of computed.
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Tokens per engine step: bucket counts (protocol.engine.ITERATION_TOKENS_BUCKETS) and sum.
+    iteration_tokens_counts: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+
+
+def add_delta(stats: RankStats, name: str, value: int | list[int]) -> None:
+    """Add one of ``SCHEDULER_STATS_DELTAS`` to a rank's running total (lists element-wise)."""
+    if not isinstance(value, list):
+        setattr(stats, name, getattr(stats, name) + value)
+        return
+    totals = getattr(stats, name)
+    totals.extend([0] * (len(value) - len(totals)))
+    for index, count in enumerate(value):
+        totals[index] += count
 
 
 def add_spec_decode_stats(stats: RankStats, new) -> None:
     """Add one ``SchedulerStats``' speculative-decoding deltas to a rank's totals."""
-    stats.spec_decode_num_drafts += new.spec_decode_num_drafts
-    stats.spec_decode_num_draft_tokens += new.spec_decode_num_draft_tokens
-    stats.spec_decode_num_accepted_tokens += new.spec_decode_num_accepted_tokens
-    totals = stats.spec_decode_num_accepted_tokens_per_pos
-    for position, count in enumerate(new.spec_decode_num_accepted_tokens_per_pos):
-        if position == len(totals):
-            totals.append(0)
-        totals[position] += count
+    for name in SCHEDULER_STATS_DELTAS:
+        if name.startswith("spec_decode_"):
+            add_delta(stats, name, getattr(new, name))
 
 
 class EngineClient(ABC):
@@ -96,6 +106,12 @@ class EngineClient(ABC):
     def dropped_frames(self) -> dict[str, int]:
         """Malformed frames the client dropped, by socket (for /metrics)."""
         return {}
+
+    async def call_utility(self, method: UtilityMethod) -> dict[int, bool]:
+        """Call ``method`` on every live rank and return each rank's answer.
+        Raises ``EngineNotReadyError`` when no rank is live, ``EngineDeadError``
+        when one dies before answering, ``RuntimeError`` when the call failed."""
+        raise NotImplementedError(f"{type(self).__name__} has no utility calls.")
 
     @abstractmethod
     async def shutdown(self) -> None:

@@ -138,7 +138,8 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
                                   restart_local=args.restart_engines)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
-                        served_model_name=config.model.served_model_name, limits=limits)
+                        served_model_name=args.served_model_name or config.model.served_model_name,
+                        limits=limits)
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
     finally:
         # The app's shutdown already stopped them (restarted ones included);

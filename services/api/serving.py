@@ -49,6 +49,7 @@ class ServingContext:
     metrics: APIMetrics
     limits: ServingLimits = field(default_factory=ServingLimits)
     admission: Admission | None = None  # made from the limits when not given
+    model_aliases: tuple[str, ...] = ()  # more names accepted in `model` (--served-model-name A B ...)
 
     def __post_init__(self) -> None:
         if self.admission is None:
@@ -70,7 +71,7 @@ class ServingContext:
             else self.config.model.eos_token_id
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model != self.served_model_name and model not in self.model_aliases:
             raise bad_request(f"The model `{model}` does not exist; this server serves "
                               f"`{self.served_model_name}`.", "model")
 
@@ -213,7 +214,7 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                 kv_transfer_params=body.kv_transfer_params)
             state = RequestState.create(engine_request.request_id, child, ctx.tokenizer)
             choices.append(Choice(index, p, engine_request, state,
-                                  ctx.metrics.request(len(prompt), arrival)))
+                                  ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)))
     return choices
 
 

@@ -64,8 +64,27 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """A step would make progress: requests wait and scheduling is not paused."""
+        return self.has_unfinished_requests() and not self.scheduler.paused
+
+    # ---- utility calls (the API's management endpoints)
+
+    def pause(self) -> bool:
+        """Stop scheduling; every request keeps its place (and its KV blocks) until ``resume``."""
+        self.scheduler.paused = True
+        return True
+
+    def resume(self) -> bool:
+        self.scheduler.paused = False
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while any block is in use."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_work():
             return EngineCoreOutputs(engine_index=self.engine_index,
                                      scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
@@ -78,7 +97,10 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.scheduler.make_stats()
         self.stats_logger.observe(stats, sum(len(o.new_token_ids) for o in outputs))
-        return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats)
+        batch = EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats)
+        for output in outputs:
+            output.timestamp, output.engine_index = batch.timestamp, self.engine_index
+        return batch
 
     def shutdown(self) -> None:
         self.executor.shutdown()

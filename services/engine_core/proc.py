@@ -37,6 +37,7 @@ from protocol import (
     EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
     FinishReason, SchedulerStats,
 )
+from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_deltas, without_deltas
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, load_keys
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
@@ -121,7 +122,8 @@ class EngineCoreProc:
     # ---- busy loop (main thread)
 
     def _process_input_queue(self) -> None:
-        idle = not (self.engine.has_unfinished_requests() or self._stats_dirty)
+        # A paused engine holds requests but has no work: it blocks on its inputs.
+        idle = not (self.engine.has_work() or self._stats_dirty)
         wait_s = _IDLE_WAIT_S if idle else _STALL_WAIT_S if self._stalled else 0.0
         while not self._stop.is_set():
             try:
@@ -144,6 +146,17 @@ class EngineCoreProc:
             self._stop.set()
         elif kind is EngineCoreRequestType.DRAIN:
             self._drain.acknowledged = True  # every ADD the API sent is handled by now
+        elif kind is EngineCoreRequestType.UTILITY:
+            self._outputs.put(EngineCoreOutputs(engine_index=self.rank, utility_output=self._call(payload)))
+
+    def _call(self, call: UtilityRequest) -> UtilityResult:
+        methods = {UtilityMethod.RESET_PREFIX_CACHE: self.engine.reset_prefix_cache,
+                   UtilityMethod.PAUSE: self.engine.pause, UtilityMethod.RESUME: self.engine.resume}
+        try:
+            return UtilityResult(call.call_id, ok=methods[call.method]())
+        except Exception as e:  # the engine keeps serving; the API reports a 500
+            logger.exception("Rank %d: utility call %s failed", self.rank, call.method.value)
+            return UtilityResult(call.call_id, ok=False, error=f"{type(e).__name__}: {e}")
 
     def _check_drain(self) -> None:
         stats = self._latest_stats
@@ -167,14 +180,15 @@ class EngineCoreProc:
             self._outputs.put(EngineCoreOutputs(engine_index=self.rank, outputs=[error]))
 
     def _step(self) -> None:
-        if not (self.engine.has_unfinished_requests() or self._stats_dirty):
+        if not (self.engine.has_work() or self._stats_dirty):
             return
         self._stats_dirty = False
         outputs = self.engine.step()
         stats = outputs.scheduler_stats
-        # Stats carry deltas (prefix hits, preemptions): a step whose stats
-        # differ in anything but the step counter must reach the API.
-        changed = stats is not None and (msgspec.structs.replace(stats, step_counter=0)
+        # Stats carry deltas (prefix hits, preemptions): a step that counted
+        # anything, or whose stats differ in anything but the step counter,
+        # must reach the API.
+        changed = stats is not None and (has_deltas(stats) or msgspec.structs.replace(stats, step_counter=0)
                                          != msgspec.structs.replace(self._latest_stats, step_counter=0))
         self._stalled = not (outputs.outputs or changed)
         if stats is not None:
@@ -210,19 +224,14 @@ class EngineCoreProc:
 
     def _heartbeat(self) -> EngineCoreOutputs:
         # The counters in stats are deltas already reported: zero them here.
-        stats = msgspec.structs.replace(self._latest_stats, prefix_cache_queries=0,
-                                        prefix_cache_hits=0, num_preemptions=0,
-                                        spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                                        spec_decode_num_accepted_tokens=0,
-                                        spec_decode_num_accepted_tokens_per_pos=[],
-                                        external_prefix_cache_queries=0, external_prefix_cache_hits=0)
-        return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
+        return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=without_deltas(self._latest_stats))
 
     # ---- input thread
 
     def _input_loop(self) -> None:
         decoders = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
-                    EngineCoreRequestType.ABORT: Decoder(list[str])}
+                    EngineCoreRequestType.ABORT: Decoder(list[str]),
+                    EngineCoreRequestType.UTILITY: Decoder(UtilityRequest)}
         while not self._goodbye_now.is_set():
             if self._input_sock.poll(_POLL_MS):
                 self._read_input(decoders)
@@ -272,8 +281,6 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
     body = split(frames, 1)[1] if len(frames) > 1 else []
     if kind in (EngineCoreRequestType.SHUTDOWN, EngineCoreRequestType.DRAIN):
         return kind, None
-    if kind is EngineCoreRequestType.UTILITY:
-        raise ValueError("utility calls are not supported by this engine core")
     if not body:
         raise ValueError(f"{kind.name} message without a payload")
     return kind, decoders[kind].decode(body)

@@ -9,6 +9,7 @@ again at the front of the queue.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from protocol import (
     SchedulerStats,
     TokenLogprobs,
 )
+from protocol.engine import ITERATION_TOKENS_BUCKETS
 from protocol.kv_transfer import KVTransferParams
 from services.engine_core.block_pool import KVCacheBlock
 from services.engine_core.kv_cache_manager import KVCacheManager
@@ -119,6 +121,11 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self._error_outputs: list[EngineCoreOutput] = []  # failed outside a step's outputs
         self._step_counter = 0
+        # Tokens per step since the previous make_stats(), bucketed (see SchedulerStats).
+        self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_sum = 0
+        # Paused (the API's /pause): schedule() hands out nothing; requests keep their place.
+        self.paused = False
 
     # ----------------------------------------------------------- requests in
 
@@ -174,7 +181,7 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        plan = _StepPlan(budget=0 if self.paused else self.max_num_batched_tokens)
         self._admit_compiled_grammars()
         self.structured_output_manager.filter_drafts(self.running)
         self._schedule_running(plan)
@@ -191,7 +198,14 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num_tokens
         self.finished_req_ids = {}
         self._step_counter += 1
+        self._count_iteration_tokens(output.total_num_scheduled_tokens)
         return output
+
+    def _count_iteration_tokens(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return  # nothing ran: not an engine step a user would count
+        self._iteration_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self._iteration_sum += num_tokens
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -447,6 +461,10 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        iteration_counts = self._iteration_counts if self._iteration_sum else []
+        iteration_sum = self._iteration_sum
+        self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_sum = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=(len(self.waiting) + len(self.waiting_for_grammar)
@@ -461,4 +479,6 @@ class Scheduler:
             **self.spec_decode.take_stats(),
             **self.kv_transfer.take_stats(),
             structured_outputs=self.structured_output_manager.make_stats(),
+            iteration_tokens_counts=iteration_counts,
+            iteration_tokens_sum=iteration_sum,
         )

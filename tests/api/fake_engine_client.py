@@ -23,6 +23,7 @@ from protocol import (
     SchedulerConfig,
     TokenLogprobs,
 )
+from protocol.engine import UtilityMethod
 from services import model_files
 from services.api.app import build_app
 from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError, RankStats
@@ -60,6 +61,8 @@ class FakeEngineClient(EngineClient):
         self.num_cached_tokens = 0
         self.burst = False  # yield all outputs without letting the loop run in between
         self.hanging = asyncio.Event()  # set when a request starts hanging
+        self.utility_calls: list[UtilityMethod] = []
+        self.reset_refused = False  # reset_prefix_cache answers False, as with KV blocks in use
 
     async def start(self) -> None:
         self.started = True
@@ -76,6 +79,11 @@ class FakeEngineClient(EngineClient):
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.update(request_ids)
+
+    async def call_utility(self, method: UtilityMethod) -> dict[int, bool]:
+        self.utility_calls.append(method)
+        ok = not (method is UtilityMethod.RESET_PREFIX_CACHE and self.reset_refused)
+        return {rank: ok for rank in self.ranks}
 
     def token_at(self, request: EngineCoreRequest, step: int) -> int:
         offset = request.sampling_params.seed or 0
@@ -111,7 +119,9 @@ class FakeEngineClient(EngineClient):
     def _output(self, request: EngineCoreRequest, step: int, last: bool) -> EngineCoreOutput:
         params = request.sampling_params
         token = self.token_at(request, step)
-        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=self.num_cached_tokens)
+        # Engine clock: scheduled at 100.25, first token at 100.5, then one every 0.125.
+        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=self.num_cached_tokens,
+                                  timestamp=100.5 + 0.125 * step)
         if step == 0:
             output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, 100.0),
                              EngineCoreEvent(EngineCoreEventType.SCHEDULED, 100.25)]

@@ -75,14 +75,14 @@ async def test_metrics_exposes_vllm_names(served):
                  f"vllm:prefix_cache_queries_total{{{labels}}} 100.0",
                  f"vllm:prefix_cache_hits_total{{{labels}}} 40.0",
                  f"vllm:num_preemptions_total{{{labels}}} 0.0",
-                 f'vllm:generation_tokens_total{{model_name="{MODEL_NAME}"}} 19.0',
-                 f'vllm:prompt_tokens_total{{model_name="{MODEL_NAME}"}} 2.0',
-                 f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL_NAME}"}} 1.0',
-                 f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL_NAME}"}} 1.0',
-                 f'vllm:request_queue_time_seconds_sum{{model_name="{MODEL_NAME}"}} 0.5',
-                 f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL_NAME}"}} 2.0',
-                 f'vllm:time_to_first_token_seconds_count{{model_name="{MODEL_NAME}"}} 2.0',
-                 f'vllm:inter_token_latency_seconds_count{{model_name="{MODEL_NAME}"}} 17.0'):
+                 f"vllm:generation_tokens_total{{{labels}}} 19.0",
+                 f"vllm:prompt_tokens_total{{{labels}}} 2.0",
+                 f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL_NAME}"}} 1.0',
+                 f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL_NAME}"}} 1.0',
+                 f"vllm:request_queue_time_seconds_sum{{{labels}}} 0.5",
+                 f"vllm:e2e_request_latency_seconds_count{{{labels}}} 2.0",
+                 f"vllm:time_to_first_token_seconds_count{{{labels}}} 2.0",
+                 f"vllm:inter_token_latency_seconds_count{{{labels}}} 17.0"):
         assert line in text, line
 
 
