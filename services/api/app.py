@@ -207,5 +207,6 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
         lifespan=lifespan,
     )
     app.state.admission = admission
+    app.state.engine_client = engine_client  # the pausable wrapper the routes use
     app.state.limits = limits
     return app

@@ -37,6 +37,7 @@ class PausableEngineClient(EngineClient):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._in_flight: set[str] = set()  # engine requests past the gate
+        self.num_held = 0  # engine requests waiting at the gate
         self._idle = asyncio.Event()
         self._idle.set()
         self._pausing = asyncio.Lock()
@@ -67,7 +68,12 @@ class PausableEngineClient(EngineClient):
     # ---- EngineClient, delegated; generate waits at the gate
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        await self._resumed.wait()
+        if not self._resumed.is_set():
+            self.num_held += 1
+            try:
+                await self._resumed.wait()
+            finally:
+                self.num_held -= 1
         self._in_flight.add(request.request_id)
         self._idle.clear()
         outputs = self.inner.generate(request)

@@ -12,11 +12,25 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import SchedulerStats
-from protocol.engine import ITERATION_TOKENS_BUCKETS, SCHEDULER_STATS_DELTAS, without_deltas
+from protocol.engine import (
+    ITERATION_TOKENS_BUCKETS,
+    SCHEDULER_STATS_DELTAS,
+    without_deltas,
+)
 from services.api.engine_client import RankStats
-from services.api.metrics import RANK_FAMILIES, REQUEST_FAMILIES, APIMetrics, one_two_five_buckets
+from services.api.metrics import (
+    RANK_FAMILIES,
+    REQUEST_FAMILIES,
+    APIMetrics,
+    one_two_five_buckets,
+)
 from services.api.reliability_metrics import RELIABILITY_FAMILIES
-from tests.api.fake_engine_client import MAX_MODEL_LEN, MODEL_NAME, http_client, make_app
+from tests.api.fake_engine_client import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    http_client,
+    make_app,
+)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -31,7 +45,7 @@ def value(found: dict, name: str, **labels: str) -> float:
 
 @pytest.fixture
 async def scraped():
-    app, engine = make_app()
+    app, _ = make_app()
     client = http_client(app)
     assert (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "n": 2})).status_code == 200
     assert (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})).status_code == 200

@@ -18,6 +18,7 @@ from protocol import (
     EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams,
 )
 from protocol.codec import Decoder, Encoder
+from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult
 from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, rank_identity, recv, send
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
@@ -161,6 +162,45 @@ def test_abort_frees_the_blocks(started):
             assert stats.num_free_blocks == stats.num_total_blocks == NUM_BLOCKS - 1
             return
     pytest.fail("the aborted request kept running")
+
+
+def call(api: FakeApi, call_id: int, method: UtilityMethod) -> UtilityResult:
+    """A utility call, answered by a batch of its own (other batches are skipped)."""
+    api.send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        result = api.next_outputs().utility_output
+        if result is not None:
+            assert result.call_id == call_id
+            return result
+    pytest.fail(f"no answer to {method.value}")
+
+
+def test_paused_engine_holds_a_request_until_resumed(started):
+    api, _, _ = started
+    assert call(api, 1, UtilityMethod.PAUSE) == UtilityResult(1, ok=True)
+    api.send(EngineCoreRequestType.ADD, make_request("held", max_tokens=3))
+    heartbeats = 0
+    while heartbeats < 3:  # about 1.5 s of an engine that could have finished it
+        batch = api.next_outputs()
+        assert not any(o.request_id == "held" for o in batch.outputs)
+        stats = batch.scheduler_stats
+        heartbeats += stats is not None and stats.num_waiting_reqs == 1 and not batch.outputs
+    assert call(api, 2, UtilityMethod.RESUME).ok
+    tokens, last = api.run_until_finished({"held"})["held"]
+    assert len(tokens) == 3 and last.finish_reason == FinishReason.LENGTH
+
+
+def test_reset_prefix_cache_is_refused_while_blocks_are_in_use(started):
+    api, _, _ = started
+    api.send(EngineCoreRequestType.ADD, make_request("busy", max_tokens=400, prompt_len=40))
+    deadline = time.monotonic() + 20
+    while not any(o.request_id == "busy" and o.new_token_ids for o in api.next_outputs().outputs):
+        assert time.monotonic() < deadline
+    assert call(api, 3, UtilityMethod.RESET_PREFIX_CACHE) == UtilityResult(3, ok=False)
+    api.send(EngineCoreRequestType.ABORT, ["busy"])
+    # The ABORT is handled before the next call on the same link: every block is free again.
+    assert call(api, 4, UtilityMethod.RESET_PREFIX_CACHE) == UtilityResult(4, ok=True)
 
 
 def test_shutdown_says_goodbye_and_exits(started):

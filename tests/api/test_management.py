@@ -1,0 +1,154 @@
+"""Management routes on the in-process app: /load, /pause, /resume, /is_paused,
+/reset_prefix_cache, /v1/models/{model}, several served model names, and
+which of them need the API key. (The engines' side is tested end to end in
+tests/test_management_e2e.py.)"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protocol.engine import UtilityMethod
+from services.api.engine_client import EngineNotReadyError
+from tests.api.fake_engine_client import (
+    MODEL_NAME,
+    FakeEngineClient,
+    http_client,
+    make_app,
+)
+from tests.polling import wait_until
+
+KEY = "secret"
+
+
+@pytest.fixture
+def served():
+    app, engine = make_app()
+    return http_client(app), engine, app.state.engine_client
+
+
+async def _complete(client, max_tokens: int = 3):
+    return await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": max_tokens})
+
+
+async def test_load_counts_requests_in_flight(served):
+    client, engine, _gate = served
+    assert (await client.get("/load")).json() == {"server_load": 0}
+    engine.hang_after = 1
+    hanging = asyncio.ensure_future(_complete(client))
+    await asyncio.wait_for(engine.hanging.wait(), 10)
+    assert (await client.get("/load")).json() == {"server_load": 1}
+    hanging.cancel()
+    await asyncio.gather(hanging, return_exceptions=True)
+    await wait_until(lambda: engine.closed_early, 10, "the hung request to be closed")
+
+
+async def test_pause_keep_holds_new_requests_until_resume(served):
+    client, engine, gate = served
+    response = await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+    assert response.status_code == 200
+    assert response.json() == {"is_paused": True, "mode": "keep", "cache_cleared": None}
+    assert engine.utility_calls == [UtilityMethod.PAUSE]
+    assert (await client.get("/is_paused")).json() == {"is_paused": True}
+    held = asyncio.ensure_future(_complete(client))
+    await wait_until(lambda: gate.num_held == 1, 10, "the request to wait at the gate")
+    assert not held.done() and engine.requests == []  # held before any engine saw it
+    assert (await client.get("/load")).json() == {"server_load": 1}
+    assert (await client.post("/resume")).json() == {"is_paused": False}
+    assert (await asyncio.wait_for(held, 10)).status_code == 200
+    assert engine.utility_calls == [UtilityMethod.PAUSE, UtilityMethod.RESUME]
+
+
+async def test_pause_wait_returns_once_running_requests_finish(served):
+    client, engine, gate = served
+    engine.hang_after = 2
+    running = asyncio.ensure_future(_complete(client, max_tokens=5))
+    await asyncio.wait_for(engine.hanging.wait(), 10)
+    pause = asyncio.ensure_future(client.post("/pause", params={"mode": "wait"}))
+    await wait_until(lambda: gate.is_paused, 10, "the pause to begin")
+    assert not pause.done() and UtilityMethod.PAUSE not in engine.utility_calls  # it waits
+    running.cancel()  # the running request ends (its client left)
+    await asyncio.gather(running, return_exceptions=True)
+    response = await asyncio.wait_for(pause, 10)
+    assert response.json() == {"is_paused": True, "mode": "wait", "cache_cleared": True}
+    assert engine.utility_calls == [UtilityMethod.PAUSE, UtilityMethod.RESET_PREFIX_CACHE]
+
+
+async def test_pause_abort_aborts_running_requests(served):
+    client, engine, _gate = served
+    engine.hang_after = 1
+    running = asyncio.ensure_future(_complete(client))
+    await asyncio.wait_for(engine.hanging.wait(), 10)
+    [request] = engine.requests
+    response = await client.post("/pause")  # vLLM's default mode: abort
+    assert response.json()["mode"] == "abort"
+    assert request.request_id in engine.aborted
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_pause_reports_a_cache_that_was_not_reset(served):
+    client, engine, _gate = served
+    engine.reset_refused = True
+    response = await client.post("/pause", params={"mode": "keep"})
+    assert response.json()["cache_cleared"] is False
+
+
+@pytest.mark.parametrize("query, param", [({"mode": "sleep"}, "mode"), ({"clear_cache": "yes"}, "clear_cache"),
+                                          ({"wait_for_inflight_requests": "true"}, "wait_for_inflight_requests")])
+async def test_pause_refuses_bad_query_parameters(served, query, param):
+    client, engine, _gate = served
+    response = await client.post("/pause", params=query)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert engine.utility_calls == [] and (await client.get("/is_paused")).json()["is_paused"] is False
+
+
+async def test_reset_prefix_cache(served):
+    client, engine, _gate = served
+    response = await client.post("/reset_prefix_cache")
+    assert response.status_code == 200 and response.json() == {"reset": True, "ranks": [0]}
+    engine.reset_refused = True
+    response = await client.post("/reset_prefix_cache")
+    assert response.status_code == 409
+    assert "in use" in response.json()["error"]["message"] and response.json()["error"]["code"] == 409
+
+
+async def test_engine_trouble_is_a_5xx_not_a_client_error():
+    engine = FakeEngineClient()
+
+    async def no_rank(method):
+        raise EngineNotReadyError("No engine core is ready.")
+
+    engine.call_utility = no_rank
+    client = http_client(make_app(engine)[0])
+    response = await client.post("/reset_prefix_cache")
+    assert response.status_code == 503 and response.headers["retry-after"]
+
+
+async def test_models_by_id_and_several_served_names():
+    app, _ = make_app(served_model_name=["first", "second"])
+    client = http_client(app)
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [card["id"] for card in listed] == ["first", "second"]
+    assert (await client.get("/v1/models/second")).json()["id"] == "second"
+    missing = await client.get("/v1/models/" + MODEL_NAME)
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": f"The model `{MODEL_NAME}` does not exist.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}
+    for name in ("first", "second"):
+        response = await client.post("/v1/completions", json={"prompt": "x", "model": name, "max_tokens": 1})
+        assert response.status_code == 200 and response.json()["model"] == "first"
+
+
+async def test_management_posts_need_the_key_and_reads_do_not():
+    app, engine = make_app(api_key=KEY)
+    client = http_client(app)
+    for path in ("/pause", "/resume", "/reset_prefix_cache"):
+        assert (await client.post(path)).status_code == 401, path
+    assert engine.utility_calls == []
+    assert (await client.get("/load")).status_code == 200
+    assert (await client.get("/is_paused")).status_code == 200
+    authorized = {"Authorization": f"Bearer {KEY}"}
+    assert (await client.post("/reset_prefix_cache", headers=authorized)).status_code == 200
+    assert (await client.get(f"/v1/models/{MODEL_NAME}")).status_code == 401
+    assert (await client.get(f"/v1/models/{MODEL_NAME}", headers=authorized)).status_code == 200
