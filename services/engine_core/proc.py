@@ -283,6 +283,8 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
         return kind, None
     if not body:
         raise ValueError(f"{kind.name} message without a payload")
+    if kind not in decoders:
+        raise ValueError(f"{kind.name} messages are not accepted here")
     return kind, decoders[kind].decode(body)
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, load_keys
+from protocol.engine import UtilityRequest
 from protocol.handshake import (
     EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
@@ -135,7 +136,8 @@ def plain(config):
 # ---- fuzzing the input socket
 
 _ids = itertools.count()
-_DECODERS = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest), EngineCoreRequestType.ABORT: Decoder(list[str])}
+_DECODERS = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest), EngineCoreRequestType.ABORT: Decoder(list[str]),
+             EngineCoreRequestType.UTILITY: Decoder(UtilityRequest)}
 # SHUTDOWN and DRAIN are the API's commands, not malformed input: left out.
 _TYPE_BYTES = st.sampled_from([EngineCoreRequestType.ADD.value, EngineCoreRequestType.ABORT.value,
                                EngineCoreRequestType.UTILITY.value]) | st.binary(max_size=3).filter(
