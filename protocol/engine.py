@@ -28,7 +28,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
     DRAIN = b"\x05"
 
 
-class UtilityMethod(str, enum.Enum):
+class UtilityMethod(enum.StrEnum):
     """Engine-wide operations the API may call on every rank (UTILITY frames)."""
 
     # Forget every cached prefix; refused (False) while any KV block is in use.

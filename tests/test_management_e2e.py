@@ -33,8 +33,8 @@ LONG_PROMPT = ("The history of the city begins with a small settlement on the ri
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(["--served-model-name", *NAMES, "--api-key", KEY, "--dtype", "float32", "--max-model-len", "512",
-                   "--num-threads", "1", "--data-parallel-size", "1"],
+    stack = Stack(["--served-model-name", *NAMES, "--api-key", KEY, "--dtype", "float32",
+                   "--max-model-len", "512", "--num-threads", "1", "--data-parallel-size", "1"],
                   tmp_path_factory.mktemp("logs"))
     try:
         stack.wait_healthy()
@@ -64,13 +64,14 @@ async def http(stack):
 
 
 async def _complete(client, prompt: str = LONG_PROMPT, max_tokens: int = 2, **extra):
-    return await client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                           extra_body=extra or None)
+    return await client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0.0, extra_body=extra or None)
 
 
 async def _engine_steps(http) -> float:
     text = (await http.get("/metrics")).text
-    return float(re.search(r'^vllm:iteration_tokens_total_count\{engine="0".*\} (\S+)$', text, re.MULTILINE).group(1))
+    found = re.search(r'^vllm:iteration_tokens_total_count\{engine="0".*\} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1))
 
 
 async def test_reset_prefix_cache_sends_cached_tokens_to_zero(client, http):
@@ -148,8 +149,11 @@ async def test_metrics_serve_what_the_dashboard_queries(client, http):
     await _complete(client, "Hello", 4)
     text = (await http.get("/metrics")).text
     assert not dashboard_metric_names() - served_sample_names(text)
-    phases = {name: float(re.search(rf'^vllm:request_{name}_time_seconds_sum\{{engine="0".*\}} (\S+)$',
-                                    text, re.MULTILINE).group(1)) for name in ("prefill", "decode", "inference")}
+    phases = {}
+    for name in ("prefill", "decode", "inference"):
+        pattern = rf'^vllm:request_{name}_time_seconds_sum\{{engine="0".*\}} (\S+)$'
+        found = re.search(pattern, text, re.MULTILINE)
+        phases[name] = float(found.group(1))
     assert phases["prefill"] > 0 and phases["decode"] > 0
     # inference = prefill + decode for every request (the engine's clock, same timestamps).
     assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], rel=1e-6)

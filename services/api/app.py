@@ -169,7 +169,8 @@ class _Routes:
 
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
-              api_key: str | Sequence[str] | None = None, served_model_name: str | Sequence[str] | None = None,
+              api_key: str | Sequence[str] | None = None,
+              served_model_name: str | Sequence[str] | None = None,
               limits: ServingLimits | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted). ``served_model_name``:

@@ -41,7 +41,7 @@ from protocol import (
 )
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
-from protocol.engine import SCHEDULER_STATS_DELTAS, UtilityMethod, UtilityRequest, UtilityResult
+from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult
 from protocol.handshake import (
     EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
@@ -50,7 +50,7 @@ from protocol.zmq_sockets import (
     tcp_address, tcp_host,
 )
 from services.api.engine_client import (
-    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_delta,
+    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_deltas,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
 
@@ -225,10 +225,11 @@ class DPLBEngineClient(EngineClient):
         finally:
             for call_id in calls:
                 self._utility_calls.pop(call_id, None)
-        failed = [f"rank {rank}: {r.error}" for rank, r in zip(futures, results) if r.error is not None]
+        answers = dict(zip(futures, results, strict=True))
+        failed = [f"rank {rank}: {r.error}" for rank, r in answers.items() if r.error is not None]
         if failed:
             raise RuntimeError(f"{method.value} failed on " + "; ".join(failed))
-        return {rank: r.ok for rank, r in zip(futures, results)}
+        return {rank: r.ok for rank, r in answers.items()}
 
     def _on_utility_result(self, rank: int, result: UtilityResult) -> None:
         pending = self._utility_calls.get(result.call_id)
@@ -422,8 +423,7 @@ def _update_stats(stats: RankStats, new) -> None:
     stats.num_waiting = new.num_waiting_reqs
     stats.kv_cache_usage = new.kv_cache_usage
     stats.num_free_blocks = new.num_free_blocks
-    for name in SCHEDULER_STATS_DELTAS:
-        add_delta(stats, name, getattr(new, name))
+    add_deltas(stats, new)
     stats.num_dropped_frames = new.num_dropped_frames
     if new.structured_outputs is not None:  # totals, not deltas: keep the latest
         stats.structured_outputs = new.structured_outputs

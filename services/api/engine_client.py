@@ -8,10 +8,10 @@ fake. Torch-free, like the whole API process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from protocol import EngineCoreOutput, EngineCoreRequest
+from protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from protocol.engine import SCHEDULER_STATS_DELTAS, UtilityMethod
 from protocol.structured_outputs import StructuredOutputStats
 
@@ -36,45 +36,34 @@ class RankStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
-    # Running totals, summed over every stats message the rank sent.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
+    # Every stats delta the rank sent (SCHEDULER_STATS_DELTAS), summed: the
+    # running totals behind the counters on /metrics. Its other fields are unused.
+    totals: SchedulerStats = field(default_factory=SchedulerStats)
     num_routed: int = 0  # requests the API sent to this rank, ever
     in_flight: set[str] = field(default_factory=set)  # request ids routed here, not finished
     num_dropped_frames: int = 0  # malformed input frames the engine dropped (its running total)
-    # Speculative decoding running totals (see SchedulerStats).
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # Structured outputs: the rank's totals as it last reported them.
     structured_outputs: StructuredOutputStats | None = None
-    # Disaggregated prefill/decode running totals: prompt tokens a KV
-    # connector offered, and those loaded from it instead of computed.
-    external_prefix_cache_queries: int = 0
-    external_prefix_cache_hits: int = 0
-    # Tokens per engine step: bucket counts (protocol.engine.ITERATION_TOKENS_BUCKETS) and sum.
-    iteration_tokens_counts: list[int] = field(default_factory=list)
-    iteration_tokens_sum: int = 0
 
 
-def add_delta(stats: RankStats, name: str, value: int | list[int]) -> None:
-    """Add one of ``SCHEDULER_STATS_DELTAS`` to a rank's running total (lists element-wise)."""
-    if not isinstance(value, list):
-        setattr(stats, name, getattr(stats, name) + value)
-        return
-    totals = getattr(stats, name)
-    totals.extend([0] * (len(value) - len(totals)))
-    for index, count in enumerate(value):
-        totals[index] += count
-
-
-def add_spec_decode_stats(stats: RankStats, new) -> None:
-    """Add one ``SchedulerStats``' speculative-decoding deltas to a rank's totals."""
+def add_deltas(stats: RankStats, new: SchedulerStats, prefix: str = "") -> None:
+    """Add ``new``'s deltas (those named ``prefix...``) to a rank's totals; lists element-wise."""
     for name in SCHEDULER_STATS_DELTAS:
-        if name.startswith("spec_decode_"):
-            add_delta(stats, name, getattr(new, name))
+        if not name.startswith(prefix):
+            continue
+        value = getattr(new, name)
+        if not isinstance(value, list):
+            setattr(stats.totals, name, getattr(stats.totals, name) + value)
+            continue
+        totals = getattr(stats.totals, name)
+        totals.extend([0] * (len(value) - len(totals)))
+        for index, count in enumerate(value):
+            totals[index] += count
+
+
+def add_spec_decode_stats(stats: RankStats, new: SchedulerStats) -> None:
+    """Add one ``SchedulerStats``' speculative-decoding deltas to a rank's totals."""
+    add_deltas(stats, new, prefix="spec_decode_")
 
 
 class EngineClient(ABC):

@@ -79,7 +79,8 @@ class ManagementRoutes:
         mode = _choice(query["mode"], "mode", {m.value: m for m in PauseMode})
         clear_cache = _choice(query["clear_cache"], "clear_cache", _BOOLS)
         cleared = await _engines(self.client.pause(mode, clear_cache))
-        return JSONResponse({"is_paused": self.client.is_paused, "mode": mode.value, "cache_cleared": cleared})
+        return JSONResponse({"is_paused": self.client.is_paused, "mode": mode.value,
+                             "cache_cleared": cleared})
 
     async def resume(self, request: Request) -> Response:
         _query(request, {})

@@ -95,7 +95,7 @@ def _histogram_of(counts: list[int], total: float, bounds: tuple[float, ...]):
     """(cumulative buckets, sum) for a HistogramMetricFamily from per-bucket counts."""
     counts = counts or [0] * (len(bounds) + 1)
     edges = [*map(floatToGoString, bounds), "+Inf"]
-    return list(zip(edges, itertools.accumulate(counts))), total
+    return list(zip(edges, itertools.accumulate(counts), strict=True)), total
 
 
 def _structured(stats: RankStats) -> StructuredOutputStats:
@@ -113,28 +113,29 @@ RANK_FAMILIES: tuple[tuple[Family, Callable[[RankStats], object]], ...] = (
     (Family("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 0 to 1."),
      lambda s: s.kv_cache_usage),
     (Family("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
-     lambda s: s.prefix_cache_queries),
+     lambda s: s.totals.prefix_cache_queries),
     (Family("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
-     lambda s: s.prefix_cache_hits),
+     lambda s: s.totals.prefix_cache_hits),
     (Family("vllm:num_preemptions", "counter", "Requests preempted by the scheduler."),
-     lambda s: s.num_preemptions),
+     lambda s: s.totals.num_preemptions),
     (Family("vllm:external_prefix_cache_queries", "counter", "Prompt tokens a KV connector offered to load."),
-     lambda s: s.external_prefix_cache_queries),
+     lambda s: s.totals.external_prefix_cache_queries),
     (Family("vllm:external_prefix_cache_hits", "counter",
             "Prompt tokens loaded by a KV connector instead of computed."),
-     lambda s: s.external_prefix_cache_hits),
+     lambda s: s.totals.external_prefix_cache_hits),
     (Family("vllm:spec_decode_num_drafts", "counter", "Request steps that verified draft tokens."),
-     lambda s: s.spec_decode_num_drafts),
+     lambda s: s.totals.spec_decode_num_drafts),
     (Family("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),
-     lambda s: s.spec_decode_num_draft_tokens),
+     lambda s: s.totals.spec_decode_num_draft_tokens),
     (Family("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
-     lambda s: s.spec_decode_num_accepted_tokens),
-    (Family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted, by draft position.",
+     lambda s: s.totals.spec_decode_num_accepted_tokens),
+    (Family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+            "Draft tokens accepted, by draft position.",
             extra_labels=("position",)),
-     lambda s: s.spec_decode_num_accepted_tokens_per_pos),
+     lambda s: s.totals.spec_decode_num_accepted_tokens_per_pos),
     (Family("vllm:iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
             buckets=ITERATION_TOKENS_BUCKETS),
-     lambda s: (s.iteration_tokens_counts, s.iteration_tokens_sum)),
+     lambda s: (s.totals.iteration_tokens_counts, s.totals.iteration_tokens_sum)),
     (Family("weft:structured_output_requests", "counter", "Requests with a structured-output constraint."),
      lambda s: _structured(s).num_requests),
     (Family("weft:structured_output_compile_seconds", "histogram", "Time to compile a request's grammar.",
@@ -326,7 +327,8 @@ class RequestMetrics:
         m.observe("vllm:request_decode_time_seconds", decode, engine)
         m.observe("vllm:request_inference_time_seconds", max(0.0, self._last_token - self._scheduled), engine)
         if self._num_generated > 1:
-            m.observe("vllm:request_time_per_output_token_seconds", decode / (self._num_generated - 1), engine)
+            tpot = decode / (self._num_generated - 1)
+            m.observe("vllm:request_time_per_output_token_seconds", tpot, engine)
 
     def _observe_events(self, output: EngineCoreOutput) -> None:
         for event in output.events or ():

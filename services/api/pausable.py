@@ -25,7 +25,7 @@ from protocol.engine import UtilityMethod
 from services.api.engine_client import EngineClient, RankStats
 
 
-class PauseMode(str, enum.Enum):
+class PauseMode(enum.StrEnum):
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"

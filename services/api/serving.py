@@ -213,8 +213,9 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                 eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt,
                 kv_transfer_params=body.kv_transfer_params)
             state = RequestState.create(engine_request.request_id, child, ctx.tokenizer)
-            choices.append(Choice(index, p, engine_request, state,
-                                  ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)))
+            # The request's own parameters (n, max_tokens) are observed once, by its first choice.
+            metrics = ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)
+            choices.append(Choice(index, p, engine_request, state, metrics))
     return choices
 
 

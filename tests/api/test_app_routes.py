@@ -64,7 +64,7 @@ async def test_tokenize_and_detokenize(served):
 async def test_metrics_exposes_vllm_names(served):
     client, engine = served
     engine.ranks[0].num_running, engine.ranks[0].kv_cache_usage = 3, 0.25
-    engine.ranks[0].prefix_cache_queries, engine.ranks[0].prefix_cache_hits = 100, 40
+    engine.ranks[0].totals.prefix_cache_queries, engine.ranks[0].totals.prefix_cache_hits = 100, 40
     await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
     await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "stop": "STOP"})
     text = (await client.get("/metrics")).text
@@ -77,8 +77,10 @@ async def test_metrics_exposes_vllm_names(served):
                  f"vllm:num_preemptions_total{{{labels}}} 0.0",
                  f"vllm:generation_tokens_total{{{labels}}} 19.0",
                  f"vllm:prompt_tokens_total{{{labels}}} 2.0",
-                 f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL_NAME}"}} 1.0',
-                 f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL_NAME}"}} 1.0',
+                 f'vllm:request_success_total{{engine="0",finished_reason="length",'
+                 f'model_name="{MODEL_NAME}"}} 1.0',
+                 f'vllm:request_success_total{{engine="0",finished_reason="stop",'
+                 f'model_name="{MODEL_NAME}"}} 1.0',
                  f"vllm:request_queue_time_seconds_sum{{{labels}}} 0.5",
                  f"vllm:e2e_request_latency_seconds_count{{{labels}}} 2.0",
                  f"vllm:time_to_first_token_seconds_count{{{labels}}} 2.0",

@@ -114,7 +114,7 @@ async def test_health_and_prefix_stats(client):
     assert client.ready
     stats = client.rank_stats()
     assert all(s.state == "ready" and s.num_blocks == NUM_BLOCKS for s in stats.values())
-    assert sum(s.prefix_cache_queries for s in stats.values()) > 0
+    assert sum(s.totals.prefix_cache_queries for s in stats.values()) > 0
 
 
 async def drain(gen) -> tuple[object, float]:

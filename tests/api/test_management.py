@@ -94,8 +94,9 @@ async def test_pause_reports_a_cache_that_was_not_reset(served):
     assert response.json()["cache_cleared"] is False
 
 
-@pytest.mark.parametrize("query, param", [({"mode": "sleep"}, "mode"), ({"clear_cache": "yes"}, "clear_cache"),
-                                          ({"wait_for_inflight_requests": "true"}, "wait_for_inflight_requests")])
+@pytest.mark.parametrize("query, param", [
+    ({"mode": "sleep"}, "mode"), ({"clear_cache": "yes"}, "clear_cache"),
+    ({"wait_for_inflight_requests": "true"}, "wait_for_inflight_requests")])
 async def test_pause_refuses_bad_query_parameters(served, query, param):
     client, engine, _gate = served
     response = await client.post("/pause", params=query)

@@ -6,8 +6,6 @@ histograms have exact sums.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,7 +15,7 @@ from protocol.engine import (
     SCHEDULER_STATS_DELTAS,
     without_deltas,
 )
-from services.api.engine_client import RankStats
+from services.api.engine_client import RankStats, add_deltas
 from services.api.metrics import (
     RANK_FAMILIES,
     REQUEST_FAMILIES,
@@ -47,7 +45,8 @@ def value(found: dict, name: str, **labels: str) -> float:
 async def scraped():
     app, _ = make_app()
     client = http_client(app)
-    assert (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "n": 2})).status_code == 200
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "n": 2})
+    assert response.status_code == 200
     assert (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})).status_code == 200
     return samples((await client.get("/metrics")).text)
 
@@ -103,7 +102,7 @@ def test_iteration_tokens_histogram_from_the_engines_counts():
     rank = RankStats(rank=0)
     counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     counts[0], counts[3] = 2, 1  # two 1-token steps, one step of 17..32 tokens
-    rank.iteration_tokens_counts, rank.iteration_tokens_sum = counts, 32
+    rank.totals.iteration_tokens_counts, rank.totals.iteration_tokens_sum = counts, 32
     found = samples(APIMetrics(lambda: {0: rank}, MODEL_NAME).exposition().decode())
     assert value(found, "vllm:iteration_tokens_total_bucket", le="1.0") == 2
     assert value(found, "vllm:iteration_tokens_total_bucket", le="16.0") == 2
@@ -116,10 +115,15 @@ def test_each_metric_is_declared_once():
     names = [f.name for f, _ in RANK_FAMILIES] + [f.name for f in REQUEST_FAMILIES] \
         + [f.name for f, _ in RELIABILITY_FAMILIES]
     assert len(names) == len(set(names))
-    # Every engine delta has a running total on the API side, and a heartbeat zeroes it.
-    rank_fields = {f.name for f in dataclasses.fields(RankStats)}
-    assert set(SCHEDULER_STATS_DELTAS) <= rank_fields
-    zeroed = without_deltas(SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1], num_running_reqs=2))
+    # The API sums exactly the engine's deltas into its totals, and a heartbeat zeroes them.
+    rank = RankStats(rank=0)
+    for _ in range(2):
+        add_deltas(rank, SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1, 2],
+                                        num_running_reqs=5))
+    assert (rank.totals.prefix_cache_queries, rank.totals.iteration_tokens_counts) == (6, [2, 4])
+    assert rank.totals.num_running_reqs == 0  # not a delta: never summed
+    zeroed = without_deltas(SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1],
+                                           num_running_reqs=2))
     assert zeroed.num_running_reqs == 2 and not any(getattr(zeroed, n) for n in SCHEDULER_STATS_DELTAS)
 
 
