@@ -17,6 +17,7 @@ import pytest_asyncio
 from protocol import EngineCoreRequest, FinishReason, SamplingParams
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
+from protocol.engine import UtilityMethod
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
 from tests.api.dp_requests import collect, make_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
@@ -115,6 +116,18 @@ async def test_health_and_prefix_stats(client):
     stats = client.rank_stats()
     assert all(s.state == "ready" and s.num_blocks == NUM_BLOCKS for s in stats.values())
     assert sum(s.totals.prefix_cache_queries for s in stats.values()) > 0
+
+
+async def test_utility_calls_answer_per_rank(client):
+    assert await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE) == {0: True, 1: True}
+    request = make_request("holds-blocks", max_tokens=400, prompt_len=40)
+    gen = client.generate(request)
+    await anext(gen)
+    [busy] = [rank for rank, s in client.rank_stats().items() if request.request_id in s.in_flight]
+    # The rank holding blocks refuses, the idle one resets.
+    assert await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE) == {busy: False, 1 - busy: True}
+    await gen.aclose()
+    assert await client.call_utility(UtilityMethod.RESET_PREFIX_CACHE) == {0: True, 1: True}
 
 
 async def drain(gen) -> tuple[object, float]:
