@@ -176,7 +176,8 @@ class EngineCoreProc:
             # The request failed on its own; the engine is fine and keeps serving.
             logger.info("Rejected request %s: %s", request.request_id, e)
             error = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                     finish_reason=FinishReason.ERROR, error=str(e))
+                                     finish_reason=FinishReason.ERROR, error=str(e),
+                                     timestamp=time.monotonic(), engine_index=self.rank)
             self._outputs.put(EngineCoreOutputs(engine_index=self.rank, outputs=[error]))
 
     def _step(self) -> None:
