@@ -2,7 +2,8 @@
 
 - ``GET /load``: ``{"server_load": n}``, the generation requests in flight
   (held while paused included).
-- ``POST /pause?mode=abort|wait|keep&clear_cache=true|false`` and
+- ``POST /pause?mode=abort|wait|keep&clear_cache=true|false`` (or vLLM's
+  earlier ``wait_for_inflight_requests=true|false``) and
   ``POST /resume``: generation stops and starts (``services.api.pausable``);
   ``GET /is_paused``.
 - ``POST /reset_prefix_cache``: every rank forgets its cached prefixes;
@@ -51,6 +52,18 @@ def _choice(value: str, name: str, choices: dict[str, object]) -> object:
     return choices[value]
 
 
+def _pause_mode(mode: str, wait_for_inflight: str) -> PauseMode:
+    """``mode``, or vLLM's earlier ``wait_for_inflight_requests`` (true: wait,
+    false: abort); by default abort, as vLLM."""
+    if mode and wait_for_inflight:
+        raise bad_request("Give `mode` or `wait_for_inflight_requests`, not both.",
+                          "wait_for_inflight_requests")
+    if wait_for_inflight:
+        wait = _choice(wait_for_inflight, "wait_for_inflight_requests", _BOOLS)
+        return PauseMode.WAIT if wait else PauseMode.ABORT
+    return _choice(mode or PauseMode.ABORT.value, "mode", {m.value: m for m in PauseMode})
+
+
 async def _engines(call):
     """Await an engine-wide call; engine trouble is a 5xx, never a client error."""
     try:
@@ -75,8 +88,8 @@ class ManagementRoutes:
         return JSONResponse({"server_load": self.admission.num_requests})
 
     async def pause(self, request: Request) -> Response:
-        query = _query(request, {"mode": PauseMode.ABORT.value, "clear_cache": "true"})
-        mode = _choice(query["mode"], "mode", {m.value: m for m in PauseMode})
+        query = _query(request, {"mode": "", "clear_cache": "true", "wait_for_inflight_requests": ""})
+        mode = _pause_mode(query["mode"], query["wait_for_inflight_requests"])
         clear_cache = _choice(query["clear_cache"], "clear_cache", _BOOLS)
         cleared = await _engines(self.client.pause(mode, clear_cache))
         return JSONResponse({"is_paused": self.client.is_paused, "mode": mode.value,

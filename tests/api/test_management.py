@@ -87,6 +87,14 @@ async def test_pause_abort_aborts_running_requests(served):
     await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_pause_takes_vllms_earlier_wait_flag(served):
+    client, engine, _ = served
+    params = {"wait_for_inflight_requests": "true", "clear_cache": "false"}
+    response = await client.post("/pause", params=params)
+    assert response.json() == {"is_paused": True, "mode": "wait", "cache_cleared": None}
+    assert engine.utility_calls == [UtilityMethod.PAUSE]
+
+
 async def test_pause_reports_a_cache_that_was_not_reset(served):
     client, engine, _gate = served
     engine.reset_refused = True
@@ -96,7 +104,9 @@ async def test_pause_reports_a_cache_that_was_not_reset(served):
 
 @pytest.mark.parametrize("query, param", [
     ({"mode": "sleep"}, "mode"), ({"clear_cache": "yes"}, "clear_cache"),
-    ({"wait_for_inflight_requests": "true"}, "wait_for_inflight_requests")])
+    ({"wait_for_inflight_requests": "maybe"}, "wait_for_inflight_requests"),
+    ({"mode": "wait", "wait_for_inflight_requests": "true"}, "wait_for_inflight_requests"),
+    ({"timeout": "5"}, "timeout"), ({"mode": ["wait", "keep"]}, "mode")])
 async def test_pause_refuses_bad_query_parameters(served, query, param):
     client, engine, _gate = served
     response = await client.post("/pause", params=query)
