@@ -126,14 +126,23 @@ class RequiredCallsParser(ToolParser):
 
     name = "required"
 
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self.opened = False  # the array's "[" was read
+
     def split(self, text: str, final: bool) -> tuple[list[Segment], int]:
-        pos = _skip(text, 0, " \t\n\r")
-        if pos == len(text) and not final:
-            return [], 0
-        if not text.startswith("[", pos):
-            return [text], len(text)  # cut short before it began
+        pos = 0
+        if not self.opened:
+            pos = _skip(text, 0, " \t\n\r")
+            if pos == len(text) and not final:
+                return [], 0
+            if not text.startswith("[", pos):
+                return [text], len(text)  # cut short before it began
+            self.opened, pos = True, pos + 1
+        return self._calls(text, pos, final)
+
+    def _calls(self, text: str, pos: int, final: bool) -> tuple[list[Segment], int]:
         segments: list[Segment] = []
-        pos += 1
         while True:
             pos = _skip(text, pos, " \t\n\r,")
             decoded = decode_json_at(text, pos)
@@ -166,7 +175,8 @@ class ToolOutput:
         self.choice = choice
         self.named_id = new_tool_call_id() if choice.kind == "named" else None
         parser_class = RequiredCallsParser if choice.kind == "required" else parser_class
-        self.parser = parser_class(choice.tool_names) if choice.kind in ("auto", "required") else None
+        self.parser_class = parser_class if choice.kind in ("auto", "required") else None
+        self.parser = self.parser_class(choice.tool_names) if self.parser_class is not None else None
         self.buffer = ""  # streamed text not settled yet
         self.num_calls = 0  # calls shown so far
         self.named_started = False
@@ -182,7 +192,7 @@ class ToolOutput:
             return None, [ToolCall(id=self.named_id, function=FunctionCall(self.choice.name, text))]
         if self.parser is None:
             return text, []
-        segments, _ = self.parser.split(text, final=True)
+        segments, _ = self.parser_class(self.choice.tool_names).split(text, final=True)
         calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(s.name, s.arguments))
                  for s in self._allowed_calls(segments)]
         self.num_calls = len(calls)

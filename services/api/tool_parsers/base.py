@@ -3,7 +3,9 @@
 A parser only splits text. ``split(text, final)`` returns the segments of a
 settled prefix of ``text`` (plain text, or a call it parsed) and where that
 prefix ends; what follows may still turn into a call, so a stream holds it
-back until more text (or the end) settles it. The complete parse and the
+back until more text (or the end) settles it, and the next call's ``text``
+starts there. One instance reads one reply (it may remember what it read,
+such as whether the reply began as calls). The complete parse and the
 streamed one are the same function applied to the same text, so they agree
 by construction. A call that does not parse, names a function the request
 did not offer, or never closes stays plain text: never an error.

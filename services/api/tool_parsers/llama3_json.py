@@ -14,7 +14,13 @@ BOT = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
+    def __init__(self, tool_names: frozenset[str]) -> None:
+        super().__init__(tool_names)
+        self.in_calls = False  # the reply's start was read: it is calls, and what follows goes on with them
+
     def split(self, text: str, final: bool) -> tuple[list[Segment], int]:
+        if self.in_calls:
+            return self._calls(text, 0, final)
         pos = len(text) - len(text.lstrip())
         rest = text[pos:]
         if not final and (not rest or BOT.startswith(rest)):
@@ -23,6 +29,7 @@ class Llama3JsonToolParser(ToolParser):
             pos += len(BOT)
         elif not rest.startswith("{"):
             return [text], len(text)
+        self.in_calls = True
         return self._calls(text, pos, final)
 
     def _calls(self, text: str, pos: int, final: bool) -> tuple[list[Segment], int]:
