@@ -130,7 +130,8 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt)
+            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt,
+                                     **self.chat.template_args(body))
         else:
             tokens = self.ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
         return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,

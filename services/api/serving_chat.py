@@ -26,6 +26,7 @@ from services.api.openai_schemas import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
     encode,
 )
@@ -111,7 +112,7 @@ class ChatServing:
         ctx = self.ctx
         ctx.check_model(body.model)
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
-        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, **self._template_args(body))
+        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, **self.template_args(body))
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_completion_tokens, len(prompt),
@@ -133,7 +134,7 @@ class ChatServing:
         await unless_disconnected(request, serving.collect(runner))
         return Response(encode(view.response(choices)), media_type="application/json")
 
-    def _template_args(self, body: ChatCompletionRequest) -> dict:
+    def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
         if body.continue_final_message and body.add_generation_prompt:
             raise bad_request("Cannot set both continue_final_message and add_generation_prompt to true: "

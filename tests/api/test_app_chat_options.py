@@ -103,3 +103,16 @@ async def test_raise_exception_is_a_400_with_the_templates_message():
     client, engine = scripted("ok", ChatSettings(chat_template=template))
     await assert_400(create(client, messages=PARTIAL[1:]), "messages", "Start with a user turn.")
     assert engine.requests == []
+
+
+async def test_tokenize_renders_with_the_same_options():
+    client, _ = scripted("ok", ChatSettings(chat_template="{{ tools | length if tools else '' }}" + GREETING))
+    http = client._client  # the app's httpx client, for a route the SDK has no method for
+    body = {"messages": PARTIAL, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "chat_template_kwargs": {"greeting": "Hey. "}, "add_generation_prompt": False,
+            "continue_final_message": True}
+    response = await http.post("http://test/tokenize", json=body)
+    assert response.status_code == 200
+    assert tokenizer().decode(response.json()["tokens"]) == "1Hey. Name a colour.My favourite is"
+    response = await http.post("http://test/tokenize", json={**body, "add_generation_prompt": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"

@@ -5,6 +5,7 @@ import json
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from services.api.chat_args import ChatSettings
 from services.api.errors import APIError
@@ -215,3 +216,19 @@ def test_tools_defining_one_name_differently_are_refused():
     with pytest.raises(APIError) as error:
         required_schema(tool_structs([tool("f", "number"), tool("g", "string")]))
     assert error.value.status == 400 and error.value.param == "tools[1].function.parameters"
+
+
+async def test_streamed_calls_add_up_in_the_openai_sdks_own_accumulator():
+    # The SDK's ChatCompletionStreamState is what client.chat.completions.stream() uses:
+    # it must rebuild the same message, per choice, from our deltas.
+    client, _ = scripted(HERMES_REPLY, AUTO)
+    state = ChatCompletionStreamState()
+    async for chunk in await create(client, tools=TOOLS, n=2, stream=True):
+        state.handle_chunk(chunk)
+    completion = state.get_final_completion()
+    assert [c.index for c in completion.choices] == [0, 1]
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        [call] = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert completion.choices[0].message.tool_calls[0].id != completion.choices[1].message.tool_calls[0].id
