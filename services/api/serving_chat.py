@@ -125,8 +125,10 @@ class ChatServing:
         choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         role = _reply_role(body)
+        tool_output = None if tool_choice.kind == "none" else \
+            (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
         view = _ChatView(request_id, int(time.time()), ctx.served_model_name, role, _echo_text(body, role),
-                         lambda: ToolOutput(tool_choice, self.settings.auto_parser))
+                         tool_output)
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
             return SSEResponse(serving.sse_events(runner, view.chunk, head=view.head_chunks(choices),
