@@ -6,7 +6,9 @@ its text. ``required`` and a named function: structured outputs force the
 text to be calls, so they always parse (a JSON array of
 ``{"name", "parameters"}`` objects, or the named function's arguments), as
 vLLM does. ``ToolOutput`` turns one choice's text into content and calls,
-streamed as OpenAI's tool-call deltas or whole.
+streamed as OpenAI's tool-call deltas or whole. Forced calls stream their
+arguments as they are written; ``auto`` shows a call once it is complete,
+so a malformed one is never half-shown.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from services.api.openai_schemas import (
     FunctionCall,
     ToolCall,
 )
+from services.api.required_tool_calls import RequiredCallsParser, RequiredCallsStream
 from services.api.tool_parsers import ParsedCall, Segment, ToolParser
-from services.api.tool_parsers.base import decode_json_at
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -121,49 +123,6 @@ def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
     return schema
 
 
-class RequiredCallsParser(ToolParser):
-    """The text ``required`` forces: ``[{"name": ..., "parameters": {...}}, ...]``."""
-
-    name = "required"
-
-    def __init__(self, tool_names: frozenset[str]) -> None:
-        super().__init__(tool_names)
-        self.opened = False  # the array's "[" was read
-
-    def split(self, text: str, final: bool) -> tuple[list[Segment], int]:
-        pos = 0
-        if not self.opened:
-            pos = _skip(text, 0, " \t\n\r")
-            if pos == len(text) and not final:
-                return [], 0
-            if not text.startswith("[", pos):
-                return [text], len(text)  # cut short before it began
-            self.opened, pos = True, pos + 1
-        return self._calls(text, pos, final)
-
-    def _calls(self, text: str, pos: int, final: bool) -> tuple[list[Segment], int]:
-        segments: list[Segment] = []
-        while True:
-            pos = _skip(text, pos, " \t\n\r,")
-            decoded = decode_json_at(text, pos)
-            call = decoded and self.call_from(decoded[0], ("parameters",))
-            if call is not None:
-                segments.append(call)
-                pos = decoded[1]
-                continue
-            if not final:
-                return segments, pos
-            if text[pos:].strip() not in ("]", ""):
-                segments.append(text[pos:])  # cut short (max_tokens) inside a call
-            return segments, len(text)
-
-
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
-
-
 def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -177,6 +136,8 @@ class ToolOutput:
         parser_class = RequiredCallsParser if choice.kind == "required" else parser_class
         self.parser_class = parser_class if choice.kind in ("auto", "required") else None
         self.parser = self.parser_class(choice.tool_names) if self.parser_class is not None else None
+        self.required_stream = RequiredCallsStream(choice.tool_names, None if choice.parallel else 1) \
+            if choice.kind == "required" else None
         self.buffer = ""  # streamed text not settled yet
         self.num_calls = 0  # calls shown so far
         self.named_started = False
@@ -203,6 +164,8 @@ class ToolOutput:
         """The content and tool-call deltas that ``delta`` (the next streamed text) settles."""
         if self.choice.kind == "named":
             return "", self._named_delta(delta)
+        if self.required_stream is not None:
+            return self._required_deltas(delta, done)
         if self.parser is None:
             return delta, []
         self.buffer += delta
@@ -227,6 +190,18 @@ class ToolOutput:
         return [DeltaToolCall(index=index, id=new_tool_call_id(), type="function",
                               function=DeltaFunctionCall(name=call.name, arguments="")),
                 DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
+
+    def _required_deltas(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
+        content, pieces = self.required_stream.feed(delta, done)
+        deltas = []
+        for index, name, arguments in pieces:
+            if name is not None:
+                self.num_calls += 1
+                deltas.append(DeltaToolCall(index=index, id=new_tool_call_id(), type="function",
+                                            function=DeltaFunctionCall(name=name, arguments="")))
+            elif arguments:
+                deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
+        return content, deltas
 
     def _named_delta(self, delta: str) -> list[DeltaToolCall]:
         if not self.named_started:

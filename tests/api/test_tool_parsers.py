@@ -69,6 +69,12 @@ def whole(parser: str, text: str, parallel: bool = True):
 
 def streamed(output: ToolOutput, pieces: list[str]):
     """Feed ``pieces`` as a stream; the content and calls the deltas add up to."""
+    content, calls = streamed_text(output, pieces)
+    return content, [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+def streamed_text(output: ToolOutput, pieces: list[str]):
+    """``streamed``, with each call's arguments as the text the deltas add up to."""
     content, calls = "", {}
     for i, piece in enumerate(pieces):
         text, deltas = output.feed(piece, done=i == len(pieces) - 1)
@@ -81,7 +87,7 @@ def streamed(output: ToolOutput, pieces: list[str]):
             else:
                 assert d.id is None and d.type is None and d.function.name is None
                 calls[d.index][1] += d.function.arguments
-    return content, [(name, json.loads(arguments)) for name, arguments in calls.values()]
+    return content, [tuple(call) for call in calls.values()]
 
 
 def assert_same_content(streamed_content: str, content: str | None) -> None:
@@ -134,24 +140,58 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 REQUIRED = [
     ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
-     '{"name": "get_time", "parameters": {}}]', None, [("get_weather", WEATHER), ("get_time", {})]),
-    ('[ {"name": "get_time", "parameters": {"tz": "UTC"}} ]', None, [("get_time", {"tz": "UTC"})]),
-    # Cut short by max_tokens: what parses is a call, the rest stays text.
-    ('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci',
-     '{"name": "get_weather", "parameters": {"ci', [("get_time", {})]),
-    ("", "", []),
+     '{"name": "get_time", "parameters": {}}]', [("get_weather", WEATHER), ("get_time", {})]),
+    ('[ {"name": "get_time", "parameters": {"tz": "UTC", "note": "a } and a \\" inside"}} ]',
+     [("get_time", {"tz": "UTC", "note": 'a } and a " inside'})]),
+    # Keys in another order than the schema's: the call shows once it is complete.
+    ('[{"parameters": {"tz": "UTC"}, "name": "get_time"}]', [("get_time", {"tz": "UTC"})]),
 ]
+CUT_SHORT = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
 
 
-@pytest.mark.parametrize("text,content,calls", REQUIRED)
-def test_required_output(text, content, calls):
-    choice = ToolChoice("required", TOOLS)
-    got, got_calls = ToolOutput(choice, None).complete(text)
-    assert (got, [(c.function.name, json.loads(c.function.arguments)) for c in got_calls]) == (content, calls)
+def required_output(parallel: bool = True) -> ToolOutput:
+    return ToolOutput(ToolChoice("required", TOOLS, parallel=parallel), None)
+
+
+@pytest.mark.parametrize("text,calls", REQUIRED)
+def test_required_output(text, calls):
+    content, got = required_output().complete(text)
+    assert (content, [(c.function.name, json.loads(c.function.arguments)) for c in got]) == (None, calls)
     for k in range(len(text) + 1):
-        streamed_content, streamed_calls = streamed(ToolOutput(choice, None), [text[:k], text[k:], ""])
-        assert streamed_calls == calls
-        assert_same_content(streamed_content, content)
+        assert streamed(required_output(), [text[:k], text[k:], ""]) == ("", calls), k
+    assert streamed(required_output(), [*text, ""]) == ("", calls)
+
+
+def test_required_streams_a_calls_arguments_as_they_are_written():
+    text = REQUIRED[0][0]
+    output = required_output()
+    named_at, fragments = None, 0
+    for i, c in enumerate(text):
+        for d in output.feed(c, done=False)[1]:
+            if d.function.name == "get_weather":
+                named_at = i
+            elif d.index == 0 and d.function.arguments:
+                fragments += 1
+    # The name shows as its parameters' object opens, before the arguments are written.
+    assert named_at == text.index("{", text.index('"parameters"'))
+    assert fragments == len(json.dumps(WEATHER))  # one fragment per character fed
+
+
+def test_required_cut_short():
+    content, calls = required_output().complete(CUT_SHORT)
+    assert content == '{"name": "get_weather", "parameters": {"ci'
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", "{}")]
+    # A stream already showed the second call's head: its arguments end cut too.
+    assert streamed_text(required_output(), [CUT_SHORT, ""]) == \
+        ("", [("get_time", "{}"), ("get_weather", '{"ci')])
+    assert streamed_text(required_output(), ['[{"name": "get_ti', ""]) == ('{"name": "get_ti', [])
+    assert streamed_text(required_output(), ["", ""]) == ("", [])
+
+
+def test_required_without_parallel_calls_shows_one():
+    text = REQUIRED[0][0]
+    assert streamed(required_output(parallel=False), [*text, ""]) == ("", [("get_weather", WEATHER)])
+    assert [c.function.name for c in required_output(parallel=False).complete(text)[1]] == ["get_weather"]
 
 
 def test_named_choice_streams_arguments_as_they_come():
