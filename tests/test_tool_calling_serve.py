@@ -79,21 +79,27 @@ def ask(client, stream: bool, messages=ASK, **kwargs):
     """The reply as (content, [(id, name, arguments)], finish_reason), streamed or whole."""
     kwargs = {"model": MODEL.name, "messages": messages, "tools": TOOLS, "max_tokens": 80, "temperature": 0,
               **kwargs}
-    if not stream:
-        [choice] = client.chat.completions.create(**kwargs).choices
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return choice.message.content, calls, choice.finish_reason
-    content, calls, finish = "", {}, None
+    if stream:
+        return streamed(client, **kwargs)[:3]
+    [choice] = client.chat.completions.create(**kwargs).choices
+    calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+def streamed(client, **kwargs):
+    """``ask``'s streamed reply, and how many argument fragments each call came in."""
+    content, calls, fragments, finish = "", {}, {}, None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         [choice] = chunk.choices
         content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
             if d.index not in calls:
                 assert d.id and d.type == "function" and d.function.name  # a call's first delta names it
-                calls[d.index] = [d.id, d.function.name, ""]
+                calls[d.index], fragments[d.index] = [d.id, d.function.name, ""], 0
             calls[d.index][2] += d.function.arguments or ""
+            fragments[d.index] += bool(d.function.arguments)
         finish = choice.finish_reason or finish
-    return content or None, [tuple(c) for c in calls.values()], finish
+    return content or None, [tuple(c) for c in calls.values()], finish, list(fragments.values())
 
 
 def assert_valid_calls(calls) -> None:
@@ -130,6 +136,16 @@ def test_required_calls_follow_their_tools_schemas(client, stream, parallel):
     assert_valid_calls(calls)
     if not parallel:
         assert len(calls) == 1
+
+
+def test_forced_calls_stream_their_arguments_as_they_are_written(client):
+    kwargs = {"model": MODEL.name, "messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        _, calls, finish, fragments = streamed(client, tool_choice=tool_choice, **kwargs)
+        assert finish == "tool_calls" and calls
+        # Every call's arguments came in several pieces (one per token or so), not at the end in one.
+        assert all(n > 2 for n in fragments), fragments
 
 
 def test_auto_reply_is_the_same_streamed_or_whole(client):
