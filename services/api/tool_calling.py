@@ -130,17 +130,16 @@ def new_tool_call_id() -> str:
 class ToolOutput:
     """One choice's text as content and calls: ``feed`` for a stream, ``complete`` for a whole reply."""
 
-    def __init__(self, choice: ToolChoice, parser_class: type[ToolParser] | None) -> None:
+    def __init__(self, choice: ToolChoice, auto_parser: type[ToolParser] | None) -> None:
         self.choice = choice
-        self.named_id = new_tool_call_id() if choice.kind == "named" else None
-        parser_class = RequiredCallsParser if choice.kind == "required" else parser_class
-        self.parser_class = parser_class if choice.kind in ("auto", "required") else None
-        self.parser = self.parser_class(choice.tool_names) if self.parser_class is not None else None
+        self.num_calls = 0  # calls shown so far
+        # How a whole reply is read (None: it is all content, or for "named" all arguments).
+        self.parser_class = {"auto": auto_parser, "required": RequiredCallsParser}.get(choice.kind)
+        self.auto_parser = auto_parser(choice.tool_names) if choice.kind == "auto" else None
         self.required_stream = RequiredCallsStream(choice.tool_names, None if choice.parallel else 1) \
             if choice.kind == "required" else None
-        self.buffer = ""  # streamed text not settled yet
-        self.num_calls = 0  # calls shown so far
-        self.named_started = False
+        self.named_id = new_tool_call_id() if choice.kind == "named" else None
+        self.buffer = ""  # streamed text the auto parser has not settled yet
 
     @property
     def called(self) -> bool:
@@ -151,7 +150,7 @@ class ToolOutput:
         if self.choice.kind == "named":
             self.num_calls = 1
             return None, [ToolCall(id=self.named_id, function=FunctionCall(self.choice.name, text))]
-        if self.parser is None:
+        if self.parser_class is None:
             return text, []
         segments, _ = self.parser_class(self.choice.tool_names).split(text, final=True)
         calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(s.name, s.arguments))
@@ -166,10 +165,10 @@ class ToolOutput:
             return "", self._named_delta(delta)
         if self.required_stream is not None:
             return self._required_deltas(delta, done)
-        if self.parser is None:
+        if self.auto_parser is None:
             return delta, []
         self.buffer += delta
-        segments, settled = self.parser.split(self.buffer, final=done)
+        segments, settled = self.auto_parser.split(self.buffer, final=done)
         self.buffer = self.buffer[settled:]
         content = "".join(s for s in segments if isinstance(s, str))
         deltas = []
@@ -204,8 +203,8 @@ class ToolOutput:
         return content, deltas
 
     def _named_delta(self, delta: str) -> list[DeltaToolCall]:
-        if not self.named_started:
-            self.named_started, self.num_calls = True, 1
+        if not self.num_calls:
+            self.num_calls = 1
             return [DeltaToolCall(index=0, id=self.named_id, type="function",
                                   function=DeltaFunctionCall(name=self.choice.name, arguments=delta))]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
