@@ -120,8 +120,9 @@ class RequiredCallsStream:
             self.pending = ""  # parallel_tool_calls=false: the rest is not shown
             return False
         head = _HEAD.match(self.pending, start)
-        if head is not None:
-            pieces.append((self.num_calls, json.loads(head.group(1)), ""))
+        name = json.loads(head.group(1)) if head is not None else None
+        if name in self.parser.tool_names:
+            pieces.append((self.num_calls, name, ""))
             self.pending, self.arguments = self.pending[head.end():], _ObjectEnd()
             return True
         return self._whole_call(start, pieces)

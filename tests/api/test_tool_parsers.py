@@ -186,6 +186,8 @@ def test_required_cut_short():
         ("", [("get_time", "{}"), ("get_weather", '{"ci')])
     assert streamed_text(required_output(), ['[{"name": "get_ti', ""]) == ('{"name": "get_ti', [])
     assert streamed_text(required_output(), ["", ""]) == ("", [])
+    unknown = '[{"name": "launch", "parameters": {}}]'
+    assert streamed_text(required_output(), [unknown, ""]) == (unknown[1:], [])  # never shown as a call
 
 
 def test_required_without_parallel_calls_shows_one():
