@@ -213,3 +213,16 @@ def test_no_tool_choice_passes_text_through():
     assert output.feed('<tool_call>{"name": "get_time"}</tool_call>', done=True) == \
         ('<tool_call>{"name": "get_time"}</tool_call>', [])
     assert not output.called
+
+
+def test_llama3_json_decodes_a_held_object_again_only_when_it_may_have_ended(monkeypatch):
+    from services.api.tool_parsers import llama3_json
+    attempts, decode = [], llama3_json.decode_json_at
+
+    def counted(text, pos):
+        attempts.append(pos)
+        return decode(text, pos)
+    monkeypatch.setattr(llama3_json, "decode_json_at", counted)
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    assert streamed(auto_output("llama3_json"), [*text, ""]) == ("", [("get_weather", WEATHER)])
+    assert len(attempts) <= text.count("}") + 2  # not once per character

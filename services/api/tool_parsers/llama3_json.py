@@ -17,9 +17,12 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, tool_names: frozenset[str]) -> None:
         super().__init__(tool_names)
         self.in_calls = False  # the reply's start was read: it is calls, and what follows goes on with them
+        self.held = 0  # how much of the next text was held back as an unfinished object
 
     def split(self, text: str, final: bool) -> tuple[list[Segment], int]:
         if self.in_calls:
+            if not final and "}" not in text[self.held:]:
+                return [], 0  # nothing new can end the object: spare decoding it again
             return self._calls(text, 0, final)
         pos = len(text) - len(text.lstrip())
         rest = text[pos:]
@@ -34,6 +37,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def _calls(self, text: str, pos: int, final: bool) -> tuple[list[Segment], int]:
         segments: list[Segment] = []
+        self.held = 0
         while True:
             pos = _skip_separators(text, pos)
             if pos == len(text):
@@ -46,6 +50,7 @@ class Llama3JsonToolParser(ToolParser):
                 continue
             if call is None:
                 if not final:
+                    self.held = len(text) - pos
                     return segments, pos  # an object still being written, perhaps
                 segments.append(text[pos:])
                 return segments, len(text)
