@@ -147,6 +147,7 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
     if body.cache_salt is not None and not body.cache_salt:
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
     ctx.check_num_sequences(1, body.n)
+    ctx.limits.check_stop_lists(body.stop, body.stop_token_ids)
     structured_outputs = structured_outputs_from(body)  # 400 when invalid
     try:
         return SamplingParams(

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages through the chat template, then text."""
 from __future__ import annotations
 
+import logging
 import time
 
 from starlette.requests import Request
@@ -8,6 +9,7 @@ from starlette.responses import Response
 
 from services.api import serving
 from services.api.errors import bad_request
+from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -26,6 +28,9 @@ from services.api.openai_schemas import (
 from services.api.output_processor import Logprob
 from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected
+from services.api.tokenizer import ChatTemplateError
+
+logger = logging.getLogger(__name__)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -46,6 +51,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
+def message_texts(messages: list[ChatMessage]):
+    """Every piece of text the messages hold (to bound their size before any work)."""
+    for m in messages:
+        if isinstance(m.content, str):
+            yield m.content
+        elif isinstance(m.content, list):
+            yield from (part.text for part in m.content if part.text is not None)
+
+
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
                     add_generation_prompt: bool) -> list[int]:
     dicts = message_dicts(messages)
@@ -53,9 +67,13 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
         text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     # The template is code run on the client's messages: whatever it raises
     # (raise_exception, a None where it wants a string...) is a bad request.
+    # Only the template's own message is shown: other errors' text describes
+    # the template's internals, not the client's mistake.
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
     except Exception as e:
-        raise bad_request(f"The chat template could not render these messages: {e}",
-                          "messages") from e
+        logger.info("The chat template failed on a request's messages: %r", e)
+        raise bad_request("The chat template could not render these messages.", "messages") from e
     # The template already wrote the special tokens it wants.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
@@ -68,7 +86,8 @@ class ChatServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
-        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+        ctx.limits.check_text_size(message_texts(body.messages), "messages")  # before any work
+        prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt)
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_completion_tokens, len(prompt),

@@ -42,11 +42,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    # The batch calls, with a batch of one: unlike encode/decode they release
+    # the GIL while they work, so a huge prompt tokenized on a worker thread
+    # (services.api.offload) does not stop the event loop's thread too.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -54,7 +57,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **extra) -> str:
         if self.chat_template is None:
-            raise ValueError("This model's tokenizer has no chat template; use completions instead.")
+            raise ChatTemplateError("This model's tokenizer has no chat template; use completions instead.")
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
@@ -68,5 +71,10 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
 
+class ChatTemplateError(ValueError):
+    """What a chat template says is wrong with the messages (its raise_exception):
+    meant for the client, unlike the template's other failures."""
+
+
 def _raise_template_error(message: str) -> None:
-    raise ValueError(f"Chat template error: {message}")
+    raise ChatTemplateError(f"Chat template error: {message}")
