@@ -148,8 +148,9 @@ class _Routes:
         else:
             self.ctx.limits.check_text_size([body.prompt], "prompt")
             tokens = await run_blocking(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
-                             "tokens": tokens})
+        # msgspec, not json.dumps: a million token ids encode in milliseconds, on the loop.
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
+                                             "tokens": tokens}), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         body = await _read(request, DetokenizeRequest)
