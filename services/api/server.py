@@ -99,7 +99,8 @@ def _add_request_size_args(group) -> None:
     group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
                        help="Most stop_token_ids per request.")
     group.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                       help="Seconds a request body may take to arrive (beyond: 408, connection closed).")
+                       help="Seconds a request's headers, then its body, may take to arrive "
+                            "(beyond: the connection is closed; 408 for a body).")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="Most connections and tasks served at once; more get 503 at once (uvicorn's "
                             "limit_concurrency).")
@@ -139,7 +140,12 @@ def _keys_in_file(path: str) -> list[str]:
 def uvicorn_options(args: argparse.Namespace) -> dict:
     if args.max_connections < 1 or not args.keep_alive_timeout > 0:
         raise ValueError("--max-connections must be at least 1 and --keep-alive-timeout positive.")
-    return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.keep_alive_timeout}
+    from services.api.slow_clients import header_deadline_protocol  # uvicorn: only once serving
+
+    if not args.body_timeout > 0:
+        raise ValueError("--body-timeout must be positive.")
+    return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.keep_alive_timeout,
+            "http": header_deadline_protocol(args.body_timeout)}
 
 
 def main(argv: list[str]) -> int:
