@@ -95,7 +95,8 @@ async def test_a_kept_alive_connection_gets_the_deadline_for_its_next_request():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /version HTTP/1.1\r\nHost: test\r\n\r\n")
         assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).startswith(b"HTTP/1.1 200")
-        sent = await asyncio.wait_for(trickle(writer, b"GET /version HTTP/1.1\r\nHost: t" + b"x" * 10_000), 60)
+        next_head = b"GET /version HTTP/1.1\r\nHost: t" + b"x" * 10_000
+        sent = await asyncio.wait_for(trickle(writer, next_head), 60)
         writer.close()
         assert sent < 5_000
 
