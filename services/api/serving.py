@@ -30,6 +30,7 @@ from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
+from services.api.redact import redact
 from services.api.streaming import DONE, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.tokenizer import Tokenizer
@@ -246,7 +247,7 @@ def shown_logprob(value: float) -> float:
 def raise_if_failed(choice: Choice) -> None:
     """A request the engine finished with an error failed on its own input."""
     if choice.state.finish_reason == "error":
-        raise APIError(choice.state.error or "The request failed in the engine.", 400)
+        raise APIError(redact(choice.state.error or "The request failed in the engine."), 400)
 
 
 @dataclass

@@ -277,3 +277,15 @@ async def test_template_failures_do_not_show_the_templates_internals():
     error = assert_error(response, 400, "messages")
     assert error["message"] == "The chat template could not render these messages."
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_errors_reach_the_client_without_source_paths(stream):
+    app, engine = make_app()
+    engine.fail_with = ("[08:40:20] /project/cpp/grammar_parser.cc:106: EBNF lexer error at line 1, column 12: "
+                        "Expect \" in string literal (cache /home/weft/.cache/xgrammar/x.bin)")
+    async with http_client(app) as client:
+        response = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "stream": stream})
+    text = response.text
+    assert "EBNF lexer error at line 1, column 12" in text
+    assert "/project" not in text and "grammar_parser.cc" not in text and "/home/weft" not in text
