@@ -15,6 +15,10 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+# decode_batch costs twice what decode does on one token, and a short list
+# holds the GIL for microseconds anyway.
+_DECODE_OFF_GIL_FROM = 1024
+
 
 class Tokenizer:
     def __init__(self, hf_dir: str | Path) -> None:
@@ -49,6 +53,8 @@ class Tokenizer:
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) < _DECODE_OFF_GIL_FROM:  # the hot path (one token's logprob text)
+            return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
