@@ -17,6 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 class _HeaderDeadlineH11Protocol(H11Protocol):
     header_timeout_s: float = 30.0
+    _header_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -26,10 +27,21 @@ class _HeaderDeadlineH11Protocol(H11Protocol):
         super().on_response_complete()
         self._arm_header_deadline()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()  # no timer outlives its connection
+        super().connection_lost(exc)
+
     def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
         # A new request replaces self.cycle: if it is still the one seen now, none began.
         waiting_on = self.cycle
-        self.loop.call_later(self.header_timeout_s, self._close_if_still_waiting, waiting_on)
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._close_if_still_waiting,
+                                                     waiting_on)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
 
     def _close_if_still_waiting(self, waiting_on) -> None:
         if self.cycle is waiting_on and not self.transport.is_closing():
