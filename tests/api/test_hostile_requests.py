@@ -282,8 +282,8 @@ async def test_template_failures_do_not_show_the_templates_internals():
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_errors_reach_the_client_without_source_paths(stream):
     app, engine = make_app()
-    engine.fail_with = ("[08:40:20] /project/cpp/grammar_parser.cc:106: EBNF lexer error at line 1, column 12: "
-                        "Expect \" in string literal (cache /home/weft/.cache/xgrammar/x.bin)")
+    engine.fail_with = ("[08:40:20] /project/cpp/grammar_parser.cc:106: EBNF lexer error at line 1, "
+                        "column 12: Expect \" in string literal (cache /home/weft/.cache/xgrammar/x.bin)")
     async with http_client(app) as client:
         response = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "stream": stream})
     text = response.text
