@@ -52,6 +52,8 @@ def check_constraint(params: StructuredOutputsParams) -> None:
         _named("JSON schema", check_json_schema, json.loads(params.json))
     elif kind == "grammar":
         _named("grammar", check_grammar, params.grammar)
+    elif kind == "choice":  # compiled into a grammar: bounded like one
+        _named("choice list", check_size, params.spec, "choice list")
 
 
 def _named(what: str, check, *args) -> None:

@@ -94,6 +94,7 @@ async def test_a_pathological_grammar_is_refused_in_time_that_does_not_grow_with
 @pytest.mark.parametrize("field, value", [
     ("guided_regex", "a" * (MAX_CONSTRAINT_CHARS + 1)),
     ("guided_json", '{"type": "string", "description": "' + "x" * MAX_CONSTRAINT_CHARS + '"}'),
+    ("guided_choice", [f"choice {i}" for i in range(MAX_CONSTRAINT_CHARS // 10)]),
 ])
 async def test_oversize_constraints_are_refused(field, value):
     app, engine = make_app()
