@@ -47,7 +47,7 @@ from services.api.openai_schemas import (
 )
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
-from services.api.serving_chat import ChatServing, chat_prompt_ids, message_texts
+from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
@@ -143,7 +143,7 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            self.ctx.limits.check_text_size(message_texts(body.messages), "messages")
+            check_messages_size(self.ctx, body.messages)
             tokens = await run_blocking(chat_prompt_ids, self.ctx, body.messages, body.add_generation_prompt)
         else:
             self.ctx.limits.check_text_size([body.prompt], "prompt")

@@ -27,6 +27,7 @@ DEFAULT_MAX_STOP = 64
 DEFAULT_MAX_STOP_BYTES = 8192
 DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_MESSAGES = 4096
 # How deep a free-form JSON value (a schema) may nest: deeper ones would
 # cost recursive walks (json.dumps, the schema checks) their stack.
 MAX_JSON_DEPTH = 256
@@ -60,10 +61,12 @@ class ServingLimits:
     """Most stop token ids in one request."""
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     """Longest time a request body may take to arrive (408 beyond)."""
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    """Most chat messages in one request (checked before the chat template runs)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens", "max_prompts",
-                     "max_prompt_chars", "max_stop", "max_stop_bytes", "max_stop_token_ids"):
+                     "max_prompt_chars", "max_stop", "max_stop_bytes", "max_stop_token_ids", "max_messages"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -84,6 +87,11 @@ class ServingLimits:
         if count > self.max_prompts:
             raise bad_request(f"The request has {count} prompts; this server takes at most "
                               f"{self.max_prompts} (--max-prompts).", param)
+
+    def check_message_count(self, count: int) -> None:
+        if count > self.max_messages:
+            raise bad_request(f"The request has {count} messages; this server takes at most "
+                              f"{self.max_messages} (--max-messages).", "messages")
 
     def check_text_size(self, texts: Iterable[str], param: str) -> None:
         """400 once the texts together pass ``max_prompt_chars`` (stops counting there)."""

@@ -20,6 +20,7 @@ from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_PROMPTS,
@@ -92,6 +93,8 @@ def _add_request_size_args(group) -> None:
                        help="Most prompts in one completions request (400 beyond, before tokenizing).")
     group.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
                        help="Most characters of prompt or message text per request (400, before tokenizing).")
+    group.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                       help="Most chat messages per request (400 beyond, before the chat template runs).")
     group.add_argument("--max-stop", type=int, default=DEFAULT_MAX_STOP,
                        help="Most stop strings per request.")
     group.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
@@ -115,7 +118,7 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
                          shutdown_timeout_s=args.shutdown_timeout, max_prompts=args.max_prompts,
                          max_prompt_chars=args.max_prompt_chars, max_stop=args.max_stop,
                          max_stop_bytes=args.max_stop_bytes, max_stop_token_ids=args.max_stop_token_ids,
-                         body_timeout_s=args.body_timeout)
+                         body_timeout_s=args.body_timeout, max_messages=args.max_messages)
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

@@ -51,8 +51,14 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
+def check_messages_size(ctx: ServingContext, messages: list[ChatMessage]) -> None:
+    """400 for more messages, or more text in them, than this server takes (before any work)."""
+    ctx.limits.check_message_count(len(messages))
+    ctx.limits.check_text_size(message_texts(messages), "messages")
+
+
 def message_texts(messages: list[ChatMessage]):
-    """Every piece of text the messages hold (to bound their size before any work)."""
+    """Every piece of text the messages hold."""
     for m in messages:
         if isinstance(m.content, str):
             yield m.content
@@ -74,6 +80,8 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
     except Exception as e:
         logger.info("The chat template failed on a request's messages: %r", e)
         raise bad_request("The chat template could not render these messages.", "messages") from e
+    # Short messages can still render into a long text: bound what gets tokenized.
+    ctx.limits.check_text_size([text], "messages")
     # The template already wrote the special tokens it wants.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
@@ -86,7 +94,7 @@ class ChatServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
-        ctx.limits.check_text_size(message_texts(body.messages), "messages")  # before any work
+        check_messages_size(ctx, body.messages)
         prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt)
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:

@@ -158,6 +158,20 @@ async def test_prompt_text_is_capped_before_tokenizing(path, body, param):
     assert engine.requests == []
 
 
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+async def test_message_count_is_capped_before_the_template_runs(path):
+    app, engine = make_app(limits=ServingLimits(max_messages=3, max_prompt_chars=10_000))
+    async with http_client(app) as client:
+        response = await client.post(path, json={"messages": MESSAGES * 4})
+        assert "at most 3 (--max-messages)" in assert_error(response, 400, "messages")["message"]
+        # Few characters each, but the template adds its own to every message.
+        app_small, _ = make_app(limits=ServingLimits(max_prompt_chars=100))
+        async with http_client(app_small) as small:
+            response = await small.post(path, json={"messages": [{"role": "user", "content": ""}] * 20})
+            assert "--max-prompt-chars" in assert_error(response, 400, "messages")["message"]
+    assert engine.requests == []
+
+
 async def test_prompt_count_is_capped():
     app, engine = make_app(limits=ServingLimits(max_prompts=3, max_n=1))
     async with http_client(app) as client:
