@@ -82,7 +82,6 @@ class ServingLimits:
     def waiting_per_rank(self, max_num_seqs: int) -> int:
         return 2 * max_num_seqs if self.max_waiting_requests is None else self.max_waiting_requests
 
-
     def check_prompt_count(self, count: int, param: str = "prompt") -> None:
         if count > self.max_prompts:
             raise bad_request(f"The request has {count} prompts; this server takes at most "

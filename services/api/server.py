@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat to accept several keys "
+                        help="Require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize; "
+                             "repeat to accept several keys "
                              "(default: $WEFT_API_KEY, comma-separated). A key here shows in `ps`: "
                              "prefer --api-key-file or the environment variable.")
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -141,12 +142,11 @@ def _keys_in_file(path: str) -> list[str]:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict:
-    if args.max_connections < 1 or not args.keep_alive_timeout > 0:
-        raise ValueError("--max-connections must be at least 1 and --keep-alive-timeout positive.")
+    """Connection limits for uvicorn.Config (the body timeout is checked by ServingLimits)."""
     from services.api.slow_clients import header_deadline_protocol  # uvicorn: only once serving
 
-    if not args.body_timeout > 0:
-        raise ValueError("--body-timeout must be positive.")
+    if args.max_connections < 1 or not args.keep_alive_timeout > 0:
+        raise ValueError("--max-connections must be at least 1 and --keep-alive-timeout positive.")
     return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.keep_alive_timeout,
             "http": header_deadline_protocol(args.body_timeout)}
 

@@ -45,8 +45,9 @@ def _check_prompt_size(ctx: ServingContext, prompt: Prompt) -> None:
     if isinstance(prompt, str):
         ctx.limits.check_text_size([prompt], "prompt")
         return
-    if prompt and not isinstance(prompt[0], int):  # a list of token ids is one prompt
-        ctx.limits.check_prompt_count(len(prompt))
+    if not prompt or isinstance(prompt[0], int):
+        return  # token ids (one prompt, no text); a list mixing kinds is refused before any work
+    ctx.limits.check_prompt_count(len(prompt))
     ctx.limits.check_text_size((p for p in prompt if isinstance(p, str)), "prompt")
 
 
