@@ -2,9 +2,9 @@
 
 One ``weft serve`` (one engine core running a tiny random Llama, so valid
 requests cost milliseconds) with small limits: 4 running + 4 waiting
-sequences, ``--max-n 4``, a 64 KiB body cap and two API keys. The fuzz sends
-random and malformed requests to every route: no answer may be a 5xx other
-than 503, every error must be OpenAI-shaped, no process may die, and no KV
+sequences, ``--max-n 4``, a 64 KiB body cap and two API keys (one read
+from a file). The fuzz sends random and malformed requests to every route:
+no answer may be a 5xx other than 503, every error must be OpenAI-shaped, no process may die, and no KV
 block may stay in use. Then 4x more concurrent requests than the engine
 admits: the excess gets 503 at once, the rest complete, nothing leaks.
 Last, the single requests meant to stall or break the API process (deep
@@ -38,12 +38,14 @@ BODY_TIMEOUT_S = 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(f"# the second key comes from a file, out of `ps`\n{KEYS[1]}\n")
     stack = Stack(["--model", str(model), "--served-model-name", MODEL_NAME, "--data-parallel-size", "1",
                    "--num-gpu-blocks-override", "128", "--max-model-len", "160", "--dtype", "float32",
                    "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
                    "--max-waiting-requests", str(MAX_WAITING), "--max-n", "4",
-                   "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0], "--api-key", KEYS[1],
-                   "--body-timeout", str(BODY_TIMEOUT_S)],
+                   "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0],
+                   "--api-key-file", str(key_file), "--body-timeout", str(BODY_TIMEOUT_S)],
                   tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
     try:
         stack.wait_healthy()
