@@ -4,8 +4,8 @@ One ``weft serve`` (one engine core running a tiny random Llama, so valid
 requests cost milliseconds) with small limits: 4 running + 4 waiting
 sequences, ``--max-n 4``, a 64 KiB body cap and two API keys (one read
 from a file). The fuzz sends random and malformed requests to every route:
-no answer may be a 5xx other than 503, every error must be OpenAI-shaped, no process may die, and no KV
-block may stay in use. Then 4x more concurrent requests than the engine
+no answer may be a 5xx other than 503, every error must be OpenAI-shaped,
+no process may die, and no KV block may stay in use. Then 4x more concurrent requests than the engine
 admits: the excess gets 503 at once, the rest complete, nothing leaks.
 Last, the single requests meant to stall or break the API process (deep
 nesting, a pathological grammar, huge stop lists, a trickled body) are
