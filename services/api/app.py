@@ -76,11 +76,26 @@ async def _read(request: Request, type: type) -> object:
 
 
 def _check_free_form_depth(body: object) -> None:
-    """Schemas are free-form JSON that later code walks recursively: bound their depth first."""
-    check_depth(getattr(body, "guided_json", None), "guided_json")
+    """Schemas are free-form JSON (or JSON text) that later code walks
+    recursively: bound their depth first."""
+    _check_schema_depth(getattr(body, "guided_json", None), "guided_json")
+    structured = getattr(body, "structured_outputs", None)
+    if structured is not None:
+        _check_schema_depth(structured.json, "structured_outputs")
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.json_schema is not None:
-        check_depth(response_format.json_schema.schema, "response_format")
+        _check_schema_depth(response_format.json_schema.schema, "response_format")
+
+
+def _check_schema_depth(schema: object, param: str) -> None:
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)  # in C, with its own depth limit
+        except RecursionError:
+            raise bad_request(f"{param} nests too deeply.", param) from None
+        except msgspec.DecodeError:
+            return  # not JSON: the schema's own check names that
+    check_depth(schema, param)
 
 
 def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):

@@ -239,6 +239,20 @@ async def test_deep_nesting_is_a_400_on_every_route(path, head, field):
     assert engine.requests == []
 
 
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+@pytest.mark.parametrize("depth", [300, DEEP])
+async def test_schemas_given_as_json_text_are_bounded_too(field, depth):
+    text = '{"properties": {"a": ' * depth + "{}" + "}}" * depth
+    value = {"json": text} if field == "structured_outputs" else text
+    app, engine = make_app()
+    async with http_client(app) as client:
+        error = assert_error(await client.post(COMPLETIONS, json={"prompt": "Hi", field: value}), 400)
+    assert "deep" in error["message"]
+    # structured_outputs parses its text while the body decodes: too deep, the body is what is refused.
+    assert error["param"] == (None if field == "structured_outputs" and depth == DEEP else field)
+    assert engine.requests == []
+
+
 @pytest.mark.parametrize("path, template, param", [
     (COMPLETIONS, b'{"prompt": "Hi", "guided_json": %s}', "guided_json"),
     (COMPLETIONS, b'{"prompt": "Hi", "structured_outputs": {"json": %s}}', "structured_outputs"),
