@@ -80,11 +80,12 @@ async def test_a_pathological_grammar_is_refused_in_time_that_does_not_grow_with
         response, big = await timed(client, COMPLETIONS, newline_grammar(40_000))
         error = assert_error(response, 400, "guided_grammar")
         assert "no 'start' rule" in error["message"]
-        assert big / small < 20, (big, small)
+        # Quadratic, 40k lines took ~80 s here (20k: 20 s); linear, about as long as 400.
+        assert big / small < 100, (big, small)
         # Past the size cap the check does not even look.
         response, huge = await timed(client, COMPLETIONS, newline_grammar(MAX_CONSTRAINT_CHARS + 1))
         assert "characters long" in assert_error(response, 400, "guided_grammar")["message"]
-        assert huge / small < 20, (huge, small)
+        assert huge / small < 100, (huge, small)
         # A 4 MiB one is over the body cap.
         response, _ = await timed(client, COMPLETIONS, newline_grammar(DEFAULT_MAX_BODY_BYTES))
         assert_error(response, 413)
@@ -135,7 +136,7 @@ async def test_a_million_prompts_are_refused_before_tokenizing_without_stalling_
     start = time.perf_counter()
     msgspec.json.decode(body, type=CompletionRequest)
     decode = time.perf_counter() - start
-    assert max(latencies) / decode < 5, (max(latencies), decode)
+    assert max(latencies) / decode < 10, (max(latencies), decode)
     assert engine.requests == []
 
 
