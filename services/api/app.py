@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from protocol import EngineConfig
 from services.api.admission import Admission, TicketReleaseMiddleware
+from services.api.api_options import APIOptions
 from services.api.auth import APIKeyMiddleware
 from services.api.engine_client import EngineClient
 from services.api.errors import (
@@ -50,6 +51,7 @@ from services.api.serving_chat import ChatServing, chat_prompt_ids
 from services.api.serving_completions import CompletionServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
+from services.api.unknown_fields import decode_request
 
 # What a server answers to a request whose client is gone (nginx's code); nobody reads it.
 _CLIENT_CLOSED = 499
@@ -87,11 +89,11 @@ class _Routes:
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
-        body = await _read(request, CompletionRequest)
+        body = decode_request(await request.body(), CompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.completions.create(request, body)
 
     async def create_chat_completion(self, request: Request) -> Response:
-        body = await _read(request, ChatCompletionRequest)
+        body = decode_request(await request.body(), ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
 
     async def models(self, request: Request) -> Response:
@@ -162,7 +164,7 @@ class _Routes:
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
-              limits: ServingLimits | None = None) -> Starlette:
+              limits: ServingLimits | None = None, options: APIOptions | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted)."""
     name = served_model_name or config.model.served_model_name
@@ -170,7 +172,8 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     metrics = APIMetrics(engine_client.rank_stats, name)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission))
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
+                                    options or APIOptions()))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

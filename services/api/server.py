@@ -17,6 +17,7 @@ import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
+from services.api.api_options import add_api_option_args, api_options
 from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
 from services.cli_args import add_engine_args, engine_args_from
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat to accept several keys "
                              "(default: $WEFT_API_KEY, comma-separated).")
     _add_hardening_args(parser)
+    add_api_option_args(parser)
     parser.add_argument("--data-parallel-size-local", type=int, default=None,
                         help="Engine cores to start on this node (default: all ranks).")
     parser.add_argument("--data-parallel-start-rank", type=int, default=0,
@@ -138,7 +140,8 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
                                   restart_local=args.restart_engines)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
-                        served_model_name=config.model.served_model_name, limits=limits)
+                        served_model_name=config.model.served_model_name, limits=limits,
+                        options=api_options(args))
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
     finally:
         # The app's shutdown already stopped them (restarted ones included);
