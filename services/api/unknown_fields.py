@@ -29,8 +29,12 @@ def decode_request(body: bytes, type: type[T], allow_unknown: bool = False) -> T
     except msgspec.ValidationError as e:
         if not _is_top_level_unknown(e):
             raise from_validation_error(e) from e
-        names = unknown_field_names(body, type)
     except msgspec.DecodeError as e:
+        raise from_validation_error(e) from e
+    try:
+        # msgspec stops at the first unknown key, perhaps before a syntax error further on.
+        names = unknown_field_names(body, type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation_error(e) from e
     if not allow_unknown:
         raise bad_request(f"Unknown field(s) in the request: {', '.join(names)}. "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import httpx
 import openai
@@ -53,6 +53,7 @@ class FakeEngineClient(EngineClient):
         self.requests: list[EngineCoreRequest] = []
         self.aborted: set[str] = set()
         self.closed_early: set[str] = set()  # iterators closed before their last output
+        self.num_aborts = 0  # abort() ids plus early closes: exactly one per aborted request
         self.started = self.shut_down = False
         self.die_after: int | None = None  # raise EngineDeadError after this many outputs
         self.hang_after: int | None = None  # wait forever (until cancelled) after this many
@@ -76,12 +77,13 @@ class FakeEngineClient(EngineClient):
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.update(request_ids)
+        self.num_aborts += len(request_ids)
 
     def token_at(self, request: EngineCoreRequest, step: int) -> int:
         offset = request.sampling_params.seed or 0
         return self.script[(step + offset) % len(self.script)]
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         if not any(s.state == "ready" for s in self.ranks.values()):
             raise EngineNotReadyError("no rank is ready")
         self.requests.append(request)
@@ -99,7 +101,10 @@ class FakeEngineClient(EngineClient):
                     await asyncio.sleep(0)  # let the other requests take turns
         finally:
             if not finished:
+                # As DPLBEngineClient's generator: closing it early is the abort.
                 self.closed_early.add(request.request_id)
+                self.aborted.add(request.request_id)
+                self.num_aborts += 1
 
     async def _maybe_misbehave(self, step: int) -> None:
         if self.die_after is not None and step >= self.die_after:
