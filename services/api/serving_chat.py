@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from services.api import serving
 from services.api.errors import bad_request
+from services.api.field_table import CHAT, refuse_unsupported
 from services.api.openai_schemas import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -68,6 +69,7 @@ class ChatServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        refuse_unsupported(body, CHAT)
         prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
@@ -79,9 +81,10 @@ class ChatServing:
         request_id = serving.new_request_id("chatcmpl")
         choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        view = _ChatView(request_id, int(time.time()), ctx.served_model_name)
+        include_usage, continuous = serving.usage_modes(ctx, body)
+        view = _ChatView(request_id, int(time.time()), ctx.served_model_name, continuous)
         if body.stream:
-            usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
+            usage = (lambda: view.usage_chunk(choices)) if include_usage else None
             return SSEResponse(serving.sse_events(runner, view.chunk, head=view.role_chunks(choices),
                                                   usage_chunk=usage))
         await unless_disconnected(request, serving.collect(runner))
@@ -97,13 +100,18 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
 class _ChatView:
     """Turns choices into OpenAI's chat completion objects."""
 
-    def __init__(self, request_id: str, created: int, model: str) -> None:
+    def __init__(self, request_id: str, created: int, model: str, continuous_usage: bool = False) -> None:
         self.request_id, self.created, self.model = request_id, created, model
+        self._continuous_usage = continuous_usage
 
     def role_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
         # OpenAI's first chunk of each choice names the role, with empty content.
-        return tuple(self._chunk([ChatStreamChoice(c.index, DeltaMessage("assistant", ""))])
+        return tuple(self._chunk([ChatStreamChoice(c.index, DeltaMessage("assistant", ""))], self._usage(c))
                      for c in choices)
+
+    def _usage(self, choice: Choice):
+        """Usage of one choice so far, on every chunk with continuous_usage_stats (vLLM)."""
+        return serving.choice_usage(choice) if self._continuous_usage else None
 
     def chunk(self, choice: Choice) -> ChatCompletionChunk | None:
         text = choice.state.detokenizer.take_delta(choice.done)
@@ -115,9 +123,9 @@ class _ChatView:
         delta = DeltaMessage(content=text) if text or not choice.done else DeltaMessage()
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
-            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
+            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown, self._usage(choice),
                                             kv_transfer_params=choice.state.kv_transfer_params)
-        return self._chunk(shown)
+        return self._chunk(shown, self._usage(choice))
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
         return self._chunk([], usage=serving.usage_of(choices))

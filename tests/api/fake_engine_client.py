@@ -58,7 +58,9 @@ class FakeEngineClient(EngineClient):
         self.die_after: int | None = None  # raise EngineDeadError after this many outputs
         self.hang_after: int | None = None  # wait forever (until cancelled) after this many
         self.fail_with: str | None = None  # finish every request with FinishReason.ERROR
+        self.fail_internally = False  # ... marked as the engine's fault (a 500), not the input's
         self.num_cached_tokens = 0
+        self.cached_tokens_by_index: dict[int, int] = {}  # child index -> its own prefix hit
         self.burst = False  # yield all outputs without letting the loop run in between
         self.hanging = asyncio.Event()  # set when a request starts hanging
 
@@ -116,10 +118,18 @@ class FakeEngineClient(EngineClient):
     def _output(self, request: EngineCoreRequest, step: int, last: bool) -> EngineCoreOutput:
         params = request.sampling_params
         token = self.token_at(request, step)
-        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=self.num_cached_tokens)
+        index = int(request.request_id.rsplit("-", 1)[1])
+        cached = self.cached_tokens_by_index.get(index, self.num_cached_tokens)
+        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=cached)
         if step == 0:
             output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, 100.0),
                              EngineCoreEvent(EngineCoreEventType.SCHEDULED, 100.25)]
+            if params.prompt_logprobs is not None:
+                # Position p's entry: the prompt token first (logprob -p), then the script's.
+                output.new_prompt_logprobs = [None] + [
+                    TokenLogprobs([t, *self.script[: params.prompt_logprobs]],
+                                  [-float(p)] + [-0.25] * params.prompt_logprobs, rank=p)
+                    for p, t in enumerate(request.prompt_token_ids[1:], 1)]
         if params.logprobs is not None:
             # The chosen token is the most likely one; the top-k follow it.
             top = ([token] + [t for t in self.script if t != token])[: params.logprobs]
@@ -127,6 +137,7 @@ class FakeEngineClient(EngineClient):
                                                  rank=1)]
         if self.fail_with is not None:
             output.finish_reason, output.error = FinishReason.ERROR, self.fail_with
+            output.error_is_internal = self.fail_internally
         elif params.stop_token_ids and token in params.stop_token_ids:
             output.finish_reason, output.stop_reason = FinishReason.STOP, token
         elif last:
