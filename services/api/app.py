@@ -89,11 +89,13 @@ class _Routes:
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
-        body = decode_request(await request.body(), CompletionRequest, self.ctx.options.allow_unknown_fields)
+        body = decode_request(await request.body(), CompletionRequest,
+                              self.ctx.options.allow_unknown_fields)
         return await self.completions.create(request, body)
 
     async def create_chat_completion(self, request: Request) -> Response:
-        body = decode_request(await request.body(), ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
+        body = decode_request(await request.body(), ChatCompletionRequest,
+                              self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
 
     async def models(self, request: Request) -> Response:

@@ -60,7 +60,8 @@ _SHARED: dict[str, FieldRule] = {
     "seed": _h(7),
     "stream": _h(False),
     "stream_options": FieldRule(HONOURED, {"include_usage": True, "continuous_usage_stats": True},
-                                "include_usage, continuous_usage_stats (usage on every chunk); 400 without stream",
+                                "include_usage, continuous_usage_stats (usage on every chunk); "
+                                "400 without stream",
                                 needs=(("stream", True),)),
     "presence_penalty": _h(0.5),
     "frequency_penalty": _h(0.5),
@@ -108,7 +109,7 @@ CHAT: dict[str, FieldRule] = {
     "max_tokens": _h(8),
     "max_completion_tokens": _h(8),
     "logprobs": _h(True),
-    "top_logprobs": _h(2),
+    "top_logprobs": FieldRule(HONOURED, 2, "needs logprobs: true", needs=(("logprobs", True),)),
     **_SHARED,
     "add_generation_prompt": _h(True, owner="tools"),
     "tools": _h([_WEATHER_TOOL], owner="tools"),
@@ -139,3 +140,14 @@ def refuse_unsupported(body: Any, table: dict[str, FieldRule]) -> None:
     for name, rule in table.items():
         if rule.status == REFUSED and getattr(body, name, None) is not None:
             raise bad_request(f"{name} is not supported: {rule.note}.", name)
+
+
+def markdown_table() -> str:
+    """The README's table: one row per field, its status on each endpoint, and why."""
+    rows = ["| Field | /v1/completions | /v1/chat/completions | Notes |", "|---|---|---|---|"]
+    for name in sorted(COMPLETIONS.keys() | CHAT.keys()):
+        rules = [table.get(name) for table in (COMPLETIONS, CHAT)]
+        notes = "; ".join(dict.fromkeys(r.note for r in rules if r is not None and r.note))
+        statuses = [r.status if r is not None else "-" for r in rules]
+        rows.append(f"| `{name}` | {statuses[0]} | {statuses[1]} | {notes} |")
+    return "\n".join(rows) + "\n"

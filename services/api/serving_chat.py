@@ -123,7 +123,8 @@ class _ChatView:
         delta = DeltaMessage(content=text) if text or not choice.done else DeltaMessage()
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
-            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown, self._usage(choice),
+            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
+                                            self._usage(choice),
                                             kv_transfer_params=choice.state.kv_transfer_params)
         return self._chunk(shown, self._usage(choice))
 

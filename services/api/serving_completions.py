@@ -165,7 +165,8 @@ class _CompletionView:
                                   serving.usage_of(choices),
                                   kv_transfer_params=serving.kv_transfer_params_of(choices))
 
-    def _choice(self, choice: Choice, text: str, entries: list[dict[int, Logprob] | None]) -> CompletionChoice:
+    def _choice(self, choice: Choice, text: str,
+                entries: list[dict[int, Logprob] | None]) -> CompletionChoice:
         logprobs = None
         if choice.state.logprobs is not None:
             logprobs = self._logprobs(choice, entries)

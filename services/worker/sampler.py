@@ -1,7 +1,8 @@
 """Pick each request's next token from its logits, vectorized over the batch.
 
 Order (all rows, as vLLM): allowed_token_ids, logit_bias, penalties, then
-the bans (min_tokens, bad_words) -> greedy rows take the argmax -> random rows: temperature, top-k, top-p, min-p, then one draw.
+the bans (min_tokens, bad_words) -> greedy rows take the argmax -> random
+rows: temperature, top-k, top-p, min-p, then one draw.
 Logprobs are reported from the raw logits, before any of these.
 
 Random draws use the exponential trick: argmax(p / q) with q ~ Exp(1) per

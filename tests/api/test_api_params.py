@@ -75,14 +75,16 @@ async def test_a_nested_shape_error_is_still_a_400_with_its_path():
 
 async def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(served):
     client, engine = served
-    await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logit_bias={"42": -100, "7": 3.5},
-                                    extra_body={"allowed_token_ids": [42, 7, 9], "bad_words": ["Paris", " big dog"]})
+    await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logit_bias={"42": -100, "7": 3.5},
+        extra_body={"allowed_token_ids": [42, 7, 9], "bad_words": ["Paris", " big dog"]})
     params = engine.requests[0].sampling_params
     assert params.logit_bias == {42: -100.0, 7: 3.5} and params.allowed_token_ids == [42, 7, 9]
     tok = tokenizer()
     expected = []
     for word in ("Paris", "big dog"):
-        alone, spaced = tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)
+        alone = tok.encode(word, add_special_tokens=False)
+        spaced = tok.encode(" " + word, add_special_tokens=False)
         expected += [alone] if alone == spaced else [alone, spaced]
     assert params.bad_words_token_ids == expected
 
@@ -135,7 +137,8 @@ async def test_echo_puts_the_prompt_text_in_front(served):
 
 async def test_echo_with_logprobs_puts_the_prompt_logprobs_in_front(served):
     client, engine = served
-    result = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
+    result = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True,
+                                             logprobs=1)
     prompt_ids = engine.requests[0].prompt_token_ids
     assert engine.requests[0].sampling_params.prompt_logprobs == 1
     lp = result.choices[0].logprobs
@@ -151,7 +154,8 @@ async def test_echo_with_logprobs_puts_the_prompt_logprobs_in_front(served):
 
 async def test_streamed_echo_comes_first(served):
     client, _ = served
-    stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, echo=True, stream=True)
+    stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, echo=True,
+                                             stream=True)
     texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
     assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + script_text(3)
 
@@ -197,7 +201,8 @@ async def test_chat_continuous_usage_includes_the_role_chunk(served):
 async def test_continuous_usage_needs_include_usage(served):
     client, _ = served
     stream = await client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True})
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True,
+        stream_options={"continuous_usage_stats": True})
     chunks = [chunk async for chunk in stream]
     assert chunks and all(chunk.usage is None for chunk in chunks)
 
