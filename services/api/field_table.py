@@ -52,7 +52,7 @@ _WEATHER_TOOL = {"type": "function", "function": {
 
 # Fields both endpoints take, with the same meaning.
 _SHARED: dict[str, FieldRule] = {
-    "model": _h("SmolLM2-135M-Instruct", "must name the served model (404-style 400 otherwise)"),
+    "model": _h("SmolLM2-135M-Instruct", "must name the served model (a 400 otherwise)"),
     "temperature": _h(0.0),
     "top_p": _h(0.9),
     "n": _h(2),
