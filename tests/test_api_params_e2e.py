@@ -98,7 +98,8 @@ def test_allowed_token_ids_and_logit_bias_steer_every_token(client, tokenizer):
     result = complete(client, max_tokens=6, logprobs=0, extra_body={"allowed_token_ids": allowed,
                                                                      "ignore_eos": True})
     assert set(tokenizer.encode(result.choices[0].text, add_special_tokens=False)) <= set(allowed)
-    biased = complete(client, max_tokens=4, logit_bias={str(allowed[1]): 100}, extra_body={"ignore_eos": True})
+    biased = complete(client, max_tokens=4, logit_bias={str(allowed[1]): 100},
+                      extra_body={"ignore_eos": True})
     assert biased.choices[0].text == tokenizer.decode([allowed[1]] * 4)
 
 

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _INT64_MOD = 2**64
 _LOGPROB_FLOOR = -9999.0  # what -inf is shown as: JSON has no infinities
+# The sampler checks every bad word of a request at every step: keep that bounded.
+MAX_BAD_WORDS = 1024
 
 
 @dataclass
@@ -165,7 +167,7 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
             logit_bias=logit_bias_of(ctx, body.logit_bias),
-            allowed_token_ids=check_token_ids(ctx, body.allowed_token_ids, "allowed_token_ids"),
+            allowed_token_ids=_unique(check_token_ids(ctx, body.allowed_token_ids, "allowed_token_ids")),
             bad_words=body.bad_words, bad_words_token_ids=bad_words_token_ids(ctx, body.bad_words))
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
@@ -210,6 +212,9 @@ def bad_words_token_ids(ctx: ServingContext, words: list[str] | None) -> list[li
     start of the text and mid-text, where BPE tokenizers spell it differently)."""
     if words is None:
         return None
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed.",
+                          "bad_words")
     sequences: list[list[int]] = []
     for word in words:
         if not word.strip():
@@ -218,6 +223,11 @@ def bad_words_token_ids(ctx: ServingContext, words: list[str] | None) -> list[li
         spaced = ctx.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         sequences += [alone] if spaced == alone else [alone, spaced]
     return sequences
+
+
+def _unique(ids: list[int] | None) -> list[int] | None:
+    """Token ids without repeats (the sampler looks at each once per step)."""
+    return None if ids is None else sorted(set(ids))
 
 
 def _or(value, default):

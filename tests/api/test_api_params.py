@@ -77,9 +77,9 @@ async def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(serv
     client, engine = served
     await client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logit_bias={"42": -100, "7": 3.5},
-        extra_body={"allowed_token_ids": [42, 7, 9], "bad_words": ["Paris", " big dog"]})
+        extra_body={"allowed_token_ids": [42, 7, 9, 42], "bad_words": ["Paris", " big dog"]})
     params = engine.requests[0].sampling_params
-    assert params.logit_bias == {42: -100.0, 7: 3.5} and params.allowed_token_ids == [42, 7, 9]
+    assert params.logit_bias == {42: -100.0, 7: 3.5} and params.allowed_token_ids == [7, 9, 42]
     tok = tokenizer()
     expected = []
     for word in ("Paris", "big dog"):
@@ -96,6 +96,7 @@ async def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(serv
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"bad_words": ["  "]}, "bad_words"),
+    ({"bad_words": ["w"] * 1025}, "bad_words"),
 ])
 async def test_bad_token_filters_are_a_400_naming_the_field(extra, param):
     app, engine = make_app()

@@ -89,4 +89,5 @@ def test_a_length_finish_keeps_its_last_tokens_text():
 def test_a_stop_string_is_left_out_unless_included():
     ids = tokenizer().encode(" red, green, blue", add_special_tokens=False)
     assert run(SamplingParams(stop=", g", max_tokens=10), ids).text == " red"
-    assert run(SamplingParams(stop=", g", include_stop_str_in_output=True, max_tokens=10), ids).text == " red, g"
+    included = SamplingParams(stop=", g", include_stop_str_in_output=True, max_tokens=10)
+    assert run(included, ids).text == " red, g"
