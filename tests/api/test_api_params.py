@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from services.api.api_options import APIOptions
+from services.api.api_options import APIOptions, api_options
+from services.api.server import build_parser
 from tests.api.fake_engine_client import (
     MODEL_NAME,
     SCRIPT,
@@ -261,3 +262,9 @@ async def test_a_stop_string_aborts_once(served):
     result = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, stop=["quick"])
     assert result.choices[0].text == "Hello world! The "
     assert engine.num_aborts == 1 and engine.aborted == {engine.requests[0].request_id}
+
+
+def test_serve_flags_set_the_api_options():
+    args = build_parser().parse_args(["--allow-unknown-fields", "--enable-force-include-usage"])
+    assert api_options(args) == APIOptions(allow_unknown_fields=True, enable_force_include_usage=True)
+    assert api_options(build_parser().parse_args([])) == APIOptions()
