@@ -31,16 +31,15 @@ from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
-from services.api.streaming import DONE, sse
+from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
+from services.api.token_filters import token_filters
 from services.api.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 _INT64_MOD = 2**64
 _LOGPROB_FLOOR = -9999.0  # what -inf is shown as: JSON has no infinities
-# The sampler checks every bad word of a request at every step: keep that bounded.
-MAX_BAD_WORDS = 1024
 
 
 @dataclass
@@ -166,68 +165,10 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
-            logit_bias=logit_bias_of(ctx, body.logit_bias),
-            allowed_token_ids=_unique(check_token_ids(ctx, body.allowed_token_ids, "allowed_token_ids")),
-            bad_words=body.bad_words, bad_words_token_ids=bad_words_token_ids(ctx, body.bad_words))
+            **token_filters(ctx.tokenizer, ctx.vocab_size, body))
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
-
-
-def check_stream_options(body) -> None:
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
-
-
-def usage_modes(ctx: ServingContext, body) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage on every chunk), as vLLM decides them: the
-    server flag forces the first; continuous usage needs include_usage."""
-    options = body.stream_options
-    include = ctx.options.enable_force_include_usage or (options is not None and options.include_usage)
-    return include, include and options is not None and options.continuous_usage_stats
-
-
-def logit_bias_of(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's string-keyed logit_bias as token id -> bias; 400 on a key that is no token id."""
-    if bias is None:
-        return None
-    try:
-        ids = {int(key): value for key, value in bias.items()}
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
-    check_token_ids(ctx, list(ids), "logit_bias")
-    return ids
-
-
-def check_token_ids(ctx: ServingContext, ids: list[int] | None, param: str) -> list[int] | None:
-    if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
-        bad = next(t for t in ids if not 0 <= t < ctx.vocab_size)
-        raise bad_request(f"{param} holds token id {bad}, outside the vocabulary (size {ctx.vocab_size}).",
-                          param)
-    return ids
-
-
-def bad_words_token_ids(ctx: ServingContext, words: list[str] | None) -> list[list[int]] | None:
-    """Each bad word's tokens, alone and after a space (as vLLM bans it both at the
-    start of the text and mid-text, where BPE tokenizers spell it differently)."""
-    if words is None:
-        return None
-    if len(words) > MAX_BAD_WORDS:
-        raise bad_request(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed.",
-                          "bad_words")
-    sequences: list[list[int]] = []
-    for word in words:
-        if not word.strip():
-            raise bad_request("bad_words must not hold blank words.", "bad_words")
-        alone = ctx.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = ctx.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        sequences += [alone] if spaced == alone else [alone, spaced]
-    return sequences
-
-
-def _unique(ids: list[int] | None) -> list[int] | None:
-    """Token ids without repeats (the sampler looks at each once per step)."""
-    return None if ids is None else sorted(set(ids))
 
 
 def _or(value, default):

@@ -26,7 +26,7 @@ from services.api.openai_schemas import (
 )
 from services.api.output_processor import Logprob
 from services.api.serving import Choice, ServingContext
-from services.api.streaming import SSEResponse, unless_disconnected
+from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -81,7 +81,7 @@ class ChatServing:
         request_id = serving.new_request_id("chatcmpl")
         choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        include_usage, continuous = serving.usage_modes(ctx, body)
+        include_usage, continuous = usage_modes(ctx.options, body)
         view = _ChatView(request_id, int(time.time()), ctx.served_model_name, continuous)
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if include_usage else None

@@ -28,7 +28,7 @@ from services.api.openai_schemas import (
 )
 from services.api.output_processor import Logprob
 from services.api.serving import Choice, ServingContext
-from services.api.streaming import SSEResponse, unless_disconnected
+from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
 
 
 def prompt_token_lists(ctx: ServingContext, prompt: Prompt, add_special_tokens: bool) -> list[list[int]]:
@@ -68,7 +68,7 @@ class CompletionServing:
         request_id = serving.new_request_id("cmpl")
         choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival)
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        include_usage, continuous = serving.usage_modes(ctx, body)
+        include_usage, continuous = usage_modes(ctx.options, body)
         view = _CompletionView(request_id, int(time.time()), ctx.served_model_name,
                                _echo_texts(ctx, body, prompts), body.logprobs, continuous,
                                show_prompt_logprobs=body.prompt_logprobs is not None)
