@@ -87,6 +87,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # On a finished request: what another engine needs to take over its KV.
     kv_transfer_params: KVTransferParams | None = None
+    # With ``error``: the engine failed, not the request's input (a 500, not a 400).
+    error_is_internal: bool = False
 
     @property
     def finished(self) -> bool:

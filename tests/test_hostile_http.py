@@ -45,7 +45,9 @@ def stack(tmp_path_factory):
                    "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
                    "--max-waiting-requests", str(MAX_WAITING), "--max-n", "4",
                    "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0],
-                   "--api-key-file", str(key_file), "--body-timeout", str(BODY_TIMEOUT_S)],
+                   "--api-key-file", str(key_file), "--body-timeout", str(BODY_TIMEOUT_S),
+                   # Bodies carry both endpoints' prompt fields (see tests/api/test_app_fuzz.py).
+                   "--allow-unknown-fields"],
                   tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
     try:
         stack.wait_healthy()

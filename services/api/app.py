@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from protocol import EngineConfig
 from services.api.admission import Admission, TicketReleaseMiddleware
+from services.api.api_options import APIOptions
 from services.api.auth import APIKeyMiddleware
 from services.api.chat_args import ChatSettings
 from services.api.engine_client import EngineClient
@@ -32,7 +33,6 @@ from services.api.errors import (
     APIError,
     api_error_handler,
     bad_request,
-    from_validation_error,
     http_error_handler,
     internal_error_handler,
 )
@@ -44,7 +44,6 @@ from services.api.openai_schemas import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    decode_body,
 )
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
@@ -52,6 +51,7 @@ from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messag
 from services.api.serving_completions import CompletionServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
+from services.api.unknown_fields import decode_request
 
 # What a server answers to a request whose client is gone (nginx's code); nobody reads it.
 _CLIENT_CLOSED = 499
@@ -64,11 +64,10 @@ def _version() -> str:
         return "unknown"
 
 
-async def _read(request: Request, type: type) -> object:
+async def _read(request: Request, type: type, allow_unknown: bool = False) -> object:
+    """The body as ``type`` (unknown fields: see ``decode_request``), every nesting bounded."""
     try:
-        body = decode_body(await request.body(), type)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation_error(e) from e
+        body = decode_request(await request.body(), type, allow_unknown)
     except RecursionError:
         # msgspec stops at its own depth limit, in any field, known or not.
         raise bad_request("The request body nests too deeply.") from None
@@ -117,11 +116,11 @@ class _Routes:
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
-        body = await _read(request, CompletionRequest)
+        body = await _read(request, CompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.completions.create(request, body)
 
     async def create_chat_completion(self, request: Request) -> Response:
-        body = await _read(request, ChatCompletionRequest)
+        body = await _read(request, ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
 
     async def models(self, request: Request) -> Response:
@@ -197,7 +196,7 @@ class _Routes:
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
               limits: ServingLimits | None = None, chat: ChatSettings | None = None,
-              protect_tokenize: bool = True) -> Starlette:
+              protect_tokenize: bool = True, options: APIOptions | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
     ``protect_tokenize`` it guards /tokenize and /detokenize too. ``chat``:
@@ -209,7 +208,8 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     metrics = APIMetrics(engine_client.rank_stats, name)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission), chat)
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
+                                    options or APIOptions()), chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -3,7 +3,9 @@
 Stop strings are the front end's job (the engine only knows token ids):
 when one appears, the text is cut there and the caller aborts the request
 in its engine. While streaming, the last ``max(len(stop)) - 1`` characters
-are held back, since they could still turn into a stop string.
+are held back, since they could still turn into a stop string. As in vLLM,
+stop strings are looked for only once the output has more than
+``min_tokens`` tokens, and only in text that could end at the newest token.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = self._stops.max_len
         self._hold_back = 0 if self._include_stop else max(0, self._max_stop_len - 1)
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out by ``take_delta``
         self.stop_string: str | None = None
@@ -29,13 +33,14 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Append the text of ``token_ids``; True when a stop string ended it."""
         for token_id in token_ids:
+            self._num_tokens += 1
             piece = self._stream.step(self._tokenizer.backend, token_id)
             if not piece:
                 continue
             # A stop string may begin up to len(stop) - 1 characters back.
             start = max(0, len(self.text) - self._max_stop_len + 1)
             self.text += piece
-            if self._stops and self._find_stop(start):
+            if self._stops and self._num_tokens > self._min_tokens and self._find_stop(start):
                 return True
         return False
 

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import subprocess
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence
 
 import msgspec
 import zmq
@@ -162,7 +162,7 @@ class DPLBEngineClient(EngineClient):
     def dropped_frames(self) -> dict[str, int]:
         return dict(self._dropped_frames)
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         request_id = request.request_id
         if request_id in self._holder:
             raise ValueError(f"Request id {request_id!r} is already in flight.")
@@ -185,6 +185,7 @@ class DPLBEngineClient(EngineClient):
                 finished = item.finished
                 yield item
         finally:
+            # The one ABORT of a request closed early (stop string, client gone).
             self._forget(request_id)
             if not finished and self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, [request_id])

@@ -2,7 +2,9 @@
 
 Requests are decoded straight from the HTTP body with ``decode_body``, so a
 wrong type comes back as a 400 naming the field's path (``$.messages[0].role``).
-Unknown fields are ignored: OpenAI clients send extras we do not know.
+The completion and chat requests refuse unknown fields (a 400 naming them,
+see ``services.api.unknown_fields``): a misspelt parameter must not be
+silently dropped. ``services.api.field_table`` says what each field does.
 Every integer carries bounds, since JSON integers are unbounded and an
 out-of-range one must be a 400 here, never an overflow deeper down.
 """
@@ -90,17 +92,29 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     # Disaggregated prefill/decode (vLLM's field): set by the P/D proxy.
     kv_transfer_params: KVTransferParams | None = None
+    # OpenAI's token id (a string in JSON) -> bias; vLLM's token filters.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    # OpenAI's, accepted without effect on a self-hosted server.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     prompt: Prompt
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
+    echo: bool = False
+    suffix: str | None = None  # refused
+    best_of: Count | None = None  # only equal to n
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's
 
 
 class TextPart(msgspec.Struct):
@@ -155,7 +169,7 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
@@ -169,6 +183,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the final message's content leads the reply when it is the reply's role
+    # OpenAI's fields weft refuses whenever set (field_table says why).
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # OpenAI's, accepted without effect (prefix caching is automatic).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -210,12 +239,22 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = []
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's shape of one token's entry in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt position (the first is null), token id -> logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct):

@@ -17,6 +17,7 @@ import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
+from services.api.api_options import add_api_option_args, api_options
 from services.api.chat_args import ChatSettings, add_chat_args, chat_settings_from
 from services.api.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="With an API key, require it on /tokenize and /detokenize too.")
     _add_hardening_args(parser)
     add_chat_args(parser)
+    add_api_option_args(parser)
     parser.add_argument("--data-parallel-size-local", type=int, default=None,
                         help="Engine cores to start on this node (default: all ranks).")
     parser.add_argument("--data-parallel-start-rank", type=int, default=0,
@@ -216,7 +218,7 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   restart_local=args.restart_engines)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
                         served_model_name=config.model.served_model_name, limits=limits, chat=chat,
-                        protect_tokenize=args.api_key_protects_tokenize)
+                        protect_tokenize=args.api_key_protects_tokenize, options=api_options(args))
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
               **server_options)
     finally:

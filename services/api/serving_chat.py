@@ -15,6 +15,7 @@ from services.api import serving
 from services.api.chat_args import ChatSettings
 from services.api.chat_template import RESERVED_KWARGS, ChatTemplateError, ContinueFinalMessageError
 from services.api.errors import bad_request
+from services.api.field_table import CHAT, refuse_unsupported
 from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     ChatChoice,
@@ -34,7 +35,7 @@ from services.api.openai_schemas import (
 )
 from services.api.output_processor import Logprob
 from services.api.serving import Choice, ServingContext
-from services.api.streaming import SSEResponse, unless_disconnected
+from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
 from services.api.structured_outputs import check_constraint
 from services.api.tool_calling import (
     ToolChoice,
@@ -134,6 +135,7 @@ class ChatServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        refuse_unsupported(body, CHAT)
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
         check_messages_size(ctx, body.messages)
         prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt,
@@ -152,10 +154,11 @@ class ChatServing:
         role = _reply_role(body)
         tool_output = None if tool_choice.kind == "none" else \
             (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
+        include_usage, continuous = usage_modes(ctx.options, body)
         view = _ChatView(request_id, int(time.time()), ctx.served_model_name, role, _echo_text(body, role),
-                         tool_output)
+                         tool_output, continuous)
         if body.stream:
-            usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
+            usage = (lambda: view.usage_chunk(choices)) if include_usage else None
             return SSEResponse(serving.sse_events(runner, view.chunk, head=view.head_chunks(choices),
                                                   usage_chunk=usage))
         await unless_disconnected(request, serving.collect(runner))
@@ -215,11 +218,12 @@ class _ChatView:
     """Turns choices into OpenAI's chat completion objects."""
 
     def __init__(self, request_id: str, created: int, model: str, role: str = "assistant", echo: str = "",
-                 tool_output: Callable[[], ToolOutput] | None = None) -> None:
+                 tool_output: Callable[[], ToolOutput] | None = None, continuous_usage: bool = False) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.role, self.echo = role, echo
         self.make_tool_output = tool_output
         self.tool_outputs: dict[int, ToolOutput] = {}
+        self._continuous_usage = continuous_usage
 
     def _tools(self, choice: Choice) -> ToolOutput | None:
         if self.make_tool_output is None:
@@ -231,11 +235,16 @@ class _ChatView:
     def head_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
         # OpenAI's first chunk of each choice names the role, with empty content;
         # an echo follows as the choice's first text.
-        head = [self._chunk([ChatStreamChoice(c.index, DeltaMessage(self.role, ""))]) for c in choices]
+        head = [self._chunk([ChatStreamChoice(c.index, DeltaMessage(self.role, ""))], self._usage(c))
+                for c in choices]
         if self.echo:
-            head += [self._chunk([ChatStreamChoice(c.index, DeltaMessage(content=self.echo))])
+            head += [self._chunk([ChatStreamChoice(c.index, DeltaMessage(content=self.echo))], self._usage(c))
                      for c in choices]
         return tuple(head)
+
+    def _usage(self, choice: Choice):
+        """Usage of one choice so far, on every chunk with continuous_usage_stats (vLLM)."""
+        return serving.choice_usage(choice) if self._continuous_usage else None
 
     def chunk(self, choice: Choice) -> ChatCompletionChunk | None:
         text = choice.state.detokenizer.take_delta(choice.done)
@@ -254,8 +263,9 @@ class _ChatView:
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
             return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
+                                            self._usage(choice),
                                             kv_transfer_params=choice.state.kv_transfer_params)
-        return self._chunk(shown)
+        return self._chunk(shown, self._usage(choice))
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
         return self._chunk([], usage=serving.usage_of(choices))

@@ -39,23 +39,12 @@ class EngineCore:
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Refuse a request the engine cannot serve, before it costs anything."""
-        prompt = request.prompt_token_ids
-        max_model_len = self.config.model.max_model_len
-        if not prompt:
-            raise ValueError("The prompt is empty; it must have at least one token.")
-        if len(prompt) >= max_model_len:
-            raise ValueError(
-                f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
-                f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
-        vocab_size = self.config.model.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        """Refuse a request the engine cannot serve, before it costs anything
+        (the one check in the engine; the scheduler trusts it)."""
+        check_request(request, self.config.model.max_model_len, self.config.model.vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate_request(request)
-        if request.sampling_params.n != 1:
-            raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
         self.scheduler.add_request(Request.from_engine_core_request(request, self.scheduler.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -83,6 +72,22 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
         self.scheduler.structured_output_manager.shutdown()
+
+
+def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
+    """ValueError for a request no engine can serve: an empty prompt, one with
+    no room left for output, token ids outside the vocabulary, or n > 1."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ValueError("The prompt is empty; it must have at least one token.")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
+            f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+    if request.sampling_params.n != 1:
+        raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
 
 
 def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:

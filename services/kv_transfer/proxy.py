@@ -73,7 +73,9 @@ class BackendPool:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's request: one token, whole, one choice, KV handed on."""
-    prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
+    # best_of must equal n, which becomes 1 here.
+    prefill = {key: value for key, value in body.items()
+               if key not in ("stream_options", "min_tokens", "best_of")}
     prefill.update(stream=False, max_tokens=1, n=1,
                    kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     if "max_completion_tokens" in prefill:

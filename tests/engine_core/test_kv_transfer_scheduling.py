@@ -261,3 +261,18 @@ def _report(sent=(), received=None):
     from protocol import ModelRunnerOutput
 
     return ModelRunnerOutput(finished_sending=list(sent), finished_recving=dict(received or {}))
+
+
+def test_requests_back_from_their_loads_keep_arrival_order_ahead_of_later_ones():
+    store: dict = {}
+    prompts = [PROMPT, list(range(800, 860))]
+    params = [produce(store, prompt) for prompt in prompts]
+    kv = KVTransferConfig(kv_connector="ZmqConnector", kv_role="kv_consumer")
+    s = Scheduler(msgspec.structs.replace(make_config(block_size=BS, max_num_seqs=3), kv_transfer=kv), 64)
+    w = TransferWorker(store)
+    for request_id, prompt, p in zip(("d1", "d2"), prompts, params):
+        decode_request(s, request_id, prompt, p.remote_num_tokens)
+    for request_id in ("late-1", "late-2", "late-3", "late-4"):  # the first three fill the seats
+        s.add_request(make_request(s, request_id, 4, max_tokens=50))
+    step(s, w)  # d1 and d2 park off the queue and load (reported in this step); late-4 has no seat
+    assert [r.request_id for r in s.waiting] == ["d1", "d2", "late-4"]

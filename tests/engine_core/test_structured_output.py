@@ -227,3 +227,27 @@ def test_the_compile_timeout_must_be_positive(timeout):
 
     with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be positive"):
         StructuredOutputsConfig(compile_timeout=timeout)
+
+
+def test_a_refused_token_is_the_engines_fault_and_a_bad_grammar_the_clients():
+    scheduler, _, _ = make_scheduler()
+    compiled(add(scheduler, "refused", 4, structured_outputs=regex("7 8")))
+    compiled(add(scheduler, "bad", 4, structured_outputs=regex("not token ids")))
+    outputs = run_to_completion(scheduler, FakeWorker(16))  # ignores masks: samples 1000
+    assert outputs["refused"][-1].error_is_internal
+    assert outputs["bad"][-1].finish_reason == FinishReason.ERROR and not outputs["bad"][-1].error_is_internal
+
+
+def test_a_compiled_request_goes_ahead_of_later_arrivals():
+    scheduler, backend, _ = make_scheduler(max_num_seqs=1)
+    worker = MaskWorker()
+    add(scheduler, "running", 4, max_tokens=50)
+    step(scheduler, worker)
+    backend.release.clear()
+    constrained = add(scheduler, "c", 4, structured_outputs=regex("7 8"))
+    add(scheduler, "late", 4)
+    step(scheduler, worker)
+    backend.release.set()
+    compiled(constrained)
+    step(scheduler, worker)
+    assert [r.request_id for r in scheduler.waiting] == ["c", "late"]

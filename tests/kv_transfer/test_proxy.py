@@ -160,6 +160,7 @@ def test_least_loaded_picks_the_idlest_server():
 
 def test_prefill_body_and_cli():
     assert prefill_body({"messages": [], "max_tokens": 5})["max_tokens"] == 1
+    assert "best_of" not in prefill_body({"prompt": "x", "n": 2, "best_of": 2})  # it must equal n, now 1
     args = build_parser().parse_args(["--prefill", "http://p:1", "--decode", "http://d:1", "http://d:2",
                                       "--port", "9000", "--policy", "least_loaded"])
     assert args.decode == ["http://d:1", "http://d:2"] and args.port == 9000
