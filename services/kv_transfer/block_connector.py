@@ -112,6 +112,9 @@ class BlockConnector(KVConnectorBase):
         self._in_flight.difference_update(finished_sending)
         self._in_flight.difference_update(finished_recving)
 
+    def forget(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+
     def _should_save(self, request: Any) -> bool:
         if not self.kv_config.is_producer or request.status.name not in _SAVED_ENDINGS:
             return False

@@ -261,3 +261,17 @@ def _report(sent=(), received=None):
     from protocol import ModelRunnerOutput
 
     return ModelRunnerOutput(finished_sending=list(sent), finished_recving=dict(received or {}))
+
+
+def test_a_request_aborted_while_loading_gets_its_blocks_back_when_the_load_never_reports():
+    s, w = make("kv_consumer"), TransferWorker({})
+    s.kv_transfer.abandon_timeout_s = 0.0
+    decode_request(s, "d", PROMPT, 48)
+    so = s.schedule()  # parked: the load is now in flight at the worker, which never answers
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert not s.kv_cache_manager.all_blocks_free()
+    s.update_from_output(so, _report())  # a step with no report for "d": its deadline has passed
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.all_blocks_free()
+    assert s.schedule().kv_connector_metadata is None  # nothing left to wait for
+    s.update_from_output(so, _report(received={"d": 48 // BS}))  # a late report changes nothing
+    assert s.kv_cache_manager.all_blocks_free()
