@@ -47,47 +47,21 @@ import zmq
 import zmq.asyncio
 
 from protocol import (
-    EngineConfig,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    FinishReason,
+    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason,
 )
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
 from protocol.handshake import (
-    EngineDraining,
-    EngineGoodbye,
-    EngineHandshakeReply,
-    EngineHello,
-    EngineReady,
-    EngineStatus,
+    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
 from protocol.zmq_sockets import (
-    arecv,
-    asend,
-    bound_address,
-    identity_rank,
-    ipc_address,
-    is_tcp,
-    is_unreachable,
-    make_socket,
-    tcp_address,
+    arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, is_unreachable, make_socket, tcp_address,
     tcp_host,
 )
 from services.api.engine_client import (
-    EngineClient,
-    EngineDeadError,
-    EngineNotReadyError,
-    RankStats,
-    add_spec_decode_stats,
+    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_spec_decode_stats,
 )
-from services.api.engine_processes import (
-    LocalEngines,
-    launch_local_engines,
-    stop_processes,
-)
+from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
 
 __all__ = ["DPLBEngineClient", "launch_local_engines", "stop_processes"]
 

@@ -34,23 +34,12 @@ import msgspec
 import zmq
 
 from protocol import (
-    EngineConfig,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    FinishReason,
-    SchedulerStats,
+    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
+    FinishReason, SchedulerStats,
 )
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, load_keys
-from protocol.handshake import (
-    EngineDraining,
-    EngineGoodbye,
-    EngineHandshakeReply,
-    EngineHello,
-    EngineReady,
-)
+from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.engine_core.drain import Drain
 from services.kv_transfer.config import with_kv_transfer_config
