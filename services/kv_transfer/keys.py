@@ -1,0 +1,33 @@
+"""What a ``weft keys`` folder gives the KV-transfer path.
+
+- CURVE keys: the kv_transfer service is a CurveZMQ server (``server.key_secret``,
+  and it lets in only ``client.key``), each engine's ZmqConnector a client
+  (``client.key_secret``, and it talks only to ``server.key``); the same
+  folder as ``--zmq-curve-keys``.
+- the MAC key of KV blocks, derived from the client secret key, which every
+  engine (producer or consumer) holds and the kv_transfer service does not
+  need: the service stores blocks it cannot forge, and a consumer loads only
+  blocks an engine of this deployment sealed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
+
+_MAC_PERSON = b"weft-kv-mac"
+
+
+def engine_curve_keys(directory: str | os.PathLike) -> CurveKeys:
+    return load_keys(directory, CLIENT)
+
+
+def service_curve_keys(directory: str | os.PathLike) -> CurveKeys:
+    return load_keys(directory, SERVER)
+
+
+def mac_key(directory: str | os.PathLike) -> bytes:
+    """32 bytes for keyed BLAKE2b, the same in every engine given the folder."""
+    secret = load_keys(directory, CLIENT).secret
+    return hashlib.blake2b(secret, digest_size=32, person=_MAC_PERSON).digest()
