@@ -162,15 +162,17 @@ class _Routes:
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
-              limits: ServingLimits | None = None) -> Starlette:
+              limits: ServingLimits | None = None, kv_transfer_secret: str | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
-    ``api_key``: one key or several (any of them is accepted)."""
+    ``api_key``: one key or several (any of them is accepted).
+    ``kv_transfer_secret``: the P/D proxy's, without which clients may not set kv_transfer_params."""
     name = served_model_name or config.model.served_model_name
     limits = limits or ServingLimits()
     metrics = APIMetrics(engine_client.rank_stats, name)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission))
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
+                                    kv_transfer_secret))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

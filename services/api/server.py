@@ -19,6 +19,8 @@ from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
 from services.cli_args import add_engine_args, engine_args_from
+from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
+from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 
 logger = logging.getLogger("weft.serve")
 
@@ -62,6 +64,7 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                        help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
                             "keys `weft keys --dir DIR` made (give engine-core the same folder).")
+    add_kv_transfer_secret_arg(group)
     group.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
                        help="Restart a local engine core that dies (with back-off).")
 
@@ -91,6 +94,7 @@ def main(argv: list[str]) -> int:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
         if any(not key for key in args.api_key or ()):
             raise ValueError("--api-key must not be empty.")
+        args.kv_transfer_secret = load_kv_transfer_secret(args.kv_transfer_secret_file)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
@@ -138,7 +142,8 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
                                   restart_local=args.restart_engines)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
-                        served_model_name=config.model.served_model_name, limits=limits)
+                        served_model_name=config.model.served_model_name, limits=limits,
+                        kv_transfer_secret=args.kv_transfer_secret)
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
     finally:
         # The app's shutdown already stopped them (restarted ones included);

@@ -68,6 +68,7 @@ class ChatServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        serving.check_kv_transfer_caller(ctx, request, body)
         prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:

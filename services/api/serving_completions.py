@@ -48,6 +48,7 @@ class CompletionServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        serving.check_kv_transfer_caller(ctx, request, body)
         prompts = prompt_token_lists(ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
         params = []
