@@ -29,7 +29,11 @@ process has its own identity (``instance_identity``), which the hello
 reveals and every later message must come from. A hello for a live rank, or
 a status message from another identity, is refused and counted
 (``dropped_frames()["rank_claim"]``): a peer cannot take over a rank's
-traffic, nor say goodbye or draining for it. The input ROUTER is
+traffic, nor say goodbye or draining for it. With CURVE the rank is also
+bound to the key its hello came with (``client`` or a per-node key, see
+``protocol.curve``): status messages and outputs for it must come over
+connections authenticated with that key, so one node cannot speak for a
+rank another node serves. The input ROUTER is
 ROUTER_MANDATORY: a request for a rank whose connection is gone fails at
 once with ``EngineDeadError`` instead of vanishing.
 Torch-free: nothing here may import torch.
@@ -55,7 +59,7 @@ from protocol.handshake import (
     EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
 from protocol.zmq_sockets import (
-    arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, is_unreachable, make_socket, tcp_address,
+    asend, bound_address, identity_rank, ipc_address, is_tcp, is_unreachable, make_socket, split, tcp_address,
     tcp_host,
 )
 from services.api.engine_client import (
@@ -96,6 +100,7 @@ class DPLBEngineClient(EngineClient):
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
         self._last_seen: dict[int, float] = {}
         self._identity: dict[int, bytes] = {}  # rank -> the identity that shook hands for it
+        self._key_name: dict[int, str | None] = {}  # rank -> the CURVE key its hello came with
         # Ranks dead because they went quiet (or their connection dropped),
         # and the requests they held: heard again, they rejoin and abort those.
         self._quiet: dict[int, set[str]] = {}
@@ -262,11 +267,17 @@ class DPLBEngineClient(EngineClient):
 
     # ---- background tasks
 
+    async def _recv(self, sock: zmq.asyncio.Socket, decoder: Decoder, num_header: int):
+        """(header, message, the CURVE key name its connection used, None without CURVE)."""
+        frames = await sock.recv_multipart(copy=False)
+        header, body = split(frames, num_header)
+        return header, decoder.decode(body), _key_name(frames[-1])
+
     async def _handshake_loop(self) -> None:
         decoder = Decoder(EngineHello)
         while True:
             try:
-                (identity,), hello = await arecv(self._handshake_sock, decoder, num_header=1)
+                (identity,), hello, key_name = await self._recv(self._handshake_sock, decoder, 1)
             except ValueError as e:
                 self._dropped("handshake", e)
                 continue
@@ -289,6 +300,7 @@ class DPLBEngineClient(EngineClient):
                 self._quiet.pop(rank, None)  # a new process: the old one's requests died with it
             # Bound until the rank dies: its ready and every later message must come from here.
             self._identity[rank] = identity
+            self._key_name[rank] = key_name
             logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 
@@ -303,7 +315,7 @@ class DPLBEngineClient(EngineClient):
         decoder: Decoder[EngineStatus] = Decoder(EngineStatus)
         while True:
             try:
-                (identity,), status = await arecv(self._input_sock, decoder, num_header=1)
+                (identity,), status, key_name = await self._recv(self._input_sock, decoder, 1)
             except ValueError as e:
                 self._dropped("status", e)
                 continue
@@ -311,7 +323,7 @@ class DPLBEngineClient(EngineClient):
             if rank not in self._stats or status.rank != rank:
                 logger.warning("Ignored a status message from unknown rank %d.", status.rank)
                 continue
-            if identity != self._identity.get(rank):
+            if identity != self._identity.get(rank) or key_name != self._key_name.get(rank):
                 self._refuse_claim(rank, f"a {type(status).__name__} for rank {rank} from another connection")
                 continue
             if isinstance(status, EngineReady):
@@ -355,9 +367,12 @@ class DPLBEngineClient(EngineClient):
         decoder = Decoder(EngineCoreOutputs)
         while True:
             try:
-                _, batch = await arecv(self._output_sock, decoder)
+                _, batch, key_name = await self._recv(self._output_sock, decoder, 0)
             except ValueError as e:
                 self._dropped("output", e)
+                continue
+            if key_name != self._key_name.get(batch.engine_index, key_name):
+                self._refuse_claim(batch.engine_index, f"outputs for rank {batch.engine_index} under another key")
                 continue
             stats = self._stats.get(batch.engine_index)
             if stats is not None and batch.engine_index in self._quiet:
@@ -436,6 +451,14 @@ class DPLBEngineClient(EngineClient):
             self._finish_locally(request_id, EngineDeadError(
                 f"Engine core rank {rank} stopped while serving request {request_id}: {reason}."))
         stats.num_running = stats.num_waiting = 0
+
+
+def _key_name(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id of a frame's connection: the CURVE key's name, None without CURVE."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
 
 
 def _update_stats(stats: RankStats, new) -> None:
