@@ -141,7 +141,8 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     public, secret = _load(folder / f"{SERVER}.key_secret", secret=True)
     client_key = folder / f"{CLIENT}.key"
     peer_public = _load(client_key, secret=False)[0] if client_key.is_file() else b""
-    nodes = {_load(p, secret=False)[0]: p.name.removesuffix(".key") for p in sorted(folder.glob(f"{NODE_PREFIX}*.key"))}
+    nodes = {_load(p, secret=False)[0]: p.name.removesuffix(".key")
+             for p in sorted(folder.glob(f"{NODE_PREFIX}*.key"))}
     if not peer_public and not nodes:
         raise ValueError(f"Missing CURVE key file {client_key} (create the folder with `weft keys`).")
     assert secret is not None

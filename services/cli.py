@@ -63,8 +63,8 @@ def _keys(argv: list[str]) -> int:
     parser.add_argument("--dir", required=True, help="Folder to write the keys into (created mode 0700).")
     parser.add_argument("--force", action="store_true", help="Replace keys already in the folder.")
     parser.add_argument("--node", default=None, metavar="NAME",
-                        help="Add a keypair of the engine node NAME to an existing folder: the API binds each "
-                             "rank to the node key that shook hands for it.")
+                        help="Add a keypair of the engine node NAME to an existing folder: the API "
+                             "binds each rank to the node key that shook hands for it.")
     args = parser.parse_args(argv)
     try:
         if args.node is not None:

@@ -28,7 +28,8 @@ def compose_keys_folder(monkeypatch, tmp_path):
     keys = tmp_path / "keys"
     curve.generate_keys(keys)
     real = curve.load_keys
-    monkeypatch.setattr(curve, "load_keys", lambda folder, role: real(keys if str(folder) == "/keys" else folder, role))
+    monkeypatch.setattr(curve, "load_keys",
+                        lambda folder, role: real(keys if str(folder) == "/keys" else folder, role))
 
 
 def parse_command(command: list[str]):

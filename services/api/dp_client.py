@@ -372,7 +372,8 @@ class DPLBEngineClient(EngineClient):
                 self._dropped("output", e)
                 continue
             if key_name != self._key_name.get(batch.engine_index, key_name):
-                self._refuse_claim(batch.engine_index, f"outputs for rank {batch.engine_index} under another key")
+                self._refuse_claim(batch.engine_index,
+                                   f"outputs for rank {batch.engine_index} under another key")
                 continue
             stats = self._stats.get(batch.engine_index)
             if stats is not None and batch.engine_index in self._quiet:

@@ -52,11 +52,13 @@ class PagedKVBlocks:
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(2, ids, src[layer])
 
-    def to_wire(self, keys: list[bytes], gathered: torch.Tensor, mac_key: bytes | None = None) -> list[KVBlock]:
+    def to_wire(self, keys: list[bytes], gathered: torch.Tensor,
+                mac_key: bytes | None = None) -> list[KVBlock]:
         """One sealed ``KVBlock`` per gathered block (views of ``gathered``'s bytes, no copy)."""
         rows = gathered.reshape(len(keys), -1).view(torch.uint8).numpy()  # [n, block_nbytes]
-        return [seal(KVBlock(key=key, dtype=self.dtype_name, shape=self.block_shape, checksum=0, data=row), mac_key)
-                for key, row in zip(keys, rows)]
+        blocks = [KVBlock(key=key, dtype=self.dtype_name, shape=self.block_shape, checksum=0, data=row)
+                  for key, row in zip(keys, rows)]
+        return [seal(block, mac_key) for block in blocks]
 
     def from_wire(self, blocks: list[KVBlock]) -> torch.Tensor:
         """Blocks already checked with ``is_intact`` -> [n, L, 2, KVH, bs, D] (one copy)."""

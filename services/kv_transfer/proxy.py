@@ -133,7 +133,8 @@ class PDProxy:
             return _error("The body must be a JSON object.", 400)
         headers = self._headers(request)
         try:
-            params = await _unless_client_leaves(request, self._run_prefill(path, prefill_body(body), headers))
+            prefill = self._run_prefill(path, prefill_body(body), headers)
+            params = await _unless_client_leaves(request, prefill)
             if isinstance(params, Response):
                 return params  # the client's own error
             decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
@@ -192,7 +193,8 @@ class PDProxy:
     async def _run_decode(self, client_request: Request, path: str, body: dict, headers: dict,
                           stream: bool) -> Response:
         url = self.decode.acquire()
-        request = self.client.build_request("POST", url + path, json=body, headers=headers, timeout=self.timeout)
+        request = self.client.build_request("POST", url + path, json=body, headers=headers,
+                                            timeout=self.timeout)
         try:
             # A whole response is read inside send(): a client that leaves meanwhile closes it.
             upstream = await _unless_client_leaves(client_request, self.client.send(request, stream=stream))

@@ -124,7 +124,8 @@ class KVTransferService:
         self._ctx = zmq.Context()
         # Before the socket binds: no peer is let in unchecked.
         self.auth = ZapAuthenticator(self._ctx, curve) if curve is not None else None
-        self._sock = make_socket(self._ctx, zmq.ROUTER, address, bind=True, curve=curve, max_msg_size=max_msg_size)
+        self._sock = make_socket(self._ctx, zmq.ROUTER, address, bind=True, curve=curve,
+                                 max_msg_size=max_msg_size)
         self.address = bound_address(self._sock)
         self._encoder = Encoder()
         self._decoder = Decoder(KVServiceRequest)

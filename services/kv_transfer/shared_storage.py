@@ -139,7 +139,8 @@ def read_block_file(path: Path) -> bytes:
             raise ValueError(f"{path.name}: header of {header_len} bytes")
         data_end = _data_end(f.read(header_len))
         if info.st_size != 8 + header_len + data_end:
-            raise ValueError(f"{path.name}: {info.st_size} bytes, its header describes {8 + header_len + data_end}")
+            raise ValueError(f"{path.name}: {info.st_size} bytes, its header describes "
+                             f"{8 + header_len + data_end}")
         f.seek(0)
         return f.read(info.st_size)
 
@@ -148,8 +149,8 @@ def _data_end(header: bytes) -> int:
     """Where the last tensor's bytes end, per a safetensors header."""
     try:
         entries = json.loads(header)
-        return max((int(entry["data_offsets"][1]) for name, entry in entries.items() if name != "__metadata__"),
-                   default=0)
+        ends = (int(entry["data_offsets"][1]) for name, entry in entries.items() if name != "__metadata__")
+        return max(ends, default=0)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
         raise ValueError(f"not a safetensors header: {e}") from None
 

@@ -44,7 +44,8 @@ def load_secret(path: str | os.PathLike | None) -> str | None:
                          f"`chmod 600 {file}`.")
     secret = file.read_bytes()[:_MAX_SECRET_BYTES + 1].decode().strip()
     if not secret or len(secret) > _MAX_SECRET_BYTES:
-        raise ValueError(f"--kv-transfer-secret-file {file} must hold a secret of 1 to {_MAX_SECRET_BYTES} bytes.")
+        raise ValueError(f"--kv-transfer-secret-file {file} must hold a secret of 1 to "
+                         f"{_MAX_SECRET_BYTES} bytes.")
     return secret
 
 

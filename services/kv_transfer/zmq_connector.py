@@ -113,4 +113,5 @@ class ZmqConnector(BlockConnector):
         options = self.options
         assert isinstance(options, ZmqOptions)
         curve = None if options.keys_dir is None else engine_curve_keys(options.keys_dir)
-        return ZmqBlockStore(tcp_address(self.kv_config.kv_ip, self.kv_config.kv_port), options.timeout_s, curve)
+        address = tcp_address(self.kv_config.kv_ip, self.kv_config.kv_port)
+        return ZmqBlockStore(address, options.timeout_s, curve)

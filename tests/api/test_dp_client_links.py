@@ -64,7 +64,8 @@ class StandInEngine:
     """Shakes hands like an engine core, answers each request with its
     ``max_tokens`` tokens, and sends heartbeats while ``beating`` is set."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, handshake_address: str, curve: CurveKeys | None = None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, handshake_address: str,
+                 curve: CurveKeys | None = None) -> None:
         self.ctx = ctx
         self.handshake_address = handshake_address
         self.curve = curve
@@ -81,8 +82,8 @@ class StandInEngine:
         await asend(hs, self.encoder, EngineHello(rank=RANK, local=False, headless=True))
         _, reply = await asyncio.wait_for(arecv(hs, Decoder(EngineHandshakeReply)), WAIT_S)
         hs.close()
-        self.input = make_socket(self.ctx, zmq.DEALER, reply.input_address, bind=False, identity=self.identity,
-                                 curve=self.curve)
+        self.input = make_socket(self.ctx, zmq.DEALER, reply.input_address, bind=False,
+                                 identity=self.identity, curve=self.curve)
         self.output = make_socket(self.ctx, zmq.PUSH, reply.output_address, bind=False, curve=self.curve)
         await asend(self.input, self.encoder, EngineReady(rank=RANK, num_blocks=64, max_model_len=512))
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._beat())]
@@ -161,7 +162,8 @@ async def test_a_second_connection_claiming_a_live_rank_is_refused_and_the_rank_
             claimants += [hello, status]
         # Six claims where the identity reached the API; the real identity's second connection
         # is refused by ZMQ itself and never heard.
-        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 5, WAIT_S, "the claims to be refused")
+        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 5, WAIT_S,
+                         "the claims to be refused")
         assert client.rank_stats()[RANK].state == "ready"
         tokens, last = await collect(client, make_request("after-claims", max_tokens=3))
         assert tokens == [7, 7, 7] and last.finished
@@ -209,7 +211,8 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
         injector = make_socket(ctx, zmq.PUSH, client.output_address, bind=False, curve=other_node)
         forged = EngineCoreOutput(request_id="held", new_token_ids=[666], finish_reason=FinishReason.STOP)
         await asend(injector, encoder, EngineCoreOutputs(engine_index=RANK, outputs=[forged]))
-        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 2, WAIT_S, "node b's claims refused")
+        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 2, WAIT_S,
+                         "node b's claims to be refused")
         assert not waiting.done() and client.rank_stats()[RANK].state == "ready"
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):

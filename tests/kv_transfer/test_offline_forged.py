@@ -19,7 +19,8 @@ from services.kv_transfer.shared_storage import FileBlockStore
 from services.model_files import resolve
 from tests.text_corpus import prompt_of_length
 
-ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 64, "max_num_batched_tokens": 256}
+ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 64,
+          "max_num_batched_tokens": 256}
 BS = 16
 
 
@@ -31,7 +32,8 @@ def shared_storage(role: str, path, keys) -> dict:
 def forge(store: FileBlockStore, key: bytes) -> None:
     """Replace ``key``'s block by random KV sealed with a key of the attacker's own."""
     (genuine,) = store.get([key], 0.0).values()
-    data = np.random.default_rng(1).standard_normal(genuine.data.nbytes // 4).astype(np.float32).view(np.uint8)
+    noise = np.random.default_rng(1).standard_normal(genuine.data.nbytes // 4).astype(np.float32)
+    data = noise.view(np.uint8)
     mac = block_mac(os.urandom(32), key, genuine.dtype, genuine.shape, data)
     store.put([KVBlock(key, genuine.dtype, list(genuine.shape), 0, data, mac)])
 

@@ -139,7 +139,8 @@ async def test_prefill_servers_take_turns(client, servers):
 
 async def test_health_and_models(client, servers):
     health = await client.get("/health")
-    assert health.status_code == 200 and set(health.json()["servers"]) == {"prefill-0", "prefill-1", "decode-0"}
+    assert health.status_code == 200
+    assert set(health.json()["servers"]) == {"prefill-0", "prefill-1", "decode-0"}
     assert "http://" not in health.text  # the servers' addresses stay private
     servers.dead = {"prefill-1"}
     assert (await client.get("/health")).status_code == 503

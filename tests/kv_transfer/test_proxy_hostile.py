@@ -49,12 +49,13 @@ class Servers:
 
 def make_proxy(servers: Servers, **kwargs) -> PDProxy:
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(app=servers.app))
-    return PDProxy(BackendPool(["http://prefill-0"], "round_robin"), BackendPool(["http://decode-0"], "round_robin"),
-                   upstream, **kwargs)
+    return PDProxy(BackendPool(["http://prefill-0"], "round_robin"),
+                   BackendPool(["http://decode-0"], "round_robin"), upstream, **kwargs)
 
 
 async def post(proxy: PDProxy, body: bytes, headers: dict | None = None) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(proxy)), base_url="http://proxy") as c:
+    transport = httpx.ASGITransport(app=build_app(proxy))
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
         return await c.post("/v1/completions", content=body, headers=headers or {})
 
 
@@ -70,7 +71,8 @@ async def test_an_oversize_body_is_refused_before_any_leg():
 async def test_the_proxy_alone_vouches_for_kv_transfer_params():
     servers = Servers()
     smuggled = {trust.HEADER: "guessed", "content-type": "application/json"}
-    await post(make_proxy(servers), b'{"prompt": "x"}', smuggled)  # no secret: the client's header is not passed on
+    # No secret: the client's own header is not passed on.
+    await post(make_proxy(servers), b'{"prompt": "x"}', smuggled)
     assert all(trust.HEADER not in h for h in servers.headers)
     servers.headers.clear()
     await post(make_proxy(servers, secret="s3cret"), b'{"prompt": "x"}', smuggled)
@@ -116,7 +118,8 @@ async def test_a_client_that_leaves_closes_the_legs(role):
     assert proxy.num_client_disconnects == 1
     if role == "prefill":
         assert len(servers.headers) == 1  # no decode was started for a client that is gone
-    assert proxy.decode.in_flight == {"http://decode-0": 0} and proxy.prefill.in_flight == {"http://prefill-0": 0}
+    assert proxy.decode.in_flight == {"http://decode-0": 0}
+    assert proxy.prefill.in_flight == {"http://prefill-0": 0}
 
 
 async def test_a_server_that_never_answers_times_out_and_its_url_stays_private():

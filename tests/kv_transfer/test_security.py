@@ -98,7 +98,8 @@ def test_a_keyless_peer_can_neither_read_nor_write_the_service(keys, curve_servi
             raw.close(linger=0)
         assert curve_service.service.auth.num_denied >= 1
         found = engine.get([b"secret-kv", b"planted"], wait_s=0.0)
-        assert set(found) == {b"secret-kv"} and found[b"secret-kv"].data[0] == 3  # nothing replaced or planted
+        # Nothing replaced or planted.
+        assert set(found) == {b"secret-kv"} and found[b"secret-kv"].data[0] == 3
         assert engine.stats().num_stored == 1
     finally:
         engine.close()
@@ -175,7 +176,8 @@ def test_two_checkpoints_with_one_name_never_share_a_namespace(tmp_path):
     assert block_namespace(_config_for(a / "llama.gguf")) != block_namespace(_config_for(b / "llama.gguf"))
     # One checkpoint under another name and folder: the same blocks.
     shutil.copy(a / "llama.gguf", tmp_path / "renamed.gguf")
-    assert block_namespace(_config_for(a / "llama.gguf")) == block_namespace(_config_for(tmp_path / "renamed.gguf"))
+    renamed = block_namespace(_config_for(tmp_path / "renamed.gguf"))
+    assert block_namespace(_config_for(a / "llama.gguf")) == renamed
     # A folder checkpoint: its config counts too.
     for folder, layers in ((a, 2), (b, 3)):
         (folder / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
