@@ -42,7 +42,7 @@ from protocol.curve import CLIENT, CurveKeys, load_keys
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.engine_core.drain import Drain
-from services.kv_transfer.config import with_kv_transfer_config
+from services.kv_transfer.config import with_default_keys_dir, with_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, h
         if reply is None:
             return 0
         config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
-        config = with_kv_transfer_config(config, kv_transfer_config)
+        config = with_default_keys_dir(with_kv_transfer_config(config, kv_transfer_config), curve_keys)
         reply = msgspec.structs.replace(reply, config=config)
         import torch  # the engine process is where torch lives
 

@@ -84,6 +84,17 @@ def check_engine_supports(config: KVTransferConfig | None, *, tensor_parallel_si
                          f"(got {tensor_parallel_size}).")
 
 
+def with_default_keys_dir(config: EngineConfig, curve_keys: str | None) -> EngineConfig:
+    """``config`` whose KV transfer uses the ``--zmq-curve-keys`` folder (CurveZMQ to the service,
+    a MAC on every block) unless its ``kv_connector_extra_config`` names a ``keys_dir`` of its own."""
+    kv = config.kv_transfer
+    if kv is None or curve_keys is None or "keys_dir" in kv.kv_connector_extra_config:
+        return config
+    extra = {**kv.kv_connector_extra_config, "keys_dir": str(curve_keys)}
+    kv = msgspec.structs.replace(kv, kv_connector_extra_config=extra)
+    return msgspec.structs.replace(config, kv_transfer=kv)
+
+
 def with_kv_transfer_config(config: EngineConfig, value: dict[str, Any] | str | None) -> EngineConfig:
     """``config`` with its KV transfer replaced by ``value`` (``engine-core
     --kv-transfer-config``: an engine's role may differ from the API's)."""
