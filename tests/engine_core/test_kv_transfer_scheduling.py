@@ -264,7 +264,7 @@ def _report(sent=(), received=None):
 
 
 def test_a_request_aborted_while_loading_gets_its_blocks_back_when_the_load_never_reports():
-    s, w = make("kv_consumer"), TransferWorker({})
+    s = make("kv_consumer")
     s.kv_transfer.abandon_timeout_s = 0.0
     decode_request(s, "d", PROMPT, 48)
     so = s.schedule()  # parked: the load is now in flight at the worker, which never answers
