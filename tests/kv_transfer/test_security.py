@@ -18,7 +18,7 @@ import zmq
 
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, generate_keys, load_keys
-from protocol.kv_transfer import KVBlock, KVBlockTransfer, KVGet, KVPut, KVServiceReply
+from protocol.kv_transfer import KVBlock, KVBlockTransfer, KVGet, KVPut, KVServiceReply, KVStatsRequest
 from protocol.zmq_sockets import make_socket, recv, send, tcp_address
 from services.kv_transfer.block_store import block_mac, is_intact, seal
 from services.kv_transfer.keys import engine_curve_keys, mac_key, service_curve_keys
@@ -248,6 +248,10 @@ def test_parked_gets_are_bounded_in_number_and_wait(keys, curve_service):
             _, reply = recv(sock, decoder)
             assert reply.missing == [b"never"]
             answered.add(reply.seq)
+        # A round trip after them: the service has finished with every get by its reply.
+        send(sock, encoder, KVStatsRequest(10_000))
+        while (reply := recv(sock, decoder)[1]).seq != 10_000:
+            assert sock.poll(10_000)
         assert len(curve_service.service._parked) == MAX_PARKED_GETS
         assert max(p.deadline for p in curve_service.service._parked) \
             <= min(p.deadline for p in curve_service.service._parked) + MAX_WAIT_MS / 1000
