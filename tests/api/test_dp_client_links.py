@@ -171,7 +171,7 @@ async def test_a_second_connection_claiming_a_live_rank_is_refused_and_the_rank_
 
 
 async def test_a_rank_silent_longer_than_the_timeout_rejoins_when_it_speaks_again():
-    async with stack(silence_timeout_s=0.5) as (client, engine, _):
+    async with stack(silence_timeout_s=1.0) as (client, engine, _):
         in_flight = client.generate(make_request("stalled", max_tokens=1000))
         waiting = asyncio.ensure_future(anext(in_flight))
         engine.beating.clear()  # the node goes quiet (a stall, a network blip)
