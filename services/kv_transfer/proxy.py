@@ -54,9 +54,10 @@ T = TypeVar("T")
 
 POLICIES = ("round_robin", "least_loaded")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-# The longest wait for a server's next bytes: a whole prefill (its one
-# response), or the gap between two tokens of a stream.
-DEFAULT_READ_TIMEOUT_S = 300.0
+# The longest wait for a server's next bytes: a whole prefill or a whole
+# non-streaming decode (one response, sent when done: long generations on a
+# CPU take minutes), or the gap between two chunks of a stream.
+DEFAULT_READ_TIMEOUT_S = 600.0
 _CONNECT_TIMEOUT_S = 10.0
 # Request headers worth passing on to the servers (never the client's own
 # X-Weft-KV-Transfer-Key: only the proxy sets that one).
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Larger bodies get a 413 before any leg runs (default 8 MiB).")
     parser.add_argument("--backend-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                         help="Longest wait for a server's next bytes: a whole prefill, or between two "
-                             "chunks of a stream (default 300 s; connecting: 10 s).")
+                             "chunks of a stream (default 600 s; connecting: 10 s).")
     trust.add_secret_arg(parser)
     return parser
 
