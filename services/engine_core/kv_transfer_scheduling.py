@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 # was reported (a worker that lost the job must not leak them).
 HOLD_TIMEOUT_S = 120.0
 # An aborted request's loading blocks come back after this long even if the
-# load never reports (the worker gives up a load after its wait plus one
-# store timeout, 20 s by default; this leaves room for queueing behind others).
+# load never reports. The worker writes nothing into the cache past a load's
+# wait plus one store timeout from its submission (2 x timeout_s, 20 s by
+# default): the timeout is at least 3 x timeout_s + 30 s, so no late write can
+# land in blocks handed to another request.
 ABANDON_TIMEOUT_S = 120.0
 
 
@@ -49,7 +51,9 @@ class KVTransferScheduling:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = config.cache.block_size
         self.hold_timeout_s = HOLD_TIMEOUT_S
-        self.abandon_timeout_s = ABANDON_TIMEOUT_S
+        options = getattr(self.connector, "options", None)
+        transfer_timeout_s = getattr(options, "timeout_s", 0.0)
+        self.abandon_timeout_s = max(ABANDON_TIMEOUT_S, 3 * transfer_timeout_s + 30.0)
         self.waiting_for_remote: dict[str, Request] = {}
         self._load_tried: set[str] = set()  # a request loads at most once
         self._held: dict[str, tuple[Request, float]] = {}  # finished; blocks kept until saved (deadline)

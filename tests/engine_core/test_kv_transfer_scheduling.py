@@ -275,3 +275,9 @@ def test_a_request_aborted_while_loading_gets_its_blocks_back_when_the_load_neve
     assert s.schedule().kv_connector_metadata is None  # nothing left to wait for
     s.update_from_output(so, _report(received={"d": 48 // BS}))  # a late report changes nothing
     assert s.kv_cache_manager.all_blocks_free()
+
+
+def test_the_abandon_timeout_outlasts_any_load_the_worker_may_still_write():
+    assert make("kv_consumer").kv_transfer.abandon_timeout_s == 120.0
+    slow = make("kv_consumer", timeout_s=100.0)  # a load may write until 2 x 100 s after submission
+    assert slow.kv_transfer.abandon_timeout_s > 2 * 100.0
