@@ -14,8 +14,10 @@ Both legs carry the same ``X-Request-Id``, and the deployment's secret in
 ``X-Weft-KV-Transfer-Key`` (``--kv-transfer-secret-file``): the servers
 accept ``kv_transfer_params`` from the proxy only (``trust``). A prefill
 server that fails (unreachable, 5xx) costs only speed: the decode server
-then gets the plain request and computes the prompt itself. A 4xx from the
-prefill server is the client's error, and goes back to the client. Servers
+then gets the plain request and computes the prompt itself; so does a 403,
+the prefill server refusing the proxy's own parameters (a missing or wrong
+secret). Any other 4xx from the prefill server is the client's error, and
+goes back to the client. Servers
 are picked per pool by round robin or by the fewest requests this proxy has
 in flight on them.
 
@@ -176,6 +178,8 @@ class PDProxy:
             return self._prefill_failed(url, f"{type(e).__name__}: {e}")
         finally:
             self.prefill.release(url)
+        if response.status_code == 403:  # it refused the proxy's own kv_transfer_params: a deployment fault
+            return self._prefill_failed(url, "HTTP 403: it does not trust this proxy (--kv-transfer-secret-file)")
         if 400 <= response.status_code < 500:
             return Response(response.content, response.status_code, media_type="application/json")
         if response.status_code != 200:
@@ -355,8 +359,8 @@ def main(argv: list[str]) -> int:
                         secret=trust.load_secret(args.kv_transfer_secret_file),
                         max_body_bytes=args.max_request_body_bytes, read_timeout_s=args.backend_read_timeout)
         if proxy.secret is None:
-            logger.warning("No --kv-transfer-secret-file (nor $%s): the servers will refuse the KV "
-                           "transfer parameters, and every request is computed in full.", trust.ENV)
+            logger.warning("No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
+                           "transfer parameters, so every prompt is computed on the decode server.", trust.ENV)
     except (ValueError, OSError) as e:
         print(f"weft pd-proxy: {e}", file=sys.stderr)
         return 2

@@ -106,12 +106,13 @@ async def test_a_client_error_at_prefill_goes_back_without_a_decode(client, serv
     assert response.status_code == 400 and len(servers.calls) == 1
 
 
-@pytest.mark.parametrize("failure", ["http 500", "refused"])
+@pytest.mark.parametrize("failure", ["http 500", "http 403", "refused"])
 async def test_a_failed_prefill_leaves_the_decode_server_to_compute(client, servers, failure):
+    """A 403 is the prefill server not trusting the proxy's kv_transfer_params: not the client's fault."""
     if failure == "refused":
         servers.dead = {"prefill-0", "prefill-1"}
     else:
-        servers.prefill_status = 500
+        servers.prefill_status = int(failure.split()[1])
     response = await client.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 200 and response.json()["got"] is None
     assert servers.calls[-1][0] == "decode-0" and client.proxy.num_prefill_failures == 1
