@@ -179,7 +179,8 @@ class PDProxy:
         finally:
             self.prefill.release(url)
         if response.status_code == 403:  # it refused the proxy's own kv_transfer_params: a deployment fault
-            return self._prefill_failed(url, "HTTP 403: it does not trust this proxy (--kv-transfer-secret-file)")
+            return self._prefill_failed(url, "HTTP 403: it does not trust this proxy "
+                                             "(--kv-transfer-secret-file)")
         if 400 <= response.status_code < 500:
             return Response(response.content, response.status_code, media_type="application/json")
         if response.status_code != 200:
@@ -360,7 +361,8 @@ def main(argv: list[str]) -> int:
                         max_body_bytes=args.max_request_body_bytes, read_timeout_s=args.backend_read_timeout)
         if proxy.secret is None:
             logger.warning("No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
-                           "transfer parameters, so every prompt is computed on the decode server.", trust.ENV)
+                           "transfer parameters, so every prompt is computed on the decode server.",
+                           trust.ENV)
     except (ValueError, OSError) as e:
         print(f"weft pd-proxy: {e}", file=sys.stderr)
         return 2
