@@ -19,7 +19,6 @@ from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
 from services.cli_args import add_engine_args, engine_args_from
-from services.kv_transfer.config import with_default_keys_dir
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 
@@ -87,7 +86,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = with_default_keys_dir(engine_args_from(args).create_engine_config(), args.zmq_curve_keys)
+        config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         limits = serving_limits(args)
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None

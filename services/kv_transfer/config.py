@@ -86,7 +86,8 @@ def check_engine_supports(config: KVTransferConfig | None, *, tensor_parallel_si
 
 def with_default_keys_dir(config: EngineConfig, curve_keys: str | None) -> EngineConfig:
     """``config`` whose KV transfer uses the ``--zmq-curve-keys`` folder (CurveZMQ to the service,
-    a MAC on every block) unless its ``kv_connector_extra_config`` names a ``keys_dir`` of its own."""
+    a MAC on every block) unless its ``kv_connector_extra_config`` names a ``keys_dir`` of its own.
+    Applied by each engine core to its own folder (the API's path may not exist on its node)."""
     kv = config.kv_transfer
     if kv is None or curve_keys is None or "keys_dir" in kv.kv_connector_extra_config:
         return config
