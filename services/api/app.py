@@ -196,11 +196,13 @@ class _Routes:
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
               limits: ServingLimits | None = None, chat: ChatSettings | None = None,
-              protect_tokenize: bool = True, options: APIOptions | None = None) -> Starlette:
+              protect_tokenize: bool = True, options: APIOptions | None = None,
+              kv_transfer_secret: str | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
     ``protect_tokenize`` it guards /tokenize and /detokenize too. ``chat``:
-    the chat template and tool-calling options."""
+    the chat template and tool-calling options. ``kv_transfer_secret``: the
+    P/D proxy's, without which clients may not set kv_transfer_params."""
     if chat is not None and chat.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat.chat_template)
     name = served_model_name or config.model.served_model_name
@@ -209,7 +211,7 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
     routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
-                                    options or APIOptions()), chat)
+                                    options or APIOptions(), kv_transfer_secret), chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

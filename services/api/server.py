@@ -33,6 +33,8 @@ from services.api.limits import (
     ServingLimits,
 )
 from services.cli_args import add_engine_args, engine_args_from
+from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
+from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 
 logger = logging.getLogger("weft.serve")
 
@@ -88,6 +90,7 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                        help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
                             "keys `weft keys --dir DIR` made (give engine-core the same folder).")
+    add_kv_transfer_secret_arg(group)
     group.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
                        help="Restart a local engine core that dies (with back-off).")
     _add_request_size_args(group)
@@ -170,6 +173,7 @@ def main(argv: list[str]) -> int:
             raise ValueError("--api-key must not be empty.")
         keys = api_keys(args)
         server_options = uvicorn_options(args)
+        args.kv_transfer_secret = load_kv_transfer_secret(args.kv_transfer_secret_file)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
@@ -218,7 +222,8 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   restart_local=args.restart_engines)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
                         served_model_name=config.model.served_model_name, limits=limits, chat=chat,
-                        protect_tokenize=args.api_key_protects_tokenize, options=api_options(args))
+                        protect_tokenize=args.api_key_protects_tokenize, options=api_options(args),
+                        kv_transfer_secret=args.kv_transfer_secret)
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
               **server_options)
     finally:

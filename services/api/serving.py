@@ -36,6 +36,7 @@ from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.token_filters import token_filters
 from services.api.tokenizer import Tokenizer
+from services.kv_transfer.trust import require_trusted_caller
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ServingContext:
     limits: ServingLimits = field(default_factory=ServingLimits)
     admission: Admission | None = None  # made from the limits when not given
     options: APIOptions = field(default_factory=APIOptions)
+    kv_transfer_secret: str | None = None  # the P/D proxy's (services.kv_transfer.trust)
 
     def __post_init__(self) -> None:
         if self.admission is None:
@@ -202,6 +204,12 @@ class Choice:
         new = entries[self.logprobs_sent:]
         self.logprobs_sent = len(entries)
         return new
+
+
+def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> None:
+    """P/D parameters steer what an engine loads and saves: only the P/D proxy may set them (403)."""
+    if body.kv_transfer_params is not None and ctx.config.kv_transfer is not None:
+        require_trusted_caller(request.headers, ctx.kv_transfer_secret)
 
 
 def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],

@@ -136,6 +136,7 @@ class ChatServing:
         ctx = self.ctx
         ctx.check_model(body.model)
         refuse_unsupported(body, CHAT)
+        serving.check_kv_transfer_caller(ctx, request, body)
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
         check_messages_size(ctx, body.messages)
         prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt,

@@ -68,6 +68,7 @@ class CompletionServing:
         ctx = self.ctx
         ctx.check_model(body.model)
         check_completion_fields(body)
+        serving.check_kv_transfer_caller(ctx, request, body)
         _check_prompt_size(ctx, body.prompt)  # before tokenizing
         prompts = await run_blocking(prompt_token_lists, ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work

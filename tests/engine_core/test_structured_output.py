@@ -251,3 +251,46 @@ def test_a_compiled_request_goes_ahead_of_later_arrivals():
     compiled(constrained)
     step(scheduler, worker)
     assert [r.request_id for r in scheduler.waiting] == ["c", "late"]
+def test_a_compile_still_queued_times_out_and_never_runs():
+    """Slow constraints fill every compile thread; one queued behind them
+    fails once its timeout (from submission) passes, though it never started."""
+    from services.engine_core.structured_output.manager import _COMPILE_THREADS
+
+    scheduler, backend, clock = make_scheduler()
+    worker = MaskWorker()
+    backend.release.clear()
+    try:
+        for i in range(_COMPILE_THREADS):
+            add(scheduler, f"slow{i}", 4, structured_outputs=regex(f"{i}"))
+        queued = add(scheduler, "queued", 4, structured_outputs=regex("7 8"))
+        assert backend.started.wait(30)
+        step(scheduler, worker)
+        assert queued.structured_output.job.started_at is None  # waiting for a thread
+        clock.now += TIMEOUT_S + 0.1
+        _, outputs = step(scheduler, worker)
+        failed = {o.request_id: o for o in outputs if o.finish_reason == FinishReason.ERROR}
+        assert "queued" in failed and "longer than 2s" in failed["queued"].error
+        assert queued.structured_output.job.future.cancelled()  # it will never take a thread
+    finally:
+        backend.release.set()
+    assert "7 8" not in backend.compiled
+
+
+def test_compiles_in_flight_are_bounded():
+    scheduler, backend, _ = make_scheduler()
+    manager = scheduler.structured_output_manager
+    manager.max_compiles_in_flight = 2
+    backend.release.clear()
+    try:
+        first = add(scheduler, "a", 4, structured_outputs=regex("1"))
+        add(scheduler, "b", 4, structured_outputs=regex("2"))
+        shared = add(scheduler, "a2", 4, structured_outputs=regex("1"))  # shares a's compile: no new one
+        over = add(scheduler, "c", 4, structured_outputs=regex("3"))
+        assert shared.structured_output.job is first.structured_output.job
+        _, failed, _ = manager.split_compiled([over])
+        assert [r.request_id for r, _ in failed] == ["c"] and "compiling already" in failed[0][1]
+    finally:
+        backend.release.set()
+    compiled(first)
+    _, failed, _ = manager.split_compiled([add(scheduler, "d", 4, structured_outputs=regex("4"))])
+    assert failed == []  # room again once compiles end
