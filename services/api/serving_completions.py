@@ -56,7 +56,8 @@ class CompletionServing:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
             params.append(serving.make_sampling_params(ctx, body, max_tokens, body.logprobs))
         request_id = serving.new_request_id("cmpl")
-        choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival)
+        choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival,
+                                       serving.session_key(request, body))
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         view = _CompletionView(request_id, int(time.time()), ctx.served_model_name)
         if body.stream:
