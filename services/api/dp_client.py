@@ -14,7 +14,8 @@ holding the client key get in (``protocol.curve``); a frame that does not
 decode is counted (``dropped_frames()``) and dropped.
 
 Requests go to the ready rank with the lowest ``4 * waiting + running``, as
-vLLM's DPLBAsyncMPClient does. A rank's life: ``waiting`` (until its hello
+vLLM's DPLBAsyncMPClient does, or, with a ``PrefixRouter``, by the prefix
+each rank caches within a load bound (``services/api/prefix_router.py``). A rank's life: ``waiting`` (until its hello
 and ready) -> ``ready`` -> ``draining`` (it was told to stop: it finishes
 what it holds, gets nothing new) -> ``dead`` (its process exited, it said
 goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests

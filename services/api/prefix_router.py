@@ -57,6 +57,8 @@ DEFAULT_MAX_IMBALANCE = 8  # load units: two waiting requests
 DEFAULT_MAX_HASHES = 1 << 18  # per rank: 256 Ki hashes, about 16 MiB with the dict's overhead
 MAX_SESSION_KEY_CHARS = 256
 _REPLAY_TIMEOUT_S = 2.0
+# Largest event message read; a bigger one (a broken or hostile peer) drops the link's frame, not our memory.
+MAX_EVENT_MESSAGE_BYTES = 64 << 20
 ROUTING_MODES = ("prefix", "load")
 
 
@@ -149,6 +151,7 @@ class RankSubscriber:
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(self._address)
         try:
@@ -189,6 +192,7 @@ class RankSubscriber:
         self.num_replays += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
         sock.connect(self._replay_address)
         try:
             await sock.send_multipart([b"", seq_bytes(self.next_seq)])

@@ -4,13 +4,26 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
-from protocol import SamplingParams
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from services.api.prefix_router import RankCacheView, choose_rank, session_key_of
+from protocol import EngineCoreRequest, SamplingParams
+from protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+)
+from services.api.prefix_router import (
+    PrefixRouter,
+    RankCacheView,
+    choose_rank,
+    session_key_of,
+)
 from services.engine_core.prefix_hash import make_block_hasher, prompt_block_hashes
 from services.engine_core.request import Request
+from tests.api.fake_engine_client import engine_config
 
 BLOCK = 16
 
@@ -99,3 +112,38 @@ def test_the_router_and_hashing_import_without_torch():
     code = ("import sys, services.api.prefix_router, services.api.dp_client; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _router(views: dict[int, RankCacheView]) -> PrefixRouter:
+    config = msgspec.structs.replace(engine_config(), kv_events=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="ipc:///nowhere/kv"))
+    router = PrefixRouter(config, max_imbalance=8)
+    router.views.update(views)
+    return router
+
+
+def _engine_request(prompt: list[int], salt: str | None = None, session: str | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id="r", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+                             arrival_time=0.0, cache_salt=salt, session_key=session)
+
+
+def test_the_router_hashes_prompts_as_the_engine_does_salt_included():
+    prompt = list(range(500, 500 + 3 * BLOCK + 1))
+    router = _router({0: _view([]), 1: _view(prompt_block_hashes(prompt, BLOCK, "s"))})
+    assert router.pick(_engine_request(prompt, salt="s"), {0: 0, 1: 0}) == 1
+    assert router.pick(_engine_request(prompt), {0: 0, 1: 0}) == 0, "another salt is another cache"
+    assert router.pick(_engine_request(prompt, salt="s"), {0: 0, 1: 9}) == 0, "beyond the bound"
+    assert router.pick(_engine_request(prompt, salt="s"), {0: 0}) == 0, "only ready ranks count"
+
+
+def test_the_last_prompt_token_is_never_counted_as_a_hit():
+    # A prompt of exactly three blocks can hit two at most: the engine computes the last token.
+    prompt = list(range(700, 700 + 3 * BLOCK))
+    hashes = prompt_block_hashes(prompt, BLOCK)
+    router = _router({0: _view(hashes[:2]), 1: _view(hashes)})
+    assert router.pick(_engine_request(prompt), {0: 0, 1: 0}) == 0, "equal useful hits: the lower rank"
+
+
+def test_prefix_routing_needs_published_events():
+    with pytest.raises(ValueError, match="kv-events-config"):
+        PrefixRouter(engine_config())
