@@ -15,9 +15,9 @@ decode is counted (``dropped_frames()``) and dropped.
 
 Requests go to the ready rank with the lowest ``4 * waiting + running``, as
 vLLM's DPLBAsyncMPClient does, or, with a ``PrefixRouter``, by the prefix
-each rank caches within a load bound (``services/api/prefix_router.py``). A rank's life: ``waiting`` (until its hello
-and ready) -> ``ready`` -> ``draining`` (it was told to stop: it finishes
-what it holds, gets nothing new) -> ``dead`` (its process exited, it said
+each rank caches within a load bound (``services/api/prefix_router.py``).
+A rank's life: ``waiting`` (until its hello and ready) -> ``ready`` ->
+``draining`` (it was told to stop: it finishes what it holds, gets nothing new) -> ``dead`` (its process exited, it said
 goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests
 then fail with ``EngineDeadError``. A dead rank that says hello again (a
 local one restarted by ``LocalEngines``, a headless one restarted by the
