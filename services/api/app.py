@@ -36,8 +36,9 @@ from services.api.errors import (
     http_error_handler,
     internal_error_handler,
 )
-from services.api.limits import BodySizeLimitMiddleware, ServingLimits
+from services.api.limits import BodyDeadlineMiddleware, BodySizeLimitMiddleware, ServingLimits, check_depth
 from services.api.metrics import CONTENT_TYPE, APIMetrics
+from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +48,7 @@ from services.api.openai_schemas import (
 )
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
-from services.api.serving_chat import ChatServing, chat_prompt_ids
+from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
@@ -65,9 +66,37 @@ def _version() -> str:
 
 async def _read(request: Request, type: type) -> object:
     try:
-        return decode_body(await request.body(), type)
+        body = decode_body(await request.body(), type)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation_error(e) from e
+    except RecursionError:
+        # msgspec stops at its own depth limit, in any field, known or not.
+        raise bad_request("The request body nests too deeply.") from None
+    _check_free_form_depth(body)
+    return body
+
+
+def _check_free_form_depth(body: object) -> None:
+    """Schemas are free-form JSON (or JSON text) that later code walks
+    recursively: bound their depth first."""
+    _check_schema_depth(getattr(body, "guided_json", None), "guided_json")
+    structured = getattr(body, "structured_outputs", None)
+    if structured is not None:
+        _check_schema_depth(structured.json, "structured_outputs")
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.json_schema is not None:
+        _check_schema_depth(response_format.json_schema.schema, "response_format")
+
+
+def _check_schema_depth(schema: object, param: str) -> None:
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)  # in C, with its own depth limit
+        except RecursionError:
+            raise bad_request(f"{param} nests too deeply.", param) from None
+        except msgspec.DecodeError:
+            return  # not JSON: the schema's own check names that
+    check_depth(schema, param)
 
 
 def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
@@ -97,7 +126,7 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.ctx.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "weft", "root": self.ctx.config.model.model, "parent": None,
+                "owned_by": "weft", "root": self.ctx.served_model_name, "parent": None,
                 "max_model_len": self.ctx.max_model_len, "permission": []}
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -130,12 +159,15 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt,
-                                     **self.chat.template_args(body))
+            check_messages_size(self.ctx, body.messages)
+            tokens = await run_blocking(chat_prompt_ids, self.ctx, body.messages, body.add_generation_prompt,
+                                        **self.chat.template_args(body))
         else:
-            tokens = self.ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
-                             "tokens": tokens})
+            self.ctx.limits.check_text_size([body.prompt], "prompt")
+            tokens = await run_blocking(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
+        # msgspec, not json.dumps: a million token ids encode in milliseconds, on the loop.
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
+                                             "tokens": tokens}), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         body = await _read(request, DetokenizeRequest)
@@ -143,7 +175,7 @@ class _Routes:
         if body.tokens and max(body.tokens) >= self.ctx.vocab_size:
             raise bad_request(f"Token id {max(body.tokens)} is out of the vocabulary "
                               f"(size {self.ctx.vocab_size}).", "tokens")
-        return JSONResponse({"prompt": self.ctx.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await run_blocking(self.ctx.tokenizer.decode, body.tokens)})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -164,10 +196,12 @@ class _Routes:
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
-              limits: ServingLimits | None = None, chat: ChatSettings | None = None) -> Starlette:
+              limits: ServingLimits | None = None, chat: ChatSettings | None = None,
+              protect_tokenize: bool = True) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
-    ``api_key``: one key or several (any of them is accepted). ``chat``: the
-    chat template and tool-calling options."""
+    ``api_key``: one key or several (any of them is accepted); with
+    ``protect_tokenize`` it guards /tokenize and /detokenize too. ``chat``:
+    the chat template and tool-calling options."""
     if chat is not None and chat.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat.chat_template)
     name = served_model_name or config.model.served_model_name
@@ -186,11 +220,12 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
             await engine_client.shutdown()
 
     # Outermost first: every exchange returns its tickets; bodies are capped
-    # before anything reads them; keys are checked before any work.
+    # in time and size before anything reads them; keys are checked before any work.
     middleware = [Middleware(TicketReleaseMiddleware),
+                  Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
                   Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)]
     if api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key, protect_tokenize=protect_tokenize))
     app = Starlette(
         routes=routes.table(),
         middleware=middleware,

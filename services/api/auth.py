@@ -1,7 +1,9 @@
-"""The ``--api-key`` check: pure ASGI, on /v1 paths only.
+"""The ``--api-key`` check: pure ASGI, on /v1 paths, /tokenize and /detokenize.
 
-/health, /metrics, /version, /tokenize and /detokenize stay open (vLLM does
-the same: probes and scrapers carry no key). Several keys may be valid at
+/health, /metrics and /version stay open (vLLM does the same: probes and
+scrapers carry no key). /tokenize and /detokenize cost CPU and show how a
+prompt tokenizes, so they are protected unless ``protect_tokenize`` is
+off (``--no-api-key-protects-tokenize``). Several keys may be valid at
 once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
 length, its prefix nor which key matched leaks through timing.
@@ -22,20 +24,27 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def _is_protected(path: str) -> bool:
+_TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize"})
+
+
+def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str], protect_tokenize: bool = True) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
         if not keys or not all(keys):
             raise ValueError("API keys must be non-empty strings.")
         self.app = app
         self._digests = [_digest(key) for key in keys]
+        self._protect_tokenize = protect_tokenize
+
+    def _is_protected(self, path: str) -> bool:
+        return _is_v1(path) or (self._protect_tokenize and path.rstrip("/") in _TOKENIZER_ROUTES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_protected(scope["path"]):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         if self._authorized(Headers(scope=scope).get("authorization", "")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 from protocol import SamplingParams
+from services.api.stop_matcher import matcher_for
 from services.api.tokenizer import Tokenizer
 
 
@@ -17,9 +18,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self._stops = params.stop_strings
+        self._stops = matcher_for(tuple(params.stop_strings))
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max(map(len, self._stops), default=0)
+        self._max_stop_len = self._stops.max_len
         self._hold_back = 0 if self._include_stop else max(0, self._max_stop_len - 1)
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out by ``take_delta``
@@ -39,11 +40,10 @@ class IncrementalDetokenizer:
         return False
 
     def _find_stop(self, search_from: int) -> bool:
-        hits = [(self.text.find(s, search_from), s) for s in self._stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        hit = self._stops.earliest(self.text, search_from)
+        if hit is None:
             return False
-        index, stop = min(hits)
+        index, stop = hit
         self.text = self.text[: index + len(stop) if self._include_stop else index]
         self.stop_string = stop
         return True

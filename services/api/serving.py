@@ -31,6 +31,7 @@ from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
 from services.api.prefix_router import session_key_of
+from services.api.redact import redact
 from services.api.streaming import DONE, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.tokenizer import Tokenizer
@@ -148,6 +149,7 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
     if body.cache_salt is not None and not body.cache_salt:
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
     ctx.check_num_sequences(1, body.n)
+    ctx.limits.check_stop_lists(body.stop, body.stop_token_ids)
     structured_outputs = structured_outputs_from(body)  # 400 when invalid
     try:
         return SamplingParams(
@@ -256,7 +258,7 @@ def shown_logprob(value: float) -> float:
 def raise_if_failed(choice: Choice) -> None:
     """A request the engine finished with an error failed on its own input."""
     if choice.state.finish_reason == "error":
-        raise APIError(choice.state.error or "The request failed in the engine.", 400)
+        raise APIError(redact(choice.state.error or "The request failed in the engine."), 400)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages through the chat template, then text."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -14,6 +15,7 @@ from services.api import serving
 from services.api.chat_args import ChatSettings
 from services.api.chat_template import RESERVED_KWARGS, ChatTemplateError, ContinueFinalMessageError
 from services.api.errors import bad_request
+from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -42,6 +44,8 @@ from services.api.tool_calling import (
     resolve_tool_choice,
     tool_dicts,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -79,6 +83,21 @@ def message_text(i: int, m: ChatMessage) -> str | None:
     return content
 
 
+def check_messages_size(ctx: ServingContext, messages: list[ChatMessage]) -> None:
+    """400 for more messages, or more text in them, than this server takes (before any work)."""
+    ctx.limits.check_message_count(len(messages))
+    ctx.limits.check_text_size(message_texts(messages), "messages")
+
+
+def message_texts(messages: list[ChatMessage]):
+    """Every piece of text the messages hold."""
+    for m in messages:
+        if isinstance(m.content, str):
+            yield m.content
+        elif isinstance(m.content, list):
+            yield from (part.text for part in m.content if part.text is not None)
+
+
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
                     add_generation_prompt: bool, **template_args) -> list[int]:
     """The prompt's token ids; ``template_args`` go to ``Tokenizer.apply_chat_template``."""
@@ -93,11 +112,15 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
     except jinja2.TemplateSyntaxError as e:  # only a request's own template can get this far
         raise bad_request(f"The chat template does not compile: {e.message} (line {e.lineno}).",
                           "chat_template") from e
-    # The template is code run on the client's messages: whatever it raises
-    # (a None where it wants a string...) is a bad request.
+    # The template is code run on the client's messages: whatever else it
+    # raises (a None where it wants a string...) is a bad request. Only the
+    # template's own message is shown: other errors' text describes the
+    # template's internals, not the client's mistake.
     except Exception as e:
-        raise bad_request(f"The chat template could not render these messages: {e}",
-                          "messages") from e
+        logger.info("The chat template failed on a request's messages: %r", e)
+        raise bad_request("The chat template could not render these messages.", "messages") from e
+    # Short messages can still render into a long text: bound what gets tokenized.
+    ctx.limits.check_text_size([text], "messages")
     # The template already wrote the special tokens it wants.
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
@@ -112,7 +135,9 @@ class ChatServing:
         ctx = self.ctx
         ctx.check_model(body.model)
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
-        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, **self.template_args(body))
+        check_messages_size(ctx, body.messages)
+        prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt,
+                                    **self.template_args(body))
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_completion_tokens, len(prompt),

@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from services.api import serving
 from services.api.errors import bad_request
+from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     CompletionChoice,
     CompletionChunk,
@@ -40,6 +41,16 @@ def prompt_token_lists(ctx: ServingContext, prompt: Prompt, add_special_tokens: 
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
+def _check_prompt_size(ctx: ServingContext, prompt: Prompt) -> None:
+    if isinstance(prompt, str):
+        ctx.limits.check_text_size([prompt], "prompt")
+        return
+    if not prompt or isinstance(prompt[0], int):
+        return  # token ids (one prompt, no text); a list mixing kinds is refused before any work
+    ctx.limits.check_prompt_count(len(prompt))
+    ctx.limits.check_text_size((p for p in prompt if isinstance(p, str)), "prompt")
+
+
 class CompletionServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -48,7 +59,8 @@ class CompletionServing:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
-        prompts = prompt_token_lists(ctx, body.prompt, body.add_special_tokens)
+        _check_prompt_size(ctx, body.prompt)  # before tokenizing
+        prompts = await run_blocking(prompt_token_lists, ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
         params = []
         for prompt in prompts:

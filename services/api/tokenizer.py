@@ -13,7 +13,11 @@ from pathlib import Path
 
 import tokenizers
 
-from services.api.chat_template import render
+from services.api.chat_template import ChatTemplateError, render
+
+# decode_batch costs twice what decode does on one token, and a short list
+# holds the GIL for microseconds anyway.
+_DECODE_OFF_GIL_FROM = 1024
 
 
 class Tokenizer:
@@ -48,11 +52,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    # The batch calls, with a batch of one: unlike encode/decode they release
+    # the GIL while they work, so a huge prompt tokenized on a worker thread
+    # (services.api.offload) does not stop the event loop's thread too.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if len(token_ids) < _DECODE_OFF_GIL_FROM:  # the hot path (one token's logprob text)
+            return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -62,6 +71,6 @@ class Tokenizer:
         """The prompt text; ``chat_template`` replaces the model's (see ``chat_template.render``)."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
-            raise ValueError("This model's tokenizer has no chat template; use completions instead.")
+            raise ChatTemplateError("This model's tokenizer has no chat template; use completions instead.")
         return render(source, messages, add_generation_prompt=add_generation_prompt,
                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
