@@ -51,6 +51,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     data_parallel_rank: int | None = None
     # Disaggregated prefill/decode: what the proxy asks of this engine.
     kv_transfer_params: KVTransferParams | None = None
+    # Sticky-session key for the API's balancer (x-session-id or the OpenAI user); engines ignore it.
+    session_key: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

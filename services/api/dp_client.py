@@ -14,9 +14,10 @@ holding the client key get in (``protocol.curve``); a frame that does not
 decode is counted (``dropped_frames()``) and dropped.
 
 Requests go to the ready rank with the lowest ``4 * waiting + running``, as
-vLLM's DPLBAsyncMPClient does. A rank's life: ``waiting`` (until its hello
-and ready) -> ``ready`` -> ``draining`` (it was told to stop: it finishes
-what it holds, gets nothing new) -> ``dead`` (its process exited, it said
+vLLM's DPLBAsyncMPClient does, or, with a ``PrefixRouter``, by the prefix
+each rank caches within a load bound (``services/api/prefix_router.py``).
+A rank's life: ``waiting`` (until its hello and ready) -> ``ready`` ->
+``draining`` (it was told to stop: it finishes what it holds, gets nothing new) -> ``dead`` (its process exited, it said
 goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests
 then fail with ``EngineDeadError``. A dead rank that says hello again (a
 local one restarted by ``LocalEngines``, a headless one restarted by the
@@ -66,6 +67,7 @@ from services.api.engine_client import (
     EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_spec_decode_stats,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
+from services.api.prefix_router import PrefixRouter
 
 __all__ = ["DPLBEngineClient", "launch_local_engines", "stop_processes"]
 
@@ -82,9 +84,10 @@ class DPLBEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
                  local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
                  silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
-                 restart_local: bool = False) -> None:
+                 restart_local: bool = False, prefix_router: PrefixRouter | None = None) -> None:
         """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
-        with ``restart_local`` one that dies is started again (with back-off)."""
+        with ``restart_local`` one that dies is started again (with back-off). With a
+        ``prefix_router`` ranks are chosen by cached prefix and load, else by load alone."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
@@ -113,6 +116,7 @@ class DPLBEngineClient(EngineClient):
         self._closing = False
         # Frames that failed to decode, by the socket they came in on.
         self._dropped_frames = {"handshake": 0, "status": 0, "output": 0, "rank_claim": 0}
+        self.prefix_router = prefix_router
 
     # ---- lifecycle
 
@@ -129,6 +133,8 @@ class DPLBEngineClient(EngineClient):
         self._output_sock = self._bind(zmq.PULL, self._data_address("output"))
         self.input_address = bound_address(self._input_sock)
         self.output_address = bound_address(self._output_sock)
+        if self.prefix_router is not None:
+            self.prefix_router.start(self._ctx)
         for coro in (self._handshake_loop(), self._status_loop(), self._output_loop(), self._monitor_loop()):
             task = asyncio.create_task(coro, name=coro.__name__)
             task.add_done_callback(_log_task_failure)
@@ -162,6 +168,8 @@ class DPLBEngineClient(EngineClient):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.prefix_router is not None:
+            await self.prefix_router.stop()
         for rank in list(self._stats):
             self._mark_dead(rank, "the API shut down")
         # Engines that said goodbye are exiting: let them, before any SIGTERM.
@@ -234,6 +242,8 @@ class DPLBEngineClient(EngineClient):
         ready = [s for s in self._stats.values() if s.state == "ready"]
         if not ready:
             raise EngineNotReadyError("No engine core is ready.")
+        if self.prefix_router is not None:
+            return self.prefix_router.pick(request, {s.rank: 4 * s.num_waiting + s.num_running for s in ready})
         # min() keeps the first of equal scores: ties go to the lowest rank.
         return min(ready, key=lambda s: (4 * s.num_waiting + s.num_running, s.rank)).rank
 
@@ -351,6 +361,8 @@ class DPLBEngineClient(EngineClient):
         stats.num_blocks = ready.num_blocks
         stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
         self._last_seen[ready.rank] = time.monotonic()
+        if self.prefix_router is not None:
+            self.prefix_router.rank_up(ready.rank)
         logger.info("Rank %d is ready (%d KV blocks, max_model_len %d).",
                     ready.rank, ready.num_blocks, ready.max_model_len)
 
@@ -396,6 +408,8 @@ class DPLBEngineClient(EngineClient):
         self._last_seen[rank] = time.monotonic()
         logger.warning("Engine core rank %d is heard again: it rejoins (aborting its %d stale request(s)).",
                        rank, len(stale))
+        if self.prefix_router is not None:
+            self.prefix_router.rank_up(rank)  # its cache view is rebuilt from the replay
         if stale:
             await self._send(rank, EngineCoreRequestType.ABORT, sorted(stale))
 
@@ -444,6 +458,8 @@ class DPLBEngineClient(EngineClient):
         stats.state = "dead"
         if quiet and rank not in self.local and not self._closing:
             self._quiet[rank] = set(stats.in_flight)
+        if self.prefix_router is not None:
+            self.prefix_router.rank_down(rank)
         if not self._closing:
             level = logging.INFO if expected and not stats.in_flight else logging.ERROR
             logger.log(level, "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Address remote engine cores connect to.")
     parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                         help="Handshake port for remote engine cores (0: any free port).")
+    _add_routing_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -119,6 +120,30 @@ def _add_request_size_args(group) -> None:
                        help="Seconds an idle keep-alive connection stays open.")
 
 
+def _add_routing_args(parser: argparse.ArgumentParser) -> None:
+    from services.api.prefix_router import DEFAULT_MAX_IMBALANCE, ROUTING_MODES
+
+    group = parser.add_argument_group("data-parallel routing")
+    group.add_argument("--dp-routing", choices=ROUTING_MODES, default=None,
+                       help="prefix: by the longest prefix each rank caches (from its KV cache events), within "
+                            "--dp-prefix-max-imbalance of the least loaded rank; load: by 4 x waiting + running "
+                            "alone (default: prefix when --kv-events-config publishes, else load).")
+    group.add_argument("--dp-prefix-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                       help="Prefix routing: a rank more than this many load units (4 per waiting request, 1 per "
+                            "running one) above the least loaded rank gets no request for its cached prefix.")
+
+
+def prefix_router_for(args: argparse.Namespace, config):
+    """The balancer's PrefixRouter, or None for load-only routing."""
+    from services.api.prefix_router import PrefixRouter
+
+    events_on = config.kv_events is not None and config.kv_events.publishes
+    routing = args.dp_routing or ("prefix" if events_on else "load")
+    if routing == "load":
+        return None
+    return PrefixRouter(config, max_imbalance=args.dp_prefix_max_imbalance)
+
+
 def serving_limits(args: argparse.Namespace) -> ServingLimits:
     return ServingLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                          max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
@@ -166,6 +191,7 @@ def main(argv: list[str]) -> int:
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         limits = serving_limits(args)
         chat = chat_settings_from(args)
+        prefix_router_for(args, config)  # refuse prefix routing without events before starting engines
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
         if args.zmq_curve_keys is not None and local:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
@@ -219,7 +245,8 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
     try:
         client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
-                                  restart_local=args.restart_engines)
+                                  restart_local=args.restart_engines,
+                                  prefix_router=prefix_router_for(args, config))
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
                         served_model_name=config.model.served_model_name, limits=limits, chat=chat,
                         protect_tokenize=args.api_key_protects_tokenize, options=api_options(args),

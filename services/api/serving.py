@@ -31,6 +31,7 @@ from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
+from services.api.prefix_router import session_key_of
 from services.api.redact import redact
 from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
@@ -212,8 +213,18 @@ def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> Non
         require_trusted_caller(request.headers, ctx.kv_transfer_secret)
 
 
+def session_key(request: Request, body) -> str | None:
+    """The sticky-session key the balancer falls back on: ``x-session-id``, else ``user`` (400 if huge)."""
+    header = request.headers.get("x-session-id")
+    try:
+        return session_key_of(header, body.user)
+    except ValueError as e:
+        raise bad_request(str(e), "x-session-id" if header else "user") from e
+
+
 def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], body, arrival: float) -> list[Choice]:
+                 params: list[SamplingParams], body, arrival: float,
+                 session_key: str | None = None) -> list[Choice]:
     """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i."""
     choices = []
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
@@ -226,7 +237,7 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                 request_id=f"{request_id}-{index}", prompt_token_ids=prompt,
                 sampling_params=child, arrival_time=time.time(),
                 eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt,
-                kv_transfer_params=body.kv_transfer_params)
+                kv_transfer_params=body.kv_transfer_params, session_key=session_key)
             state = RequestState.create(engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id)
             choices.append(Choice(index, p, engine_request, state,
                                   ctx.metrics.request(len(prompt), arrival)))

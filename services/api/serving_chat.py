@@ -150,7 +150,8 @@ class ChatServing:
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
         params = _with_tool_constraint(params, tool_choice)
         request_id = serving.new_request_id("chatcmpl")
-        choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
+        choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival,
+                                       serving.session_key(request, body))
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         role = _reply_role(body)
         tool_output = None if tool_choice.kind == "none" else \

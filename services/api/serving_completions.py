@@ -79,7 +79,8 @@ class CompletionServing:
             params.append(serving.make_sampling_params(ctx, body, max_tokens, body.logprobs,
                                                        _prompt_logprobs(body)))
         request_id = serving.new_request_id("cmpl")
-        choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival)
+        choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival,
+                                       serving.session_key(request, body))
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         include_usage, continuous = usage_modes(ctx.options, body)
         view = _CompletionView(request_id, int(time.time()), ctx.served_model_name,

@@ -10,6 +10,7 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.stats_logger import EngineStatsLogger
@@ -37,6 +38,20 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks)
         self.engine_index = config.parallel.data_parallel_rank
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
+        self.kv_event_publisher = self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig):
+        if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
+            return None
+        medium = "GPU" if config.device.device == "cuda" else "CPU"
+        self.scheduler.kv_cache_manager.block_pool.enable_kv_events(config.cache.block_size, medium)
+        return make_publisher(config.kv_events, self.engine_index)
+
+    def publish_kv_events(self) -> None:
+        """Send what the block pool recorded since the last call, as one batch."""
+        events = self.scheduler.kv_cache_manager.block_pool.take_kv_events()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Refuse a request the engine cannot serve, before it costs anything
@@ -54,6 +69,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        outputs = self._step()
+        self.publish_kv_events()  # once per step, after update_from_output (and after idle resets)
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(engine_index=self.engine_index,
                                      scheduler_stats=self.scheduler.make_stats())
@@ -70,6 +90,8 @@ class EngineCore:
         return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats)
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()
         self.scheduler.structured_output_manager.shutdown()
 
