@@ -1,13 +1,20 @@
-# One image for every role: the API (`weft serve`) and the engine cores
-# (`engine-core --headless`). `make install model` installs weft and the
+# One image for every role: the API (`weft serve`), the engine cores
+# (`engine-core --headless`), the P/D services and the one-shot `keys`
+# service of docker-compose.yml. `make install model` installs weft and the
 # default model into the image; compose mounts /app/models as a shared
 # volume, which Docker seeds from the image on first use.
 # g++ builds the CPU attention kernel, here once for every container (the
 # build targets AVX2, not the build machine's own CPU).
+# Everything runs as the unprivileged user `weft` (uid 10001): it owns /app
+# (the venv, the models and the kernel build) and the folder compose mounts
+# the keys volume on; nothing in the image needs root at run time.
 FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends make g++ && rm -rf /var/lib/apt/lists/*
+RUN useradd --create-home --uid 10001 --user-group weft \
+    && mkdir -p /app /keys && chown weft:weft /app /keys && chmod 0700 /keys
 WORKDIR /app
-COPY . /app
+COPY --chown=weft:weft . /app
+USER weft
 RUN make install model && .venv/bin/python -m kernels.cpu_attention
 ENV PATH=/app/.venv/bin:$PATH
 EXPOSE 8000 29550

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from protocol.kv_events import KVEventsConfig
 from protocol.kv_transfer import KVTransferConfig
 
 # Most draft tokens one request may verify in a step (vLLM's bound too).
@@ -104,3 +105,4 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     kv_transfer: KVTransferConfig | None = None  # None: no disaggregated prefill/decode
+    kv_events: KVEventsConfig | None = None  # None: no KV cache events

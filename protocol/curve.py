@@ -16,6 +16,16 @@ So a process without the folder can neither connect to the API's sockets
 (to inject outputs, pose as a rank, or read the config) nor pose as the API
 to an engine core. CURVE also encrypts every frame on the wire.
 
+Per-node keys: ``weft keys --dir DIR --node NAME`` adds a keypair
+``node-NAME.key``/``node-NAME.key_secret`` for one engine node. The API lets
+in every node key of its folder (and the shared client key), and tells its
+sockets which key a peer used (the ZAP User-Id, ``client`` or ``node-NAME``),
+so it can bind each rank to the node that shook hands for it: a node cannot
+speak for a rank another node serves. A node's folder holds the server's
+public key and its own node keypair only (no other node's secret, and no
+``client.key_secret`` if the shared key is to be refused); an engine whose
+folder holds exactly one node secret uses it instead of the client key.
+
 Files are created mode 0600 in a 0700 folder, and refused on load when group
 or others may read them, as ssh refuses a private key that others can read.
 """
@@ -23,9 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -39,6 +50,8 @@ SERVER, CLIENT = "server", "client"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = "weft"
 _POLL_MS = 100
+NODE_PREFIX = "node-"
+_NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class CurveKeys:
     public: bytes
     secret: bytes
     peer_public: bytes  # the server's public key for a client; the allowed client's for the server
+    # Server only: the node keys it also lets in, public key -> its name ("node-NAME").
+    node_keys: dict[bytes, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # never print a secret key into a log
         return f"CurveKeys(role={self.role!r}, public={self.public.decode()!r})"
@@ -87,6 +102,29 @@ def generate_keys(directory: str | os.PathLike, *, overwrite: bool = False) -> l
     return names
 
 
+def generate_node_keys(directory: str | os.PathLike, node: str, *, overwrite: bool = False) -> list[Path]:
+    """Add the keypair of engine node ``node`` to a ``weft keys`` folder."""
+    if not _NODE_NAME.fullmatch(node):
+        raise ValueError(f"A node name is 1 to 64 letters, digits, '.', '_' or '-'; got {node!r}.")
+    folder = Path(directory)
+    if not (folder / f"{SERVER}.key").is_file():
+        raise FileNotFoundError(f"{folder} holds no server key: run `weft keys --dir {folder}` first.")
+    name = NODE_PREFIX + node
+    paths = [folder / f"{name}.key", folder / f"{name}.key_secret"]
+    if any(p.exists() for p in paths) and not overwrite:
+        raise FileExistsError(f"{paths[0]} exists; pass overwrite=True (--force) to replace it.")
+    old_umask = os.umask(0o077)
+    try:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        zmq.auth.create_certificates(folder, name)
+    finally:
+        os.umask(old_umask)
+    for path in paths:
+        path.chmod(0o600)
+    return paths
+
+
 def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     """The keys ``role`` needs from a ``weft keys`` folder; ValueError if missing or too open."""
     if role not in (SERVER, CLIENT):
@@ -94,11 +132,21 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     folder = Path(directory)
     if not folder.is_dir():
         raise ValueError(f"--zmq-curve-keys: {folder} is not a folder (create one with `weft keys --dir {folder}`).")
-    peer = CLIENT if role == SERVER else SERVER
-    public, secret = _load(folder / f"{role}.key_secret", secret=True)
-    peer_public, _ = _load(folder / f"{peer}.key", secret=False)
+    if role == CLIENT:
+        node_secrets = sorted(folder.glob(f"{NODE_PREFIX}*.key_secret"))
+        own = node_secrets[0] if len(node_secrets) == 1 else folder / f"{CLIENT}.key_secret"
+        public, secret = _load(own, secret=True)
+        peer_public, _ = _load(folder / f"{SERVER}.key", secret=False)
+        return CurveKeys(role, public, secret, peer_public)
+    public, secret = _load(folder / f"{SERVER}.key_secret", secret=True)
+    client_key = folder / f"{CLIENT}.key"
+    peer_public = _load(client_key, secret=False)[0] if client_key.is_file() else b""
+    nodes = {_load(p, secret=False)[0]: p.name.removesuffix(".key")
+             for p in sorted(folder.glob(f"{NODE_PREFIX}*.key"))}
+    if not peer_public and not nodes:
+        raise ValueError(f"Missing CURVE key file {client_key} (create the folder with `weft keys`).")
     assert secret is not None
-    return CurveKeys(role, public, secret, peer_public)
+    return CurveKeys(role, public, secret, peer_public, nodes)
 
 
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
@@ -125,7 +173,10 @@ class ZapAuthenticator:
 
     def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
         assert keys.role == SERVER, "only the binding side authenticates peers"
-        self._allowed = frozenset({z85.decode(keys.peer_public)})
+        # Raw public key -> the User-Id its connections' frames carry.
+        self._allowed = {z85.decode(public): name.encode() for public, name in keys.node_keys.items()}
+        if keys.peer_public:
+            self._allowed[z85.decode(keys.peer_public)] = CLIENT.encode()
         # A plain (non-asyncio) context over the same libzmq context: the
         # handler's socket lives in its own thread.
         self._ctx = zmq.Context.shadow(ctx.underlying)
@@ -159,7 +210,7 @@ class ZapAuthenticator:
         mechanism = request[5] if len(request) > 5 else b""
         key = request[6] if len(request) > 6 else b""
         if mechanism == b"CURVE" and key in self._allowed:
-            return [version, request_id, b"200", b"OK", b"engine", b""]
+            return [version, request_id, b"200", b"OK", self._allowed[key], b""]
         self.num_denied += 1
         self.denied.set()
         if self.num_denied % 100 == 1:  # a peer retrying forever must not flood the log

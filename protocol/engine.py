@@ -75,6 +75,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     data_parallel_rank: int | None = None
     # Disaggregated prefill/decode: what the proxy asks of this engine.
     kv_transfer_params: KVTransferParams | None = None
+    # Sticky-session key for the API's balancer (x-session-id or the OpenAI user); engines ignore it.
+    session_key: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -111,6 +113,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # On a finished request: what another engine needs to take over its KV.
     kv_transfer_params: KVTransferParams | None = None
+    # With ``error``: the engine failed, not the request's input (a 500, not a 400).
+    error_is_internal: bool = False
     # The engine's monotonic clock when the step that made this output ended
     # (first/last token times of the request metrics), and the rank that made
     # it: per-request metrics carry vLLM's `engine` label, and the API's

@@ -28,7 +28,8 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_ip: Annotated[str, Meta(description="Host of the kv_transfer service (ZmqConnector).")] = "127.0.0.1"
     kv_port: Annotated[int, Meta(ge=1, le=65535, description="Port of the kv_transfer service (ZmqConnector).")] = 14579
     kv_connector_extra_config: Annotated[dict[str, Any], Meta(
-        description="Connector options: shared_storage_path (SharedStorageConnector), timeout_s (both).")] = {}
+        description="Connector options: shared_storage_path (SharedStorageConnector); timeout_s, keys_dir, "
+        "max_concurrent (both).")] = {}
 
     @property
     def is_producer(self) -> bool:
@@ -80,7 +81,10 @@ class KVBlock(msgspec.Struct, array_like=True, gc=False):
 
     ``dtype`` is torch's name (numpy has no bfloat16), ``shape`` the block's
     tensor shape and ``checksum`` the CRC-32 of ``data``, all recorded by the
-    producer: a consumer loads a block only if all three match.
+    producer: a consumer loads a block only if all three match. With a keys
+    folder configured, ``mac`` is a keyed BLAKE2b over key, dtype, shape and
+    data instead (``checksum`` is then 0): only a holder of the key can make
+    a block a consumer accepts.
     """
 
     key: bytes
@@ -88,6 +92,7 @@ class KVBlock(msgspec.Struct, array_like=True, gc=False):
     shape: list[int]
     checksum: int
     data: np.ndarray  # uint8 [nbytes]
+    mac: bytes = b""
 
 
 class KVPut(msgspec.Struct, tag="put", array_like=True, gc=False):

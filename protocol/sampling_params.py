@@ -15,6 +15,8 @@ from protocol.structured_outputs import StructuredOutputsParams
 # Below this temperature a request is greedy (vLLM uses the same cut-off).
 _GREEDY_TEMPERATURE = 1e-5
 _MAX_N = 16384
+# OpenAI's bound on one logit_bias entry.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -50,6 +52,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     include_stop_str_in_output: bool = False
     # Guided decoding: the output must match this constraint.
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids (OpenAI's logit_bias), in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words that must not appear; the front end tokenizes them into
+    # ``bad_words_token_ids`` (the worker has no tokenizer).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +99,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             raise bad("stop", "a list of non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        self._validate_token_filters(bad)
+
+    def _validate_token_filters(self, bad) -> None:
+        if self.logit_bias is not None:
+            if any(t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", "keyed by non-negative token ids")
+            if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
+                raise bad("logit_bias", f"a map of biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "a list of words that are not blank")
+        if self.bad_words_token_ids is not None and any(
+                not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            raise bad("bad_words_token_ids", "non-empty lists of non-negative token ids")
 
     @property
     def sampling_type(self) -> SamplingType:

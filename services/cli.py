@@ -54,7 +54,7 @@ def _serve(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    from protocol.curve import generate_keys
+    from protocol.curve import generate_keys, generate_node_keys
 
     parser = argparse.ArgumentParser(prog="weft keys", description=(
         "Generate the CurveZMQ keypairs that authenticate and encrypt the links between the API and "
@@ -62,10 +62,16 @@ def _keys(argv: list[str]) -> int:
         "every node, readable only by the user that runs weft."))
     parser.add_argument("--dir", required=True, help="Folder to write the keys into (created mode 0700).")
     parser.add_argument("--force", action="store_true", help="Replace keys already in the folder.")
+    parser.add_argument("--node", default=None, metavar="NAME",
+                        help="Add a keypair of the engine node NAME to an existing folder: the API "
+                             "binds each rank to the node key that shook hands for it.")
     args = parser.parse_args(argv)
     try:
-        paths = generate_keys(args.dir, overwrite=args.force)
-    except (FileExistsError, OSError) as e:
+        if args.node is not None:
+            paths = generate_node_keys(args.dir, args.node, overwrite=args.force)
+        else:
+            paths = generate_keys(args.dir, overwrite=args.force)
+    except (FileExistsError, OSError, ValueError) as e:
         print(f"weft keys: {e}", file=sys.stderr)
         return 2
     print("\n".join(str(p) for p in paths))

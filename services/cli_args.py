@@ -31,6 +31,9 @@ _EXTRA_HELP = {
     "kv_transfer_config": "Disaggregated prefill/decode as JSON, e.g. '{\"kv_connector\": \"ZmqConnector\", "
                           "\"kv_role\": \"kv_consumer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579}' "
                           "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
+    "kv_events_config": "KV cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}' "
+                        "(vLLM's names; each DP rank offsets the ports by its rank; default: off).",
 }
 
 

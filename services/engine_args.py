@@ -17,6 +17,7 @@ from protocol import (
 )
 from protocol.kv_transfer import KVTransferConfig
 from services import model_files
+from services.engine_core.kv_events import resolve_kv_events_config
 from services.parallel_args import check_tensor_parallel
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
 from services.speculative_args import resolve_speculative_config
@@ -51,6 +52,7 @@ class EngineArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
+    kv_events_config: dict | str | None = None  # a dict, or its JSON on the command line
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -96,6 +98,7 @@ class EngineArgs:
             speculative=resolve_speculative_config(self.speculative_config),
             structured_outputs=StructuredOutputsConfig(compile_timeout=self.structured_outputs_compile_timeout),
             kv_transfer=self._kv_transfer_config(),
+            kv_events=resolve_kv_events_config(self.kv_events_config),
         )
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:

@@ -103,7 +103,7 @@ class LLM:
         for children in requests:
             for request in children:
                 states[request.request_id] = RequestState.create(
-                    request.request_id, request.sampling_params, self.tokenizer)
+                    request.request_id, request.sampling_params, self.tokenizer, request.eos_token_id)
                 self.engine.add_request(request)
         progress = _progress(len(requests), use_tqdm)
         pending = {children[0].request_id.rsplit("-", 1)[0]: len(children) for children in requests}

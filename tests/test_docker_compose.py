@@ -19,6 +19,19 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 DEFAULT_SERVICES = {name: s for name, s in COMPOSE["services"].items() if not s.get("profiles")}
 
 
+@pytest.fixture(autouse=True)
+def compose_keys_folder(monkeypatch, tmp_path):
+    """The compose services load their CURVE keys from /keys, a volume the
+    `keys` service fills: parse against a real `weft keys` folder instead."""
+    from protocol import curve
+
+    keys = tmp_path / "keys"
+    curve.generate_keys(keys)
+    real = curve.load_keys
+    monkeypatch.setattr(curve, "load_keys",
+                        lambda folder, role: real(keys if str(folder) == "/keys" else folder, role))
+
+
 def parse_command(command: list[str]):
     """Parse one compose ``command`` with the parser of the program it runs."""
     program, *argv = command
@@ -30,18 +43,61 @@ def parse_command(command: list[str]):
     raise AssertionError(f"{program!r} is not a command of this project")
 
 
+SERVING = ("api", "engine-core-0", "engine-core-1")
+
+
 def test_services_and_shared_image():
     services = DEFAULT_SERVICES
-    assert set(services) == {"api", "engine-core-0", "engine-core-1"}
+    assert set(services) == {"keys", *SERVING}
     assert services["api"]["build"] == "."
     assert {s["image"] for s in services.values()} == {services["api"]["image"]}
-    assert "8000:8000" in services["api"]["ports"]
-    for service in services.values():
-        assert any(volume.split(":")[0] == "models" for volume in service["volumes"])
-    assert "models" in COMPOSE["volumes"]
+    assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]  # the host's loopback only
+    for name in SERVING:
+        assert any(volume.split(":")[0] == "models" for volume in services[name]["volumes"])
+    assert "models" in COMPOSE["volumes"] and "keys" in COMPOSE["volumes"]
 
 
-@pytest.mark.parametrize("name", ["api", "engine-core-0", "engine-core-1"])
+def test_only_loopback_ports_are_published():
+    for name, service in COMPOSE["services"].items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+            assert not port.endswith((":29550", ":14579")), f"{name} publishes an engine or KV port"
+
+
+def test_a_one_shot_keys_service_puts_keys_in_place_before_anything_starts():
+    keys = COMPOSE["services"]["keys"]
+    script = keys["command"][-1]
+    assert keys["restart"] == "no" and "keys:/keys" in keys["volumes"]
+    assert "umask 077" in script and "weft keys --dir /keys" in script
+    assert "/keys/api-key" in script and "/keys/kv-transfer-secret" in script
+    for name, service in COMPOSE["services"].items():
+        if name == "keys":
+            continue
+        assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+        assert "keys:/keys:ro" in service["volumes"], name  # read-only everywhere but in `keys`
+
+
+@pytest.mark.parametrize("name", SERVING)
+def test_the_links_are_curve_and_the_api_has_a_key(name):
+    args = parse_command(COMPOSE["services"][name]["command"])
+    assert args.zmq_curve_keys == "/keys"
+    if name == "api":
+        # The key comes from its file into the environment (weft serve reads $WEFT_API_KEY), not argv.
+        assert args.api_key is None
+        assert "WEFT_API_KEY=" in " ".join(COMPOSE["services"]["api"]["entrypoint"])
+
+
+def test_the_image_runs_as_a_user_without_privileges():
+    lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    last_user = max(i for i, line in enumerate(lines) if line.startswith("USER "))
+    first_cmd = min(i for i, line in enumerate(lines) if line.startswith(("CMD", "ENTRYPOINT")))
+    assert last_user < first_cmd
+
+
+@pytest.mark.parametrize("name", SERVING)
 def test_command_is_a_real_cli_invocation(name):
     command = COMPOSE["services"][name]["command"]
     assert isinstance(command, list) and all(isinstance(part, str) for part in command)

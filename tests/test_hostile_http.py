@@ -2,15 +2,19 @@
 
 One ``weft serve`` (one engine core running a tiny random Llama, so valid
 requests cost milliseconds) with small limits: 4 running + 4 waiting
-sequences, ``--max-n 4``, a 64 KiB body cap and two API keys. The fuzz sends
-random and malformed requests to every route: no answer may be a 5xx other
-than 503, every error must be OpenAI-shaped, no process may die, and no KV
-block may stay in use. Then 4x more concurrent requests than the engine
+sequences, ``--max-n 4``, a 64 KiB body cap and two API keys (one read
+from a file). The fuzz sends random and malformed requests to every route:
+no answer may be a 5xx other than 503, every error must be OpenAI-shaped,
+no process may die, and no KV block may stay in use. Then 4x more concurrent requests than the engine
 admits: the excess gets 503 at once, the rest complete, nothing leaks.
+Last, the single requests meant to stall or break the API process (deep
+nesting, a pathological grammar, huge stop lists, a trickled body) are
+refused while the server keeps serving.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -28,16 +32,22 @@ KEYS = ["first-key", "second-key"]
 MAX_NUM_SEQS = MAX_WAITING = 4
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING
 MAX_BODY = 65536
+BODY_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(f"# the second key comes from a file, out of `ps`\n{KEYS[1]}\n")
     stack = Stack(["--model", str(model), "--served-model-name", MODEL_NAME, "--data-parallel-size", "1",
                    "--num-gpu-blocks-override", "128", "--max-model-len", "160", "--dtype", "float32",
                    "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
                    "--max-waiting-requests", str(MAX_WAITING), "--max-n", "4",
-                   "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0], "--api-key", KEYS[1]],
+                   "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0],
+                   "--api-key-file", str(key_file), "--body-timeout", str(BODY_TIMEOUT_S),
+                   # Bodies carry both endpoints' prompt fields (see tests/api/test_app_fuzz.py).
+                   "--allow-unknown-fields"],
                   tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
     try:
         stack.wait_healthy()
@@ -172,3 +182,61 @@ def test_overload_gets_quick_503s_and_the_admitted_complete(stack):
         assert response.json()["usage"]["completion_tokens"] == 120
     health = wait_idle(stack)
     assert health["capacity"] == CAPACITY
+
+
+# ---- single hostile requests
+
+_AUTH = {"authorization": f"Bearer {KEYS[0]}", "content-type": "application/json"}
+_DEEP = b"[" * 5000 + b"]" * 5000
+_HOSTILE = [
+    ("/v1/completions", b'{"prompt": "Hi", "x": ' + _DEEP + b"}", 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "x": ' + _DEEP + b"}", 400),
+    ("/tokenize", b'{"prompt": "Hi", "x": ' + _DEEP + b"}", 400),
+    ("/detokenize", b'{"tokens": ' + _DEEP + b"}", 400),
+    ("/v1/completions", _json({**_VALID, "guided_grammar": "expr: NUMBER" + "\n" * 25_000}), 400),
+    ("/v1/completions", _json({**_VALID, "stop": [f"s{i}" for i in range(1000)]}), 400),
+    ("/v1/completions", _json({**_VALID, "stop_token_ids": list(range(5000))}), 400),
+]
+
+
+async def _trickled_post(port: int) -> tuple[bytes, int]:
+    """A body sent a byte at a time: the answer (read to EOF) and how many bytes went."""
+    body = b'{"prompt": "' + b"x" * 5000 + b'"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (b"POST /tokenize HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+    writer.write(head % (KEYS[0].encode(), len(body)))
+
+    async def trickle() -> int:
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            for byte in body:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                sent += 1
+                await asyncio.sleep(BODY_TIMEOUT_S / 40)  # the attack's pace, not a wait for anything
+        return sent
+
+    trickler = asyncio.create_task(trickle())
+    answer = await asyncio.wait_for(reader.read(), 120)
+    sent = await asyncio.wait_for(trickler, 120)
+    writer.close()
+    return answer, sent
+
+
+def test_single_hostile_requests_are_refused_and_the_server_keeps_serving(stack, http):
+    api_pid = stack.api.pid
+    for path, body, status in _HOSTILE:
+        response = http.post(path, content=body, headers=_AUTH)
+        assert response.status_code == status, (path, response.text)
+        check_answer(response)
+    # The tokenizer routes want the key too.
+    assert http.post("/tokenize", json={"prompt": "Hi"}).status_code == 401
+    answer, sent = asyncio.run(_trickled_post(httpx.URL(stack.url).port))
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert sent < 2500  # cut off at the deadline, not waited for
+    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3},
+                         headers=_AUTH)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    assert stack.api.poll() is None and stack.api.pid == api_pid
+    wait_idle(stack)

@@ -25,33 +25,35 @@ from starlette.routing import Route
 
 from protocol import EngineConfig
 from services.api.admission import Admission, TicketReleaseMiddleware
+from services.api.api_options import APIOptions
 from services.api.auth import APIKeyMiddleware
+from services.api.chat_args import ChatSettings
 from services.api.engine_client import EngineClient
 from services.api.errors import (
     APIError,
     api_error_handler,
     bad_request,
-    from_validation_error,
     http_error_handler,
     internal_error_handler,
 )
-from services.api.limits import BodySizeLimitMiddleware, ServingLimits
+from services.api.limits import BodyDeadlineMiddleware, BodySizeLimitMiddleware, ServingLimits, check_depth
 from services.api.management import MANAGEMENT_PATHS, ManagementRoutes
 from services.api.metrics import CONTENT_TYPE, APIMetrics
+from services.api.offload import run_blocking
 from services.api.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    decode_body,
 )
 from services.api.pausable import PausableEngineClient
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
-from services.api.serving_chat import ChatServing, chat_prompt_ids
+from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
+from services.api.unknown_fields import decode_request
 
 # What a server answers to a request whose client is gone (nginx's code); nobody reads it.
 _CLIENT_CLOSED = 499
@@ -64,11 +66,38 @@ def _version() -> str:
         return "unknown"
 
 
-async def _read(request: Request, type: type) -> object:
+async def _read(request: Request, type: type, allow_unknown: bool = False) -> object:
+    """The body as ``type`` (unknown fields: see ``decode_request``), every nesting bounded."""
     try:
-        return decode_body(await request.body(), type)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation_error(e) from e
+        body = decode_request(await request.body(), type, allow_unknown)
+    except RecursionError:
+        # msgspec stops at its own depth limit, in any field, known or not.
+        raise bad_request("The request body nests too deeply.") from None
+    _check_free_form_depth(body)
+    return body
+
+
+def _check_free_form_depth(body: object) -> None:
+    """Schemas are free-form JSON (or JSON text) that later code walks
+    recursively: bound their depth first."""
+    _check_schema_depth(getattr(body, "guided_json", None), "guided_json")
+    structured = getattr(body, "structured_outputs", None)
+    if structured is not None:
+        _check_schema_depth(structured.json, "structured_outputs")
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.json_schema is not None:
+        _check_schema_depth(response_format.json_schema.schema, "response_format")
+
+
+def _check_schema_depth(schema: object, param: str) -> None:
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)  # in C, with its own depth limit
+        except RecursionError:
+            raise bad_request(f"{param} nests too deeply.", param) from None
+        except msgspec.DecodeError:
+            return  # not JSON: the schema's own check names that
+    check_depth(schema, param)
 
 
 def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
@@ -82,18 +111,18 @@ def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
 
 
 class _Routes:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, chat: ChatSettings | None = None) -> None:
         self.ctx = ctx
         self.completions = CompletionServing(ctx)
-        self.chat = ChatServing(ctx)
+        self.chat = ChatServing(ctx, chat)
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
-        body = await _read(request, CompletionRequest)
+        body = await _read(request, CompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.completions.create(request, body)
 
     async def create_chat_completion(self, request: Request) -> Response:
-        body = await _read(request, ChatCompletionRequest)
+        body = await _read(request, ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
 
     def model_card(self, name: str) -> dict | None:
@@ -101,7 +130,7 @@ class _Routes:
         if name != self.ctx.served_model_name and name not in self.ctx.model_aliases:
             return None
         return {"id": name, "object": "model", "created": self.created,
-                "owned_by": "weft", "root": self.ctx.config.model.model, "parent": None,
+                "owned_by": "weft", "root": self.ctx.served_model_name, "parent": None,
                 "max_model_len": self.ctx.max_model_len, "permission": []}
 
     async def models(self, request: Request) -> Response:
@@ -137,11 +166,15 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt)
+            check_messages_size(self.ctx, body.messages)
+            tokens = await run_blocking(chat_prompt_ids, self.ctx, body.messages, body.add_generation_prompt,
+                                        **self.chat.template_args(body))
         else:
-            tokens = self.ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
-                             "tokens": tokens})
+            self.ctx.limits.check_text_size([body.prompt], "prompt")
+            tokens = await run_blocking(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
+        # msgspec, not json.dumps: a million token ids encode in milliseconds, on the loop.
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
+                                             "tokens": tokens}), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         body = await _read(request, DetokenizeRequest)
@@ -149,7 +182,7 @@ class _Routes:
         if body.tokens and max(body.tokens) >= self.ctx.vocab_size:
             raise bad_request(f"Token id {max(body.tokens)} is out of the vocabulary "
                               f"(size {self.ctx.vocab_size}).", "tokens")
-        return JSONResponse({"prompt": self.ctx.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await run_blocking(self.ctx.tokenizer.decode, body.tokens)})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.ctx.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -171,10 +204,18 @@ class _Routes:
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None,
               served_model_name: str | Sequence[str] | None = None,
-              limits: ServingLimits | None = None) -> Starlette:
+              limits: ServingLimits | None = None, chat: ChatSettings | None = None,
+              protect_tokenize: bool = True, options: APIOptions | None = None,
+              kv_transfer_secret: str | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
-    ``api_key``: one key or several (any of them is accepted). ``served_model_name``:
-    one name or several; the first is the one responses report, any is accepted."""
+    ``api_key``: one key or several (any of them is accepted); with
+    ``protect_tokenize`` it guards /tokenize and /detokenize too. ``chat``:
+    the chat template and tool-calling options. ``kv_transfer_secret``: the
+    P/D proxy's, without which clients may not set kv_transfer_params.
+    ``served_model_name``: one name or several; the first is the one responses
+    report, any is accepted."""
+    if chat is not None and chat.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat.chat_template)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     name, aliases = (names or [config.model.served_model_name])[0], tuple(dict.fromkeys(names[1:]))
     limits = limits or ServingLimits()
@@ -183,7 +224,8 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
     routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
-                                    model_aliases=tuple(a for a in aliases if a != name)))
+                                    options or APIOptions(), kv_transfer_secret,
+                                    tuple(a for a in aliases if a != name)), chat)
     management = ManagementRoutes(engine_client, admission, routes.model_card)
 
     @contextlib.asynccontextmanager
@@ -195,11 +237,13 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
             await engine_client.shutdown()
 
     # Outermost first: every exchange returns its tickets; bodies are capped
-    # before anything reads them; keys are checked before any work.
+    # in time and size before anything reads them; keys are checked before any work.
     middleware = [Middleware(TicketReleaseMiddleware),
+                  Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
                   Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)]
     if api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key, also_protect=MANAGEMENT_PATHS))
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key, protect_tokenize=protect_tokenize,
+                                     also_protect=MANAGEMENT_PATHS))
     app = Starlette(
         routes=routes.table() + management.table(),
         middleware=middleware,

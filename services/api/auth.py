@@ -1,8 +1,11 @@
-"""The ``--api-key`` check: pure ASGI, on /v1 paths only.
+"""The ``--api-key`` check: pure ASGI, on /v1 paths, /tokenize and /detokenize.
 
-/health, /metrics, /version, /tokenize and /detokenize stay open (vLLM does
-the same: probes and scrapers carry no key); ``also_protect`` names more
-exact paths that need a key (the management routes that change serving). Several keys may be valid at
+/health, /metrics and /version stay open (vLLM does the same: probes and
+scrapers carry no key). /tokenize and /detokenize cost CPU and show how a
+prompt tokenizes, so they are protected unless ``protect_tokenize`` is
+off (``--no-api-key-protects-tokenize``); ``also_protect`` names more exact
+paths that need a key (the management routes that change serving). Several
+keys may be valid at
 once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
 length, its prefix nor which key matched leaks through timing.
@@ -23,22 +26,30 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def _is_protected(path: str) -> bool:
+_TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize"})
+
+
+def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str], also_protect: Sequence[str] = ()) -> None:
+    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str], protect_tokenize: bool = True,
+                 also_protect: Sequence[str] = ()) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
         if not keys or not all(keys):
             raise ValueError("API keys must be non-empty strings.")
         self.app = app
         self._digests = [_digest(key) for key in keys]
+        self._protect_tokenize = protect_tokenize
         self._also_protected = frozenset(also_protect)
 
+    def _is_protected(self, path: str) -> bool:
+        return _is_v1(path) or path in self._also_protected or (
+            self._protect_tokenize and path.rstrip("/") in _TOKENIZER_ROUTES)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not (
-                _is_protected(scope["path"]) or scope["path"] in self._also_protected):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         if self._authorized(Headers(scope=scope).get("authorization", "")):

@@ -10,11 +10,24 @@ whatever they miss, the engine's compile still reports as the request's
 error.
 
 Every check raises ``ValueError`` with a message that says what is wrong.
+Each runs on client input, so each is linear in its input and refuses
+anything over ``MAX_CONSTRAINT_CHARS`` before looking at it.
 """
 from __future__ import annotations
 
 import re
 from urllib.parse import unquote
+
+# The largest regex, grammar or schema text checked (a constraint of this
+# size already takes the engine's compiler seconds).
+MAX_CONSTRAINT_CHARS = 128 * 1024
+
+
+def check_size(text: str, what: str) -> None:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the {what} is {len(text)} characters long; this server checks at most "
+                         f"{MAX_CONSTRAINT_CHARS}")
+
 
 # ---------------------------------------------------------------- regexes
 
@@ -27,6 +40,7 @@ _START, _ATOM, _QUANTIFIED, _LAZY = range(4)
 
 def check_regex(pattern: str) -> None:
     """A regular expression in the dialect xgrammar compiles (ECMAScript-like)."""
+    check_size(pattern, "regex")
     i, depth, last = 0, 0, _START
     while i < len(pattern):
         c = pattern[i]
@@ -235,6 +249,7 @@ _EBNF_TOKEN = re.compile(r'''
 
 def check_grammar(grammar: str) -> None:
     """An EBNF grammar (rules ``name ::= ...``, entry ``root``), or a Lark one (entry ``start``)."""
+    check_size(grammar, "grammar")
     if "::=" in grammar:
         _check_ebnf(grammar)
     else:
@@ -309,11 +324,17 @@ def _check_rule_names(grammar: str, defined: dict[str, int], referenced: list[tu
 
 
 # Lark: strings, regexes and comments, then brackets; nothing else is checked.
-_LARK_TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*|[^"/]')
+# Runs of other characters are one token, so the loop below steps per token, not per character.
+_LARK_TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*'
+                         r'|[^"/()\[\]]+|[^"/]')
+# The start rule at a line start. Only blanks other than '\n' may lead: a
+# leading \s* would run over every following empty line from each line
+# start (quadratic in the number of lines); the later line start matches anyway.
+_LARK_START = re.compile(r"^[^\S\n]*[?!]?start\s*:", re.MULTILINE)
 
 
 def _check_lark(grammar: str) -> None:
-    if not re.search(r"^\s*[?!]?start\s*:", grammar, re.MULTILINE):
+    if not _LARK_START.search(grammar):
         raise ValueError("the grammar has no 'start' rule (start: ...), where matching starts "
                          "(or write EBNF: root ::= ...)")
     depth, i = 0, 0

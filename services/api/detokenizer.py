@@ -3,13 +3,16 @@
 Stop strings are the front end's job (the engine only knows token ids):
 when one appears, the text is cut there and the caller aborts the request
 in its engine. While streaming, the last ``max(len(stop)) - 1`` characters
-are held back, since they could still turn into a stop string.
+are held back, since they could still turn into a stop string. As in vLLM,
+stop strings are looked for only once the output has more than
+``min_tokens`` tokens, and only in text that could end at the newest token.
 """
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
 from protocol import SamplingParams
+from services.api.stop_matcher import matcher_for
 from services.api.tokenizer import Tokenizer
 
 
@@ -17,10 +20,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self._stops = params.stop_strings
+        self._stops = matcher_for(tuple(params.stop_strings))
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max(map(len, self._stops), default=0)
+        self._max_stop_len = self._stops.max_len
         self._hold_back = 0 if self._include_stop else max(0, self._max_stop_len - 1)
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out by ``take_delta``
         self.stop_string: str | None = None
@@ -28,22 +33,22 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: list[int]) -> bool:
         """Append the text of ``token_ids``; True when a stop string ended it."""
         for token_id in token_ids:
+            self._num_tokens += 1
             piece = self._stream.step(self._tokenizer.backend, token_id)
             if not piece:
                 continue
             # A stop string may begin up to len(stop) - 1 characters back.
             start = max(0, len(self.text) - self._max_stop_len + 1)
             self.text += piece
-            if self._stops and self._find_stop(start):
+            if self._stops and self._num_tokens > self._min_tokens and self._find_stop(start):
                 return True
         return False
 
     def _find_stop(self, search_from: int) -> bool:
-        hits = [(self.text.find(s, search_from), s) for s in self._stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        hit = self._stops.earliest(self.text, search_from)
+        if hit is None:
             return False
-        index, stop = min(hits)
+        index, stop = hit
         self.text = self.text[: index + len(stop) if self._include_stop else index]
         self.stop_string = stop
         return True

@@ -14,13 +14,29 @@ holding the client key get in (``protocol.curve``); a frame that does not
 decode is counted (``dropped_frames()``) and dropped.
 
 Requests go to the ready rank with the lowest ``4 * waiting + running``, as
-vLLM's DPLBAsyncMPClient does. A rank's life: ``waiting`` (until its hello
-and ready) -> ``ready`` -> ``draining`` (it was told to stop: it finishes
-what it holds, gets nothing new) -> ``dead`` (its process exited, it said
+vLLM's DPLBAsyncMPClient does, or, with a ``PrefixRouter``, by the prefix
+each rank caches within a load bound (``services/api/prefix_router.py``).
+A rank's life: ``waiting`` (until its hello and ready) -> ``ready`` ->
+``draining`` (it was told to stop: it finishes what it holds, gets nothing new) -> ``dead`` (its process exited, it said
 goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests
 then fail with ``EngineDeadError``. A dead rank that says hello again (a
 local one restarted by ``LocalEngines``, a headless one restarted by the
-operator) is handed its config and rejoins once ready.
+operator) is handed its config and rejoins once ready; a headless rank that
+was only silent (a network blip, a long stall) rejoins as soon as it is
+heard again, and is told to abort what it held.
+
+A rank is bound to the connection that shook hands for it: each engine
+process has its own identity (``instance_identity``), which the hello
+reveals and every later message must come from. A hello for a live rank, or
+a status message from another identity, is refused and counted
+(``dropped_frames()["rank_claim"]``): a peer cannot take over a rank's
+traffic, nor say goodbye or draining for it. With CURVE the rank is also
+bound to the key its hello came with (``client`` or a per-node key, see
+``protocol.curve``): status messages and outputs for it must come over
+connections authenticated with that key, so one node cannot speak for a
+rank another node serves. The input ROUTER is
+ROUTER_MANDATORY: a request for a rank whose connection is gone fails at
+once with ``EngineDeadError`` instead of vanishing.
 Torch-free: nothing here may import torch.
 """
 from __future__ import annotations
@@ -30,7 +46,7 @@ import itertools
 import logging
 import subprocess
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence
 
 import msgspec
 import zmq
@@ -46,13 +62,14 @@ from protocol.handshake import (
     EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
 )
 from protocol.zmq_sockets import (
-    arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, make_socket, rank_identity,
-    tcp_address, tcp_host,
+    asend, bound_address, identity_rank, ipc_address, is_tcp, is_unreachable, make_socket, split, tcp_address,
+    tcp_host,
 )
 from services.api.engine_client import (
     EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_deltas,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
+from services.api.prefix_router import PrefixRouter
 
 __all__ = ["DPLBEngineClient", "launch_local_engines", "stop_processes"]
 
@@ -71,9 +88,10 @@ class DPLBEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
                  local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
                  silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
-                 restart_local: bool = False) -> None:
+                 restart_local: bool = False, prefix_router: PrefixRouter | None = None) -> None:
         """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
-        with ``restart_local`` one that dies is started again (with back-off)."""
+        with ``restart_local`` one that dies is started again (with back-off). With a
+        ``prefix_router`` ranks are chosen by cached prefix and load, else by load alone."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
@@ -88,6 +106,11 @@ class DPLBEngineClient(EngineClient):
                                   restart=restart_local)
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
         self._last_seen: dict[int, float] = {}
+        self._identity: dict[int, bytes] = {}  # rank -> the identity that shook hands for it
+        self._key_name: dict[int, str | None] = {}  # rank -> the CURVE key its hello came with
+        # Ranks dead because they went quiet (or their connection dropped),
+        # and the requests they held: heard again, they rejoin and abort those.
+        self._quiet: dict[int, set[str]] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._holder: dict[str, int] = {}
         self._encoder = Encoder()
@@ -96,7 +119,8 @@ class DPLBEngineClient(EngineClient):
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         # Frames that failed to decode, by the socket they came in on.
-        self._dropped_frames = {"handshake": 0, "status": 0, "output": 0}
+        self._dropped_frames = {"handshake": 0, "status": 0, "output": 0, "rank_claim": 0}
+        self.prefix_router = prefix_router
         # Utility calls sent and not answered: call id -> (rank, its answer).
         self._utility_calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -111,20 +135,22 @@ class DPLBEngineClient(EngineClient):
             self._auth = ZapAuthenticator(self._ctx, self.curve)  # before any socket accepts a peer
         self._handshake_sock = self._bind(zmq.ROUTER, self.handshake_address)
         self.handshake_address = bound_address(self._handshake_sock)
-        self._input_sock = self._bind(zmq.ROUTER, self._data_address("input"), linger=1000)
+        self._input_sock = self._bind(zmq.ROUTER, self._data_address("input"), linger=1000,
+                                      router_mandatory=True)
         self._output_sock = self._bind(zmq.PULL, self._data_address("output"))
         self.input_address = bound_address(self._input_sock)
         self.output_address = bound_address(self._output_sock)
+        if self.prefix_router is not None:
+            self.prefix_router.start(self._ctx)
         for coro in (self._handshake_loop(), self._status_loop(), self._output_loop(), self._monitor_loop()):
             task = asyncio.create_task(coro, name=coro.__name__)
             task.add_done_callback(_log_task_failure)
             self._tasks.append(task)
 
-    def _bind(self, socket_type: int, address: str, linger: int = 0) -> zmq.asyncio.Socket:
-        # ROUTER handover: a restarted rank reconnects with its old identity
-        # and must win over a connection whose death is not yet noticed.
+    def _bind(self, socket_type: int, address: str, linger: int = 0,
+              router_mandatory: bool = False) -> zmq.asyncio.Socket:
         return make_socket(self._ctx, socket_type, address, bind=True, linger=linger, curve=self.curve,
-                           router_handover=socket_type == zmq.ROUTER)
+                           router_mandatory=router_mandatory)
 
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.
@@ -149,6 +175,8 @@ class DPLBEngineClient(EngineClient):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.prefix_router is not None:
+            await self.prefix_router.stop()
         for rank in list(self._stats):
             self._mark_dead(rank, "the API shut down")
         # Engines that said goodbye are exiting: let them, before any SIGTERM.
@@ -169,7 +197,7 @@ class DPLBEngineClient(EngineClient):
     def dropped_frames(self) -> dict[str, int]:
         return dict(self._dropped_frames)
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         request_id = request.request_id
         if request_id in self._holder:
             raise ValueError(f"Request id {request_id!r} is already in flight.")
@@ -192,6 +220,7 @@ class DPLBEngineClient(EngineClient):
                 finished = item.finished
                 yield item
         finally:
+            # The one ABORT of a request closed early (stop string, client gone).
             self._forget(request_id)
             if not finished and self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, [request_id])
@@ -248,15 +277,26 @@ class DPLBEngineClient(EngineClient):
         ready = [s for s in self._stats.values() if s.state == "ready"]
         if not ready:
             raise EngineNotReadyError("No engine core is ready.")
+        if self.prefix_router is not None:
+            return self.prefix_router.pick(request, {s.rank: 4 * s.num_waiting + s.num_running for s in ready})
         # min() keeps the first of equal scores: ties go to the lowest rank.
         return min(ready, key=lambda s: (4 * s.num_waiting + s.num_running, s.rank)).rank
 
     async def _send(self, rank: int, kind: EngineCoreRequestType, payload: object = None) -> None:
-        identity = rank_identity(rank)
-        if payload is None:
-            await self._input_sock.send_multipart([identity, kind.value])
-        else:
-            await asend(self._input_sock, self._encoder, payload, identity, kind.value)
+        """Send to ``rank``; if its connection is gone, mark it dead (its
+        requests, this one included, fail with ``EngineDeadError``)."""
+        identity = self._identity.get(rank)
+        if identity is None:
+            return
+        try:
+            if payload is None:
+                await self._input_sock.send_multipart([identity, kind.value])
+            else:
+                await asend(self._input_sock, self._encoder, payload, identity, kind.value)
+        except zmq.ZMQError as e:
+            if not is_unreachable(e):
+                raise
+            self._mark_dead(rank, "its connection is gone", quiet=True)
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
@@ -273,11 +313,17 @@ class DPLBEngineClient(EngineClient):
 
     # ---- background tasks
 
+    async def _recv(self, sock: zmq.asyncio.Socket, decoder: Decoder, num_header: int):
+        """(header, message, the CURVE key name its connection used, None without CURVE)."""
+        frames = await sock.recv_multipart(copy=False)
+        header, body = split(frames, num_header)
+        return header, decoder.decode(body), _key_name(frames[-1])
+
     async def _handshake_loop(self) -> None:
         decoder = Decoder(EngineHello)
         while True:
             try:
-                (identity,), hello = await arecv(self._handshake_sock, decoder, num_header=1)
+                (identity,), hello, key_name = await self._recv(self._handshake_sock, decoder, 1)
             except ValueError as e:
                 self._dropped("handshake", e)
                 continue
@@ -286,15 +332,21 @@ class DPLBEngineClient(EngineClient):
                 logger.warning("Ignored a hello from unknown rank %d (identity %r).", hello.rank, identity)
                 continue
             state = self._stats[rank].state
-            if state in _LIVE or self._closing:
-                # Another process already serves this rank (or we stop): it keeps it.
-                logger.warning("Ignored a hello from rank %d, which is %s.", rank, state)
+            if self._closing:
+                continue
+            if state in _LIVE:
+                # Another process already serves this rank: it keeps it.
+                self._refuse_claim(rank, f"a hello for rank {rank}, which is {state}")
                 continue
             if hello.local != (rank in self.local):
                 logger.warning("Rank %d says local=%s, but this API %s start it.",
                                rank, hello.local, "did" if rank in self.local else "did not")
             if state == "dead":
                 self._stats[rank].state = "waiting"  # a restarted rank rejoins
+                self._quiet.pop(rank, None)  # a new process: the old one's requests died with it
+            # Bound until the rank dies: its ready and every later message must come from here.
+            self._identity[rank] = identity
+            self._key_name[rank] = key_name
             logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 
@@ -309,7 +361,7 @@ class DPLBEngineClient(EngineClient):
         decoder: Decoder[EngineStatus] = Decoder(EngineStatus)
         while True:
             try:
-                (identity,), status = await arecv(self._input_sock, decoder, num_header=1)
+                (identity,), status, key_name = await self._recv(self._input_sock, decoder, 1)
             except ValueError as e:
                 self._dropped("status", e)
                 continue
@@ -317,22 +369,35 @@ class DPLBEngineClient(EngineClient):
             if rank not in self._stats or status.rank != rank:
                 logger.warning("Ignored a status message from unknown rank %d.", status.rank)
                 continue
+            if identity != self._identity.get(rank) or key_name != self._key_name.get(rank):
+                self._refuse_claim(rank, f"a {type(status).__name__} for rank {rank} from another connection")
+                continue
             if isinstance(status, EngineReady):
                 self._on_ready(status)
             elif isinstance(status, EngineDraining):
                 await self._on_draining(status)
             elif isinstance(status, EngineGoodbye):
+                self._quiet.pop(rank, None)  # it stops for good: nothing to rejoin
                 self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})", expected=True)
                 await self._send(rank, EngineCoreRequestType.SHUTDOWN)  # acknowledges the goodbye
+
+    def _refuse_claim(self, rank: int, what: str) -> None:
+        self._dropped_frames["rank_claim"] += 1
+        if self._dropped_frames["rank_claim"] % 100 == 1:  # a peer retrying must not flood the log
+            logger.warning("Refused %s (%d refused so far): a rank is bound to the connection that shook "
+                           "hands for it.", what, self._dropped_frames["rank_claim"])
 
     def _on_ready(self, ready: EngineReady) -> None:
         stats = self._stats[ready.rank]
         if stats.state != "waiting":
             return  # a late message of an instance declared dead
         stats.state = "ready"
+        self.local.on_ready(ready.rank)
         stats.num_blocks = ready.num_blocks
         stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
         self._last_seen[ready.rank] = time.monotonic()
+        if self.prefix_router is not None:
+            self.prefix_router.rank_up(ready.rank)
         logger.info("Rank %d is ready (%d KV blocks, max_model_len %d).",
                     ready.rank, ready.num_blocks, ready.max_model_len)
 
@@ -350,11 +415,17 @@ class DPLBEngineClient(EngineClient):
         decoder = Decoder(EngineCoreOutputs)
         while True:
             try:
-                _, batch = await arecv(self._output_sock, decoder)
+                _, batch, key_name = await self._recv(self._output_sock, decoder, 0)
             except ValueError as e:
                 self._dropped("output", e)
                 continue
+            if key_name != self._key_name.get(batch.engine_index, key_name):
+                self._refuse_claim(batch.engine_index,
+                                   f"outputs for rank {batch.engine_index} under another key")
+                continue
             stats = self._stats.get(batch.engine_index)
+            if stats is not None and batch.engine_index in self._quiet:
+                await self._rejoin(batch.engine_index)
             if stats is None or stats.state not in _LIVE:
                 continue
             self._last_seen[batch.engine_index] = time.monotonic()
@@ -364,6 +435,20 @@ class DPLBEngineClient(EngineClient):
                 self._on_utility_result(batch.engine_index, batch.utility_output)
             for output in batch.outputs:
                 self._route(output)
+
+    async def _rejoin(self, rank: int) -> None:
+        """A rank that went quiet is heard again: it serves again, after
+        dropping the requests this client already failed."""
+        stale = self._quiet.pop(rank)
+        stats = self._stats[rank]
+        stats.state = "ready"
+        self._last_seen[rank] = time.monotonic()
+        logger.warning("Engine core rank %d is heard again: it rejoins (aborting its %d stale request(s)).",
+                       rank, len(stale))
+        if self.prefix_router is not None:
+            self.prefix_router.rank_up(rank)  # its cache view is rebuilt from the replay
+        if stale:
+            await self._send(rank, EngineCoreRequestType.ABORT, sorted(stale))
 
     def _dropped(self, socket_name: str, error: Exception) -> None:
         self._dropped_frames[socket_name] += 1
@@ -390,7 +475,8 @@ class DPLBEngineClient(EngineClient):
                 if stats.state != "dead" and code is not None:
                     self._mark_dead(rank, f"its process exited with code {code}")
                 elif stats.state in _LIVE and now - self._last_seen[rank] > self.silence_timeout_s:
-                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s", hung=True)
+                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s", hung=True,
+                                    quiet=True)
             for rank in self.local.restart_due():
                 self._stats[rank].state = "waiting"
             waiting = [r for r, s in self._stats.items() if s.state == "waiting"]
@@ -398,12 +484,19 @@ class DPLBEngineClient(EngineClient):
                 logger.info("Still waiting for engine core rank(s) %s to be ready.", waiting)
                 last_log = now
 
-    def _mark_dead(self, rank: int, reason: str, *, hung: bool = False, expected: bool = False) -> None:
-        """``expected``: it said goodbye (a drain, a stop), rather than crashed or went silent."""
+    def _mark_dead(self, rank: int, reason: str, *, hung: bool = False, expected: bool = False,
+                   quiet: bool = False) -> None:
+        """``expected``: it said goodbye (a drain, a stop), rather than crashed or went silent.
+        ``quiet``: it went silent or lost its connection; a remote rank may
+        still be alive, and rejoins when heard again (a local one is killed)."""
         stats = self._stats[rank]
         if stats.state == "dead":
             return
         stats.state = "dead"
+        if quiet and rank not in self.local and not self._closing:
+            self._quiet[rank] = set(stats.in_flight)
+        if self.prefix_router is not None:
+            self.prefix_router.rank_down(rank)
         if not self._closing:
             level = logging.INFO if expected and not stats.in_flight else logging.ERROR
             logger.log(level, "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
@@ -416,6 +509,14 @@ class DPLBEngineClient(EngineClient):
             if held_by == rank and not future.done():
                 future.set_exception(EngineDeadError(f"Engine core rank {rank} stopped: {reason}."))
         stats.num_running = stats.num_waiting = 0
+
+
+def _key_name(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id of a frame's connection: the CURVE key's name, None without CURVE."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
 
 
 def _update_stats(stats: RankStats, new) -> None:

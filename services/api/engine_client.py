@@ -8,7 +8,7 @@ fake. Torch-free, like the whole API process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -73,11 +73,12 @@ class EngineClient(ABC):
         ranks become ready later)."""
 
     @abstractmethod
-    def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Send ``request`` to the least-loaded ready rank and yield its
         outputs until one is finished. Raises ``EngineNotReadyError`` when no
         rank is ready and ``EngineDeadError`` if the rank dies meanwhile.
-        Closing the iterator early (client gone) aborts the request."""
+        Closing the generator before its last output (a stop string, client
+        gone) aborts the request: its cleanup is the one owner of ABORT."""
 
     @abstractmethod
     async def abort(self, request_ids: list[str]) -> None:

@@ -2,8 +2,9 @@
 
 ``launch_local_engines`` starts them; ``LocalEngines`` watches them for the
 engine client and restarts one that exits, with exponential back-off for a
-rank that keeps dying soon after it starts (a crash loop), and at once
-(``base_s``) for one that had served a while. Torch-free.
+rank that keeps dying soon after it became ready (a crash loop; a slow model
+load does not count as serving), and at once (``base_s``) for one that had
+served a while. Torch-free.
 
 Engines run in their own session, so a terminal's Ctrl-C reaches only the
 API, which stops them in order; each engine asks the kernel to kill it when
@@ -17,6 +18,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.processes import STOP_GRACE_S, stop_processes
@@ -70,12 +72,16 @@ class LocalEngines:
     """Rank -> process of the engines started here, restarting them if asked."""
 
     def __init__(self, processes: dict[int, subprocess.Popen], *, restart: bool = False,
-                 backoff: RestartBackoff | None = None) -> None:
+                 backoff: RestartBackoff | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.processes = dict(processes)
         self.restart = restart
         self.backoff = backoff or RestartBackoff()
         self.num_restarts = {rank: 0 for rank in self.processes}
-        self._started = {rank: time.monotonic() for rank in self.processes}
+        self._clock = clock
+        # When each rank's current process said it was ready (None: not yet).
+        # Its life counts from there: one that crashes right after a long load
+        # is in a crash loop as much as one that crashes at once.
+        self._ready_at: dict[int, float | None] = {rank: None for rank in self.processes}
         self._due: dict[int, float] = {}  # rank -> when to start it again
 
     def __contains__(self, rank: int) -> bool:
@@ -86,6 +92,11 @@ class LocalEngines:
         proc = self.processes.get(rank)
         return None if proc is None or rank in self._due else proc.poll()
 
+    def on_ready(self, rank: int) -> None:
+        """``rank``'s current process finished loading and serves."""
+        if rank in self._ready_at and self._ready_at[rank] is None:
+            self._ready_at[rank] = self._clock()
+
     def on_dead(self, rank: int, *, hung: bool = False) -> None:
         """The client marked ``rank`` dead: kill its process if it ``hung``
         (went silent), and plan its restart."""
@@ -95,15 +106,17 @@ class LocalEngines:
         if hung and proc.poll() is None:
             proc.kill()
         if self.restart and rank not in self._due:
-            delay = self.backoff.delay(rank, time.monotonic() - self._started[rank])
-            self._due[rank] = time.monotonic() + delay
+            now = self._clock()
+            ready_at = self._ready_at[rank]
+            delay = self.backoff.delay(rank, 0.0 if ready_at is None else now - ready_at)
+            self._due[rank] = now + delay
             logger.info("Restarting engine core rank %d in %.1fs.", rank, delay)
 
     def restart_due(self) -> list[int]:
         """Start again every rank whose back-off is over and whose old process
         has exited (one that said goodbye gets ``STOP_GRACE_S`` to do so);
         returns those ranks."""
-        now = time.monotonic()
+        now = self._clock()
         ranks = []
         for rank, due in list(self._due.items()):
             old = self.processes[rank]
@@ -115,7 +128,7 @@ class LocalEngines:
                 continue
             ranks.append(rank)
             self.processes[rank] = subprocess.Popen(old.args, start_new_session=True)
-            self._started[rank] = now
+            self._ready_at[rank] = None
             self.num_restarts[rank] += 1
             del self._due[rank]
             logger.info("Engine core rank %d restarted (pid %d, restart #%d).", rank,

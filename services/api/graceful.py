@@ -46,9 +46,11 @@ class GracefulServer(uvicorn.Server):
             await asyncio.gather(self._drain, return_exceptions=True)
 
 
-def serve(app: Starlette, *, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info") -> None:
-    """Run ``app`` until SIGTERM/SIGINT, then stop gracefully; returns normally."""
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level)
+def serve(app: Starlette, *, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info",
+          **uvicorn_options) -> None:
+    """Run ``app`` until SIGTERM/SIGINT, then stop gracefully; returns normally.
+    ``uvicorn_options``: more ``uvicorn.Config`` settings (connection limits)."""
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_options)
     server = GracefulServer(config, app.state.admission, shutdown_timeout_s)
     # uvicorn re-raises the signal it stopped for once it is done, with the
     # handlers it found installed: make those ours, so the process then

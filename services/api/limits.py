@@ -2,21 +2,35 @@
 
 ``ServingLimits`` holds the API's hardening knobs (``weft serve`` flags).
 Each bound turns a request that would cost without bound -- a huge body to
-parse, a thousand choices, a prompt or output past any use -- into a 400
-(413 for the body) before any work is done.
+parse, a thousand choices, a prompt or output past any use, a million stop
+strings, a body trickled in a byte a minute -- into a 400 (413 for the
+body, 408 for the slow one) before any work is done.
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+from typing import Iterable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.api.errors import APIError, error_response
+from services.api.errors import APIError, bad_request, error_response
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_N = 16
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_PROMPTS = 256
+DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
+DEFAULT_MAX_STOP = 64
+DEFAULT_MAX_STOP_BYTES = 8192
+DEFAULT_MAX_STOP_TOKEN_IDS = 256
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_MESSAGES = 4096
+# How deep a free-form JSON value (a schema) may nest: deeper ones would
+# cost recursive walks (json.dumps, the schema checks) their stack.
+MAX_JSON_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -35,9 +49,24 @@ class ServingLimits:
     """A request still running after this many seconds is aborted (None: never)."""
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    """Most prompts in one completions request (checked before tokenizing)."""
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    """Most characters of prompt text (or message contents) in one request (checked before tokenizing)."""
+    max_stop: int = DEFAULT_MAX_STOP
+    """Most stop strings in one request."""
+    max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES
+    """Most UTF-8 bytes of all stop strings of one request together."""
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    """Most stop token ids in one request."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """Longest time a request body may take to arrive (408 beyond)."""
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    """Most chat messages in one request (checked before the chat template runs)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens"):
+        for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens", "max_prompts",
+                     "max_prompt_chars", "max_stop", "max_stop_bytes", "max_stop_token_ids", "max_messages"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -47,9 +76,60 @@ class ServingLimits:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}.")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be non-negative, got {self.shutdown_timeout_s}.")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}.")
 
     def waiting_per_rank(self, max_num_seqs: int) -> int:
         return 2 * max_num_seqs if self.max_waiting_requests is None else self.max_waiting_requests
+
+    def check_prompt_count(self, count: int, param: str = "prompt") -> None:
+        if count > self.max_prompts:
+            raise bad_request(f"The request has {count} prompts; this server takes at most "
+                              f"{self.max_prompts} (--max-prompts).", param)
+
+    def check_message_count(self, count: int) -> None:
+        if count > self.max_messages:
+            raise bad_request(f"The request has {count} messages; this server takes at most "
+                              f"{self.max_messages} (--max-messages).", "messages")
+
+    def check_text_size(self, texts: Iterable[str], param: str) -> None:
+        """400 once the texts together pass ``max_prompt_chars`` (stops counting there)."""
+        total = 0
+        for text in texts:
+            total += len(text)
+            if total > self.max_prompt_chars:
+                raise bad_request(f"The {param} text is longer than this server takes "
+                                  f"({self.max_prompt_chars} characters, --max-prompt-chars).", param)
+
+    def check_stop_lists(self, stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > self.max_stop:
+            raise bad_request(f"stop holds {len(stops)} strings; this server takes at most "
+                              f"{self.max_stop} (--max-stop).", "stop")
+        size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
+        if size > self.max_stop_bytes:
+            raise bad_request(f"The stop strings are {size} bytes together; this server takes at most "
+                              f"{self.max_stop_bytes} (--max-stop-bytes).", "stop")
+        if stop_token_ids is not None and len(stop_token_ids) > self.max_stop_token_ids:
+            raise bad_request(f"stop_token_ids holds {len(stop_token_ids)} ids; this server takes at most "
+                              f"{self.max_stop_token_ids} (--max-stop-token-ids).", "stop_token_ids")
+
+
+def check_depth(value: object, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 if the JSON value ``value`` nests deeper than ``limit``. Iterative,
+    so no depth can exhaust the stack; each node is visited once."""
+    pending = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            raise bad_request(f"{param} nests deeper than this server accepts ({limit} levels).", param)
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 class _BodyTooLarge(APIError):
@@ -88,3 +168,42 @@ class BodySizeLimitMiddleware:
                     raise _BodyTooLarge(self.max_bytes)  # the app's error handler answers 413
             return message
         return counted
+
+
+class _BodyTooSlow(APIError):
+    def __init__(self, timeout_s: float) -> None:
+        # Connection: close, so the server drops the rest of the body rather than wait for it.
+        super().__init__(f"The request body did not arrive within {timeout_s:g} seconds.", 408,
+                         headers={"Connection": "close"})
+
+
+class BodyDeadlineMiddleware:
+    """408 for a body still arriving ``timeout_s`` after its request began,
+    so that a client trickling bytes cannot hold a connection (and the
+    request's slot) forever. Only the body's reads have the deadline: a
+    response waiting on the client's disconnect afterwards waits as long as it needs."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, self._with_deadline(receive, time.monotonic() + self.timeout_s), send)
+
+    def _with_deadline(self, receive: Receive, deadline: float) -> Receive:
+        body_done = False
+
+        async def receive_in_time() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _BodyTooSlow(self.timeout_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+        return receive_in_time

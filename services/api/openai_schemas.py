@@ -2,7 +2,9 @@
 
 Requests are decoded straight from the HTTP body with ``decode_body``, so a
 wrong type comes back as a 400 naming the field's path (``$.messages[0].role``).
-Unknown fields are ignored: OpenAI clients send extras we do not know.
+The completion and chat requests refuse unknown fields (a 400 naming them,
+see ``services.api.unknown_fields``): a misspelt parameter must not be
+silently dropped. ``services.api.field_table`` says what each field does.
 Every integer carries bounds, since JSON integers are unbounded and an
 out-of-range one must be a 400 here, never an overflow deeper down.
 """
@@ -90,17 +92,29 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     # Disaggregated prefill/decode (vLLM's field): set by the P/D proxy.
     kv_transfer_params: KVTransferParams | None = None
+    # OpenAI's token id (a string in JSON) -> bias; vLLM's token filters.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    # OpenAI's, accepted without effect on a self-hosted server.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     prompt: Prompt
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
+    echo: bool = False
+    suffix: str | None = None  # refused
+    best_of: Count | None = None  # only equal to n
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's
 
 
 class TextPart(msgspec.Struct):
@@ -108,19 +122,82 @@ class TextPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call the assistant made: in a request's history and in a response."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" when tools are given (vLLM)
+    parallel_tool_calls: bool = True
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the final message's content leads the reply when it is the reply's role
+    # OpenAI's fields weft refuses whenever set (field_table says why).
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # OpenAI's, accepted without effect (prefix caching is automatic).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -129,6 +206,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # The chat options that change the rendered prompt, as on chat completions.
+    tools: list[ChatTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -157,12 +239,22 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = []
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's shape of one token's entry in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: per prompt position (the first is null), token id -> logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -195,6 +287,7 @@ class ChatChoiceLogprobs(msgspec.Struct):
 class ChatResponseMessage(msgspec.Struct):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -215,9 +308,24 @@ class ChatCompletionResponse(msgspec.Struct):
     kv_transfer_params: KVTransferParams | None = None  # what a decode engine needs (P/D)
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: the first names it (id, type, name), the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

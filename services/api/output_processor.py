@@ -37,11 +37,15 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_is_internal: bool = False  # the engine failed, not the request's input
     kv_transfer_params: KVTransferParams | None = None  # from the finished output (P/D)
+    eos_token_id: int | None = None
 
     @classmethod
-    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> "RequestState":
-        state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer)
+    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer,
+               eos_token_id: int | None = None) -> "RequestState":
+        state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer,
+                    eos_token_id=eos_token_id)
         if params.logprobs is not None:
             state.logprobs = []
         if params.prompt_logprobs is not None:
@@ -62,10 +66,13 @@ class RequestState:
         self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
         if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._convert(e) if e else None for e in output.new_prompt_logprobs)
+        unshown = self._stop_token_unshown(output)
         for i, token_id in enumerate(output.new_token_ids):
             self.token_ids.append(token_id)
             if output.new_logprobs and i < len(output.new_logprobs):
                 self._add_logprobs(output.new_logprobs[i])
+            if unshown and i == len(output.new_token_ids) - 1:
+                break
             if self.detokenizer.add_tokens([token_id]):
                 self.finish_reason = str(FinishReason.STOP)
                 self.stop_reason = self.detokenizer.stop_string
@@ -74,8 +81,20 @@ class RequestState:
             self.finish_reason = str(output.finish_reason)
             self.stop_reason = output.stop_reason
             self.error = output.error
+            self.error_is_internal = output.error_is_internal
             self.kv_transfer_params = output.kv_transfer_params
         return False
+
+    def _stop_token_unshown(self, output: EngineCoreOutput) -> bool:
+        """True when the output's last token is the stop token or EOS that ended the
+        request: vLLM keeps its id in ``token_ids`` but leaves its text out of
+        ``text``, unless ``include_stop_str_in_output``."""
+        if output.finish_reason != FinishReason.STOP or not output.new_token_ids:
+            return False
+        if self.params.include_stop_str_in_output:
+            return False
+        last = output.new_token_ids[-1]
+        return last == output.stop_reason or (last == self.eos_token_id and not self.params.ignore_eos)
 
     def _add_logprobs(self, entry: TokenLogprobs) -> None:
         self.cumulative_logprob += entry.logprobs[0]

@@ -17,10 +17,30 @@ import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
-from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
+from services.api.api_options import add_api_option_args, api_options
+from services.api.chat_args import ChatSettings, add_chat_args, chat_settings_from
+from services.api.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_PROMPTS,
+    DEFAULT_MAX_STOP,
+    DEFAULT_MAX_STOP_BYTES,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServingLimits,
+)
 from services.cli_args import add_engine_args, engine_args_from
+from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
+from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 
 logger = logging.getLogger("weft.serve")
+
+# uvicorn's own keep-alive default; a cap on connections it lacks (None: unbounded).
+DEFAULT_KEEP_ALIVE_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat to accept several keys "
-                             "(default: $WEFT_API_KEY, comma-separated).")
+                        help="Require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize; "
+                             "repeat to accept several keys "
+                             "(default: $WEFT_API_KEY, comma-separated). A key here shows in `ps`: "
+                             "prefer --api-key-file or the environment variable.")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="Read the API keys from this file, one per line (#-comments allowed).")
+    parser.add_argument("--api-key-protects-tokenize", action=argparse.BooleanOptionalAction, default=True,
+                        help="With an API key, require it on /tokenize and /detokenize too.")
     _add_hardening_args(parser)
+    add_chat_args(parser)
+    add_api_option_args(parser)
     parser.add_argument("--data-parallel-size-local", type=int, default=None,
                         help="Engine cores to start on this node (default: all ranks).")
     parser.add_argument("--data-parallel-start-rank", type=int, default=0,
@@ -39,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Address remote engine cores connect to.")
     parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                         help="Handshake port for remote engine cores (0: any free port).")
+    _add_routing_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -62,21 +91,96 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                        help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
                             "keys `weft keys --dir DIR` made (give engine-core the same folder).")
+    add_kv_transfer_secret_arg(group)
     group.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
                        help="Restart a local engine core that dies (with back-off).")
+    _add_request_size_args(group)
+
+
+def _add_request_size_args(group) -> None:
+    group.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS,
+                       help="Most prompts in one completions request (400 beyond, before tokenizing).")
+    group.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
+                       help="Most characters of prompt or message text per request (400, before tokenizing).")
+    group.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                       help="Most chat messages per request (400 beyond, before the chat template runs).")
+    group.add_argument("--max-stop", type=int, default=DEFAULT_MAX_STOP,
+                       help="Most stop strings per request.")
+    group.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
+                       help="Most UTF-8 bytes of all stop strings of a request together.")
+    group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
+                       help="Most stop_token_ids per request.")
+    group.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help="Seconds a request's headers, then its body, may take to arrive "
+                            "(beyond: the connection is closed; 408 for a body).")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="Most connections and tasks served at once; more get 503 at once (uvicorn's "
+                            "limit_concurrency).")
+    group.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                       help="Seconds an idle keep-alive connection stays open.")
+
+
+def _add_routing_args(parser: argparse.ArgumentParser) -> None:
+    from services.api.prefix_router import DEFAULT_MAX_IMBALANCE, ROUTING_MODES
+
+    group = parser.add_argument_group("data-parallel routing")
+    group.add_argument("--dp-routing", choices=ROUTING_MODES, default=None,
+                       help="prefix: by the longest prefix each rank caches (from its KV cache events), within "
+                            "--dp-prefix-max-imbalance of the least loaded rank; load: by 4 x waiting + running "
+                            "alone (default: prefix when --kv-events-config publishes, else load).")
+    group.add_argument("--dp-prefix-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                       help="Prefix routing: a rank more than this many load units (4 per waiting request, 1 per "
+                            "running one) above the least loaded rank gets no request for its cached prefix.")
+
+
+def prefix_router_for(args: argparse.Namespace, config):
+    """The balancer's PrefixRouter, or None for load-only routing."""
+    from services.api.prefix_router import PrefixRouter
+
+    events_on = config.kv_events is not None and config.kv_events.publishes
+    routing = args.dp_routing or ("prefix" if events_on else "load")
+    if routing == "load":
+        return None
+    return PrefixRouter(config, max_imbalance=args.dp_prefix_max_imbalance)
 
 
 def serving_limits(args: argparse.Namespace) -> ServingLimits:
     return ServingLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                          max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                          max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
-                         shutdown_timeout_s=args.shutdown_timeout)
+                         shutdown_timeout_s=args.shutdown_timeout, max_prompts=args.max_prompts,
+                         max_prompt_chars=args.max_prompt_chars, max_stop=args.max_stop,
+                         max_stop_bytes=args.max_stop_bytes, max_stop_token_ids=args.max_stop_token_ids,
+                         body_timeout_s=args.body_timeout, max_messages=args.max_messages)
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    if args.api_key:
-        return args.api_key
+    """--api-key and --api-key-file together; only without either, $WEFT_API_KEY."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        keys += _keys_in_file(args.api_key_file)
+    if args.api_key or args.api_key_file is not None:
+        return keys
     return [key for key in os.environ.get("WEFT_API_KEY", "").split(",") if key]
+
+
+def _keys_in_file(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        keys = [line.strip() for line in f]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key.")
+    return keys
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """Connection limits for uvicorn.Config (the body timeout is checked by ServingLimits)."""
+    from services.api.slow_clients import header_deadline_protocol  # uvicorn: only once serving
+
+    if args.max_connections < 1 or not args.keep_alive_timeout > 0:
+        raise ValueError("--max-connections must be at least 1 and --keep-alive-timeout positive.")
+    return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.keep_alive_timeout,
+            "http": header_deadline_protocol(args.body_timeout)}
 
 
 def main(argv: list[str]) -> int:
@@ -86,15 +190,20 @@ def main(argv: list[str]) -> int:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         limits = serving_limits(args)
+        chat = chat_settings_from(args)
+        prefix_router_for(args, config)  # refuse prefix routing without events before starting engines
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
         if args.zmq_curve_keys is not None and local:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
         if any(not key for key in args.api_key or ()):
             raise ValueError("--api-key must not be empty.")
+        keys = api_keys(args)
+        server_options = uvicorn_options(args)
+        args.kv_transfer_secret = load_kv_transfer_secret(args.kv_transfer_secret_file)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve)
+    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -123,7 +232,7 @@ def _free_port(host: str) -> int:
 
 
 def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
-         curve: CurveKeys | None) -> int:
+         curve: CurveKeys | None, chat: ChatSettings, keys: list[str], server_options: dict) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.graceful import serve
@@ -136,11 +245,15 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
     try:
         client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
-                                  restart_local=args.restart_engines)
-        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
+                                  restart_local=args.restart_engines,
+                                  prefix_router=prefix_router_for(args, config))
+        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
                         served_model_name=args.served_model_name or config.model.served_model_name,
-                        limits=limits)
-        serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
+                        limits=limits, chat=chat,
+                        protect_tokenize=args.api_key_protects_tokenize, options=api_options(args),
+                        kv_transfer_secret=args.kv_transfer_secret)
+        serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+              **server_options)
     finally:
         # The app's shutdown already stopped them (restarted ones included);
         # this covers a failed start.

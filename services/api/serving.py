@@ -24,15 +24,20 @@ from starlette.requests import Request
 from protocol import EngineConfig, EngineCoreRequest, SamplingParams
 from protocol.kv_transfer import KVTransferParams
 from services.api.admission import Admission, hold_ticket
+from services.api.api_options import APIOptions
 from services.api.engine_client import EngineClient, EngineDeadError, EngineNotReadyError
 from services.api.errors import APIError, bad_request, error_body, unavailable
 from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
-from services.api.streaming import DONE, sse
+from services.api.prefix_router import session_key_of
+from services.api.redact import redact
+from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
+from services.api.token_filters import token_filters
 from services.api.tokenizer import Tokenizer
+from services.kv_transfer.trust import require_trusted_caller
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class ServingContext:
     metrics: APIMetrics
     limits: ServingLimits = field(default_factory=ServingLimits)
     admission: Admission | None = None  # made from the limits when not given
+    options: APIOptions = field(default_factory=APIOptions)
+    kv_transfer_secret: str | None = None  # the P/D proxy's (services.kv_transfer.trust)
     model_aliases: tuple[str, ...] = ()  # more names accepted in `model` (--served-model-name A B ...)
 
     def __post_init__(self) -> None:
@@ -138,7 +145,7 @@ def check_finite(body: msgspec.Struct, fields: tuple[str, ...]) -> None:
 
 
 def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
-                         logprobs: int | None) -> SamplingParams:
+                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the fields completions and chat share; 400 on bad values."""
     check_finite(body, ("temperature", "top_p", "min_p", "repetition_penalty",
                         "presence_penalty", "frequency_penalty"))
@@ -147,7 +154,9 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
                           "priority")
     if body.cache_salt is not None and not body.cache_salt:
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
+    check_stream_options(body)
     ctx.check_num_sequences(1, body.n)
+    ctx.limits.check_stop_lists(body.stop, body.stop_token_ids)
     structured_outputs = structured_outputs_from(body)  # 400 when invalid
     try:
         return SamplingParams(
@@ -158,9 +167,11 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
             top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=body.seed,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs,
+            **token_filters(ctx.tokenizer, ctx.vocab_size, body))
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
@@ -197,8 +208,24 @@ class Choice:
         return new
 
 
+def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> None:
+    """P/D parameters steer what an engine loads and saves: only the P/D proxy may set them (403)."""
+    if body.kv_transfer_params is not None and ctx.config.kv_transfer is not None:
+        require_trusted_caller(request.headers, ctx.kv_transfer_secret)
+
+
+def session_key(request: Request, body) -> str | None:
+    """The sticky-session key the balancer falls back on: ``x-session-id``, else ``user`` (400 if huge)."""
+    header = request.headers.get("x-session-id")
+    try:
+        return session_key_of(header, body.user)
+    except ValueError as e:
+        raise bad_request(str(e), "x-session-id" if header else "user") from e
+
+
 def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], body, arrival: float) -> list[Choice]:
+                 params: list[SamplingParams], body, arrival: float,
+                 session_key: str | None = None) -> list[Choice]:
     """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i."""
     choices = []
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
@@ -211,8 +238,8 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                 request_id=f"{request_id}-{index}", prompt_token_ids=prompt,
                 sampling_params=child, arrival_time=time.time(),
                 eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt,
-                kv_transfer_params=body.kv_transfer_params)
-            state = RequestState.create(engine_request.request_id, child, ctx.tokenizer)
+                kv_transfer_params=body.kv_transfer_params, session_key=session_key)
+            state = RequestState.create(engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id)
             # The request's own parameters (n, max_tokens) are observed once, by its first choice.
             metrics = ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)
             choices.append(Choice(index, p, engine_request, state, metrics))
@@ -224,11 +251,15 @@ def _wrap_int64(value: int) -> int:
 
 
 def usage_of(choices: list[Choice]) -> UsageInfo:
+    """Usage of the whole request. Siblings (n > 1) share a prompt, and a later
+    one finds in the cache what an earlier one just computed: the request's own
+    hit, per prompt, is its least one (what the cache held before it)."""
     prompts: dict[int, Choice] = {}
     cached: dict[int, int] = {}
     for c in choices:
         prompts.setdefault(c.prompt_index, c)
-        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.state.num_cached_tokens)
+        cached[c.prompt_index] = min(cached.get(c.prompt_index, c.state.num_cached_tokens),
+                                     c.state.num_cached_tokens)
     prompt_tokens = sum(c.num_prompt_tokens for c in prompts.values())
     completion_tokens = sum(len(c.state.token_ids) for c in choices)
     return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
@@ -244,10 +275,18 @@ def shown_logprob(value: float) -> float:
     return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
+def choice_usage(choice: Choice) -> UsageInfo:
+    """One choice's usage so far (the continuous usage of a stream chunk, as vLLM counts it)."""
+    completion = len(choice.state.token_ids)
+    return UsageInfo(choice.num_prompt_tokens, completion, choice.num_prompt_tokens + completion)
+
+
 def raise_if_failed(choice: Choice) -> None:
-    """A request the engine finished with an error failed on its own input."""
+    """An engine error: 400 when the request's input was at fault (found late,
+    in the engine), 500 when the engine was (a grammar refusing a sampled token)."""
     if choice.state.finish_reason == "error":
-        raise APIError(choice.state.error or "The request failed in the engine.", 400)
+        status = 500 if choice.state.error_is_internal else 400
+        raise APIError(redact(choice.state.error or "The request failed in the engine."), status)
 
 
 @dataclass
@@ -260,7 +299,6 @@ class ChoiceRunner:
     deadline: float | None = None  # time.monotonic() past which the request times out
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _tasks: list[asyncio.Task] = field(default_factory=list)
-    _ended: set[str] = field(default_factory=set)  # request ids the engine is done with
 
     async def updates(self) -> AsyncIterator[Choice]:
         assert not self._tasks, "a runner runs once"
@@ -301,34 +339,25 @@ class ChoiceRunner:
             return
         if not choice.state.finished:  # the stream ended without saying why
             choice.state.finish_reason = "abort"
-        self._ended.add(choice.request.request_id)
         choice.metrics.on_finish(choice.state.finish_reason)
         self._queue.put_nowait((choice, True))
 
     async def _run(self, choice: Choice) -> None:
-        outputs = self.engine_client.generate(choice.request)
-        try:
+        # Closing the stream early (a stop string, an error, a cancelled task)
+        # is what aborts the engine request: the client's generator owns ABORT.
+        async with contextlib.aclosing(self.engine_client.generate(choice.request)) as outputs:
             async for output in outputs:
                 choice.metrics.on_output(output)
                 hit_stop = choice.state.process(output)
-                if hit_stop:
-                    await self.engine_client.abort([choice.request.request_id])
                 if hit_stop or output.finished:
                     return
                 self._queue.put_nowait((choice, False))
-        finally:
-            close = getattr(outputs, "aclose", None)
-            if close is not None:
-                await close()  # early exit or error: the client aborts the request
 
     async def _stop(self) -> None:
+        # Cancelling a task closes its stream, which aborts its engine request.
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        unfinished = [c.request.request_id for c in self.choices if c.request.request_id not in self._ended]
-        if unfinished:
-            # Closing the iterators already aborted them; being explicit costs nothing.
-            await self.engine_client.abort(unfinished)
 
 
 def engine_error(e: EngineDeadError | EngineNotReadyError) -> APIError:

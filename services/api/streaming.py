@@ -15,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from services.api.api_options import APIOptions
+from services.api.errors import bad_request
 from services.api.openai_schemas import encode
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,19 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(obj: Any) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
+
+
+def check_stream_options(body: Any) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def usage_modes(options: APIOptions, body: Any) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk), as vLLM decides them: the
+    server flag forces the first; continuous usage needs include_usage."""
+    asked = body.stream_options
+    include = options.enable_force_include_usage or (asked is not None and asked.include_usage)
+    return include, include and asked is not None and asked.continuous_usage_stats
 
 
 class ClientDisconnected(Exception):

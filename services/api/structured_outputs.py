@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from protocol import StructuredOutputsParams
-from services.api.constraint_checks import check_grammar, check_json_schema, check_regex
+from services.api.constraint_checks import check_grammar, check_json_schema, check_regex, check_size
 from services.api.errors import bad_request
 from services.api.openai_schemas import ResponseFormat
 
@@ -48,14 +48,17 @@ def check_constraint(params: StructuredOutputsParams) -> None:
     if kind == "regex":
         _named("regex", check_regex, params.regex)
     elif kind == "json":
+        _named("JSON schema", check_size, params.json, "JSON schema")  # before parsing it again
         _named("JSON schema", check_json_schema, json.loads(params.json))
     elif kind == "grammar":
         _named("grammar", check_grammar, params.grammar)
+    elif kind == "choice":  # compiled into a grammar: bounded like one
+        _named("choice list", check_size, params.spec, "choice list")
 
 
-def _named(what: str, check, value) -> None:
+def _named(what: str, check, *args) -> None:
     try:
-        check(value)
+        check(*args)
     except ValueError as e:
         raise ValueError(f"the {what} is not valid: {e}.") from None
 

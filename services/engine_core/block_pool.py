@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
 if TYPE_CHECKING:
     from services.engine_core.request import Request
 
@@ -109,6 +111,22 @@ class BlockPool:
         self.cached_blocks: dict[bytes, dict[int, KVCacheBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # KV cache events, when enabled (enable_kv_events): appended here, taken by the engine each step.
+        self.kv_events: list[KVCacheEvent] | None = None
+        self._event_block_size = 0
+        self._event_medium = "GPU"
+
+    def enable_kv_events(self, block_size: int, medium: str) -> None:
+        self.kv_events = []
+        self._event_block_size = block_size
+        self._event_medium = medium
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -143,6 +161,7 @@ class BlockPool:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes."""
         if not self.enable_caching:
             return
+        new_hashes: list[int] = []  # indexes of hashes the cache did not hold yet
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.is_null:
@@ -150,7 +169,29 @@ class BlockPool:
             assert block.block_hash is None, block
             block_hash = request.block_hashes[index]
             block.block_hash = block_hash
-            self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
+            same_hash = self.cached_blocks.setdefault(block_hash, {})
+            if not same_hash:
+                new_hashes.append(index)
+            same_hash[block.block_id] = block
+        if self.kv_events is not None and new_hashes:
+            self._record_stored(request, new_hashes)
+
+    def _record_stored(self, request: Request, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive new hashes (a run chains to its parent)."""
+        runs: list[list[int]] = []
+        for index in indexes:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            block_size = self._event_block_size
+            self.kv_events.append(BlockStored(
+                block_hashes=[request.block_hashes[i] for i in run],
+                parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
+                token_ids=list(request.all_token_ids[first * block_size:(last + 1) * block_size]),
+                block_size=block_size, medium=self._event_medium))
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         same_hash = self.cached_blocks.get(block_hash)
@@ -171,6 +212,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -181,4 +224,6 @@ class BlockPool:
         del same_hash[block.block_id]
         if not same_hash:
             del self.cached_blocks[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved(block_hashes=[block.block_hash], medium=self._event_medium))
         block.block_hash = None

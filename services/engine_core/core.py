@@ -10,6 +10,7 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.stats_logger import EngineStatsLogger
@@ -37,25 +38,28 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks)
         self.engine_index = config.parallel.data_parallel_rank
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
+        self.kv_event_publisher = self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig):
+        if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
+            return None
+        medium = "GPU" if config.device.device == "cuda" else "CPU"
+        self.scheduler.kv_cache_manager.block_pool.enable_kv_events(config.cache.block_size, medium)
+        return make_publisher(config.kv_events, self.engine_index)
+
+    def publish_kv_events(self) -> None:
+        """Send what the block pool recorded since the last call, as one batch."""
+        events = self.scheduler.kv_cache_manager.block_pool.take_kv_events()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Refuse a request the engine cannot serve, before it costs anything."""
-        prompt = request.prompt_token_ids
-        max_model_len = self.config.model.max_model_len
-        if not prompt:
-            raise ValueError("The prompt is empty; it must have at least one token.")
-        if len(prompt) >= max_model_len:
-            raise ValueError(
-                f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
-                f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
-        vocab_size = self.config.model.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        """Refuse a request the engine cannot serve, before it costs anything
+        (the one check in the engine; the scheduler trusts it)."""
+        check_request(request, self.config.model.max_model_len, self.config.model.vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate_request(request)
-        if request.sampling_params.n != 1:
-            raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
         self.scheduler.add_request(Request.from_engine_core_request(request, self.scheduler.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -84,6 +88,11 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
+        outputs = self._step()
+        self.publish_kv_events()  # once per step, after update_from_output (and after idle resets)
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if not self.has_work():
             return EngineCoreOutputs(engine_index=self.engine_index,
                                      scheduler_stats=self.scheduler.make_stats())
@@ -103,8 +112,26 @@ class EngineCore:
         return batch
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()
         self.scheduler.structured_output_manager.shutdown()
+
+
+def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
+    """ValueError for a request no engine can serve: an empty prompt, one with
+    no room left for output, token ids outside the vocabulary, or n > 1."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ValueError("The prompt is empty; it must have at least one token.")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
+            f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+    if request.sampling_params.n != 1:
+        raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
 
 
 def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:

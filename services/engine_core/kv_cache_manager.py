@@ -49,6 +49,9 @@ class KVCacheManager:
         last prompt token must always be computed, because its logits give
         the next token. Requests asking for prompt logprobs skip the cache,
         since a hit would leave those positions without logits.
+
+        Only a request's first lookup enters the stats: looking again after a
+        preemption, or after a step without room, is not a new query.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -60,10 +63,12 @@ class KVCacheManager:
                 break  # hashes chain, so every later block misses too
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        s = self._stats
-        self._stats = PrefixCacheStats(
-            s.requests + 1, s.queries + request.num_tokens, s.hits + num_hit_tokens
-        )
+        if not request.prefix_lookup_counted:
+            request.prefix_lookup_counted = True
+            s = self._stats
+            self._stats = PrefixCacheStats(
+                s.requests + 1, s.queries + request.num_tokens, s.hits + num_hit_tokens
+            )
         return hits, num_hit_tokens
 
     def allocate_slots(

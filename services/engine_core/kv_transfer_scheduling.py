@@ -13,8 +13,11 @@ damaged, timed out, service dead) simply leaves more to compute.
 Producer: a request that ends with blocks to hand on keeps them (out of the
 pool) until the worker reports them saved, or ``hold_timeout_s`` passes.
 
-A request aborted while its KV loads keeps its blocks until the load ends:
-the worker is still writing them.
+A request aborted while its KV loads keeps its blocks until the load ends
+(the worker is still writing them), or until ``abandon_timeout_s`` passes:
+a load that never reports back must not leak its blocks. The worker drops a
+load that outlives its own deadline (``transfer_thread``), which is well
+inside this one, so no late write lands in blocks handed to another request.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ logger = logging.getLogger(__name__)
 # A producer's blocks come back to the pool after this long even if no save
 # was reported (a worker that lost the job must not leak them).
 HOLD_TIMEOUT_S = 120.0
+# An aborted request's loading blocks come back after this long even if the
+# load never reports. The worker writes nothing into the cache past a load's
+# wait plus one store timeout from its submission (2 x timeout_s, 20 s by
+# default): the timeout is at least 3 x timeout_s + 30 s, so no late write can
+# land in blocks handed to another request.
+ABANDON_TIMEOUT_S = 120.0
 
 
 class KVTransferScheduling:
@@ -42,10 +51,14 @@ class KVTransferScheduling:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = config.cache.block_size
         self.hold_timeout_s = HOLD_TIMEOUT_S
+        options = getattr(self.connector, "options", None)
+        transfer_timeout_s = getattr(options, "timeout_s", 0.0)
+        self.abandon_timeout_s = max(ABANDON_TIMEOUT_S, 3 * transfer_timeout_s + 30.0)
         self.waiting_for_remote: dict[str, Request] = {}
         self._load_tried: set[str] = set()  # a request loads at most once
         self._held: dict[str, tuple[Request, float]] = {}  # finished; blocks kept until saved (deadline)
-        self._abandoned: dict[str, Request] = {}  # aborted mid-load; blocks kept until the load ends
+        # Aborted mid-load; blocks kept until the load ends (or the deadline passes).
+        self._abandoned: dict[str, tuple[Request, float]] = {}
         self._queries = self._hits = 0  # tokens, since the previous stats
 
     # ---- consumer: park, then resume
@@ -81,7 +94,7 @@ class KVTransferScheduling:
         if request is None:
             abandoned = self._abandoned.pop(request_id, None)
             if abandoned is not None:
-                self.kv_cache_manager.free(abandoned)
+                self.kv_cache_manager.free(abandoned[0])
             return None
         num_loaded = num_blocks * self.block_size
         request.num_computed_tokens += num_loaded
@@ -103,7 +116,7 @@ class KVTransferScheduling:
         request_id = request.request_id
         self._load_tried.discard(request_id)
         if self.waiting_for_remote.pop(request_id, None) is not None:
-            self._abandoned[request_id] = request
+            self._abandoned[request_id] = (request, time.monotonic() + self.abandon_timeout_s)
             return False, None
         delay_free, params = self.connector.request_finished(
             request, self.kv_cache_manager.get_block_ids(request_id))
@@ -122,6 +135,11 @@ class KVTransferScheduling:
             logger.warning("No save reported for request %s in %.0fs; freeing its blocks.",
                            request_id, self.hold_timeout_s)
             self._release(request_id)
+        for request_id in [r for r, (_, deadline) in self._abandoned.items() if deadline <= now]:
+            logger.warning("The load of aborted request %s did not report in %.0fs; freeing its blocks.",
+                           request_id, self.abandon_timeout_s)
+            self.kv_cache_manager.free(self._abandoned.pop(request_id)[0])
+            self.connector.forget(request_id)
 
     # ---- each step
 

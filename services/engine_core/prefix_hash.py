@@ -36,11 +36,34 @@ def hash_block_tokens(
 
 
 def _extra_keys(request: Request, block_index: int) -> tuple[str, ...] | None:
+    return _salt_keys(request.cache_salt, block_index)
+
+
+def _salt_keys(cache_salt: str | None, block_index: int) -> tuple[str, ...] | None:
     # The salt only needs to be in the first block: every later hash chains
     # through it, so a different salt already changes them all.
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
+    if block_index == 0 and cache_salt is not None:
+        return (cache_salt,)
     return None
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                        max_blocks: int | None = None) -> list[bytes]:
+    """The hashes an engine gives the prompt's full blocks (the first ``max_blocks``).
+
+    For the API's prefix-aware routing: torch-free, and the same chain as
+    ``make_block_hasher`` computes for a request.
+    """
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    hashes: list[bytes] = []
+    parent = None
+    for index in range(num_blocks):
+        parent = hash_block_tokens(parent, token_ids[index * block_size:(index + 1) * block_size],
+                                   _salt_keys(cache_salt, index))
+        hashes.append(parent)
+    return hashes
 
 
 def make_block_hasher(block_size: int) -> BlockHasher:

@@ -37,13 +37,13 @@ from protocol import (
     EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
     FinishReason, SchedulerStats,
 )
-from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_deltas, without_deltas
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, load_keys
+from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_deltas, without_deltas
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
-from protocol.zmq_sockets import make_socket, rank_identity, recv, send, split
+from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.engine_core.drain import Drain
-from services.kv_transfer.config import with_kv_transfer_config
+from services.kv_transfer.config import with_default_keys_dir, with_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EngineCoreProc:
     """Serves one built EngineCore on the API's data sockets until stopped."""
 
     def __init__(self, engine, ctx: zmq.Context, reply: EngineHandshakeReply, stop: threading.Event,
-                 *, drain: Drain | None = None, curve: CurveKeys | None = None) -> None:
+                 *, identity: bytes, drain: Drain | None = None, curve: CurveKeys | None = None) -> None:
         self.engine = engine
         self.rank = reply.config.parallel.data_parallel_rank
         self._stop = stop  # set by a second signal, a SHUTDOWN frame, or a fatal error
@@ -82,7 +82,7 @@ class EngineCoreProc:
         self._stalled = False
         self._latest_stats = SchedulerStats()
         self._input_sock = make_socket(ctx, zmq.DEALER, reply.input_address, bind=False,
-                                       identity=rank_identity(self.rank), linger=1000, curve=curve)
+                                       identity=identity, linger=1000, curve=curve)
         self._output_sock = make_socket(ctx, zmq.PUSH, reply.output_address, bind=False,
                                         linger=OUTPUT_LINGER_MS, curve=curve)
         # First frame on the input socket: the API's ROUTER learns our identity from it.
@@ -290,11 +290,14 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
 
 
 def handshake(ctx: zmq.Context, *, rank: int, address: str, local: bool, headless: bool,
-              stop: threading.Event, curve: CurveKeys | None = None) -> EngineHandshakeReply | None:
+              stop: threading.Event, identity: bytes, curve: CurveKeys | None = None
+              ) -> EngineHandshakeReply | None:
     """Say hello to the API and return its reply (None if stopped meanwhile).
 
+    ``identity`` is this process's (``instance_identity``): the API binds the
+    rank to it, so the input socket must use the same one.
     A reply that does not decode is dropped, and the hello said again."""
-    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=rank_identity(rank), curve=curve)
+    sock = make_socket(ctx, zmq.DEALER, address, bind=False, identity=identity, curve=curve)
     decoder, encoder = Decoder(EngineHandshakeReply), Encoder()
     hello = EngineHello(rank=rank, local=local, headless=headless)
     try:
@@ -353,13 +356,14 @@ def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, h
         signal.signal(sig, drain.on_signal)
     curve = load_keys(curve_keys, CLIENT) if curve_keys is not None else None
     ctx = zmq.Context()
+    identity = instance_identity(rank)
     try:
         reply = handshake(ctx, rank=rank, address=handshake_address, local=local, headless=headless, stop=stop,
-                          curve=curve)
+                          identity=identity, curve=curve)
         if reply is None:
             return 0
         config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
-        config = with_kv_transfer_config(config, kv_transfer_config)
+        config = with_default_keys_dir(with_kv_transfer_config(config, kv_transfer_config), curve_keys)
         reply = msgspec.structs.replace(reply, config=config)
         import torch  # the engine process is where torch lives
 
@@ -368,7 +372,7 @@ def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, h
 
         engine = EngineCore(config)
         logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
-        return EngineCoreProc(engine, ctx, reply, stop, drain=drain, curve=curve).run()
+        return EngineCoreProc(engine, ctx, reply, stop, identity=identity, drain=drain, curve=curve).run()
     finally:
         ctx.term()
 

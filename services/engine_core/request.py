@@ -100,6 +100,8 @@ class Request:
         # Structured outputs: the grammar, set by the StructuredOutputManager.
         self.structured_output: StructuredOutputRequest | None = None
         self.error: str | None = None  # why a FINISHED_ERROR request failed
+        self.error_is_internal = False  # the engine failed it, not its input
+        self.prefix_lookup_counted = False  # its first prefix-cache lookup is in the stats
 
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []

@@ -31,6 +31,12 @@ class RequestQueue(ABC):
         """Queue a preempted request so it runs again as soon as possible."""
 
     @abstractmethod
+    def requeue(self, request: Request) -> None:
+        """Queue again a request that waited off the queue (grammar compiling,
+        remote KV loading): among those queued by ``add`` and ``requeue`` it
+        keeps its arrival order, so it goes ahead of every later arrival."""
+
+    @abstractmethod
     def remove(self, request: Request) -> None:
         """Drop one queued request (an abort); ValueError if it is absent."""
 
@@ -66,6 +72,15 @@ class FCFSRequestQueue(RequestQueue):
 
     def prepend(self, request: Request) -> None:
         self._queue.appendleft(request)
+
+    def requeue(self, request: Request) -> None:
+        # Before the first request that arrived after it (preempted ones at the
+        # front stay there: they arrived earlier, having already run).
+        for index, queued in enumerate(self._queue):
+            if queued.arrival_time > request.arrival_time:
+                self._queue.insert(index, request)
+                return
+        self._queue.append(request)
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
@@ -110,6 +125,9 @@ class PriorityRequestQueue(RequestQueue):
 
     def prepend(self, request: Request) -> None:
         self.add(request)
+
+    def requeue(self, request: Request) -> None:
+        self.add(request)  # its key holds its arrival time
 
     def remove(self, request: Request) -> None:
         size = len(self._heap)

@@ -130,16 +130,9 @@ class Scheduler:
     # ----------------------------------------------------------- requests in
 
     def add_request(self, request: Request) -> None:
+        # The prompt was validated by EngineCore.validate_request (and the API before it).
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use.")
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt.")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt "
-                f"tokens; max_model_len {self.max_model_len} allows at most "
-                f"{self.max_model_len - 1}, leaving room for one output token."
-            )
         request.status = RequestStatus.WAITING
         request.record_event(EngineCoreEventType.QUEUED)
         self.requests[request.request_id] = request
@@ -341,7 +334,7 @@ class Scheduler:
             self.waiting_for_grammar)
         for request in ready:
             request.status = RequestStatus.WAITING
-            self.waiting.add(request)
+            self.waiting.requeue(request)
         for request, error in failed:
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
@@ -358,8 +351,13 @@ class Scheduler:
 
     def _grammar_ends(self, request: Request, token_id: int) -> bool:
         """Advance a constrained request's grammar; True once it ended (or refused)."""
-        return (request.structured_output is not None
-                and self.structured_output_manager.accept_token(request, token_id))
+        if request.structured_output is None:
+            return False
+        ended = self.structured_output_manager.accept_token(request, token_id)
+        if request.status == RequestStatus.FINISHED_ERROR:
+            # The mask should have forbidden that token: the engine's fault, not the client's.
+            request.error_is_internal = True
+        return ended
 
     # ----------------------------------------------------------- outputs back
 
@@ -369,7 +367,7 @@ class Scheduler:
         index_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs, self._error_outputs = self._error_outputs, []
         for request in self.kv_transfer.update_from_output(model_runner_output):
-            self.waiting.prepend(request)  # its remote KV load ended
+            self.waiting.requeue(request)  # its remote KV load ended
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -415,6 +413,7 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             events=request.take_events(),
             error=request.error,
+            error_is_internal=request.error_is_internal,
         )
         if request.is_finished:
             self.running.remove(request)

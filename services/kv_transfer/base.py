@@ -76,6 +76,9 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, finished_sending: list[str], finished_recving: dict[str, int]) -> None:
         """What the workers reported finished this step."""
 
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for a report on ``request_id`` (its transfer timed out)."""
+
     # ------------------------------------------------ worker side
 
     @abstractmethod

@@ -14,14 +14,15 @@ request waits in WAITING_FOR_REMOTE_KVS while the worker's transfer thread
 fetches the blocks, waiting up to ``timeout_s`` for a producer that is still
 writing them. Whatever does not arrive intact is computed.
 
-The namespace (model file name, dtype, block size) keeps engines that serve
-different models from reading each other's blocks under equal token hashes.
+The namespace (a digest of the checkpoint, dtype and block size,
+``namespace.block_namespace``) keeps engines that serve different models
+from reading each other's blocks under equal token hashes. With a keys
+folder (``keys_dir``), blocks are sealed with a keyed MAC and the ZMQ link
+is CurveZMQ (``keys``).
 """
 from __future__ import annotations
 
-import hashlib
 from abc import abstractmethod
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol import EngineConfig, SchedulerOutput
@@ -29,6 +30,8 @@ from protocol.kv_transfer import KVBlockTransfer, KVConnectorMetadata, KVTransfe
 from services.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from services.kv_transfer.block_store import BlockStore
 from services.kv_transfer.config import connector_options
+from services.kv_transfer.keys import mac_key
+from services.kv_transfer.namespace import block_namespace
 
 if TYPE_CHECKING:
     import torch
@@ -40,10 +43,7 @@ if TYPE_CHECKING:
 _SAVED_ENDINGS = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
-def block_namespace(config: EngineConfig) -> bytes:
-    """8 bytes that differ between engines whose blocks are not interchangeable."""
-    identity = f"{Path(config.model.model).name}|{config.model.dtype}|{config.cache.block_size}"
-    return hashlib.sha256(identity.encode()).digest()[:8]
+__all__ = ["BlockConnector", "block_namespace"]
 
 
 class BlockConnector(KVConnectorBase):
@@ -51,6 +51,8 @@ class BlockConnector(KVConnectorBase):
         super().__init__(config, role)
         self.options = connector_options(self.kv_config)
         self.namespace = block_namespace(config)
+        keys_dir = self.options.keys_dir
+        self.mac_key = None if keys_dir is None else mac_key(keys_dir)
         # Scheduler side: the next plan, and the requests the workers have
         # not reported back on yet.
         self._loads: list[KVBlockTransfer] = []
@@ -112,6 +114,9 @@ class BlockConnector(KVConnectorBase):
         self._in_flight.difference_update(finished_sending)
         self._in_flight.difference_update(finished_recving)
 
+    def forget(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+
     def _should_save(self, request: Any) -> bool:
         if not self.kv_config.is_producer or request.status.name not in _SAVED_ENDINGS:
             return False
@@ -139,7 +144,10 @@ class BlockConnector(KVConnectorBase):
         from services.kv_transfer.kv_blocks import PagedKVBlocks
         from services.kv_transfer.transfer_thread import TransferThread
 
-        self._thread = TransferThread(self._make_store(), PagedKVBlocks(kv_caches), self.key_of)
+        self._thread = TransferThread(self._make_store(), PagedKVBlocks(kv_caches), self.key_of,
+                                      mac_key=self.mac_key, make_store=self._make_store,
+                                      max_concurrent=self.options.max_concurrent,
+                                      timeout_s=self.options.timeout_s)
 
     @property
     def transfer_stats(self):

@@ -1,20 +1,25 @@
 """Where KV blocks go between a producer and a consumer: a key -> block store.
 
 A block is a ``protocol.kv_transfer.KVBlock``: raw bytes plus the dtype,
-shape and checksum its producer recorded. Stores keep blocks as they were
-given; checking them is the consumer's job (``is_intact``), so a block
-damaged anywhere on the way -- in a file, in the service's memory, on the
-wire -- is caught at the one place that would otherwise load it.
-Torch-free: the scheduler side probes stores too.
+shape and checksum (or MAC) its producer recorded. Stores keep blocks as
+they were given; checking them is the consumer's job (``is_intact``), so a
+block damaged or forged anywhere on the way -- in a file, in the service's
+memory, on the wire -- is caught at the one place that would otherwise
+load it. Torch-free: the scheduler side probes stores too.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import zlib
 from abc import ABC, abstractmethod
 
+import msgspec
 import numpy as np
 
 from protocol.kv_transfer import KVBlock
+
+MAC_BYTES = 32
 
 
 def checksum(data: np.ndarray | memoryview | bytes) -> int:
@@ -22,10 +27,37 @@ def checksum(data: np.ndarray | memoryview | bytes) -> int:
     return zlib.crc32(data)
 
 
-def is_intact(block: KVBlock, dtype: str, shape: list[int]) -> bool:
-    """True when ``block`` is what its producer recorded and what this consumer expects."""
-    return (block.dtype == dtype and list(block.shape) == list(shape)
-            and block.data.dtype == np.uint8 and checksum(block.data) == block.checksum)
+def block_mac(mac_key: bytes, key: bytes, dtype: str, shape: list[int], data) -> bytes:
+    """Keyed BLAKE2b over everything a consumer relies on: a block moved to
+    another key, given another shape, or with other bytes fails it."""
+    mac = hashlib.blake2b(key=mac_key, digest_size=MAC_BYTES)
+    # Length-prefixed fields, so no two different (key, header) pairs hash alike.
+    header = msgspec.msgpack.encode([key, dtype, list(shape)])
+    mac.update(len(header).to_bytes(8, "little"))
+    mac.update(header)
+    mac.update(data)
+    return mac.digest()
+
+
+def seal(block: KVBlock, mac_key: bytes | None) -> KVBlock:
+    """The producer's side: a MAC with a key, else a CRC-32."""
+    if mac_key is None:
+        block.checksum = checksum(block.data)
+    else:
+        block.checksum = 0
+        block.mac = block_mac(mac_key, block.key, block.dtype, block.shape, block.data)
+    return block
+
+
+def is_intact(block: KVBlock, dtype: str, shape: list[int], mac_key: bytes | None = None) -> bool:
+    """True when ``block`` is what its producer recorded and what this consumer
+    expects; with ``mac_key`` only a block sealed with that key passes."""
+    if not (block.dtype == dtype and list(block.shape) == list(shape) and block.data.dtype == np.uint8):
+        return False
+    if mac_key is None:
+        return checksum(block.data) == block.checksum
+    expected = block_mac(mac_key, block.key, block.dtype, block.shape, block.data)
+    return hmac.compare_digest(expected, bytes(block.mac))
 
 
 class BlockStore(ABC):

@@ -16,19 +16,27 @@ from protocol import EngineConfig
 from protocol.kv_transfer import KV_CONNECTORS, KVTransferConfig
 from services.json_arg import parse_json_object
 
-DEFAULT_SHARED_STORAGE_PATH = "/tmp/weft-kv-cache"
 # How long one transfer may wait: a reply from the kv_transfer service, or
 # blocks that a producer has not finished writing yet.
 DEFAULT_TIMEOUT_S = 10.0
+# Loads and saves one worker runs at once (each on its own thread and store client).
+DEFAULT_MAX_CONCURRENT = 4
 
 
 class SharedStorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    shared_storage_path: str = DEFAULT_SHARED_STORAGE_PATH
+    # None: a private folder of this user (``shared_storage.default_storage_path``).
+    shared_storage_path: str | None = None
     timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
+    # A `weft keys` folder: blocks are sealed with a keyed MAC (BLAKE2b) instead of a CRC-32.
+    keys_dir: str | None = None
+    max_concurrent: Annotated[int, Meta(ge=1, le=64)] = DEFAULT_MAX_CONCURRENT
 
 
 class ZmqOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
+    # A `weft keys` folder: CurveZMQ to the kv_transfer service, and a keyed MAC on every block.
+    keys_dir: str | None = None
+    max_concurrent: Annotated[int, Meta(ge=1, le=64)] = DEFAULT_MAX_CONCURRENT
 
 
 _OPTIONS: dict[str, type[msgspec.Struct]] = {
@@ -41,9 +49,10 @@ assert set(_OPTIONS) == set(KV_CONNECTORS)
 def connector_options(config: KVTransferConfig) -> SharedStorageOptions | ZmqOptions:
     """The connector's typed ``kv_connector_extra_config``; ValueError when it is wrong."""
     try:
-        return msgspec.convert(config.kv_connector_extra_config, _OPTIONS[config.kv_connector])
+        options = msgspec.convert(config.kv_connector_extra_config, _OPTIONS[config.kv_connector])
     except msgspec.ValidationError as e:
         raise ValueError(f"kv_connector_extra_config of {config.kv_connector} is not valid: {e}.") from e
+    return options
 
 
 def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransferConfig | None:
@@ -73,6 +82,18 @@ def check_engine_supports(config: KVTransferConfig | None, *, tensor_parallel_si
     if tensor_parallel_size != 1:
         raise ValueError("kv_transfer_config supports tensor_parallel_size 1 only "
                          f"(got {tensor_parallel_size}).")
+
+
+def with_default_keys_dir(config: EngineConfig, curve_keys: str | None) -> EngineConfig:
+    """``config`` whose KV transfer uses the ``--zmq-curve-keys`` folder (CurveZMQ to the service,
+    a MAC on every block) unless its ``kv_connector_extra_config`` names a ``keys_dir`` of its own.
+    Applied by each engine core to its own folder (the API's path may not exist on its node)."""
+    kv = config.kv_transfer
+    if kv is None or curve_keys is None or "keys_dir" in kv.kv_connector_extra_config:
+        return config
+    extra = {**kv.kv_connector_extra_config, "keys_dir": str(curve_keys)}
+    kv = msgspec.structs.replace(kv, kv_connector_extra_config=extra)
+    return msgspec.structs.replace(config, kv_transfer=kv)
 
 
 def with_kv_transfer_config(config: EngineConfig, value: dict[str, Any] | str | None) -> EngineConfig:

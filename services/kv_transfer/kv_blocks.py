@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from protocol.kv_transfer import KVBlock
-from services.kv_transfer.block_store import checksum
+from services.kv_transfer.block_store import seal
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,11 +52,13 @@ class PagedKVBlocks:
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(2, ids, src[layer])
 
-    def to_wire(self, keys: list[bytes], gathered: torch.Tensor) -> list[KVBlock]:
-        """One ``KVBlock`` per gathered block (views of ``gathered``'s bytes, no copy)."""
+    def to_wire(self, keys: list[bytes], gathered: torch.Tensor,
+                mac_key: bytes | None = None) -> list[KVBlock]:
+        """One sealed ``KVBlock`` per gathered block (views of ``gathered``'s bytes, no copy)."""
         rows = gathered.reshape(len(keys), -1).view(torch.uint8).numpy()  # [n, block_nbytes]
-        return [KVBlock(key=key, dtype=self.dtype_name, shape=self.block_shape, checksum=checksum(row), data=row)
-                for key, row in zip(keys, rows)]
+        blocks = [KVBlock(key=key, dtype=self.dtype_name, shape=self.block_shape, checksum=0, data=row)
+                  for key, row in zip(keys, rows)]
+        return [seal(block, mac_key) for block in blocks]
 
     def from_wire(self, blocks: list[KVBlock]) -> torch.Tensor:
         """Blocks already checked with ``is_intact`` -> [n, L, 2, KVH, bs, D] (one copy)."""

@@ -10,24 +10,37 @@ Each completion or chat request runs in two legs (vLLM's proxy pattern):
 2. decode: the original request plus those parameters goes to a decode
    server, whose answer (streamed or whole) is passed to the client as is.
 
-Both legs carry the same ``X-Request-Id``. A prefill server that fails
-(unreachable, 5xx) costs only speed: the decode server then gets the plain
-request and computes the prompt itself. A 4xx from the prefill server is the
-client's error, and goes back to the client. Servers are picked per pool by
-round robin or by the fewest requests this proxy has in flight on them.
+Both legs carry the same ``X-Request-Id``, and the deployment's secret in
+``X-Weft-KV-Transfer-Key`` (``--kv-transfer-secret-file``): the servers
+accept ``kv_transfer_params`` from the proxy only (``trust``). A prefill
+server that fails (unreachable, 5xx) costs only speed: the decode server
+then gets the plain request and computes the prompt itself; so does a 403,
+the prefill server refusing the proxy's own parameters (a missing or wrong
+secret). Any other 4xx from the prefill server is the client's error, and
+goes back to the client. Servers
+are picked per pool by round robin or by the fewest requests this proxy has
+in flight on them.
+
+As the public front of a P/D deployment it bounds what a client can cost: a
+body over ``--max-request-body-bytes`` is refused (413) before any leg runs;
+connecting to a server, and each wait for its next bytes, are bounded; a
+client that leaves mid-request closes both legs, so neither server keeps
+generating for no one; and errors name the role of a failed server, never
+its URL (which only the logs show).
 Torch-free: Starlette, httpx and uvicorn only.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -36,14 +49,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.kv_transfer import trust
+
 logger = logging.getLogger("weft.pd_proxy")
+T = TypeVar("T")
 
 POLICIES = ("round_robin", "least_loaded")
-# Prefills of long prompts and long streams take as long as they take; only
-# connecting is bounded.
-_TIMEOUT = httpx.Timeout(None, connect=10.0)
-# Request headers worth passing on to the servers.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# The longest wait for a server's next bytes: a whole prefill or a whole
+# non-streaming decode (one response, sent when done: long generations on a
+# CPU take minutes), or the gap between two chunks of a stream.
+DEFAULT_READ_TIMEOUT_S = 600.0
+_CONNECT_TIMEOUT_S = 10.0
+# Request headers worth passing on to the servers (never the client's own
+# X-Weft-KV-Transfer-Key: only the proxy sets that one).
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class ClientGone(Exception):
+    """The client disconnected while a leg ran."""
 
 
 class BackendPool:
@@ -73,7 +97,9 @@ class BackendPool:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's request: one token, whole, one choice, KV handed on."""
-    prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
+    # best_of must equal n, which becomes 1 here.
+    prefill = {key: value for key, value in body.items()
+               if key not in ("stream_options", "min_tokens", "best_of")}
     prefill.update(stream=False, max_tokens=1, n=1,
                    kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     if "max_completion_tokens" in prefill:
@@ -82,11 +108,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class PDProxy:
-    def __init__(self, prefill: BackendPool, decode: BackendPool, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, prefill: BackendPool, decode: BackendPool, client: httpx.AsyncClient | None = None, *,
+                 secret: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self.prefill = prefill
         self.decode = decode
         self.client = client  # opened with the app when not given
+        self.secret = secret  # sent to the servers with kv_transfer_params (trust.HEADER)
+        self.max_body_bytes = max_body_bytes
+        self.timeout = httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S)
         self.num_prefill_failures = 0  # requests decoded without a transfer
+        self.num_client_disconnects = 0  # requests whose legs were closed because the client left
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, "/v1/completions")
@@ -95,31 +127,62 @@ class PDProxy:
         return await self._handle(request, "/v1/chat/completions")
 
     async def _handle(self, request: Request, path: str) -> Response:
+        raw = await self._read_body(request)
+        if isinstance(raw, Response):
+            return raw
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(f"The body is not valid JSON: {e}", 400)
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            return _error(f"The body is not valid JSON: {type(e).__name__}", 400)
         if not isinstance(body, dict):
             return _error("The body must be a JSON object.", 400)
+        headers = self._headers(request)
+        try:
+            prefill = self._run_prefill(path, prefill_body(body), headers)
+            params = await _unless_client_leaves(request, prefill)
+            if isinstance(params, Response):
+                return params  # the client's own error
+            decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
+            if params is not None:
+                decode["kv_transfer_params"] = params
+            return await self._run_decode(request, path, decode, headers, stream=bool(body.get("stream")))
+        except ClientGone:
+            self.num_client_disconnects += 1
+            logger.info("The client of request %s left; both legs closed.", headers["x-request-id"])
+            return Response(status_code=499)
+
+    async def _read_body(self, request: Request) -> bytes | Response:
+        """The body, or a 413 once it passes ``max_body_bytes`` (read no further)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return _error(f"The body is larger than {self.max_body_bytes} bytes.", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return _error(f"The body is larger than {self.max_body_bytes} bytes.", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _headers(self, request: Request) -> dict[str, str]:
         headers = _forwarded_headers(request)
-        params = await self._run_prefill(path, prefill_body(body), headers)
-        if isinstance(params, Response):
-            return params  # the client's own error
-        decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
-        if params is not None:
-            decode["kv_transfer_params"] = params
-        return await self._run_decode(path, decode, headers, stream=bool(body.get("stream")))
+        if self.secret is not None:
+            headers[trust.HEADER] = self.secret
+        return headers
 
     async def _run_prefill(self, path: str, body: dict, headers: dict) -> dict | Response | None:
         """The prefill server's ``kv_transfer_params``; its response if the
         request is at fault (4xx); None when the decode must compute the prompt."""
         url = self.prefill.acquire()
         try:
-            response = await self.client.post(url + path, json=body, headers=headers)
+            response = await self.client.post(url + path, json=body, headers=headers, timeout=self.timeout)
         except httpx.HTTPError as e:
             return self._prefill_failed(url, f"{type(e).__name__}: {e}")
         finally:
             self.prefill.release(url)
+        if response.status_code == 403:  # it refused the proxy's own kv_transfer_params: a deployment fault
+            return self._prefill_failed(url, "HTTP 403: it does not trust this proxy "
+                                             "(--kv-transfer-secret-file)")
         if 400 <= response.status_code < 500:
             return Response(response.content, response.status_code, media_type="application/json")
         if response.status_code != 200:
@@ -135,14 +198,21 @@ class PDProxy:
         logger.warning("Prefill at %s failed (%s); the decode server computes the prompt.", url, reason)
         return None
 
-    async def _run_decode(self, path: str, body: dict, headers: dict, stream: bool) -> Response:
+    async def _run_decode(self, client_request: Request, path: str, body: dict, headers: dict,
+                          stream: bool) -> Response:
         url = self.decode.acquire()
+        request = self.client.build_request("POST", url + path, json=body, headers=headers,
+                                            timeout=self.timeout)
         try:
-            request = self.client.build_request("POST", url + path, json=body, headers=headers)
-            upstream = await self.client.send(request, stream=stream)
+            # A whole response is read inside send(): a client that leaves meanwhile closes it.
+            upstream = await _unless_client_leaves(client_request, self.client.send(request, stream=stream))
         except httpx.HTTPError as e:
             self.decode.release(url)
-            return _error(f"The decode server {url} failed: {type(e).__name__}: {e}", 502)
+            logger.warning("The decode server %s failed: %s: %s", url, type(e).__name__, e)
+            return _error(f"The decode server failed ({type(e).__name__}).", 502)
+        except ClientGone:
+            self.decode.release(url)
+            raise
         if not stream:
             self.decode.release(url)
             return Response(upstream.content, upstream.status_code,
@@ -155,21 +225,24 @@ class PDProxy:
     async def models(self, request: Request) -> Response:
         url = self.decode.urls[0]
         try:
-            response = await self.client.get(url + "/v1/models", headers=_forwarded_headers(request))
+            response = await self.client.get(url + "/v1/models", headers=_forwarded_headers(request),
+                                             timeout=self.timeout)
         except httpx.HTTPError as e:
-            return _error(f"The decode server {url} failed: {e}", 502)
+            logger.warning("The decode server %s failed: %s: %s", url, type(e).__name__, e)
+            return _error(f"The decode server failed ({type(e).__name__}).", 502)
         return Response(response.content, response.status_code, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
-        """200 when every server answers its /health with 200."""
+        """200 when every server answers its /health with 200. Servers are
+        named by role and index (``prefill-0``): their URLs stay private."""
         servers = {}
         for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
-            for url in pool.urls:
+            for i, url in enumerate(pool.urls):
                 try:
                     ok = (await self.client.get(url + "/health", timeout=5.0)).status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                servers[url] = {"role": role, "healthy": ok, "in_flight": pool.in_flight[url]}
+                servers[f"{role}-{i}"] = {"role": role, "healthy": ok, "in_flight": pool.in_flight[url]}
         healthy = all(s["healthy"] for s in servers.values())
         return JSONResponse({"status": "ok" if healthy else "unavailable", "servers": servers},
                             status_code=200 if healthy else 503)
@@ -199,6 +272,30 @@ class _Relay:
             await self.upstream.aclose()
 
 
+async def _unless_client_leaves(request: Request, leg: Awaitable[T]) -> T:
+    """Await ``leg``; if the client disconnects first, cancel it (closing its
+    connection, so the server aborts the request) and raise ClientGone."""
+    task = asyncio.ensure_future(leg)
+    watcher = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone
+    return task.result()
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _forwarded_headers(request: Request) -> dict[str, str]:
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
     headers.setdefault("x-request-id", uuid.uuid4().hex)  # the same on both legs
@@ -215,7 +312,7 @@ def build_app(proxy: PDProxy) -> Starlette:
     async def lifespan(app):
         owned = proxy.client is None
         if owned:
-            proxy.client = httpx.AsyncClient(timeout=_TIMEOUT, limits=httpx.Limits(max_connections=None))
+            proxy.client = httpx.AsyncClient(timeout=proxy.timeout, limits=httpx.Limits(max_connections=None))
         try:
             yield
         finally:
@@ -246,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="How a server is picked in each pool.")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="Larger bodies get a 413 before any leg runs (default 8 MiB).")
+    parser.add_argument("--backend-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="Longest wait for a server's next bytes: a whole prefill, or between two "
+                             "chunks of a stream (default 600 s; connecting: 10 s).")
+    trust.add_secret_arg(parser)
     return parser
 
 
@@ -255,8 +358,14 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        proxy = PDProxy(BackendPool(args.prefill, args.policy), BackendPool(args.decode, args.policy))
-    except ValueError as e:
+        proxy = PDProxy(BackendPool(args.prefill, args.policy), BackendPool(args.decode, args.policy),
+                        secret=trust.load_secret(args.kv_transfer_secret_file),
+                        max_body_bytes=args.max_request_body_bytes, read_timeout_s=args.backend_read_timeout)
+        if proxy.secret is None:
+            logger.warning("No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
+                           "transfer parameters, so every prompt is computed on the decode server.",
+                           trust.ENV)
+    except (ValueError, OSError) as e:
         print(f"weft pd-proxy: {e}", file=sys.stderr)
         return 2
     logger.info("P/D proxy: prefill %s, decode %s (%s)", proxy.prefill.urls, proxy.decode.urls, args.policy)

@@ -9,8 +9,17 @@ consumer that then misses them computes the prompt itself).
 A get may wait (``wait_ms``) for keys that are not there yet: a producer
 answers its client as soon as a request ends and pushes the blocks right
 after, so a consumer can ask before they arrive. The service never checks
-what it stores; consumers check every block against its recorded checksum,
-dtype and shape.
+what it stores; consumers check every block against its recorded checksum
+(or keyed MAC), dtype and shape.
+
+Exposure: it listens on loopback unless ``--host`` says otherwise, and with
+``--zmq-curve-keys`` only engines holding the client key of that ``weft
+keys`` folder may connect (CurveZMQ, encrypted). Its memory is bounded: the
+cap counts each entry's bookkeeping (``ENTRY_OVERHEAD`` bytes plus its key and
+shape) as well as its data, a frame over ``--max-msg-size`` disconnects its
+sender, a get asks for at most ``MAX_KEYS_PER_GET`` keys and waits at most
+``MAX_WAIT_MS``, and at most ``MAX_PARKED_GETS`` gets wait at once (more are
+answered at once with what is there).
 """
 from __future__ import annotations
 
@@ -26,16 +35,32 @@ from dataclasses import dataclass
 import zmq
 
 from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.curve import CurveKeys, ZapAuthenticator
 from protocol.kv_transfer import (
     KVBlock, KVGet, KVGetReply, KVPut, KVPutReply, KVServiceRequest, KVServiceStats, KVStatsRequest,
 )
-from protocol.zmq_sockets import bound_address, make_socket, send, split, tcp_address
+from protocol.zmq_sockets import DEFAULT_MAX_MSG_SIZE, bound_address, make_socket, send, split, tcp_address
+from services.kv_transfer.keys import service_curve_keys
 
 logger = logging.getLogger("weft.kv_transfer")
 
+DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 14579  # vLLM's kv_port default
 DEFAULT_MAX_BYTES = 2 << 30
+# What one stored block costs beyond its data, key and shape: the Struct, the
+# ndarray over the received frame, the frame, the dict entry (measured ~0.5 KiB).
+ENTRY_OVERHEAD = 512
+MAX_KEY_BYTES = 64  # namespace + block hash is 40
+MAX_KEYS_PER_GET = 256
+MAX_WAIT_MS = 60_000
+MAX_PARKED_GETS = 256
 _IDLE_POLL_MS = 100  # how often a quiet service checks for a stop
+
+
+def entry_size(block: KVBlock) -> int:
+    """The bytes a stored block holds, as the memory cap counts them."""
+    return ENTRY_OVERHEAD + block.data.nbytes + len(block.key) + 8 * len(block.shape) + len(block.dtype) \
+        + len(block.mac)
 
 
 class LRUBlockStore:
@@ -56,19 +81,19 @@ class LRUBlockStore:
         return key in self._blocks
 
     def put(self, block: KVBlock) -> bool:
-        """Store (or replace) a block; False when it alone is over the cap."""
-        size = block.data.nbytes
-        if size > self.max_bytes:
+        """Store (or replace) a block; False when it alone is over the cap, or malformed."""
+        size = entry_size(block)
+        if size > self.max_bytes or len(block.key) > MAX_KEY_BYTES or block.data.dtype.itemsize != 1:
             return False
         old = self._blocks.pop(block.key, None)
         if old is not None:
-            self.num_bytes -= old.data.nbytes
+            self.num_bytes -= entry_size(old)
         self._blocks[block.key] = block
         self.num_bytes += size
         self.stats.num_stored += 1
         while self.num_bytes > self.max_bytes:
             _, evicted = self._blocks.popitem(last=False)
-            self.num_bytes -= evicted.data.nbytes
+            self.num_bytes -= entry_size(evicted)
             self.stats.num_evicted += 1
         return True
 
@@ -93,15 +118,21 @@ class _ParkedGet:
 
 
 class KVTransferService:
-    def __init__(self, address: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, address: str, max_bytes: int = DEFAULT_MAX_BYTES, *, curve: CurveKeys | None = None,
+                 max_msg_size: int = DEFAULT_MAX_MSG_SIZE) -> None:
         self.store = LRUBlockStore(max_bytes)
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.ROUTER, address, bind=True)
+        # Before the socket binds: no peer is let in unchecked.
+        self.auth = ZapAuthenticator(self._ctx, curve) if curve is not None else None
+        self._sock = make_socket(self._ctx, zmq.ROUTER, address, bind=True, curve=curve,
+                                 max_msg_size=max_msg_size)
         self.address = bound_address(self._sock)
         self._encoder = Encoder()
         self._decoder = Decoder(KVServiceRequest)
         self._parked: list[_ParkedGet] = []
+        self._changed = False  # blocks arrived since the parked gets were last looked at
         self.num_dropped = 0  # malformed messages
+        self.num_refused_gets = 0  # over MAX_KEYS_PER_GET, or beyond MAX_PARKED_GETS (answered at once)
 
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set, then close the socket."""
@@ -112,6 +143,8 @@ class KVTransferService:
                 self._answer_parked(time.monotonic())
         finally:
             self._sock.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             self._ctx.term()
 
     def _poll_ms(self) -> int:
@@ -131,18 +164,36 @@ class KVTransferService:
             return
         if isinstance(request, KVPut):
             stored = sum(self.store.put(block) for block in request.blocks)
+            self._changed = self._changed or stored > 0
             self._reply(identity, KVPutReply(request.seq, stored, len(request.blocks) - stored))
         elif isinstance(request, KVGet):
-            self._parked.append(_ParkedGet(identity, request, time.monotonic() + request.wait_ms / 1000))
+            self._park(identity, request)
         elif isinstance(request, KVStatsRequest):
             self._reply(identity, self.store.snapshot(request.seq))
 
+    def _park(self, identity: bytes, request: KVGet) -> None:
+        if len(request.keys) > MAX_KEYS_PER_GET:
+            self.num_refused_gets += 1
+            self._reply(identity, KVGetReply(request.seq, [], list(request.keys[:MAX_KEYS_PER_GET])))
+            return
+        wait_ms = min(request.wait_ms, MAX_WAIT_MS)
+        if len(self._parked) >= MAX_PARKED_GETS:
+            self.num_refused_gets += 1
+            wait_ms = 0  # answered now with what is here
+        self._parked.append(_ParkedGet(identity, request, time.monotonic() + wait_ms / 1000))
+        self._changed = True  # look at it once, at least
+
     def _answer_parked(self, now: float) -> None:
-        """Answer the gets whose keys are all here, or whose wait is over."""
+        """Answer the gets whose keys are all here, or whose wait is over.
+        Keys are looked up only when blocks arrived (or a get did): a service
+        with many parked gets costs nothing per idle poll."""
+        if not self._parked:
+            return
+        changed, self._changed = self._changed, False
         waiting = []
         for parked in self._parked:
             keys = parked.request.keys
-            if now < parked.deadline and not all(key in self.store for key in keys):
+            if now < parked.deadline and not (changed and all(key in self.store for key in keys)):
                 waiting.append(parked)
                 continue
             blocks = [b for b in map(self.store.get, keys) if b is not None]
@@ -160,10 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft kv-transfer", description=(
         "The KV transfer service of disaggregated prefill/decode: prefill engines push KV blocks to it, "
         "decode engines pull them (--kv-transfer-config '{\"kv_connector\": \"ZmqConnector\", ...}')."))
-    parser.add_argument("--host", default="0.0.0.0", help="Interface to listen on.")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="Interface to listen on (default loopback; 0.0.0.0 for every interface, with "
+                             "--zmq-curve-keys when other nodes can reach it).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="Port to listen on (0: any free port).")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                        help="Memory for blocks; past it the least recently used are dropped (default 2 GiB).")
+                        help="Memory for blocks, bookkeeping included; past it the least recently used are "
+                             "dropped (default 2 GiB).")
+    parser.add_argument("--max-msg-size", type=int, default=DEFAULT_MAX_MSG_SIZE,
+                        help="Largest frame accepted; a peer that sends a bigger one is disconnected "
+                             "(default 64 MiB).")
+    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                        help="A `weft keys` folder: only engines holding its client key may connect "
+                             "(CurveZMQ); give the engines the same folder as keys_dir.")
     return parser
 
 
@@ -171,14 +231,16 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        service = KVTransferService(tcp_address(args.host, args.port, bind=True), args.max_bytes)
+        curve = service_curve_keys(args.zmq_curve_keys) if args.zmq_curve_keys is not None else None
+        service = KVTransferService(tcp_address(args.host, args.port, bind=True), args.max_bytes, curve=curve,
+                                    max_msg_size=args.max_msg_size)
     except (ValueError, zmq.ZMQError) as e:
         print(f"weft kv-transfer: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.info("KV transfer service listening on %s (%.0f MiB for blocks)", service.address,
-                args.max_bytes / 2**20)
+    logger.info("KV transfer service listening on %s (%.0f MiB for blocks, %s)", service.address,
+                args.max_bytes / 2**20, "CurveZMQ" if args.zmq_curve_keys else "no authentication")
     service.serve(stop)
     return 0

@@ -2,55 +2,104 @@
 
 One file per block, ``<path>/<key hex>.safetensors``, holding the block's
 tensor ``kv`` ([layers, 2, kv_heads, block_size, head_dim], in the cache's
-dtype) and its producer's CRC-32 in the metadata. A file is written under a
-temporary name and renamed, so a reader sees a whole block or none. Any
-engine that mounts the folder can load what another saved: a consumer finds
-blocks by their keys even without ``kv_transfer_params`` (the folder is
-cheap to probe).
+dtype) and its producer's CRC-32 (or keyed MAC) in the metadata. A file is
+written under a temporary name and renamed, so a reader sees a whole block
+or none. Any engine that mounts the folder can load what another saved: a
+consumer finds blocks by their keys even without ``kv_transfer_params`` (the
+folder is cheap to probe).
+
+The folder is trusted only if it is private: by default one of this user's
+own (``default_storage_path``, created 0700), and any folder is refused when
+another user owns it or may write to it (a pre-created ``/tmp`` folder of
+someone else would let them read or plant blocks). Files are created 0600.
+A block file is opened without following links and without blocking (a
+FIFO named like a block must not hang the transfer thread), and read only if
+it is a regular file whose size is exactly what its own header describes.
 """
 from __future__ import annotations
 
+import json
 import os
+import stat
+import struct
 import time
 import uuid
 from pathlib import Path
 
 from protocol.kv_transfer import KVBlock
+from protocol.zmq_sockets import DEFAULT_MAX_MSG_SIZE
 from services.kv_transfer.block_connector import BlockConnector
 from services.kv_transfer.block_store import BlockStore
 from services.kv_transfer.config import SharedStorageOptions
 
 _POLL_S = 0.01  # how often a load re-checks for files a producer is still writing
+# The largest block file read: a block as large as the wire allows, plus its header.
+MAX_BLOCK_FILE_BYTES = DEFAULT_MAX_MSG_SIZE
+_MAX_HEADER_BYTES = 1 << 16
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def default_storage_path() -> Path:
+    """This user's own folder: under $XDG_RUNTIME_DIR (a private tmpfs) when
+    there is one, else under ~/.cache."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "weft-kv-cache"
+    return Path.home() / ".cache" / "weft" / "kv-cache"
+
+
+def check_private_folder(path: Path) -> None:
+    """PermissionError unless ``path`` is a real folder of this user that no other user may write."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"shared_storage_path {path} is not a folder (or is a link).")
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"shared_storage_path {path} belongs to uid {info.st_uid}, not to this user "
+                              f"(uid {os.getuid()}): another user could read or plant KV blocks there.")
+    if info.st_mode & 0o022:
+        raise PermissionError(f"shared_storage_path {path} may be written by other users (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}); `chmod go-w {path}`.")
 
 
 class FileBlockStore(BlockStore):
     discoverable = True
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = Path(path) if path is not None else default_storage_path()
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        check_private_folder(self.path)
 
     def file_of(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}.safetensors"
 
     def num_present(self, keys: list[bytes]) -> int:
         for i, key in enumerate(keys):
-            if not self.file_of(key).exists():
+            try:
+                if not stat.S_ISREG(os.lstat(self.file_of(key)).st_mode):
+                    return i
+            except OSError:
                 return i
         return len(keys)
 
     def put(self, blocks: list[KVBlock]) -> None:
         import torch
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         from services.kv_transfer.kv_blocks import torch_dtype
 
         for block in blocks:
             raw = torch.frombuffer(bytearray(block.data), dtype=torch.uint8)
             tensor = raw.view(torch_dtype(block.dtype)).view(block.shape)
+            metadata = {"checksum": str(block.checksum), "mac": bytes(block.mac).hex()}
             final = self.file_of(block.key)
             temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-            save_file({"kv": tensor}, str(temp), metadata={"checksum": str(block.checksum)})
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(save({"kv": tensor}, metadata=metadata))
             os.replace(temp, final)
 
     def get(self, keys: list[bytes], wait_s: float) -> dict[bytes, KVBlock]:
@@ -65,22 +114,63 @@ class FileBlockStore(BlockStore):
             time.sleep(_POLL_S)  # files appear as the producer writes them
 
     def _read(self, key: bytes) -> KVBlock | None:
-        import torch
-        from safetensors import SafetensorError, safe_open
-
-        path = self.file_of(key)
+        """The block in ``key``'s file; None if absent, not a regular file, or damaged."""
         try:
-            with safe_open(str(path), framework="pt") as f:
-                tensor = f.get_tensor("kv")
-                recorded = int((f.metadata() or {}).get("checksum", "-1"))
+            raw = read_block_file(self.file_of(key))
         except FileNotFoundError:
             return None
-        except (SafetensorError, OSError, ValueError):
-            # A damaged file is a block that is not there: the consumer computes it.
-            return None
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        return KVBlock(key=key, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape),
-                       checksum=recorded, data=data)
+        except (OSError, ValueError):
+            return None  # a damaged or hostile file is a block that is not there: the consumer computes it
+        return _decode(key, raw)
+
+
+def read_block_file(path: Path) -> bytes:
+    """A block file's bytes: a regular file (no link, no FIFO or device) whose
+    size is what its safetensors header describes. ValueError otherwise."""
+    fd = os.open(path, _OPEN_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        if not 8 < info.st_size <= MAX_BLOCK_FILE_BYTES:
+            raise ValueError(f"{path.name} has an impossible size ({info.st_size} bytes)")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > min(_MAX_HEADER_BYTES, info.st_size - 8):
+            raise ValueError(f"{path.name}: header of {header_len} bytes")
+        data_end = _data_end(f.read(header_len))
+        if info.st_size != 8 + header_len + data_end:
+            raise ValueError(f"{path.name}: {info.st_size} bytes, its header describes "
+                             f"{8 + header_len + data_end}")
+        f.seek(0)
+        return f.read(info.st_size)
+
+
+def _data_end(header: bytes) -> int:
+    """Where the last tensor's bytes end, per a safetensors header."""
+    try:
+        entries = json.loads(header)
+        ends = (int(entry["data_offsets"][1]) for name, entry in entries.items() if name != "__metadata__")
+        return max(ends, default=0)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ValueError(f"not a safetensors header: {e}") from None
+
+
+def _decode(key: bytes, raw: bytes) -> KVBlock | None:
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensor = load(raw)["kv"]
+        header_len = struct.unpack("<Q", raw[:8])[0]
+        metadata = json.loads(raw[8:8 + header_len]).get("__metadata__") or {}
+        recorded = int(metadata.get("checksum", "-1"))
+        mac = bytes.fromhex(metadata.get("mac", ""))
+    except (SafetensorError, KeyError, ValueError, TypeError, AttributeError):
+        return None
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return KVBlock(key=key, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape),
+                   checksum=recorded, data=data, mac=mac)
 
 
 class SharedStorageConnector(BlockConnector):

@@ -1,7 +1,9 @@
-"""The worker's transfer thread: saves and loads run off the forward path.
+"""The worker's transfer threads: saves and loads run off the forward path.
 
-Jobs come from the step's plan and run one at a time, in order, on a thread
-that owns the block store (its socket or files). A save copies its blocks
+Jobs come from the step's plan and run on up to ``max_concurrent`` threads,
+each owning its own block store client (its socket or files), so one slow
+transfer (a consumer waiting for blocks a producer has not pushed yet, a
+store that does not answer) does not hold up the others. A save copies its blocks
 out of the cache and stores them; the scheduler keeps those blocks until the
 save is reported, so nothing overwrites them meanwhile. A load fetches,
 checks and writes blocks the scheduler allocated to a request that is not
@@ -10,7 +12,10 @@ so the thread overlaps the forward passes.
 
 A job never fails the engine: a save that could not be stored is reported
 done (the consumer will recompute), and a load reports how many leading
-blocks arrived intact, zero if none (the rest is computed).
+blocks arrived intact, zero if none (the rest is computed). A load has a
+hard deadline from its submission (its wait plus one store timeout): past
+it, nothing more is written into the cache, so the scheduler may give the
+blocks of an aborted request back after its own, longer, timeout.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 from protocol.kv_transfer import KVBlockTransfer
 from services.kv_transfer.block_store import BlockStore, is_intact
+from services.kv_transfer.config import DEFAULT_TIMEOUT_S
 from services.kv_transfer.kv_blocks import PagedKVBlocks
 
 logger = logging.getLogger(__name__)
@@ -49,24 +55,40 @@ class TransferStats:
 class _Job:
     kind: str  # "save" or "load"
     transfer: KVBlockTransfer
+    deadline: float  # loads: no write into the cache after this (monotonic)
 
 
 class TransferThread:
-    def __init__(self, store: BlockStore, blocks: PagedKVBlocks, key_of: Callable[[bytes], bytes]) -> None:
-        self.store = store
+    def __init__(self, store: BlockStore, blocks: PagedKVBlocks, key_of: Callable[[bytes], bytes], *,
+                 mac_key: bytes | None = None, make_store: Callable[[], BlockStore] | None = None,
+                 max_concurrent: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """``store`` serves the first thread; ``make_store`` makes one for each further thread."""
+        if max_concurrent > 1 and make_store is None:
+            raise ValueError("more than one transfer thread needs make_store (a store client per thread)")
+        self.stores = [store] + [make_store() for _ in range(max_concurrent - 1)]
         self.blocks = blocks
         self.key_of = key_of  # block hash -> store key
+        self.mac_key = mac_key  # blocks are sealed and checked with it (None: CRC-32)
+        self.timeout_s = timeout_s
         self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: queue.Queue[tuple[str, str, int]] = queue.Queue()
         self._num_in_flight = 0  # submitted, not yet taken back (main thread only)
-        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(s,), name=f"kv-transfer-{i}", daemon=True)
+                         for i, s in enumerate(self.stores)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def store(self) -> BlockStore:
+        return self.stores[0]
 
     def submit(self, kind: str, transfer: KVBlockTransfer) -> None:
         assert kind in ("save", "load"), kind
         self._num_in_flight += 1
-        self._jobs.put(_Job(kind, transfer))
+        deadline = time.monotonic() + transfer.wait_s + self.timeout_s
+        self._jobs.put(_Job(kind, transfer, deadline))
 
     def take_finished(self, wait_s: float = 0.0) -> tuple[list[str], dict[str, int]]:
         """Jobs done since the last call, waiting up to ``wait_s`` for the first one."""
@@ -86,34 +108,37 @@ class TransferThread:
                 received[req_id] = num_blocks
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        alive = [t for t in self._threads if t.is_alive()]
+        for _ in alive:
             self._jobs.put(None)
-            self._thread.join(timeout=10)
-        self.store.close()
+        for thread in alive:
+            thread.join(timeout=10)
+        for store in self.stores:
+            store.close()
 
-    # ---- the thread
+    # ---- the threads
 
-    def _run(self) -> None:
+    def _run(self, store: BlockStore) -> None:
         while (job := self._jobs.get()) is not None:
             transfer = job.transfer
             try:
                 if job.kind == "save":
-                    self._save(transfer)
+                    self._save(store, transfer)
                     result = len(transfer.block_ids)
                 else:
-                    result = self._load(transfer)
+                    result = self._load(store, job)
             except Exception:
                 logger.exception("KV %s of request %s failed", job.kind, transfer.req_id)
                 result = 0
             self._done.put((job.kind, transfer.req_id, result))
 
-    def _save(self, transfer: KVBlockTransfer) -> None:
+    def _save(self, store: BlockStore, transfer: KVBlockTransfer) -> None:
         start = time.perf_counter()
         for lo in range(0, len(transfer.block_ids), CHUNK_BLOCKS):
             ids = transfer.block_ids[lo:lo + CHUNK_BLOCKS]
             keys = [self.key_of(h) for h in transfer.block_hashes[lo:lo + CHUNK_BLOCKS]]
             try:
-                self.store.put(self.blocks.to_wire(keys, self.blocks.gather(ids)))
+                store.put(self.blocks.to_wire(keys, self.blocks.gather(ids), self.mac_key))
             except (OSError, TimeoutError) as e:
                 # The consumer finds the blocks missing and computes them.
                 logger.warning("KV save of request %s stopped after %d of %d blocks: %s",
@@ -121,19 +146,25 @@ class TransferThread:
                 return
         self._count_save(len(transfer.block_ids), time.perf_counter() - start)
 
-    def _load(self, transfer: KVBlockTransfer) -> int:
+    def _load(self, store: BlockStore, job: _Job) -> int:
         """Load the longest intact prefix of the asked blocks; returns its length."""
+        transfer = job.transfer
         start = time.perf_counter()
-        deadline = time.monotonic() + transfer.wait_s
+        wait_until = time.monotonic() + transfer.wait_s
         loaded = 0
         for lo in range(0, len(transfer.block_ids), CHUNK_BLOCKS):
             keys = [self.key_of(h) for h in transfer.block_hashes[lo:lo + CHUNK_BLOCKS]]
             try:
-                found = self.store.get(keys, max(0.0, deadline - time.monotonic()))
+                found = store.get(keys, max(0.0, min(wait_until, job.deadline) - time.monotonic()))
             except (OSError, TimeoutError) as e:
                 logger.warning("KV load of request %s stopped after %d blocks: %s", transfer.req_id, loaded, e)
                 break
             good = self._intact_prefix(keys, found)
+            if time.monotonic() > job.deadline:
+                # The scheduler may be about to hand these blocks to someone else.
+                logger.warning("KV load of request %s ran past its deadline after %d blocks; stopped.",
+                               transfer.req_id, loaded)
+                break
             if good:
                 self.blocks.scatter(transfer.block_ids[lo:lo + len(good)], self.blocks.from_wire(good))
             loaded += len(good)
@@ -150,26 +181,29 @@ class TransferThread:
             block = found.get(key)
             if block is None:
                 break
-            if not is_intact(block, self.blocks.dtype_name, self.blocks.block_shape):
-                self.stats.blocks_refused += 1
-                logger.warning("KV block …%s is damaged or of another model shape; computing it instead.",
-                               key.hex()[-16:])
+            if not is_intact(block, self.blocks.dtype_name, self.blocks.block_shape, self.mac_key):
+                with self._stats_lock:
+                    self.stats.blocks_refused += 1
+                logger.warning("KV block …%s is damaged, forged or of another model shape; computing it "
+                               "instead.", key.hex()[-16:])
                 break
             good.append(block)
         return good
 
     def _count_save(self, num_blocks: int, seconds: float) -> None:
         s = self.stats
-        s.blocks_saved += num_blocks
-        s.bytes_saved += num_blocks * self.blocks.block_nbytes
-        s.save_s += seconds
+        with self._stats_lock:
+            s.blocks_saved += num_blocks
+            s.bytes_saved += num_blocks * self.blocks.block_nbytes
+            s.save_s += seconds
         logger.info("KV saved: %d blocks, %.1f MiB in %.1f ms", num_blocks,
                     num_blocks * self.blocks.block_nbytes / 2**20, seconds * 1e3)
 
     def _count_load(self, num_blocks: int, seconds: float) -> None:
         s = self.stats
-        s.blocks_loaded += num_blocks
-        s.bytes_loaded += num_blocks * self.blocks.block_nbytes
-        s.load_s += seconds
+        with self._stats_lock:
+            s.blocks_loaded += num_blocks
+            s.bytes_loaded += num_blocks * self.blocks.block_nbytes
+            s.load_s += seconds
         logger.info("KV loaded: %d blocks, %.1f MiB in %.1f ms", num_blocks,
                     num_blocks * self.blocks.block_nbytes / 2**20, seconds * 1e3)

@@ -31,8 +31,27 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
-    """Set the logits of tokens a row may not produce yet (min_tokens) to -inf, in place."""
+    """Set the logits of tokens a row may not produce now (min_tokens, bad_words) to -inf, in place."""
     vocab = logits.shape[1]
     for row, tokens in banned:
         ids = [t for t in tokens if t < vocab]
         logits[row, ids] = float("-inf")
+
+
+def restrict_tokens(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
+    """Leave each listed row only its allowed tokens (allowed_token_ids), in place."""
+    vocab = logits.shape[1]
+    for row, tokens in allowed:
+        keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+        keep[[t for t in tokens if t < vocab]] = False
+        logits[row].masked_fill_(keep, float("-inf"))
+
+
+def add_logit_bias(logits: torch.Tensor, biases: list[tuple[int, list[int], list[float]]]) -> None:
+    """Add OpenAI's logit_bias to each listed row, in place."""
+    vocab = logits.shape[1]
+    for row, tokens, values in biases:
+        pairs = [(t, v) for t, v in zip(tokens, values) if t < vocab]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+            logits[row, ids] += torch.tensor([v for _, v in pairs], dtype=logits.dtype, device=logits.device)

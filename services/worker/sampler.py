@@ -1,7 +1,8 @@
 """Pick each request's next token from its logits, vectorized over the batch.
 
-Order: penalties and min_tokens bans (all rows) -> greedy rows take the
-argmax -> random rows: temperature, top-k, top-p, min-p, then one draw.
+Order (all rows, as vLLM): allowed_token_ids, logit_bias, penalties, then
+the bans (min_tokens, bad_words) -> greedy rows take the argmax -> random
+rows: temperature, top-k, top-p, min-p, then one draw.
 Logprobs are reported from the raw logits, before any of these.
 
 Random draws use the exponential trick: argmax(p / q) with q ~ Exp(1) per
@@ -17,7 +18,7 @@ import torch
 
 from protocol import TokenLogprobs
 from services.worker.logprobs import token_logprobs
-from services.worker.penalties import apply_penalties, ban_tokens
+from services.worker.penalties import add_logit_bias, apply_penalties, ban_tokens, restrict_tokens
 from services.worker.sampling_metadata import SamplingMetadata
 
 
@@ -70,12 +71,17 @@ class Sampler:
 
 
 def adjusted_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Penalties and min_tokens bans, which greedy rows obey too: logits [N, V] -> [N, V]
-    (a new tensor when anything applies; the input is never changed)."""
+    """Token filters, logit_bias, penalties and bans, which greedy rows obey too:
+    logits [N, V] -> [N, V] (a new tensor when anything applies; the input is never changed)."""
+    if meta.allowed or meta.logit_bias:
+        logits = logits.clone()
+        restrict_tokens(logits, meta.allowed)
+        add_logit_bias(logits, meta.logit_bias)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.banned:
-        logits = logits.clone() if meta.penalties is None else logits
+        fresh = meta.penalties is not None or meta.allowed or meta.logit_bias
+        logits = logits if fresh else logits.clone()
         ban_tokens(logits, meta.banned)
     return logits
 

@@ -55,8 +55,12 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [N], 1.0 where off
     min_p: torch.Tensor | None  # [N], 0.0 where off
     penalties: Penalties | None
-    # (row, token ids) that must not be sampled yet (min_tokens).
+    # (row, token ids) that must not be sampled now (min_tokens, bad_words).
     banned: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, token ids): the only tokens the row may sample (allowed_token_ids).
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, token ids, biases) added to the row's logits (logit_bias).
+    logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
     # Seeded rows, each with a generator already set for this output index.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; -1 = whole vocabulary
@@ -96,6 +100,9 @@ def build_sampling_metadata(
         min_p=column(min_p) if any(p > 0.0 for p in min_p) else None,
         penalties=_penalties(requests, vocab_size, device),
         banned=_banned_tokens(requests, eos_token_id),
+        allowed=[(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids],
+        logit_bias=[(i, list(p.logit_bias), list(p.logit_bias.values()))
+                    for i, p in enumerate(params) if p.logit_bias],
         generators={
             i: torch.Generator(device=device).manual_seed(seed_for_output(p.seed, len(r.output_token_ids)))
             for i, (p, r) in enumerate(zip(params, requests))
@@ -130,12 +137,32 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
 def _banned_tokens(requests, eos_token_id: int | None) -> list[tuple[int, list[int]]]:
     banned = []
     for i, r in enumerate(requests):
-        p = r.params
-        if len(r.output_token_ids) >= p.min_tokens:
-            continue
-        tokens = list(p.stop_token_ids or [])
-        if eos_token_id is not None and not p.ignore_eos:
-            tokens.append(eos_token_id)
+        tokens = _min_tokens_bans(r, eos_token_id) + _bad_word_bans(r)
         if tokens:
             banned.append((i, tokens))
     return banned
+
+
+def _min_tokens_bans(r: RequestSamplingInput, eos_token_id: int | None) -> list[int]:
+    p = r.params
+    if len(r.output_token_ids) >= p.min_tokens:
+        return []
+    tokens = list(p.stop_token_ids or [])
+    if eos_token_id is not None and not p.ignore_eos:
+        tokens.append(eos_token_id)
+    return tokens
+
+
+def _bad_word_bans(r: RequestSamplingInput) -> list[int]:
+    """The last token of each bad word whose other tokens the output just ended
+    with: sampling it would complete the word (a one-token word is always banned)."""
+    words = r.params.bad_words_token_ids
+    if not words:
+        return []
+    output = r.output_token_ids
+    bans = []
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or list(output[len(output) - len(prefix):]) == prefix):
+            bans.append(word[-1])
+    return bans

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import httpx
 import openai
@@ -54,11 +54,14 @@ class FakeEngineClient(EngineClient):
         self.requests: list[EngineCoreRequest] = []
         self.aborted: set[str] = set()
         self.closed_early: set[str] = set()  # iterators closed before their last output
+        self.num_aborts = 0  # abort() ids plus early closes: exactly one per aborted request
         self.started = self.shut_down = False
         self.die_after: int | None = None  # raise EngineDeadError after this many outputs
         self.hang_after: int | None = None  # wait forever (until cancelled) after this many
         self.fail_with: str | None = None  # finish every request with FinishReason.ERROR
+        self.fail_internally = False  # ... marked as the engine's fault (a 500), not the input's
         self.num_cached_tokens = 0
+        self.cached_tokens_by_index: dict[int, int] = {}  # child index -> its own prefix hit
         self.burst = False  # yield all outputs without letting the loop run in between
         self.hanging = asyncio.Event()  # set when a request starts hanging
         self.utility_calls: list[UtilityMethod] = []
@@ -79,6 +82,7 @@ class FakeEngineClient(EngineClient):
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborted.update(request_ids)
+        self.num_aborts += len(request_ids)
 
     async def call_utility(self, method: UtilityMethod) -> dict[int, bool]:
         self.utility_calls.append(method)
@@ -89,7 +93,7 @@ class FakeEngineClient(EngineClient):
         offset = request.sampling_params.seed or 0
         return self.script[(step + offset) % len(self.script)]
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         if not any(s.state == "ready" for s in self.ranks.values()):
             raise EngineNotReadyError("no rank is ready")
         self.requests.append(request)
@@ -107,7 +111,10 @@ class FakeEngineClient(EngineClient):
                     await asyncio.sleep(0)  # let the other requests take turns
         finally:
             if not finished:
+                # As DPLBEngineClient's generator: closing it early is the abort.
                 self.closed_early.add(request.request_id)
+                self.aborted.add(request.request_id)
+                self.num_aborts += 1
 
     async def _maybe_misbehave(self, step: int) -> None:
         if self.die_after is not None and step >= self.die_after:
@@ -119,12 +126,20 @@ class FakeEngineClient(EngineClient):
     def _output(self, request: EngineCoreRequest, step: int, last: bool) -> EngineCoreOutput:
         params = request.sampling_params
         token = self.token_at(request, step)
+        index = int(request.request_id.rsplit("-", 1)[1])
+        cached = self.cached_tokens_by_index.get(index, self.num_cached_tokens)
         # Engine clock: scheduled at 100.25, first token at 100.5, then one every 0.125.
-        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=self.num_cached_tokens,
+        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=cached,
                                   timestamp=100.5 + 0.125 * step)
         if step == 0:
             output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, 100.0),
                              EngineCoreEvent(EngineCoreEventType.SCHEDULED, 100.25)]
+            if params.prompt_logprobs is not None:
+                # Position p's entry: the prompt token first (logprob -p), then the script's.
+                output.new_prompt_logprobs = [None] + [
+                    TokenLogprobs([t, *self.script[: params.prompt_logprobs]],
+                                  [-float(p)] + [-0.25] * params.prompt_logprobs, rank=p)
+                    for p, t in enumerate(request.prompt_token_ids[1:], 1)]
         if params.logprobs is not None:
             # The chosen token is the most likely one; the top-k follow it.
             top = ([token] + [t for t in self.script if t != token])[: params.logprobs]
@@ -132,6 +147,7 @@ class FakeEngineClient(EngineClient):
                                                  rank=1)]
         if self.fail_with is not None:
             output.finish_reason, output.error = FinishReason.ERROR, self.fail_with
+            output.error_is_internal = self.fail_internally
         elif params.stop_token_ids and token in params.stop_token_ids:
             output.finish_reason, output.stop_reason = FinishReason.STOP, token
         elif last:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.api.api_options import APIOptions
 from tests.api.fake_engine_client import MODEL_NAME, engine_config, http_client, make_app
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -101,7 +102,11 @@ def runner():
 
 @pytest.fixture(scope="module")
 def client():
-    app, _ = make_app(config=engine_config(max_model_len=FUZZ_MAX_MODEL_LEN))
+    # Each body goes to both endpoints with both prompt fields, so the server
+    # takes unknown fields (the lenient decoding is then fuzzed too); the
+    # strict refusal has its own tests (tests/api/test_field_table.py).
+    app, _ = make_app(config=engine_config(max_model_len=FUZZ_MAX_MODEL_LEN),
+                      options=APIOptions(allow_unknown_fields=True))
     return http_client(app)
 
 

@@ -148,13 +148,19 @@ async def test_stop_string_included_when_asked(served):
     assert result.choices[0].text.endswith("dog. STOP")
 
 
-async def test_stop_token_id_reports_stop_reason(served):
+@pytest.mark.parametrize("include", [False, True])
+async def test_stop_token_id_reports_stop_reason(served, include):
+    # vLLM V1: the stop token's text is left out of `text` unless
+    # include_stop_str_in_output; stop_reason carries its id either way.
     client, engine = served
     stop_id = tokenizer().encode(" fox", add_special_tokens=False)[0]
-    result = await client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=40,
-                                             extra_body={"stop_token_ids": [stop_id]})
-    assert result.choices[0].text.endswith("fox")
+    result = await client.completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=40,
+        extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": include})
+    assert result.choices[0].text == "Hello world! The quick brown" + (" fox" if include else "")
     assert result.choices[0].model_extra["stop_reason"] == stop_id
+    assert result.usage.completion_tokens == len(tokenizer().encode("Hello world! The quick brown fox",
+                                                                    add_special_tokens=False))
     assert engine.aborted == set()
 
 
@@ -188,7 +194,7 @@ async def test_chat_content_parts_and_extras_pass_through(served):
         frequency_penalty=-0.5, user="someone",
         messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 1,
-                    "skip_special_tokens": False, "cache_salt": "salt", "unknown_extra": {"x": 1}})
+                    "skip_special_tokens": False, "cache_salt": "salt"})
     request = engine.requests[0]
     params = request.sampling_params
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 5, 0.1)

@@ -11,14 +11,21 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import pytest_asyncio
 
-from protocol import EngineCoreRequest, FinishReason, SamplingParams
+from protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams
 from protocol.zmq_sockets import ipc_address, tcp_address
+from services import model_files
+from services.api import serving
 from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
 from protocol.engine import UtilityMethod
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
+from services.api.metrics import APIMetrics
+from services.api.output_processor import RequestState
+from services.api.serving import Choice, ChoiceRunner
+from services.api.tokenizer import Tokenizer
 from tests.api.dp_requests import collect, make_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.polling import wait_until
@@ -206,3 +213,29 @@ async def test_local_processes_must_fit_the_ranks(tiny_config):
             DPLBEngineClient(tiny_config, ipc_address("hs"), 0)
     finally:
         fake[0].wait()
+
+
+async def test_a_stop_string_hit_sends_exactly_one_abort(client, monkeypatch):
+    """The generator's cleanup owns ABORT: the runner closing the stream at a stop
+    string must not add an abort of its own (issue 17)."""
+    tokenizer = Tokenizer(model_files.resolve(None).hf_dir)
+    tokens, _ = await collect(client, make_request("learn", max_tokens=20))  # greedy: the same text again
+    stop = tokenizer.decode(tokens[:6]).strip()[-3:]
+    assert stop, tokenizer.decode(tokens[:6])
+    sent = []
+    real_send = client._send
+
+    async def counting_send(rank, kind, payload=None):
+        sent.append((kind, payload))
+        await real_send(rank, kind, payload)
+
+    monkeypatch.setattr(client, "_send", counting_send)
+    learned = make_request("stopped", max_tokens=20)
+    params = msgspec.structs.replace(learned.sampling_params, stop=[stop])
+    request = msgspec.structs.replace(learned, sampling_params=params)
+    state = RequestState.create(request.request_id, params, tokenizer)
+    metrics = APIMetrics(client.rank_stats, "tiny").request(len(request.prompt_token_ids), time.monotonic())
+    await serving.collect(ChoiceRunner(client, [Choice(0, 0, request, state, metrics)]))
+    assert (state.finish_reason, state.stop_reason) == ("stop", stop) and len(state.token_ids) < 20
+    aborts = [ids for kind, ids in sent if kind == EngineCoreRequestType.ABORT]
+    assert aborts == [["stopped"]]

@@ -51,3 +51,50 @@ def test_a_hung_process_is_killed_and_no_restart_unless_asked():
     engines.on_dead(0, hung=True)
     assert proc.wait(timeout=10) == -signal.SIGKILL
     assert engines.restart_due() == [] and engines.processes[0] is proc
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _die_and_restart(engines: LocalEngines, rank: int) -> float:
+    """Kill ``rank``'s process, report it dead; returns the back-off it got."""
+    proc = engines.processes[rank]
+    proc.kill()
+    proc.wait(timeout=10)
+    engines.on_dead(rank)
+    delay = engines._due[rank] - engines._clock()
+    engines._clock.now += delay
+    assert engines.restart_due() == [rank]
+    return delay
+
+
+def test_backoff_counts_the_life_from_ready_not_from_spawn():
+    """A model that loads for 100 s and crashes 1 s after ready is a crash loop:
+    its back-off doubles, although each process lived longer than ``stable_s``."""
+    clock = FakeClock()
+    engines = LocalEngines({0: subprocess.Popen(SLEEPER, start_new_session=True)}, restart=True,
+                           backoff=RestartBackoff(base_s=1.0, max_s=64.0, stable_s=30.0), clock=clock)
+    try:
+        delays = []
+        for _ in range(3):
+            clock.now += 100.0  # loading
+            engines.on_ready(0)
+            clock.now += 1.0  # serving, briefly
+            delays.append(_die_and_restart(engines, 0))
+        assert delays == [1.0, 2.0, 4.0]
+        clock.now += 100.0
+        engines.on_ready(0)
+        clock.now += 60.0  # served a while: a fresh start
+        assert _die_and_restart(engines, 0) == 1.0
+        # Never ready at all, however long it loaded: quick deaths.
+        clock.now += 500.0
+        assert _die_and_restart(engines, 0) == 1.0
+        clock.now += 500.0
+        assert _die_and_restart(engines, 0) == 2.0
+    finally:
+        engines.stop(grace_s=5)

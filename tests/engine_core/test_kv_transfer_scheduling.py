@@ -261,3 +261,36 @@ def _report(sent=(), received=None):
     from protocol import ModelRunnerOutput
 
     return ModelRunnerOutput(finished_sending=list(sent), finished_recving=dict(received or {}))
+
+
+def test_requests_back_from_their_loads_keep_arrival_order_ahead_of_later_ones():
+    store: dict = {}
+    prompts = [PROMPT, list(range(800, 860))]
+    params = [produce(store, prompt) for prompt in prompts]
+    kv = KVTransferConfig(kv_connector="ZmqConnector", kv_role="kv_consumer")
+    s = Scheduler(msgspec.structs.replace(make_config(block_size=BS, max_num_seqs=3), kv_transfer=kv), 64)
+    w = TransferWorker(store)
+    for request_id, prompt, p in zip(("d1", "d2"), prompts, params):
+        decode_request(s, request_id, prompt, p.remote_num_tokens)
+    for request_id in ("late-1", "late-2", "late-3", "late-4"):  # the first three fill the seats
+        s.add_request(make_request(s, request_id, 4, max_tokens=50))
+    step(s, w)  # d1 and d2 park off the queue and load (reported in this step); late-4 has no seat
+    assert [r.request_id for r in s.waiting] == ["d1", "d2", "late-4"]
+def test_a_request_aborted_while_loading_gets_its_blocks_back_when_the_load_never_reports():
+    s = make("kv_consumer")
+    s.kv_transfer.abandon_timeout_s = 0.0
+    decode_request(s, "d", PROMPT, 48)
+    so = s.schedule()  # parked: the load is now in flight at the worker, which never answers
+    s.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert not s.kv_cache_manager.all_blocks_free()
+    s.update_from_output(so, _report())  # a step with no report for "d": its deadline has passed
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.all_blocks_free()
+    assert s.schedule().kv_connector_metadata is None  # nothing left to wait for
+    s.update_from_output(so, _report(received={"d": 48 // BS}))  # a late report changes nothing
+    assert s.kv_cache_manager.all_blocks_free()
+
+
+def test_the_abandon_timeout_outlasts_any_load_the_worker_may_still_write():
+    assert make("kv_consumer").kv_transfer.abandon_timeout_s == 120.0
+    slow = make("kv_consumer", timeout_s=100.0)  # a load may write until 2 x 100 s after submission
+    assert slow.kv_transfer.abandon_timeout_s > 2 * 100.0

@@ -38,7 +38,7 @@ class FakeApi:
         self.output = make_socket(self.ctx, zmq.PULL, ipc_address("out"), bind=True)
         self.encoder = Encoder()
         self.outputs_decoder = Decoder(EngineCoreOutputs)
-        self.identity = rank_identity(RANK)
+        self.identity = b""  # the engine's own (``instance_identity``), learnt from its hello
 
     def recv(self, sock: zmq.Socket, decoder: Decoder, num_header: int = 0, timeout_s: float = 10.0):
         assert sock.poll(int(timeout_s * 1000)), "timed out waiting for a message"
@@ -85,7 +85,8 @@ def started(tmp_path_factory):
                              "--handshake-address", bound_address(api.handshake), "--num-threads", "1"])
     try:
         (identity,), hello = api.recv(api.handshake, Decoder(EngineHello), 1, DEADLINE_S)
-        assert identity == api.identity
+        assert identity[:2] == rank_identity(RANK) and len(identity) == 10  # the rank, then random bytes
+        api.identity = identity
         assert hello == EngineHello(rank=RANK, local=False, headless=False)
         parallel = msgspec.structs.replace(config.parallel, data_parallel_rank=RANK)
         reply = EngineHandshakeReply(config=msgspec.structs.replace(config, parallel=parallel),

@@ -48,7 +48,7 @@ class Api:
             return make_socket(self.ctx, kind, address, bind=True, curve=curve)
         self.handshake, self.input, self.output = bind(zmq.ROUTER, "hs"), bind(zmq.ROUTER, "in"), bind(zmq.PULL, "out")
         self.encoder = Encoder()
-        self.identity = rank_identity(RANK)
+        self.identity = b""  # the engine's own (``instance_identity``), learnt from its hello
 
     def close(self) -> None:
         if self.auth is not None:
@@ -107,6 +107,7 @@ def start_engine(api: Api, config, *extra: str) -> subprocess.Popen:
     assert api.handshake.poll(int(DEADLINE_S * 1000)), "no hello from the engine"
     (identity,), hello = recv(api.handshake, Decoder(EngineHello), 1)
     assert hello.rank == RANK
+    api.identity = identity  # the input socket must use the same one
     parallel = msgspec.structs.replace(config.parallel, data_parallel_rank=RANK)
     send(api.handshake, api.encoder, EngineHandshakeReply(
         config=msgspec.structs.replace(config, parallel=parallel), input_address=bound_address(api.input),

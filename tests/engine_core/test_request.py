@@ -98,3 +98,23 @@ def test_priority_prepend_keeps_the_request_key():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="fcfs"):
         create_request_queue("lifo")
+
+
+def test_fcfs_requeue_keeps_arrival_order_ahead_of_later_arrivals():
+    q = create_request_queue("fcfs")
+    first, second, late = _req("first", arrival=1.0), _req("second", arrival=2.0), _req("late", arrival=5.0)
+    q.add(late)
+    # Both waited off the queue and come back in the opposite order.
+    q.requeue(second)
+    q.requeue(first)
+    assert [r.request_id for r in q] == ["first", "second", "late"]
+    q.requeue(_req("last", arrival=9.0))
+    assert [r.request_id for r in q][-1] == "last"
+
+
+def test_priority_requeue_keeps_arrival_order_within_a_priority():
+    q = create_request_queue("priority")
+    q.add(_req("late", 0, 5.0))
+    q.requeue(_req("second", 0, 2.0))
+    q.requeue(_req("first", 0, 1.0))
+    assert [r.request_id for r in q] == ["first", "second", "late"]

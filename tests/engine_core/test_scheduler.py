@@ -1,8 +1,11 @@
 """Scheduling decisions: budgets, chunking, ordering, prefix hits."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from protocol import EngineCoreRequest, SamplingParams
+from services.engine_core.core import check_request
 from services.engine_core.request import RequestStatus
 from tests.engine_core.fakes import (
     FakeWorker,
@@ -170,12 +173,13 @@ def test_finished_ids_are_reported_once_in_the_next_step():
     run_to_completion(s, w)
 
 
-@pytest.mark.parametrize("prompt", [[], list(range(64))])
-def test_unservable_prompts_are_refused(prompt):
-    s = make_scheduler(max_model_len=64)
-    with pytest.raises(ValueError, match="prompt"):
-        add(s, "a", prompt)
-    assert not s.has_unfinished_requests()
+@pytest.mark.parametrize("prompt, n", [([], 1), (list(range(64)), 1), ([1, 999], 1), ([1, 2], 2)])
+def test_unservable_requests_are_refused_by_the_engines_one_check(prompt, n):
+    request = EngineCoreRequest("a", prompt, SamplingParams(n=n), 0.0)
+    with pytest.raises(ValueError, match="prompt|Prompt|n=1"):
+        check_request(request, max_model_len=64, vocab_size=100)
+    check_request(msgspec.structs.replace(request, prompt_token_ids=[1, 2], sampling_params=SamplingParams()),
+                  max_model_len=64, vocab_size=100)
 
 
 def test_duplicate_request_ids_are_refused():

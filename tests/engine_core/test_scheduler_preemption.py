@@ -147,3 +147,17 @@ def test_blocks_of_a_request_preempted_in_its_own_step_are_not_served_from_cache
     for request_id, outputs in run_to_completion(s, w).items():
         seen.setdefault(request_id, []).extend(outputs)
     assert tokens_of(seen["lo"]) == EXPECTED
+
+
+def test_prefix_cache_stats_count_only_a_requests_first_lookup():
+    # As in the test above, "b" is preempted and looks its prompt up again on
+    # resuming (finding its own first block): that second lookup is no query.
+    s, w = make_scheduler(num_blocks=5), FakeWorker(16)
+    add(s, "a", 30)
+    add(s, "b", 30)
+    queries = hits = 0
+    while s.has_unfinished_requests():
+        step(s, w)
+        stats = s.make_stats()
+        queries, hits = queries + stats.prefix_cache_queries, hits + stats.prefix_cache_hits
+    assert (queries, hits) == (60, 0)

@@ -227,3 +227,70 @@ def test_the_compile_timeout_must_be_positive(timeout):
 
     with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be positive"):
         StructuredOutputsConfig(compile_timeout=timeout)
+
+
+def test_a_refused_token_is_the_engines_fault_and_a_bad_grammar_the_clients():
+    scheduler, _, _ = make_scheduler()
+    compiled(add(scheduler, "refused", 4, structured_outputs=regex("7 8")))
+    compiled(add(scheduler, "bad", 4, structured_outputs=regex("not token ids")))
+    outputs = run_to_completion(scheduler, FakeWorker(16))  # ignores masks: samples 1000
+    assert outputs["refused"][-1].error_is_internal
+    assert outputs["bad"][-1].finish_reason == FinishReason.ERROR and not outputs["bad"][-1].error_is_internal
+
+
+def test_a_compiled_request_goes_ahead_of_later_arrivals():
+    scheduler, backend, _ = make_scheduler(max_num_seqs=1)
+    worker = MaskWorker()
+    add(scheduler, "running", 4, max_tokens=50)
+    step(scheduler, worker)
+    backend.release.clear()
+    constrained = add(scheduler, "c", 4, structured_outputs=regex("7 8"))
+    add(scheduler, "late", 4)
+    step(scheduler, worker)
+    backend.release.set()
+    compiled(constrained)
+    step(scheduler, worker)
+    assert [r.request_id for r in scheduler.waiting] == ["c", "late"]
+def test_a_compile_still_queued_times_out_and_never_runs():
+    """Slow constraints fill every compile thread; one queued behind them
+    fails once its timeout (from submission) passes, though it never started."""
+    from services.engine_core.structured_output.manager import _COMPILE_THREADS
+
+    scheduler, backend, clock = make_scheduler()
+    worker = MaskWorker()
+    backend.release.clear()
+    try:
+        for i in range(_COMPILE_THREADS):
+            add(scheduler, f"slow{i}", 4, structured_outputs=regex(f"{i}"))
+        queued = add(scheduler, "queued", 4, structured_outputs=regex("7 8"))
+        assert backend.started.wait(30)
+        step(scheduler, worker)
+        assert queued.structured_output.job.started_at is None  # waiting for a thread
+        clock.now += TIMEOUT_S + 0.1
+        _, outputs = step(scheduler, worker)
+        failed = {o.request_id: o for o in outputs if o.finish_reason == FinishReason.ERROR}
+        assert "queued" in failed and "longer than 2s" in failed["queued"].error
+        assert queued.structured_output.job.future.cancelled()  # it will never take a thread
+    finally:
+        backend.release.set()
+    assert "7 8" not in backend.compiled
+
+
+def test_compiles_in_flight_are_bounded():
+    scheduler, backend, _ = make_scheduler()
+    manager = scheduler.structured_output_manager
+    manager.max_compiles_in_flight = 2
+    backend.release.clear()
+    try:
+        first = add(scheduler, "a", 4, structured_outputs=regex("1"))
+        add(scheduler, "b", 4, structured_outputs=regex("2"))
+        shared = add(scheduler, "a2", 4, structured_outputs=regex("1"))  # shares a's compile: no new one
+        over = add(scheduler, "c", 4, structured_outputs=regex("3"))
+        assert shared.structured_output.job is first.structured_output.job
+        _, failed, _ = manager.split_compiled([over])
+        assert [r.request_id for r, _ in failed] == ["c"] and "compiling already" in failed[0][1]
+    finally:
+        backend.release.set()
+    compiled(first)
+    _, failed, _ = manager.split_compiled([add(scheduler, "d", 4, structured_outputs=regex("4"))])
+    assert failed == []  # room again once compiles end

@@ -1,7 +1,10 @@
 """A disaggregated prefill/decode stack of real processes on loopback, as the
 docker-compose ``pd`` profile lays it out: a prefill ``weft serve``
 (kv_producer), a decode ``weft serve`` (kv_consumer), ``weft pd-proxy`` in
-front, and for the ZmqConnector the ``weft kv-transfer`` service. Used by the
+front, and for the ZmqConnector the ``weft kv-transfer`` service. Secured as
+a deployment should be: one ``weft keys`` folder (CurveZMQ to the service, a
+keyed MAC on every block) and the proxy's secret (the servers accept
+``kv_transfer_params`` from it only). Used by the
 end-to-end tests; every process runs in its own session and is killed, with
 its children, on close."""
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from protocol.curve import generate_keys
+from services.kv_transfer import trust
 from services.model_files import resolve
 from tests.polling import wait_for, wait_healthy
 
@@ -34,8 +39,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path) -> dict:
-    extra = {"timeout_s": TRANSFER_TIMEOUT_S}
+def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path, keys: Path) -> dict:
+    extra = {"timeout_s": TRANSFER_TIMEOUT_S, "keys_dir": str(keys)}
     if connector == "SharedStorageConnector":
         extra["shared_storage_path"] = str(storage)
     return {"kv_connector": connector, "kv_role": role, "kv_ip": "127.0.0.1", "kv_port": kv_port,
@@ -48,23 +53,32 @@ class PDStack:
         self.log_dir = work_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.storage = work_dir / "kv-store"
+        self.keys = work_dir / "keys"
+        generate_keys(self.keys)
+        self.secret = "pd-stack-secret"
+        self.secret_file = work_dir / "kv-transfer-secret"
+        self.secret_file.write_text(self.secret)
+        self.secret_file.chmod(0o600)
         self.kv_port = free_port()
         self.processes: dict[str, subprocess.Popen] = {}
         self.engine_args = engine_args
         if connector == "ZmqConnector":
-            self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port)])
+            self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port),
+                                        "--zmq-curve-keys", str(self.keys)])
         self.prefill_url = self._serve("prefill", "kv_producer")
         self.decode_url = self._serve("decode", "kv_consumer")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._start("proxy", ["pd-proxy", "--prefill", self.prefill_url, "--decode", self.decode_url,
-                              "--host", "127.0.0.1", "--port", str(port)])
+                              "--host", "127.0.0.1", "--port", str(port),
+                              "--kv-transfer-secret-file", str(self.secret_file)])
 
     def _serve(self, name: str, role: str) -> str:
         port = free_port()
-        config = kv_transfer_config(self.connector, role, self.kv_port, self.storage)
+        config = kv_transfer_config(self.connector, role, self.kv_port, self.storage, self.keys)
         self._start(name, ["serve", "--model", str(MODEL.weights), "--host", "127.0.0.1", "--port", str(port),
-                           "--kv-transfer-config", json.dumps(config), *self.engine_args])
+                           "--kv-transfer-config", json.dumps(config),
+                           "--kv-transfer-secret-file", str(self.secret_file), *self.engine_args])
         return f"http://127.0.0.1:{port}"
 
     def _start(self, name: str, weft_argv: list[str]) -> None:
@@ -99,6 +113,11 @@ class PDStack:
             self.stop(name)
 
     # ---- what the servers say
+
+    @property
+    def trusted(self) -> dict[str, str]:
+        """The header that lets a test talk to the servers as the proxy does."""
+        return {trust.HEADER: self.secret}
 
     def ranks(self, url: str) -> list[dict]:
         return httpx.get(url + "/health", timeout=10).json()["ranks"]

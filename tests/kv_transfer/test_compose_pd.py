@@ -28,7 +28,7 @@ def parse(name: str):
 def test_the_pd_services_are_in_the_pd_profile_only():
     assert all(SERVICES[name]["profiles"] == ["pd"] for name in PD)
     defaults = {name for name, service in SERVICES.items() if not service.get("profiles")}
-    assert defaults == {"api", "engine-core-0", "engine-core-1"}
+    assert defaults == {"keys", "api", "engine-core-0", "engine-core-1"}
 
 
 def test_engines_reach_the_service_in_their_roles():
@@ -40,14 +40,20 @@ def test_engines_reach_the_service_in_their_roles():
         assert (kv.kv_ip, kv.kv_port) == (SERVICES["pd-kv-transfer"]["hostname"], service.port)
         roles[name] = kv.kv_role
         assert "pd-kv-transfer" in SERVICES[name]["depends_on"]
+        # CurveZMQ to the service and a MAC on every block, with the service's own keys folder.
+        assert kv.kv_connector_extra_config["keys_dir"] == service.zmq_curve_keys == "/keys"
     assert roles == {"pd-prefill": "kv_producer", "pd-decode": "kv_consumer"}
+    assert service.host == "0.0.0.0" and not SERVICES["pd-kv-transfer"].get("ports")  # compose network only
 
 
 def test_the_proxy_fronts_the_prefill_and_decode_servers():
     proxy = parse("pd-proxy")
     for urls, name in ((proxy.prefill, "pd-prefill"), (proxy.decode, "pd-decode")):
         assert urls == [f"http://{SERVICES[name]['hostname']}:{parse(name).port}"]
-    assert f"8100:{proxy.port}" in SERVICES["pd-proxy"]["ports"]
+    assert SERVICES["pd-proxy"]["ports"] == [f"127.0.0.1:8100:{proxy.port}"]
+    # The proxy vouches for kv_transfer_params with the secret both servers hold.
+    secrets = {parse(name).kv_transfer_secret_file for name in ("pd-proxy", "pd-prefill", "pd-decode")}
+    assert secrets == {"/keys/kv-transfer-secret"}
 
 
 def test_compose_accepts_the_profile():
@@ -57,6 +63,6 @@ def test_compose_accepts_the_profile():
         return  # no Compose binary on this machine: the YAML checks above stand alone
     base = [str(plugin), "-f", str(REPO / "docker-compose.yml")]
     default = subprocess.run([*base, "config", "--services"], capture_output=True, text=True, check=True)
-    assert set(default.stdout.split()) == {"api", "engine-core-0", "engine-core-1"}
+    assert set(default.stdout.split()) == {"keys", "api", "engine-core-0", "engine-core-1"}
     result = subprocess.run([*base, "--profile", "pd", "config", "-q"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -80,3 +80,17 @@ def test_an_engine_core_override_replaces_the_apis_choice():
     assert engine_config.kv_transfer.kv_role == "kv_consumer"
     assert with_kv_transfer_config(api_config, None) is api_config
 
+
+
+def test_the_curve_keys_folder_secures_the_kv_transfer_unless_it_names_its_own():
+    from services.kv_transfer.config import with_default_keys_dir
+
+    config = EngineArgs(kv_transfer_config=ZMQ).create_engine_config()
+    secured = with_default_keys_dir(config, "/keys")
+    assert connector_options(secured.kv_transfer).keys_dir == "/keys"
+    own = EngineArgs(kv_transfer_config={**ZMQ, "kv_connector_extra_config": {"keys_dir": "/other"}})
+    kept = with_default_keys_dir(own.create_engine_config(), "/keys")
+    assert connector_options(kept.kv_transfer).keys_dir == "/other"
+    assert with_default_keys_dir(config, None) is config
+    plain = EngineArgs().create_engine_config()
+    assert with_default_keys_dir(plain, "/keys") is plain

@@ -28,6 +28,7 @@ from services.engine_args import EngineArgs
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request
 from services.kv_transfer.block_connector import block_namespace
+from services.kv_transfer.keys import engine_curve_keys
 from services.kv_transfer.shared_storage import FileBlockStore
 from services.kv_transfer.zmq_connector import ZmqBlockStore
 from tests.kv_transfer.pd_stack import MODEL, PDStack
@@ -116,24 +117,27 @@ def test_a_damaged_block_is_recomputed(stack, oracle):
     hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
     body = {"model": MODEL.name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True}}
-    prefill = httpx.post(stack.prefill_url + "/v1/completions", json=body, timeout=120).json()
+    prefill = httpx.post(stack.prefill_url + "/v1/completions", json=body, headers=stack.trusted,
+                         timeout=120).json()
     params = prefill["kv_transfer_params"]
     assert params == {"do_remote_prefill": True, "remote_num_tokens": 64}
     damage_block(stack, prompt, index=2)
     body.update(max_tokens=MAX_TOKENS, kv_transfer_params=params)
-    decoded = httpx.post(stack.decode_url + "/v1/completions", json=body, timeout=120).json()
+    decoded = httpx.post(stack.decode_url + "/v1/completions", json=body, headers=stack.trusted,
+                         timeout=120).json()
     assert decoded["choices"][0]["text"] == expected_text(oracle, prompt)
     # Blocks 0 and 1 were loaded; block 2 failed its check, so it and block 3 were computed.
     assert stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before == 2 * BS
 
 
 def damage_block(stack: PDStack, prompt: list[int], index: int) -> None:
-    """Flip bits in one stored block once the producer has stored it, keeping its recorded checksum."""
+    """Flip bits in one stored block once the producer has stored it, keeping its recorded MAC."""
     config = EngineArgs(model=str(MODEL.weights), **ORDINARY).create_engine_config()
     request = Request("probe", prompt, SamplingParams(), 0.0, block_hasher=make_block_hasher(BS))
     key = block_namespace(config) + request.block_hashes[index]
     if stack.connector == "ZmqConnector":
-        store = ZmqBlockStore(f"tcp://127.0.0.1:{stack.kv_port}", timeout_s=10)
+        store = ZmqBlockStore(f"tcp://127.0.0.1:{stack.kv_port}", timeout_s=10,
+                              curve=engine_curve_keys(stack.keys))
         try:
             block = store.get([key], wait_s=30)[key]
             data = block.data.copy()

@@ -11,8 +11,8 @@ import zmq
 from protocol.kv_transfer import KVBlock
 from protocol.zmq_sockets import make_socket, tcp_address
 from services.kv_transfer.block_store import checksum, is_intact
-from services.kv_transfer.service import KVTransferService, LRUBlockStore
-from services.kv_transfer.zmq_connector import ZmqBlockStore
+from services.kv_transfer.service import KVTransferService, LRUBlockStore, entry_size
+from services.kv_transfer.zmq_connector import ServiceDownError, ZmqBlockStore
 
 
 def block(key: bytes, nbytes: int = 1024, fill: int | None = None) -> KVBlock:
@@ -53,22 +53,24 @@ def client(service):
 
 
 def test_lru_store_evicts_the_least_recently_used_first():
-    store = LRUBlockStore(max_bytes=3000)
+    one = entry_size(block(b"a", 1000))
+    store = LRUBlockStore(max_bytes=3 * one)
     for key in (b"a", b"b", b"c"):
         assert store.put(block(key, 1000))
     assert store.get(b"a") is not None  # a is now the most recent
     assert store.put(block(b"d", 1000))
     assert b"b" not in store and all(key in store for key in (b"a", b"c", b"d"))
-    assert store.num_bytes == 3000 and store.stats.num_evicted == 1
+    assert store.num_bytes == 3 * one and store.stats.num_evicted == 1
 
 
 def test_lru_store_replaces_a_key_and_refuses_a_block_over_the_cap():
-    store = LRUBlockStore(max_bytes=2000)
+    store = LRUBlockStore(max_bytes=entry_size(block(b"a", 2000)))
     store.put(block(b"a", 1000, fill=1))
     store.put(block(b"a", 1500, fill=2))
-    assert len(store) == 1 and store.num_bytes == 1500 and store.get(b"a").data[0] == 2
+    size = entry_size(block(b"a", 1500))
+    assert len(store) == 1 and store.num_bytes == size and store.get(b"a").data[0] == 2
     assert not store.put(block(b"huge", 4000))
-    assert b"huge" not in store and store.num_bytes == 1500
+    assert b"huge" not in store and store.num_bytes == size
     with pytest.raises(ValueError, match="max_bytes"):
         LRUBlockStore(0)
 
@@ -86,7 +88,8 @@ def test_put_then_get_returns_the_same_bytes(client):
         assert np.array_equal(got.data, original.data)
         assert is_intact(got, "float32", [1024])
     stats = client.stats()
-    assert (stats.num_blocks, stats.num_bytes, stats.num_hits, stats.num_misses) == (3, 3 * 4096, 3, 1)
+    assert (stats.num_blocks, stats.num_bytes, stats.num_hits, stats.num_misses) == (
+        3, sum(map(entry_size, blocks)), 3, 1)
 
 
 def test_a_get_waits_for_blocks_put_after_it(service, client):
@@ -112,14 +115,14 @@ def test_a_get_returns_what_it_has_when_its_wait_ends(client):
 
 
 def test_memory_cap_evicts_blocks_for_new_ones():
-    running = RunningService(max_bytes=2 * 4096)
+    running = RunningService(max_bytes=2 * entry_size(block(b"a", 4096)))
     store = ZmqBlockStore(running.address, timeout_s=5.0)
     try:
         store.put([block(b"a", 4096), block(b"b", 4096)])
         store.put([block(b"c", 4096)])
         assert set(store.get([b"a", b"b", b"c"], 0.0)) == {b"b", b"c"}
         stats = store.stats()
-        assert stats.num_evicted == 1 and stats.num_bytes <= stats.max_bytes == 2 * 4096
+        assert stats.num_evicted == 1 and stats.num_bytes <= stats.max_bytes
     finally:
         store.close()
         running.close()
@@ -138,18 +141,24 @@ def test_malformed_messages_are_dropped_and_the_service_keeps_serving(service, c
         rogue.close(linger=0)
 
 
-def test_a_dead_service_times_out_instead_of_hanging():
+def test_a_dead_service_times_out_instead_of_hanging_then_fails_fast():
     running = RunningService()
     address = running.address
     running.close()
     store = ZmqBlockStore(address, timeout_s=0.2)
+    other = ZmqBlockStore(address, timeout_s=30.0)  # another thread's client of the same service
     try:
         with pytest.raises(TimeoutError, match="did not answer"):
             store.get([b"x"], wait_s=0.1)
-        with pytest.raises(TimeoutError):
+        # Known down now: no client waits for it again until the retry time.
+        with pytest.raises(ServiceDownError):
             store.put([block(b"x", 256)])
+        with pytest.raises(ServiceDownError):
+            other.get([b"x"], wait_s=30.0)
+        assert other._sock is None  # it did not even open a socket
     finally:
         store.close()
+        other.close()
 
 
 def test_damage_is_caught_by_the_consumer_check():

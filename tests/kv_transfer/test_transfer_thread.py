@@ -119,3 +119,20 @@ def test_long_transfers_go_in_chunks(make_store):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_load_waiting_for_blocks_does_not_hold_up_the_others(make_store):
+    """Two transfer threads: a load whose blocks never come waits out its time
+    on one, while a load of blocks that are there finishes on the other."""
+    producer = TransferThread(make_store(), PagedKVBlocks(caches(seed=1)), key_of)
+    consumer = TransferThread(make_store(), PagedKVBlocks(caches(seed=2)), key_of, make_store=make_store,
+                              max_concurrent=2)
+    try:
+        run(producer, "save", KVBlockTransfer("p", [1], HASHES[:1]))
+        consumer.submit("load", KVBlockTransfer("stuck", [2], HASHES[4:5], wait_s=5.0))  # never saved
+        consumer.submit("load", KVBlockTransfer("ready", [3], HASHES[:1]))
+        assert consumer.take_finished(wait_s=30.0) == ([], {"ready": 1})  # first, while "stuck" waits
+        assert consumer.take_finished(wait_s=30.0) == ([], {"stuck": 0})
+    finally:
+        producer.close()
+        consumer.close()

@@ -11,8 +11,11 @@ import stat
 
 import pytest
 import zmq
+import zmq.auth
 
-from protocol.curve import CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, load_keys
+from protocol.curve import (
+    CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, generate_node_keys, load_keys,
+)
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, tcp_address
 from services.cli import main as weft_main
 
@@ -128,3 +131,22 @@ def test_ipc_sockets_live_in_a_folder_only_this_user_can_enter():
     folder = os.path.dirname(ipc_address("private")[len("ipc://"):])
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     assert os.stat(folder).st_uid == os.getuid()
+
+
+def test_node_keys_are_let_in_by_name_and_a_node_uses_its_own(tmp_path):
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    generate_node_keys(keys, "gpu1")
+    with pytest.raises(ValueError, match="node name"):
+        generate_node_keys(keys, "../evil")
+    node_folder = tmp_path / "gpu1"
+    node_folder.mkdir(mode=0o700)
+    for name in ("server.key", "node-gpu1.key", "node-gpu1.key_secret"):  # what the operator copies
+        (node_folder / name).write_bytes((keys / name).read_bytes())
+        (node_folder / name).chmod(0o600)
+    node = load_keys(node_folder, CLIENT)
+    node_public, _ = zmq.auth.load_certificate(keys / "node-gpu1.key")
+    assert node.public == node_public and node.peer_public == load_keys(keys, SERVER).public
+    server = load_keys(keys, SERVER)
+    assert server.node_keys == {node_public: "node-gpu1"} and server.peer_public  # both kinds let in
+    assert stat.S_IMODE(os.stat(keys / "node-gpu1.key_secret").st_mode) == 0o600

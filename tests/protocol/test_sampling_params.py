@@ -11,6 +11,11 @@ from protocol.codec import DecodeError, Decoder, Encoder
 
 INVALID = [
     ({"temperature": -0.1}, "temperature"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -53,6 +58,8 @@ def test_invalid_field_is_refused_on_decode(kwargs: dict[str, Any], field: str) 
 
 VALID = [
     {},
+    {"logit_bias": {5: -100.0, 6: 100.0}, "allowed_token_ids": [5, 6], "bad_words": ["no"],
+     "bad_words_token_ids": [[1, 2], [3]]},
     {"temperature": 0.0, "max_tokens": 1},
     {"temperature": 1.3, "top_p": 1.0, "top_k": -1, "min_p": 1.0, "seed": 0},
     {"n": 4, "top_p": 0.01, "top_k": 50, "min_tokens": 16, "max_tokens": 16},

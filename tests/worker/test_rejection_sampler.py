@@ -191,3 +191,20 @@ def test_rows_of_requests_without_drafts_sample_like_the_sampler() -> None:
     meta = build_sampling_metadata(inputs, vocab_size=50, eos_token_id=EOS)
     spec = RejectionSampler(torch.Generator().manual_seed(0))(logits, meta, [[]]).token_ids
     assert spec == [plain]
+
+
+
+def test_token_filters_apply_to_every_verified_position() -> None:
+    # GREEDY_ROWS' argmaxes are 4, 2, 3, 1.
+    # A bias of +10 on token 0 makes it every row's argmax: draft 0 is accepted,
+    # draft 2 is not and is replaced by 0.
+    biased = SamplingParams(temperature=0.0, max_tokens=100, logit_bias={0: 10.0})
+    assert run(GREEDY_ROWS, [0, 2, 3], biased, 1) == [[0, 0]]
+    # Without token 4, row 0 takes its next best (3); the other rows keep theirs.
+    allowed = SamplingParams(temperature=0.0, max_tokens=100, allowed_token_ids=[1, 2, 3])
+    assert run(GREEDY_ROWS, [3, 2, 3], allowed, 1) == [[3, 2, 3, 1]]
+    # Row 2 follows the draft 2, so its argmax 3 would finish the bad word (2, 3):
+    # draft 3 is rejected there and the row's next best (0, 1, 2, 4 are tied at 0) replaces it.
+    bad = SamplingParams(temperature=0.0, max_tokens=100, bad_words_token_ids=[[2, 3]])
+    (emitted,) = run(GREEDY_ROWS, [4, 2, 3], bad, 1)
+    assert emitted[:2] == [4, 2] and len(emitted) == 3 and emitted[2] != 3

@@ -165,3 +165,37 @@ def test_whole_vocabulary_logprobs():
     entry = out.logprobs[0]
     assert entry.rank == 1 and len(entry.token_ids) == V + 1
     assert math.isclose(sum(math.exp(x) for x in entry.logprobs[1:]), 1.0, rel_tol=1e-5)
+
+
+def test_logit_bias_moves_the_argmax_on_greedy_and_random_rows():
+    logits = torch.zeros(2, V)
+    logits[:, 3] = 5.0
+    rows = [req(temperature=0.0, logit_bias={9: 6.0}), req(logit_bias={9: 100.0, 3: -100.0})]
+    assert sample(logits, rows).token_ids.tolist() == [9, 9]
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled():
+    rows = 400
+    out = sample(random_logits(rows), [req(allowed_token_ids=[5, 17, 30])] * rows)
+    assert set(out.token_ids.tolist()) == {5, 17, 30}
+    greedy = sample(four_token_logits(1), [req(temperature=0.0, allowed_token_ids=[2, 3])])
+    assert greedy.token_ids.tolist() == [2]  # the likelier of the two left
+
+
+def test_bad_words_ban_the_token_that_would_complete_a_word():
+    logits = torch.zeros(3, V)
+    logits[:, 4], logits[:, 6] = 9.0, 8.0
+    words = [[20, 4], [6]]  # a two-token word ending in 4; a one-token word 6
+    rows = [req(output=[1, 20], temperature=0.0, bad_words_token_ids=words),  # 4 would finish it
+            req(output=[20, 1], temperature=0.0, bad_words_token_ids=words),  # 4 is harmless here
+            req(output=[], temperature=0.0, bad_words_token_ids=[[4]])]
+    # Row 0 may take neither 4 nor 6; row 1 may take 4; row 2 bans 4 at once.
+    assert sample(logits, rows).token_ids.tolist()[1:] == [4, 6]
+    assert sample(logits, rows).token_ids.tolist()[0] not in (4, 6)
+
+
+def test_logprobs_stay_those_of_the_raw_logits_under_token_filters():
+    logits = random_logits(1)
+    out = sample(logits, [req(temperature=0.0, logprobs=0, allowed_token_ids=[11])])
+    assert out.token_ids.tolist() == [11]
+    assert out.logprobs[0].logprobs[0] == pytest.approx(float(logits.log_softmax(-1)[0, 11]))

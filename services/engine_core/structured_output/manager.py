@@ -13,6 +13,13 @@ grammar over its new tokens (``accept_token``).
 The backend (xgrammar, which imports torch) is created on the first
 constrained request, on a pool thread: engines that never see one never
 load it, and the scheduler's tests stay torch-free.
+
+Slow constraints cannot starve the others: a compile's timeout counts from
+its submission (time queued behind other compiles included; only the
+backend's one-time start-up is not counted), a compile that timed out while
+still queued never runs, and at most ``MAX_COMPILES_IN_FLIGHT`` distinct
+compiles are queued or running at once -- a request with a new constraint
+past that fails at once with a clear error instead of joining the queue.
 """
 from __future__ import annotations
 
@@ -42,11 +49,14 @@ MAX_CACHED_GRAMMARS = 256
 # Half the cores, as vLLM does, but at least two: a compile that runs past
 # its timeout keeps its thread until it ends, and must not stall the others.
 _COMPILE_THREADS = max(2, (os.cpu_count() or 2) // 2)
+# Distinct compiles queued or running (ones past their timeout count until they end).
+MAX_COMPILES_IN_FLIGHT = 4 * _COMPILE_THREADS
 
 
 @dataclass
 class _CompileJob:
     future: Future | None = None
+    submitted_at: float = 0.0
     started_at: float | None = None  # set by the pool thread when compiling begins
 
 
@@ -85,6 +95,9 @@ class StructuredOutputManager:
         self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, _CompileJob] = OrderedDict()
+        self._in_flight: list[_CompileJob] = []  # submitted, future not done yet
+        self.max_compiles_in_flight = MAX_COMPILES_IN_FLIGHT
+        self._backend_ready_at: float | None = None  # compile timeouts count from here at the earliest
         self._totals_lock = threading.Lock()  # pool threads add compile times
         self.totals = _Totals()
 
@@ -111,7 +124,7 @@ class StructuredOutputManager:
         """Requests waiting for grammars -> (ready, failed with the reason, still compiling).
 
         A compile fails on a bad constraint, or once it has run longer than
-        ``compile_timeout`` (time queued behind other compiles not counted).
+        ``compile_timeout`` since it was submitted (queueing counts).
         """
         ready, failed, pending = [], [], []
         for request in requests:
@@ -130,11 +143,17 @@ class StructuredOutputManager:
 
     def _compile_error(self, so_request: StructuredOutputRequest) -> str | None:
         job = so_request.job
+        if job.future.cancelled():  # timed out in the queue (for a request sharing the compile)
+            return self._timeout_error(so_request)
         if not job.future.done():
-            started = job.started_at
-            if started is not None and self._clock() - started > self.compile_timeout:
-                return (f"Compiling the {so_request.params.kind} constraint took longer than "
-                        f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout).")
+            if self._backend_ready_at is None:
+                return None  # the backend is still starting: no compile has had its chance yet
+            since = max(job.submitted_at, self._backend_ready_at)
+            if self._clock() - since > self.compile_timeout:
+                job.future.cancel()  # one still queued never runs; a running one ends on its own
+                if self._cache.get(so_request.params.cache_key) is job:
+                    del self._cache[so_request.params.cache_key]
+                return self._timeout_error(so_request)
             return None
         exc = job.future.exception()
         if exc is None:
@@ -145,12 +164,24 @@ class StructuredOutputManager:
             return str(exc)
         return f"Compiling the {so_request.params.kind} constraint failed: {type(exc).__name__}: {exc}"
 
+    def _timeout_error(self, so_request: StructuredOutputRequest) -> str:
+        return (f"Compiling the {so_request.params.kind} constraint took longer than "
+                f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout).")
+
     def _submit(self, params: StructuredOutputsParams) -> _CompileJob:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        job = _CompileJob()
+        job = _CompileJob(submitted_at=self._clock())
+        self._in_flight = [j for j in self._in_flight if not j.future.done()]
+        if len(self._in_flight) >= self.max_compiles_in_flight:
+            job.future = Future()
+            job.future.set_exception(ValueError(
+                f"{len(self._in_flight)} constraints are compiling already (at most "
+                f"{self.max_compiles_in_flight}); retry the {params.kind} constraint later."))
+            return job
         job.future = self._executor.submit(self._compile, job, params)
+        self._in_flight.append(job)
         return job
 
     def _compile(self, job: _CompileJob, params: StructuredOutputsParams) -> Any:
@@ -165,6 +196,7 @@ class StructuredOutputManager:
         with self._backend_lock:
             if self._backend is None:
                 self._backend = self._backend_factory()
+                self._backend_ready_at = self._clock()
             return self._backend
 
     def _record_compile(self, seconds: float) -> None:
