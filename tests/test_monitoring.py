@@ -65,6 +65,8 @@ def test_compose_config_accepts_the_monitoring_profile():
 def test_monitoring_services_only_start_with_their_profile():
     services = COMPOSE["services"]
     assert services["prometheus"]["profiles"] == ["monitoring"] == services["grafana"]["profiles"]
+    for name in ("prometheus", "grafana"):  # third-party images: no secrets mounted
+        assert not any(volume.startswith("keys:") for volume in services[name]["volumes"]), name
 
 
 def test_prometheus_scrapes_the_api_metrics_port():
@@ -81,7 +83,7 @@ def test_grafana_provisions_prometheus_and_the_dashboard():
     provisioning = mounted(grafana, "/etc/grafana/provisioning")
     [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    assert "9090:9090" in COMPOSE["services"]["prometheus"]["ports"]
+    assert "127.0.0.1:9090:9090" in COMPOSE["services"]["prometheus"]["ports"]
     [provider] = yaml.safe_load((provisioning / "dashboards" / "weft.yml").read_text())["providers"]
     dashboard = mounted(grafana, f"{provider['options']['path']}/weft.json")
     assert json.loads(dashboard.read_text())["uid"] == DASHBOARD["uid"]
