@@ -20,6 +20,7 @@ from services import model_files
 from services.parallel_args import check_tensor_parallel
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
 from services.speculative_args import resolve_speculative_config
+from services.worker.models.registry import architecture_of, layer_sliding_windows
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -63,6 +64,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         files = model_files.resolve(self.model)
         hf_config = files.hf_config()
+        # Refuse an unsupported model before anything starts (for a GGUF, its config's model_type is
+        # what transformers made of general.architecture).
+        architecture_of(hf_config)
+        windows = layer_sliding_windows(hf_config)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None)
         device = resolve_device(self.device)
         return EngineConfig(
@@ -76,6 +81,7 @@ class EngineArgs:
                 vocab_size=hf_config["vocab_size"],
                 eos_token_id=_first(hf_config.get("eos_token_id")),
                 load_format=_check_load_format(self.load_format),
+                layer_sliding_windows=windows,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -95,11 +101,14 @@ class EngineArgs:
             ),
             speculative=resolve_speculative_config(self.speculative_config),
             structured_outputs=StructuredOutputsConfig(compile_timeout=self.structured_outputs_compile_timeout),
-            kv_transfer=self._kv_transfer_config(),
+            kv_transfer=self._kv_transfer_config(windows),
         )
 
-    def _kv_transfer_config(self) -> KVTransferConfig | None:
+    def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
+        if config is not None and len(set(layer_windows)) > 1:
+            raise ValueError("kv_transfer_config: moving the KV of a model that mixes full and sliding-window "
+                             "attention (several KV cache groups) is not supported.")
         check_engine_supports(config, tensor_parallel_size=self.tensor_parallel_size,
                               enable_prefix_caching=self.enable_prefix_caching)
         return config

@@ -130,12 +130,13 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window  # None: full attention
+        self.kv_group = 0  # which KV cache group's block tables this layer reads (set by the model runner)
         self.workspace = workspace or GatherWorkspace()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, H * D], key and value [T, KVH * D] (rotated) -> [T, H * D]."""
         context = get_forward_context()
-        meta = context.attn_metadata
+        meta = context.group_metadata[self.kv_group] if context.group_metadata else context.attn_metadata
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -30,9 +30,9 @@ from services.worker.layers.linear import ColumnParallelLinear, RowParallelLinea
 from services.worker.layers.norm import GemmaRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from services.worker.models.gemma3_config import FULL, SLIDING, gemma3_layer_types, gemma3_sliding_window
 from services.worker.models.llama import LlamaForCausalLM, rank_args
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -71,24 +71,14 @@ class Gemma3Args:
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             head_dim=config.get("head_dim") or 256,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            layer_types=_layer_types(config, layers),
-            sliding_window=config.get("sliding_window") or 4096,
+            layer_types=gemma3_layer_types(config, layers),
+            sliding_window=gemma3_sliding_window(config),
             rope=_rope_by_layer_type(config),
             query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
             final_logit_softcapping=config.get("final_logit_softcapping"),
             max_position_embeddings=config.get("max_position_embeddings", 131072),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         )
-
-
-def _layer_types(config: dict, layers: int) -> tuple[str, ...]:
-    types = config.get("layer_types")
-    if types is None:  # older configs: every ``pattern``-th layer is global
-        pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
-        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
-    if len(types) != layers or set(types) - {SLIDING, FULL}:
-        raise ValueError(f"layer_types must list {layers} entries of {SLIDING!r} or {FULL!r}, got {types}.")
-    return tuple(types)
 
 
 def _rope_by_layer_type(config: dict) -> dict[str, tuple[float, dict | None]]:

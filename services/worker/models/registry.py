@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 
+from services.worker.models.gemma3_config import SLIDING, gemma3_layer_types, gemma3_sliding_window
+
 _LLAMA = "services.worker.models.llama:LlamaForCausalLM"
 _GEMMA3 = "services.worker.models.gemma3:Gemma3ForCausalLM"
 
@@ -48,3 +50,19 @@ def architecture_of(hf_config: dict, gguf_architecture: str | None = None) -> st
 def model_class(hf_config: dict, gguf_architecture: str | None = None) -> type:
     module_name, _, class_name = ARCHITECTURES[architecture_of(hf_config, gguf_architecture)].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def layer_sliding_windows(hf_config: dict) -> list[int]:
+    """Per layer, the sliding window it attends over (0: full attention); empty when all are full.
+
+    The model classes decide the same from the same config; the worker checks that they agree.
+    """
+    layers = hf_config.get("num_hidden_layers") or 0
+    window = hf_config.get("sliding_window") or 0
+    model_type = hf_config.get("model_type")
+    if model_type in ("gemma3", "gemma3_text"):
+        window = gemma3_sliding_window(hf_config)
+        return [window if kind == SLIDING else 0 for kind in gemma3_layer_types(hf_config, layers)]
+    if model_type in ("qwen2", "qwen3") and not hf_config.get("use_sliding_window", False):
+        return []
+    return [window] * layers if window else []
