@@ -18,6 +18,7 @@ from protocol import (
 from protocol.kv_transfer import KVTransferConfig
 from services import model_files
 from services.parallel_args import check_tensor_parallel
+from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
 from services.speculative_args import resolve_speculative_config
 from services.worker.models.registry import architecture_of, layer_sliding_windows
@@ -52,6 +53,7 @@ class EngineArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -70,6 +72,8 @@ class EngineArgs:
         windows = layer_sliding_windows(hf_config)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None)
         device = resolve_device(self.device)
+        eos_token_id = _first(hf_config.get("eos_token_id"))
+        generation = read_generation_config(self.generation_config, files.hf_dir)
         return EngineConfig(
             model=ModelConfig(
                 model=str(files.weights),
@@ -79,9 +83,11 @@ class EngineArgs:
                 max_model_len=self._max_model_len(hf_config),
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
-                eos_token_id=_first(hf_config.get("eos_token_id")),
+                eos_token_id=eos_token_id,
                 load_format=_check_load_format(self.load_format),
                 layer_sliding_windows=windows,
+                generation_defaults=sampling_defaults(generation),
+                extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

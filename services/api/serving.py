@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from services.api.output_processor import RequestState
 from services.api.streaming import DONE, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.tokenizer import Tokenizer
+from services.generation_config import model_default, with_extra_eos
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: i
     room = ctx.max_model_len - prompt_len
     cap = ctx.limits.max_tokens
     if requested is None:
+        room = min(room, model_default(ctx.config.model, "max_tokens", room))
         return room if cap is None else min(room, cap)
     if cap is not None and requested > cap:
         raise bad_request(f"{param} ({requested}) is more than this server allows ({cap}).", param)
@@ -148,18 +151,22 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
     ctx.check_num_sequences(1, body.n)
     structured_outputs = structured_outputs_from(body)  # 400 when invalid
+    default = functools.partial(model_default, ctx.config.model)  # generation_config.json's, else ours
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=body.n, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=_or(body.repetition_penalty, 1.0),
-            temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
-            top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=body.seed,
+            repetition_penalty=_or(body.repetition_penalty, default("repetition_penalty", 1.0)),
+            temperature=_or(body.temperature, default("temperature", 1.0)),
+            top_p=_or(body.top_p, default("top_p", 1.0)),
+            top_k=_or(body.top_k, default("top_k", 0)), min_p=_or(body.min_p, default("min_p", 0.0)),
+            seed=body.seed,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs)
+        return with_extra_eos(params, ctx.config.model.extra_eos_token_ids)
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
