@@ -17,13 +17,14 @@ in ``stop_reason``, as vLLM's ``update_from_generation_config`` does.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
 from protocol import ModelConfig, SamplingParams
 
+_TokenId = Annotated[int, msgspec.Meta(ge=0)]
 # generation_config.json key -> SamplingParams field.
 SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty",
@@ -53,12 +54,9 @@ def read_generation_config(mode: str, model_dir: Path) -> dict:
 
 def _load(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"generation_config: cannot read {path}: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"generation_config: {path} must hold a JSON object.")
-    return value
+        return msgspec.json.decode(path.read_bytes(), type=dict)
+    except (OSError, msgspec.DecodeError) as e:  # ValidationError (not an object) is a DecodeError
+        raise ValueError(f"generation_config: cannot read {path} as a JSON object: {e}") from e
 
 
 def sampling_defaults(generation_config: dict) -> dict[str, float | int]:
@@ -68,18 +66,22 @@ def sampling_defaults(generation_config: dict) -> dict[str, float | int]:
         value = generation_config.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"generation_config: {key} must be a number, got {value!r}.")
-        defaults[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+        kind = int if field in ("top_k", "max_tokens") else float
+        try:
+            defaults[field] = msgspec.convert(value, kind)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"generation_config: {key} must be a number, got {value!r}.") from e
     return defaults
 
 
 def extra_eos_token_ids(generation_config: dict, model_eos_token_id: int | None) -> list[int]:
     """The config's EOS ids other than the model's own, in the file's order."""
     eos = generation_config.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"generation_config: eos_token_id must be a token id or a list of them, got {eos!r}.")
+    try:
+        ids = msgspec.convert([] if eos is None else eos, int | list[_TokenId])
+    except msgspec.ValidationError as e:
+        raise ValueError(f"generation_config: eos_token_id must be a token id or a list of them, got {eos!r}.") from e
+    ids = [ids] if isinstance(ids, int) else ids
     return list(dict.fromkeys(i for i in ids if i != model_eos_token_id))
 
 

@@ -32,7 +32,7 @@ NEW_TOKENS = 32
 # a long prefix with a shorter one (prefix-cache hits across window layers).
 PROMPT_SHAPES = [(10, 300), (37, 500), (700, 0), (120, 700), (250, 0), (75, 900), (600, 0), (560, 140)]
 # Small steps (chunked prefill) and a pool that holds the longest request but not all eight.
-ENGINE_ARGS = dict(max_model_len=1024, max_num_batched_tokens=128, num_gpu_blocks_override=300)
+ENGINE_ARGS = {"max_model_len": 1024, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 300}
 
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="run `make model-gemma3` first")
 
@@ -108,15 +108,17 @@ def test_offline_greedy_matches_transformers(files, prompts, oracle):
 def server(files, tmp_path_factory):
     port = _free_port()
     args = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
-    log = open(tmp_path_factory.mktemp("gemma3-serve") / "serve.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(GGUF), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", *args],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
+    log_path = tmp_path_factory.mktemp("gemma3-serve") / "serve.log"
+    tail = lambda: log_path.read_text(errors="replace")[-3000:]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "--model", str(GGUF), "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", *args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, 300, lambda: _check_running(proc, log.name), lambda: open(log.name).read()[-3000:])
+        wait_healthy(url, 300, lambda: _check_running(proc, tail), tail)
         yield url
     finally:
         proc.terminate()
@@ -125,11 +127,10 @@ def server(files, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
-def _check_running(proc: subprocess.Popen, log_path: str) -> None:
-    assert proc.poll() is None, f"weft serve exited ({proc.returncode}):\n{open(log_path).read()[-3000:]}"
+def _check_running(proc: subprocess.Popen, tail) -> None:
+    assert proc.poll() is None, f"weft serve exited ({proc.returncode}):\n{tail()}"
 
 
 def _free_port() -> int:

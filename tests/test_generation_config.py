@@ -8,8 +8,18 @@ import pytest
 
 from protocol import SamplingParams
 from services.engine_args import EngineArgs
-from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults, with_extra_eos
-from tests.api.fake_engine_client import MODEL_NAME, engine_config, make_app, openai_client
+from services.generation_config import (
+    extra_eos_token_ids,
+    read_generation_config,
+    sampling_defaults,
+    with_extra_eos,
+)
+from tests.api.fake_engine_client import (
+    MODEL_NAME,
+    engine_config,
+    make_app,
+    openai_client,
+)
 
 
 def write(folder, name, value) -> None:

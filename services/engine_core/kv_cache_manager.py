@@ -179,16 +179,17 @@ class KVCacheManager:
                 for t in self.tables:
                     del t[rid]
             return None
-        new = []
-        for group, (blocks, group_hits, count) in enumerate(zip(tables, hits, needed)):
+        # Every group's hits leave the free queue before any group takes new blocks from it:
+        # a hit of group 2 must not be handed out (and overwritten) as a new block of group 1.
+        for group, (blocks, group_hits) in enumerate(zip(tables, hits)):
             if group_hits:
                 assert not blocks, "prefix hits only extend an empty block table"
                 self.block_pool.touch(group_hits)
                 blocks.extend(group_hits)
                 self.cached_counts[group][rid] = len(group_hits)
-            new_blocks = self.block_pool.get_new_blocks(count)
+        new = [self.block_pool.get_new_blocks(count) for count in needed]
+        for blocks, new_blocks in zip(tables, new):
             blocks.extend(new_blocks)
-            new.append(new_blocks)
         if not delay_cache_blocks:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return GroupBlocks(new)

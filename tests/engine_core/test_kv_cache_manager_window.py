@@ -148,3 +148,22 @@ def test_a_short_pool_refuses_and_preemption_frees_every_group():
     kv.free(a)  # what preemption does
     assert kv.all_blocks_free()
     assert kv.allocate_slots(b, 100, 0, kv.get_computed_blocks(b)[0]) is not None
+
+
+def test_new_blocks_never_take_another_groups_hit_from_the_free_queue():
+    """Hits of every group leave the free queue before any group allocates: a revived hit of
+    group 1 handed out as a new block of group 0 would be overwritten while group 1 reads it."""
+    kv = manager(num_blocks=16)  # 15 usable
+    a = request("a", list(range(48)))
+    prefill(kv, a)  # 3 blocks per group, 9 in all
+    c = request("c", list(range(500, 532)))
+    prefill(kv, c)  # the other 6
+    kv.free(a)
+    kv.free(c)  # free queue: a's blocks (group 0, 1, 2), then c's
+    b = request("b", list(range(48)) + list(range(100, 116)))
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 48
+    assert kv.allocate_slots(b, 16, num_hit, hits) is not None  # one new block per group
+    tables = [[blk.block_id for blk in t["b"]] for t in kv.tables]
+    everything = [i for t in tables for i in t]
+    assert len(everything) == len(set(everything)) == 12, tables  # no block in two places

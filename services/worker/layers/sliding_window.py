@@ -20,7 +20,11 @@ import dataclasses
 
 import torch
 
-from services.worker.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from services.worker.layers.attention_metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSeq,
+)
 
 
 def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:

@@ -26,13 +26,22 @@ from torch import nn
 from services.worker.distributed import TensorParallelGroup, get_tp_group
 from services.worker.layers.activation import gelu_tanh_and_mul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
-from services.worker.layers.linear import ColumnParallelLinear, RowParallelLinear, even_slices, qkv_slices
+from services.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    even_slices,
+    qkv_slices,
+)
 from services.worker.layers.norm import GemmaRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-from services.worker.models.gemma3_config import FULL, SLIDING, gemma3_layer_types, gemma3_sliding_window
+from services.worker.models.gemma3_config import (
+    FULL,
+    SLIDING,
+    gemma3_layer_types,
+    gemma3_sliding_window,
+)
 from services.worker.models.llama import LlamaForCausalLM, rank_args
-
 
 
 @dataclass(frozen=True)
@@ -144,9 +153,11 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Gemma3Attention(args, layer_idx, rotary, workspace, dtype, tp, checkpoint_args)
         self.mlp = Gemma3MLP(args, dtype, tp)
-        norm = lambda: GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)  # noqa: E731
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        size, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))

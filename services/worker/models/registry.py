@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import importlib
 
-from services.worker.models.gemma3_config import SLIDING, gemma3_layer_types, gemma3_sliding_window
+from services.worker.models.gemma3_config import (
+    SLIDING,
+    gemma3_layer_types,
+    gemma3_sliding_window,
+)
 
 _LLAMA = "services.worker.models.llama:LlamaForCausalLM"
 _GEMMA3 = "services.worker.models.gemma3:Gemma3ForCausalLM"
