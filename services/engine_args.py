@@ -113,8 +113,8 @@ class EngineArgs:
     def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
         if config is not None and len(set(layer_windows)) > 1:
-            raise ValueError("kv_transfer_config: moving the KV of a model that mixes full and sliding-window "
-                             "attention (several KV cache groups) is not supported.")
+            raise ValueError("kv_transfer_config: moving the KV of a model that mixes full and "
+                             "sliding-window attention (several KV cache groups) is not supported.")
         check_engine_supports(config, tensor_parallel_size=self.tensor_parallel_size,
                               enable_prefix_caching=self.enable_prefix_caching)
         return config

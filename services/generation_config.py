@@ -15,6 +15,7 @@ stop tokens of every request that does not ``ignore_eos`` (Llama 3's
 ``<|eom_id|>``, Qwen's ``<|endoftext|>``): generation ends at them, the id
 in ``stop_reason``, as vLLM's ``update_from_generation_config`` does.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +46,10 @@ def read_generation_config(mode: str, model_dir: Path) -> dict:
     if path.exists():
         return _load(path)
     if mode != "auto":
-        raise ValueError(f"generation_config: {path} does not exist (expected 'auto', 'vllm' or a folder with "
-                         "a generation_config.json).")
+        raise ValueError(
+            f"generation_config: {path} does not exist (expected 'auto', 'vllm' or a folder with "
+            "a generation_config.json)."
+        )
     config_path = model_dir / "config.json"
     config = _load(config_path) if config_path.exists() else {}
     return {k: config[k] for k in ("eos_token_id", *SAMPLING_FIELDS) if config.get(k) is not None}
@@ -80,7 +83,9 @@ def extra_eos_token_ids(generation_config: dict, model_eos_token_id: int | None)
     try:
         ids = msgspec.convert([] if eos is None else eos, int | list[_TokenId])
     except msgspec.ValidationError as e:
-        raise ValueError(f"generation_config: eos_token_id must be a token id or a list of them, got {eos!r}.") from e
+        raise ValueError(
+            f"generation_config: eos_token_id must be a token id or a list of them, got {eos!r}."
+        ) from e
     ids = [ids] if isinstance(ids, int) else ids
     return list(dict.fromkeys(i for i in ids if i != model_eos_token_id))
 

@@ -8,6 +8,7 @@ caching and a KV pool small enough to force preemption: the window layers'
 KV blocks are released as they fall out of the window, and greedy tokens
 must still match transformers' token for token.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,9 +62,14 @@ def oracle(files, prompts) -> list[list[int]]:
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)
-            new = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            new = out[0, len(ids) :].tolist()
             results.append(new[: new.index(eos) + 1] if eos in new else new)
     del model
     return results
@@ -112,9 +118,25 @@ def server(files, tmp_path_factory):
     tail = lambda: log_path.read_text(errors="replace")[-3000:]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--model", str(GGUF), "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32", *args],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--model",
+                str(GGUF),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -146,7 +168,9 @@ def test_served_greedy_matches_transformers(server, files, prompts, oracle):
 
     tokenizer = Tokenizer(files.hf_dir)
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
-    completion = client.completions.create(model=files.name, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0)
+    completion = client.completions.create(
+        model=files.name, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0
+    )
     for choice in completion.choices:
         expected = tokenizer.backend.decode(oracle[choice.index], skip_special_tokens=True)
         assert choice.text == expected, f"prompt {choice.index} ({PROMPT_SHAPES[choice.index]}) diverged"
@@ -154,7 +178,10 @@ def test_served_greedy_matches_transformers(server, files, prompts, oracle):
 
 
 def test_chat_without_a_template_is_a_clear_400(server, files):
-    response = httpx.post(server + "/v1/chat/completions", timeout=30,
-                          json={"model": files.name, "messages": [{"role": "user", "content": "Hello"}]})
+    response = httpx.post(
+        server + "/v1/chat/completions",
+        timeout=30,
+        json={"model": files.name, "messages": [{"role": "user", "content": "Hello"}]},
+    )
     assert response.status_code == 400
     assert "chat template" in response.json()["error"]["message"].lower()

@@ -6,6 +6,7 @@ several windows long, 24-token steps (chunked prefill), shared prefixes
 Window blocks are released as requests move on; greedy tokens must still
 match transformers' token for token.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -31,11 +32,22 @@ def tiny_gemma(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-gemma3")
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, max_position_embeddings=512,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, initializer_range=0.2,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        initializer_range=0.2,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
     model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():  # Hugging Face starts Gemma's norms at 0 (a scale of 1): make them count
         for name, param in model.named_parameters():
@@ -58,12 +70,18 @@ def prompts(tiny_gemma):
 def oracle(tiny_gemma, prompts):
     model = tiny_gemma[1]
     with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+        return [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
 
 
 def run(folder, prompts, **engine_args):
-    llm = LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_threads=1, **engine_args)
+    llm = LLM(
+        model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_threads=1, **engine_args
+    )
     executor, steps = llm.engine.executor, []
     original = executor.execute_model
     executor.execute_model = lambda out: (steps.append(out), original(out))[1]
@@ -83,9 +101,11 @@ def test_greedy_matches_transformers_with_window_freeing(tiny_gemma, prompts, or
         assert ours == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
     assert kv.windows == [None, WINDOW, WINDOW]  # 2 global + 4 window layers: groups of 2
     assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
-    assert any(0 in ids for s in steps for ids in s.scheduled_cached_reqs.new_group_block_ids
-               for ids in ids) or any(0 in r.group_block_ids[0] for s in steps for r in s.scheduled_new_reqs), \
+    assert any(
+        0 in ids for s in steps for ids in s.scheduled_cached_reqs.new_group_block_ids for ids in ids
+    ) or any(0 in r.group_block_ids[0] for s in steps for r in s.scheduled_new_reqs), (
         "window blocks should have been released (null entries) somewhere"
+    )
     assert kv.all_blocks_free()
 
 

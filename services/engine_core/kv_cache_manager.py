@@ -112,7 +112,9 @@ class KVCacheManager:
         hits = GroupBlocks([self._hit_blocks(g, hashes, num_blocks) for g in range(self.num_groups)])
         num_hit_tokens = num_blocks * self.block_size
         s = self._stats
-        self._stats = PrefixCacheStats(s.requests + 1, s.queries + request.num_tokens, s.hits + num_hit_tokens)
+        self._stats = PrefixCacheStats(
+            s.requests + 1, s.queries + request.num_tokens, s.hits + num_hit_tokens
+        )
         return hits, num_hit_tokens
 
     def _cached(self, group: int, block_hash: bytes) -> KVCacheBlock | None:
@@ -224,7 +226,9 @@ class KVCacheManager:
             if num_full <= num_cached:
                 continue
             blocks = self.tables[group][request.request_id]
-            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, key_suffix=_group_key(group))
+            self.block_pool.cache_full_blocks(
+                request, blocks, num_cached, num_full, key_suffix=_group_key(group)
+            )
             counts[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -54,7 +54,9 @@ class _StepPlan:
         self.budget -= num_tokens
         (self.new_reqs if is_new else self.cached_reqs).append(request)
         self.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-        self.new_group_block_ids[request.request_id] = [[b.block_id for b in g] for g in new_blocks.groups[1:]]
+        self.new_group_block_ids[request.request_id] = [
+            [b.block_id for b in g] for g in new_blocks.groups[1:]
+        ]
 
     def drop(self, request: Request) -> None:
         """Undo ``add`` for a running request preempted later in the same step."""

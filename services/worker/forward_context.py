@@ -39,7 +39,9 @@ _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context",
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | TritonAttentionMetadata, kv_caches: list[torch.Tensor] | None, backend: str = "torch",
+    attn_metadata: AttentionMetadata | TritonAttentionMetadata,
+    kv_caches: list[torch.Tensor] | None,
+    backend: str = "torch",
     group_metadata: tuple = (),
 ) -> Iterator[ForwardContext]:
     context = ForwardContext(attn_metadata, kv_caches, backend, group_metadata)

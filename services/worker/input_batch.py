@@ -28,7 +28,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1
+    ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
@@ -37,7 +39,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # One block table per KV cache group (``protocol.kv_cache_groups``).
         # Unused entries stay 0: the null block, safe to gather from.
-        self.block_tables = [np.zeros((max_num_reqs, max_blocks), dtype=np.int32) for _ in range(num_kv_groups)]
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks), dtype=np.int32) for _ in range(num_kv_groups)
+        ]
         self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_kv_groups)]
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -103,7 +107,8 @@ class InputBatch:
         for table, count, ids in zip(self.block_tables, self.group_num_blocks, [block_ids, *group_block_ids]):
             start = int(count[row])
             if start + len(ids) > table.shape[1]:
-                raise ValueError(f"Block table of row {row} would exceed {table.shape[1]} blocks (max_model_len).")
+                raise ValueError(
+                    f"Block table of row {row} would exceed {table.shape[1]} blocks (max_model_len).")
             table[row, start : start + len(ids)] = ids
             count[row] = start + len(ids)
 

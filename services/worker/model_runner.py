@@ -46,8 +46,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] | None = None
         windows = config.model.layer_sliding_windows
         self.kv_groups = kv_cache_groups(windows, len(windows)) if windows else []
-        self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size,
-                                      max(1, len(self.kv_groups)))
+        num_groups = max(1, len(self.kv_groups))
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size, num_groups
+        )
         self.sampler = Sampler(config.model.seed, self.device)
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
@@ -85,7 +87,9 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # Zeros, not empty: padded decode gathers read unwritten slots, and
         # garbage NaNs there would leak through the masked softmax (0 * NaN).
-        tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers_per_block)]
+        tensors = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers_per_block)
+        ]
         if self.kv_groups:  # layer j of every group shares tensor j (protocol.kv_cache_groups)
             placement = layer_placement(self.kv_groups)
             self.kv_caches = [tensors[placement[layer][1]] for layer in range(a.num_layers)]
@@ -168,7 +172,8 @@ class ModelRunner:
         """The model's hidden states [T, H]: a CUDA-graph replay for a pure decode step when one was captured."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step.attn_metadata):
             return self.cuda_graphs.replay(step.input_ids, step.positions, step.attn_metadata)
-        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend, step.group_metadata):
+        groups = step.group_metadata
+        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend, groups):
             return self.model(step.input_ids, step.positions)
 
     def _sample(
@@ -213,13 +218,16 @@ class ModelRunner:
         return result
 
 
-def place_layers_in_kv_groups(model, layer_windows: list[int], groups: list[KVCacheGroup], backend: str) -> None:
+def place_layers_in_kv_groups(
+    model, layer_windows: list[int], groups: list[KVCacheGroup], backend: str
+) -> None:
     """Point each attention layer at its KV cache group, after checking that the model's own
     windows are the ones the scheduler was configured with (one config, read twice)."""
     layers = sorted((m for m in model.modules() if isinstance(m, PagedAttention)), key=lambda m: m.layer_idx)
     ours = [layer.sliding_window or 0 for layer in layers]
     if (layer_windows or [0] * len(layers)) != ours:
-        raise ValueError(f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}.")
+        raise ValueError(
+            f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}.")
     if any(ours) and backend == "triton":
         raise ValueError("Sliding-window attention is not implemented in the triton backend; "
                          "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")

@@ -3,6 +3,7 @@
 Layout as Gemma 3's, scaled down: group 0 full attention, groups 1 and 2
 with a 64-token window, 16-token blocks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,14 @@ GROUPS = [None, WINDOW, WINDOW]
 
 
 def manager(num_blocks: int = 200, free_out_of_window: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BLOCK, True, max_model_len=4096, group_windows=GROUPS,
-                          free_out_of_window=free_out_of_window)
+    return KVCacheManager(
+        num_blocks,
+        BLOCK,
+        True,
+        max_model_len=4096,
+        group_windows=GROUPS,
+        free_out_of_window=free_out_of_window,
+    )
 
 
 def request(request_id: str, prompt: list[int]) -> Request:
@@ -56,7 +63,10 @@ def test_gemma3_layers_make_six_groups_of_three_full_first():
     groups = kv_cache_groups(windows, 18)
     assert groups[0] == KVCacheGroup(None, (5, 11, 17))
     assert [g.window for g in groups] == [None] + [512] * 5 and all(len(g.layers) == 3 for g in groups)
-    assert groups[2].layers == (3, 4, 6) and layer_placement(groups)[6] == (2, 2)  # in layer order, 3 at a time
+    assert groups[2].layers == (3, 4, 6) and layer_placement(groups)[6] == (
+        2,
+        2,
+    )  # in layer order, 3 at a time
     assert kv_cache_groups([], 4) == [KVCacheGroup(None, (0, 1, 2, 3))]
     assert kv_cache_groups([4096] * 4, 4) == [KVCacheGroup(4096, (0, 1, 2, 3))]
     with pytest.raises(ValueError, match="entries"):
@@ -97,8 +107,8 @@ def test_chunked_prefill_releases_blocks_behind_the_window_as_it_goes():
         # The chunk being computed reads from num_computed - 63 on: those blocks stay.
         first_needed = (r.num_computed_tokens - 32 - WINDOW + 1) // BLOCK
         for table in kv.tables[1:]:
-            assert all(b.is_null for b in table["a"][:max(first_needed, 0)])
-            assert not any(b.is_null for b in table["a"][max(first_needed, 0):])
+            assert all(b.is_null for b in table["a"][: max(first_needed, 0)])
+            assert not any(b.is_null for b in table["a"][max(first_needed, 0) :])
 
 
 def test_prefix_hit_uses_the_window_blocks_it_needs_only():

@@ -103,7 +103,8 @@ def prefill_attention(
     if seq.block_ids is None:
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]
         causal = seq.mask is None  # a window layer's long prompt brings its own mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask, is_causal=causal, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seq.mask, is_causal=causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     assert cache is not None, "context attention needs the KV cache"
     _, kvh, _, bs, d = cache.shape
@@ -118,8 +119,9 @@ class PagedAttention(nn.Module):
     """Attention of one layer over the paged KV cache (no weights)."""
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: GatherWorkspace | None = None,
-        *, sliding_window: int | None = None, scale: float | None = None,
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        workspace: GatherWorkspace | None = None, *,
+        sliding_window: int | None = None, scale: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:

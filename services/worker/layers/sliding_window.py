@@ -14,6 +14,7 @@ manager has freed for window layers (its table entry is the null block).
 Decodes always take the gather + SDPA path here: the compiled CPU decode
 kernel reads every key from the first.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,16 +37,28 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
 
 def _build(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     bs = meta.block_size
-    groups = [_window_group(g.token_idx, g.block_ids.view(g.token_idx.numel(), g.num_blocks),
-                            g.mask[0, :, 0, :].sum(-1), bs, window) for g in meta.decode_groups]
+    groups = [
+        _window_group(
+            g.token_idx,
+            g.block_ids.view(g.token_idx.numel(), g.num_blocks),
+            g.mask[0, :, 0, :].sum(-1),
+            bs,
+            window,
+        )
+        for g in meta.decode_groups
+    ]
     paged = meta.paged_decodes
     if paged is not None:
-        groups.append(_window_group(paged.token_idx, paged.block_table.long(), paged.seq_lens.long(), bs, window))
+        groups.append(
+            _window_group(paged.token_idx, paged.block_table.long(), paged.seq_lens.long(), bs, window)
+        )
     prefills = [_window_prefill(seq, bs, window, meta.slot_mapping.device) for seq in meta.prefills]
     return dataclasses.replace(meta, decode_groups=groups, prefills=prefills, paged_decodes=None, windows={})
 
 
-def _window_group(token_idx: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, bs: int, window: int) -> DecodeGroup:
+def _window_group(
+    token_idx: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, bs: int, window: int
+) -> DecodeGroup:
     """Decodes with block tables ``table`` [n, nb] and ``lens`` keys each (the new one included)."""
     first = (lens - window).clamp(min=0) // bs  # [n] first block holding a visible key
     used = (lens + bs - 1) // bs - first
@@ -55,7 +68,9 @@ def _window_group(token_idx: torch.Tensor, table: torch.Tensor, lens: torch.Tens
     block_ids = torch.where(in_table, table.gather(1, cols.clamp(max=table.shape[1] - 1)), 0)
     key_pos = (first * bs)[:, None] + torch.arange(nb * bs, device=table.device)[None, :]  # [n, nb * bs]
     mask = (key_pos < lens[:, None]) & (key_pos >= (lens - window)[:, None])
-    return DecodeGroup(token_idx=token_idx, block_ids=block_ids.reshape(-1), mask=mask[None, :, None, :], num_blocks=nb)
+    return DecodeGroup(
+        token_idx=token_idx, block_ids=block_ids.reshape(-1), mask=mask[None, :, None, :], num_blocks=nb
+    )
 
 
 def _window_prefill(seq: PrefillSeq, bs: int, window: int, device: torch.device) -> PrefillSeq:

@@ -15,6 +15,7 @@ Face's ``Gemma3ForCausalLM`` computes it:
   global ("full_attention", every earlier token, the global rotary base);
   ``layer_types`` says which is which (five window layers, then a global one).
 """
+
 from __future__ import annotations
 
 import math
@@ -65,11 +66,15 @@ class Gemma3Args:
     @classmethod
     def from_hf_config(cls, config: dict) -> Gemma3Args:
         if config.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"hidden_activation {config['hidden_activation']!r} is not supported for Gemma 3.")
+            raise ValueError(
+                f"hidden_activation {config['hidden_activation']!r} is not supported for Gemma 3."
+            )
         if config.get("attn_logit_softcapping") is not None:
             raise ValueError("attn_logit_softcapping (Gemma 2 style) is not supported.")
         if config.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention (an encoder setting) is not supported; weft generates causally.")
+            raise ValueError(
+                "use_bidirectional_attention (an encoder setting) is not supported; weft generates causally."
+            )
         layers = config["num_hidden_layers"]
         return cls(
             vocab_size=config["vocab_size"],
@@ -110,20 +115,37 @@ def _rope(params: dict, default_theta: float) -> tuple[float, dict | None]:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, args: Gemma3Args, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
-                 dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: Gemma3Args) -> None:
+    def __init__(
+        self,
+        args: Gemma3Args,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        checkpoint_args: Gemma3Args,
+    ) -> None:
         super().__init__()
         d = self.head_dim = args.head_dim
         self.q_size, self.kv_size = args.num_heads * d, args.num_kv_heads * d
         c = checkpoint_args
-        self.qkv_proj = ColumnParallelLinear(args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), False, dtype)
+        self.qkv_proj = ColumnParallelLinear(
+            args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), False, dtype
+        )
         self.o_proj = RowParallelLinear(c.num_heads * d, args.hidden_size, False, dtype, tp)
         self.q_norm = GemmaRMSNorm(d, args.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(d, args.rms_norm_eps, dtype)
         self.rotary = rotary
         window = args.sliding_window if args.layer_types[layer_idx] == SLIDING else None
-        self.attn = PagedAttention(layer_idx, args.num_heads, args.num_kv_heads, d, workspace,
-                                   sliding_window=window, scale=args.query_pre_attn_scalar**-0.5)
+        self.attn = PagedAttention(
+            layer_idx,
+            args.num_heads,
+            args.num_kv_heads,
+            d,
+            workspace,
+            sliding_window=window,
+            scale=args.query_pre_attn_scalar**-0.5,
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T], x [T, hidden] -> [T, hidden]."""
@@ -148,8 +170,16 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, args: Gemma3Args, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
-                 dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: Gemma3Args) -> None:
+    def __init__(
+        self,
+        args: Gemma3Args,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        checkpoint_args: Gemma3Args,
+    ) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(args, layer_idx, rotary, workspace, dtype, tp, checkpoint_args)
         self.mlp = Gemma3MLP(args, dtype, tp)
@@ -165,17 +195,29 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, args: Gemma3Args, max_model_len: int, dtype: torch.dtype, tp: TensorParallelGroup,
-                 checkpoint_args: Gemma3Args) -> None:
+    def __init__(
+        self,
+        args: Gemma3Args,
+        max_model_len: int,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        checkpoint_args: Gemma3Args,
+    ) -> None:
         super().__init__()
-        rotaries = {kind: RotaryEmbedding(args.head_dim, max_model_len, theta, scaling)
-                    for kind, (theta, scaling) in args.rope.items()}
+        rotaries = {
+            kind: RotaryEmbedding(args.head_dim, max_model_len, theta, scaling)
+            for kind, (theta, scaling) in args.rope.items()
+        }
         self.workspace = GatherWorkspace()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, dtype, tp)
         # Hugging Face rounds the scale to the weights' dtype before multiplying.
-        self.register_buffer("embed_scale", torch.tensor(math.sqrt(args.hidden_size), dtype=dtype), persistent=False)
+        self.register_buffer(
+            "embed_scale", torch.tensor(math.sqrt(args.hidden_size), dtype=dtype), persistent=False
+        )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(args, i, rotaries[args.layer_types[i]], self.workspace, dtype, tp, checkpoint_args)
+            Gemma3DecoderLayer(
+                args, i, rotaries[args.layer_types[i]], self.workspace, dtype, tp, checkpoint_args
+            )
             for i in range(args.num_layers)
         )
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -192,8 +234,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     args_class = Gemma3Args
 
-    def __init__(self, args: Gemma3Args, max_model_len: int, dtype: torch.dtype = torch.float32,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        args: Gemma3Args,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         tp = tp or get_tp_group()
         self.checkpoint_args = args
@@ -208,4 +255,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if logits is not None and cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-

@@ -1,4 +1,5 @@
 """Gemma 3's layer layout read from its config, torch-free (the scheduler needs it too)."""
+
 from __future__ import annotations
 
 SLIDING, FULL = "sliding_attention", "full_attention"
