@@ -106,10 +106,9 @@ class ModelRunner:
         """The largest step the scheduler may send: max_num_batched_tokens of prefill, then sampling."""
         hidden = self._profile_forward()
         a = self.model.args
-        gather_tokens = self._decode_gather_tokens()
-        if gather_tokens:
+        if self.attention_backend == "torch":
             # Its decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
-            gather_shape = (2 * a.num_kv_heads, gather_tokens, a.head_dim)
+            gather_shape = (2 * a.num_kv_heads, self.max_decode_group_tokens, a.head_dim)
             self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
         # Speculation computes logits at every draft position too, but samples them in chunks.
         rows = min(self.config.scheduler.max_num_seqs, hidden.shape[0])
@@ -121,17 +120,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:logits_rows])  # None on tensor-parallel followers: they never sample
         if logits is not None:
             self.sampler(logits[:sample_rows], sampling)
-
-    def _decode_gather_tokens(self) -> int:
-        """The most K/V rows a decode step gathers into the shared buffer: up to its cap on the torch
-        backend; with the CPU kernel, only window layers gather, every decode its window's blocks."""
-        if self.attention_backend == "torch":
-            return self.max_decode_group_tokens
-        windows = [g.window for g in self.kv_groups if g.window is not None]
-        if not windows:
-            return 0
-        blocks_per_row = -(-max(windows) // self.block_size) + 1
-        return self.config.scheduler.max_num_seqs * blocks_per_row * self.block_size
 
     def _profile_forward(self) -> torch.Tensor:
         """Prefill max_num_batched_tokens tokens as max_model_len-long sequences, without a KV cache."""
@@ -243,5 +231,6 @@ def place_layers_in_kv_groups(
     if any(ours) and backend == "triton":
         raise ValueError("Sliding-window attention is not implemented in the triton backend; "
                          "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")
-    for layer_idx, (group, _) in layer_placement(groups).items():
+    for layer_idx, (group, index) in layer_placement(groups).items():
         layers[layer_idx].kv_group = group
+        layers[layer_idx].checks_decode_args = index == 0

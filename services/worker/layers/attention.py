@@ -133,6 +133,9 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window  # None: full attention
         self.kv_group = 0  # which KV cache group's block tables this layer reads (set by the model runner)
+        # The CPU kernel reads memory through the step's indices: the first layer reading a
+        # group's tables checks them in full (the model runner marks one layer per group).
+        self.checks_decode_args = layer_idx == 0
         self.workspace = workspace or GatherWorkspace()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -160,10 +163,12 @@ class PagedAttention(nn.Module):
         if meta.paged_decodes is not None:
             assert cache is not None, "decodes need the KV cache"
             d = meta.paged_decodes
-            # The kernel reads memory through these indices: checked in full by the first
-            # layer; the later layers get the same metadata and caches of the same shape.
+            # The kernel reads memory through these indices: checked in full by the first layer
+            # of each KV cache group; its later layers get the same metadata and caches of the same
+            # shape. A window layer passes its window: the kernel reads no block before it.
             paged_decode_attention(
-                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out, check=self.layer_idx == 0
+                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out,
+                check=self.checks_decode_args, window=self.sliding_window or 0,
             )
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"

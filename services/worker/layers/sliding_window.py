@@ -11,8 +11,9 @@ front of each block table, so a window layer gathers at most the window's
 blocks whatever the sequence length, and never reads a block the KV cache
 manager has freed for window layers (its table entry is the null block).
 
-Decodes always take the gather + SDPA path here: the compiled CPU decode
-kernel reads every key from the first.
+With the compiled CPU decode kernel (``paged_decodes``), decodes stay as
+they are: the layer passes its window to the kernel, which starts reading
+at the window's first block.
 """
 
 from __future__ import annotations
@@ -47,13 +48,8 @@ def _build(meta: AttentionMetadata, window: int) -> AttentionMetadata:
         )
         for g in meta.decode_groups
     ]
-    paged = meta.paged_decodes
-    if paged is not None:
-        groups.append(
-            _window_group(paged.token_idx, paged.block_table.long(), paged.seq_lens.long(), bs, window)
-        )
     prefills = [_window_prefill(seq, bs, window, meta.slot_mapping.device) for seq in meta.prefills]
-    return dataclasses.replace(meta, decode_groups=groups, prefills=prefills, paged_decodes=None, windows={})
+    return dataclasses.replace(meta, decode_groups=groups, prefills=prefills, windows={})
 
 
 def _window_group(
