@@ -35,11 +35,10 @@ PROMPT_SHAPES = [(10, 300), (37, 500), (700, 0), (120, 700), (250, 0), (75, 900)
 # Small steps (chunked prefill) and a pool that holds the longest request but not all eight.
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 300}
 
-pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="run `make model-gemma3` first")
-
 
 @pytest.fixture(scope="module")
 def files():
+    assert GGUF.exists(), f"{GGUF} is missing: run `make model-gemma3` (make test does) first"
     return resolve(str(GGUF))
 
 
