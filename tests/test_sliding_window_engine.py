@@ -117,3 +117,9 @@ def test_prefix_hits_across_window_layers_stay_exact(tiny_gemma, prompts, oracle
     first_steps = {r.req_id: r.num_computed_tokens for s in steps for r in s.scheduled_new_reqs}
     assert max(first_steps.values()) >= 80  # prompt 4 started from a prefix hit
     assert kv.all_blocks_free()
+
+
+def test_tensor_parallel_ranks_split_the_heads_and_keep_the_window(tiny_gemma, prompts, oracle):
+    """TP=2: each rank holds 2 of the 4 query heads and a copy of the single KV head."""
+    outputs, _, _ = run(tiny_gemma[0], prompts[1:3], tensor_parallel_size=2, max_num_batched_tokens=64)
+    assert outputs == oracle[1:3]
