@@ -167,7 +167,11 @@ class KVCacheManager:
         """
         assert num_new_tokens > 0, "schedule at least one token"
         rid = request.request_id
-        hits = getattr(new_computed_blocks, "groups", None) or [list(new_computed_blocks)] * self.num_groups
+        hits = getattr(new_computed_blocks, "groups", None)
+        if hits is None:  # a plain list: group 0's hits (one group), or no hits at all
+            if new_computed_blocks and self.num_groups > 1:
+                raise ValueError("With several KV cache groups, prefix hits come as get_computed_blocks gives them.")
+            hits = [list(new_computed_blocks)] + [[] for _ in range(self.num_groups - 1)]
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         tables = [t.setdefault(rid, []) for t in self.tables]
