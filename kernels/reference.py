@@ -63,8 +63,10 @@ def paged_attention_ref(
     max_query_len: int,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Twin of ``kernels.paged_attention.paged_attention`` (tiling arguments are ignored)."""
+    """Twin of ``kernels.paged_attention.paged_attention`` (tiling arguments are ignored), and with
+    ``window > 0`` of the CPU decode kernel's sliding window: a query sees its last ``window`` keys."""
     check_paged_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table)
     out = torch.empty_like(query) if out is None else out
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
@@ -79,7 +81,10 @@ def paged_attention_ref(
         q = query[start:end].float().transpose(0, 1)  # [H, n, D]
         scores = q @ k.transpose(1, 2) * scale  # [H, n, S]
         query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
-        hidden = torch.arange(seq_len, device=query.device)[None, :] > query_pos[:, None]  # [n, S]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        hidden = key_pos > query_pos[:, None]  # [n, S]
+        if window > 0:
+            hidden |= key_pos <= query_pos[:, None] - window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         out[start:end] = (probs @ v).transpose(0, 1).to(out.dtype)
     return out

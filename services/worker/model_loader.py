@@ -22,7 +22,6 @@ from protocol import ModelConfig
 from services.model_files import ModelFiles, resolve
 from services.worker.dummy_weights import fill_dummy_weights
 from services.worker.gguf_weights import GGUFCheckpoint
-from services.worker.models.llama import LlamaArgs
 from services.worker.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,12 +40,12 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     """The model on ``device``, holding this process's tensor-parallel share."""
     files = model_files(config)
     hf_config = files.hf_config()
-    cls = model_class(hf_config)
-    args = LlamaArgs.from_hf_config(hf_config)
+    checkpoint = GGUFCheckpoint(files.weights) if files.is_gguf and config.load_format != "dummy" else None
+    cls = model_class(hf_config, checkpoint.architecture if checkpoint else None)
+    args = cls.args_class.from_hf_config(hf_config)
     if config.load_format == "dummy":
         weights = None  # random weights below; no checkpoint is opened
-    elif files.is_gguf:
-        checkpoint = GGUFCheckpoint(files.weights)
+    elif checkpoint is not None:
         # A GGUF file without an output head ties it to the embedding, whatever the config says.
         args = dataclasses.replace(args, tie_word_embeddings=not checkpoint.has_output_head)
         weights = checkpoint.iter_weights(args.num_heads, args.num_kv_heads)
