@@ -26,6 +26,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     vocab_size: Annotated[int, Meta(ge=1, description="Vocabulary size of the model.")] = 1
     eos_token_id: Annotated[int | None, Meta(description="End-of-sequence token id.")] = None
     load_format: Annotated[Literal["auto", "dummy"], Meta(description="auto: read the checkpoint; dummy: random weights of the config's shape, no checkpoint read (benchmarks).")] = "auto"
+    quantization: Annotated[Literal["none", "gguf"], Meta(description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load.")] = "none"
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
