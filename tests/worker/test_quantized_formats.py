@@ -20,7 +20,11 @@ from gguf.quants import dequantize, quantize
 
 from services.worker.distributed import TensorParallelGroup
 from services.worker.gguf_repack import packable, repack
-from services.worker.layers.linear import ColumnParallelLinear, RowParallelLinear, even_slices
+from services.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    even_slices,
+)
 from services.worker.layers.quantized_linear import finalize_quantized
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -72,6 +76,19 @@ def test_quantized_layer_matches_the_dequantized_reference(fmt, rows):
     assert layer.weight is None and layer.quant is not None  # no dense copy kept
     x = torch.randn(rows, 512)
     close_to(layer(x), F.linear(x, reference(fmt, data), bias))
+
+
+def test_many_rows_go_through_chunks_of_dequantized_rows(monkeypatch):
+    """From GEMM_MIN_ROWS rows on, chunks of W are dequantized into one buffer for a float GEMM."""
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "_CHUNK_BYTES", 4 * 512 * 10)  # 10 rows a chunk: 10 chunks
+    data = gguf_blocks("Q4_K", 96, 512, seed=6)
+    layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q4_K", data, 512), 0)
+    finalize_quantized(layer)
+    x = torch.randn(quantized_linear.GEMM_MIN_ROWS, 512)
+    close_to(layer(x), F.linear(x, reference("Q4_K", data)))
 
 
 def test_bf16_activations_compute_in_fp32():
