@@ -109,12 +109,14 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     )
 
 
-# From this many rows of x on, a packed weight is dequantized a chunk of rows at a
-# time into one reused fp32 buffer and multiplied by oneDNN's GEMM: at those sizes
-# the GEMM's register blocking beats dequantizing in the kernel once per two rows
-# (measured on the default model's layers, one thread: the kernel is 1.7x faster
-# at 1 row, even at 24, 1.1x slower at 32 and 1.2x at 64-128).
-GEMM_MIN_ROWS = 32
+# From this many rows of x on (long prefill chunks), a packed weight is dequantized a
+# chunk of rows at a time into one reused fp32 buffer and multiplied by oneDNN's GEMM,
+# whose register blocking then beats the kernel's. Below it the kernel runs in one
+# parallel region per layer where the GEMM path needs two per chunk, which costs
+# dearly when the cores are shared. Measured on all the default model's layers, two
+# threads on a loaded machine: the kernel is faster by 1.35x at 512 rows, 2.2x at 64;
+# the GEMM path by 1.57x at 2048 rows.
+GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
 
 
