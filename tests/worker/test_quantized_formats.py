@@ -115,6 +115,13 @@ def test_fused_parts_of_mixed_formats():
     close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
 
 
+def test_a_packed_weight_of_the_wrong_width_is_refused():
+    layer = ColumnParallelLinear(128, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 32, 64), 64), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        finalize_quantized(layer)
+
+
 def test_a_fused_layer_with_an_unpacked_part_runs_dense():
     q = gguf_blocks("Q8_0", 32, 64)
     layer = ColumnParallelLinear(64, even_slices([32, 32], TensorParallelGroup(), ["a", "b"]), False, torch.float32)

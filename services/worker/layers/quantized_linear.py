@@ -230,6 +230,9 @@ def finalize_quantized(model: nn.Module) -> None:
             _dequantize_into(module, parts, name)
             continue
         module.quant = QuantizedWeight([parts[i] for i in sorted(parts)])
+        if module.quant.shape != tuple(module.weight.shape):
+            raise ValueError(f"Checkpoint weights of shape {module.quant.shape} do not fit {name} "
+                             f"{tuple(module.weight.shape)}.")
         quantized_by_param[id(module.weight)] = module.quant
     for module in model.modules():
         shared = getattr(module, "weight_is_shared", False) and module.weight is not None
