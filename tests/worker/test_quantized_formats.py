@@ -189,3 +189,22 @@ def test_packed_embedding_and_tied_head(world_size):
 def test_only_formats_with_a_layout_are_packed():
     assert all(packable(f) for f in FORMATS)
     assert not any(packable(f) for f in ("F32", "F16", "BF16", "Q5_1", "Q5_K", "Q2_K"))
+
+
+def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog):
+    from kernels import cpu_quant_linear
+    from services.worker.layers import quantized_linear
+
+    def unavailable():
+        raise cpu_quant_linear.KernelUnavailable("no compiler here")
+
+    monkeypatch.setattr(cpu_quant_linear, "load", unavailable)
+    monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
+    data = gguf_blocks("Q5_0", 16, 64, seed=7)
+    layer = ColumnParallelLinear(64, even_slices([16], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q5_0", data, 64), 0)
+    finalize_quantized(layer)
+    x = torch.randn(2, 64)
+    with caplog.at_level("WARNING"):
+        close_to(layer(x), F.linear(x, reference("Q5_0", data)))
+    assert "no compiler here" in caplog.text
