@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml requirements.lock
 	# The CPU attention kernel, built now rather than by the first engine to start;
 	# without a compiler weft still runs, on the slower torch path.
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
+	$(PY) -m kernels.cpu_quant_linear || echo "warning: CPU quantized-linear kernel not built; GGUF weights kept quantized use the torch path"
 	touch $@
 
 model: $(HF_DIR)/config.json

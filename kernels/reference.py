@@ -149,3 +149,27 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.activation.silu_and_mul``: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def dequantize_packed_ref(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_quant_linear.dequantize_rows`` over all rows: the fp32 weight
+    ``[N, K]`` of a packed one (layouts in ``kernels/csrc/cpu_quant_linear.cpp``).
+
+    int8 (``mins`` None): ``w = q * s``; int4: ``w = q * s + m``, where each group of
+    32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16`` in its high.
+    """
+    if mins is None:
+        values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
+        return (values * scales[..., None]).flatten(1)
+    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
+    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
+    return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
+
+
+def quant_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_quant_linear.quant_linear``: ``x [M, K] @ W^T`` in fp32, W packed."""
+    return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T

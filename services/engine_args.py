@@ -56,6 +56,7 @@ class EngineArgs:
     kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
     kv_events_config: dict | str | None = None  # a dict, or its JSON on the command line
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -90,6 +91,7 @@ class EngineArgs:
                 layer_sliding_windows=windows,
                 generation_defaults=sampling_defaults(generation),
                 extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
+                quantization=resolve_quantization(self.quantization, files.is_gguf, device, self.load_format),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -154,6 +156,20 @@ def _check_load_format(load_format: str) -> str:
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
     return load_format
+
+
+def resolve_quantization(quantization: str | None, is_gguf: bool, device: str, load_format: str) -> str:
+    """"gguf" (weights kept packed) or "none" (dequantized at load); the packed kernels are CPU only."""
+    if quantization not in (None, "none", "gguf"):
+        raise ValueError(f"quantization must be 'gguf' or 'none', got {quantization!r}.")
+    if quantization is None:
+        return "gguf" if is_gguf and device == "cpu" and load_format == "auto" else "none"
+    if quantization == "gguf":
+        if not is_gguf or load_format != "auto":
+            raise ValueError("quantization 'gguf' needs a GGUF model file read from disk (load_format 'auto').")
+        if device != "cpu":
+            raise ValueError("quantization 'gguf' runs on CPU only; use quantization 'none' on CUDA.")
+    return quantization
 
 
 def resolve_attention_backend(device: str) -> str:

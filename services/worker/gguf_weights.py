@@ -7,6 +7,10 @@ llama.cpp's converter reorders the rows of Llama's Q and K projections
 (per head, it interleaves the two rotary halves to suit its own rope
 kernel); ``_unpermute_rows`` restores Hugging Face's order. Only files whose
 architecture is "llama" (which includes Mistral) were permuted; Qwen2 was not.
+
+With ``keep_quantized`` the matrices in a format that has a packed layout
+(``services.worker.gguf_repack``) are yielded as ``PackedWeight`` instead,
+repacked straight from their blocks; the rest are dequantized as above.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from services.worker.gguf_repack import packable, repack
+from services.worker.layers.quantized_linear import PackedWeight
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -97,14 +104,24 @@ class GGUFCheckpoint:
         """False when the file ties the output head to the token embedding."""
         return "output.weight" in self.tensor_names
 
-    def iter_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, fp32 tensor) for every tensor of the file."""
+    def iter_weights(
+        self, num_heads: int, num_kv_heads: int, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        """Yield (Hugging Face name, fp32 tensor or, with ``keep_quantized``, ``PackedWeight``)
+        for every tensor of the file."""
         from gguf.quants import dequantize
 
         permuted = self.architecture in _PERMUTED_ARCHITECTURES
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name, self.architecture)
             if name is None:
+                continue
+            if keep_quantized and len(tensor.shape) == 2 and packable(tensor.tensor_type.name):
+                packed = repack(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]))
+                if permuted and (".q_proj." in name or ".k_proj." in name):
+                    heads = num_heads if ".q_proj." in name else num_kv_heads
+                    packed = packed.select_rows(torch.from_numpy(_unpermute_rows(np.arange(packed.shape[0]), heads)))
+                yield name, packed
                 continue
             weights = dequantize(tensor.data, tensor.tensor_type)
             if permuted and ".q_proj." in name:

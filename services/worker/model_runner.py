@@ -23,6 +23,7 @@ from services.worker.layers.attention import PagedAttention, kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.layers.backends import check_backend
 from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
+from services.worker.layers.quantized_linear import quantized_report
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
@@ -68,7 +69,8 @@ class ModelRunner:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_weights_bytes(self.model)
+        dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return dense + packed_weights_bytes(self.model) + quantized_report(self.model).total_bytes
 
     @property
     def kv_block_bytes(self) -> int:
