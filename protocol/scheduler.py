@@ -27,6 +27,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []
+    # Block tables of KV cache groups 1.. (``protocol.kv_cache_groups``); ``block_ids`` is group 0's.
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -35,6 +37,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     req_ids: list[str] = []
     new_block_ids: list[list[int]] = []  # appended to each block table
     num_computed_tokens: list[int] = []
+    # Per request, the blocks appended to the tables of KV cache groups 1.. (empty with one group).
+    new_group_block_ids: list[list[list[int]]] = []
 
     @property
     def num_reqs(self) -> int:

@@ -24,6 +24,8 @@ _EXTRA_HELP = {
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most requests running at once (default 128).",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
+    "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
+                    "or none (dequantize to --dtype at load).",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
     "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "

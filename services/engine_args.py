@@ -19,8 +19,10 @@ from protocol.kv_transfer import KVTransferConfig
 from services import model_files
 from services.engine_core.kv_events import resolve_kv_events_config
 from services.parallel_args import check_tensor_parallel
+from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
 from services.speculative_args import resolve_speculative_config
+from services.worker.models.registry import architecture_of, layer_sliding_windows
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -53,6 +55,8 @@ class EngineArgs:
     enforce_eager: bool = False
     kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
     kv_events_config: dict | str | None = None  # a dict, or its JSON on the command line
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -65,8 +69,14 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         files = model_files.resolve(self.model)
         hf_config = files.hf_config()
+        # Refuse an unsupported model before anything starts (for a GGUF, its config's model_type is
+        # what transformers made of general.architecture).
+        architecture_of(hf_config)
+        windows = layer_sliding_windows(hf_config)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None)
         device = resolve_device(self.device)
+        eos_token_id = _first(hf_config.get("eos_token_id"))
+        generation = read_generation_config(self.generation_config, files.hf_dir)
         return EngineConfig(
             model=ModelConfig(
                 model=str(files.weights),
@@ -76,8 +86,12 @@ class EngineArgs:
                 max_model_len=self._max_model_len(hf_config),
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
-                eos_token_id=_first(hf_config.get("eos_token_id")),
+                eos_token_id=eos_token_id,
                 load_format=_check_load_format(self.load_format),
+                layer_sliding_windows=windows,
+                generation_defaults=sampling_defaults(generation),
+                extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
+                quantization=resolve_quantization(self.quantization, files.is_gguf, device, self.load_format),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -97,12 +111,15 @@ class EngineArgs:
             ),
             speculative=resolve_speculative_config(self.speculative_config),
             structured_outputs=StructuredOutputsConfig(compile_timeout=self.structured_outputs_compile_timeout),
-            kv_transfer=self._kv_transfer_config(),
+            kv_transfer=self._kv_transfer_config(windows),
             kv_events=resolve_kv_events_config(self.kv_events_config),
         )
 
-    def _kv_transfer_config(self) -> KVTransferConfig | None:
+    def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
+        if config is not None and len(set(layer_windows)) > 1:
+            raise ValueError("kv_transfer_config: moving the KV of a model that mixes full and "
+                             "sliding-window attention (several KV cache groups) is not supported.")
         check_engine_supports(config, tensor_parallel_size=self.tensor_parallel_size,
                               enable_prefix_caching=self.enable_prefix_caching)
         return config
@@ -139,6 +156,20 @@ def _check_load_format(load_format: str) -> str:
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
     return load_format
+
+
+def resolve_quantization(quantization: str | None, is_gguf: bool, device: str, load_format: str) -> str:
+    """"gguf" (weights kept packed) or "none" (dequantized at load); the packed kernels are CPU only."""
+    if quantization not in (None, "none", "gguf"):
+        raise ValueError(f"quantization must be 'gguf' or 'none', got {quantization!r}.")
+    if quantization is None:
+        return "gguf" if is_gguf and device == "cpu" and load_format == "auto" else "none"
+    if quantization == "gguf":
+        if not is_gguf or load_format != "auto":
+            raise ValueError("quantization 'gguf' needs a GGUF model file read from disk (load_format 'auto').")
+        if device != "cpu":
+            raise ValueError("quantization 'gguf' runs on CPU only; use quantization 'none' on CUDA.")
+    return quantization
 
 
 def resolve_attention_backend(device: str) -> str:

@@ -17,6 +17,7 @@ from services.api.output_processor import Logprob, RequestState
 from services.api.tokenizer import Tokenizer
 from services.engine_args import EngineArgs
 from services.engine_core.core import EngineCore
+from services.generation_config import with_extra_eos
 
 Prompt = str | list[int] | dict
 
@@ -57,11 +58,18 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        params = _match_params(sampling_params, len(prompts))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        extra_eos = self.config.model.extra_eos_token_ids
+        params = [with_extra_eos(p, extra_eos) for p in _match_params(sampling_params, len(prompts))]
         # Tokenize and validate everything first: a bad prompt fails the call
         # before any request reaches the engine.
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(prompts, requests, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (as vLLM's LLM)."""
+        return SamplingParams(**self.config.model.generation_defaults)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -12,6 +12,9 @@
 //   token_idx   [n] int64: the row of query and out that decode i owns
 //   seq_lens    [n] int32: keys of decode i, its new token's included
 //   block_table [n, max_blocks] int32
+//   window      > 0: a sliding-window layer; decode i attends to its last
+//               `window` keys only, and blocks before them are never read
+//               (the KV cache manager may have handed them to others)
 //
 // Work item (decode i, KV head h) computes the G = H / KVH query heads that
 // read KV head h, so each key row is loaded once for all of them. Items are
@@ -76,11 +79,15 @@ void decode_item(
     scalar_t* __restrict__ out, int64_t o_stride_head,
     const scalar_t* __restrict__ keys, const scalar_t* __restrict__ values,  // this KV head's blocks
     const int32_t* __restrict__ blocks, int64_t seq_len, int64_t block_size, int64_t head_dim,
-    int64_t group, int64_t first_head, float scale, std::vector<float>& buf) {
+    int64_t group, int64_t first_head, float scale, int64_t window, std::vector<float>& buf) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int64_t G = group, L = seq_len;
+  const int64_t G = group;
+  // Keys [start, seq_len) are attended; scores are indexed from start.
+  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+  const int64_t L = seq_len - start;
   const int64_t block_elems = block_size * D;
-  const int64_t num_blocks = (L + block_size - 1) / block_size;
+  const int64_t first_block = start / block_size;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   buf.resize(G * D * 2 + G * L + G);
   float* __restrict__ qf = buf.data();         // [G, D] scaled queries
   float* __restrict__ acc = qf + G * D;        // [G, D] weighted value sums
@@ -92,19 +99,20 @@ void decode_item(
   }
   std::fill(acc, acc + G * D, 0.0f);
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const scalar_t* __restrict__ kb = keys + static_cast<int64_t>(blocks[b]) * block_elems;
-    const int64_t tokens = std::min(block_size, L - b * block_size);
+    const int64_t tokens = std::min(block_size, seq_len - b * block_size);
+    const int64_t t0 = std::max<int64_t>(0, start - b * block_size);  // > 0 in the window's first block only
     if (b + 1 < num_blocks) prefetch_block(keys + static_cast<int64_t>(blocks[b + 1]) * block_elems, block_elems);
     for (int64_t g = 0; g < G; ++g) {
       const float* __restrict__ qg = qf + g * D;
-      float* __restrict__ sg = s + g * L + b * block_size;
-      for (int64_t t = 0; t < tokens; ++t) {
+      float* __restrict__ sg = s + g * L + (b * block_size + t0 - start);  // sg[t - t0]: key b * block_size + t
+      for (int64_t t = t0; t < tokens; ++t) {
         const scalar_t* __restrict__ k = kb + t * D;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        sg[t] = dot;
+        sg[t - t0] = dot;
       }
     }
   }
@@ -123,27 +131,28 @@ void decode_item(
     sums[g] = sum;
   }
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const scalar_t* __restrict__ vb = values + static_cast<int64_t>(blocks[b]) * block_elems;
-    const int64_t tokens = std::min(block_size, L - b * block_size);
+    const int64_t tokens = std::min(block_size, seq_len - b * block_size);
+    const int64_t t0 = std::max<int64_t>(0, start - b * block_size);
     if (b + 1 < num_blocks) prefetch_block(values + static_cast<int64_t>(blocks[b + 1]) * block_elems, block_elems);
     for (int64_t g = 0; g < G; ++g) {
-      const float* __restrict__ pg = s + g * L + b * block_size;
+      const float* __restrict__ pg = s + g * L + (b * block_size + t0 - start);
       float* __restrict__ ag = acc + g * D;
       if constexpr (kHeadDim > 0) {
         float a[kHeadDim];
         for (int64_t d = 0; d < kHeadDim; ++d) a[d] = ag[d];
-        for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t t = t0; t < tokens; ++t) {
           const scalar_t* __restrict__ v = vb + t * kHeadDim;
-          const float p = pg[t];
+          const float p = pg[t - t0];
 #pragma omp simd
           for (int64_t d = 0; d < kHeadDim; ++d) a[d] += p * static_cast<float>(v[d]);
         }
         for (int64_t d = 0; d < kHeadDim; ++d) ag[d] = a[d];
       } else {
-        for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t t = t0; t < tokens; ++t) {
           const scalar_t* __restrict__ v = vb + t * D;
-          const float p = pg[t];
+          const float p = pg[t - t0];
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
         }
@@ -160,7 +169,8 @@ void decode_item(
 
 template <typename scalar_t>
 void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
-                const at::Tensor& seq_lens, const at::Tensor& block_table, double scale, at::Tensor& out) {
+                const at::Tensor& seq_lens, const at::Tensor& block_table, double scale, at::Tensor& out,
+                int64_t window) {
   const int64_t n = token_idx.size(0);
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t KVH = kv_cache.size(1), num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
@@ -189,7 +199,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
           constexpr int kHeadDim = decltype(head_dim_tag)::value;
           decode_item<scalar_t, kHeadDim>(
               q + row * qs0, qs1, o + row * os0, os1, cache + h * head_blocks, cache + (KVH + h) * head_blocks,
-              table + i * max_blocks, lens[i], block_size, D, G, h * G, static_cast<float>(scale), buf);
+              table + i * max_blocks, lens[i], block_size, D, G, h * G, static_cast<float>(scale), window, buf);
         };
         if (D == 64) run(std::integral_constant<int, 64>{});
         else if (D == 128) run(std::integral_constant<int, 128>{});
@@ -201,7 +211,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
                             const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                            at::Tensor out) {
+                            at::Tensor out, int64_t window) {
   // Shapes, dtypes and bounds are checked by the Python wrapper
   // (kernels/cpu_attention.py); these guard the memory this code touches.
   TORCH_CHECK(query.device().is_cpu() && kv_cache.is_contiguous() && out.device().is_cpu(),
@@ -213,9 +223,11 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "paged_decode_attention: token_idx int64, seq_lens and block_table int32, all contiguous");
   if (token_idx.size(0) == 0) return;
   switch (query.scalar_type()) {
-    case at::kFloat: decode_all<float>(query, kv_cache, token_idx, seq_lens, block_table, scale, out); break;
-    case at::kBFloat16: decode_all<c10::BFloat16>(query, kv_cache, token_idx, seq_lens, block_table, scale, out); break;
-    case at::kHalf: decode_all<c10::Half>(query, kv_cache, token_idx, seq_lens, block_table, scale, out); break;
+    case at::kFloat: decode_all<float>(query, kv_cache, token_idx, seq_lens, block_table, scale, out, window); break;
+    case at::kBFloat16:
+      decode_all<c10::BFloat16>(query, kv_cache, token_idx, seq_lens, block_table, scale, out, window);
+      break;
+    case at::kHalf: decode_all<c10::Half>(query, kv_cache, token_idx, seq_lens, block_table, scale, out, window); break;
     default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 expected");
   }
 }
@@ -225,6 +237,6 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(weft_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor token_idx, Tensor seq_lens, "
-      "Tensor block_table, float scale, Tensor(a!) out) -> ()");
+      "Tensor block_table, float scale, Tensor(a!) out, int window=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

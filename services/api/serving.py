@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -38,6 +39,7 @@ from services.api.structured_outputs import structured_outputs_from
 from services.api.token_filters import token_filters
 from services.api.tokenizer import Tokenizer
 from services.kv_transfer.trust import require_trusted_caller
+from services.generation_config import model_default, with_extra_eos
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: i
     room = ctx.max_model_len - prompt_len
     cap = ctx.limits.max_tokens
     if requested is None:
+        room = min(room, model_default(ctx.config.model, "max_tokens", room))
         return room if cap is None else min(room, cap)
     if cap is not None and requested > cap:
         raise bad_request(f"{param} ({requested}) is more than this server allows ({cap}).", param)
@@ -158,13 +161,16 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
     ctx.check_num_sequences(1, body.n)
     ctx.limits.check_stop_lists(body.stop, body.stop_token_ids)
     structured_outputs = structured_outputs_from(body)  # 400 when invalid
+    default = functools.partial(model_default, ctx.config.model)  # generation_config.json's, else ours
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=body.n, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=_or(body.repetition_penalty, 1.0),
-            temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
-            top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=body.seed,
+            repetition_penalty=_or(body.repetition_penalty, default("repetition_penalty", 1.0)),
+            temperature=_or(body.temperature, default("temperature", 1.0)),
+            top_p=_or(body.top_p, default("top_p", 1.0)),
+            top_k=_or(body.top_k, default("top_k", 0)), min_p=_or(body.min_p, default("min_p", 0.0)),
+            seed=body.seed,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -172,6 +178,7 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
             **token_filters(ctx.tokenizer, ctx.vocab_size, body))
+        return with_extra_eos(params, ctx.config.model.extra_eos_token_ids)
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e

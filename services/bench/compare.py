@@ -122,7 +122,8 @@ def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> tuple[float,
             step = prepare_step(batch, req_ids, scheduler_output.num_scheduled_tokens, runner.device,
                                 runner.max_decode_group_tokens, attention_backend=runner.attention_backend)
             start, cpu_start = time.perf_counter(), time.process_time()
-            with set_forward_context(step.attn_metadata, runner.kv_caches, runner.attention_backend):
+            with set_forward_context(step.attn_metadata, runner.kv_caches, runner.attention_backend,
+                                     step.group_metadata):
                 hidden = runner.model(step.input_ids, step.positions)  # [T, H]
             if len(step.sample_token_index):
                 runner.model.compute_logits(hidden[torch.from_numpy(step.sample_token_index)])  # [N, V]

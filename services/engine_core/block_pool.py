@@ -157,8 +157,10 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        key_suffix: bytes = b"",
     ) -> None:
-        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes."""
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes
+        (each followed by ``key_suffix``: a KV cache group's blocks are keyed apart)."""
         if not self.enable_caching:
             return
         new_hashes: list[int] = []  # indexes of hashes the cache did not hold yet
@@ -167,7 +169,7 @@ class BlockPool:
             if block.is_null:
                 continue
             assert block.block_hash is None, block
-            block_hash = request.block_hashes[index]
+            block_hash = request.block_hashes[index] + key_suffix
             block.block_hash = block_hash
             same_hash = self.cached_blocks.setdefault(block_hash, {})
             if not same_hash:

@@ -28,7 +28,7 @@ from protocol import (
 from protocol.engine import ITERATION_TOKENS_BUCKETS
 from protocol.kv_transfer import KVTransferParams
 from services.engine_core.block_pool import KVCacheBlock
-from services.engine_core.kv_cache_manager import KVCacheManager
+from services.engine_core.kv_cache_manager import KVCacheManager, group_windows
 from services.engine_core.kv_transfer_scheduling import KVTransferScheduling
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request, RequestStatus
@@ -46,6 +46,7 @@ class _StepPlan:
     new_reqs: list[Request] = field(default_factory=list)  # the worker does not hold them
     cached_reqs: list[Request] = field(default_factory=list)  # the worker holds them
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # KV cache groups 1..
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
@@ -55,6 +56,9 @@ class _StepPlan:
         self.budget -= num_tokens
         (self.new_reqs if is_new else self.cached_reqs).append(request)
         self.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+        self.new_group_block_ids[request.request_id] = [
+            [b.block_id for b in g] for g in new_blocks.groups[1:]
+        ]
 
     def drop(self, request: Request) -> None:
         """Undo ``add`` for a running request preempted later in the same step."""
@@ -64,6 +68,7 @@ class _StepPlan:
         self.budget += num_tokens
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
+        del self.new_group_block_ids[request.request_id]
         self.spec_tokens.pop(request.request_id, None)
 
 
@@ -102,7 +107,7 @@ class Scheduler:
 
         caching = config.cache.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.cache.block_size, caching, self.max_model_len
+            num_blocks, config.cache.block_size, caching, self.max_model_len, group_windows(config.model)
         )
         # Handed to Request.from_engine_core_request; None when no prefix is shared.
         self.block_hasher = make_block_hasher(config.cache.block_size) if caching else None
@@ -306,6 +311,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 # Non-empty only for a resumed request: the worker dropped it.
                 output_token_ids=list(r.output_token_ids),
+                group_block_ids=self.kv_cache_manager.get_group_block_ids(r.request_id),
             )
             for r in plan.new_reqs
         ]
@@ -313,6 +319,10 @@ class Scheduler:
             req_ids=[r.request_id for r in plan.cached_reqs],
             new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.cached_reqs],
             num_computed_tokens=[r.num_computed_tokens for r in plan.cached_reqs],
+            new_group_block_ids=(
+                [plan.new_group_block_ids[r.request_id] for r in plan.cached_reqs]
+                if self.kv_cache_manager.num_groups > 1 else []
+            ),
         )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,

@@ -29,6 +29,9 @@ class ForwardContext:
     # Which kernels the layers run: "torch" ops or the "triton" kernels
     # (services.worker.layers.triton_attention says how it is chosen).
     backend: str = "torch"
+    # With several KV cache groups, each group's metadata (its block tables and slots); a layer
+    # reads its group's (``PagedAttention.kv_group``). Empty: every layer reads attn_metadata.
+    group_metadata: tuple = ()
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context", default=None)
@@ -36,9 +39,12 @@ _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context",
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | TritonAttentionMetadata, kv_caches: list[torch.Tensor] | None, backend: str = "torch"
+    attn_metadata: AttentionMetadata | TritonAttentionMetadata,
+    kv_caches: list[torch.Tensor] | None,
+    backend: str = "torch",
+    group_metadata: tuple = (),
 ) -> Iterator[ForwardContext]:
-    context = ForwardContext(attn_metadata, kv_caches, backend)
+    context = ForwardContext(attn_metadata, kv_caches, backend, group_metadata)
     token = _current.set(context)
     try:
         yield context

@@ -7,6 +7,10 @@ llama.cpp's converter reorders the rows of Llama's Q and K projections
 (per head, it interleaves the two rotary halves to suit its own rope
 kernel); ``_unpermute_rows`` restores Hugging Face's order. Only files whose
 architecture is "llama" (which includes Mistral) were permuted; Qwen2 was not.
+
+With ``keep_quantized`` the matrices in a format that has a packed layout
+(``services.worker.gguf_repack``) are yielded as ``PackedWeight`` instead,
+repacked straight from their blocks; the rest are dequantized as above.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from services.worker.gguf_repack import packable, repack
+from services.worker.layers.quantized_linear import PackedWeight
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -33,20 +40,35 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Gemma 3's extra norms; its "ffn_norm" is the norm before the MLP, as in Llama, but Gemma
+# calls that one pre_feedforward_layernorm (post_attention_layernorm follows attention).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by the
+# weight alone); Hugging Face's keep w, and so do ours.
+_NORM_OFFSET_ARCHITECTURES = {"gemma3"}
 # Tensors llama.cpp stores that the config already determines.
 _SKIPPED = {"rope_freqs"}
 _LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = {"llama"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None to skip."""
     match = _LAYER_PATTERN.fullmatch(gguf_name)
     if match:
         layer, kind, suffix = match.groups()
-        if kind not in _LAYER_NAMES:
+        names = _LAYER_NAMES_BY_ARCHITECTURE.get(architecture, _LAYER_NAMES)
+        if kind not in names:
             raise ValueError(f"Unknown GGUF tensor {gguf_name!r}.")
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+        return f"model.layers.{layer}.{names[kind]}.{suffix}"
     base, _, suffix = gguf_name.rpartition(".")
     if base in _SKIPPED:
         return None
@@ -82,21 +104,38 @@ class GGUFCheckpoint:
         """False when the file ties the output head to the token embedding."""
         return "output.weight" in self.tensor_names
 
-    def iter_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, fp32 tensor) for every tensor of the file."""
+    def iter_weights(
+        self, num_heads: int, num_kv_heads: int, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        """Yield (Hugging Face name, fp32 tensor or, with ``keep_quantized``, ``PackedWeight``)
+        for every tensor of the file."""
         from gguf.quants import dequantize
 
         permuted = self.architecture in _PERMUTED_ARCHITECTURES
         for tensor in self._reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self.architecture)
             if name is None:
+                continue
+            if keep_quantized and len(tensor.shape) == 2 and packable(tensor.tensor_type.name):
+                packed = repack(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]))
+                if permuted and (".q_proj." in name or ".k_proj." in name):
+                    heads = num_heads if ".q_proj." in name else num_kv_heads
+                    packed = packed.select_rows(torch.from_numpy(_unpermute_rows(np.arange(packed.shape[0]), heads)))
+                yield name, packed
                 continue
             weights = dequantize(tensor.data, tensor.tensor_type)
             if permuted and ".q_proj." in name:
                 weights = _unpermute_rows(weights, num_heads)
             elif permuted and ".k_proj." in name:
                 weights = _unpermute_rows(weights, num_kv_heads)
+            weights = self._undo_norm_offset(name, weights)
             weights = np.ascontiguousarray(weights, dtype=np.float32)
             if not weights.flags.writeable:  # an unquantized tensor still mapped from the file
                 weights = weights.copy()
             yield name, torch.from_numpy(weights)
+
+    def _undo_norm_offset(self, name: str, weights: np.ndarray) -> np.ndarray:
+        """Gemma: the file's norm weights are 1 + w; subtract in fp32, as transformers' loader does."""
+        if self.architecture in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
+            return weights - 1
+        return weights

@@ -28,16 +28,21 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1
+    ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + outputs known
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # One block table per KV cache group (``protocol.kv_cache_groups``).
         # Unused entries stay 0: the null block, safe to gather from.
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks), dtype=np.int32) for _ in range(num_kv_groups)
+        ]
+        self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_kv_groups)]
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -54,9 +59,12 @@ class InputBatch:
         for new in scheduler_output.scheduled_new_reqs:
             self.add_request(new)
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        group_ids = cached.new_group_block_ids or [[]] * cached.num_reqs
+        for req_id, block_ids, more, computed in zip(
+            cached.req_ids, cached.new_block_ids, group_ids, cached.num_computed_tokens
+        ):
             row = self.requests[req_id].row
-            self.append_block_ids(row, block_ids)
+            self.append_block_ids(row, block_ids, more)
             self.num_computed_tokens[row] = computed
 
     def add_request(self, new: NewRequestData) -> None:
@@ -69,9 +77,10 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.block_table[row] = 0
-        self.num_blocks[row] = 0
-        self.append_block_ids(row, new.block_ids)
+        for table, count in zip(self.block_tables, self.group_num_blocks):
+            table[row] = 0
+            count[row] = 0
+        self.append_block_ids(row, new.block_ids, new.group_block_ids)
         self.requests[new.req_id] = CachedRequestState(
             new.req_id, row, list(new.prompt_token_ids), new.sampling_params, list(new.output_token_ids)
         )
@@ -81,12 +90,27 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        if start + len(block_ids) > self.block_table.shape[1]:
-            raise ValueError(f"Block table of row {row} would exceed {self.block_table.shape[1]} blocks (max_model_len).")
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    @property
+    def block_table(self) -> np.ndarray:
+        """KV cache group 0's block tables (the only ones when all layers attend alike)."""
+        return self.block_tables[0]
+
+    @property
+    def num_blocks(self) -> np.ndarray:
+        return self.group_num_blocks[0]
+
+    def append_block_ids(self, row: int, block_ids: list[int], group_block_ids: list[list[int]] = ()) -> None:
+        """``block_ids`` extend group 0's table, ``group_block_ids[g - 1]`` group g's."""
+        if len(group_block_ids) != len(self.block_tables) - 1:
+            raise ValueError(f"Expected block ids for {len(self.block_tables)} KV cache groups, "
+                             f"got {1 + len(group_block_ids)}.")
+        for table, count, ids in zip(self.block_tables, self.group_num_blocks, [block_ids, *group_block_ids]):
+            start = int(count[row])
+            if start + len(ids) > table.shape[1]:
+                raise ValueError(
+                    f"Block table of row {row} would exceed {table.shape[1]} blocks (max_model_len).")
+            table[row, start : start + len(ids)] = ids
+            count[row] = start + len(ids)
 
     def append_token(self, req_id: str, token_id: int) -> None:
         """Record a token this worker sampled; it is the input of the request's next step."""
@@ -105,7 +129,9 @@ class InputBatch:
     def _grow(self) -> None:
         """More requests than max_num_seqs at once (should not happen): double the rows."""
         old = self.token_ids.shape[0]
-        for name in ("token_ids", "num_tokens", "num_computed_tokens", "block_table", "num_blocks"):
+        for name in ("token_ids", "num_tokens", "num_computed_tokens"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
+        for arrays in (self.block_tables, self.group_num_blocks):
+            arrays[:] = [np.concatenate([a, np.zeros_like(a)]) for a in arrays]
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))

@@ -8,10 +8,14 @@ Weights stream in one tensor at a time and each layer keeps only its
 tensor-parallel slice: safetensors tensors arrive as lazy slices, so a rank
 reads just its part from the file; GGUF tensors are dequantized one at a
 time (quantized blocks do not split along arbitrary columns) and sliced.
+With ``quantization == "gguf"`` the formats that have a packed layout stay
+packed instead (``services.worker.layers.quantized_linear``), and the
+loader logs what they take per parameter.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -22,10 +26,12 @@ from protocol import ModelConfig
 from services.model_files import ModelFiles, resolve
 from services.worker.dummy_weights import fill_dummy_weights
 from services.worker.gguf_weights import GGUFCheckpoint
-from services.worker.models.llama import LlamaArgs
+from services.worker.layers.quantized_linear import finalize_quantized, quantized_report
 from services.worker.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
 
 
 def model_files(config: ModelConfig) -> ModelFiles:
@@ -41,15 +47,16 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     """The model on ``device``, holding this process's tensor-parallel share."""
     files = model_files(config)
     hf_config = files.hf_config()
-    cls = model_class(hf_config)
-    args = LlamaArgs.from_hf_config(hf_config)
+    checkpoint = GGUFCheckpoint(files.weights) if files.is_gguf and config.load_format != "dummy" else None
+    cls = model_class(hf_config, checkpoint.architecture if checkpoint else None)
+    args = cls.args_class.from_hf_config(hf_config)
     if config.load_format == "dummy":
         weights = None  # random weights below; no checkpoint is opened
-    elif files.is_gguf:
-        checkpoint = GGUFCheckpoint(files.weights)
+    elif checkpoint is not None:
         # A GGUF file without an output head ties it to the embedding, whatever the config says.
         args = dataclasses.replace(args, tie_word_embeddings=not checkpoint.has_output_head)
-        weights = checkpoint.iter_weights(args.num_heads, args.num_kv_heads)
+        weights = checkpoint.iter_weights(args.num_heads, args.num_kv_heads,
+                                          keep_quantized=config.quantization == "gguf")
     else:
         weights = iter_safetensors(files.weights)
     with torch.device(device):
@@ -58,6 +65,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
         fill_dummy_weights(model, config.seed)
     else:
         model.load_weights(weights)
+    if config.quantization == "gguf":
+        finalize_quantized(model)
+        logger.info("GGUF weights kept quantized: %s", quantized_report(model).describe())
     return model.eval()
 
 

@@ -14,14 +14,16 @@ import numpy as np
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from protocol.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_placement
 from services.worker.distributed import get_tp_group
 from services.worker.cuda_graphs import maybe_capture_decode_graphs
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
-from services.worker.layers.attention import kv_cache_shape
+from services.worker.layers.attention import PagedAttention, kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.layers.backends import check_backend
 from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
+from services.worker.layers.quantized_linear import quantized_report
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
@@ -43,7 +45,12 @@ class ModelRunner:
         self.model = None
         self.max_decode_group_tokens: int | None = None  # set with the model
         self.kv_caches: list[torch.Tensor] | None = None
-        self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size)
+        windows = config.model.layer_sliding_windows
+        self.kv_groups = kv_cache_groups(windows, len(windows)) if windows else []
+        num_groups = max(1, len(self.kv_groups))
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size, num_groups
+        )
         self.sampler = Sampler(config.model.seed, self.device)
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
@@ -53,6 +60,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device)
+        place_layers_in_kv_groups(self.model, self.config.model.layer_sliding_windows, self.kv_groups,
+                                  self.attention_backend)
         if self.attention_backend == "cpu":
             pack_linear_weights(self.model, self.dtype, self.device)
         a = self.model.args
@@ -60,21 +69,34 @@ class ModelRunner:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_weights_bytes(self.model)
+        dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return dense + packed_weights_bytes(self.model) + quantized_report(self.model).total_bytes
 
     @property
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block over all layers: 2 (K and V) x block_size x kv_heads x head_dim x dtype x layers."""
         a = self.model.args
         per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return per_layer * a.num_layers
+        return per_layer * self._layers_per_block
+
+    @property
+    def _layers_per_block(self) -> int:
+        """A block id holds one KV cache group's layers (all of them with a single group)."""
+        return len(self.kv_groups[0].layers) if self.kv_groups else self.model.args.num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.model.args
         shape = kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # Zeros, not empty: padded decode gathers read unwritten slots, and
         # garbage NaNs there would leak through the masked softmax (0 * NaN).
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)]
+        tensors = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers_per_block)
+        ]
+        if self.kv_groups:  # layer j of every group shares tensor j (protocol.kv_cache_groups)
+            placement = layer_placement(self.kv_groups)
+            self.kv_caches = [tensors[placement[layer][1]] for layer in range(a.num_layers)]
+        else:
+            self.kv_caches = tensors
         self.cuda_graphs = maybe_capture_decode_graphs(
             self.model, self.kv_caches, backend=self.attention_backend, enforce_eager=self.config.device.enforce_eager,
             max_num_seqs=self.config.scheduler.max_num_seqs, block_size=self.block_size,
@@ -152,7 +174,8 @@ class ModelRunner:
         """The model's hidden states [T, H]: a CUDA-graph replay for a pure decode step when one was captured."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step.attn_metadata):
             return self.cuda_graphs.replay(step.input_ids, step.positions, step.attn_metadata)
-        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend):
+        groups = step.group_metadata
+        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend, groups):
             return self.model(step.input_ids, step.positions)
 
     def _sample(
@@ -195,3 +218,21 @@ class ModelRunner:
             chunk = hidden[step.query_start[i] : step.query_start[i + 1]]
             result[req_id] = chunk_prompt_logprobs(state, chunk, context, self.model.compute_logits)
         return result
+
+
+def place_layers_in_kv_groups(
+    model, layer_windows: list[int], groups: list[KVCacheGroup], backend: str
+) -> None:
+    """Point each attention layer at its KV cache group, after checking that the model's own
+    windows are the ones the scheduler was configured with (one config, read twice)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, PagedAttention)), key=lambda m: m.layer_idx)
+    ours = [layer.sliding_window or 0 for layer in layers]
+    if (layer_windows or [0] * len(layers)) != ours:
+        raise ValueError(
+            f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}.")
+    if any(ours) and backend == "triton":
+        raise ValueError("Sliding-window attention is not implemented in the triton backend; "
+                         "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")
+    for layer_idx, (group, index) in layer_placement(groups).items():
+        layers[layer_idx].kv_group = group
+        layers[layer_idx].checks_decode_args = index == 0

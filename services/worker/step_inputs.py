@@ -27,6 +27,8 @@ class StepInputs:
     context_lens: np.ndarray  # [R]: tokens computed before this step
     # [R] bool: the step reaches the request's last known (or draft) token, so it samples.
     samples: np.ndarray
+    # Every KV cache group's metadata, group 0's (attn_metadata) first; empty with one group.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
 
     @property
     def sample_token_index(self) -> np.ndarray:
@@ -59,29 +61,33 @@ def prepare_step(
     token_rows = np.repeat(rows, query_lens)  # [T]
     positions = np.repeat(context - query_start[:-1], query_lens) + np.arange(query_start[-1])
     bs = batch.block_size
-    slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-    if attention_backend == "triton":
-        attn = build_triton_metadata(
-            query_lens=query_lens, context_lens=context, block_table=batch.block_table[rows],
-            slot_mapping=slot_mapping, block_size=bs, device=device,
-        )
-    else:
-        attn = build_attention_metadata(
+
+    def metadata(table: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
+        slot_mapping = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        if attention_backend == "triton":
+            return build_triton_metadata(
+                query_lens=query_lens, context_lens=context, block_table=table[rows],
+                slot_mapping=slot_mapping, block_size=bs, device=device,
+            )
+        return build_attention_metadata(
             query_lens=query_lens,
             context_lens=context,
-            block_table=batch.block_table[rows],
+            block_table=table[rows],
             slot_mapping=slot_mapping,
             block_size=bs,
             device=device,
             max_decode_group_tokens=max_decode_group_tokens,
             paged_decodes=attention_backend == "cpu",
         )
+
+    groups = tuple(metadata(table) for table in batch.block_tables)
     return StepInputs(
         req_ids=req_ids,
         input_ids=torch.from_numpy(batch.token_ids[token_rows, positions].astype(np.int64)).to(device),
         positions=torch.from_numpy(positions).to(device),
-        attn_metadata=attn,
+        attn_metadata=groups[0],
         query_start=query_start,
         context_lens=context,
         samples=seq_lens == known,
+        group_metadata=groups if len(groups) > 1 else (),
     )

@@ -40,10 +40,10 @@ def decode_case(gen, lens, num_heads, num_kv_heads, head_dim, dtype, num_tokens=
     return query, cache, token_idx, torch.tensor(lens, dtype=torch.int32), table
 
 
-def reference(query, cache, token_idx, seq_lens, table, scale):
+def reference(query, cache, token_idx, seq_lens, table, scale, window=0):
     q = query[token_idx].contiguous()
     starts = torch.arange(len(token_idx) + 1, dtype=torch.int32)
-    return paged_attention_ref(q, cache, starts, seq_lens, table, scale, max_query_len=1)
+    return paged_attention_ref(q, cache, starts, seq_lens, table, scale, max_query_len=1, window=window)
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -65,6 +65,28 @@ def test_matches_the_torch_twin(num_heads, num_kv_heads, head_dim, dtype):
     cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, scale, out)
     want = reference(query, cache, token_idx, seq_lens, table, scale)
     assert (out.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [1, 16, 20, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_the_torch_twin_and_reads_no_block_before_it(window, dtype):
+    gen = torch.Generator().manual_seed(4)
+    lens = [1, 15, 16, 17, 33, 70, 300, 21]
+    query, cache, token_idx, seq_lens, table = decode_case(gen, lens, 8, 1, 256, dtype)  # Gemma 3's heads
+    scale = 256**-0.5
+    want = reference(query, cache, token_idx, seq_lens, table, scale, window)
+    # Blocks wholly before each window point at a block of NaNs: reading one would show.
+    poisoned = table.clone()
+    cache[:, :, 0] = float("nan")
+    for i, length in enumerate(lens):
+        poisoned[i, : max(0, length - window) // BS] = 0
+    out = torch.zeros(query.shape, dtype=dtype)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, poisoned, scale, out, window=window)
+    assert torch.isfinite(out).all()
+    assert (out.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="window"):
+        cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, scale, out, window=-1)
 
 
 @needs_compiler

@@ -59,9 +59,14 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def save_tiny_hf_model(path: Path, model_type: str = "llama", **overrides) -> Path:
     """A random Hugging Face model saved as config.json + safetensors; returns its folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[model_type]
+    config_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+    }[model_type]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**TINY, **overrides})).eval()
     with torch.no_grad():  # Hugging Face starts biases at 0 and norms at 1: make them count

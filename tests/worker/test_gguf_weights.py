@@ -36,3 +36,15 @@ def test_unknown_tensors_are_refused():
         hf_name("blk.0.ffn_gate_exps.weight")
     with pytest.raises(ValueError, match="Unknown GGUF tensor"):
         hf_name("mm.projector.weight")
+
+
+def test_gemma3_tensor_names():
+    assert hf_name("blk.2.ffn_norm.weight", "gemma3") == "model.layers.2.pre_feedforward_layernorm.weight"
+    layer = "model.layers.2"
+    assert hf_name("blk.2.post_attention_norm.weight", "gemma3") == f"{layer}.post_attention_layernorm.weight"
+    assert hf_name("blk.2.post_ffw_norm.weight", "gemma3") == f"{layer}.post_feedforward_layernorm.weight"
+    assert hf_name("blk.0.attn_q_norm.weight", "gemma3") == "model.layers.0.self_attn.q_norm.weight"
+    assert hf_name("blk.0.attn_k_norm.weight", "gemma3") == "model.layers.0.self_attn.k_norm.weight"
+    assert hf_name("output_norm.weight", "gemma3") == "model.norm.weight"
+    with pytest.raises(ValueError, match="Unknown GGUF tensor"):
+        hf_name("blk.0.attn_q_norm.weight")  # not a Llama tensor

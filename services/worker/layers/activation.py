@@ -14,3 +14,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
     return nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[T, 2I]`` (gate, up) -> ``gelu_tanh(gate) * up`` ``[T, I]``: Gemma's GeGLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up

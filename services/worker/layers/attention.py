@@ -31,6 +31,7 @@ from torch import nn
 from kernels.cpu_attention import paged_decode_attention
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
+from services.worker.layers.sliding_window import window_metadata
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -101,7 +102,9 @@ def prefill_attention(
     q = query.transpose(0, 1)[None]  # [1, H, n, D]
     if seq.block_ids is None:
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        causal = seq.mask is None  # a window layer's long prompt brings its own mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seq.mask, is_causal=causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     assert cache is not None, "context attention needs the KV cache"
     _, kvh, _, bs, d = cache.shape
@@ -116,7 +119,9 @@ class PagedAttention(nn.Module):
     """Attention of one layer over the paged KV cache (no weights)."""
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: GatherWorkspace | None = None
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        workspace: GatherWorkspace | None = None, *,
+        sliding_window: int | None = None, scale: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -125,18 +130,28 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window  # None: full attention
+        self.kv_group = 0  # which KV cache group's block tables this layer reads (set by the model runner)
+        # The CPU kernel reads memory through the step's indices: the first layer reading a
+        # group's tables checks them in full (the model runner marks one layer per group).
+        self.checks_decode_args = layer_idx == 0
         self.workspace = workspace or GatherWorkspace()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, H * D], key and value [T, KVH * D] (rotated) -> [T, H * D]."""
         context = get_forward_context()
-        meta = context.attn_metadata
+        meta = context.group_metadata[self.kv_group] if context.group_metadata else context.attn_metadata
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
+        if self.sliding_window is not None:
+            if context.backend == "triton":
+                raise ValueError("Sliding-window attention is not implemented in the triton backend; "
+                                 "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")
+            meta = window_metadata(meta, self.sliding_window)
         if context.backend == "triton":
             from services.worker.layers.triton_attention import triton_attention
 
@@ -148,10 +163,12 @@ class PagedAttention(nn.Module):
         if meta.paged_decodes is not None:
             assert cache is not None, "decodes need the KV cache"
             d = meta.paged_decodes
-            # The kernel reads memory through these indices: checked in full by the first
-            # layer; the later layers get the same metadata and caches of the same shape.
+            # The kernel reads memory through these indices: checked in full by the first layer
+            # of each KV cache group; its later layers get the same metadata and caches of the same
+            # shape. A window layer passes its window: the kernel reads no block before it.
             paged_decode_attention(
-                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out, check=self.layer_idx == 0
+                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out,
+                check=self.checks_decode_args, window=self.sliding_window or 0,
             )
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"

@@ -17,7 +17,7 @@ Requests split two ways:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -65,6 +65,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
     paged_decodes: PagedDecodes | None = None  # instead of decode_groups, with the CPU kernel
+    # The sliding-window views of this step by window size (``sliding_window.py``), built on first use.
+    windows: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def build_attention_metadata(

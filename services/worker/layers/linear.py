@@ -18,6 +18,11 @@ On CPU the "cpu" backend packs every weight once, after loading, into
 oneDNN's blocked layout (``pack_linear_weights``): ``F.linear`` on CPU
 repacks its weight on every call, which at decode batch sizes costs about
 as much as the product itself. The packed copy replaces the weight.
+
+Weights kept quantized (GGUF, ``--quantization gguf``) arrive as
+``PackedWeight`` sources; a layer collects its slices of them in
+``packed_parts`` and runs them through ``quant`` once
+``finalize_quantized`` has made it (``services.worker.layers.quantized_linear``).
 """
 from __future__ import annotations
 
@@ -28,12 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TensorParallelGroup, divide
+from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeight
 
 
 def copy_weight(dest: torch.Tensor, source: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(source.shape):
         raise ValueError(f"Checkpoint tensor of shape {tuple(source.shape)} does not fit {name} {tuple(dest.shape)}.")
     dest.copy_(source)
+
+
+def keep_packed(layer: nn.Module, part: int, source: PackedWeight) -> None:
+    """Hold a packed slice for ``finalize_quantized`` (the dense weight stays unfilled)."""
+    if not hasattr(layer, "packed_parts"):
+        layer.packed_parts = {}
+    layer.packed_parts[part] = source
 
 
 def whole(source) -> torch.Tensor:
@@ -53,8 +66,11 @@ class LinearBase(nn.Module):
     weight: nn.Parameter | None
     packed_weight: torch.Tensor | None = None
     packed_bytes: int = 0  # what the packed copy stands for, for the memory budget
+    quant: QuantizedWeight | None = None  # the weight kept quantized, when it is
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -86,7 +102,7 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
     if not can_pack(dtype, device):
         return False
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.packed_weight is None:
+        if isinstance(module, LinearBase) and module.packed_weight is None and module.quant is None:
             module.pack_weight(keep_weight=getattr(module, "weight_is_shared", False))
     return True
 
@@ -175,6 +191,9 @@ class ColumnParallelLinear(LinearBase):
         part = shard or 0
         piece = self.slices[part]
         offset = sum(self.output_sizes[:part])
+        if isinstance(source, PackedWeight):
+            keep_packed(self, part, source.narrow(0, piece.start, piece.size))
+            return
         dest = getattr(self, param_name).narrow(0, offset, piece.size)
         copy_weight(dest, source.narrow(0, piece.start, piece.size), f"{param_name} part {part}")
 
@@ -203,5 +222,8 @@ class RowParallelLinear(LinearBase):
     def load_weight(self, param_name: str, source, shard: int | None) -> None:
         if param_name == "bias":
             copy_weight(self.bias, whole(source), "bias")
+            return
+        if isinstance(source, PackedWeight):
+            keep_packed(self, 0, source.narrow(1, self.in_slice.start, self.in_slice.size))
             return
         copy_weight(self.weight, source.narrow(1, self.in_slice.start, self.in_slice.size), "weight")

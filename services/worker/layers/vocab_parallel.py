@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TensorParallelGroup
-from services.worker.layers.linear import LinearBase, copy_weight
+from services.worker.layers.linear import LinearBase, copy_weight, keep_packed
+from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -43,30 +44,43 @@ class VocabShard:
         weight[self.num_rows:].zero_()  # padding: never looked up, its logits cut off
         return nn.Parameter(weight, requires_grad=False)
 
-    def load(self, weight: torch.Tensor, source, name: str) -> None:
+    def load(self, weight: torch.Tensor, source, name: str) -> PackedWeight | None:
+        """Copy this rank's rows of ``source`` into ``weight``; a packed source's rows are returned instead."""
         if source.shape[0] != self.vocab_size:
             raise ValueError(f"Checkpoint tensor {name} has {source.shape[0]} rows, the vocabulary {self.vocab_size}.")
+        if isinstance(source, PackedWeight):  # padding rows: zero weights, as above
+            return source.narrow(0, self.start, self.num_rows).pad_rows(self.rows_per_rank)
         copy_weight(weight[: self.num_rows], source.narrow(0, self.start, self.num_rows), name)
 
 
 class VocabParallelEmbedding(nn.Module):
+    quant: QuantizedWeight | None = None  # kept quantized (see linear.py)
+
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.tp = tp
         self.shard = VocabShard.of_rank(vocab_size, tp)
         self.weight = self.shard.new_weight(dim, dtype)
+        self.dtype = dtype  # of the lookups, once a packed weight replaces self.weight
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] -> [T, dim]."""
         if self.tp.world_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         local = token_ids - self.shard.start
         elsewhere = (local < 0) | (local >= self.shard.num_rows)  # [T]
-        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # [T, dim]
+        x = self._lookup(local.masked_fill(elsewhere, 0))  # [T, dim]
         return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0))
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embed(ids, self.dtype)
+        return F.embedding(ids, self.weight)
+
     def load_weight(self, param_name: str, source, shard: int | None) -> None:
-        self.shard.load(self.weight, source, "embed_tokens.weight")
+        packed = self.shard.load(self.weight, source, "embed_tokens.weight")
+        if packed is not None:
+            keep_packed(self, 0, packed)
 
 
 class ParallelLMHead(LinearBase):
@@ -94,4 +108,6 @@ class ParallelLMHead(LinearBase):
         return logits[:, : self.shard.vocab_size].float()
 
     def load_weight(self, param_name: str, source, shard: int | None) -> None:
-        self.shard.load(self.weight, source, "lm_head.weight")
+        packed = self.shard.load(self.weight, source, "lm_head.weight")
+        if packed is not None:
+            keep_packed(self, 0, packed)

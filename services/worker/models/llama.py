@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2) over a flattened batch.
 
 The model sees one "super-sequence" per step: ``input_ids [T]`` and
 ``positions [T]`` of all scheduled requests back to back. Where a token's
@@ -52,6 +52,7 @@ class LlamaArgs:
     o_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of Q and K before the rotation
 
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
@@ -59,6 +60,7 @@ class LlamaArgs:
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; the Llama family uses 'silu'.")
         heads = config["num_attention_heads"]
         is_qwen2 = config.get("model_type") == "qwen2"
+        is_qwen3 = config.get("model_type") == "qwen3"
         attention_bias = bool(config.get("attention_bias", False))
         theta, scaling = _rope_settings(config)
         return cls(
@@ -78,6 +80,7 @@ class LlamaArgs:
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
             sliding_window=_sliding_window(config),
+            qk_norm=is_qwen3,
         )
 
 
@@ -91,7 +94,7 @@ def _rope_settings(config: dict) -> tuple[float, dict | None]:
 
 
 def _sliding_window(config: dict) -> int | None:
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         return None
     return config.get("sliding_window")
 
@@ -111,12 +114,21 @@ class LlamaAttention(nn.Module):
             args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), args.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(c.num_heads * d, args.hidden_size, args.o_bias, dtype, tp)
         self.rotary = rotary
-        self.attn = PagedAttention(layer_idx, args.num_heads, args.num_kv_heads, d, workspace)
+        self.head_dim = d
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.attn = PagedAttention(layer_idx, args.num_heads, args.num_kv_heads, d, workspace,
+                                   sliding_window=args.sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T], x [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D], this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if hasattr(self, "q_norm"):
+            t = x.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -185,16 +197,13 @@ _FUSED = (
 
 
 class LlamaForCausalLM(nn.Module):
+    args_class = LlamaArgs  # what ``from_hf_config`` builds this class's arguments
+
     def __init__(
         self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype = torch.float32,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        if args.sliding_window is not None and max_model_len > args.sliding_window:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's sliding window ({args.sliding_window}), "
-                "which is not implemented; lower max_model_len to at most the window."
-            )
         tp = tp or get_tp_group()
         self.checkpoint_args = args
         # What this rank holds: its share of the heads (the KV cache is sized

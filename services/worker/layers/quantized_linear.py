@@ -1,0 +1,291 @@
+"""Weights kept packed in 8 or 4 bits, and the linear layers and embeddings over them.
+
+A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the two
+layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with an fp32 scale per
+group of 16 or 32 columns, or int4 (two per byte) with an fp32 scale and min
+per group of 32. ``services.worker.gguf_repack`` makes them from GGUF blocks.
+
+It looks like a checkpoint tensor to the layers (``shape`` and ``narrow``),
+so tensor parallelism slices it as it slices a dense one: output rows freely,
+input columns only on group boundaries (else a ValueError says to run with
+``--quantization none``). Layers collect the packed parts they load in
+``packed_parts``; ``finalize_quantized`` then turns them into the layer's
+``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
+
+Numerics: the weights the kernel rebuilds equal the gguf package's
+dequantization exactly; products and sums are fp32 whatever the model dtype,
+so a layer differs from ``F.linear`` over the dequantized weight only in the
+order of its sums.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from kernels.reference import dequantize_packed_ref, quant_linear_ref
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """``[N, K]`` packed: int8 ``qweight [N, K]`` (``mins`` None) or int4 ``qweight [N, K / 2]`` uint8."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor  # [N, K / group_size] fp32
+    mins: torch.Tensor | None  # like scales (int4 only)
+    group_size: int
+    in_features: int
+    source_format: str  # the GGUF type it came from, for reports
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.qweight, self.scales) if self.mins is None else (self.qweight, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def layout(self) -> tuple[str, int]:
+        return ("int8" if self.mins is None else "int4", self.group_size)
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
+        """Rows (dim 0) or group-aligned columns (dim 1) ``[start, start + length)``."""
+        if dim == 0:
+            return self._map_rows(lambda t: t.narrow(0, start, length))
+        if start % self.group_size or length % self.group_size:
+            raise ValueError(
+                f"columns [{start}, {start + length}) of a {self.source_format} weight do not fall on its "
+                f"{self.group_size}-column groups, so it cannot be split this way over tensor-parallel ranks; "
+                "run with --quantization none to dequantize it."
+            )
+        per_byte = 1 if self.mins is None else 2
+        g0, groups = start // self.group_size, length // self.group_size
+        return replace(
+            self,
+            qweight=self.qweight.narrow(1, start // per_byte, length // per_byte),
+            scales=self.scales.narrow(1, g0, groups),
+            mins=None if self.mins is None else self.mins.narrow(1, g0, groups),
+            in_features=length,
+        )
+
+    def pad_rows(self, rows: int) -> PackedWeight:
+        """``rows`` rows, the added ones all zero weights."""
+        extra = rows - self.shape[0]
+        if extra <= 0:
+            return self
+        return self._map_rows(lambda t: torch.cat((t, t.new_zeros(extra, *t.shape[1:]))))
+
+    def select_rows(self, index: torch.Tensor) -> PackedWeight:
+        """Rows ``index`` in that order (a row permutation, as llama.cpp's Q/K reordering needs)."""
+        return self._map_rows(lambda t: t[index])
+
+    def contiguous(self) -> PackedWeight:
+        return self._map_rows(lambda t: t.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` (the torch twin)."""
+        return dequantize_packed_ref(self.qweight, self.scales, self.mins, self.group_size)
+
+    def _map_rows(self, fn) -> PackedWeight:
+        mins = None if self.mins is None else fn(self.mins)
+        return replace(self, qweight=fn(self.qweight), scales=fn(self.scales), mins=mins)
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Parts of one layout stacked by rows."""
+    first = parts[0]
+    return replace(
+        first,
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+        source_format="+".join(sorted({p.source_format for p in parts})),
+    )
+
+
+# From this many rows of x on (long prefill chunks), a packed weight is dequantized a
+# chunk of rows at a time into one reused fp32 buffer and multiplied by oneDNN's GEMM,
+# whose register blocking then beats the kernel's. Below it the kernel runs in one
+# parallel region per layer where the GEMM path needs two per chunk, which costs
+# dearly when the cores are shared. Measured on all the default model's layers, two
+# threads on a loaded machine: the kernel is faster by 1.35x at 512 rows, 2.2x at 64;
+# the GEMM path by 1.57x at 2048 rows.
+GEMM_MIN_ROWS = 1024
+_CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
+
+
+class _Kernel:
+    """The compiled kernel, or the torch twin with the reason logged once when it cannot be built."""
+
+    def __init__(self) -> None:
+        self._compiled: bool | None = None
+        self._scratch = torch.empty(0)
+
+    def compiled(self) -> bool:
+        if self._compiled is None:
+            from kernels import cpu_quant_linear
+
+            try:
+                cpu_quant_linear.load()
+                self._compiled = True
+            except cpu_quant_linear.KernelUnavailable as exc:
+                logger.warning("Quantized linear layers use the slower torch twin: %s", exc)
+                self._compiled = False
+        return self._compiled
+
+    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
+        if not self.compiled():
+            return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
+        from kernels.cpu_quant_linear import dequantize_rows, quant_linear
+
+        if x.shape[0] < GEMM_MIN_ROWS:
+            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size)
+        n, k = w.shape
+        chunk = max(1, min(n, _CHUNK_BYTES // (4 * k)))
+        if self._scratch.numel() < chunk * k:
+            self._scratch = torch.empty(chunk * k)
+        outs = []
+        for start in range(0, n, chunk):
+            count = min(chunk, n - start)
+            rows = self._scratch[: count * k].view(count, k)
+            dequantize_rows(w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows)
+            outs.append(x @ rows.T)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+_KERNEL = _Kernel()
+
+
+class QuantizedWeight:
+    """A layer's weight as packed parts stacked by output rows (fused layers whose parts
+    came in different formats keep one part per format run)."""
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        self.parts = [p.contiguous() for p in _merge_runs(parts)]
+        if any(p.in_features != self.parts[0].in_features for p in self.parts):
+            raise ValueError("packed parts of one layer must share in_features.")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, computed in fp32."""
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        outs = [_KERNEL.linear(rows, p) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``token_ids`` of W, dequantized (embedding lookup); ``[T, K]`` in ``dtype``."""
+        if len(self.parts) != 1:
+            raise ValueError("a packed embedding has exactly one part.")
+        p = self.parts[0]
+        mins = None if p.mins is None else p.mins[token_ids]
+        return dequantize_packed_ref(p.qweight[token_ids], p.scales[token_ids], mins, p.group_size).to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def _merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Adjacent parts of one layout merged, so a fused layer runs one kernel call per run."""
+    runs: list[list[PackedWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].layout == part.layout:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [run[0] if len(run) == 1 else cat_rows(run) for run in runs]
+
+
+def finalize_quantized(model: nn.Module) -> None:
+    """Turn every layer's loaded ``packed_parts`` into its ``quant`` and free its dense weight.
+
+    A layer whose parts did not all come packed (a fused projection with one
+    part in a format without a packed layout) is dequantized into its dense
+    weight instead. A tied LM head shares its embedding's packed weight.
+    """
+    quantized_by_param: dict[int, QuantizedWeight] = {}
+    for name, module in model.named_modules():
+        parts: dict[int, PackedWeight] = getattr(module, "packed_parts", None) or {}
+        if not parts:
+            continue
+        del module.packed_parts
+        expected = len(getattr(module, "output_sizes", [None]))
+        if len(parts) < expected:
+            _dequantize_into(module, parts, name)
+            continue
+        module.quant = QuantizedWeight([parts[i] for i in sorted(parts)])
+        if module.quant.shape != tuple(module.weight.shape):
+            raise ValueError(f"Checkpoint weights of shape {module.quant.shape} do not fit {name} "
+                             f"{tuple(module.weight.shape)}.")
+        quantized_by_param[id(module.weight)] = module.quant
+    for module in model.modules():
+        shared = getattr(module, "weight_is_shared", False) and module.weight is not None
+        if shared and id(module.weight) in quantized_by_param:
+            module.quant = quantized_by_param[id(module.weight)]
+    for module in model.modules():
+        if getattr(module, "quant", None) is not None:
+            module.weight = None
+
+
+def _dequantize_into(module: nn.Module, parts: dict[int, PackedWeight], name: str) -> None:
+    logger.info("%s: some parts have no packed layout; the layer runs dequantized.", name)
+    sizes = module.output_sizes
+    for i, part in parts.items():
+        module.weight.data.narrow(0, sum(sizes[:i]), sizes[i]).copy_(part.dequantize())
+
+
+@dataclass(frozen=True)
+class QuantizedReport:
+    """What the packed weights of a model hold: parameters and bytes, per GGUF format."""
+
+    params: dict[str, int]
+    nbytes: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.params.values())
+
+    def describe(self) -> str:
+        per_format = ", ".join(
+            f"{fmt} {self.params[fmt] / 1e6:.1f}M params at {self.nbytes[fmt] / self.params[fmt]:.3f} B/param"
+            for fmt in sorted(self.params)
+        )
+        return (f"{self.total_bytes / 2**20:.1f} MiB packed for {self.total_params / 1e6:.1f}M parameters "
+                f"({self.total_bytes / max(1, self.total_params):.3f} B/param; {per_format})")
+
+
+def quantized_report(model: nn.Module) -> QuantizedReport:
+    """Each packed weight counted once (a tied head shares its embedding's)."""
+    seen: set[int] = set()
+    params: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is None or id(quant) in seen:
+            continue
+        seen.add(id(quant))
+        for part in quant.parts:
+            n, k = part.shape
+            params[part.source_format] = params.get(part.source_format, 0) + n * k
+            nbytes[part.source_format] = nbytes.get(part.source_format, 0) + part.nbytes
+    return QuantizedReport(params, nbytes)

@@ -1,0 +1,186 @@
+"""Gemma 3 270M end to end against transformers, offline and over ``weft serve``.
+
+The checkpoint is the Q4_K_M GGUF assembled by ``make model-gemma3``
+(``scripts/fetch_gemma3.py``); both sides dequantize it to fp32. Most of its
+layers attend over a 512-token sliding window, so the prompts include some
+longer than the window, and the engines run with chunked prefill, prefix
+caching and a KV pool small enough to force preemption: the window layers'
+KV blocks are released as they fall out of the window, and greedy tokens
+must still match transformers' token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import torch
+
+from protocol import SamplingParams
+from services import LLM
+from services.model_files import models_dir, resolve
+from tests.polling import wait_healthy
+from tests.text_corpus import prompt_of_length
+
+GGUF = models_dir() / "gemma-3-270m-q4_k_m.gguf"
+NEW_TOKENS = 32
+# (length, offset) into the corpus: three prompts longer than the window, two of them sharing
+# a long prefix with a shorter one (prefix-cache hits across window layers).
+PROMPT_SHAPES = [(10, 300), (37, 500), (700, 0), (120, 700), (250, 0), (75, 900), (600, 0), (560, 140)]
+# Small steps (chunked prefill) and a pool that holds the longest request but not all eight.
+ENGINE_ARGS = {"max_model_len": 1024, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 300}
+
+
+@pytest.fixture(scope="module")
+def files():
+    assert GGUF.exists(), f"{GGUF} is missing: run `make model-gemma3` (make test does) first"
+    return resolve(str(GGUF))
+
+
+@pytest.fixture(scope="module")
+def prompts(files) -> list[list[int]]:
+    from services.api.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(files.hf_dir)
+    bos = tokenizer.backend.token_to_id(tokenizer.bos_token)
+    return [[bos] + prompt_of_length(tokenizer, n - 1, offset) for n, offset in PROMPT_SHAPES]
+
+
+@pytest.fixture(scope="module")
+def oracle(files, prompts) -> list[list[int]]:
+    """Greedy continuations from transformers, cut after the first EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+    eos = files.hf_config()["eos_token_id"]
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            new = out[0, len(ids) :].tolist()
+            results.append(new[: new.index(eos) + 1] if eos in new else new)
+    del model
+    return results
+
+
+@contextlib.contextmanager
+def recorded_steps(llm: LLM):
+    executor = llm.engine.executor
+    original, steps = executor.execute_model, []
+
+    def record(scheduler_output):
+        steps.append(scheduler_output)
+        return original(scheduler_output)
+
+    executor.execute_model = record
+    try:
+        yield steps
+    finally:
+        executor.execute_model = original
+
+
+def test_offline_greedy_matches_transformers(files, prompts, oracle):
+    llm = LLM(model=str(GGUF), dtype="float32", **ENGINE_ARGS)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+        warm = llm.generate([{"prompt_token_ids": prompts[2]}], greedy, use_tqdm=False)  # caches 700 tokens
+        assert warm[0].outputs[0].token_ids == oracle[2]
+        with recorded_steps(llm) as steps:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        for i, (out, expected) in enumerate(zip(outputs, oracle)):
+            assert out.outputs[0].token_ids == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
+        assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
+        assert max(o.num_cached_tokens for o in outputs) >= 240  # a prefix hit on the warm request
+        assert any(n > 1 and n < len(prompts[6]) for s in steps for n in s.num_scheduled_tokens.values())
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert kv.num_groups == 6 and kv.all_blocks_free()
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    port = _free_port()
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
+    log_path = tmp_path_factory.mktemp("gemma3-serve") / "serve.log"
+    tail = lambda: log_path.read_text(errors="replace")[-3000:]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--model",
+                str(GGUF),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 300, lambda: _check_running(proc, tail), tail)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _check_running(proc: subprocess.Popen, tail) -> None:
+    assert proc.poll() is None, f"weft serve exited ({proc.returncode}):\n{tail()}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_served_greedy_matches_transformers(server, files, prompts, oracle):
+    from services.api.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(files.hf_dir)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    completion = client.completions.create(
+        model=files.name, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0
+    )
+    for choice in completion.choices:
+        expected = tokenizer.backend.decode(oracle[choice.index], skip_special_tokens=True)
+        assert choice.text == expected, f"prompt {choice.index} ({PROMPT_SHAPES[choice.index]}) diverged"
+    assert completion.usage.completion_tokens == sum(len(o) for o in oracle)
+
+
+def test_chat_without_a_template_is_a_clear_400(server, files):
+    response = httpx.post(
+        server + "/v1/chat/completions",
+        timeout=30,
+        json={"model": files.name, "messages": [{"role": "user", "content": "Hello"}]},
+    )
+    assert response.status_code == 400
+    assert "chat template" in response.json()["error"]["message"].lower()

@@ -1,0 +1,210 @@
+"""GGUF blocks repacked for the quantized matmul, against the gguf package's dequantization.
+
+Q8_0, Q5_0, Q4_0 and Q4_1 blocks come from gguf's own quantize; gguf has no
+quantizer for Q4_K and Q6_K, so their blocks are random bytes with sane fp16
+scales (every bit pattern of the quants is then exercised).
+
+Tolerances, per format: the repacked weights equal gguf's dequantization
+exactly (all formats); the layer's matmul differs from ``F.linear`` over
+those weights only in the order of fp32 sums, within 1e-5 of the largest
+output for these sizes (K = 512).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from services.worker.distributed import TensorParallelGroup
+from services.worker.gguf_repack import packable, repack
+from services.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    even_slices,
+)
+from services.worker.layers.quantized_linear import finalize_quantized
+from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+SUM_ORDER_TOLERANCE = 1e-5
+# Byte offsets of the fp16 scales in the K formats' super-blocks (gguf's layout).
+_K_HALVES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """``[rows, bytes per row]`` uint8 of ``fmt``, as GGUFReader maps a tensor."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[fmt]
+    if fmt not in _K_HALVES:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset in _K_HALVES[fmt]:
+        halves = rng.uniform(0.001, 0.01, blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset:offset + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def reference(fmt: str, data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(data, GGMLQuantizationType[fmt]), dtype=np.float32))
+
+
+def close_to(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repacked_weights_equal_gguf_dequantize(fmt):
+    data = gguf_blocks(fmt, 24, 512)
+    packed = repack(fmt, data, 512)
+    assert packed.shape == (24, 512)
+    assert torch.equal(packed.dequantize(), reference(fmt, data))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_quantized_layer_matches_the_dequantized_reference(fmt, rows):
+    data = gguf_blocks(fmt, 96, 512, seed=1)
+    layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), True, torch.float32)
+    layer.load_weight("weight", repack(fmt, data, 512), 0)
+    bias = torch.randn(96)
+    layer.load_weight("bias", bias, 0)
+    finalize_quantized(layer)
+    assert layer.weight is None and layer.quant is not None  # no dense copy kept
+    x = torch.randn(rows, 512)
+    close_to(layer(x), F.linear(x, reference(fmt, data), bias))
+
+
+def test_many_rows_go_through_chunks_of_dequantized_rows(monkeypatch):
+    """From GEMM_MIN_ROWS rows on, chunks of W are dequantized into one buffer for a float GEMM."""
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "_CHUNK_BYTES", 4 * 512 * 10)  # 10 rows a chunk: 10 chunks
+    data = gguf_blocks("Q4_K", 96, 512, seed=6)
+    layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q4_K", data, 512), 0)
+    finalize_quantized(layer)
+    x = torch.randn(quantized_linear.GEMM_MIN_ROWS, 512)
+    close_to(layer(x), F.linear(x, reference("Q4_K", data)))
+
+
+def test_bf16_activations_compute_in_fp32():
+    data = gguf_blocks("Q4_1", 32, 256, seed=2)
+    layer = ColumnParallelLinear(256, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.bfloat16)
+    layer.load_weight("weight", repack("Q4_1", data, 256), 0)
+    finalize_quantized(layer)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, F.linear(x.float(), reference("Q4_1", data)).to(torch.bfloat16))
+
+
+def test_fused_parts_of_mixed_formats():
+    """Q4_K_M files mix formats inside one fused projection (q, k in Q4_K; v in Q6_K)."""
+    fmts, sizes = ["Q4_K", "Q4_K", "Q6_K"], [64, 32, 32]
+    datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
+    layer = ColumnParallelLinear(256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32)
+    for part, (fmt, data) in enumerate(zip(fmts, datas)):
+        layer.load_weight("weight", repack(fmt, data, 256), part)
+    finalize_quantized(layer)
+    assert [p.source_format for p in layer.quant.parts] == ["Q4_K", "Q6_K"]  # runs of one layout merged
+    x = torch.randn(2, 256)
+    close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
+
+
+def test_a_packed_weight_of_the_wrong_width_is_refused():
+    layer = ColumnParallelLinear(128, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 32, 64), 64), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        finalize_quantized(layer)
+
+
+def test_a_fused_layer_with_an_unpacked_part_runs_dense():
+    q = gguf_blocks("Q8_0", 32, 64)
+    layer = ColumnParallelLinear(64, even_slices([32, 32], TensorParallelGroup(), ["a", "b"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q8_0", q, 64), 0)
+    dense = torch.randn(32, 64)
+    layer.load_weight("weight", dense, 1)  # e.g. an F16 part, dequantized at load
+    finalize_quantized(layer)
+    assert layer.quant is None
+    assert torch.equal(layer.weight, torch.cat([reference("Q8_0", q), dense]))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tensor_parallel_slices_of_packed_weights(world_size):
+    """Column-parallel keeps output rows, row-parallel group-aligned input columns; the
+    ranks' outputs put together equal the whole layer."""
+    up_data, down_data = gguf_blocks("Q4_1", 256, 128, seed=3), gguf_blocks("Q6_K", 128, 256, seed=4)
+    x = torch.randn(3, 128)
+    hidden = F.linear(x, reference("Q4_1", up_data))
+    expected = F.linear(hidden, reference("Q6_K", down_data))
+    pieces, partial_sums = [], []
+    for rank in range(world_size):
+        tp = TensorParallelGroup(rank=rank, world_size=world_size)
+        up = ColumnParallelLinear(128, even_slices([256], tp, ["up"]), False, torch.float32)
+        up.load_weight("weight", repack("Q4_1", up_data, 128), 0)
+        down = RowParallelLinear(256, 128, False, torch.float32, tp)
+        down.load_weight("weight", repack("Q6_K", down_data, 256), None)
+        finalize_quantized(up)
+        finalize_quantized(down)
+        pieces.append(up(x))
+        partial_sums.append(down.linear(pieces[-1], None))  # forward() would all-reduce these
+    close_to(torch.cat(pieces, dim=-1), hidden)
+    close_to(sum(partial_sums), expected)
+
+
+def test_misaligned_tensor_parallel_columns_are_refused():
+    down = RowParallelLinear(96, 8, False, torch.float32, TensorParallelGroup(rank=0, world_size=2))  # 48 columns
+    with pytest.raises(ValueError, match="--quantization none"):
+        down.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 8, 96), 96), None)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_packed_embedding_and_tied_head(world_size):
+    vocab, dim = 50, 64
+    data = gguf_blocks("Q8_0", vocab, dim, seed=5)
+    table = reference("Q8_0", data)
+    ids = torch.tensor([0, vocab - 1, 3, 17])
+    hidden = torch.randn(2, dim)
+    for rank in range(world_size):
+        tp = TensorParallelGroup(rank=rank, world_size=world_size)
+        embedding = VocabParallelEmbedding(vocab, dim, torch.float32, tp)
+        head = ParallelLMHead(vocab, dim, torch.float32, tp, tied_to=embedding)
+        embedding.load_weight("weight", repack("Q8_0", data, dim), None)
+        model = torch.nn.ModuleDict({"embed": embedding, "head": head})
+        finalize_quantized(model)
+        assert head.quant is embedding.quant and embedding.weight is None and head.weight is None
+        shard = embedding.shard
+        local = head.linear(hidden, None)  # this rank's rows of the logits, padding rows zero
+        assert local.shape == (2, shard.rows_per_rank)
+        close_to(local[:, : shard.num_rows], F.linear(hidden, table[shard.start : shard.start + shard.num_rows]))
+        assert (local[:, shard.num_rows :] == 0).all()
+        if world_size == 1:
+            assert torch.equal(embedding(ids), F.embedding(ids, table))
+
+
+def test_only_formats_with_a_layout_are_packed():
+    assert all(packable(f) for f in FORMATS)
+    assert not any(packable(f) for f in ("F32", "F16", "BF16", "Q5_1", "Q5_K", "Q2_K"))
+
+
+def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog):
+    from kernels import cpu_quant_linear
+    from services.worker.layers import quantized_linear
+
+    def unavailable():
+        raise cpu_quant_linear.KernelUnavailable("no compiler here")
+
+    monkeypatch.setattr(cpu_quant_linear, "load", unavailable)
+    monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
+    data = gguf_blocks("Q5_0", 16, 64, seed=7)
+    layer = ColumnParallelLinear(64, even_slices([16], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack("Q5_0", data, 64), 0)
+    finalize_quantized(layer)
+    x = torch.randn(2, 64)
+    with caplog.at_level("WARNING"):
+        close_to(layer(x), F.linear(x, reference("Q5_0", data)))
+    assert "no compiler here" in caplog.text
