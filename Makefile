@@ -43,7 +43,7 @@ test: install model
 	$(PY) -m pytest -q
 
 bench: install model
-	$(VENV)/bin/weft bench throughput --dataset ../shared/workloads/offline-64.json --compare-hf
+	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf
 
 clean:
 	rm -rf $(VENV) $(MODELS)

@@ -1,7 +1,6 @@
 """Shared fixtures: the default model's files, and a guard against KV leaks."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,4 +17,4 @@ def default_model() -> model_files.ModelFiles:
 
 @pytest.fixture(scope="session")
 def workloads_dir() -> Path:
-    return Path(os.environ.get("WEFT_WORKLOADS_DIR", REPO_ROOT.parent / "shared" / "workloads"))
+    return REPO_ROOT / "benchmarks" / "workloads"

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from services.api.server import _local_ranks_and_handshake
 from services.api.server import build_parser as serve_parser
 from services.api.server import main as serve_main
 from services.model_files import resolve
+from services.ports import free_port
 from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
@@ -38,11 +38,6 @@ STARTUP_DEADLINE_S = 180.0
 ENGINE_ARGS = ["--dtype", "float32", "--max-num-batched-tokens", "512"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Stack:

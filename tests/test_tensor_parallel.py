@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,10 +31,11 @@ import pytest
 from protocol import SamplingParams
 from services import LLM, model_files
 from services.engine_args import EngineArgs
+from services.ports import free_port
 from services.worker.distributed import TensorParallelGroup
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
-from tests.text_corpus import prompt_of_length
 from tests.polling import wait_for, wait_healthy
+from tests.text_corpus import prompt_of_length
 
 DEFAULT = model_files.resolve(None)
 # Small, fixed KV cache (no profiling) and a 64-token step budget, so
@@ -154,11 +154,6 @@ def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
 
 # ---- through the serving stack
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServeTP3:

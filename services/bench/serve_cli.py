@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.metrics import parse_goodput
 from services.bench.serve_client import ENDPOINTS, ClientConfig, format_report, plot_sweep, run_benchmark, served_model
 
@@ -24,7 +25,6 @@ SWEEPS = ("rates", "concurrencies")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.bench.cli import add_dataset_arguments
     from services.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
@@ -49,8 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from services.bench.cli import load_dataset
-
     args.hf_batch_size = None  # load_dataset checks it; serve has no HF baseline
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be at least 1.")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,10 @@ from pathlib import Path
 
 import httpx
 
+from services.ports import free_port
+
 _ENGINE_MODULE = "services.engine_core.proc"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

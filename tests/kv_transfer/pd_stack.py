@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from services.model_files import resolve
+from services.ports import free_port
 from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
@@ -27,11 +27,6 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks
 # Short, so the tests of a dead service spend seconds, not minutes, in fallbacks.
 TRANSFER_TIMEOUT_S = 2.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path) -> dict:
