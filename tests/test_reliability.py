@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from services.bench.soak import SoakConfig, run_soak
-from services.bench.soak_stack import Stack
+from services.stack import Stack
 from tests.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from services.bench.soak_clients import ClientParams, ClientPool, RequestResult
-from services.bench.soak_stack import Stack, rss_bytes
+from services.stack import Stack, rss_bytes
 
 _POLL_S = 0.2
 _MIB = 1024 * 1024
