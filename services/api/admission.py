@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.engine_client import EngineClient
 from services.api.errors import APIError, bad_request, unavailable
 from services.api.limits import ServingLimits
-
-if TYPE_CHECKING:
-    from services.api.serving import ChoiceRunner
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +121,7 @@ def shutting_down_error() -> APIError:
                        _RETRY_UNAVAILABLE_S)
 
 
-def hold_ticket(scope: Scope, ticket: Ticket, runner: "ChoiceRunner") -> None:
+def hold_ticket(scope: Scope, ticket: Ticket, runner: _Failable) -> None:
     """Tie ``ticket`` to this HTTP exchange (released when it ends) and to ``runner``."""
     ticket.runner = runner
     scope.setdefault(_SCOPE_KEY, []).append(ticket)

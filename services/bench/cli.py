@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from services.bench import executor_overhead, gpu, make_workload, pd, serve_cli, throughput
 from services.bench.dataset_args import add_dataset_arguments, load_dataset
-from services.bench.throughput import BenchResult
+from services.bench.throughput import BenchResult, warn_if_short
 from services.bench.workload import Workload
 
 
@@ -105,15 +105,6 @@ def _run_hf(workload: Workload, model: str | None, engine: dict[str, Any], batch
     torch.set_num_threads(engine["torch_threads"])
     hf_model = load_hf_model(model, engine["dtype"], engine["device"])
     return run_hf_baseline(workload, hf_model, batch_size)
-
-
-def warn_if_short(result: BenchResult, workload: Workload) -> None:
-    if result.output_tokens != workload.num_output_tokens:
-        print(
-            f"warning: {result.backend} produced {result.output_tokens} output tokens, "
-            f"the workload asks for {workload.num_output_tokens}; its figures are off.",
-            file=sys.stderr,
-        )
 
 
 def _report(workload: Workload, model: str, dtype: str, results: list[BenchResult]) -> dict[str, Any]:

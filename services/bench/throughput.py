@@ -5,6 +5,7 @@ are the engine's start-up, not its throughput.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -112,3 +113,12 @@ def spec_details(llm: Any) -> dict[str, Any] | None:
         "mean_accepted_length": totals.mean_accepted_length,
         "per_position_acceptance_rate": totals.per_position_rates(),
     }
+
+
+def warn_if_short(result: BenchResult, workload: Workload) -> None:
+    if result.output_tokens != workload.num_output_tokens:
+        print(
+            f"warning: {result.backend} produced {result.output_tokens} output tokens, "
+            f"the workload asks for {workload.num_output_tokens}; its figures are off.",
+            file=sys.stderr,
+        )

@@ -17,15 +17,6 @@ from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 DEFAULT_WORKER_CLASS = "services.worker.worker:Worker"
 
 
-def executor_class_for(config: EngineConfig) -> type[Executor]:
-    """In-process for one device; worker processes for tensor parallelism."""
-    if config.parallel.tensor_parallel_size == 1:
-        return UniProcExecutor
-    from services.worker.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor
-
-
 def import_worker_class(path: str) -> type:
     module_name, _, class_name = path.partition(":")
     return getattr(importlib.import_module(module_name), class_name)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,30 +33,15 @@ from protocol.structured_outputs import COMPILE_TIME_BUCKETS, StructuredOutputSt
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.structured_output.backend import (
     StructuredOutputBackend,
-    StructuredOutputGrammar,
     bitmask_words,
 )
+from services.engine_core.structured_output.request_state import CompileJob, StructuredOutputRequest
 
 # Compiled grammars kept for reuse; the least recently asked for goes first.
 MAX_CACHED_GRAMMARS = 256
 # Half the cores, as vLLM does, but at least two: a compile that runs past
 # its timeout keeps its thread until it ends, and must not stall the others.
 _COMPILE_THREADS = max(2, (os.cpu_count() or 2) // 2)
-
-
-@dataclass
-class _CompileJob:
-    future: Future | None = None
-    started_at: float | None = None  # set by the pool thread when compiling begins
-
-
-@dataclass
-class StructuredOutputRequest:
-    """A constrained request's grammar: compiling until ``grammar`` is set."""
-
-    params: StructuredOutputsParams
-    job: _CompileJob
-    grammar: StructuredOutputGrammar | None = None
 
 
 @dataclass
@@ -84,7 +69,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple, _CompileJob] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
         self._totals_lock = threading.Lock()  # pool threads add compile times
         self.totals = _Totals()
 
@@ -145,15 +130,15 @@ class StructuredOutputManager:
             return str(exc)
         return f"Compiling the {so_request.params.kind} constraint failed: {type(exc).__name__}: {exc}"
 
-    def _submit(self, params: StructuredOutputsParams) -> _CompileJob:
+    def _submit(self, params: StructuredOutputsParams) -> CompileJob:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        job = _CompileJob()
+        job = CompileJob()
         job.future = self._executor.submit(self._compile, job, params)
         return job
 
-    def _compile(self, job: _CompileJob, params: StructuredOutputsParams) -> Any:
+    def _compile(self, job: CompileJob, params: StructuredOutputsParams) -> Any:
         """On a pool thread: the backend's first use builds it (not timed)."""
         backend = self._get_backend()
         job.started_at = self._clock()
