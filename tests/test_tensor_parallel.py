@@ -137,14 +137,13 @@ def test_head_counts_that_do_not_split_are_refused_before_starting():
 
 
 def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
-    from services.engine_core.cli import engine_command, parse_args
+    from services.engine_core.cli import engine_args, parse_args
     from services.engine_core.proc import with_tensor_parallel_size
 
     args = parse_args(["--headless", "--data-parallel-size", "1", "--data-parallel-address", "127.0.0.1",
                        "--data-parallel-rpc-port", "29550", "--tensor-parallel-size", "3"])
-    command = engine_command(0, "tcp://127.0.0.1:29550", local=False, headless=True, num_threads=None,
-                             tensor_parallel_size=args.tensor_parallel_size)
-    assert command[-2:] == ["--tensor-parallel-size", "3"]
+    command = engine_args(args, 0, "tcp://127.0.0.1:29550").to_argv()
+    assert command[command.index("--tensor-parallel-size") + 1] == "3"
     config = EngineArgs(dtype="float32").create_engine_config()
     assert with_tensor_parallel_size(config, 3).parallel.tensor_parallel_size == 3
     assert with_tensor_parallel_size(config, None) is config
