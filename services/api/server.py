@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
 from services.cli_args import add_engine_args, engine_args_from
+from services.ports import free_port
 
 logger = logging.getLogger("weft.serve")
 
@@ -112,14 +112,8 @@ def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int
     if port == 0:
         # Local engines get the address on their command line, before the
         # client binds it: pick the free port now.
-        port = _free_port(args.data_parallel_address)
+        port = free_port(args.data_parallel_address)
     return local, tcp_address(args.data_parallel_address, port, bind=True)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
