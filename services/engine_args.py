@@ -12,13 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol import (
-    CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
     StructuredOutputsConfig,
 )
 from protocol.kv_transfer import KVTransferConfig
-from services import model_files
-from services.parallel_args import check_tensor_parallel
+from services import env, model_files
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
+from services.parallel_args import check_tensor_parallel
 from services.speculative_args import resolve_speculative_config
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
@@ -141,7 +146,7 @@ def _check_load_format(load_format: str) -> str:
 def resolve_attention_backend(device: str) -> str:
     """Triton kernels on CUDA, the compiled CPU kernel elsewhere (services/worker/layers/backends.py);
     ``WEFT_ATTENTION_BACKEND=torch|cpu|triton`` forces one."""
-    forced = os.environ.get("WEFT_ATTENTION_BACKEND", "").strip().lower()
+    forced = (env.get("WEFT_ATTENTION_BACKEND") or "").strip().lower()
     if forced and forced not in ("torch", "cpu", "triton"):
         raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch', 'cpu' or 'triton', got {forced!r}.")
     return forced or ("triton" if device == "cuda" else "cpu")

@@ -48,9 +48,10 @@ class Stack:
         self.processes: list[subprocess.Popen] = []
         dp = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc_port)]
+        data_ports = ["--data-parallel-input-port", str(free_port()), "--data-parallel-output-port", str(free_port())]
         self.api = self._start("api", ["services.cli", "serve", "--model", str(MODEL.weights),
                                        "--host", "127.0.0.1", "--port", str(self.port),
-                                       "--data-parallel-size-local", "0", *dp, *ENGINE_ARGS])
+                                       "--data-parallel-size-local", "0", *dp, *data_ports, *ENGINE_ARGS])
         # engine-core takes no engine args: the config arrives in the handshake.
         self.engine_cores = [
             self._start(f"engine-core-{rank}", ["services.engine_core.cli", "--headless",

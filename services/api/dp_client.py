@@ -67,9 +67,10 @@ class DPLBEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
                  local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
                  silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
-                 restart_local: bool = False) -> None:
+                 restart_local: bool = False, data_ports: tuple[int, int] = (0, 0)) -> None:
         """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
-        with ``restart_local`` one that dies is started again (with back-off)."""
+        with ``restart_local`` one that dies is started again (with back-off). ``data_ports``: the
+        input and output sockets' TCP ports when the handshake is TCP (0: any free port)."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
@@ -80,6 +81,7 @@ class DPLBEngineClient(EngineClient):
         self.num_ranks = num_ranks
         self.silence_timeout_s = silence_timeout_s
         self.curve = curve
+        self.data_ports = {"input": data_ports[0], "output": data_ports[1]}
         self.local = LocalEngines(dict(enumerate(local_processes, start=local_start_rank)),
                                   restart=restart_local)
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
@@ -122,7 +124,7 @@ class DPLBEngineClient(EngineClient):
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.
         if is_tcp(self.handshake_address):
-            return tcp_address(tcp_host(self.handshake_address), 0, bind=True)
+            return tcp_address(tcp_host(self.handshake_address), self.data_ports[name], bind=True)
         return ipc_address(name)
 
     async def shutdown(self) -> None:

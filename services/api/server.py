@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
-from services.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S, ServingLimits
+from services import config_file, env
+from services.api.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_N,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServingLimits,
+)
 from services.cli_args import add_engine_args, engine_args_from
 from services.ports import free_port
 
@@ -39,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Address remote engine cores connect to.")
     parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                         help="Handshake port for remote engine cores (0: any free port).")
+    parser.add_argument("--data-parallel-input-port", type=int, default=None,
+                        help="Port of the request socket remote engine cores connect to "
+                             "(default: the rpc port + 1; 0: any free port).")
+    parser.add_argument("--data-parallel-output-port", type=int, default=None,
+                        help="Port of the output socket remote engine cores connect to "
+                             "(default: the rpc port + 2; 0: any free port).")
     add_engine_args(parser)
     return parser
 
@@ -76,15 +87,16 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
 def api_keys(args: argparse.Namespace) -> list[str]:
     if args.api_key:
         return args.api_key
-    return [key for key in os.environ.get("WEFT_API_KEY", "").split(",") if key]
+    return [key for key in (env.get("WEFT_API_KEY") or "").split(",") if key]
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = config_file.parse_args(build_parser(), argv)  # --config FILE.yaml and WEFT_* overrides too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
+        ports = data_ports(args)
         limits = serving_limits(args)
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
         if args.zmq_curve_keys is not None and local:
@@ -94,7 +106,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve)
+    return _run(args, config, local, handshake, limits, curve, ports)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -116,8 +128,24 @@ def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int
     return local, tcp_address(args.data_parallel_address, port, bind=True)
 
 
+def data_ports(args: argparse.Namespace) -> tuple[int, int]:
+    """The TCP ports of the request and output sockets, for remote ranks: fixed, so that a
+    firewall can let them through (the rpc port + 1 and + 2 unless given; 0: any free port)."""
+    rpc = args.data_parallel_rpc_port
+    ports = tuple(given if given is not None else (rpc + offset if rpc else 0)
+                  for given, offset in ((args.data_parallel_input_port, 1), (args.data_parallel_output_port, 2)))
+    for name, port in zip(("input", "output"), ports, strict=True):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--data-parallel-{name}-port must be in [0, 65535], got {port}.")
+    fixed = [port for port in (rpc, *ports) if port]
+    if len(set(fixed)) != len(fixed):
+        raise ValueError(f"--data-parallel-rpc-port, -input-port and -output-port must differ, got {rpc}, "
+                         f"{ports[0]} and {ports[1]}.")
+    return ports
+
+
 def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
-         curve: CurveKeys | None) -> int:
+         curve: CurveKeys | None, ports: tuple[int, int] = (0, 0)) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.graceful import serve
@@ -130,7 +158,7 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
     try:
         client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
-                                  restart_local=args.restart_engines)
+                                  restart_local=args.restart_engines, data_ports=ports)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
                         served_model_name=config.model.served_model_name, limits=limits)
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)

@@ -6,11 +6,11 @@ starts on a file it would misreport.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
+from services import env
 from services.model_files import REPO_ROOT
 
 
@@ -53,7 +53,7 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def workloads_dir() -> Path:
     """Where bare workload names resolve: ``$WEFT_WORKLOADS_DIR``, else the
     repository's own ``benchmarks/workloads``."""
-    return Path(os.environ.get("WEFT_WORKLOADS_DIR", REPO_ROOT / "benchmarks" / "workloads"))
+    return Path(env.get("WEFT_WORKLOADS_DIR") or REPO_ROOT / "benchmarks" / "workloads")
 
 
 def resolve_dataset(dataset: str) -> Path:

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from protocol.zmq_sockets import tcp_address
+from services import config_file
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
 from services.processes import STOP_GRACE_S, stop_processes
 
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help="Disaggregated prefill/decode role of these engine cores, as JSON "
                              "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).")
-    args = parser.parse_args(argv)
+    args = config_file.parse_args(parser, argv)  # --config FILE.yaml and WEFT_* overrides too
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     if args.kv_transfer_config is not None:
