@@ -8,7 +8,7 @@ GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 HF_DIR := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.hf
 STAMP := $(VENV)/.weft-installed
 
-.PHONY: install model serve generate test bench clean
+.PHONY: install model serve generate test test-fast test-slow lint bench clean
 
 install: $(STAMP)
 
@@ -39,8 +39,22 @@ $(HF_DIR)/config.json: $(GGUF)
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
+# Every test (about 10 minutes on 2 cores).
 test: install model
 	$(PY) -m pytest -q
+
+# The edit-test loop: tests that start no model process (under 2 minutes).
+# `slow` is assigned in tests/conftest.py (SLOW_MODULES) or by @pytest.mark.slow.
+test-fast: install model
+	$(PY) -m pytest -q -m "not slow"
+
+# The rest: engines, servers and stacks (CI runs test-fast, then this).
+test-slow: install model
+	$(PY) -m pytest -q -m slow
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: install model
 	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -236,10 +235,8 @@ def test_sigkill_of_a_non_driver_worker_ends_the_engine_core_cleanly(served):
     try:
         wait_for(lambda: len(events) >= 2, 60, "the stream to start", interval_s=0.05)
         workers["weft-tp1"].kill()  # SIGKILL
-        killed_at = time.monotonic()
-        _, alive = psutil.wait_procs(everything, timeout=5.0)
-        assert not alive, f"still running 5 s after the SIGKILL: {alive}"
-        assert time.monotonic() - killed_at < 5.0
+        _, alive = psutil.wait_procs(everything, timeout=30.0)  # a deadline: they must exit, not hang
+        assert not alive, f"still running 30 s after the SIGKILL: {alive}"
         stream.join(timeout=10)
         assert not stream.is_alive() and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]

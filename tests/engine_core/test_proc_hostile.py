@@ -119,17 +119,44 @@ def config(tmp_path_factory):
     return tiny_engine_config(build_tiny_llama(tmp_path_factory.mktemp("tiny")), 64)
 
 
+class EngineSlot:
+    """One engine process (and its fake API) that tests share, started again
+    for the next test when one stopped it: tests need no particular order."""
+
+    def __init__(self, config, *extra: str, curve: CurveKeys | None = None) -> None:
+        self.config, self.extra, self.curve = config, extra, curve
+        self.api: Api | None = None
+        self.proc: subprocess.Popen | None = None
+        self.expected: dict[str, int] = {}
+
+    def get(self) -> tuple[Api, subprocess.Popen, dict[str, int]]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.api = Api(self.curve)
+            self.proc = start_engine(self.api, self.config, *self.extra)
+            self.expected = {"dropped": 0}  # frames this engine should have dropped
+        return self.api, self.proc, self.expected
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.api is not None:
+            self.api.close()
+        self.api = self.proc = None
+
+
 @pytest.fixture(scope="module")
-def plain(config):
+def plain_slot(config):
+    slot = EngineSlot(config, "--shutdown-timeout", "30")
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def plain(plain_slot):
     """(api, engine process, {"dropped": frames the engine should have dropped})."""
-    api = Api()
-    proc = start_engine(api, config, "--shutdown-timeout", "30")
-    try:
-        yield api, proc, {"dropped": 0}
-    finally:
-        proc.kill()
-        proc.wait()
-        api.close()
+    return plain_slot.get()
 
 
 # ---- fuzzing the input socket
@@ -172,17 +199,18 @@ def _is_dropped(message: list[bytes]) -> bool:
     return False
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(message=hostile_messages())
-def test_fuzzed_frames_are_dropped(plain, message):
+def test_fuzzed_frames_are_dropped_and_it_still_serves(plain):
     api, proc, expected = plain
-    api.input.send_multipart([api.identity, *message])
-    expected["dropped"] += _is_dropped(message)
 
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(message=hostile_messages())
+    def send_hostile(message):
+        api.input.send_multipart([api.identity, *message])
+        expected["dropped"] += _is_dropped(message)
 
-def test_after_the_fuzz_it_serves_and_counts_what_it_dropped(plain):
-    api, proc, expected = plain
-    assert expected["dropped"] > 300  # the fuzz really was hostile
+    before = expected["dropped"]
+    send_hostile()
+    assert expected["dropped"] - before > 300  # the fuzz really was hostile
     api.send(EngineCoreRequestType.ADD, make_request("after-fuzz", max_tokens=5))
     tokens, last = api.run_until_finished({"after-fuzz"})["after-fuzz"]
     assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH
@@ -191,7 +219,7 @@ def test_after_the_fuzz_it_serves_and_counts_what_it_dropped(plain):
 
 
 def test_sigterm_drains_every_request_then_says_goodbye(plain):
-    """Last on this engine: it stops."""
+    """It stops the shared engine; the next test gets a new one."""
     api, proc, _ = plain
     api.send(EngineCoreRequestType.ADD, make_request("held", max_tokens=60))
     while not any(o.request_id == "held" for o in api.outputs().outputs):
@@ -221,15 +249,17 @@ def keys(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def curved(config, keys):
-    api = Api(load_keys(keys, SERVER))
-    proc = start_engine(api, config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5")
-    try:
-        yield api, proc
-    finally:
-        proc.kill()
-        proc.wait()
-        api.close()
+def curved_slot(config, keys):
+    slot = EngineSlot(config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5",
+                      curve=load_keys(keys, SERVER))
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def curved(curved_slot):
+    api, proc, _ = curved_slot.get()
+    return api, proc
 
 
 def test_with_the_keys_requests_flow(curved):
@@ -284,7 +314,7 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
 
 
 def test_drain_timeout_stops_with_requests_unfinished(curved):
-    """Last on this engine: it stops. The API never answers the drain notice here."""
+    """It stops the shared engine (the next test gets a new one). The API never answers the drain notice here."""
     api, proc = curved
     api.send(EngineCoreRequestType.ADD, make_request("too-long", max_tokens=400))
     while not any(o.request_id == "too-long" for o in api.outputs().outputs):

@@ -47,13 +47,17 @@ class PDStack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.engine_args = engine_args
         if connector == "ZmqConnector":
-            self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port)])
+            self.start_kv_transfer()
         self.prefill_url = self._serve("prefill", "kv_producer")
         self.decode_url = self._serve("decode", "kv_consumer")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._start("proxy", ["pd-proxy", "--prefill", self.prefill_url, "--decode", self.decode_url,
                               "--host", "127.0.0.1", "--port", str(port)])
+
+    def start_kv_transfer(self) -> None:
+        """The kv_transfer service, on the port the servers' connectors know (again, after ``stop``)."""
+        self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port)])
 
     def _serve(self, name: str, role: str) -> str:
         port = free_port()
