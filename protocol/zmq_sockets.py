@@ -17,7 +17,8 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio

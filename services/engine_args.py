@@ -58,7 +58,7 @@ class EngineArgs:
     kv_transfer_config: dict | str | None = None  # a dict, or its JSON on the command line
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

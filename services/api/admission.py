@@ -44,7 +44,7 @@ class Ticket:
 
     __slots__ = ("n", "runner", "_admission")
 
-    def __init__(self, admission: "Admission", n: int) -> None:
+    def __init__(self, admission: Admission, n: int) -> None:
         self.n = n
         self.runner: _Failable | None = None  # set once the runner exists, so a drain can stop it
         self._admission: Admission | None = admission
@@ -107,7 +107,7 @@ class Admission:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return 0
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         stopped = [t for t in self._tickets if t.runner is not None]
         logger.warning("Shutdown timeout: stopping %d request(s) still running.", len(stopped))

@@ -29,26 +29,48 @@ import asyncio
 import logging
 import subprocess
 import time
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from protocol import (
-    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
 )
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
 from protocol.handshake import (
-    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
+    EngineDraining,
+    EngineGoodbye,
+    EngineHandshakeReply,
+    EngineHello,
+    EngineReady,
+    EngineStatus,
 )
 from protocol.zmq_sockets import (
-    arecv, asend, bound_address, identity_rank, ipc_address, is_tcp, make_socket, rank_identity,
-    tcp_address, tcp_host,
+    arecv,
+    asend,
+    bound_address,
+    identity_rank,
+    ipc_address,
+    is_tcp,
+    make_socket,
+    rank_identity,
+    tcp_address,
+    tcp_host,
 )
 from services.api.engine_client import (
-    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_spec_decode_stats,
+    EngineClient,
+    EngineDeadError,
+    EngineNotReadyError,
+    RankStats,
+    add_spec_decode_stats,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
 

@@ -8,8 +8,8 @@ fake. Torch-free, like the whole API process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from protocol import EngineCoreOutput, EngineCoreRequest
 from protocol.structured_outputs import StructuredOutputStats

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -144,7 +144,7 @@ class APIMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def request(self, num_prompt_tokens: int, arrival_time: float) -> "RequestMetrics":
+    def request(self, num_prompt_tokens: int, arrival_time: float) -> RequestMetrics:
         return RequestMetrics(self, num_prompt_tokens, arrival_time)
 
 

@@ -40,7 +40,7 @@ class RequestState:
     kv_transfer_params: KVTransferParams | None = None  # from the finished output (P/D)
 
     @classmethod
-    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> "RequestState":
+    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> RequestState:
         state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer)
         if params.logprobs is not None:
             state.logprobs = []

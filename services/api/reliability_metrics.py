@@ -5,7 +5,7 @@ Read at scrape time from the engine client and the admission control, like
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector

@@ -15,8 +15,9 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -82,7 +83,7 @@ class ServingContext:
             raise bad_request(f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
                               f"at once ({self.admission.per_rank}).", "n" if num_prompts == 1 else "prompt")
 
-    def admit(self, request: Request, choices: list["Choice"]) -> "ChoiceRunner":
+    def admit(self, request: Request, choices: list[Choice]) -> ChoiceRunner:
         """The runner of ``choices`` if the engines have room for them (else a
         503 with Retry-After); their slots come back when the HTTP exchange ends."""
         ticket = self.admission.admit(len(choices))
@@ -286,7 +287,7 @@ class ChoiceRunner:
             return await self._queue.get()
         try:
             return await asyncio.wait_for(self._queue.get(), self.deadline - time.monotonic())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return APIError("The request timed out and was aborted.", 504)
 
     async def _pump(self, choice: Choice) -> None:

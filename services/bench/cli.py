@@ -12,9 +12,10 @@ import dataclasses
 import gc
 import json
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from services.bench import executor_overhead, gpu, make_workload, pd, serve_cli, throughput
 from services.bench.dataset_args import add_dataset_arguments, load_dataset

@@ -190,7 +190,7 @@ async def _chaos(stack: Stack, http: httpx.AsyncClient, config: SoakConfig, star
             events.append(event)
             watchers.append(asyncio.create_task(_mark_back(stack, http, event, start)))
         await asyncio.wait_for(asyncio.gather(*watchers), config.quiesce_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass  # a rank that never came back: back_at stays None, and the report says so
     finally:
         for task in watchers:

@@ -35,8 +35,13 @@ import msgspec
 import zmq
 
 from protocol import (
-    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-    FinishReason, SchedulerStats,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    SchedulerStats,
 )
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, load_keys

@@ -25,9 +25,16 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.kv_transfer import (
-    KVBlock, KVGet, KVGetReply, KVPut, KVPutReply, KVServiceRequest, KVServiceStats, KVStatsRequest,
+    KVBlock,
+    KVGet,
+    KVGetReply,
+    KVPut,
+    KVPutReply,
+    KVServiceRequest,
+    KVServiceStats,
+    KVStatsRequest,
 )
 from protocol.zmq_sockets import bound_address, make_socket, send, split, tcp_address
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 

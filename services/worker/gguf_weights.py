@@ -11,8 +11,8 @@ architecture is "llama" (which includes Mistral) were permuted; Qwen2 was not.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch

@@ -12,8 +12,8 @@ time (quantized blocks do not split along arbitrary columns) and sliced.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
-from services.worker.distributed import get_tp_group
 from services.worker.cuda_graphs import maybe_capture_decode_graphs
+from services.worker.distributed import get_tp_group
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import kv_cache_shape

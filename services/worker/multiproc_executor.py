@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -40,12 +40,17 @@ import zmq
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from protocol.codec import Decoder, Encoder
 from protocol.executor import (
-    DetermineNumBlocks, ExecuteModel, InitializeCache, StopWorker, WorkerCall, WorkerReply,
+    DetermineNumBlocks,
+    ExecuteModel,
+    InitializeCache,
+    StopWorker,
+    WorkerCall,
+    WorkerReply,
 )
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, recv
-from services.worker.executor import DEFAULT_WORKER_CLASS, Executor
 from services.ports import free_port
 from services.worker import worker_proc
+from services.worker.executor import DEFAULT_WORKER_CLASS, Executor
 from services.worker.worker_proc import DRIVER_RANK
 
 logger = logging.getLogger(__name__)

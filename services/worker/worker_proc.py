@@ -28,8 +28,15 @@ import msgspec
 import zmq
 
 from protocol import EngineConfig
-from protocol.codec import Decoder, DecodeError, Encoder
-from protocol.executor import DetermineNumBlocks, ExecuteModel, InitializeCache, StopWorker, WorkerCall, WorkerReply
+from protocol.codec import DecodeError, Decoder, Encoder
+from protocol.executor import (
+    DetermineNumBlocks,
+    ExecuteModel,
+    InitializeCache,
+    StopWorker,
+    WorkerCall,
+    WorkerReply,
+)
 from protocol.zmq_sockets import make_socket, recv, send
 from services.worker.executor import import_worker_class
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai

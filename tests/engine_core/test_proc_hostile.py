@@ -24,9 +24,22 @@ from protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, load_keys
 from protocol.handshake import (
-    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
+    EngineDraining,
+    EngineGoodbye,
+    EngineHandshakeReply,
+    EngineHello,
+    EngineReady,
+    EngineStatus,
 )
-from protocol.zmq_sockets import bound_address, ipc_address, make_socket, rank_identity, recv, send, tcp_address
+from protocol.zmq_sockets import (
+    bound_address,
+    ipc_address,
+    make_socket,
+    rank_identity,
+    recv,
+    send,
+    tcp_address,
+)
 from services.engine_core.proc import _decode_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 

@@ -10,7 +10,10 @@ from services.engine_args import EngineArgs
 from services.engine_core.cli import engine_args
 from services.engine_core.cli import parse_args as engine_core_args
 from services.kv_transfer.config import (
-    SharedStorageOptions, connector_options, resolve_kv_transfer_config, with_kv_transfer_config,
+    SharedStorageOptions,
+    connector_options,
+    resolve_kv_transfer_config,
+    with_kv_transfer_config,
 )
 
 ZMQ = {"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": 15000}
