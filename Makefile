@@ -44,7 +44,7 @@ test: install model
 	$(PY) -m pytest -q
 
 # The edit-test loop: tests that start no model process (under 2 minutes).
-# `slow` is assigned in tests/conftest.py (SLOW_MODULES) or by @pytest.mark.slow.
+# `slow` is assigned in tests/conftest.py (SLOW) or by @pytest.mark.slow.
 test-fast: install model
 	$(PY) -m pytest -q -m "not slow"
 

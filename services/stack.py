@@ -1,4 +1,5 @@
-"""A ``weft serve`` stack the soak test starts, watches, damages and stops.
+"""A ``weft serve`` stack in a subprocess, started, watched, damaged and stopped
+from outside: the harness of ``weft bench soak`` and of the reliability tests.
 
 Everything is read from outside, as an operator would: ``/health`` for rank
 states, load and free KV blocks, ``/proc`` for the processes (the engine

@@ -1,7 +1,7 @@
 """Helpers several test modules share (waiting on processes: ``tests/polling.py``).
 
-Each lives here once: the repository's root, a free port, and the Docker
-Compose binary that validates ``docker-compose.yml``.
+Each lives here once: the repository's root, a free port, a ZMQ context for
+tests, and the Docker Compose binary that validates ``docker-compose.yml``.
 """
 from __future__ import annotations
 
@@ -10,11 +10,31 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import zmq
+
 from services.ports import free_port
 
-__all__ = ["REPO_ROOT", "compose_command", "free_port"]
+__all__ = ["REPO_ROOT", "KeepingContext", "compose_command", "free_port"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class KeepingContext(zmq.Context):
+    """A ZMQ context that keeps every socket it made until ``destroy()`` closes them.
+
+    A test that lets a socket go out of scope unclosed would otherwise leave
+    it to the garbage collector, whose ResourceWarning (an error here) then
+    fails whichever test happens to be running.
+    """
+
+    kept: list | None = None
+
+    def socket(self, *args, **kwargs):
+        sock = super().socket(*args, **kwargs)
+        if self.kept is None:
+            self.kept = []
+        self.kept.append(sock)
+        return sock
 
 
 def compose_command() -> list[str]:

@@ -26,11 +26,12 @@ from protocol.zmq_sockets import (
     tcp_address,
     tcp_host,
 )
+from tests.utils import KeepingContext
 
 
 @pytest.fixture
 def ctx():
-    context = zmq.Context()
+    context = KeepingContext()  # its sockets are closed at teardown, never left to the collector
     yield context
     context.destroy(linger=0)
 
