@@ -96,6 +96,12 @@ class Api:
                     last[out.request_id] = out
         return {rid: (tokens[rid], last[rid]) for rid in request_ids}
 
+    def wait_for_output_of(self, request_id: str, timeout_s: float = DEADLINE_S) -> None:
+        """Until the engine sent an output of ``request_id`` (heartbeats alone do not end the wait)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(o.request_id == request_id for o in self.outputs().outputs):
+            assert time.monotonic() < deadline, f"no output of {request_id} in {timeout_s}s"
+
     def stats_until(self, predicate, timeout_s: float = 10.0):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -235,8 +241,7 @@ def test_sigterm_drains_every_request_then_says_goodbye(plain):
     """It stops the shared engine; the next test gets a new one."""
     api, proc, _ = plain
     api.send(EngineCoreRequestType.ADD, make_request("held", max_tokens=60))
-    while not any(o.request_id == "held" for o in api.outputs().outputs):
-        pass
+    api.wait_for_output_of("held")
     proc.send_signal(signal.SIGTERM)
     draining = api.status()
     assert draining == EngineDraining(rank=RANK, timeout_s=30.0)
@@ -330,8 +335,7 @@ def test_drain_timeout_stops_with_requests_unfinished(curved):
     """It stops the shared engine (the next test gets a new one). The API never answers the drain notice here."""
     api, proc = curved
     api.send(EngineCoreRequestType.ADD, make_request("too-long", max_tokens=400))
-    while not any(o.request_id == "too-long" for o in api.outputs().outputs):
-        pass
+    api.wait_for_output_of("too-long")
     proc.send_signal(signal.SIGTERM)
     assert isinstance(api.status(), EngineDraining)
     goodbye = api.status()
