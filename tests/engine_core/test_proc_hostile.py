@@ -287,6 +287,16 @@ def test_with_the_keys_requests_flow(curved):
     assert len(tokens) == 4 and last.finish_reason == FinishReason.LENGTH
 
 
+def attacker_send(sock: zmq.Socket, encoder: Encoder, message, *headers: bytes) -> None:
+    """Send, or give up after a second: once the API refused the handshake the socket
+    has no link, and a DEALER or PUSH without one blocks for ever (nothing got through)."""
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    try:
+        send(sock, encoder, message, *headers)
+    except zmq.Again:
+        pass
+
+
 def test_without_the_keys_nothing_gets_through(curved, keys, config):
     api, proc = curved
     ctx = zmq.Context()
@@ -302,9 +312,10 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
                     (zmq.PUSH, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[]))):
                 sock = make_socket(ctx, sock_type, bound_address(target), bind=False,
                                    identity=rank_identity(RANK) if sock_type == zmq.DEALER else None, curve=curve)
-                send(sock, encoder, message)
+                attacker_send(sock, encoder, message)
             injected = make_socket(ctx, zmq.DEALER, bound_address(api.input), bind=False, curve=curve)
-            send(injected, encoder, make_request("injected", max_tokens=2), EngineCoreRequestType.ADD.value)
+            attacker_send(injected, encoder, make_request("injected", max_tokens=2),
+                          EngineCoreRequestType.ADD.value)
         assert not api.handshake.poll(QUIET_MS) and not api.input.poll(QUIET_MS)
         assert api.auth.denied.wait(5)
         # Only the real engine's outputs arrive, and the engine never saw the injected request.
