@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,9 @@ MAX_CONFIG_BYTES = 1 << 20  # a config file is small; refuse to read a huge one 
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, with ``--config FILE`` and the env overrides applied first."""
-    argv = list(argv or [])
+    """``parser.parse_args(argv)``, with ``--config FILE`` and the env overrides applied first;
+    ``argv`` None is the process's command line, as for argparse."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     _add_config_argument(parser)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)

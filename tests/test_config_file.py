@@ -47,6 +47,13 @@ def test_weft_config_names_the_file_when_the_command_line_does_not(
     assert config_file.parse_args(serve_parser(), []).max_num_seqs == 7
 
 
+def test_no_argv_means_the_process_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["engine-core", "--headless", "--data-parallel-size", "1",
+                                     "--data-parallel-address", "h", "--data-parallel-rpc-port", "1"])
+    args = engine_core_args(None)
+    assert args.headless and args.data_parallel_size == 1 and args.data_parallel_address == "h"
+
+
 def test_engine_core_takes_a_config_file_too(tmp_path: Path) -> None:
     path = write(tmp_path, "headless: true\ndata-parallel-size: 2\ndata-parallel-address: api\n"
                            "data-parallel-rpc-port: 29550\n")
