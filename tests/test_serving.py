@@ -61,11 +61,12 @@ class Stack:
         ]
 
     def _start(self, name: str, module_argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
         env = os.environ | {"OMP_NUM_THREADS": "1"}
-        # Own session: teardown kills the whole group, children included.
-        proc = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        # Own session: teardown kills the whole group, children included. The
+        # child keeps the log open; this process closes its copy at once.
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=env)
         self.processes.append(proc)
         return proc
 

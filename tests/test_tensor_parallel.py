@@ -166,9 +166,10 @@ class ServeTP3:
         argv = ["serve", "--model", str(DEFAULT.weights), "--host", "127.0.0.1", "--port", str(self.port),
                 "--tensor-parallel-size", "3", "--num-threads", "3", "--dtype", "float32",
                 "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--max-num-batched-tokens", "256"]
-        self.api = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=open(log_path, "wb"),
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+        with open(log_path, "wb") as log:  # the child keeps it open; this process closes its copy
+            self.api = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=os.environ | {"OMP_NUM_THREADS": "1"})
 
     def wait_healthy(self) -> None:
         def alive() -> None:

@@ -47,9 +47,9 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def weft(self, name: str, *argv: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
 
     def wait_healthy(self, url: str) -> None:
         deadline = time.monotonic() + STARTUP_S

@@ -67,11 +67,11 @@ class PDStack:
         return f"http://127.0.0.1:{port}"
 
     def _start(self, name: str, weft_argv: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
         env = os.environ | {"OMP_NUM_THREADS": "1"}
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env)
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
