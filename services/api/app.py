@@ -26,6 +26,7 @@ from starlette.routing import Route
 from protocol import EngineConfig
 from services.api.admission import Admission, TicketReleaseMiddleware
 from services.api.auth import APIKeyMiddleware
+from services.api.chat_args import ChatSettings
 from services.api.engine_client import EngineClient
 from services.api.errors import (
     APIError,
@@ -80,10 +81,10 @@ def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
 
 
 class _Routes:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, chat: ChatSettings | None = None) -> None:
         self.ctx = ctx
         self.completions = CompletionServing(ctx)
-        self.chat = ChatServing(ctx)
+        self.chat = ChatServing(ctx, chat)
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
@@ -129,7 +130,8 @@ class _Routes:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt)
+            tokens = chat_prompt_ids(self.ctx, body.messages, body.add_generation_prompt,
+                                     **self.chat.template_args(body))
         else:
             tokens = self.ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
         return JSONResponse({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
@@ -162,15 +164,18 @@ class _Routes:
 
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
               api_key: str | Sequence[str] | None = None, served_model_name: str | None = None,
-              limits: ServingLimits | None = None) -> Starlette:
+              limits: ServingLimits | None = None, chat: ChatSettings | None = None) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
-    ``api_key``: one key or several (any of them is accepted)."""
+    ``api_key``: one key or several (any of them is accepted). ``chat``: the
+    chat template and tool-calling options."""
+    if chat is not None and chat.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat.chat_template)
     name = served_model_name or config.model.served_model_name
     limits = limits or ServingLimits()
     metrics = APIMetrics(engine_client.rank_stats, name)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission))
+    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission), chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

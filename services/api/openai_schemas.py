@@ -108,10 +108,51 @@ class TextPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call the assistant made: in a request's history and in a response."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -121,6 +162,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" when tools are given (vLLM)
+    parallel_tool_calls: bool = True
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the final message's content leads the reply when it is the reply's role
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -129,6 +177,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # The chat options that change the rendered prompt, as on chat completions.
+    tools: list[ChatTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -195,6 +248,7 @@ class ChatChoiceLogprobs(msgspec.Struct):
 class ChatResponseMessage(msgspec.Struct):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -215,9 +269,24 @@ class ChatCompletionResponse(msgspec.Struct):
     kv_transfer_params: KVTransferParams | None = None  # what a decode engine needs (P/D)
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: the first names it (id, type, name), the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -16,6 +16,7 @@ import sys
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services import config_file, env
+from services.api.chat_args import ChatSettings, add_chat_args, chat_settings_from
 from services.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_N,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Require 'Authorization: Bearer KEY' on /v1 routes; repeat to accept several keys "
                              "(default: $WEFT_API_KEY, comma-separated).")
     _add_hardening_args(parser)
+    add_chat_args(parser)
     parser.add_argument("--data-parallel-size-local", type=int, default=None,
                         help="Engine cores to start on this node (default: all ranks).")
     parser.add_argument("--data-parallel-start-rank", type=int, default=0,
@@ -98,6 +100,7 @@ def main(argv: list[str]) -> int:
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         ports = data_ports(args)
         limits = serving_limits(args)
+        chat = chat_settings_from(args)
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
         if args.zmq_curve_keys is not None and local:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
@@ -106,7 +109,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve, ports)
+    return _run(args, config, local, handshake, limits, curve, chat, ports)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -145,7 +148,7 @@ def data_ports(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
-         curve: CurveKeys | None, ports: tuple[int, int] = (0, 0)) -> int:
+         curve: CurveKeys | None, chat: ChatSettings, ports: tuple[int, int] = (0, 0)) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.graceful import serve
@@ -160,7 +163,7 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
                                   restart_local=args.restart_engines, data_ports=ports)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=api_keys(args),
-                        served_model_name=config.model.served_model_name, limits=limits)
+                        served_model_name=config.model.served_model_name, limits=limits, chat=chat)
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout)
     finally:
         # The app's shutdown already stopped them (restarted ones included);

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import jinja2
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from protocol import SamplingParams
 from services.api import serving
+from services.api.chat_args import ChatSettings
+from services.api.chat_template import RESERVED_KWARGS, ChatTemplateError, ContinueFinalMessageError
 from services.api.errors import bad_request
 from services.api.openai_schemas import (
     ChatChoice,
@@ -20,39 +26,75 @@ from services.api.openai_schemas import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
     encode,
 )
 from services.api.output_processor import Logprob
 from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected
+from services.api.structured_outputs import check_constraint
+from services.api.tool_calling import (
+    ToolChoice,
+    ToolOutput,
+    constraint_for,
+    history_tool_calls,
+    resolve_tool_choice,
+    tool_dicts,
+)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """OpenAI messages as the chat template sees them (text parts joined)."""
     if not messages:
         raise bad_request("messages must hold at least one message.", "messages")
-    result = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise bad_request("Only text content parts are supported.", f"messages[{i}].content")
-            content = "".join(part.text for part in content)  # type: ignore[misc]
-        message = {"role": m.role, "content": content}
-        if m.name is not None:
-            message["name"] = m.name
-        result.append(message)
-    return result
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
+
+
+def _message_dict(i: int, m: ChatMessage) -> dict:
+    content = message_text(i, m)
+    if content is None and m.role == "assistant":
+        content = ""  # an assistant turn of only tool calls (vLLM renders it so)
+    message = {"role": m.role, "content": content}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise bad_request("Only assistant messages carry tool_calls.", f"messages[{i}].tool_calls")
+        message["tool_calls"] = history_tool_calls(m.tool_calls)
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise bad_request("A tool message needs tool_call_id: the id of the call it answers.",
+                              f"messages[{i}].tool_call_id")
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def message_text(i: int, m: ChatMessage) -> str | None:
+    content = m.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise bad_request("Only text content parts are supported.", f"messages[{i}].content")
+        content = "".join(part.text for part in content)  # type: ignore[misc]
+    return content
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
-                    add_generation_prompt: bool) -> list[int]:
+                    add_generation_prompt: bool, **template_args) -> list[int]:
+    """The prompt's token ids; ``template_args`` go to ``Tokenizer.apply_chat_template``."""
     dicts = message_dicts(messages)
     try:
-        text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                 **template_args)
+    except ChatTemplateError as e:  # the template's raise_exception: its words are for the client
+        raise bad_request(str(e), "messages") from e
+    except ContinueFinalMessageError as e:
+        raise bad_request(str(e), "continue_final_message") from e
+    except jinja2.TemplateSyntaxError as e:  # only a request's own template can get this far
+        raise bad_request(f"The chat template does not compile: {e.message} (line {e.lineno}).",
+                          "chat_template") from e
     # The template is code run on the client's messages: whatever it raises
-    # (raise_exception, a None where it wants a string...) is a bad request.
+    # (a None where it wants a string...) is a bad request.
     except Exception as e:
         raise bad_request(f"The chat template could not render these messages: {e}",
                           "messages") from e
@@ -61,14 +103,16 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
 
 
 class ChatServing:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
         self.ctx = ctx
+        self.settings = settings or ChatSettings()
 
     async def create(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
-        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+        tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
+        prompt = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, **self.template_args(body))
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_completion_tokens, len(prompt),
@@ -76,16 +120,64 @@ class ChatServing:
         else:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
+        params = _with_tool_constraint(params, tool_choice)
         request_id = serving.new_request_id("chatcmpl")
         choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival)
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        view = _ChatView(request_id, int(time.time()), ctx.served_model_name)
+        role = _reply_role(body)
+        tool_output = None if tool_choice.kind == "none" else \
+            (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
+        view = _ChatView(request_id, int(time.time()), ctx.served_model_name, role, _echo_text(body, role),
+                         tool_output)
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if body.include_usage else None
-            return SSEResponse(serving.sse_events(runner, view.chunk, head=view.role_chunks(choices),
+            return SSEResponse(serving.sse_events(runner, view.chunk, head=view.head_chunks(choices),
                                                   usage_chunk=usage))
         await unless_disconnected(request, serving.collect(runner))
         return Response(encode(view.response(choices)), media_type="application/json")
+
+    def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
+        """What the chat template gets besides the messages; 400 for options that do not fit."""
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request("Cannot set both continue_final_message and add_generation_prompt to true: "
+                              "set add_generation_prompt to false to continue the final message.",
+                              "continue_final_message")
+        if body.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise bad_request("This server does not run chat templates sent with requests "
+                              "(start it with --trust-request-chat-template to allow them).", "chat_template")
+        kwargs = body.chat_template_kwargs or {}
+        if reserved := sorted(RESERVED_KWARGS & kwargs.keys()):
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
+                              "fields set them.", "chat_template_kwargs")
+        return {**kwargs, "tools": tool_dicts(body.tools), "chat_template": body.chat_template,
+                "continue_final_message": body.continue_final_message}
+
+
+def _with_tool_constraint(params: SamplingParams, tool_choice: ToolChoice) -> SamplingParams:
+    """``required`` and named choices are forced to be calls by a JSON schema."""
+    constraint = constraint_for(tool_choice)
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise bad_request("tool_choice required or a named function already constrains the output; "
+                          "drop the structured-output field.", "tool_choice")
+    try:
+        check_constraint(constraint)
+    except ValueError as e:
+        raise bad_request(f"The tools' parameters do not make a usable JSON schema: {e}", "tools") from e
+    return msgspec.structs.replace(params, structured_outputs=constraint)
+
+
+def _reply_role(body: ChatCompletionRequest) -> str:
+    # vLLM: without a generation prompt the reply goes on in the final message's role.
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+
+def _echo_text(body: ChatCompletionRequest, role: str) -> str:
+    """With ``echo``, the final message's content leads the reply when it is the reply's role (vLLM)."""
+    if not body.echo or body.messages[-1].role != role:
+        return ""
+    return message_text(len(body.messages) - 1, body.messages[-1]) or ""
 
 
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -97,22 +189,43 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
 class _ChatView:
     """Turns choices into OpenAI's chat completion objects."""
 
-    def __init__(self, request_id: str, created: int, model: str) -> None:
+    def __init__(self, request_id: str, created: int, model: str, role: str = "assistant", echo: str = "",
+                 tool_output: Callable[[], ToolOutput] | None = None) -> None:
         self.request_id, self.created, self.model = request_id, created, model
+        self.role, self.echo = role, echo
+        self.make_tool_output = tool_output
+        self.tool_outputs: dict[int, ToolOutput] = {}
 
-    def role_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
-        # OpenAI's first chunk of each choice names the role, with empty content.
-        return tuple(self._chunk([ChatStreamChoice(c.index, DeltaMessage("assistant", ""))])
-                     for c in choices)
+    def _tools(self, choice: Choice) -> ToolOutput | None:
+        if self.make_tool_output is None:
+            return None
+        if choice.index not in self.tool_outputs:
+            self.tool_outputs[choice.index] = self.make_tool_output()
+        return self.tool_outputs[choice.index]
+
+    def head_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
+        # OpenAI's first chunk of each choice names the role, with empty content;
+        # an echo follows as the choice's first text.
+        head = [self._chunk([ChatStreamChoice(c.index, DeltaMessage(self.role, ""))]) for c in choices]
+        if self.echo:
+            head += [self._chunk([ChatStreamChoice(c.index, DeltaMessage(content=self.echo))])
+                     for c in choices]
+        return tuple(head)
 
     def chunk(self, choice: Choice) -> ChatCompletionChunk | None:
         text = choice.state.detokenizer.take_delta(choice.done)
+        tools = self._tools(choice)
+        tool_deltas = []
+        if tools is not None:
+            text, tool_deltas = tools.feed(text, choice.done)
         entries = choice.take_logprobs()
-        if not text and not entries and not choice.done:
+        if not text and not tool_deltas and not entries and not choice.done:
             return None
         logprobs = self._logprobs(choice, entries)
-        finish, stop = _finish(choice)
-        delta = DeltaMessage(content=text) if text or not choice.done else DeltaMessage()
+        finish, stop = _finish(choice, tools)
+        delta = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
+        if not text and not tool_deltas and not choice.done:
+            delta.content = ""  # a logprobs-only chunk still says it adds no text
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
             return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
@@ -125,8 +238,12 @@ class _ChatView:
     def response(self, choices: list[Choice]) -> ChatCompletionResponse:
         shown = []
         for c in choices:
-            message = ChatResponseMessage("assistant", c.state.text)
-            finish, stop = _finish(c)
+            tools = self._tools(c)
+            content, calls = (c.state.text, []) if tools is None else tools.complete(c.state.text)
+            if self.echo:
+                content = self.echo + (content or "")
+            message = ChatResponseMessage(self.role, content, calls)
+            finish, stop = _finish(c, tools)
             shown.append(ChatChoice(c.index, message, self._logprobs(c, c.take_logprobs()), finish, stop))
         return ChatCompletionResponse(self.request_id, self.created, self.model, shown,
                                       serving.usage_of(choices),
@@ -142,10 +259,13 @@ class _ChatView:
         return ChatChoiceLogprobs([_entry(e, top_n) for e in entries])
 
 
-def _finish(choice: Choice) -> tuple[str | None, int | str | None]:
+def _finish(choice: Choice, tools: ToolOutput | None = None) -> tuple[str | None, int | str | None]:
     if not choice.done:
         return None, None
-    return choice.state.finish_reason, choice.state.stop_reason
+    reason = choice.state.finish_reason
+    if reason == "stop" and tools is not None and tools.called:
+        reason = "tool_calls"  # the reply ended after calling tools: the client runs them next
+    return reason, choice.state.stop_reason
 
 
 def _entry(entry: dict[int, Logprob], top_n: int) -> ChatLogprobEntry:

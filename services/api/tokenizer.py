@@ -3,17 +3,17 @@
 transformers' AutoTokenizer imports torch, which the API process must not
 load, so this reads the same files (tokenizer.json, tokenizer_config.json,
 chat_template.jinja) directly and renders the chat template the way
-transformers does (sandboxed jinja2, trim_blocks, lstrip_blocks).
+transformers does (``services.api.chat_template``).
 """
 from __future__ import annotations
 
+import copy
 import json
-from functools import cached_property
 from pathlib import Path
 
-import jinja2
-import jinja2.sandbox
 import tokenizers
+
+from services.api.chat_template import render
 
 
 class Tokenizer:
@@ -34,6 +34,12 @@ class Tokenizer:
         value = self._config.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with ``chat_template`` in place of the model's (``--chat-template``)."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         return self._tok
@@ -52,21 +58,10 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra) -> str:
-        if self.chat_template is None:
+                            chat_template: str | None = None, **extra) -> str:
+        """The prompt text; ``chat_template`` replaces the model's (see ``chat_template.render``)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError("This model's tokenizer has no chat template; use completions instead.")
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
-
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template)
-
-
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"Chat template error: {message}")
+        return render(source, messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)

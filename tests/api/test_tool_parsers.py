@@ -1,0 +1,228 @@
+"""Tool-call parsers on crafted model text: whole, and streamed split at every position.
+
+The streamed deltas must add up to what the whole text parses to, in
+OpenAI's streaming shape (a call's first delta has its id, type and name;
+the ones after it only arguments), and malformed calls must come back as
+plain content.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.api.openai_schemas import ChatTool, FunctionDefinition
+from services.api.tool_calling import ToolChoice, ToolOutput
+from services.api.tool_parsers import TOOL_PARSERS, tool_parser_class
+
+TOOLS = tuple(ChatTool(function=FunctionDefinition(name=name)) for name in ("get_weather", "get_time"))
+WEATHER = {"city": "Paris", "unit": "celsius"}
+
+HERMES = [
+    ("Just words, no calls. 1 < 2 and <b>bold</b>.", "Just words, no calls. 1 < 2 and <b>bold</b>.", []),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+     '\n</tool_call>', "Let me check.\n", [("get_weather", WEATHER)]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None,
+     [("get_weather", WEATHER), ("get_time", {})]),
+    # Qwen sometimes writes the arguments as JSON text.
+    ('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>', None,
+     [("get_time", {"tz": "UTC"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>', []),
+    ('<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Par', []),
+    ('<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after',
+     '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after', []),
+    ('Before <tool_call>{"name": "get_time", "arguments": {}}</tool_call> and after <tool_',
+     "Before  and after <tool_", [("get_time", {})]),
+]
+
+LLAMA3 = [
+    ("The weather in Paris is mild.", "The weather in Paris is mild.", []),
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
+     [("get_weather", WEATHER)]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "get_time", "parameters": {}}', None, [("get_weather", WEATHER), ("get_time", {})]),
+    (' {"name": "get_time", "arguments": {"tz": "UTC"}}', None, [("get_time", {"tz": "UTC"})]),
+    ('{"answer": 4}', '{"answer": 4}', []),
+    ('{"name": "get_weather", "parameters": {"city": "Par',
+     '{"name": "get_weather", "parameters": {"city": "Par', []),
+    ('{"name": "get_time", "parameters": {}} and then some words',
+     "and then some words", [("get_time", {})]),
+    ("<|python_tag|>", "", []),
+]
+
+CASES = [("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3]
+
+
+def auto_output(parser: str, parallel: bool = True) -> ToolOutput:
+    return ToolOutput(ToolChoice("auto", TOOLS, parallel=parallel), tool_parser_class(parser))
+
+
+def whole(parser: str, text: str, parallel: bool = True):
+    content, calls = auto_output(parser, parallel).complete(text)
+    return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def streamed(output: ToolOutput, pieces: list[str]):
+    """Feed ``pieces`` as a stream; the content and calls the deltas add up to."""
+    content, calls = streamed_text(output, pieces)
+    return content, [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+def streamed_text(output: ToolOutput, pieces: list[str]):
+    """``streamed``, with each call's arguments as the text the deltas add up to."""
+    content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        text, deltas = output.feed(piece, done=i == len(pieces) - 1)
+        content += text
+        for d in deltas:
+            if d.index not in calls:  # the first delta names the call
+                assert d.id and d.type == "function" and d.function.name
+                assert d.index == len(calls)
+                calls[d.index] = [d.function.name, d.function.arguments or ""]
+            else:
+                assert d.id is None and d.type is None and d.function.name is None
+                calls[d.index][1] += d.function.arguments
+    return content, [tuple(call) for call in calls.values()]
+
+
+def assert_same_content(streamed_content: str, content: str | None) -> None:
+    # A reply of only calls has no content (None), though whitespace between calls streams.
+    if content is None:
+        assert streamed_content.strip() == ""
+    else:
+        assert streamed_content == content
+
+
+def test_registry_names_both_formats():
+    assert {"hermes", "llama3_json"} <= set(TOOL_PARSERS)
+    with pytest.raises(ValueError, match="hermes"):
+        tool_parser_class("no-such-parser")
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_whole_text(parser, text, content, calls):
+    assert whole(parser, text) == (content, calls)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_split_in_two_at_every_position(parser, text, content, calls):
+    for k in range(len(text) + 1):
+        got_content, got_calls = streamed(auto_output(parser), [text[:k], text[k:], ""])
+        assert got_calls == calls, k
+        assert_same_content(got_content, content)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_one_character_at_a_time(parser, text, content, calls):
+    got_content, got_calls = streamed(auto_output(parser), [*text, ""])
+    assert got_calls == calls
+    assert_same_content(got_content, content)
+
+
+def test_content_is_not_held_back_longer_than_needed():
+    output = auto_output("hermes")
+    assert output.feed("Sunny <tool", done=False) == ("Sunny ", [])  # "<tool" may open a call
+    assert output.feed("s are fun", done=False) == ("<tools are fun", [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = HERMES[2][0]
+    assert whole("hermes", text, parallel=False) == (None, [("get_weather", WEATHER)])
+    for k in range(len(text) + 1):
+        assert streamed(auto_output("hermes", parallel=False), [text[:k], text[k:], ""])[1] == \
+            [("get_weather", WEATHER)]
+
+
+REQUIRED = [
+    ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "parameters": {}}]', [("get_weather", WEATHER), ("get_time", {})]),
+    ('[ {"name": "get_time", "parameters": {"tz": "UTC", "note": "a } and a \\" inside"}} ]',
+     [("get_time", {"tz": "UTC", "note": 'a } and a " inside'})]),
+    # Keys in another order than the schema's: the call shows once it is complete.
+    ('[{"parameters": {"tz": "UTC"}, "name": "get_time"}]', [("get_time", {"tz": "UTC"})]),
+]
+CUT_SHORT = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
+
+
+def required_output(parallel: bool = True) -> ToolOutput:
+    return ToolOutput(ToolChoice("required", TOOLS, parallel=parallel), None)
+
+
+@pytest.mark.parametrize("text,calls", REQUIRED)
+def test_required_output(text, calls):
+    content, got = required_output().complete(text)
+    assert (content, [(c.function.name, json.loads(c.function.arguments)) for c in got]) == (None, calls)
+    for k in range(len(text) + 1):
+        assert streamed(required_output(), [text[:k], text[k:], ""]) == ("", calls), k
+    assert streamed(required_output(), [*text, ""]) == ("", calls)
+
+
+def test_required_streams_a_calls_arguments_as_they_are_written():
+    text = REQUIRED[0][0]
+    output = required_output()
+    named_at, fragments = None, 0
+    for i, c in enumerate(text):
+        for d in output.feed(c, done=False)[1]:
+            if d.function.name == "get_weather":
+                named_at = i
+            elif d.index == 0 and d.function.arguments:
+                fragments += 1
+    # The name shows as its parameters' object opens, before the arguments are written.
+    assert named_at == text.index("{", text.index('"parameters"'))
+    assert fragments == len(json.dumps(WEATHER))  # one fragment per character fed
+
+
+def test_required_cut_short():
+    content, calls = required_output().complete(CUT_SHORT)
+    assert content == '{"name": "get_weather", "parameters": {"ci'
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", "{}")]
+    # A stream already showed the second call's head: its arguments end cut too.
+    assert streamed_text(required_output(), [CUT_SHORT, ""]) == \
+        ("", [("get_time", "{}"), ("get_weather", '{"ci')])
+    assert streamed_text(required_output(), ['[{"name": "get_ti', ""]) == ('{"name": "get_ti', [])
+    assert streamed_text(required_output(), ["", ""]) == ("", [])
+    unknown = '[{"name": "launch", "parameters": {}}]'
+    assert streamed_text(required_output(), [unknown, ""]) == (unknown[1:], [])  # never shown as a call
+
+
+def test_required_without_parallel_calls_shows_one():
+    text = REQUIRED[0][0]
+    assert streamed(required_output(parallel=False), [*text, ""]) == ("", [("get_weather", WEATHER)])
+    assert [c.function.name for c in required_output(parallel=False).complete(text)[1]] == ["get_weather"]
+
+
+def test_named_choice_streams_arguments_as_they_come():
+    output = ToolOutput(ToolChoice("named", TOOLS, name="get_weather"), None)
+    first, second = output.feed('{"city": ', done=False), output.feed('"Paris"}', done=True)
+    [head], [rest] = first[1], second[1]
+    assert first[0] == second[0] == ""
+    assert (head.index, head.type, head.function.name, head.function.arguments) == \
+        (0, "function", "get_weather", '{"city": ')
+    assert head.id.startswith("chatcmpl-tool-")
+    assert (rest.index, rest.id, rest.function.name, rest.function.arguments) == (0, None, None, '"Paris"}')
+    assert output.called
+
+
+def test_no_tool_choice_passes_text_through():
+    output = ToolOutput(ToolChoice("none", TOOLS), None)
+    assert output.feed('<tool_call>{"name": "get_time"}</tool_call>', done=True) == \
+        ('<tool_call>{"name": "get_time"}</tool_call>', [])
+    assert not output.called
+
+
+def test_llama3_json_decodes_a_held_object_again_only_when_it_may_have_ended(monkeypatch):
+    from services.api.tool_parsers import llama3_json
+    attempts, decode = [], llama3_json.decode_json_at
+
+    def counted(text, pos):
+        attempts.append(pos)
+        return decode(text, pos)
+    monkeypatch.setattr(llama3_json, "decode_json_at", counted)
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    assert streamed(auto_output("llama3_json"), [*text, ""]) == ("", [("get_weather", WEATHER)])
+    assert len(attempts) <= text.count("}") + 2  # not once per character
