@@ -43,6 +43,7 @@ SLOW = frozenset({
     "tests/test_spec_decode.py",
     "tests/test_structured_outputs.py",
     "tests/test_tensor_parallel.py",
+    "tests/test_tool_calling_serve.py",
     "tests/worker/test_llama_oracle.py",
     "tests/worker/test_model_runner.py",
     "tests/worker/test_multiproc_executor.py",
