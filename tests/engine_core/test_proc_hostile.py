@@ -42,6 +42,7 @@ from protocol.zmq_sockets import (
 )
 from services.engine_core.proc import _decode_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
+from tests.utils import KeepingContext
 
 RANK = 1
 DEADLINE_S = 60.0  # engine start-up on two busy cores
@@ -299,7 +300,7 @@ def attacker_send(sock: zmq.Socket, encoder: Encoder, message, *headers: bytes) 
 
 def test_without_the_keys_nothing_gets_through(curved, keys, config):
     api, proc = curved
-    ctx = zmq.Context()
+    ctx = KeepingContext()  # the attackers' sockets stay open until destroy() closes them
     try:
         public, secret = zmq.curve_keypair()
         stranger = CurveKeys(CLIENT, public, secret, load_keys(keys, CLIENT).peer_public)
