@@ -10,7 +10,7 @@ STAMP := $(VENV)/.weft-installed
 GEMMA3 := $(MODELS)/gemma-3-270m-q4_k_m.gguf
 GEMMA3_HF := $(MODELS)/gemma-3-270m-q4_k_m.hf
 
-.PHONY: install model model-gemma3 serve generate test bench clean
+.PHONY: install model model-gemma3 serve generate test test-fast test-slow lint bench clean
 
 install: $(STAMP)
 
@@ -54,11 +54,25 @@ $(GEMMA3_HF)/config.json: $(GEMMA3)
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
+# Every test (about 10 minutes on 2 cores).
 test: install model model-gemma3
 	$(PY) -m pytest -q
 
+# The edit-test loop: tests that start no model process (under 2 minutes).
+# `slow` is assigned in tests/conftest.py (SLOW) or by @pytest.mark.slow.
+test-fast: install model
+	$(PY) -m pytest -q -m "not slow"
+
+# The rest: engines, servers and stacks (CI runs test-fast, then this).
+test-slow: install model
+	$(PY) -m pytest -q -m slow
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 bench: install model
-	$(VENV)/bin/weft bench throughput --dataset ../shared/workloads/offline-64.json --compare-hf
+	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf
 
 clean:
 	rm -rf $(VENV) $(MODELS)

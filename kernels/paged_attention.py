@@ -196,13 +196,13 @@ def _reduce_splits_kernel(
     dim_ok = dims < HEAD_DIM
     state = (token * num_heads + head) * NUM_SPLITS + splits  # [S]
     m = tl.load(part_max_ptr + state, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + state, mask=split_ok, other=0.0)
+    part_sum = tl.load(part_sum_ptr + state, mask=split_ok, other=0.0)
     acc = tl.load(
         part_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0
     )  # [S, Dp]
     m_max = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty splits weigh nothing
-    total = tl.sum(l * weight, 0)
+    total = tl.sum(part_sum * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 

@@ -2,8 +2,16 @@
 
 Only stdlib, msgspec, pyzmq and numpy may be imported here.
 """
-from protocol.sampling_params import SamplingParams, SamplingType
-from protocol.structured_outputs import StructuredOutputsParams
+from protocol.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
 from protocol.engine import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -15,22 +23,14 @@ from protocol.engine import (
     SchedulerStats,
     TokenLogprobs,
 )
+from protocol.sampling_params import SamplingParams, SamplingType
 from protocol.scheduler import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from protocol.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    StructuredOutputsConfig,
-)
+from protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "CacheConfig", "CachedRequestData", "DeviceConfig", "EngineConfig",

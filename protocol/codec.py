@@ -22,7 +22,8 @@ process can log it, drop it and keep serving.
 from __future__ import annotations
 
 import math
-from typing import Any, Generic, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np

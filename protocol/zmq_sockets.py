@@ -23,8 +23,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio

@@ -120,16 +120,16 @@ say "kernel tests on the GPU: ${tests_line:-no result}"
 
 # --- 2. end to end ---------------------------------------------------------------------
 if [[ $have_model -eq 1 ]]; then
-    run_step e2e 70 "$PY" scripts/gpu_bench.py e2e
+    run_step e2e 70 "$PY" -m services.cli bench gpu e2e
 else
     say "e2e greedy: NOT RUN (default model missing; make model)"
 fi
 
 # --- 3. kernel time against torch SDPA ---------------------------------------------------
-run_step kernel-timing 40 "$PY" scripts/gpu_bench.py kernels
+run_step kernel-timing 40 "$PY" -m services.cli bench gpu kernels
 
 # --- 4. throughput, Llama-3-8B shape with dummy weights ----------------------------------
-run_step throughput 135 "$PY" scripts/gpu_bench.py throughput
+run_step throughput 135 "$PY" -m services.cli bench gpu throughput
 
 echo
 echo "===== gpu_check summary ====="

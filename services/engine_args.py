@@ -12,15 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol import (
-    CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
     StructuredOutputsConfig,
 )
 from protocol.kv_transfer import KVTransferConfig
-from services import model_files
+from services import env, model_files
 from services.engine_core.kv_events import resolve_kv_events_config
-from services.parallel_args import check_tensor_parallel
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
+from services.parallel_args import check_tensor_parallel
 from services.speculative_args import resolve_speculative_config
 from services.worker.models.registry import architecture_of, layer_sliding_windows
 
@@ -59,7 +64,7 @@ class EngineArgs:
     quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -175,7 +180,7 @@ def resolve_quantization(quantization: str | None, is_gguf: bool, device: str, l
 def resolve_attention_backend(device: str) -> str:
     """Triton kernels on CUDA, the compiled CPU kernel elsewhere (services/worker/layers/backends.py);
     ``WEFT_ATTENTION_BACKEND=torch|cpu|triton`` forces one."""
-    forced = os.environ.get("WEFT_ATTENTION_BACKEND", "").strip().lower()
+    forced = (env.get("WEFT_ATTENTION_BACKEND") or "").strip().lower()
     if forced and forced not in ("torch", "cpu", "triton"):
         raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch', 'cpu' or 'triton', got {forced!r}.")
     return forced or ("triton" if device == "cuda" else "cpu")

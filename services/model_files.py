@@ -9,11 +9,12 @@ there. Nothing here downloads anything.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from services import env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,7 +22,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("WEFT_MODELS_DIR", REPO_ROOT / "models"))
+    return Path(env.get("WEFT_MODELS_DIR") or REPO_ROOT / "models")
 
 
 @dataclass(frozen=True)

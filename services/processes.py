@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,61 @@
-"""Shared fixtures: the default model's files, and a guard against KV leaks."""
+"""Shared fixtures (the default model's files, the workloads) and the test tiers.
+
+``make test-fast`` runs ``-m "not slow"``: the tests that start no engine,
+server or stack process and load no real model, for the edit-test loop.
+A test is ``slow`` when ``SLOW`` (kept here, one list, so every test's tier
+is visible at a glance) names its module or the test itself, or when it
+carries ``@pytest.mark.slow``. ``make test`` runs both tiers.
+"""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from services import model_files
+from tests.utils import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Modules (or single tests, ``path::name``) that start processes (engine cores,
+# servers, stacks, worker processes) or load the real model: seconds to minutes each.
+SLOW = frozenset({
+    "tests/api/test_dp_client.py",
+    "tests/api/test_dp_client_rejoin.py",
+    "tests/api/test_structured_api.py",
+    "tests/bench/test_bench_cli.py",
+    "tests/bench/test_bench_serve.py",
+    "tests/bench/test_bench_spec.py",
+    "tests/bench/test_bench_structured.py",
+    "tests/bench/test_compare.py",
+    "tests/bench/test_executor_overhead.py",
+    "tests/bench/test_hf_baseline.py",
+    "tests/bench/test_latency_and_datasets.py::test_end_to_end_latency",
+    "tests/bench/test_latency_and_datasets.py::test_end_to_end_throughput_on_random_prompts",
+    "tests/engine_core/test_proc.py",
+    "tests/engine_core/test_proc_hostile.py",
+    "tests/engine_core/test_structured_output_xgrammar.py",
+    "tests/kernels/test_e2e_triton.py",
+    "tests/kv_transfer/test_offline.py",
+    "tests/kv_transfer/test_pd_e2e.py",
+    "tests/test_hostile_http.py",
+    "tests/test_llm.py",
+    "tests/test_reliability.py",
+    "tests/test_serving.py",
+    "tests/test_spec_decode.py",
+    "tests/test_structured_outputs.py",
+    "tests/test_tensor_parallel.py",
+    "tests/test_tool_calling_serve.py",
+    "tests/worker/test_llama_oracle.py",
+    "tests/worker/test_model_runner.py",
+    "tests/worker/test_multiproc_executor.py",
+    "tests/worker/test_parallel_linear.py::test_sharded_layers_match_unsharded_over_gloo",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.relative_to(REPO_ROOT).as_posix()
+        if module in SLOW or f"{module}::{item.originalname}" in SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -18,4 +65,4 @@ def default_model() -> model_files.ModelFiles:
 
 @pytest.fixture(scope="session")
 def workloads_dir() -> Path:
-    return Path(os.environ.get("WEFT_WORKLOADS_DIR", REPO_ROOT.parent / "shared" / "workloads"))
+    return REPO_ROOT / "benchmarks" / "workloads"

@@ -15,9 +15,9 @@ import math
 
 import openai
 import pytest
+from services.stack import Stack
 
 from services.api.tokenizer import Tokenizer
-from services.bench.soak_stack import Stack
 from services.model_files import resolve
 
 MODEL = resolve(None)

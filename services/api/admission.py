@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.engine_client import EngineClient
 from services.api.errors import APIError, bad_request, unavailable
 from services.api.limits import ServingLimits
-
-if TYPE_CHECKING:
-    from services.api.serving import ChoiceRunner
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ class Ticket:
 
     __slots__ = ("n", "runner", "_admission")
 
-    def __init__(self, admission: "Admission", n: int) -> None:
+    def __init__(self, admission: Admission, n: int) -> None:
         self.n = n
         self.runner: _Failable | None = None  # set once the runner exists, so a drain can stop it
         self._admission: Admission | None = admission
@@ -115,7 +112,7 @@ class Admission:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return 0
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         stopped = [t for t in self._tickets if t.runner is not None]
         logger.warning("Shutdown timeout: stopping %d request(s) still running.", len(stopped))
@@ -129,7 +126,7 @@ def shutting_down_error() -> APIError:
                        _RETRY_UNAVAILABLE_S)
 
 
-def hold_ticket(scope: Scope, ticket: Ticket, runner: "ChoiceRunner") -> None:
+def hold_ticket(scope: Scope, ticket: Ticket, runner: _Failable) -> None:
     """Tie ``ticket`` to this HTTP exchange (released when it ends) and to ``runner``."""
     ticket.runner = runner
     scope.setdefault(_SCOPE_KEY, []).append(ticket)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import time
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette

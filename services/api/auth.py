@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Sequence
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send

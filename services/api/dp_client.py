@@ -46,27 +46,49 @@ import itertools
 import logging
 import subprocess
 import time
-from typing import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from protocol import (
-    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
 )
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
 from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult
 from protocol.handshake import (
-    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
+    EngineDraining,
+    EngineGoodbye,
+    EngineHandshakeReply,
+    EngineHello,
+    EngineReady,
+    EngineStatus,
 )
 from protocol.zmq_sockets import (
-    asend, bound_address, identity_rank, ipc_address, is_tcp, is_unreachable, make_socket, split, tcp_address,
+    asend,
+    bound_address,
+    identity_rank,
+    ipc_address,
+    is_tcp,
+    is_unreachable,
+    make_socket,
+    split,
+    tcp_address,
     tcp_host,
 )
 from services.api.engine_client import (
-    EngineClient, EngineDeadError, EngineNotReadyError, RankStats, add_deltas,
+    EngineClient,
+    EngineDeadError,
+    EngineNotReadyError,
+    RankStats,
+    add_deltas,
 )
 from services.api.engine_processes import LocalEngines, launch_local_engines, stop_processes
 from services.api.prefix_router import PrefixRouter
@@ -88,10 +110,13 @@ class DPLBEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
                  local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
                  silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
-                 restart_local: bool = False, prefix_router: PrefixRouter | None = None) -> None:
+                 restart_local: bool = False, prefix_router: PrefixRouter | None = None,
+                 data_ports: tuple[int, int] = (0, 0)) -> None:
         """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
         with ``restart_local`` one that dies is started again (with back-off). With a
-        ``prefix_router`` ranks are chosen by cached prefix and load, else by load alone."""
+        ``prefix_router`` ranks are chosen by cached prefix and load, else by load alone.
+        ``data_ports``: the input and output sockets' TCP ports when the handshake is TCP
+        (0: any free port)."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
@@ -102,6 +127,7 @@ class DPLBEngineClient(EngineClient):
         self.num_ranks = num_ranks
         self.silence_timeout_s = silence_timeout_s
         self.curve = curve
+        self.data_ports = {"input": data_ports[0], "output": data_ports[1]}
         self.local = LocalEngines(dict(enumerate(local_processes, start=local_start_rank)),
                                   restart=restart_local)
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
@@ -155,7 +181,7 @@ class DPLBEngineClient(EngineClient):
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.
         if is_tcp(self.handshake_address):
-            return tcp_address(tcp_host(self.handshake_address), 0, bind=True)
+            return tcp_address(tcp_host(self.handshake_address), self.data_ports[name], bind=True)
         return ipc_address(name)
 
     async def shutdown(self) -> None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
 from services.processes import STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger(__name__)
@@ -28,15 +28,11 @@ logger = logging.getLogger(__name__)
 
 def engine_command(rank: int, handshake_address: str, *, num_threads: int | None = None,
                    curve_keys: str | None = None, shutdown_timeout_s: float | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
-           "--handshake-address", handshake_address, "--local"]
-    if num_threads is not None:
-        cmd += ["--num-threads", str(num_threads)]
-    if curve_keys is not None:
-        cmd += ["--zmq-curve-keys", str(curve_keys)]
-    if shutdown_timeout_s is not None:
-        cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
-    return cmd
+    """The command that starts local engine core ``rank``."""
+    timeout_s = DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown_timeout_s is None else shutdown_timeout_s
+    return EngineCoreArgs(rank=rank, handshake_address=handshake_address, local=True, num_threads=num_threads,
+                          curve_keys=None if curve_keys is None else str(curve_keys),
+                          shutdown_timeout_s=timeout_s).to_argv()
 
 
 def launch_local_engines(num: int, start_rank: int, handshake_address: str, num_threads: int | None = None,

@@ -43,7 +43,7 @@ class RequestState:
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer,
-               eos_token_id: int | None = None) -> "RequestState":
+               eos_token_id: int | None = None) -> RequestState:
         state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer,
                     eos_token_id=eos_token_id)
         if params.logprobs is not None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import socket
 import sys
 
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
+from services import config_file, env
 from services.api.api_options import add_api_option_args, api_options
 from services.api.chat_args import ChatSettings, add_chat_args, chat_settings_from
 from services.api.limits import (
@@ -35,6 +34,7 @@ from services.api.limits import (
 from services.cli_args import add_engine_args, engine_args_from
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
+from services.ports import free_port
 
 logger = logging.getLogger("weft.serve")
 
@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
                         help="Handshake port for remote engine cores (0: any free port).")
     _add_routing_args(parser)
+    parser.add_argument("--data-parallel-input-port", type=int, default=None,
+                        help="Port of the request socket remote engine cores connect to "
+                             "(default: the rpc port + 1; 0: any free port).")
+    parser.add_argument("--data-parallel-output-port", type=int, default=None,
+                        help="Port of the output socket remote engine cores connect to "
+                             "(default: the rpc port + 2; 0: any free port).")
     add_engine_args(parser)
     return parser
 
@@ -161,7 +167,7 @@ def api_keys(args: argparse.Namespace) -> list[str]:
         keys += _keys_in_file(args.api_key_file)
     if args.api_key or args.api_key_file is not None:
         return keys
-    return [key for key in os.environ.get("WEFT_API_KEY", "").split(",") if key]
+    return [key for key in (env.get("WEFT_API_KEY") or "").split(",") if key]
 
 
 def _keys_in_file(path: str) -> list[str]:
@@ -184,11 +190,12 @@ def uvicorn_options(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = config_file.parse_args(build_parser(), argv)  # --config FILE.yaml and WEFT_* overrides too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
+        ports = data_ports(args)
         limits = serving_limits(args)
         chat = chat_settings_from(args)
         prefix_router_for(args, config)  # refuse prefix routing without events before starting engines
@@ -203,7 +210,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options)
+    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options, ports)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -221,18 +228,29 @@ def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int
     if port == 0:
         # Local engines get the address on their command line, before the
         # client binds it: pick the free port now.
-        port = _free_port(args.data_parallel_address)
+        port = free_port(args.data_parallel_address)
     return local, tcp_address(args.data_parallel_address, port, bind=True)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def data_ports(args: argparse.Namespace) -> tuple[int, int]:
+    """The TCP ports of the request and output sockets, for remote ranks: fixed, so that a
+    firewall can let them through (the rpc port + 1 and + 2 unless given; 0: any free port)."""
+    rpc = args.data_parallel_rpc_port
+    ports = tuple(given if given is not None else (rpc + offset if rpc else 0)
+                  for given, offset in ((args.data_parallel_input_port, 1), (args.data_parallel_output_port, 2)))
+    for name, port in zip(("input", "output"), ports, strict=True):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--data-parallel-{name}-port must be in [0, 65535], got {port}.")
+    fixed = [port for port in (rpc, *ports) if port]
+    if len(set(fixed)) != len(fixed):
+        raise ValueError(f"--data-parallel-rpc-port, -input-port and -output-port must differ, got {rpc}, "
+                         f"{ports[0]} and {ports[1]}.")
+    return ports
 
 
 def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
-         curve: CurveKeys | None, chat: ChatSettings, keys: list[str], server_options: dict) -> int:
+         curve: CurveKeys | None, chat: ChatSettings, keys: list[str], server_options: dict,
+         ports: tuple[int, int] = (0, 0)) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.graceful import serve
@@ -246,7 +264,7 @@ def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: S
         client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
                                   local_start_rank=args.data_parallel_start_rank, curve=curve,
                                   restart_local=args.restart_engines,
-                                  prefix_router=prefix_router_for(args, config))
+                                  prefix_router=prefix_router_for(args, config), data_ports=ports)
         app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
                         served_model_name=args.served_model_name or config.model.served_model_name,
                         limits=limits, chat=chat,

@@ -16,8 +16,9 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -38,8 +39,8 @@ from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.token_filters import token_filters
 from services.api.tokenizer import Tokenizer
-from services.kv_transfer.trust import require_trusted_caller
 from services.generation_config import model_default, with_extra_eos
+from services.kv_transfer.trust import require_trusted_caller
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class ServingContext:
             raise bad_request(f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
                               f"at once ({self.admission.per_rank}).", "n" if num_prompts == 1 else "prompt")
 
-    def admit(self, request: Request, choices: list["Choice"]) -> "ChoiceRunner":
+    def admit(self, request: Request, choices: list[Choice]) -> ChoiceRunner:
         """The runner of ``choices`` if the engines have room for them (else a
         503 with Retry-After); their slots come back when the HTTP exchange ends."""
         ticket = self.admission.admit(len(choices))
@@ -333,7 +334,7 @@ class ChoiceRunner:
             return await self._queue.get()
         try:
             return await asyncio.wait_for(self._queue.get(), self.deadline - time.monotonic())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return APIError("The request timed out and was aborted.", 504)
 
     async def _pump(self, choice: Choice) -> None:

@@ -38,7 +38,7 @@ class Tokenizer:
         value = self._config.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
-    def with_chat_template(self, chat_template: str) -> "Tokenizer":
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
         """This tokenizer with ``chat_template`` in place of the model's (``--chat-template``)."""
         other = copy.copy(self)
         other.chat_template = chat_template

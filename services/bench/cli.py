@@ -12,13 +12,14 @@ import dataclasses
 import gc
 import json
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from services.bench import executor_overhead, serve_cli, throughput
-from services.bench.throughput import BenchResult
-from services.bench.datasets import default_tokenizer, load_any, random_workload
+from services.bench import executor_overhead, gpu, make_workload, pd, serve_cli, throughput
+from services.bench.dataset_args import add_dataset_arguments, load_dataset
+from services.bench.throughput import BenchResult, warn_if_short
 from services.bench.workload import Workload
 
 
@@ -44,17 +45,6 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     add_engine_args(parser)  # --model, --dtype, --max-num-seqs, ... as `weft serve` takes them
-
-
-def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    """A workload file, a ShareGPT file, or random prompts (one of them)."""
-    parser.add_argument("--dataset", default=None,
-                        help="A workload JSON file or the name of one in $WEFT_WORKLOADS_DIR (e.g. offline-64), "
-                             "or a ShareGPT-format JSON file (a list of conversations).")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="Run only the first N requests of the dataset; with --random-*, how many prompts.")
-    parser.add_argument("--random-input-len", type=int, default=None, help="Random token prompts of this length.")
-    parser.add_argument("--random-output-len", type=int, default=None, help="Output length of the random prompts.")
 
 
 def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -107,26 +97,6 @@ def _run_spec_comparison(args: argparse.Namespace, workload: Workload, engine_ar
     return 0
 
 
-def load_dataset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
-    """The workload the arguments name, or a usage error saying what is wrong."""
-    for name in ("num_prompts", "hf_batch_size", "random_input_len", "random_output_len"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
-    is_random = args.random_input_len is not None or args.random_output_len is not None
-    if (args.dataset is None) == (not is_random):
-        parser.error("give either --dataset or --random-input-len, --random-output-len and --num-prompts.")
-    try:
-        if args.dataset is not None:
-            return load_any(args.dataset, args.tokenizer, args.num_prompts)
-        if None in (args.random_input_len, args.random_output_len, args.num_prompts):
-            parser.error("random prompts need --random-input-len, --random-output-len and --num-prompts.")
-        tokenizer = default_tokenizer(args.tokenizer)
-        return random_workload(args.random_input_len, args.random_output_len, args.num_prompts,
-                               tokenizer.vocab_size, seed=args.seed, tokenizer=tokenizer)
-    except ValueError as e:
-        parser.error(str(e))
-
-
 def _run_hf(workload: Workload, model: str | None, engine: dict[str, Any], batch_size: int) -> BenchResult:
     """The HF baseline on the engine's resolved dtype, device and CPU threads."""
     import torch
@@ -136,15 +106,6 @@ def _run_hf(workload: Workload, model: str | None, engine: dict[str, Any], batch
     torch.set_num_threads(engine["torch_threads"])
     hf_model = load_hf_model(model, engine["dtype"], engine["device"])
     return run_hf_baseline(workload, hf_model, batch_size)
-
-
-def warn_if_short(result: BenchResult, workload: Workload) -> None:
-    if result.output_tokens != workload.num_output_tokens:
-        print(
-            f"warning: {result.backend} produced {result.output_tokens} output tokens, "
-            f"the workload asks for {workload.num_output_tokens}; its figures are off.",
-            file=sys.stderr,
-        )
 
 
 def _report(workload: Workload, model: str, dtype: str, results: list[BenchResult]) -> dict[str, Any]:
@@ -286,6 +247,34 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
     ),
+    "pd": Subcommand(
+        help="Disaggregated prefill/decode (pd-proxy, two servers, kv-transfer) vs one colocated server, "
+             "with the pd-mixed workload; and the KV transfer cost per block.",
+        add_arguments=pd.add_arguments,
+        run=pd.run,
+    ),
+    "gpu": Subcommand(
+        help="The GPU figures of scripts/gpu_check.sh: e2e, kernels or throughput (--smoke: tiny, on CPU).",
+        add_arguments=gpu.add_arguments,
+        run=gpu.run,
+    ),
+    "make-workload": Subcommand(
+        help="Rebuild a generated workload file (pd-mixed, repetitive-8) in benchmarks/workloads.",
+        add_arguments=make_workload.add_arguments,
+        run=make_workload.run,
+    ),
+}
+
+# Benchmarks that parse their own command line (the soak passes what it does
+# not know on to `weft serve`); `weft bench NAME ...` hands them the rest.
+def _soak_main(argv: list[str]) -> int:
+    from services.bench.soak import main as soak_main
+
+    return soak_main(argv)
+
+
+OWN_PARSERS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "soak": ("Soak and chaos test of a `weft serve` stack it starts (weft bench soak --help).", _soak_main),
 }
 
 
@@ -296,11 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=subcommand.help, description=subcommand.help)
         subcommand.add_arguments(sub)
         sub.set_defaults(subparser=sub)  # so a run reports bad input with its own usage
+    for name, (text, _) in OWN_PARSERS.items():
+        subparsers.add_parser(name, help=text, add_help=False)  # listed only; main() hands it argv
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``weft bench``; ``argv`` excludes ``weft bench`` itself."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in OWN_PARSERS:
+        return OWN_PARSERS[argv[0]][1](argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return SUBCOMMANDS[args.command].run(args, args.subparser)

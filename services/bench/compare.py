@@ -27,7 +27,6 @@ import msgspec
 from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
-
 # transformers' continuous batching answers nothing until its first batch is
 # through; on two shared cores that can take minutes.
 _RESULT_TIMEOUT_S = 600

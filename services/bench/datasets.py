@@ -10,7 +10,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-from services.bench.workload import Workload, WorkloadRequest, load_workload, resolve_dataset
+from services.bench.workload import (
+    Workload,
+    WorkloadRequest,
+    load_workload,
+    resolve_dataset,
+)
 
 
 def random_workload(input_len: int, output_len: int, num_prompts: int, vocab_size: int,

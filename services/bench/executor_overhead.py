@@ -15,7 +15,11 @@ import time
 from typing import Any
 
 from protocol import (
-    CachedRequestData, EngineConfig, ModelConfig, ModelRunnerOutput, SchedulerOutput,
+    CachedRequestData,
+    EngineConfig,
+    ModelConfig,
+    ModelRunnerOutput,
+    SchedulerOutput,
 )
 from protocol.codec import Encoder
 from protocol.config import DeviceConfig, ParallelConfig

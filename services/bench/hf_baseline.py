@@ -10,7 +10,8 @@ avoids, and is what this baseline is here to show.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -25,7 +25,7 @@ from protocol.zmq_sockets import ipc_address
 from services.bench.datasets import default_tokenizer, load_any
 from services.bench.multiturn import multiturn_workload
 from services.bench.serve_client import ClientConfig, run_benchmark, served_model
-from services.bench.soak_stack import Stack
+from services.stack import Stack
 from services.bench.workload import Workload
 
 MODES = ("prefix", "load")

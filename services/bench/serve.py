@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import msgspec
 from services.bench.serve_client import ClientConfig, run_benchmark, send_one
 from services.bench.workload import Workload, WorkloadRequest
 from services.engine_args import EngineArgs
+from services.ports import free_port
 
 _STARTUP_DEADLINE_S = 300.0
 _STOP_GRACE_S = 15.0
@@ -66,11 +66,6 @@ def serve_argv(engine_args: EngineArgs, port: int) -> list[str]:
             argv += [flag, str(value)]
     return argv + ["--data-parallel-size", "1"]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -125,7 +120,7 @@ def run_serve(workload: Workload, engine_args: EngineArgs, model_name: str, conc
     """Start ``weft serve``, warm it up with one request, stream the workload
     through ``serve_client`` (all at once, ``concurrency`` in flight), stop it.
     Returns the run's totals and the client's full metrics report."""
-    port = _free_port()
+    port = free_port()
     server = ServerProcess(serve_argv(engine_args, port), port)
     config = ClientConfig(base_url=server.url, model=model_name, max_concurrency=concurrency, quiet=quiet)
     try:

@@ -17,14 +17,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.metrics import parse_goodput
-from services.bench.serve_client import ENDPOINTS, ClientConfig, format_report, plot_sweep, run_benchmark, served_model
+from services.bench.serve_client import (
+    ENDPOINTS,
+    ClientConfig,
+    format_report,
+    plot_sweep,
+    run_benchmark,
+    served_model,
+)
 
 SWEEPS = ("rates", "concurrencies")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.bench.cli import add_dataset_arguments
     from services.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
@@ -49,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from services.bench.cli import load_dataset
-
     args.hf_batch_size = None  # load_dataset checks it; serve has no HF baseline
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be at least 1.")
@@ -124,7 +129,6 @@ def _run_sweep(config: ClientConfig, workload: Any, slos: dict[str, float], kind
 def _run_launched(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Any,
                   slos: dict[str, float]) -> int:
     from services.bench import throughput
-    from services.bench.cli import warn_if_short
     from services.bench.serve import run_serve
     from services.cli_args import engine_args_from
 
@@ -135,7 +139,7 @@ def _run_launched(args: argparse.Namespace, parser: argparse.ArgumentParser, wor
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     offline = throughput.run_weft(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
-    warn_if_short(offline, workload)
+    throughput.warn_if_short(offline, workload)
     gc.collect()  # the offline engine's memory goes before the server loads its own
     served, metrics = run_serve(workload, engine_args, config.model.served_model_name, concurrency,
                                  quiet=args.quiet, slos=slos)

@@ -1,6 +1,6 @@
 """Soak and chaos test: a stack under steady random load, engine cores killed at intervals.
 
-``python scripts/soak.py --duration 600 --chaos-interval 15`` starts
+``weft bench soak --duration 600 --chaos-interval 15`` starts
 ``weft serve`` (two local engine cores by default), runs ``--concurrency``
 clients sending random streaming and non-streaming requests (some of them
 hanging up early, and waiting as a 503's Retry-After asks), SIGKILLs a
@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from services.bench.soak_clients import ClientParams, ClientPool, RequestResult
-from services.bench.soak_stack import Stack, rss_bytes
+from services.stack import Stack, rss_bytes
 
 _POLL_S = 0.2
 _MIB = 1024 * 1024
@@ -190,7 +190,7 @@ async def _chaos(stack: Stack, http: httpx.AsyncClient, config: SoakConfig, star
             events.append(event)
             watchers.append(asyncio.create_task(_mark_back(stack, http, event, start)))
         await asyncio.wait_for(asyncio.gather(*watchers), config.quiesce_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass  # a rank that never came back: back_at stays None, and the report says so
     finally:
         for task in watchers:
@@ -249,7 +249,7 @@ def _count(report: SoakReport, results: list[RequestResult], start: float, grace
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="scripts/soak.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="weft bench soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="Seconds of load.")
     parser.add_argument("--concurrency", type=int, default=16, help="Clients sending at once.")
     parser.add_argument("--chaos-interval", type=float, default=None,

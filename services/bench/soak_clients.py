@@ -84,11 +84,11 @@ async def run_one(http: httpx.AsyncClient, rng: random.Random, params: ClientPar
         elif leave_after is not None:
             try:
                 await asyncio.wait_for(_whole(http, endpoint, body, result), leave_after * 0.05)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 result.outcome, result.cause = "disconnected", "client left"
         else:
             await asyncio.wait_for(_whole(http, endpoint, body, result), params.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.outcome, result.cause = "lost", f"no answer in {params.timeout_s:.0f}s"
     except httpx.HTTPError as e:
         result.outcome, result.cause = "lost", f"transport: {type(e).__name__}: {e}"

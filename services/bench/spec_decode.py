@@ -10,28 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.bench import throughput
 from services.bench.workload import Workload
 
 
-def spec_details(llm: Any) -> dict[str, Any] | None:
-    """Acceptance figures of an engine's whole life (None without speculation)."""
-    if llm.config.speculative is None:
-        return None
-    totals = llm.engine.stats_logger.spec_totals
-    return {
-        "num_speculative_tokens": llm.config.speculative.num_speculative_tokens,
-        "num_drafts": totals.num_drafts,
-        "num_draft_tokens": totals.num_draft_tokens,
-        "num_accepted_tokens": totals.num_accepted_tokens,
-        "acceptance_rate": totals.acceptance_rate,
-        "mean_accepted_length": totals.mean_accepted_length,
-        "per_position_acceptance_rate": totals.per_position_rates(),
-    }
-
-
 def run_spec_comparison(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> dict[str, Any]:
-    from services.bench import throughput  # imports this module: import it late
-
     if not engine_args.get("speculative_config"):
         raise ValueError("--compare-no-spec needs --speculative-config.")
     plain = throughput.run_weft(workload, use_tqdm, **{**engine_args, "speculative_config": None})

@@ -5,11 +5,11 @@ are the engine's start-up, not its throughput.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.bench.spec_decode import spec_details
 from services.bench.workload import Workload
 
 
@@ -97,3 +97,28 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
             "spec_decode": spec_details(llm),
         },
     )
+
+
+def spec_details(llm: Any) -> dict[str, Any] | None:
+    """Acceptance figures of an engine's whole life (None without speculation)."""
+    if llm.config.speculative is None:
+        return None
+    totals = llm.engine.stats_logger.spec_totals
+    return {
+        "num_speculative_tokens": llm.config.speculative.num_speculative_tokens,
+        "num_drafts": totals.num_drafts,
+        "num_draft_tokens": totals.num_draft_tokens,
+        "num_accepted_tokens": totals.num_accepted_tokens,
+        "acceptance_rate": totals.acceptance_rate,
+        "mean_accepted_length": totals.mean_accepted_length,
+        "per_position_acceptance_rate": totals.per_position_rates(),
+    }
+
+
+def warn_if_short(result: BenchResult, workload: Workload) -> None:
+    if result.output_tokens != workload.num_output_tokens:
+        print(
+            f"warning: {result.backend} produced {result.output_tokens} output tokens, "
+            f"the workload asks for {workload.num_output_tokens}; its figures are off.",
+            file=sys.stderr,
+        )

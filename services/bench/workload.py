@@ -1,16 +1,16 @@
 """Benchmark workloads: JSON files of prompts with exact output lengths.
 
-The format is described in ``shared/workloads/README.md``. A workload is
+The format is described in ``benchmarks/workloads/README.md``. A workload is
 checked whole on load (types, ranges, declared totals), so a benchmark never
 starts on a file it would misreport.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
+from services import env
 from services.model_files import REPO_ROOT
 
 
@@ -51,9 +51,9 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def workloads_dir() -> Path:
-    """Where the shared workloads live: ``$WEFT_WORKLOADS_DIR``, else
-    ``../shared/workloads`` beside the repository (as CI clones them)."""
-    return Path(os.environ.get("WEFT_WORKLOADS_DIR", REPO_ROOT.parent / "shared" / "workloads"))
+    """Where bare workload names resolve: ``$WEFT_WORKLOADS_DIR``, else the
+    repository's own ``benchmarks/workloads``."""
+    return Path(env.get("WEFT_WORKLOADS_DIR") or REPO_ROOT / "benchmarks" / "workloads")
 
 
 def resolve_dataset(dataset: str) -> Path:

@@ -17,35 +17,13 @@ import sys
 import threading
 
 from protocol.zmq_sockets import tcp_address
+from services import config_file
+from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
 from services.processes import STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger("engine-core")
 
 _WATCH_S = 0.2
-_DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def engine_command(rank: int, handshake_address: str, *, local: bool, headless: bool,
-                   num_threads: int | None, curve_keys: str | None = None,
-                   shutdown_timeout_s: float | None = None, tensor_parallel_size: int | None = None,
-                   kv_transfer_config: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "services.engine_core.proc", "--rank", str(rank),
-           "--handshake-address", handshake_address]
-    if local:
-        cmd.append("--local")
-    if headless:
-        cmd.append("--headless")
-    if num_threads is not None:
-        cmd += ["--num-threads", str(num_threads)]
-    if curve_keys is not None:
-        cmd += ["--zmq-curve-keys", curve_keys]
-    if shutdown_timeout_s is not None:
-        cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
-    if tensor_parallel_size is not None:
-        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    if kv_transfer_config is not None:
-        cmd += ["--kv-transfer-config", kv_transfer_config]
-    return cmd
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,12 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Worker processes per engine core on this node (default: the API's config).")
     parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                         help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).")
-    parser.add_argument("--shutdown-timeout", type=float, default=_DEFAULT_SHUTDOWN_TIMEOUT_S,
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="On SIGTERM, seconds each engine core may take to finish its requests.")
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help="Disaggregated prefill/decode role of these engine cores, as JSON "
                              "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).")
-    args = parser.parse_args(argv)
+    args = config_file.parse_args(parser, argv)  # --config FILE.yaml and WEFT_* overrides too
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     if args.kv_transfer_config is not None:
@@ -99,6 +77,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> EngineCoreArgs:
+    """The command line of engine core ``rank``, from this command's."""
+    return EngineCoreArgs(rank=rank, handshake_address=handshake_address, headless=True,
+                          num_threads=args.num_threads, curve_keys=args.zmq_curve_keys,
+                          shutdown_timeout_s=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
+                          kv_transfer_config=args.kv_transfer_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -107,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     ranks = range(args.start_rank, args.start_rank + args.data_parallel_size_local)
-    processes = [subprocess.Popen(engine_command(rank, address, local=False, headless=True,
-                                                 num_threads=args.num_threads, curve_keys=args.zmq_curve_keys,
-                                                 shutdown_timeout_s=args.shutdown_timeout,
-                                                 tensor_parallel_size=args.tensor_parallel_size,
-                                                 kv_transfer_config=args.kv_transfer_config))
-                 for rank in ranks]
+    processes = [subprocess.Popen(engine_args(args, rank, address).to_argv()) for rank in ranks]
     logger.info("Started engine cores %s for the API at %s", list(ranks), address)
     try:
         while not stop.wait(_WATCH_S):

@@ -14,7 +14,8 @@ from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.stats_logger import EngineStatsLogger
-from services.worker.executor import Executor, executor_class_for
+from services.worker.executor import Executor
+from services.worker.executor_factory import executor_class_for
 
 logger = logging.getLogger(__name__)
 

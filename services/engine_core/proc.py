@@ -1,7 +1,8 @@
 """EngineCoreProc: one data-parallel rank's EngineCore as its own process.
 
 Run as ``python -m services.engine_core.proc --rank R --handshake-address ADDR``
-(a plain subprocess: the config arrives over the handshake, never pickled).
+(its flags: ``proc_args.EngineCoreArgs``; a plain subprocess: the config
+arrives over the handshake, never pickled).
 
 Three threads share the work, so socket I/O and (de)serialization overlap
 the forward pass (both release the GIL):
@@ -20,8 +21,8 @@ kills it (Linux), so a crashed API or ``engine-core`` leaves no orphan.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import queue
@@ -34,8 +35,13 @@ import msgspec
 import zmq
 
 from protocol import (
-    EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-    FinishReason, SchedulerStats,
+    EngineConfig,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    SchedulerStats,
 )
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CLIENT, CurveKeys, load_keys
@@ -43,6 +49,7 @@ from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_de
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.engine_core.drain import Drain
+from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
 from services.kv_transfer.config import with_default_keys_dir, with_kv_transfer_config
 
 logger = logging.getLogger(__name__)
@@ -61,9 +68,6 @@ _STALL_WAIT_S = 0.001
 # A hello can be lost or ignored (the API still thinks an earlier instance of
 # this rank is alive): say it again this often until the API answers.
 _HELLO_RESEND_S = 5.0
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
 class EngineCoreProc:
     """Serves one built EngineCore on the API's data sockets until stopped."""
 
@@ -394,38 +398,15 @@ def die_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
-    parser = argparse.ArgumentParser(prog="python -m services.engine_core.proc",
-                                     description="One data-parallel engine-core process.")
-    parser.add_argument("--rank", type=int, required=True, help="Data-parallel rank of this engine core.")
-    parser.add_argument("--handshake-address", required=True, help="The API's handshake socket address.")
-    parser.add_argument("--local", action="store_true", help="Started by the API's launcher on its node.")
-    parser.add_argument("--headless", action="store_true", help="Started by `engine-core --headless`.")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the config's).")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None,
-                        help="Worker processes of this engine core (default: the config's).")
-    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).")
-    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="On SIGTERM, seconds to finish the requests held before stopping anyway.")
-    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help="Disaggregated prefill/decode role of this engine (default: the API's config).")
-    args = parser.parse_args(argv)
-    if args.rank < 0:
-        parser.error(f"--rank must be non-negative, got {args.rank}.")
-    if args.shutdown_timeout < 0:
-        parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
+    args = EngineCoreArgs.parse(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s")
-    try:
-        curve_keys = args.zmq_curve_keys
-        if curve_keys is not None:
-            load_keys(curve_keys, CLIENT)  # refuse a bad folder before loading a model
-    except ValueError as e:
-        parser.error(str(e))
-    return run_engine_core(rank=args.rank, handshake_address=args.handshake_address, local=args.local,
-                           headless=args.headless, num_threads=args.num_threads, curve_keys=curve_keys,
-                           shutdown_timeout_s=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
-                           kv_transfer_config=args.kv_transfer_config)
+    if args.curve_keys is not None:
+        try:
+            load_keys(args.curve_keys, CLIENT)  # refuse a bad folder before loading a model
+        except ValueError as e:
+            build_parser().error(str(e))
+    return run_engine_core(**dataclasses.asdict(args))
 
 
 if __name__ == "__main__":

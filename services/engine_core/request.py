@@ -22,7 +22,7 @@ from protocol import (
 from protocol.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
-    from services.engine_core.structured_output.manager import StructuredOutputRequest
+    from services.engine_core.structured_output.request_state import StructuredOutputRequest
 
 # (request) -> hashes of the request's full blocks that are not hashed yet.
 BlockHasher = Callable[["Request"], list[bytes]]

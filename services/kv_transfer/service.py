@@ -34,10 +34,17 @@ from dataclasses import dataclass
 
 import zmq
 
-from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CurveKeys, ZapAuthenticator
 from protocol.kv_transfer import (
-    KVBlock, KVGet, KVGetReply, KVPut, KVPutReply, KVServiceRequest, KVServiceStats, KVStatsRequest,
+    KVBlock,
+    KVGet,
+    KVGetReply,
+    KVPut,
+    KVPutReply,
+    KVServiceRequest,
+    KVServiceStats,
+    KVStatsRequest,
 )
 from protocol.zmq_sockets import DEFAULT_MAX_MSG_SIZE, bound_address, make_socket, send, split, tcp_address
 from services.kv_transfer.keys import service_curve_keys

@@ -23,7 +23,7 @@ import time
 
 import zmq
 
-from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CurveKeys
 from protocol.kv_transfer import KVBlock, KVGet, KVPut, KVServiceReply, KVServiceStats, KVStatsRequest
 from protocol.zmq_sockets import make_socket, recv, send, tcp_address

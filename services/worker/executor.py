@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 
 # "module:Class" of the worker an executor runs; benchmarks and tests swap in
 # a model-free one to measure or exercise the executor alone.
 DEFAULT_WORKER_CLASS = "services.worker.worker:Worker"
-
-
-def executor_class_for(config: EngineConfig) -> type[Executor]:
-    """In-process for one device; worker processes for tensor parallelism."""
-    if config.parallel.tensor_parallel_size == 1:
-        return UniProcExecutor
-    from services.worker.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor
 
 
 def import_worker_class(path: str) -> type:

@@ -15,8 +15,8 @@ repacked straight from their blocks; the rest are dequantized as above.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch

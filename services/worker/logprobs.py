@@ -1,7 +1,7 @@
 """Logprobs of chosen tokens and of the top alternatives, as wire structs."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

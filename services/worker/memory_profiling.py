@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -15,8 +15,8 @@ import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_placement
-from services.worker.distributed import get_tp_group
 from services.worker.cuda_graphs import maybe_capture_decode_graphs
+from services.worker.distributed import get_tp_group
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import PagedAttention, kv_cache_shape

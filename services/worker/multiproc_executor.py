@@ -30,10 +30,9 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -41,11 +40,18 @@ import zmq
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from protocol.codec import Decoder, Encoder
 from protocol.executor import (
-    DetermineNumBlocks, ExecuteModel, InitializeCache, StopWorker, WorkerCall, WorkerReply,
+    DetermineNumBlocks,
+    ExecuteModel,
+    InitializeCache,
+    StopWorker,
+    WorkerCall,
+    WorkerReply,
 )
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, recv
+from services.ports import free_port
+from services.worker import worker_proc
 from services.worker.executor import DEFAULT_WORKER_CLASS, Executor
-from services.worker.worker_proc import DRIVER_RANK, run_worker
+from services.worker.worker_proc import DRIVER_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +230,7 @@ class MultiprocExecutor(Executor):
         init_method = free_tcp_init_method() if self.world_size > 1 else None
         for rank in range(self.world_size):
             process = context.Process(
-                target=run_worker, name=f"weft-tp-worker-{rank}", daemon=True,
+                target=worker_proc.main, name=f"weft-tp-worker-{rank}", daemon=True,
                 kwargs=dict(rank=rank, config_msgpack=config_msgpack, distributed_init_method=init_method,
                             call_address=bound_address(self._calls), reply_address=bound_address(self._replies),
                             worker_class=worker_class, parent_pid=os.getpid()))
@@ -240,9 +246,7 @@ def worker_config(config: EngineConfig) -> EngineConfig:
 
 def free_tcp_init_method(host: str = "127.0.0.1") -> str:
     """A ``tcp://`` rendezvous address for torch.distributed, on a port free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def _describe_exit(code: int | None) -> str:

@@ -8,7 +8,7 @@ receives one entry per prompt token.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

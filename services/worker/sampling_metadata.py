@@ -5,8 +5,8 @@ without looking at rows: an all-greedy batch costs one argmax.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

@@ -13,7 +13,7 @@ import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
-from services.worker.memory_profiling import peak_increase, total_budget
+from services.worker.memory_profiling import CPU_DEFAULT_BUDGET, peak_increase, total_budget
 from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -108,10 +108,24 @@ def _check_fits_one_sequence(num_blocks, config: EngineConfig, budget, weights, 
     needed = -(-config.model.max_model_len // config.cache.block_size) + 1  # + the null block
     if num_blocks >= needed:
         return
+    in_all = weights + peak + needed * block_bytes
     raise ValueError(
         f"The KV cache is too small: {num_blocks} blocks fit, but one sequence of max_model_len "
         f"({config.model.max_model_len}) needs {needed} (with the null block), i.e. "
-        f"{weights + peak + needed * block_bytes} bytes in all; the budget is {budget} bytes "
+        f"{in_all} bytes in all; the budget is {budget} bytes "
         f"(weights {weights}, activation peak {peak}, {block_bytes} bytes per block). "
-        "Raise --kv-cache-memory or --gpu-memory-utilization, or lower --max-model-len."
+        + budget_advice(config, in_all)
     )
+
+
+def budget_advice(config: EngineConfig, needed_bytes: int) -> str:
+    """Which flag to raise, and to what: the budget holds the weights too."""
+    cache = config.cache
+    if config.device.device != "cuda" and cache.kv_cache_memory is None:
+        at_least = -(-needed_bytes // (1 << 30))  # whole GiB, rounded up
+        return (f"On CPU the default budget is {CPU_DEFAULT_BUDGET >> 30} GiB for the weights, activations and "
+                f"KV cache together: raise it with --kv-cache-memory (bytes; at least {at_least} GiB = "
+                f"{at_least << 30} here), or lower --max-model-len.")
+    if config.device.device == "cuda" and cache.kv_cache_memory is None:
+        return "Raise --gpu-memory-utilization (the share of the GPU's memory), or lower --max-model-len."
+    return f"Raise --kv-cache-memory (now {cache.kv_cache_memory} bytes), or lower --max-model-len."

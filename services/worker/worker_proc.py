@@ -28,8 +28,15 @@ import msgspec
 import zmq
 
 from protocol import EngineConfig
-from protocol.codec import Decoder, DecodeError, Encoder
-from protocol.executor import DetermineNumBlocks, ExecuteModel, InitializeCache, StopWorker, WorkerCall, WorkerReply
+from protocol.codec import DecodeError, Decoder, Encoder
+from protocol.executor import (
+    DetermineNumBlocks,
+    ExecuteModel,
+    InitializeCache,
+    StopWorker,
+    WorkerCall,
+    WorkerReply,
+)
 from protocol.zmq_sockets import make_socket, recv, send
 from services.worker.executor import import_worker_class
 
@@ -42,8 +49,8 @@ _PR_SET_NAME = 15
 _REPLY_LINGER_MS = 2000
 
 
-def run_worker(*, rank: int, config_msgpack: bytes, distributed_init_method: str | None, call_address: str,
-               reply_address: str, worker_class: str, parent_pid: int) -> None:
+def main(*, rank: int, config_msgpack: bytes, distributed_init_method: str | None, call_address: str,
+         reply_address: str, worker_class: str, parent_pid: int) -> None:
     """Process entry point (the arguments are plain bytes and strings: the config travels as msgpack)."""
     _die_with_parent(parent_pid)
     _set_process_name(f"weft-tp{rank}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import AsyncGenerator
+from collections.abc import AsyncGenerator
 
 import httpx
 import openai

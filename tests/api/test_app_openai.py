@@ -4,7 +4,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.api.fake_engine_client import MODEL_NAME, SCRIPT, FakeEngineClient, make_app, openai_client, tokenizer
+from tests.api.fake_engine_client import (
+    MODEL_NAME,
+    SCRIPT,
+    FakeEngineClient,
+    make_app,
+    openai_client,
+    tokenizer,
+)
 
 
 @pytest.fixture

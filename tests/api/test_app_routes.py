@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from services.api.engine_client import RankStats
-from tests.api.fake_engine_client import MAX_MODEL_LEN, MODEL_NAME, FakeEngineClient, http_client, make_app, tokenizer
+from tests.api.fake_engine_client import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    FakeEngineClient,
+    http_client,
+    make_app,
+    tokenizer,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

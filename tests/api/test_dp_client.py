@@ -16,19 +16,19 @@ import pytest
 import pytest_asyncio
 
 from protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams
+from protocol.engine import UtilityMethod
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services import model_files
 from services.api import serving
 from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
-from protocol.engine import UtilityMethod
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
 from services.api.metrics import APIMetrics
 from services.api.output_processor import RequestState
 from services.api.serving import Choice, ChoiceRunner
 from services.api.tokenizer import Tokenizer
 from tests.api.dp_requests import collect, make_request
-from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.polling import wait_until
+from tests.tiny_model import build_tiny_llama, tiny_engine_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

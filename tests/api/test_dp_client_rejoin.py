@@ -21,8 +21,8 @@ from protocol.zmq_sockets import tcp_address
 from services.api.dp_client import DPLBEngineClient
 from services.api.engine_client import EngineDeadError
 from tests.api.dp_requests import collect, make_request
-from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.polling import wait_until
+from tests.tiny_model import build_tiny_llama, tiny_engine_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import pytest
 
 from protocol import StructuredOutputsParams
 from services.model_files import resolve
+from services.ports import free_port
 from tests.api.fake_engine_client import MODEL_NAME, make_app, openai_client
 from tests.polling import wait_healthy
 
@@ -103,16 +103,11 @@ async def test_a_compile_failure_in_the_engine_is_a_400_with_its_message():
 
 # ---------------------------------------------------------------- real stack
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``weft serve`` with one local engine core on the default model."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("weft-serve") / "serve.log"
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(resolve(None).weights),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",

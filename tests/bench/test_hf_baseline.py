@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from services.bench.hf_baseline import generate_batch, load_hf_model, run_hf_baseline
 from services.bench.workload import Workload, load_workload

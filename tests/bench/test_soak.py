@@ -68,7 +68,7 @@ def test_streams_are_judged_by_how_they_end():
     cases = {sse(chunk, "[DONE]"): ("completed", ""), sse(error, "[DONE]"): ("error", "500 engine core died"),
              sse(chunk): ("lost", "stream ended without [DONE] after 2 finished choice(s)")}
     for body, expected in cases.items():
-        got = _classify(lambda request: httpx.Response(200, content=body,
+        got = _classify(lambda request, body=body: httpx.Response(200, content=body,
                                                        headers={"content-type": "text/event-stream"}))
         assert got.stream and (got.outcome, got.cause) == expected
         assert got.n == 2  # seed 1's request asks for two choices

@@ -1,4 +1,4 @@
-"""Workload files: the shared ones load, bad ones are refused with a reason."""
+"""Workload files: the committed ones load, bad ones are refused with a reason."""
 from __future__ import annotations
 
 import json
@@ -26,11 +26,18 @@ def test_smoke8_loads(workloads_dir: Path) -> None:
     assert len(first.prompt_token_ids) == 47 and first.max_tokens == 8
 
 
-@pytest.mark.parametrize("name", ["offline-64", "shared-prefix-96"])
-def test_shared_workloads_load(name: str, workloads_dir: Path) -> None:
+@pytest.mark.parametrize("name", ["offline-64", "shared-prefix-96", "pd-mixed", "repetitive-8"])
+def test_committed_workloads_load(name: str, workloads_dir: Path) -> None:
     workload = load_workload(workloads_dir / f"{name}.json")
     assert workload.num_prompt_tokens == workload.total_prompt_tokens
     assert workload.num_output_tokens == workload.total_output_tokens
+
+
+def test_a_bare_name_resolves_in_the_repository_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEFT_WORKLOADS_DIR", raising=False)
+    path = resolve_dataset("offline-64")
+    assert path == Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "offline-64.json"
+    assert load_workload(path).name == "offline-64"
 
 
 def test_head_keeps_the_first_requests_and_their_totals(workloads_dir: Path) -> None:

@@ -155,7 +155,7 @@ def test_consumer_loads_the_announced_blocks_and_computes_only_the_rest():
 def test_other_requests_run_while_one_waits_for_its_kv():
     store: dict = {}
     params = produce(store)
-    s, w = make("kv_consumer"), TransferWorker(store)
+    s = make("kv_consumer")
     decode_request(s, "d", PROMPT, params.remote_num_tokens)
     s.add_request(make_request(s, "other", 20))
     so = s.schedule()
@@ -200,7 +200,7 @@ def test_a_failed_load_recomputes_the_whole_prompt_and_does_not_retry():
 
 
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends():
-    s, w = make("kv_consumer"), TransferWorker({})
+    s = make("kv_consumer")
     decode_request(s, "d", PROMPT, 48)
     so = s.schedule()  # parked: the load is now in flight at the worker
     s.finish_requests("d", RequestStatus.FINISHED_ABORTED)

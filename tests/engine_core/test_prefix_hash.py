@@ -13,7 +13,10 @@ from services.engine_core.request import Request
 BLOCK = 4
 
 
-def request(prompt, salt=None, hasher=make_block_hasher(BLOCK)) -> Request:
+HASHER = make_block_hasher(BLOCK)
+
+
+def request(prompt, salt=None, hasher=HASHER) -> Request:
     return Request("r", prompt, SamplingParams(), 0.0, cache_salt=salt, block_hasher=hasher)
 
 

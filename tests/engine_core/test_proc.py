@@ -15,7 +15,11 @@ import pytest
 import zmq
 
 from protocol import (
-    EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    SamplingParams,
 )
 from protocol.codec import Decoder, Encoder
 from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult

@@ -25,11 +25,25 @@ from protocol.codec import Decoder, Encoder
 from protocol.curve import CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, load_keys
 from protocol.engine import UtilityRequest
 from protocol.handshake import (
-    EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus,
+    EngineDraining,
+    EngineGoodbye,
+    EngineHandshakeReply,
+    EngineHello,
+    EngineReady,
+    EngineStatus,
 )
-from protocol.zmq_sockets import bound_address, ipc_address, make_socket, rank_identity, recv, send, tcp_address
+from protocol.zmq_sockets import (
+    bound_address,
+    ipc_address,
+    make_socket,
+    rank_identity,
+    recv,
+    send,
+    tcp_address,
+)
 from services.engine_core.proc import _decode_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
+from tests.utils import KeepingContext
 
 RANK = 1
 DEADLINE_S = 60.0  # engine start-up on two busy cores
@@ -84,6 +98,12 @@ class Api:
                     last[out.request_id] = out
         return {rid: (tokens[rid], last[rid]) for rid in request_ids}
 
+    def wait_for_output_of(self, request_id: str, timeout_s: float = DEADLINE_S) -> None:
+        """Until the engine sent an output of ``request_id`` (heartbeats alone do not end the wait)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(o.request_id == request_id for o in self.outputs().outputs):
+            assert time.monotonic() < deadline, f"no output of {request_id} in {timeout_s}s"
+
     def stats_until(self, predicate, timeout_s: float = 10.0):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -121,17 +141,44 @@ def config(tmp_path_factory):
     return tiny_engine_config(build_tiny_llama(tmp_path_factory.mktemp("tiny")), 64)
 
 
+class EngineSlot:
+    """One engine process (and its fake API) that tests share, started again
+    for the next test when one stopped it: tests need no particular order."""
+
+    def __init__(self, config, *extra: str, curve: CurveKeys | None = None) -> None:
+        self.config, self.extra, self.curve = config, extra, curve
+        self.api: Api | None = None
+        self.proc: subprocess.Popen | None = None
+        self.expected: dict[str, int] = {}
+
+    def get(self) -> tuple[Api, subprocess.Popen, dict[str, int]]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.api = Api(self.curve)
+            self.proc = start_engine(self.api, self.config, *self.extra)
+            self.expected = {"dropped": 0}  # frames this engine should have dropped
+        return self.api, self.proc, self.expected
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.api is not None:
+            self.api.close()
+        self.api = self.proc = None
+
+
 @pytest.fixture(scope="module")
-def plain(config):
+def plain_slot(config):
+    slot = EngineSlot(config, "--shutdown-timeout", "30")
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def plain(plain_slot):
     """(api, engine process, {"dropped": frames the engine should have dropped})."""
-    api = Api()
-    proc = start_engine(api, config, "--shutdown-timeout", "30")
-    try:
-        yield api, proc, {"dropped": 0}
-    finally:
-        proc.kill()
-        proc.wait()
-        api.close()
+    return plain_slot.get()
 
 
 # ---- fuzzing the input socket
@@ -175,17 +222,18 @@ def _is_dropped(message: list[bytes]) -> bool:
     return False
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(message=hostile_messages())
-def test_fuzzed_frames_are_dropped(plain, message):
+def test_fuzzed_frames_are_dropped_and_it_still_serves(plain):
     api, proc, expected = plain
-    api.input.send_multipart([api.identity, *message])
-    expected["dropped"] += _is_dropped(message)
 
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(message=hostile_messages())
+    def send_hostile(message):
+        api.input.send_multipart([api.identity, *message])
+        expected["dropped"] += _is_dropped(message)
 
-def test_after_the_fuzz_it_serves_and_counts_what_it_dropped(plain):
-    api, proc, expected = plain
-    assert expected["dropped"] > 300  # the fuzz really was hostile
+    before = expected["dropped"]
+    send_hostile()
+    assert expected["dropped"] - before > 300  # the fuzz really was hostile
     api.send(EngineCoreRequestType.ADD, make_request("after-fuzz", max_tokens=5))
     tokens, last = api.run_until_finished({"after-fuzz"})["after-fuzz"]
     assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH
@@ -194,11 +242,10 @@ def test_after_the_fuzz_it_serves_and_counts_what_it_dropped(plain):
 
 
 def test_sigterm_drains_every_request_then_says_goodbye(plain):
-    """Last on this engine: it stops."""
+    """It stops the shared engine; the next test gets a new one."""
     api, proc, _ = plain
     api.send(EngineCoreRequestType.ADD, make_request("held", max_tokens=60))
-    while not any(o.request_id == "held" for o in api.outputs().outputs):
-        pass
+    api.wait_for_output_of("held")
     proc.send_signal(signal.SIGTERM)
     draining = api.status()
     assert draining == EngineDraining(rank=RANK, timeout_s=30.0)
@@ -224,15 +271,17 @@ def keys(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def curved(config, keys):
-    api = Api(load_keys(keys, SERVER))
-    proc = start_engine(api, config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5")
-    try:
-        yield api, proc
-    finally:
-        proc.kill()
-        proc.wait()
-        api.close()
+def curved_slot(config, keys):
+    slot = EngineSlot(config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5",
+                      curve=load_keys(keys, SERVER))
+    yield slot
+    slot.close()
+
+
+@pytest.fixture
+def curved(curved_slot):
+    api, proc, _ = curved_slot.get()
+    return api, proc
 
 
 def test_with_the_keys_requests_flow(curved):
@@ -242,9 +291,19 @@ def test_with_the_keys_requests_flow(curved):
     assert len(tokens) == 4 and last.finish_reason == FinishReason.LENGTH
 
 
+def attacker_send(sock: zmq.Socket, encoder: Encoder, message, *headers: bytes) -> None:
+    """Send, or give up after a second: once the API refused the handshake the socket
+    has no link, and a DEALER or PUSH without one blocks for ever (nothing got through)."""
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    try:
+        send(sock, encoder, message, *headers)
+    except zmq.Again:
+        pass
+
+
 def test_without_the_keys_nothing_gets_through(curved, keys, config):
     api, proc = curved
-    ctx = zmq.Context()
+    ctx = KeepingContext()  # the attackers' sockets stay open until destroy() closes them
     try:
         public, secret = zmq.curve_keypair()
         stranger = CurveKeys(CLIENT, public, secret, load_keys(keys, CLIENT).peer_public)
@@ -257,9 +316,10 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
                     (zmq.PUSH, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[]))):
                 sock = make_socket(ctx, sock_type, bound_address(target), bind=False,
                                    identity=rank_identity(RANK) if sock_type == zmq.DEALER else None, curve=curve)
-                send(sock, encoder, message)
+                attacker_send(sock, encoder, message)
             injected = make_socket(ctx, zmq.DEALER, bound_address(api.input), bind=False, curve=curve)
-            send(injected, encoder, make_request("injected", max_tokens=2), EngineCoreRequestType.ADD.value)
+            attacker_send(injected, encoder, make_request("injected", max_tokens=2),
+                          EngineCoreRequestType.ADD.value)
         assert not api.handshake.poll(QUIET_MS) and not api.input.poll(QUIET_MS)
         assert api.auth.denied.wait(5)
         # Only the real engine's outputs arrive, and the engine never saw the injected request.
@@ -287,11 +347,10 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
 
 
 def test_drain_timeout_stops_with_requests_unfinished(curved):
-    """Last on this engine: it stops. The API never answers the drain notice here."""
+    """It stops the shared engine (the next test gets a new one). The API never answers the drain notice here."""
     api, proc = curved
     api.send(EngineCoreRequestType.ADD, make_request("too-long", max_tokens=400))
-    while not any(o.request_id == "too-long" for o in api.outputs().outputs):
-        pass
+    api.wait_for_output_of("too-long")
     proc.send_signal(signal.SIGTERM)
     assert isinstance(api.status(), EngineDraining)
     goodbye = api.status()

@@ -11,9 +11,9 @@ from services.worker.layers import backends
 from services.worker.layers.activation import silu_and_mul
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.backends import check_backend
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
-from services.worker.layers.backends import check_backend
 from services.worker.layers.triton_attention import build_triton_metadata
 
 H, KVH, D, BS = 6, 2, 64, 16
@@ -38,7 +38,7 @@ def step_inputs(gen):
 def test_attention_layer_backends_agree(generator, close, device):
     inputs, tables = step_inputs(generator)
     cache = torch.zeros(kv_cache_shape(31, BS, KVH, D))
-    for t, (blocks, context) in enumerate(zip(tables, inputs["context_lens"])):  # the cached contexts
+    for blocks, context in zip(tables, inputs["context_lens"]):  # the cached contexts
         if context:
             slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(context)])
             write_kv(cache, torch.randn(context, KVH, D, generator=generator),

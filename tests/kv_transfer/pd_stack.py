@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 from protocol.curve import generate_keys
 from services.kv_transfer import trust
 from services.model_files import resolve
+from services.ports import free_port
 from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
@@ -32,11 +32,6 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks
 # Short, so the tests of a dead service spend seconds, not minutes, in fallbacks.
 TRANSFER_TIMEOUT_S = 2.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path, keys: Path) -> dict:
@@ -63,8 +58,7 @@ class PDStack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.engine_args = engine_args
         if connector == "ZmqConnector":
-            self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port),
-                                        "--zmq-curve-keys", str(self.keys)])
+            self.start_kv_transfer()
         self.prefill_url = self._serve("prefill", "kv_producer")
         self.decode_url = self._serve("decode", "kv_consumer")
         port = free_port()
@@ -72,6 +66,11 @@ class PDStack:
         self._start("proxy", ["pd-proxy", "--prefill", self.prefill_url, "--decode", self.decode_url,
                               "--host", "127.0.0.1", "--port", str(port),
                               "--kv-transfer-secret-file", str(self.secret_file)])
+
+    def start_kv_transfer(self) -> None:
+        """The kv_transfer service, on the port the servers' connectors know (again, after ``stop``)."""
+        self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port),
+                                    "--zmq-curve-keys", str(self.keys)])
 
     def _serve(self, name: str, role: str) -> str:
         port = free_port()
@@ -82,11 +81,11 @@ class PDStack:
         return f"http://127.0.0.1:{port}"
 
     def _start(self, name: str, weft_argv: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
         env = os.environ | {"OMP_NUM_THREADS": "1"}
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env)
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"

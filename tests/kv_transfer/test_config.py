@@ -7,10 +7,13 @@ import pytest
 
 from services.cli_args import add_engine_args, engine_args_from
 from services.engine_args import EngineArgs
-from services.engine_core.cli import engine_command
+from services.engine_core.cli import engine_args
 from services.engine_core.cli import parse_args as engine_core_args
 from services.kv_transfer.config import (
-    SharedStorageOptions, connector_options, resolve_kv_transfer_config, with_kv_transfer_config,
+    SharedStorageOptions,
+    connector_options,
+    resolve_kv_transfer_config,
+    with_kv_transfer_config,
 )
 
 ZMQ = {"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": 15000}
@@ -67,8 +70,7 @@ def test_engine_core_takes_it_and_passes_it_to_each_engine_process():
     argv = ["--headless", "--data-parallel-size", "1", "--data-parallel-address", "h",
             "--data-parallel-rpc-port", "1", "--kv-transfer-config", json.dumps(ZMQ)]
     args = engine_core_args(argv)
-    command = engine_command(0, "tcp://h:1", local=False, headless=True, num_threads=None,
-                             kv_transfer_config=args.kv_transfer_config)
+    command = engine_args(args, 0, "tcp://h:1").to_argv()
     assert command[command.index("--kv-transfer-config") + 1] == json.dumps(ZMQ)
     with pytest.raises(SystemExit):
         engine_core_args([*argv[:-1], '{"kv_connector": "Nope"}'])

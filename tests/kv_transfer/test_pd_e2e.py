@@ -10,7 +10,7 @@ kv_transfer service for the ZmqConnector), against a single ordinary engine.
 - a damaged stored block, a dead kv_transfer service or a vanished shared
   folder costs only speed: outputs stay correct and the decode server keeps
   serving;
-- afterwards no KV block is held on either side.
+- after every test no KV block is held on either side.
 
 Prompts differ between requests, so no request gets local prefix hits from
 another, and every count below is exact.
@@ -32,6 +32,7 @@ from services.kv_transfer.keys import engine_curve_keys
 from services.kv_transfer.shared_storage import FileBlockStore
 from services.kv_transfer.zmq_connector import ZmqBlockStore
 from tests.kv_transfer.pd_stack import MODEL, PDStack
+from tests.polling import wait_for
 from tests.text_corpus import prompt_of_length
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -155,23 +156,61 @@ def damage_block(stack: PDStack, prompt: list[int], index: int) -> None:
         path.write_bytes(bytes(raw))
 
 
-def test_no_kv_blocks_leak_on_either_side(stack):
+@pytest.fixture(autouse=True)
+def no_kv_block_is_left_held(stack):
+    """After every test, both servers run nothing and hold no KV block."""
+    yield
     stack.wait_until_idle()
 
 
 def test_a_lost_transfer_path_costs_only_speed(stack, client, oracle):
     """ZmqConnector: the kv_transfer service is killed. SharedStorageConnector:
-    the shared folder is gone (a file in its place), so nothing is saved or found."""
+    the shared folder is gone (a file in its place), so nothing is saved or found.
+    The path is put back afterwards, and transfers resume (so no test depends on
+    running before this one)."""
+    lose_transfer_path(stack)
+    try:
+        hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
+        prompt = fresh_prompt(oracle, 90)
+        response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        assert response.choices[0].text == expected_text(oracle, prompt)
+        assert stack.counter(stack.decode_url, EXTERNAL_HITS) == hits_before  # everything was computed
+        # The decode server keeps serving, and nothing is left held anywhere.
+        assert httpx.get(stack.decode_url + "/health", timeout=10).status_code == 200
+        stack.wait_until_idle()
+    finally:
+        restore_transfer_path(stack)
+    prompt = fresh_prompt(oracle, 60)
+    hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
+    response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == expected_text(oracle, prompt)
+    assert stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before == transferable(len(prompt))
+
+
+def lose_transfer_path(stack: PDStack) -> None:
     if stack.connector == "ZmqConnector":
         stack.stop("kv-transfer")
     else:
         shutil.rmtree(stack.storage)
         stack.storage.write_bytes(b"not a folder")
-    hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
-    prompt = fresh_prompt(oracle, 90)
-    response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    assert response.choices[0].text == expected_text(oracle, prompt)
-    assert stack.counter(stack.decode_url, EXTERNAL_HITS) == hits_before  # everything was computed
-    # The decode server keeps serving, and nothing is left held anywhere.
-    assert httpx.get(stack.decode_url + "/health", timeout=10).status_code == 200
-    stack.wait_until_idle()
+
+
+def restore_transfer_path(stack: PDStack) -> None:
+    if stack.connector == "ZmqConnector":
+        stack.start_kv_transfer()
+        wait_for(lambda: _service_answers(stack.kv_port), 60, "the kv_transfer service to answer")
+    else:
+        stack.storage.unlink()
+        stack.storage.mkdir()
+
+
+def _service_answers(port: int) -> bool:
+    store = ZmqBlockStore(f"tcp://127.0.0.1:{port}", timeout_s=1)
+    try:
+        store.stats()
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        store.close()

@@ -14,10 +14,17 @@ import zmq
 import zmq.auth
 
 from protocol.curve import (
-    CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, generate_node_keys, load_keys,
+    CLIENT,
+    SERVER,
+    CurveKeys,
+    ZapAuthenticator,
+    generate_keys,
+    generate_node_keys,
+    load_keys,
 )
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, tcp_address
 from services.cli import main as weft_main
+from tests.utils import KeepingContext
 
 NOTHING_ARRIVES_MS = 600  # how long a refused peer is given to get a message through
 
@@ -31,7 +38,7 @@ def keys_dir(tmp_path_factory):
 
 @pytest.fixture
 def ctx():
-    context = zmq.Context()
+    context = KeepingContext()  # its sockets are closed at teardown, never left to the collector
     yield context
     context.destroy(linger=0)
 

@@ -6,11 +6,22 @@ import numpy as np
 import pytest
 
 from protocol import (
-    CachedRequestData, EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SamplingParams, SchedulerOutput,
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
 )
-from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.kv_transfer import (
-    KVBlock, KVBlockTransfer, KVConnectorMetadata, KVGet, KVPut, KVServiceReply, KVServiceRequest,
+    KVBlock,
+    KVBlockTransfer,
+    KVConnectorMetadata,
+    KVGet,
+    KVPut,
+    KVServiceReply,
+    KVServiceRequest,
     KVTransferParams,
 )
 

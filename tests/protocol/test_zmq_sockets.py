@@ -10,18 +10,28 @@ import zmq
 import zmq.asyncio
 
 from protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams
-from protocol.codec import Decoder, DecodeError, Encoder
+from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.config import EngineConfig, ModelConfig
 from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus
 from protocol.zmq_sockets import (
-    arecv, asend, bound_address, identity_rank, ipc_address, make_socket, rank_identity, recv, send,
-    tcp_address, tcp_host,
+    arecv,
+    asend,
+    bound_address,
+    identity_rank,
+    ipc_address,
+    make_socket,
+    rank_identity,
+    recv,
+    send,
+    tcp_address,
+    tcp_host,
 )
+from tests.utils import KeepingContext
 
 
 @pytest.fixture
 def ctx():
-    context = zmq.Context()
+    context = KeepingContext()  # its sockets are closed at teardown, never left to the collector
     yield context
     context.destroy(linger=0)
 

@@ -1,7 +1,6 @@
 """The persistent batch follows SchedulerOutputs incrementally."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
@@ -11,8 +10,9 @@ from services.worker.step_inputs import prepare_step
 SP = SamplingParams(temperature=0.0)
 
 
-def step(new=(), cached=CachedRequestData(), scheduled=None, finished=(), preempted=()) -> SchedulerOutput:
+def step(new=(), cached=None, scheduled=None, finished=(), preempted=()) -> SchedulerOutput:
     scheduled = scheduled or {}
+    cached = CachedRequestData() if cached is None else cached
     return SchedulerOutput(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=cached,

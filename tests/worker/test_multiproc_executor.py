@@ -18,6 +18,9 @@ from services.worker.multiproc_executor import MultiprocExecutor, WorkerFailedEr
 from tests.worker.executor_fakes import FAKE_WORKER, fake_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Deadline after which a step or a shutdown counts as hung; what is checked is
+# that it ends at all (the failure comes from the dead rank's sentinel).
+HANG_S = 30.0
 
 
 def step(*req_ids: str) -> SchedulerOutput:
@@ -88,30 +91,33 @@ def test_a_start_up_error_is_raised_as_it_was_and_leaves_no_process():
     assert_all_gone(list(after - before))
 
 
-def test_sigkill_of_a_follower_mid_step_fails_the_step_within_seconds(executor):
+def test_sigkill_of_a_follower_mid_step_fails_the_step_instead_of_hanging(executor):
+    events: list[str] = []  # in the order they happened
     failures: list[str] = []
-    noticed = threading.Event()
-    executor.register_failure_callback(lambda reason: (failures.append(reason), noticed.set()))
+    executor.register_failure_callback(lambda reason: (failures.append(reason), events.append("noticed")))
     raised: list[BaseException] = []
 
     def run_step() -> None:
         try:
-            executor.execute_model(step("hang-on-0"))  # the driver blocks, as in a collective
+            executor.execute_model(step("hang-on-0"))  # the driver blocks forever, as in a collective
         except BaseException as e:
             raised.append(e)
+            events.append("step raised")
 
     thread = threading.Thread(target=run_step)
     thread.start()
+    events.append("killed")
     os.kill(executor.processes[1].pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    thread.join(timeout=5)
-    assert not thread.is_alive() and time.monotonic() - killed_at < 5
-    assert noticed.is_set() and "rank 1" in failures[0] and "SIGKILL" in failures[0]
+    thread.join(timeout=HANG_S)
+    assert not thread.is_alive(), "the step still waits for a dead rank"
+    assert events[0] == "killed" and sorted(events[1:]) == ["noticed", "step raised"]
+    assert "rank 1" in failures[0] and "SIGKILL" in failures[0]
     assert isinstance(raised[0], WorkerFailedError) and "rank 1" in str(raised[0])
     pids = [p.pid for p in executor.processes]
-    started = time.monotonic()
-    executor.shutdown()  # the hung driver is killed, not waited for
-    assert time.monotonic() - started < 5
+    stopper = threading.Thread(target=executor.shutdown)  # the hung driver is killed, not waited for
+    stopper.start()
+    stopper.join(timeout=HANG_S)
+    assert not stopper.is_alive(), "shutdown waits for the hung driver"
     assert_all_gone(pids)
 
 

@@ -7,7 +7,13 @@ import torch.nn.functional as F
 
 from services.worker.distributed import TensorParallelGroup
 from services.worker.layers.linear import (
-    ColumnParallelLinear, Linear, RowParallelLinear, RowSlice, can_pack, pack_linear_weights, packed_weights_bytes,
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    RowSlice,
+    can_pack,
+    pack_linear_weights,
+    packed_weights_bytes,
 )
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 

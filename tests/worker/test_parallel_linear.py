@@ -14,9 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from services.parallel_args import check_tensor_parallel
-from services.worker.distributed import TensorParallelGroup, destroy_tensor_parallel, get_tp_group, init_tensor_parallel
+from services.worker.distributed import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    get_tp_group,
+    init_tensor_parallel,
+)
 from services.worker.layers.linear import (
-    ColumnParallelLinear, RowParallelLinear, RowSlice, even_slices, kv_heads_of_rank, qkv_slices,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    RowSlice,
+    even_slices,
+    kv_heads_of_rank,
+    qkv_slices,
 )
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, VocabShard
 from services.worker.multiproc_executor import free_tcp_init_method

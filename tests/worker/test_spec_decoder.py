@@ -5,7 +5,14 @@ import msgspec
 import pytest
 import torch
 
-from protocol import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from protocol import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from services.worker.input_batch import CachedRequestState
 from services.worker.spec_decode.spec_decoder import SpecDecoder, request_chunks
 

@@ -5,7 +5,7 @@ import pytest
 
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.worker.executor import UniProcExecutor
-from services.worker.worker import Worker, kv_blocks_from_memory
+from services.worker.worker import Worker, budget_advice, kv_blocks_from_memory
 
 MiB = 1 << 20
 
@@ -34,8 +34,16 @@ def test_blocks_formula():
 
 def test_too_small_a_budget_says_what_to_change(make_engine_config, tiny_llama_dir):
     worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=MiB // 4))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"max_model_len.*Raise --kv-cache-memory \(now 262144 bytes\)"):
         worker.determine_num_blocks()
+
+
+def test_the_cpu_default_budget_error_names_the_flag_and_a_size(make_engine_config, tiny_llama_dir):
+    config = tiny_config(make_engine_config, tiny_llama_dir)
+    assert config.cache.kv_cache_memory is None and config.device.device == "cpu"
+    advice = budget_advice(config, needed_bytes=(2 << 30) + 1)
+    assert "default budget is 2 GiB for the weights" in advice
+    assert f"--kv-cache-memory (bytes; at least 3 GiB = {3 << 30} here)" in advice
 
 
 def test_override_wins_but_needs_two_blocks(make_engine_config, tiny_llama_dir):

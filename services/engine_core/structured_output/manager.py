@@ -40,9 +40,9 @@ from protocol.structured_outputs import COMPILE_TIME_BUCKETS, StructuredOutputSt
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.structured_output.backend import (
     StructuredOutputBackend,
-    StructuredOutputGrammar,
     bitmask_words,
 )
+from services.engine_core.structured_output.request_state import CompileJob, StructuredOutputRequest
 
 # Compiled grammars kept for reuse; the least recently asked for goes first.
 MAX_CACHED_GRAMMARS = 256
@@ -51,22 +51,6 @@ MAX_CACHED_GRAMMARS = 256
 _COMPILE_THREADS = max(2, (os.cpu_count() or 2) // 2)
 # Distinct compiles queued or running (ones past their timeout count until they end).
 MAX_COMPILES_IN_FLIGHT = 4 * _COMPILE_THREADS
-
-
-@dataclass
-class _CompileJob:
-    future: Future | None = None
-    submitted_at: float = 0.0
-    started_at: float | None = None  # set by the pool thread when compiling begins
-
-
-@dataclass
-class StructuredOutputRequest:
-    """A constrained request's grammar: compiling until ``grammar`` is set."""
-
-    params: StructuredOutputsParams
-    job: _CompileJob
-    grammar: StructuredOutputGrammar | None = None
 
 
 @dataclass
@@ -94,8 +78,8 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple, _CompileJob] = OrderedDict()
-        self._in_flight: list[_CompileJob] = []  # submitted, future not done yet
+        self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
+        self._in_flight: list[CompileJob] = []  # submitted, future not done yet
         self.max_compiles_in_flight = MAX_COMPILES_IN_FLIGHT
         self._backend_ready_at: float | None = None  # compile timeouts count from here at the earliest
         self._totals_lock = threading.Lock()  # pool threads add compile times
@@ -168,11 +152,11 @@ class StructuredOutputManager:
         return (f"Compiling the {so_request.params.kind} constraint took longer than "
                 f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout).")
 
-    def _submit(self, params: StructuredOutputsParams) -> _CompileJob:
+    def _submit(self, params: StructuredOutputsParams) -> CompileJob:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        job = _CompileJob(submitted_at=self._clock())
+        job = CompileJob(submitted_at=self._clock())
         self._in_flight = [j for j in self._in_flight if not j.future.done()]
         if len(self._in_flight) >= self.max_compiles_in_flight:
             job.future = Future()
@@ -184,7 +168,7 @@ class StructuredOutputManager:
         self._in_flight.append(job)
         return job
 
-    def _compile(self, job: _CompileJob, params: StructuredOutputsParams) -> Any:
+    def _compile(self, job: CompileJob, params: StructuredOutputsParams) -> Any:
         """On a pool thread: the backend's first use builds it (not timed)."""
         backend = self._get_backend()
         job.started_at = self._clock()

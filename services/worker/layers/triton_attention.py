@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     num_tokens: int

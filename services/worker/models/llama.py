@@ -17,8 +17,8 @@ checkpoint tensor as it loads it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -27,7 +27,13 @@ from services.worker.distributed import TensorParallelGroup, divide, get_tp_grou
 from services.worker.layers.activation import silu_and_mul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
 from services.worker.layers.linear import (
-    ColumnParallelLinear, RowParallelLinear, copy_weight, even_slices, kv_heads_of_rank, qkv_slices, whole,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_weight,
+    even_slices,
+    kv_heads_of_rank,
+    qkv_slices,
+    whole,
 )
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding

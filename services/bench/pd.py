@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode vs one colocated engine, on one machine.
+"""``weft bench pd``: disaggregated prefill/decode vs one colocated engine, on one machine.
 
 1. Transfer cost: blocks of the default model (fp32) saved and loaded by a
    worker's transfer thread, through ``weft kv-transfer`` and through a
@@ -11,7 +11,7 @@
 Both setups get the same two cores: the colocated engine runs 2 torch
 threads, the prefill and decode engines 1 each.
 
-    python benchmarks/pd/run_pd_bench.py [--request-rate 2] [--out bench-results/pd]
+    weft bench pd [--request-rate 2] [--out bench-results/pd]
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,19 +28,14 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+from services.model_files import REPO_ROOT
+from services.ports import free_port
 
-WORKLOAD = Path(__file__).resolve().parent / "pd-mixed.json"
+WORKLOAD = "pd-mixed"  # benchmarks/workloads/pd-mixed.json
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2304", "--max-num-batched-tokens", "512",
                "--num-gpu-blocks-override", "700", "--max-num-seqs", "16"]
 STARTUP_S = 600.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Processes:
@@ -53,9 +47,9 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def weft(self, name: str, *argv: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
 
     def wait_healthy(self, url: str) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -89,7 +83,7 @@ def bench_serve(url: str, rate: float, result: Path) -> dict:
     """``weft bench serve`` against ``url``; returns its JSON report."""
     httpx.post(url + "/v1/completions", json={"prompt": "Warm up.", "max_tokens": 4}, timeout=300)
     subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", url,
-                    "--dataset", str(WORKLOAD), "--request-rate", str(rate), "--seed", "0",
+                    "--dataset", WORKLOAD, "--request-rate", str(rate), "--seed", "0",
                     "--result-json", str(result), "--quiet"], check=True, cwd=REPO_ROOT)
     return json.loads(result.read_text())
 
@@ -214,12 +208,14 @@ def summary(colocated: dict, pd: dict, pd_extra: dict, transfer: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=2.0)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results" / "pd")
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / "pd")
     parser.add_argument("--skip-transfer-cost", action="store_true")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    args.out = args.out.resolve()  # the processes run in the repository root
     args.out.mkdir(parents=True, exist_ok=True)
     transfer = {} if args.skip_transfer_cost else transfer_cost()
     colocated = run_colocated(args.out, args.request_rate)
@@ -229,7 +225,3 @@ def main() -> int:
          "pd_transfers": pd_extra, "transfer_cost": transfer}, indent=2) + "\n")
     print(summary(colocated, pd, pd_extra, transfer))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

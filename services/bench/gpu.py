@@ -1,8 +1,8 @@
-"""The GPU figures of scripts/gpu_check.sh, one line each ("gpu_check | ...").
+"""``weft bench gpu``: the GPU figures of scripts/gpu_check.sh, one line each ("gpu_check | ...").
 
-    python scripts/gpu_bench.py e2e          # default model, greedy: Triton + CUDA graphs vs torch (fp32)
-    python scripts/gpu_bench.py kernels      # paged attention kernel vs torch SDPA, Llama-3-8B heads, bf16
-    python scripts/gpu_bench.py throughput   # dummy-weight Llama-3-8B: decode tok/s at batch 1/32/256, prefill tok/s
+    weft bench gpu e2e          # default model, greedy: Triton + CUDA graphs vs torch (fp32)
+    weft bench gpu kernels      # paged attention kernel vs torch SDPA, Llama-3-8B heads, bf16
+    weft bench gpu throughput   # dummy-weight Llama-3-8B: decode tok/s at batch 1/32/256, prefill tok/s
 
 ``--smoke`` runs the same code on CPU with tiny shapes (Triton interpreted),
 to check the script itself where there is no GPU; its figures mean nothing.
@@ -15,13 +15,9 @@ import gc
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3-8B), for dummy weights.
 LLAMA3_8B = dict(
@@ -176,7 +172,9 @@ def throughput(smoke: bool) -> int:
 def write_dummy_model(folder: Path, config: dict) -> None:
     """config.json of the shape, and the default model's tokenizer (prompts are token ids anyway)."""
     (folder / "config.json").write_text(json.dumps(config))
-    tokenizer_dir = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.hf"
+    from services.model_files import DEFAULT_GGUF, models_dir
+
+    tokenizer_dir = models_dir() / DEFAULT_GGUF.replace(".gguf", ".hf")
     if (tokenizer_dir / "tokenizer.json").exists():
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (tokenizer_dir / name).exists():
@@ -220,16 +218,13 @@ def _generate(llm, batch: int, prompt_len: int, max_tokens: int) -> float:
     return seconds
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["e2e", "kernels", "throughput"])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreted): checks the script")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
         os.environ.setdefault("WEFT_ATTENTION_BACKEND", "triton")  # CPU would pick torch
     return {"e2e": e2e, "kernels": kernels, "throughput": throughput}[args.what](args.smoke)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,27 +1,17 @@
-"""Write ``benchmarks/repetitive-8.json``: prompts whose continuation repeats text
+"""Write ``benchmarks/workloads/repetitive-8.json``: prompts whose continuation repeats text
 they contain (code, records, a chorus), the case n-gram speculation is for.
 
 Each prompt gives some code or text more than once and stops part-way into
 another copy, or asks for it to be repeated; the model's greedy continuation
 copies long runs of the prompt. Tokenized with the default model's tokenizer
 (no special tokens added), in the shared workload format
-(``../shared/workloads/README.md``); output lengths are exact (``ignore_eos``).
+(``benchmarks/workloads/README.md``); output lengths are exact (``ignore_eos``).
 
-    python scripts/make_repetitive_workload.py
+    weft bench make-workload repetitive-8
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from services.api.tokenizer import Tokenizer  # noqa: E402
-from services.model_files import resolve  # noqa: E402
-
-OUTPUT = REPO_ROOT / "benchmarks" / "repetitive-8.json"
+from services.api.tokenizer import Tokenizer
 
 PY_CODE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -99,8 +89,8 @@ def prompts() -> list[tuple[str, int]]:
     ]
 
 
-def main() -> int:
-    tokenizer = Tokenizer(resolve(None).hf_dir)
+def build(tokenizer: Tokenizer) -> dict:
+    """The workload as a JSON-ready dict, tokenized with ``tokenizer``."""
     requests = []
     for text, max_tokens in prompts():
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -108,18 +98,10 @@ def main() -> int:
     workload = {
         "name": "repetitive-8",
         "description": "8 prompts that repeat code or text and stop inside another copy (n-gram "
-                       "speculative decoding); built by scripts/make_repetitive_workload.py",
+                       "speculative decoding); built by `weft bench make-workload repetitive-8`",
         "ignore_eos": True,
         "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
         "total_output_tokens": sum(r["max_tokens"] for r in requests),
         "requests": requests,
     }
-    OUTPUT.parent.mkdir(exist_ok=True)
-    OUTPUT.write_text(json.dumps(workload, indent=1) + "\n")
-    print(f"wrote {OUTPUT}: {len(requests)} requests, {workload['total_prompt_tokens']} prompt and "
-          f"{workload['total_output_tokens']} output tokens")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return workload

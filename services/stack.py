@@ -1,4 +1,5 @@
-"""A ``weft serve`` stack the soak test starts, watches, damages and stops.
+"""A ``weft serve`` stack in a subprocess, started, watched, damaged and stopped
+from outside: the harness of ``weft bench soak`` and of the reliability tests.
 
 Everything is read from outside, as an operator would: ``/health`` for rank
 states, load and free KV blocks, ``/proc`` for the processes (the engine
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from services.ports import free_port
+
 _ENGINE_MODULE = "services.engine_core.proc"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Write ``benchmarks/pd/pd-mixed.json``: ongoing streams, then long prompts.
+"""Write ``benchmarks/workloads/pd-mixed.json``: ongoing streams, then long prompts.
 
 Six streams (short prompts, 128 output tokens each) come first; three long
 prompts (over 2,000 tokens, 8 output tokens each) follow, so with a modest
@@ -6,23 +6,14 @@ request rate they arrive while the streams are still decoding -- the case
 disaggregated prefill/decode is for. Each long prompt opens with its own
 header line, so no two share a prefix-cache block. Tokenized with the
 default model's tokenizer (no special tokens), in the shared workload format
-(``../shared/workloads/README.md``); output lengths are exact (``ignore_eos``).
+(``benchmarks/workloads/README.md``); output lengths are exact (``ignore_eos``).
 
-    python benchmarks/pd/make_workload.py
+    weft bench make-workload pd-mixed
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from services.api.tokenizer import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-
-from services.api.tokenizer import Tokenizer  # noqa: E402
-from services.model_files import resolve  # noqa: E402
-
-OUTPUT = Path(__file__).resolve().parent / "pd-mixed.json"
 LONG_PROMPT_TOKENS = 2048
 STREAM_TOKENS = 128
 LONG_OUTPUT_TOKENS = 8
@@ -56,8 +47,8 @@ def long_prompt(tokenizer: Tokenizer, index: int) -> tuple[str, list[int]]:
     return header + body + question, ids
 
 
-def main() -> int:
-    tokenizer = Tokenizer(resolve(None).hf_dir)
+def build(tokenizer: Tokenizer) -> dict:
+    """The workload as a JSON-ready dict, tokenized with ``tokenizer``."""
     requests = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
                  "max_tokens": STREAM_TOKENS} for p in STREAM_PROMPTS]
     for index in range(3):
@@ -66,17 +57,10 @@ def main() -> int:
     workload = {
         "name": "pd-mixed",
         "description": f"6 streams ({STREAM_TOKENS} output tokens) then 3 prompts of {LONG_PROMPT_TOKENS}+ "
-                       "tokens arriving while they decode; built by benchmarks/pd/make_workload.py",
+                       "tokens arriving while they decode; built by `weft bench make-workload pd-mixed`",
         "ignore_eos": True,
         "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
         "total_output_tokens": sum(r["max_tokens"] for r in requests),
         "requests": requests,
     }
-    OUTPUT.write_text(json.dumps(workload, indent=1) + "\n")
-    print(f"wrote {OUTPUT}: {len(requests)} requests, {workload['total_prompt_tokens']} prompt and "
-          f"{workload['total_output_tokens']} output tokens")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return workload

