@@ -27,6 +27,7 @@ from kernels.cpu_attention import KernelUnavailable, target_isa
 from kernels.reference import check_fused_add_rms_norm_args, check_rotary_args, check_silu_and_mul_args
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_fused.cpp"
+DTYPES = (torch.float32, torch.bfloat16)
 ENV_SWITCH = "WEFT_CPU_FUSED"  # "0" turns the fused CPU path off; read only by enabled_by_env()
 
 logger = logging.getLogger(__name__)
