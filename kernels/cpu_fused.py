@@ -24,7 +24,11 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_attention import KernelUnavailable, target_isa
-from kernels.reference import check_fused_add_rms_norm_args, check_rotary_args, check_silu_and_mul_args
+from kernels.reference import (
+    check_fused_add_rms_norm_args,
+    check_rotary_args,
+    check_silu_and_mul_args,
+)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_fused.cpp"
 DTYPES = (torch.float32, torch.bfloat16)

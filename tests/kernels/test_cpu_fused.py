@@ -10,7 +10,10 @@ import torch
 
 from kernels import cpu_fused
 from kernels.reference import (
-    fused_add_rms_norm_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
 )
 from services.worker.layers.rotary import RotaryEmbedding
 
