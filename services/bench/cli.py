@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from services.bench import executor_overhead, serve_cli, throughput
+from services.bench import profile as profile_bench
 from services.bench.throughput import BenchResult
 from services.bench.datasets import default_tokenizer, load_any, random_workload
 from services.bench.workload import Workload
@@ -285,6 +286,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
              "with a model-free worker.",
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
+    ),
+    "profile": Subcommand(
+        help="torch.profiler breakdown of decode-64, prefill-2048 and batch-1 decode steps, fused kernels off/on.",
+        add_arguments=profile_bench.add_arguments, run=profile_bench.run,
     ),
 }
 
