@@ -172,3 +172,45 @@ def test_a_failed_build_is_logged_and_falls_back(monkeypatch, caplog):
         assert "fall back to torch ops" in caplog.text
     finally:
         cpu_fused.available.cache_clear()
+
+
+def _layers(monkeypatch, switch: str, dtype: torch.dtype):
+    from services.worker.layers.norm import RMSNorm
+
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, switch)
+    cpu_fused.available.cache_clear()
+    try:
+        norm = RMSNorm(576, 1e-5, dtype)
+        rotary = RotaryEmbedding(64, 512, 10000.0)
+    finally:
+        cpu_fused.available.cache_clear()
+    norm.weight.data = torch.linspace(0.5, 1.5, 576).to(dtype)
+    return norm, rotary
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_layers_with_and_without_the_fused_path_agree(generator, close, monkeypatch, dtype):
+    """The layers pick the kernels at construction; the results are the torch path's."""
+    from services.worker.layers.activation import silu_and_mul
+
+    fused_norm, fused_rotary = _layers(monkeypatch, "1", dtype)
+    torch_norm, torch_rotary = _layers(monkeypatch, "0", dtype)
+    assert (fused_norm._cpu_fused, torch_norm._cpu_fused) == (True, False)
+    x, residual = torch.randn(5, 576, generator=generator).to(dtype), torch.randn(5, 576, generator=generator).to(dtype)
+    expected_out, expected_residual = torch_norm(x.clone(), residual.clone())
+    out, new_residual = fused_norm(x.clone(), residual.clone())
+    close(out, expected_out, dtype, scale=4.0)
+    assert torch.equal(new_residual, expected_residual)
+    close(fused_norm(x), torch_norm(x), dtype, scale=4.0)
+
+    qkv = torch.randn(5, 15 * 64, generator=generator).to(dtype)
+    positions = torch.tensor([0, 7, 100, 3, 511])
+    q, k, _ = qkv.clone().split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    expected_q, expected_k = torch_rotary(positions, *[t.clone() for t in (q, k)])
+    got_q, got_k = fused_rotary(positions, q, k)
+    close(got_q, expected_q, dtype, scale=4.0)
+    close(got_k, expected_k, dtype, scale=4.0)
+
+    gate_up = torch.randn(5, 2 * 1536, generator=generator).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype, scale=8.0)
