@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml requirements.lock
 	# The CPU attention kernel, built now rather than by the first engine to start;
 	# without a compiler weft still runs, on the slower torch path.
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
+	$(PY) -m kernels.cpu_fused || echo "warning: fused CPU kernels not built; RMSNorm, SiLU-and-mul and rotary use torch ops"
 	touch $@
 
 model: $(HF_DIR)/config.json
