@@ -3,11 +3,12 @@
 Runs the in-process engine (``LLM``) on three fixed shapes, each step timed
 plainly first and then under ``torch.profiler``: a decode step of 64
 running sequences, a 2,048-token prefill step, and a batch-1 decode step.
+With ``--fused both`` an engine with the fused CPU kernels off and one with
+them on live side by side, and their timed steps alternate round by round.
 Each op's self CPU time is put in a group (linear, attention, the fused CPU
 kernels, element-wise ops by kind, the rest), so a change to one kind of
-work shows as a shift between groups. ``--fused both`` runs every shape
-with the fused CPU kernels off, then on, in one process: the ratio of the
-two is what means something on a machine shared with other work.
+work shows as a shift between groups. On a machine shared with other work
+only the ratio of the interleaved timings means something.
 """
 from __future__ import annotations
 
@@ -86,48 +87,72 @@ def _timed_steps(engine, n: int) -> list[float]:
     return times
 
 
+def _start(llm, name: str, tag: str, seed: int, max_tokens: int) -> list[str]:
+    """Add the shape's requests; for a decode shape, step until all are prefilled."""
+    num_seqs, prompt_len, _ = SHAPES[name]
+    requests = _requests(llm, num_seqs, prompt_len, max_tokens, f"{name}-{tag}", seed)
+    for request in requests:
+        llm.engine.add_request(request)
+    if name.startswith("decode"):  # the measured steps are then pure decode
+        seen: set[str] = set()
+        while len(seen) < num_seqs:
+            seen.update(o.request_id for o in llm.engine.step().outputs)
+    return [r.request_id for r in requests]
+
+
+def time_shape(llms: list, name: str, rounds: int) -> list[float]:
+    """Median step ms of each engine, their steps interleaved (A, B, A, B, ...) so that a change
+    in the machine's load between rounds touches both alike."""
+    _, _, steps = SHAPES[name]
+    decode = name.startswith("decode")
+    times: list[list[float]] = [[] for _ in llms]
+    live = [_start(llm, name, "timed", 1, rounds * steps + 8) for llm in llms] if decode else None
+    for r in range(rounds):
+        for i, llm in enumerate(llms):
+            if not decode:  # a fresh prompt each round: no prefix-cache hits
+                ids = _start(llm, name, f"timed{r}", 10 + r, 2)
+            times[i] += _timed_steps(llm.engine, steps)
+            if not decode:
+                llm.engine.abort_requests(ids)
+    for llm, ids in zip(llms, live or []):
+        llm.engine.abort_requests(ids)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
 def profile_shape(llm, name: str) -> dict[str, Any]:
-    """Plain step times, then the profiled breakdown, of one shape (its requests aborted after)."""
+    """The profiled breakdown of ``steps`` steps of one shape."""
     from torch.profiler import ProfilerActivity, profile
 
-    num_seqs, prompt_len, steps = SHAPES[name]
-    engine = llm.engine
-    decode = name.startswith("decode")
-    results = {}
-    for seed, phase in enumerate(("timed", "profiled")):
-        requests = _requests(llm, num_seqs, prompt_len, 4 * steps + 8, f"{name}-{phase}", seed)
-        for request in requests:
-            engine.add_request(request)
-        if decode:  # prefill everything first, so the measured steps are pure decode
-            seen: set[str] = set()
-            while len(seen) < num_seqs:
-                seen.update(o.request_id for o in engine.step().outputs)
-        if phase == "timed":
-            results["step_ms"] = statistics.median(_timed_steps(engine, steps)) * 1e3
-        else:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                _timed_steps(engine, steps)
-            groups, ops = breakdown(prof.key_averages())
-            results.update(groups=groups, top_ops=ops[:15], steps=steps)
-        engine.abort_requests([r.request_id for r in requests])
-    return {"shape": name, **results}
+    _, _, steps = SHAPES[name]
+    ids = _start(llm, name, "profiled", 2, steps + 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _timed_steps(llm.engine, steps)
+    llm.engine.abort_requests(ids)
+    groups, ops = breakdown(prof.key_averages())
+    return {"shape": name, "groups": groups, "top_ops": ops[:15], "steps": steps}
 
 
-def run_profile(shapes: list[str], fused: str, **engine_args: Any) -> dict[str, Any]:
+def run_profile(shapes: list[str], fused: str, rounds: int = 3, **engine_args: Any) -> dict[str, Any]:
+    """One engine per mode, all alive at once (the layers choose the kernels at construction)."""
     from kernels import cpu_fused
     from services import LLM
 
     modes = {"on": ["1"], "off": ["0"], "both": ["0", "1"]}[fused]
-    runs = []
-    for mode in modes:
-        os.environ[cpu_fused.ENV_SWITCH] = mode
-        cpu_fused.available.cache_clear()  # the layers choose at construction, from this
-        llm = LLM(**engine_args)
-        try:
-            runs.append({"fused": mode == "1", "shapes": [profile_shape(llm, s) for s in shapes]})
-        finally:
+    llms = []
+    try:
+        for mode in modes:
+            os.environ[cpu_fused.ENV_SWITCH] = mode
+            cpu_fused.available.cache_clear()
+            llms.append(LLM(**engine_args))
+        runs = [{"fused": mode == "1", "shapes": []} for mode in modes]
+        for name in shapes:
+            for run, llm, step_ms in zip(runs, llms, time_shape(llms, name, rounds)):
+                run["shapes"].append({**profile_shape(llm, name), "step_ms": step_ms})
+    finally:
+        for llm in llms:
             llm.shutdown()
-    return {"engine_args": engine_args, "runs": runs}
+        cpu_fused.available.cache_clear()
+    return {"engine_args": engine_args, "rounds": rounds, "runs": runs}
 
 
 def format_profile(report: dict[str, Any]) -> str:
@@ -135,7 +160,7 @@ def format_profile(report: dict[str, Any]) -> str:
     for run in report["runs"]:
         for shape in run["shapes"]:
             lines.append(f"\n{shape['shape']}  fused CPU kernels {'on' if run['fused'] else 'off'}: "
-                         f"{shape['step_ms']:.1f} ms/step (median, unprofiled)")
+                         f"{shape['step_ms']:.1f} ms/step (median, unprofiled, interleaved)")
             lines.append(f"  {'group':<40}{'self ms/step':>13}{'share':>8}{'calls/step':>11}")
             for g in shape["groups"]:
                 lines.append(f"  {g['group']:<40}{g['self_ms'] / shape['steps']:>13.2f}{g['share']:>8.1%}"
@@ -144,7 +169,7 @@ def format_profile(report: dict[str, Any]) -> str:
                                                      for o in shape["top_ops"][:6]))
     if len(report["runs"]) == 2:
         off, on = (r["shapes"] for r in report["runs"])
-        lines.append("\nfused on / off, step time (same process):")
+        lines.append("\nfused on / off, step time (interleaved in one process):")
         for a, b in zip(off, on):
             lines.append(f"  {a['shape']:<14} {a['step_ms']:.1f} -> {b['step_ms']:.1f} ms  "
                          f"(x{a['step_ms'] / b['step_ms']:.2f} faster)")
@@ -161,6 +186,8 @@ def add_arguments(parser) -> None:
                         help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode.")
     parser.add_argument("--fused", choices=["on", "off", "both"], default="both",
                         help="Fused CPU kernels on, off, or off then on in one process (WEFT_CPU_FUSED).")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="Timed rounds per shape, the modes' steps interleaved round by round.")
     parser.add_argument("--output-json", default=None, help="Also write the results to this JSON file.")
     add_engine_args(parser)
 
@@ -175,7 +202,9 @@ def run(args, parser) -> int:
     engine_args = dataclasses.asdict(engine_args_from(args))
     if "prefill-2048" in args.shapes and (engine_args.get("max_num_batched_tokens") or 2048) < 2048:
         parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
-    report = run_profile(args.shapes, args.fused, **engine_args)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1.")
+    report = run_profile(args.shapes, args.fused, args.rounds, **engine_args)
     print(format_profile(report))
     if args.output_json is not None:
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -175,6 +175,7 @@ def test_a_failed_build_is_logged_and_falls_back(monkeypatch, caplog):
 
 
 def _layers(monkeypatch, switch: str, dtype: torch.dtype):
+    from services.worker.layers.activation import SiluAndMul
     from services.worker.layers.norm import RMSNorm
 
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, switch)
@@ -182,20 +183,20 @@ def _layers(monkeypatch, switch: str, dtype: torch.dtype):
     try:
         norm = RMSNorm(576, 1e-5, dtype)
         rotary = RotaryEmbedding(64, 512, 10000.0)
+        act = SiluAndMul()
     finally:
         cpu_fused.available.cache_clear()
     norm.weight.data = torch.linspace(0.5, 1.5, 576).to(dtype)
-    return norm, rotary
+    return norm, rotary, act
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_layers_with_and_without_the_fused_path_agree(generator, close, monkeypatch, dtype):
     """The layers pick the kernels at construction; the results are the torch path's."""
-    from services.worker.layers.activation import silu_and_mul
-
-    fused_norm, fused_rotary = _layers(monkeypatch, "1", dtype)
-    torch_norm, torch_rotary = _layers(monkeypatch, "0", dtype)
-    assert (fused_norm._cpu_fused, torch_norm._cpu_fused) == (True, False)
+    fused_norm, fused_rotary, fused_act = _layers(monkeypatch, "1", dtype)
+    torch_norm, torch_rotary, torch_act = _layers(monkeypatch, "0", dtype)
+    assert (fused_norm._cpu_fused, fused_rotary._cpu_fused, fused_act._cpu_fused) == (True, True, True)
+    assert (torch_norm._cpu_fused, torch_rotary._cpu_fused, torch_act._cpu_fused) == (False, False, False)
     x, residual = torch.randn(5, 576, generator=generator).to(dtype), torch.randn(5, 576, generator=generator).to(dtype)
     expected_out, expected_residual = torch_norm(x.clone(), residual.clone())
     out, new_residual = fused_norm(x.clone(), residual.clone())
@@ -213,4 +214,5 @@ def test_cpu_layers_with_and_without_the_fused_path_agree(generator, close, monk
 
     gate_up = torch.randn(5, 2 * 1536, generator=generator).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype, scale=8.0)
+    close(fused_act(gate_up), torch.nn.functional.silu(gate) * up, dtype, scale=8.0)
+    close(torch_act(gate_up), torch.nn.functional.silu(gate) * up, dtype, scale=8.0)
