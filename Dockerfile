@@ -15,7 +15,7 @@ RUN useradd --create-home --uid 10001 --user-group weft \
 WORKDIR /app
 COPY --chown=weft:weft . /app
 USER weft
-RUN make install model && .venv/bin/python -m kernels.cpu_attention
+RUN make install model && .venv/bin/python -m kernels.cpu_attention && .venv/bin/python -m kernels.cpu_fused
 ENV PATH=/app/.venv/bin:$PATH
 EXPOSE 8000 29550
 CMD ["weft", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml requirements.lock
 	# without a compiler weft still runs, on the slower torch path.
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
 	$(PY) -m kernels.cpu_quant_linear || echo "warning: CPU quantized-linear kernel not built; GGUF weights kept quantized use the torch path"
+	$(PY) -m kernels.cpu_fused || echo "warning: fused CPU kernels not built; RMSNorm, SiLU-and-mul and rotary use torch ops"
 	touch $@
 
 model: $(HF_DIR)/config.json

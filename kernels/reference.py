@@ -173,3 +173,75 @@ def quant_linear_ref(
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.quant_linear``: ``x [M, K] @ W^T`` in fp32, W packed."""
     return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T
+def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}.")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension.")
+
+
+def _check_float(name: str, t: torch.Tensor, cpu: bool) -> None:
+    dtypes = (torch.float32, torch.bfloat16) if cpu else _FLOAT_DTYPES
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, dtypes))}, got {t.dtype}.")
+    if cpu and t.device.type != "cpu":
+        raise ValueError(f"the fused CPU kernels take CPU tensors only; {name} is on {t.device}.")
+
+
+def check_fused_add_rms_norm_args(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, *, cpu: bool = False
+) -> None:
+    """``x [T, N]``, ``weight [N]`` and ``residual [T, N]`` (or None) of one float dtype; ``cpu``
+    adds what the compiled CPU kernels need (fp32 or bf16, CPU tensors)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, N], got {list(x.shape)}.")
+    _check_float("x", x, cpu)
+    _check_rows("weight", weight, (x.shape[1],), x.dtype)
+    _check_rows("x", x, tuple(x.shape), x.dtype)
+    if residual is not None:
+        _check_rows("residual", residual, tuple(x.shape), x.dtype)
+        if residual.device != x.device or weight.device != x.device:
+            raise ValueError("x, residual and weight must be on one device.")
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Twin of ``kernels.cpu_fused.fused_add_rms_norm``, in place as vLLM's:
+    ``residual = x + residual``, then ``x = norm(residual) * weight``."""
+    check_fused_add_rms_norm_args(x, weight, residual)
+    out, new_residual = rms_norm_ref(x, weight, eps, residual)
+    residual.copy_(new_residual)
+    x.copy_(out)
+
+
+def check_silu_and_mul_args(x: torch.Tensor, *, cpu: bool = False) -> None:
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [T, 2I] (gate, up), got {list(x.shape)}.")
+    _check_float("x", x, cpu)
+    _check_rows("x", x, tuple(x.shape), x.dtype)
+
+
+def check_rotary_args(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    head_dim: int, *, cpu: bool = False,
+) -> None:
+    """query ``[T, H * D]`` and key ``[T, KVH * D]`` of one dtype, positions ``[T]`` integers
+    inside the fp32 ``[P, D]`` cos and sin tables."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be even and positive, got {head_dim}.")
+    if query.dim() != 2 or key.dim() != 2 or query.shape[1] % head_dim or key.shape[1] % head_dim:
+        raise ValueError(
+            f"query and key must be [T, heads * {head_dim}], got {list(query.shape)} and {list(key.shape)}."
+        )
+    _check_float("query", query, cpu)
+    _check_rows("query", query, tuple(query.shape), query.dtype)
+    _check_rows("key", key, (query.shape[0], key.shape[1]), query.dtype)
+    if positions.shape != (query.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be [T] int32 or int64, got {list(positions.shape)} {positions.dtype}.")
+    if cos.dim() != 2 or cos.shape[1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [P, {head_dim}], got {list(cos.shape)} and {list(sin.shape)}.")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_rows(name, table, tuple(cos.shape), torch.float32)
+    if cpu and cos.stride() != sin.stride():
+        raise ValueError("cos and sin must share one layout.")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cos.shape[0]}).")

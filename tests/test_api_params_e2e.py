@@ -15,10 +15,10 @@ import math
 
 import openai
 import pytest
-from services.stack import Stack
 
 from services.api.tokenizer import Tokenizer
 from services.model_files import resolve
+from services.stack import Stack
 
 MODEL = resolve(None)
 PROMPT = "The capital of France is"

@@ -19,8 +19,8 @@ import re
 import httpx
 import openai
 import pytest
-from services.stack import Stack
 
+from services.stack import Stack
 from tests.test_monitoring import dashboard_metric_names, served_sample_names
 
 KEY = "mgmt-key"

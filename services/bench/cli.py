@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench import executor_overhead, gpu, make_workload, pd, serve_cli, throughput
+from services.bench import profile as profile_bench
 from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.throughput import BenchResult, warn_if_short
 from services.bench.workload import Workload
@@ -246,6 +247,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
              "with a model-free worker.",
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
+    ),
+    "profile": Subcommand(
+        help="torch.profiler breakdown of decode-64, prefill-2048 and batch-1 decode steps, fused kernels off/on.",
+        add_arguments=profile_bench.add_arguments, run=profile_bench.run,
     ),
     "pd": Subcommand(
         help="Disaggregated prefill/decode (pd-proxy, two servers, kv-transfer) vs one colocated server, "

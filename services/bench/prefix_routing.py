@@ -25,8 +25,8 @@ from protocol.zmq_sockets import ipc_address
 from services.bench.datasets import default_tokenizer, load_any
 from services.bench.multiturn import multiturn_workload
 from services.bench.serve_client import ClientConfig, run_benchmark, served_model
-from services.stack import Stack
 from services.bench.workload import Workload
+from services.stack import Stack
 
 MODES = ("prefix", "load")
 

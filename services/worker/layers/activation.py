@@ -1,9 +1,11 @@
-"""The MLP's gate: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``, one kernel on the Triton backend."""
+"""The MLP's gate: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``, one kernel on the Triton
+backend, and one compiled kernel on CPU through ``SiluAndMul``."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import cpu_fused
 from services.worker.forward_context import current_backend
 
 
@@ -20,3 +22,18 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` (gate, up) -> ``gelu_tanh(gate) * up`` ``[T, I]``: Gemma's GeGLU."""
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.gelu(gate, approximate="tanh") * up
+
+
+class SiluAndMul(nn.Module):
+    """``silu_and_mul`` as a layer: on CPU, the compiled kernel (``kernels.cpu_fused``) when it
+    was built, chosen once at construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cpu_fused = cpu_fused.available()
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if (self._cpu_fused and gate_up.device.type == "cpu" and gate_up.dtype in cpu_fused.DTYPES
+                and current_backend() != "triton"):
+            return cpu_fused.silu_and_mul(gate_up)
+        return silu_and_mul(gate_up)

@@ -2,13 +2,16 @@
 
 Given the residual stream too, it adds the sublayer's output to it first and
 returns both the normalized sum and the new residual: one fused kernel on
-the Triton backend.
+the Triton backend, and one compiled kernel on CPU (``kernels.cpu_fused``)
+which, like vLLM's ``fused_add_rms_norm``, writes both results over its
+inputs: callers use what is returned, never the tensors they passed.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import cpu_fused
 from services.worker.forward_context import current_backend
 
 
@@ -17,6 +20,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        # Chosen once: the compiled CPU kernels exist for these dtypes, and built here (or not).
+        self._cpu_fused = dtype in cpu_fused.DTYPES and cpu_fused.available()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -26,6 +31,11 @@ class RMSNorm(nn.Module):
             from kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if self._cpu_fused and x.device.type == "cpu":
+            if residual is None:
+                return cpu_fused.rms_norm(x, self.weight, self.eps)
+            cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

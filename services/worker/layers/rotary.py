@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_fused
 from services.worker.forward_context import current_backend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -58,18 +59,24 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never read from a checkpoint.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+        self._cpu_fused = cpu_fused.available()  # chosen once: one compiled pass on CPU
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H * D], key [T, KVH * D] -> rotated, same shapes.
 
-        The Triton backend rotates query and key in place and returns them.
+        The Triton backend and the compiled CPU kernel rotate query and key in
+        place and return them.
         """
         if current_backend() == "triton":
             from kernels.rotary import rotary_embedding
 
             rotary_embedding(positions, query, key, self.cos, self.sin, self.head_dim)
+            return query, key
+        if self._cpu_fused and query.device.type == "cpu" and query.dtype in cpu_fused.DTYPES:
+            # Unchecked from Python: the model built these itself; the kernel still bounds-checks.
+            cpu_fused.rotary_embedding(positions, query, key, self.cos, self.sin, self.head_dim, check=False)
             return query, key
         num_tokens = positions.shape[0]
         cos = self.cos[positions].to(query.dtype)[:, None, :]  # [T, 1, D]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from services.worker.distributed import TensorParallelGroup, divide, get_tp_group
-from services.worker.layers.activation import silu_and_mul
+from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
 from services.worker.layers.linear import (
     ColumnParallelLinear,
@@ -147,9 +147,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = slices[0].size  # this rank's share
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, slices, args.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(size, args.hidden_size, args.mlp_bias, dtype, tp, "intermediate_size")
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] (this rank's share)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] (this rank's share)
 
 
 class LlamaDecoderLayer(nn.Module):

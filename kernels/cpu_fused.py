@@ -1,0 +1,128 @@
+"""The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
+with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16.
+
+Built like the decode-attention kernel (``kernels.cpu_attention``): by
+``python -m kernels.cpu_fused`` ahead of time, else on first use, cached by
+``torch.utils.cpp_extension``. ``available()`` says once per process
+whether the CPU layers may use them: false, with a logged reason, when the
+build cannot happen, or when ``WEFT_CPU_FUSED=0`` turns them off (to
+measure what they gain).
+
+The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
+``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``); each
+wrapper here checks its arguments the way its twin does.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_attention import KernelUnavailable, target_isa
+from kernels.reference import (
+    check_fused_add_rms_norm_args,
+    check_rotary_args,
+    check_silu_and_mul_args,
+)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_fused.cpp"
+DTYPES = (torch.float32, torch.bfloat16)
+ENV_SWITCH = "WEFT_CPU_FUSED"  # "0" turns the fused CPU path off; read only by enabled_by_env()
+
+logger = logging.getLogger(__name__)
+
+
+def enabled_by_env() -> bool:
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}.")
+    return value in ("1", "true", "on")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the CPU layers use these kernels; builds them on the first call."""
+    if not enabled_by_env():
+        logger.info("fused CPU kernels off (%s=0): RMSNorm, SiLU-and-mul and rotary run as torch ops.", ENV_SWITCH)
+        return False
+    try:
+        load()
+    except KernelUnavailable as exc:
+        logger.warning("%s; RMSNorm, SiLU-and-mul and rotary fall back to torch ops.", exc)
+        return False
+    return True
+
+
+@functools.cache
+def load() -> None:
+    """Build (or load the cached build of) the kernels and register ``torch.ops.weft_fused``."""
+    from torch.utils import cpp_extension
+
+    bin_dir = os.path.dirname(sys.executable)  # the venv's ninja, when the venv is not activated
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
+    if missing:
+        raise KernelUnavailable(f"building the fused CPU kernels needs {' and '.join(missing)} on PATH")
+    isa, isa_flags = target_isa()
+    try:
+        cpp_extension.load(
+            name=f"weft_cpu_fused_{isa}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler or linker errors come as several exception types
+        raise KernelUnavailable(f"building the fused CPU kernels failed: {exc}") from exc
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual = x + residual``, then ``x = norm(residual) * weight`` (``[T, N]`` each)."""
+    check_fused_add_rms_norm_args(x, weight, residual, cpu=True)
+    load()
+    torch.ops.weft_fused.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [T, N]`` -> a new ``norm(x) * weight``."""
+    check_fused_add_rms_norm_args(x, weight, None, cpu=True)
+    load()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.weft_fused.rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2I]`` (gate columns first) -> a new ``silu(gate) * up`` ``[T, I]``."""
+    check_silu_and_mul_args(x, cpu=True)
+    load()
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    torch.ops.weft_fused.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    head_dim: int, *, check: bool = True,
+) -> None:
+    """Rotate ``query [T, H * D]`` and ``key [T, KVH * D]`` in place, neox style, in one pass.
+
+    ``check=False`` skips the Python checks (clear messages) for a caller that
+    built the arguments itself; the kernel still checks what guards memory.
+    """
+    if check:
+        check_rotary_args(positions, query, key, cos, sin, head_dim, cpu=True)
+    load()
+    torch.ops.weft_fused.rotary_neox(positions.long(), query, key, cos, sin, head_dim)
+
+
+if __name__ == "__main__":  # build ahead of first use (the Docker image does)
+    load()
+    print(f"built and loaded the fused CPU kernels ({target_isa()[0]})")

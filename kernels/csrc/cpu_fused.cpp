@@ -1,0 +1,261 @@
+// Fused element-wise kernels for CPUs: the small ops of a Llama layer, each
+// one pass over the activations instead of several torch ops.
+//
+//   fused_add_rms_norm  residual = x + residual; x = norm(residual) * weight
+//                       (both in place, vLLM's semantic: no new tensors)
+//   rms_norm            out = norm(x) * weight
+//   silu_and_mul        out = silu(gate) * up for x = [gate | up]
+//   rotary_neox         query and key rotated in place, neox style
+//
+// Rows may be strided (a row stride, the last dimension contiguous): q, k and
+// v are views of one projection. Arithmetic is fp32 whatever the dtype, with
+// values rounded to the activation dtype where the torch path rounds them
+// (the new residual, and the normalized row before the weight multiplies it),
+// so bf16 results round as the torch twins' do.
+//
+// Loops are written for the compiler to vectorize (-O3 -mavx2 -mfma): the
+// reductions keep kLanes independent partial sums, since without fast-math
+// the compiler may not reorder one float sum.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+// Elements a thread should have before a second one helps: below this the
+// thread hand-off costs more than the work (one decode row is 576 floats).
+constexpr int64_t kGrainElements = 32768;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// exp(x) without a libm call, so the loop around it vectorizes: x = n ln2 + r,
+// exp(r) by Cephes' degree-6 polynomial, 2^n built in the exponent bits.
+// Relative error about 2e-7 on [-87, 88]; inputs outside are clamped.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+// Sum of squares of row[0, n) in fp32, kLanes partial sums.
+template <typename T>
+inline float sum_of_squares(const T* row, int64_t n) {
+  float lanes[kLanes] = {0.0f};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      float v = to_float(row[j + l]);
+      lanes[l] += v * v;
+    }
+  }
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  for (; j < n; ++j) {
+    float v = to_float(row[j]);
+    total += v * v;
+  }
+  return total;
+}
+
+// dst[j] = round(round(src[j] * rstd) * weight[j]), Hugging Face's order.
+template <typename T>
+inline void scale_row(T* dst, const T* src, const T* weight, float rstd, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    float normed = to_float(from_float<T>(to_float(src[j]) * rstd));
+    dst[j] = from_float<T>(normed * to_float(weight[j]));
+  }
+}
+
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t sx = x.stride(0), sr = residual.stride(0);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* xr = xp + i * sx;
+      T* rr = rp + i * sr;
+      for (int64_t j = 0; j < n; ++j) rr[j] = from_float<T>(to_float(xr[j]) + to_float(rr[j]));
+      float rstd = 1.0f / std::sqrt(sum_of_squares(rr, n) / static_cast<float>(n) + eps);
+      scale_row(xr, rr, wp, rstd, n);
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t sx = x.stride(0), so = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = xp + i * sx;
+      float rstd = 1.0f / std::sqrt(sum_of_squares(xr, n) / static_cast<float>(n) + eps);
+      scale_row(op + i * so, xr, wp, rstd, n);
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = out.size(0), n = out.size(1);
+  const int64_t sx = x.stride(0), so = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gate = xp + i * sx;
+      const T* up = gate + n;
+      T* o = op + i * so;
+      for (int64_t j = 0; j < n; ++j) {
+        float g = to_float(gate[j]);
+        o[j] = from_float<T>(g / (1.0f + exp_approx(-g)) * to_float(up[j]));
+      }
+    }
+  });
+}
+
+// Rotates the heads of one token's row in place: pairs (i, i + half).
+template <typename T>
+inline void rotate_heads(T* row, int64_t num_heads, int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* x1 = row + h * head_dim;
+    T* x2 = x1 + half;
+    for (int64_t j = 0; j < half; ++j) {
+      float a = to_float(x1[j]), b = to_float(x2[j]);
+      x1[j] = from_float<T>(a * cos[j] - b * sin[j]);
+      x2[j] = from_float<T>(b * cos[j] + a * sin[j]);
+    }
+  }
+}
+
+template <typename T>
+void rotary_impl(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t head_dim) {
+  const int64_t tokens = query.size(0);
+  const int64_t q_heads = query.size(1) / head_dim, k_heads = key.size(1) / head_dim;
+  const int64_t sq = query.stride(0), sk = key.stride(0), table_stride = cos.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  T* qp = query.data_ptr<T>();
+  T* kp = key.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, grain_rows(query.size(1) + key.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * table_stride;
+      const float* s = sp + pos[t] * table_stride;
+      rotate_heads(qp + t * sq, q_heads, head_dim, c, s);
+      rotate_heads(kp + t * sk, k_heads, head_dim, c, s);
+    }
+  });
+}
+
+// The Python wrappers (kernels/cpu_fused.py) check shapes, dtypes and bounds
+// with clear messages; these checks guard the memory this code touches.
+void check_rows(const at::Tensor& t, int64_t rows, int64_t n, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(0) == rows && t.size(1) == n &&
+                  t.stride(1) == 1 && t.scalar_type() == dtype,
+              what, ": a CPU [rows, n] tensor of the activation dtype, contiguous in its last dimension");
+}
+
+void check_dtype(at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, what, ": float32 or bfloat16 expected");
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_dtype(x.scalar_type(), "fused_add_rms_norm");
+  check_rows(x, x.size(0), x.size(1), x.scalar_type(), "fused_add_rms_norm x");
+  check_rows(residual, x.size(0), x.size(1), x.scalar_type(), "fused_add_rms_norm residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: weight [n] of the activation dtype");
+  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_impl<float>(x, residual, weight, eps);
+  else fused_add_rms_norm_impl<c10::BFloat16>(x, residual, weight, eps);
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_dtype(x.scalar_type(), "rms_norm");
+  check_rows(x, x.size(0), x.size(1), x.scalar_type(), "rms_norm x");
+  check_rows(out, x.size(0), x.size(1), x.scalar_type(), "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight [n] of the activation dtype");
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(out, x, weight, eps);
+  else rms_norm_impl<c10::BFloat16>(out, x, weight, eps);
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_dtype(x.scalar_type(), "silu_and_mul");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [rows, 2n] expected");
+  check_rows(x, x.size(0), x.size(1), x.scalar_type(), "silu_and_mul x");
+  check_rows(out, x.size(0), x.size(1) / 2, x.scalar_type(), "silu_and_mul out");
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(out, x);
+  else silu_and_mul_impl<c10::BFloat16>(out, x);
+}
+
+void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t head_dim) {
+  check_dtype(query.scalar_type(), "rotary_neox");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "rotary_neox: an even head_dim expected");
+  const int64_t tokens = query.size(0);
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0,
+              "rotary_neox: query [T, H * D] and key [T, KVH * D] expected");
+  check_rows(query, tokens, query.size(1), query.scalar_type(), "rotary_neox query");
+  check_rows(key, tokens, key.size(1), query.scalar_type(), "rotary_neox key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens,
+              "rotary_neox: positions [T] int64, contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.stride(1) == 1 &&
+                  cos.size(1) >= head_dim / 2,
+              "rotary_neox: cos and sin [P, >= D / 2] float32 tables of one layout");
+  if (tokens == 0) return;
+  const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < cos.size(0), "rotary_neox: positions must lie in [0, ", cos.size(0), ")");
+  if (query.scalar_type() == at::kFloat) rotary_impl<float>(positions, query, key, cos, sin, head_dim);
+  else rotary_impl<c10::BFloat16>(positions, query, key, cos, sin, head_dim);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(weft_fused, m) {
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
+}

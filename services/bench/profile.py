@@ -1,0 +1,211 @@
+"""``weft bench profile``: where an engine step's CPU time goes, by kind of op.
+
+Runs the in-process engine (``LLM``) on three fixed shapes, each step timed
+plainly first and then under ``torch.profiler``: a decode step of 64
+running sequences, a 2,048-token prefill step, and a batch-1 decode step.
+With ``--fused both`` an engine with the fused CPU kernels off and one with
+them on live side by side, and their timed steps alternate round by round.
+Each op's self CPU time is put in a group (linear, attention, the fused CPU
+kernels, element-wise ops by kind, the rest), so a change to one kind of
+work shows as a shift between groups. On a machine shared with other work
+only the ratio of the interleaved timings means something.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+# Self-CPU op name -> group; an op not named here is matched by the prefixes below, else "other".
+_GROUPS = {
+    "mkldnn::_linear_pointwise": "linear", "aten::addmm": "linear", "aten::mm": "linear",
+    "aten::linear": "linear", "aten::matmul": "linear",
+    "weft_cpu::paged_decode_attention": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::bmm": "attention",
+    "aten::_softmax": "attention",
+    "aten::mul": "elementwise: mul", "aten::add": "elementwise: add", "aten::add_": "elementwise: add",
+    "aten::pow": "elementwise: RMSNorm (pow/mean/rsqrt)", "aten::mean": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::rsqrt": "elementwise: RMSNorm (pow/mean/rsqrt)", "aten::sum": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::div": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::silu": "elementwise: silu", "aten::cat": "elementwise: cat/neg (rotary)",
+    "aten::neg": "elementwise: cat/neg (rotary)",
+    "aten::copy_": "copies (copy_/to/index)", "aten::index": "copies (copy_/to/index)",
+    "aten::index_copy_": "copies (copy_/to/index)", "aten::index_put_": "copies (copy_/to/index)",
+    "aten::embedding": "copies (copy_/to/index)", "aten::index_select": "copies (copy_/to/index)",
+}
+_PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
+
+SHAPES = {  # name -> (sequences, prompt tokens, steps profiled)
+    "decode-64": (64, 128, 8),
+    "prefill-2048": (1, 2048, 1),
+    "decode-1": (1, 128, 32),
+}
+
+
+def group_of(op_name: str) -> str:
+    if op_name in _GROUPS:
+        return _GROUPS[op_name]
+    return next((group for prefix, group in _PREFIXES if op_name.startswith(prefix)), "other")
+
+
+def breakdown(events) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(groups, top ops) from ``prof.key_averages()``: self CPU ms and call counts, largest first."""
+    ops = [{"op": e.key, "group": group_of(e.key), "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+           for e in events if e.self_cpu_time_total > 0]
+    groups: dict[str, dict[str, Any]] = {}
+    for op in ops:
+        g = groups.setdefault(op["group"], {"group": op["group"], "self_ms": 0.0, "calls": 0})
+        g["self_ms"] += op["self_ms"]
+        g["calls"] += op["calls"]
+    total = sum(g["self_ms"] for g in groups.values()) or 1.0
+    for g in groups.values():
+        g["share"] = g["self_ms"] / total
+    by_time = sorted(groups.values(), key=lambda g: -g["self_ms"])
+    return by_time, sorted(ops, key=lambda o: -o["self_ms"])
+
+
+def _requests(llm, num_seqs: int, prompt_len: int, max_tokens: int, tag: str, seed: int):
+    import numpy as np
+
+    from protocol import EngineCoreRequest, SamplingParams
+
+    rng = np.random.default_rng(seed)  # a seed per phase: no prefix-cache hits across phases
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    vocab = llm.config.model.vocab_size
+    return [EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=rng.integers(0, vocab, prompt_len).tolist(),
+                              sampling_params=params, arrival_time=time.time(), eos_token_id=None)
+            for i in range(num_seqs)]
+
+
+def _timed_steps(engine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _start(llm, name: str, tag: str, seed: int, max_tokens: int) -> list[str]:
+    """Add the shape's requests; for a decode shape, step until all are prefilled."""
+    num_seqs, prompt_len, _ = SHAPES[name]
+    requests = _requests(llm, num_seqs, prompt_len, max_tokens, f"{name}-{tag}", seed)
+    for request in requests:
+        llm.engine.add_request(request)
+    if name.startswith("decode"):  # the measured steps are then pure decode
+        seen: set[str] = set()
+        while len(seen) < num_seqs:
+            seen.update(o.request_id for o in llm.engine.step().outputs)
+    return [r.request_id for r in requests]
+
+
+def time_shape(llms: list, name: str, rounds: int) -> list[float]:
+    """Median step ms of each engine, their steps interleaved (A, B, A, B, ...) so that a change
+    in the machine's load between rounds touches both alike."""
+    _, _, steps = SHAPES[name]
+    decode = name.startswith("decode")
+    times: list[list[float]] = [[] for _ in llms]
+    live = [_start(llm, name, "timed", 1, rounds * steps + 8) for llm in llms] if decode else None
+    for r in range(rounds):
+        for i, llm in enumerate(llms):
+            if not decode:  # a fresh prompt each round: no prefix-cache hits
+                ids = _start(llm, name, f"timed{r}", 10 + r, 2)
+            times[i] += _timed_steps(llm.engine, steps)
+            if not decode:
+                llm.engine.abort_requests(ids)
+    for llm, ids in zip(llms, live or []):
+        llm.engine.abort_requests(ids)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def profile_shape(llm, name: str) -> dict[str, Any]:
+    """The profiled breakdown of ``steps`` steps of one shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, steps = SHAPES[name]
+    ids = _start(llm, name, "profiled", 2, steps + 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _timed_steps(llm.engine, steps)
+    llm.engine.abort_requests(ids)
+    groups, ops = breakdown(prof.key_averages())
+    return {"shape": name, "groups": groups, "top_ops": ops[:15], "steps": steps}
+
+
+def run_profile(shapes: list[str], fused: str, rounds: int = 3, **engine_args: Any) -> dict[str, Any]:
+    """One engine per mode, all alive at once (the layers choose the kernels at construction)."""
+    from kernels import cpu_fused
+    from services import LLM
+
+    modes = {"on": ["1"], "off": ["0"], "both": ["0", "1"]}[fused]
+    llms = []
+    try:
+        for mode in modes:
+            os.environ[cpu_fused.ENV_SWITCH] = mode
+            cpu_fused.available.cache_clear()
+            llms.append(LLM(**engine_args))
+        runs = [{"fused": mode == "1", "shapes": []} for mode in modes]
+        for name in shapes:
+            for run, llm, step_ms in zip(runs, llms, time_shape(llms, name, rounds)):
+                run["shapes"].append({**profile_shape(llm, name), "step_ms": step_ms})
+    finally:
+        for llm in llms:
+            llm.shutdown()
+        cpu_fused.available.cache_clear()
+    return {"engine_args": engine_args, "rounds": rounds, "runs": runs}
+
+
+def format_profile(report: dict[str, Any]) -> str:
+    lines = []
+    for run in report["runs"]:
+        for shape in run["shapes"]:
+            lines.append(f"\n{shape['shape']}  fused CPU kernels {'on' if run['fused'] else 'off'}: "
+                         f"{shape['step_ms']:.1f} ms/step (median, unprofiled, interleaved)")
+            lines.append(f"  {'group':<40}{'self ms/step':>13}{'share':>8}{'calls/step':>11}")
+            for g in shape["groups"]:
+                lines.append(f"  {g['group']:<40}{g['self_ms'] / shape['steps']:>13.2f}{g['share']:>8.1%}"
+                             f"{g['calls'] / shape['steps']:>11.0f}")
+            lines.append("  top ops: " + ", ".join(f"{o['op']} {o['self_ms'] / shape['steps']:.2f}"
+                                                     for o in shape["top_ops"][:6]))
+    if len(report["runs"]) == 2:
+        off, on = (r["shapes"] for r in report["runs"])
+        lines.append("\nfused on / off, step time (interleaved in one process):")
+        for a, b in zip(off, on):
+            lines.append(f"  {a['shape']:<14} {a['step_ms']:.1f} -> {b['step_ms']:.1f} ms  "
+                         f"(x{a['step_ms'] / b['step_ms']:.2f} faster)")
+    return "\n".join(lines)
+
+
+# ---- `weft bench profile` arguments
+
+
+def add_arguments(parser) -> None:
+    from services.cli_args import add_engine_args
+
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode.")
+    parser.add_argument("--fused", choices=["on", "off", "both"], default="both",
+                        help="Fused CPU kernels on, off, or off then on in one process (WEFT_CPU_FUSED).")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="Timed rounds per shape, the modes' steps interleaved round by round.")
+    parser.add_argument("--output-json", default=None, help="Also write the results to this JSON file.")
+    add_engine_args(parser)
+
+
+def run(args, parser) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from services.cli_args import engine_args_from
+
+    engine_args = dataclasses.asdict(engine_args_from(args))
+    if "prefill-2048" in args.shapes and (engine_args.get("max_num_batched_tokens") or 2048) < 2048:
+        parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1.")
+    report = run_profile(args.shapes, args.fused, args.rounds, **engine_args)
+    print(format_profile(report))
+    if args.output_json is not None:
+        Path(args.output_json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
