@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from services.bench import executor_overhead, serve_cli, throughput
+from services.bench import executor_overhead, peers, serve_cli, throughput
 from services.bench.throughput import BenchResult
 from services.bench.datasets import default_tokenizer, load_any, random_workload
 from services.bench.workload import Workload
@@ -285,6 +285,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
              "with a model-free worker.",
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
+    ),
+    "peers": Subcommand(
+        help="weft side by side with vLLM's CPU backend and llama.cpp's server (each in its own venv "
+             "under .peers/), interleaved, offline and served; a table, JSON and PNG.",
+        add_arguments=peers.add_arguments,
+        run=peers.run,
     ),
 }
 
