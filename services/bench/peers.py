@@ -332,7 +332,7 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
     return System("vllm", offline, serve, served_model="vllm", env=variables)
 
 
-def llamacpp_system(gguf: Path, parallel: int, log=print) -> System:
+def llamacpp_system(gguf: Path, parallel: int, ctx_per_slot: int, log=print) -> System:
     from services.bench import peer_envs
 
     env = peer_envs.ENVS["llamacpp"]
@@ -344,7 +344,7 @@ def llamacpp_system(gguf: Path, parallel: int, log=print) -> System:
 
     def serve(port: int) -> list[str]:
         return [str(python), str(script), "--model", str(gguf), "--port", str(port),
-                "--parallel", str(parallel), "--alias", "llamacpp"]
+                "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot), "--alias", "llamacpp"]
 
     return System("llamacpp", serve_argv=serve, served_model="llamacpp")  # a server only: no offline API
 
@@ -391,6 +391,11 @@ def _options(args, parser) -> dict[str, Any]:
     return options | {"systems": list(dict.fromkeys(names))}
 
 
+def _longest(workload: Workload) -> int:
+    """Positions the longest request needs (llama.cpp splits its context evenly over its slots)."""
+    return max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests) + 16
+
+
 def run(args, parser) -> int:
     from services import model_files
     from services.bench.datasets import load_any
@@ -406,7 +411,7 @@ def run(args, parser) -> int:
     workload_file.write_bytes(msgspec.json.encode(workload))
     builders = {"weft": lambda: weft_system(args.model, args.dtype),
                 "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib),
-                "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]))}
+                "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload))}
     systems = [builders[name]() for name in options["systems"]]
     report = run_peers(systems, workload, workload_file, options["rounds"], options["concurrencies"],
                        options["stream_requests"], args.output_dir, args.port)

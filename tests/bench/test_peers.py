@@ -128,11 +128,12 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     assert serve[0].endswith(".peers/vllm/bin/vllm") and serve[1:3] == ["serve", str(tmp_path / "ckpt")]
     assert vllm.offline_argv(Path("w.json"), Path("o.json"))[1].endswith("benchmarks/peers/vllm_offline.py")
 
-    llama = peers.llamacpp_system(Path("m.gguf"), parallel=64)
+    llama = peers.llamacpp_system(Path("m.gguf"), parallel=64, ctx_per_slot=700)
     assert llama.offline_argv is None  # llama.cpp is compared served only
     argv = llama.serve_argv(9002)
     assert argv[1].endswith("benchmarks/peers/llamacpp_server.py")
     assert argv[argv.index("--parallel") + 1] == "64" and argv[argv.index("--model") + 1] == "m.gguf"
+    assert argv[argv.index("--ctx-per-slot") + 1] == "700"
 
 
 def test_a_failed_install_is_a_setup_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,3 +205,24 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("extra, why", [(["--systems", "weft,tgi"], "--systems takes names"),
+                                        (["--rounds", "0"], "--rounds must be at least 1"),
+                                        (["--concurrencies", "0"], "--concurrencies must be at least 1")])
+def test_bad_arguments_are_usage_errors(extra: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["peers", *extra])
+    assert exit_info.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_quick_fills_only_what_was_not_given() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    peers.add_arguments(parser)
+    options = peers._options(parser.parse_args(["--quick", "--max-tokens", "8", "--systems", "weft,weft"]), parser)
+    assert options["max_tokens"] == 8 and options["num_prompts"] == peers.QUICK["num_prompts"]
+    assert options["concurrencies"] == peers.QUICK["concurrencies"] and options["systems"] == ["weft"]
