@@ -90,6 +90,10 @@ def hf_checkpoint(gguf: Path, dtype: str = "float32") -> Path:
 
     tmp = out.with_name(out.name + ".tmp")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its
+    # weights are already dequantized to ``dtype``, so drop the mark and save them plain.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     tmp.rename(out)  # a half-written checkpoint is never taken for a whole one

@@ -205,7 +205,7 @@ def format_table(report: dict[str, Any]) -> str:
              (f"workload {report['workload']}: {report['num_requests']} requests, "
               f"{report['rounds']} round(s) interleaved; medians over rounds; load before: {report['load']}"),
              (f"{'system':<10}{'run':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'ITL p50':>9}{'ITL p99':>9}{'weft/this':>11}")]
+              f"{'ITL p50':>11}{'ITL p99':>11}{'weft/this':>11}")]
     summary, ratio = report["summary"], report["ratios"]
     for system in report["systems"]:
         if system in report["errors"]:
@@ -213,9 +213,9 @@ def format_table(report: dict[str, Any]) -> str:
         for row in sorted(summary.get(system, {}), key=_row_order):
             f = summary[system][row]
             served = "ttft_p50_ms" in f
-            cells = "".join(f"{f[k] / 1000:>9.2f}s" if k.startswith("ttft") else f"{f[k]:>7.1f}ms"
+            cells = "".join(f"{f[k] / 1000:>9.2f}s" if k.startswith("ttft") else f"{f[k]:>9.1f}ms"
                             for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")) if served \
-                else " " * 38
+                else " " * 42
             r = ratio.get(system, {}).get(row)
             lines.append(f"{system:<10}{row:<14}{f['output_tokens_per_s']:>10.1f}{cells}"
                          f"{f'{r:.2f}x' if r else '':>11}")
