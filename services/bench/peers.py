@@ -243,7 +243,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.bar_label(bars, labels=labels, fontsize=7)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(rows))], rows)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{report['workload']} (labels: weft / that system)")
+    cpu = report["cpu"]
+    ax.set_title(f"{report['workload']} on {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['flags'])})\n"
+                 "labels: weft's output tok/s / that system's", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
