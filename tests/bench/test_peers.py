@@ -154,7 +154,7 @@ def test_install_runs_once_then_reuses_the_venv(tmp_path: Path, monkeypatch: pyt
         ran.append(argv)
         env.root.mkdir(parents=True, exist_ok=True)
     monkeypatch.setattr(peer_envs, "_check_call", check_call)
-    monkeypatch.setattr(peer_envs, "_imports", lambda python, package: package != "torchaudio")
+    monkeypatch.setattr(peer_envs, "_imports", lambda python, package: package == "torchaudio")  # the others break
     assert peer_envs.ensure(env, log=lambda _: None) == tmp_path / "toy" / "bin" / "python"
     assert ran[0][1:3] == ["-m", "venv"] and ran[1][-1] == "somepkg"
     assert ran[2][-4:] == ["uninstall", "--yes", "torchvision", "torchcodec"]
