@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bench import executor_overhead, gpu, make_workload, pd, serve_cli, throughput
+from services.bench import executor_overhead, gpu, make_workload, pd, peers, serve_cli, throughput
 from services.bench import profile as profile_bench
 from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.throughput import BenchResult, warn_if_short
@@ -247,6 +247,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
              "with a model-free worker.",
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
+    ),
+    "peers": Subcommand(
+        help="weft side by side with vLLM's CPU backend and llama.cpp's server (each in its own venv "
+             "under .peers/), interleaved, offline and served; a table, JSON and PNG.",
+        add_arguments=peers.add_arguments,
+        run=peers.run,
     ),
     "profile": Subcommand(
         help="torch.profiler breakdown of decode-64, prefill-2048 and batch-1 decode steps, fused kernels off/on.",

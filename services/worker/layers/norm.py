@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
             from kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
-        if self._cpu_fused and x.device.type == "cpu":
+        if self._cpu_fused and x.device.type == "cpu" and x.dim() == 2:  # per-head norms (QK-norm) are 3-D
             if residual is None:
                 return cpu_fused.rms_norm(x, self.weight, self.eps)
             cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
