@@ -4,6 +4,7 @@ Kept import-light on purpose: transformers probes for a top-level package
 named ``kernels`` and imports it while building models. The kernel modules
 import triton; nothing here does.
 """
+
 import os
 
 

@@ -1,4 +1,5 @@
 """SiLU-and-mul, the gate of Llama's MLP: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up``."""
+
 from __future__ import annotations
 
 import torch
@@ -26,5 +27,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows:
-        _silu_and_mul_kernel[(num_rows, triton.cdiv(n, _BLOCK))](out, x, x.stride(0), out.stride(0), N=n, BLOCK=_BLOCK)
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(n, _BLOCK))](
+            out, x, x.stride(0), out.stride(0), N=n, BLOCK=_BLOCK
+        )
     return out

@@ -10,6 +10,7 @@ compiler, no ninja); the worker then falls back to the torch path.
 Its torch twin is ``kernels.reference.paged_attention_ref`` with one query
 token per sequence.
 """
+
 from __future__ import annotations
 
 import functools
@@ -124,7 +125,9 @@ def check_decode_args(
     num_tokens = query.shape[0]
     _, _, num_blocks, block_size, _ = kv_cache.shape
     if out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError(f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}.")
+        raise ValueError(
+            f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}."
+        )
     if any(t.device.type != "cpu" for t in (query, kv_cache, token_idx, seq_lens, block_table, out)):
         raise ValueError("the CPU attention kernel takes CPU tensors only.")
     if out.stride(-1) != 1 or not kv_cache.is_contiguous():
@@ -135,7 +138,12 @@ def check_decode_args(
             f"token_idx must be int64, seq_lens and block_table int32; got {token_idx.dtype}, "
             f"{seq_lens.dtype} and {block_table.dtype}."
         )
-    if token_idx.shape != (n,) or seq_lens.shape != (n,) or block_table.dim() != 2 or block_table.shape[0] != n:
+    if (
+        token_idx.shape != (n,)
+        or seq_lens.shape != (n,)
+        or block_table.dim() != 2
+        or block_table.shape[0] != n
+    ):
         raise ValueError(
             f"token_idx and seq_lens must be [n] and block_table [n, max_blocks]; got {tuple(token_idx.shape)}, "
             f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}."

@@ -12,6 +12,7 @@ The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
 ``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``); each
 wrapper here checks its arguments the way its twin does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,9 @@ def enabled_by_env() -> bool:
 def available() -> bool:
     """Whether the CPU layers use these kernels; builds them on the first call."""
     if not enabled_by_env():
-        logger.info("fused CPU kernels off (%s=0): RMSNorm, SiLU-and-mul and rotary run as torch ops.", ENV_SWITCH)
+        logger.info(
+            "fused CPU kernels off (%s=0): RMSNorm, SiLU-and-mul and rotary run as torch ops.", ENV_SWITCH
+        )
         return False
     try:
         load()
@@ -109,8 +112,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    head_dim: int, *, check: bool = True,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    *,
+    check: bool = True,
 ) -> None:
     """Rotate ``query [T, H * D]`` and ``key [T, KVH * D]`` in place, neox style, in one pass.
 

@@ -10,6 +10,7 @@ reason when the build cannot happen; callers then use the torch twins in
 Layouts and numerics are described in the C++ source: the weights rebuilt
 equal the gguf package's dequantization exactly; sums are fp32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,9 @@ def load() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
     if missing:
-        raise KernelUnavailable(f"building the CPU quantized-linear kernel needs {' and '.join(missing)} on PATH.")
+        raise KernelUnavailable(
+            f"building the CPU quantized-linear kernel needs {' and '.join(missing)} on PATH."
+        )
     isa, isa_flags = target_isa()
     try:
         cpp_extension.load(
@@ -53,7 +56,11 @@ def load() -> None:
 
 
 def quant_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int8 when ``mins`` is None, else int4)."""
@@ -65,8 +72,14 @@ def quant_linear(
 
 
 def dequantize_rows(
-    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int, start: int, count: int,
-    in_features: int, out: torch.Tensor | None = None,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    start: int,
+    count: int,
+    in_features: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``[start, start + count)`` of the packed W as fp32 ``[count, in_features]``."""
     load()

@@ -22,6 +22,7 @@ replays for any lengths.
 
 Cache layout: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,9 +61,24 @@ def _find_request(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_key_tiles(
-    q, q_pos, k_base, stride_kv, table_ptr, tile_lo, tile_hi, kv_end, scale_log2, stride_kb, stride_ks,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    q,
+    q_pos,
+    k_base,
+    stride_kv,
+    table_ptr,
+    tile_lo,
+    tile_hi,
+    kv_end,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """Online softmax of queries ``q [M, Dp]`` over key tiles ``[tile_lo, tile_hi)`` of one sequence.
 
@@ -81,8 +97,12 @@ def _attend_key_tiles(
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
         slot = block.to(tl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_ks  # [N]
         # Masked loads matter beyond the mask below: 0 * NaN from an unwritten slot is NaN.
-        k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [Dp, N]
-        v = tl.load(v_base + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, Dp]
+        k = tl.load(
+            k_base + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0
+        )  # [Dp, N]
+        v = tl.load(
+            v_base + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
+        )  # [N, Dp]
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -112,9 +132,14 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [R] int32
     scale_log2,  # softmax scale * log2(e): scores are exponentiated base 2
     num_seqs,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kv, stride_kh, stride_kb, stride_ks,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv,
+    stride_kh,
+    stride_kb,
+    stride_ks,
     stride_bt,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -148,7 +173,8 @@ def _paged_attention_kernel(
     token = (q_start + q_local).to(tl.int64)
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )  # [M, Dp]
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -162,30 +188,58 @@ def _paged_attention_kernel(
     tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
 
     m_i, l_i, acc = _attend_key_tiles(
-        q, q_pos, kv_ptr + kv_head * stride_kh, stride_kv, block_table_ptr + seq * stride_bt, tile_lo, tile_hi, kv_end,
-        scale_log2, stride_kb, stride_ks,
-        HEAD_DIM, HEAD_DIM_P, BLOCK_M, TILE_N, BLOCK_SIZE, DOT_PRECISION, UPCAST_DOT,
+        q,
+        q_pos,
+        kv_ptr + kv_head * stride_kh,
+        stride_kv,
+        block_table_ptr + seq * stride_bt,
+        tile_lo,
+        tile_hi,
+        kv_end,
+        scale_log2,
+        stride_kb,
+        stride_ks,
+        HEAD_DIM,
+        HEAD_DIM_P,
+        BLOCK_M,
+        TILE_N,
+        BLOCK_SIZE,
+        DOT_PRECISION,
+        UPCAST_DOT,
     )
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
         # Partial states: [T, H, S] for max and sum, [T, H, S, D] for the unnormalized output.
         state = (token * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + state, m_i, mask=row_ok)
         tl.store(part_sum_ptr + state, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            part_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS_P: tl.constexpr,
 ):
     """Merge one (token, head)'s split softmax states: rescale each to the global max and add."""
     token = tl.program_id(0).to(tl.int64)
@@ -198,13 +252,17 @@ def _reduce_splits_kernel(
     m = tl.load(part_max_ptr + state, mask=split_ok, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + state, mask=split_ok, other=0.0)
     acc = tl.load(
-        part_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0
+        part_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )  # [S, Dp]
     m_max = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # empty splits weigh nothing
     total = tl.sum(part_sum * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok
+    )
 
 
 def paged_attention(
@@ -233,34 +291,67 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query) if out is None else out
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be like query {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}.")
+        raise ValueError(
+            f"out must be like query {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}."
+        )
     if num_tokens == 0:
         return out
     block_m, block_q = _query_tiling(group, max_query_len)
     splits = 1 if max_query_len > 1 else num_kv_splits or _decode_splits(query.device, num_seqs, num_kv_heads)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(
+            num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device
+        )
         part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused
     _paged_attention_kernel[grid](
-        out, part_acc, part_max, part_sum, query, kv_cache, block_table, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale * _LOG2E,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         block_table.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=_tile_n(block_size, query.device), BLOCK_SIZE=block_size,
-        NUM_SPLITS=splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=_tile_n(block_size, query.device),
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=interpreting() and query.dtype == torch.bfloat16,
     )
     if splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=splits, NUM_SPLITS_P=triton.next_power_of_2(splits),
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=splits,
+            NUM_SPLITS_P=triton.next_power_of_2(splits),
         )
     return out
 

@@ -6,6 +6,7 @@ dtype, as in the kernels, with one cast to the output dtype at the end.
 The argument checks live here too, so a kernel wrapper and its twin refuse
 the same inputs with the same messages.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,11 @@ def check_paged_attention_args(
     block_table: torch.Tensor,
 ) -> None:
     check_query_and_cache(query, kv_cache)
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+    for name, t in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}.")
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_table.shape[0] < seq_lens.shape[0]:
@@ -47,7 +52,9 @@ def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
             f"and head sizes must agree ({head_dim} vs {cache_dim})."
         )
     if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
-        raise ValueError(f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}.")
+        raise ValueError(
+            f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}."
+        )
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache must be contiguous in the head dimension.")
 
@@ -75,7 +82,9 @@ def paged_attention_ref(
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         blocks = block_table[i, : -(-seq_len // block_size)].long()
-        kv = kv_cache[:, :, blocks].reshape(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].float()  # [2, KVH, S, D]
+        kv = (
+            kv_cache[:, :, blocks].reshape(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].float()
+        )  # [2, KVH, S, D]
         k = kv[0].repeat_interleave(group, dim=0)  # [H, S, D]
         v = kv[1].repeat_interleave(group, dim=0)
         q = query[start:end].float().transpose(0, 1)  # [H, n, D]
@@ -90,7 +99,9 @@ def paged_attention_ref(
     return out
 
 
-def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def check_kv_write_args(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or kv_cache.shape[1] != num_kv_heads or kv_cache.shape[4] != head_dim:
         raise ValueError(
@@ -98,12 +109,16 @@ def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.
             f"got {tuple(key.shape)}, {tuple(value.shape)} and {tuple(kv_cache.shape)}."
         )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be [T] int32 or int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}.")
+        raise ValueError(
+            f"slot_mapping must be [T] int32 or int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}."
+        )
     if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("key, value and kv_cache must be contiguous in the head dimension.")
 
 
-def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_ref(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Twin of ``kernels.kv_cache.write_kv_cache``: token ``t`` goes to slot ``slot_mapping[t]``; -1 skips it."""
     check_kv_write_args(key, value, kv_cache, slot_mapping)
     two, kvh, num_blocks, block_size, d = kv_cache.shape
@@ -127,7 +142,12 @@ def rms_norm_ref(
 
 
 def rotary_embedding_ref(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
 ) -> None:
     """Twin of ``kernels.rotary.rotary_embedding``: rotate query ``[T, H * D]`` and key
     ``[T, KVH * D]`` in place, neox style (the two halves of each head form the pairs).
@@ -173,6 +193,8 @@ def quant_linear_ref(
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.quant_linear``: ``x [M, K] @ W^T`` in fp32, W packed."""
     return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise ValueError(f"{name} must be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}.")
@@ -221,8 +243,14 @@ def check_silu_and_mul_args(x: torch.Tensor, *, cpu: bool = False) -> None:
 
 
 def check_rotary_args(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    head_dim: int, *, cpu: bool = False,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    *,
+    cpu: bool = False,
 ) -> None:
     """query ``[T, H * D]`` and key ``[T, KVH * D]`` of one dtype, positions ``[T]`` integers
     inside the fp32 ``[P, D]`` cos and sin tables."""
@@ -236,7 +264,9 @@ def check_rotary_args(
     _check_rows("query", query, tuple(query.shape), query.dtype)
     _check_rows("key", key, (query.shape[0], key.shape[1]), query.dtype)
     if positions.shape != (query.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be [T] int32 or int64, got {list(positions.shape)} {positions.dtype}.")
+        raise ValueError(
+            f"positions must be [T] int32 or int64, got {list(positions.shape)} {positions.dtype}."
+        )
     if cos.dim() != 2 or cos.shape[1] != head_dim or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be [P, {head_dim}], got {list(cos.shape)} and {list(sin.shape)}.")
     for name, table in (("cos", cos), ("sin", sin)):

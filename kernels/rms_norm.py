@@ -6,6 +6,7 @@ times. Arithmetic is fp32; the normalized row is rounded to the activation
 dtype before the weight multiplies it, in Hugging Face's order, so fp16 and
 bf16 results round as the torch path's do.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,11 +16,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, residual_out_ptr,  # [T, N]
-    x_ptr, residual_ptr, weight_ptr,
+    out_ptr,
+    residual_out_ptr,  # [T, N]
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
     eps,
-    stride_xt, stride_rt, stride_ot, stride_rot,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    stride_xt,
+    stride_rt,
+    stride_ot,
+    stride_rot,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -47,9 +56,19 @@ def rms_norm(
     residual_out = torch.empty_like(x) if residual is not None else out
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
-            out, residual_out, x, x if residual is None else residual, weight, eps,
-            x.stride(0), x.stride(0) if residual is None else residual.stride(0), out.stride(0), residual_out.stride(0),
-            N=n, BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            out,
+            residual_out,
+            x,
+            x if residual is None else residual,
+            weight,
+            eps,
+            x.stride(0),
+            x.stride(0) if residual is None else residual.stride(0),
+            out.stride(0),
+            residual_out.stride(0),
+            N=n,
+            BLOCK_N=triton.next_power_of_2(n),
+            HAS_RESIDUAL=residual is not None,
         )
     return out if residual is None else (out, residual_out)
 
@@ -58,6 +77,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"expected x [T, N] and weight [N], got {tuple(x.shape)} and {tuple(weight.shape)}.")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}.")
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}."
+        )
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("x, residual and weight must be contiguous in their last dimension.")

@@ -2,6 +2,7 @@
 
 Only stdlib, msgspec, pyzmq and numpy may be imported here.
 """
+
 from protocol.config import (
     CacheConfig,
     DeviceConfig,
@@ -33,11 +34,28 @@ from protocol.scheduler import (
 from protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = [
-    "CacheConfig", "CachedRequestData", "DeviceConfig", "EngineConfig",
-    "EngineCoreEvent", "EngineCoreEventType", "EngineCoreOutput",
-    "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
-    "FinishReason", "ModelConfig", "ModelRunnerOutput", "NewRequestData",
-    "ParallelConfig", "SamplingParams", "SamplingType", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "SpeculativeConfig", "StructuredOutputsConfig",
-    "StructuredOutputsParams", "TokenLogprobs",
+    "CacheConfig",
+    "CachedRequestData",
+    "DeviceConfig",
+    "EngineConfig",
+    "EngineCoreEvent",
+    "EngineCoreEventType",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineCoreRequestType",
+    "FinishReason",
+    "ModelConfig",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "ParallelConfig",
+    "SamplingParams",
+    "SamplingType",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SpeculativeConfig",
+    "StructuredOutputsConfig",
+    "StructuredOutputsParams",
+    "TokenLogprobs",
 ]

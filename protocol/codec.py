@@ -19,6 +19,7 @@ random bytes, a truncated body, another message's type, a bad frame index
 or byte count -- raises ``DecodeError`` and nothing else, so a receiving
 process can log it, drop it and keep serving.
 """
+
 from __future__ import annotations
 
 import math
@@ -96,9 +97,7 @@ class Decoder(Generic[T]):
     """Decodes frames from ``Encoder`` against one type. Not thread-safe."""
 
     def __init__(self, type: type[T]) -> None:
-        self._decoder = msgspec.msgpack.Decoder(
-            type, dec_hook=self._dec_hook, ext_hook=self._ext_hook
-        )
+        self._decoder = msgspec.msgpack.Decoder(type, dec_hook=self._dec_hook, ext_hook=self._ext_hook)
         self._frames: Sequence[Frame] = ()
 
     def decode(self, frames: Sequence[Frame]) -> T:

@@ -3,6 +3,7 @@
 Built and validated once (``services.engine_args``) with every ``"auto"``
 resolved; each field's description doubles as its CLI help.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -18,61 +19,130 @@ MAX_SPEC_TOKENS = 128
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model: Annotated[str, Meta(description="Path to a GGUF file or a Hugging Face model folder (config.json + safetensors).")]
+    model: Annotated[
+        str,
+        Meta(description="Path to a GGUF file or a Hugging Face model folder (config.json + safetensors)."),
+    ]
     tokenizer: Annotated[str, Meta(description="Folder holding the Hugging Face tokenizer files.")]
     served_model_name: Annotated[str, Meta(description="Model name reported by the API.")]
-    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description="Weights and activations dtype (auto: bf16 on GPUs and AMX CPUs, else fp32).")]
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        Meta(description="Weights and activations dtype (auto: bf16 on GPUs and AMX CPUs, else fp32)."),
+    ]
     max_model_len: Annotated[int, Meta(ge=1, description="Longest prompt + output, in tokens.")]
     seed: Annotated[int, Meta(description="Seed for the random sampling of unseeded requests.")] = 0
     vocab_size: Annotated[int, Meta(ge=1, description="Vocabulary size of the model.")] = 1
     eos_token_id: Annotated[int | None, Meta(description="End-of-sequence token id.")] = None
-    load_format: Annotated[Literal["auto", "dummy"], Meta(description="auto: read the checkpoint; dummy: random weights of the config's shape, no checkpoint read (benchmarks).")] = "auto"
-    layer_sliding_windows: Annotated[list[int], Meta(description="Per layer, its sliding attention window in tokens, 0 for full attention; empty: every layer full (protocol.kv_cache_groups).")] = []
-    generation_defaults: Annotated[dict[str, float | int], Meta(description="The model's generation_config.json sampling defaults (SamplingParams field -> value), for requests that do not set them.")] = {}
-    extra_eos_token_ids: Annotated[list[int], Meta(description="EOS ids of generation_config.json beyond eos_token_id: stop tokens of every request that does not ignore EOS.")] = []
-    quantization: Annotated[Literal["none", "gguf"], Meta(description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load.")] = "none"
+    load_format: Annotated[
+        Literal["auto", "dummy"],
+        Meta(
+            description="auto: read the checkpoint; dummy: random weights of the config's shape, no checkpoint read (benchmarks)."
+        ),
+    ] = "auto"
+    layer_sliding_windows: Annotated[
+        list[int],
+        Meta(
+            description="Per layer, its sliding attention window in tokens, 0 for full attention; empty: every layer full (protocol.kv_cache_groups)."
+        ),
+    ] = []
+    generation_defaults: Annotated[
+        dict[str, float | int],
+        Meta(
+            description="The model's generation_config.json sampling defaults (SamplingParams field -> value), for requests that do not set them."
+        ),
+    ] = {}
+    extra_eos_token_ids: Annotated[
+        list[int],
+        Meta(
+            description="EOS ids of generation_config.json beyond eos_token_id: stop tokens of every request that does not ignore EOS."
+        ),
+    ] = []
+    quantization: Annotated[
+        Literal["none", "gguf"],
+        Meta(
+            description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load."
+        ),
+    ] = "none"
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
-    enable_prefix_caching: Annotated[bool, Meta(description="Share full KV blocks between requests with the same prefix.")] = True
-    kv_cache_memory: Annotated[int | None, Meta(description="Memory budget per worker in bytes (CPU default: 2 GiB): weights and the profiled activation peak come out of it, the rest is KV cache. Bypasses gpu_memory_utilization.")] = None
-    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1, description="Fraction of GPU memory the worker may use.")] = 0.9
-    num_gpu_blocks_override: Annotated[int | None, Meta(description="Use exactly this many KV blocks (testing).")] = None
+    enable_prefix_caching: Annotated[
+        bool, Meta(description="Share full KV blocks between requests with the same prefix.")
+    ] = True
+    kv_cache_memory: Annotated[
+        int | None,
+        Meta(
+            description="Memory budget per worker in bytes (CPU default: 2 GiB): weights and the profiled activation peak come out of it, the rest is KV cache. Bypasses gpu_memory_utilization."
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float, Meta(gt=0, le=1, description="Fraction of GPU memory the worker may use.")
+    ] = 0.9
+    num_gpu_blocks_override: Annotated[
+        int | None, Meta(description="Use exactly this many KV blocks (testing).")
+    ] = None
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_batched_tokens: Annotated[int, Meta(ge=1, description="Token budget of one engine step.")] = 2048
     max_num_seqs: Annotated[int, Meta(ge=1, description="Most requests running at once.")] = 128
-    long_prefill_token_threshold: Annotated[int, Meta(ge=0, description="Cap a prefill chunk at this many tokens (0: off).")] = 0
-    enable_chunked_prefill: Annotated[bool, Meta(description="Split prefills that do not fit the step's budget.")] = True
-    scheduling_policy: Annotated[Literal["fcfs", "priority"], Meta(description="fcfs, or priority (lower value runs first).")] = "fcfs"
+    long_prefill_token_threshold: Annotated[
+        int, Meta(ge=0, description="Cap a prefill chunk at this many tokens (0: off).")
+    ] = 0
+    enable_chunked_prefill: Annotated[
+        bool, Meta(description="Split prefills that do not fit the step's budget.")
+    ] = True
+    scheduling_policy: Annotated[
+        Literal["fcfs", "priority"], Meta(description="fcfs, or priority (lower value runs first).")
+    ] = "fcfs"
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensor_parallel_size: Annotated[int, Meta(ge=1, description="Workers (devices) per engine core.")] = 1
     data_parallel_size: Annotated[int, Meta(ge=1, description="Engine cores in all.")] = 1
-    data_parallel_size_local: Annotated[int | None, Meta(description="Engine cores on this node (default: all).")] = None
-    data_parallel_start_rank: Annotated[int, Meta(ge=0, description="Rank of the first local engine core.")] = 0
-    data_parallel_rank: Annotated[int, Meta(ge=0, description="This engine core's rank (set per process).")] = 0
-    data_parallel_address: Annotated[str, Meta(description="Address of the API node's handshake socket.")] = "127.0.0.1"
-    data_parallel_rpc_port: Annotated[int, Meta(ge=0, le=65535, description="Port of the API node's handshake socket.")] = 29550
+    data_parallel_size_local: Annotated[
+        int | None, Meta(description="Engine cores on this node (default: all).")
+    ] = None
+    data_parallel_start_rank: Annotated[
+        int, Meta(ge=0, description="Rank of the first local engine core.")
+    ] = 0
+    data_parallel_rank: Annotated[
+        int, Meta(ge=0, description="This engine core's rank (set per process).")
+    ] = 0
+    data_parallel_address: Annotated[str, Meta(description="Address of the API node's handshake socket.")] = (
+        "127.0.0.1"
+    )
+    data_parallel_rpc_port: Annotated[
+        int, Meta(ge=0, le=65535, description="Port of the API node's handshake socket.")
+    ] = 29550
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Annotated[Literal["cpu", "cuda"], Meta(description="Device the workers run on.")] = "cpu"
     num_threads: Annotated[int, Meta(ge=1, description="torch threads per worker process.")] = 1
-    attention_backend: Annotated[Literal["torch", "cpu", "triton"], Meta(description="Attention implementation (cpu: compiled decode kernel on CPU; triton on CUDA).")] = "torch"
-    enforce_eager: Annotated[bool, Meta(description="Never capture or replay CUDA graphs (they speed up decode steps on GPU).")] = False
+    attention_backend: Annotated[
+        Literal["torch", "cpu", "triton"],
+        Meta(description="Attention implementation (cpu: compiled decode kernel on CPU; triton on CUDA)."),
+    ] = "torch"
+    enforce_eager: Annotated[
+        bool, Meta(description="Never capture or replay CUDA graphs (they speed up decode steps on GPU).")
+    ] = False
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Speculative decoding: draft tokens proposed cheaply, verified in one forward."""
 
-    method: Annotated[Literal["ngram"], Meta(description="How drafts are proposed: ngram (prompt lookup).")] = "ngram"
-    num_speculative_tokens: Annotated[int, Meta(ge=1, le=MAX_SPEC_TOKENS, description="Draft tokens per request per step (K).")]
+    method: Annotated[
+        Literal["ngram"], Meta(description="How drafts are proposed: ngram (prompt lookup).")
+    ] = "ngram"
+    num_speculative_tokens: Annotated[
+        int, Meta(ge=1, le=MAX_SPEC_TOKENS, description="Draft tokens per request per step (K).")
+    ]
     prompt_lookup_min: Annotated[int, Meta(ge=1, description="Shortest n-gram matched against the context.")]
-    prompt_lookup_max: Annotated[int, Meta(ge=1, description="Longest n-gram matched against the context (tried first).")]
+    prompt_lookup_max: Annotated[
+        int, Meta(ge=1, description="Longest n-gram matched against the context (tried first).")
+    ]
 
     def __post_init__(self) -> None:
         # msgspec checks the Meta bounds only when decoding; direct
@@ -80,24 +150,33 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
         if self.method != "ngram":
             raise ValueError(f"speculative method must be 'ngram', got {self.method!r}.")
         if not 1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPEC_TOKENS}], "
-                             f"got {self.num_speculative_tokens}.")
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPEC_TOKENS}], "
+                f"got {self.num_speculative_tokens}."
+            )
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}.")
         if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least "
-                             f"prompt_lookup_min ({self.prompt_lookup_min}).")
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least "
+                f"prompt_lookup_min ({self.prompt_lookup_min})."
+            )
 
 
 class StructuredOutputsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Guided decoding: how the engine core compiles request grammars."""
 
-    compile_timeout: Annotated[float, Meta(gt=0, description="Seconds a request's grammar may take to compile before the request fails.")] = 5.0
+    compile_timeout: Annotated[
+        float,
+        Meta(gt=0, description="Seconds a request's grammar may take to compile before the request fails."),
+    ] = 5.0
 
     def __post_init__(self) -> None:
         # Meta bounds are checked on decode only; construction checks here.
         if not self.compile_timeout > 0:
-            raise ValueError(f"structured_outputs_compile_timeout must be positive, got {self.compile_timeout}.")
+            raise ValueError(
+                f"structured_outputs_compile_timeout must be positive, got {self.compile_timeout}."
+            )
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -29,6 +29,7 @@ folder holds exactly one node secret uses it instead of the client key.
 Files are created mode 0600 in a 0700 folder, and refused on load when group
 or others may read them, as ssh refuses a private key that others can read.
 """
+
 from __future__ import annotations
 
 import logging
@@ -131,7 +132,9 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
         raise ValueError(f"role must be {SERVER!r} or {CLIENT!r}, got {role!r}.")
     folder = Path(directory)
     if not folder.is_dir():
-        raise ValueError(f"--zmq-curve-keys: {folder} is not a folder (create one with `weft keys --dir {folder}`).")
+        raise ValueError(
+            f"--zmq-curve-keys: {folder} is not a folder (create one with `weft keys --dir {folder}`)."
+        )
     if role == CLIENT:
         node_secrets = sorted(folder.glob(f"{NODE_PREFIX}*.key_secret"))
         own = node_secrets[0] if len(node_secrets) == 1 else folder / f"{CLIENT}.key_secret"
@@ -141,8 +144,10 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     public, secret = _load(folder / f"{SERVER}.key_secret", secret=True)
     client_key = folder / f"{CLIENT}.key"
     peer_public = _load(client_key, secret=False)[0] if client_key.is_file() else b""
-    nodes = {_load(p, secret=False)[0]: p.name.removesuffix(".key")
-             for p in sorted(folder.glob(f"{NODE_PREFIX}*.key"))}
+    nodes = {
+        _load(p, secret=False)[0]: p.name.removesuffix(".key")
+        for p in sorted(folder.glob(f"{NODE_PREFIX}*.key"))
+    }
     if not peer_public and not nodes:
         raise ValueError(f"Missing CURVE key file {client_key} (create the folder with `weft keys`).")
     assert secret is not None
@@ -215,6 +220,10 @@ class ZapAuthenticator:
         self.denied.set()
         if self.num_denied % 100 == 1:  # a peer retrying forever must not flood the log
             address = request[3].decode(errors="replace") if len(request) > 3 else "?"
-            logger.warning("Refused a %s connection from %s: unknown key (%d refused so far).",
-                           mechanism.decode(errors="replace") or "?", address, self.num_denied)
+            logger.warning(
+                "Refused a %s connection from %s: unknown key (%d refused so far).",
+                mechanism.decode(errors="replace") or "?",
+                address,
+                self.num_denied,
+            )
         return [version, request_id, b"400", b"Unknown key", b"", b""]

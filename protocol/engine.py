@@ -3,6 +3,7 @@
 Structs marked ``array_like`` travel as msgpack arrays: their field ORDER
 is the wire contract. Append new fields at the end, with defaults.
 """
+
 from __future__ import annotations
 
 import enum
@@ -168,18 +169,26 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # lists added element-wise). Declared once: the API sums exactly these into
 # its running totals, and a heartbeat repeating old stats zeroes them.
 SCHEDULER_STATS_DELTAS = (
-    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
-    "external_prefix_cache_queries", "external_prefix_cache_hits",
-    "iteration_tokens_counts", "iteration_tokens_sum",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "iteration_tokens_counts",
+    "iteration_tokens_sum",
 )
 
 
 def without_deltas(stats: SchedulerStats) -> SchedulerStats:
     """``stats`` with every delta zeroed: what may be sent again without counting twice."""
-    return msgspec.structs.replace(stats, **{
-        name: [] if isinstance(getattr(stats, name), list) else 0 for name in SCHEDULER_STATS_DELTAS})
+    return msgspec.structs.replace(
+        stats,
+        **{name: [] if isinstance(getattr(stats, name), list) else 0 for name in SCHEDULER_STATS_DELTAS},
+    )
 
 
 def has_deltas(stats: SchedulerStats) -> bool:

@@ -6,6 +6,7 @@ rank only if it failed there; every other call is answered by every rank.
 So a failure on any rank reaches the executor. Field order is the wire contract (``array_like``):
 append new fields at the end, with defaults.
 """
+
 from __future__ import annotations
 
 import msgspec

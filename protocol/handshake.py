@@ -19,6 +19,7 @@ A restarted engine core says hello again with the same rank and rejoins.
 All are ``array_like``: field ORDER is the wire contract. Append new fields
 at the end, with defaults.
 """
+
 from __future__ import annotations
 
 import msgspec

@@ -15,6 +15,7 @@ A subscriber that applies every batch in order holds exactly the engine's
 set of cached block hashes: a hash is stored once when it enters the cache
 and removed once when its last block leaves it.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -70,13 +71,23 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     enable_kv_cache_events: Annotated[bool, Meta(description="Record and publish KV cache events.")] = False
-    publisher: Annotated[Literal["null", "zmq"], Meta(description="null: record nothing; zmq: publish on a PUB socket.")] = "null"
-    endpoint: Annotated[str, Meta(description="Address the PUB socket binds (rank 0's; others offset).")] = "tcp://*:5557"
-    replay_endpoint: Annotated[str | None, Meta(description="Address of the replay ROUTER (None: no replay).")] = None
+    publisher: Annotated[
+        Literal["null", "zmq"], Meta(description="null: record nothing; zmq: publish on a PUB socket.")
+    ] = "null"
+    endpoint: Annotated[str, Meta(description="Address the PUB socket binds (rank 0's; others offset).")] = (
+        "tcp://*:5557"
+    )
+    replay_endpoint: Annotated[
+        str | None, Meta(description="Address of the replay ROUTER (None: no replay).")
+    ] = None
     buffer_steps: Annotated[int, Meta(ge=1, description="Batches kept for replay.")] = 10_000
     hwm: Annotated[int, Meta(ge=0, description="PUB socket high-water mark (messages).")] = 100_000
-    max_queue_size: Annotated[int, Meta(ge=1, description="Batches waiting to be sent before new ones are dropped.")] = 100_000
-    topic: Annotated[str, Meta(description="Topic frame of every message (subscribers filter on its prefix).")] = ""
+    max_queue_size: Annotated[
+        int, Meta(ge=1, description="Batches waiting to be sent before new ones are dropped.")
+    ] = 100_000
+    topic: Annotated[
+        str, Meta(description="Topic frame of every message (subscribers filter on its prefix).")
+    ] = ""
 
     @property
     def publishes(self) -> bool:

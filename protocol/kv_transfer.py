@@ -8,6 +8,7 @@ that see the same prompt agree on every block's key without talking to each
 other. Structs marked ``array_like`` travel as msgpack arrays: field ORDER is
 the wire contract; append new fields at the end, with defaults.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -26,10 +27,16 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_connector: Annotated[str, Meta(description="SharedStorageConnector or ZmqConnector.")]
     kv_role: Annotated[KVRole, Meta(description="kv_producer (prefill), kv_consumer (decode) or kv_both.")]
     kv_ip: Annotated[str, Meta(description="Host of the kv_transfer service (ZmqConnector).")] = "127.0.0.1"
-    kv_port: Annotated[int, Meta(ge=1, le=65535, description="Port of the kv_transfer service (ZmqConnector).")] = 14579
-    kv_connector_extra_config: Annotated[dict[str, Any], Meta(
-        description="Connector options: shared_storage_path (SharedStorageConnector); timeout_s, keys_dir, "
-        "max_concurrent (both).")] = {}
+    kv_port: Annotated[
+        int, Meta(ge=1, le=65535, description="Port of the kv_transfer service (ZmqConnector).")
+    ] = 14579
+    kv_connector_extra_config: Annotated[
+        dict[str, Any],
+        Meta(
+            description="Connector options: shared_storage_path (SharedStorageConnector); timeout_s, keys_dir, "
+            "max_concurrent (both)."
+        ),
+    ] = {}
 
     @property
     def is_producer(self) -> bool:

@@ -4,6 +4,7 @@ Validated on construction and on decode (msgspec runs ``__post_init__`` in
 both cases), so a bad value is refused at the edge with a ``ValueError``
 that names the field and what is allowed.
 """
+
 from __future__ import annotations
 
 import enum
@@ -108,12 +109,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
                 raise bad("logit_bias", f"a map of biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)):
+            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
+        ):
             raise bad("allowed_token_ids", "a non-empty list of non-negative token ids")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             raise bad("bad_words", "a list of words that are not blank")
         if self.bad_words_token_ids is not None and any(
-                not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            not ids or min(ids) < 0 for ids in self.bad_words_token_ids
+        ):
             raise bad("bad_words_token_ids", "non-empty lists of non-negative token ids")
 
     @property

@@ -4,6 +4,7 @@ The scheduler imports no torch; the worker keeps a persistent batch that
 each ``SchedulerOutput`` updates incrementally. Field order is the wire
 contract (``array_like``): append new fields at the end, with defaults.
 """
+
 from __future__ import annotations
 
 import msgspec

@@ -8,6 +8,7 @@ constraint accepts.
 A JSON schema given as a dict is stored as its JSON text: the wire carries
 one type, and the text doubles as the compiled-grammar cache key.
 """
+
 from __future__ import annotations
 
 import json as _json
@@ -43,8 +44,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
         set_kinds = [k for k in KINDS if _is_set(getattr(self, k))]
         if len(set_kinds) != 1:
             given = ", ".join(set_kinds) if set_kinds else "none"
-            raise ValueError(
-                f"structured_outputs must set exactly one of {', '.join(KINDS)}; got {given}.")
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got {given}.")
         if self.json is not None:
             self.json = _schema_text(self.json)
         self._validate_kind(set_kinds[0])
@@ -52,8 +52,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     def _validate_kind(self, kind: str) -> None:
         if kind == "choice":
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("choice must be a non-empty list of non-empty strings, "
-                                 f"got {self.choice!r}.")
+                raise ValueError(
+                    f"choice must be a non-empty list of non-empty strings, got {self.choice!r}."
+                )
         elif kind in ("regex", "grammar") and not getattr(self, kind).strip():
             raise ValueError(f"{kind} must be a non-empty string.")
 
@@ -91,8 +92,9 @@ def _schema_text(schema: str | dict) -> str:
         except ValueError as e:
             raise ValueError(f"json must be a JSON schema; its text is not valid JSON: {e}.") from None
         if not isinstance(parsed, (dict, bool)):
-            raise ValueError("json must be a JSON schema: an object (or true/false), "
-                             f"got {type(parsed).__name__}.")
+            raise ValueError(
+                f"json must be a JSON schema: an object (or true/false), got {type(parsed).__name__}."
+            )
         return schema
     return _json.dumps(schema, separators=(",", ":"))
 

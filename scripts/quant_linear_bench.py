@@ -11,6 +11,7 @@ step over that time, and the machine's read bandwidth measured here (a sum
 over a buffer much larger than the caches), so the batch-1 figure can be put
 as a fraction of the weight-read bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,10 @@ def main() -> None:
             time_step(inputs, 1)  # warm-up
             times[name] = time_step(inputs, args.repeats)
             nbytes = weight_bytes(inputs)
-            print(f"rows {rows:4d}  {name:4s}: {times[name] * 1e3:7.2f} ms for {nbytes / 1e6:6.1f} MB of weights "
-                  f"({nbytes / times[name] / 1e9:5.1f} GB/s; the read bound is {nbytes / bandwidth * 1e3:.2f} ms)")
+            print(
+                f"rows {rows:4d}  {name:4s}: {times[name] * 1e3:7.2f} ms for {nbytes / 1e6:6.1f} MB of weights "
+                f"({nbytes / times[name] / 1e9:5.1f} GB/s; the read bound is {nbytes / bandwidth * 1e3:.2f} ms)"
+            )
         print(f"rows {rows:4d}  dequantized / quantized time: {times['none'] / times['gguf']:.2f}x")
 
 

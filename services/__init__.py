@@ -4,6 +4,7 @@ The offline entry point is resolved lazily (``from services import LLM``):
 every ``services.*`` import runs this file, and the API process must not
 pay for torch.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """The ``weft`` command. Each subcommand is imported lazily, so ``weft
 serve``'s API process never loads torch."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", dest="request_seed", type=int, default=None,
-                        help="Sampling seed of this request.")
+    parser.add_argument(
+        "--seed", dest="request_seed", type=int, default=None, help="Sampling seed of this request."
+    )
     parser.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
@@ -24,8 +26,9 @@ def _generate(argv: list[str]) -> int:
     from services import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.request_seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.request_seed
+        )
         llm = LLM(**dataclasses.asdict(engine_args_from(args, skip=("seed",))))
         if args.chat:
             output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
@@ -36,8 +39,7 @@ def _generate(argv: list[str]) -> int:
         return 2
     completion = output.outputs[0]
     print((args.prompt if not args.chat else "") + completion.text)
-    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
-          file=sys.stderr)
+    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -56,15 +58,23 @@ def _serve(argv: list[str]) -> int:
 def _keys(argv: list[str]) -> int:
     from protocol.curve import generate_keys, generate_node_keys
 
-    parser = argparse.ArgumentParser(prog="weft keys", description=(
-        "Generate the CurveZMQ keypairs that authenticate and encrypt the links between the API and "
-        "its engine cores (`--zmq-curve-keys DIR` on weft serve and engine-core). Copy the folder to "
-        "every node, readable only by the user that runs weft."))
+    parser = argparse.ArgumentParser(
+        prog="weft keys",
+        description=(
+            "Generate the CurveZMQ keypairs that authenticate and encrypt the links between the API and "
+            "its engine cores (`--zmq-curve-keys DIR` on weft serve and engine-core). Copy the folder to "
+            "every node, readable only by the user that runs weft."
+        ),
+    )
     parser.add_argument("--dir", required=True, help="Folder to write the keys into (created mode 0700).")
     parser.add_argument("--force", action="store_true", help="Replace keys already in the folder.")
-    parser.add_argument("--node", default=None, metavar="NAME",
-                        help="Add a keypair of the engine node NAME to an existing folder: the API "
-                             "binds each rank to the node key that shook hands for it.")
+    parser.add_argument(
+        "--node",
+        default=None,
+        metavar="NAME",
+        help="Add a keypair of the engine node NAME to an existing folder: the API "
+        "binds each rank to the node key that shook hands for it.",
+    )
     args = parser.parse_args(argv)
     try:
         if args.node is not None:
@@ -96,7 +106,10 @@ COMMANDS = {
     "generate": (_generate, "Complete a prompt with the offline engine."),
     "bench": (_bench, "Benchmarks: throughput, serve."),
     "kv-transfer": (_kv_transfer, "Run the KV transfer service of disaggregated prefill/decode."),
-    "pd-proxy": (_pd_proxy, "Run the disaggregated prefill/decode proxy in front of prefill and decode servers."),
+    "pd-proxy": (
+        _pd_proxy,
+        "Run the disaggregated prefill/decode proxy in front of prefill and decode servers.",
+    ),
 }
 
 
@@ -104,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:12} {text}" for name, (_, text) in COMMANDS.items()]
-        print("usage: weft COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines),
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        print(
+            "usage: weft COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines),
+            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, _ = COMMANDS[argv[0]]
     return command(argv[1:])

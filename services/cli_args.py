@@ -3,6 +3,7 @@
 Flags are generated from ``EngineArgs``; their help comes from the field
 descriptions of the protocol config tree, so the two cannot drift apart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ _EXTRA_HELP = {
     "model": "GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct).",
     "tokenizer": "Tokenizer folder (default: the model's).",
     "served_model_name": "Model name(s) the API serves: responses report the first, requests may name any "
-                         "(default: the model file's name).",
+    "(default: the model file's name).",
     "device": "cpu, cuda or auto.",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and AMX CPUs, else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
@@ -25,17 +26,17 @@ _EXTRA_HELP = {
     "max_num_seqs": "Most requests running at once (default 128).",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
-                    "or none (dequantize to --dtype at load).",
+    "or none (dequantize to --dtype at load).",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
-    "speculative_config": "Speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
-                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
-                          "(default: off).",
-    "kv_transfer_config": "Disaggregated prefill/decode as JSON, e.g. '{\"kv_connector\": \"ZmqConnector\", "
-                          "\"kv_role\": \"kv_consumer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579}' "
-                          "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
-    "kv_events_config": "KV cache events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
-                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}' "
-                        "(vLLM's names; each DP rank offsets the ports by its rank; default: off).",
+    "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+    "(default: off).",
+    "kv_transfer_config": 'Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "ZmqConnector", '
+    '"kv_role": "kv_consumer", "kv_ip": "127.0.0.1", "kv_port": 14579}\' '
+    "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
+    "kv_events_config": 'KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+    '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}\' '
+    "(vLLM's names; each DP rank offsets the ports by its rank; default: off).",
 }
 
 
@@ -45,8 +46,13 @@ _SEVERAL = ("served_model_name",)
 
 def _descriptions() -> dict[str, str]:
     found: dict[str, str] = {}
-    for struct in (config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
-                   config_module.ParallelConfig, config_module.DeviceConfig):
+    for struct in (
+        config_module.ModelConfig,
+        config_module.CacheConfig,
+        config_module.SchedulerConfig,
+        config_module.ParallelConfig,
+        config_module.DeviceConfig,
+    ):
         for name, hint in typing.get_type_hints(struct, include_extras=True).items():
             for meta in getattr(hint, "__metadata__", ()):
                 if getattr(meta, "description", None):
@@ -64,8 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.name in _SEVERAL:
             group.add_argument(flag, nargs="+", default=f.default, help=help_text.get(f.name))
         elif f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_text.get(f.name))
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text.get(f.name)
+            )
         else:
             kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
             group.add_argument(flag, type=kind, default=f.default, help=help_text.get(f.name))
@@ -73,5 +80,10 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
 
 def engine_args_from(namespace: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineArgs:
     values = vars(namespace)
-    return EngineArgs(**{f.name: values[f.name] for f in dataclasses.fields(EngineArgs)
-                         if f.name in values and f.name not in skip})
+    return EngineArgs(
+        **{
+            f.name: values[f.name]
+            for f in dataclasses.fields(EngineArgs)
+            if f.name in values and f.name not in skip
+        }
+    )

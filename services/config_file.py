@@ -14,6 +14,7 @@ command's own parser, so types, choices and checks are the flag's. Where one
 flag is set in several places, the last of these wins: the file, a ``WEFT_*``
 override (``services/env.py``), the command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def _add_config_argument(parser: argparse.ArgumentParser) -> None:
     if "--config" in parser._option_string_actions:
         return
-    parser.add_argument("--config", default=None, metavar="FILE.yaml",
-                        help="Read flags from this YAML file (flag: value); the command line wins over it. "
-                             "$WEFT_CONFIG names one when this is not given.")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yaml",
+        help="Read flags from this YAML file (flag: value); the command line wins over it. "
+        "$WEFT_CONFIG names one when this is not given.",
+    )
     overrides = [v for v in env.VARIABLES if v.flag in parser._option_string_actions and v.flag != "--config"]
     if overrides and parser.epilog is None:
         parser.epilog = "Environment overrides: " + ", ".join(f"{v.name} ({v.flag})" for v in overrides) + "."

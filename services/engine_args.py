@@ -4,6 +4,7 @@ Every ``"auto"`` and every ``None`` default is decided here, so the frozen
 config that processes receive holds only concrete values. Torch-free: the
 API process builds the config too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,7 +79,9 @@ class EngineArgs:
         # what transformers made of general.architecture).
         architecture_of(hf_config)
         windows = layer_sliding_windows(hf_config)
-        check_tensor_parallel(hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None)
+        check_tensor_parallel(
+            hf_config, self.tensor_parallel_size, speculative=self.speculative_config is not None
+        )
         device = resolve_device(self.device)
         eos_token_id = _first(hf_config.get("eos_token_id"))
         generation = read_generation_config(self.generation_config, files.hf_dir)
@@ -106,8 +109,9 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler=self._scheduler_config(),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                    data_parallel_size=self.data_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
+            ),
             device=DeviceConfig(
                 device=device,
                 num_threads=self.num_threads or max(1, (os.cpu_count() or 1) // self.data_parallel_size),
@@ -115,7 +119,9 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
             ),
             speculative=resolve_speculative_config(self.speculative_config),
-            structured_outputs=StructuredOutputsConfig(compile_timeout=self.structured_outputs_compile_timeout),
+            structured_outputs=StructuredOutputsConfig(
+                compile_timeout=self.structured_outputs_compile_timeout
+            ),
             kv_transfer=self._kv_transfer_config(windows),
             kv_events=resolve_kv_events_config(self.kv_events_config),
         )
@@ -123,10 +129,15 @@ class EngineArgs:
     def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
         if config is not None and len(set(layer_windows)) > 1:
-            raise ValueError("kv_transfer_config: moving the KV of a model that mixes full and "
-                             "sliding-window attention (several KV cache groups) is not supported.")
-        check_engine_supports(config, tensor_parallel_size=self.tensor_parallel_size,
-                              enable_prefix_caching=self.enable_prefix_caching)
+            raise ValueError(
+                "kv_transfer_config: moving the KV of a model that mixes full and "
+                "sliding-window attention (several KV cache groups) is not supported."
+            )
+        check_engine_supports(
+            config,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
         return config
 
     def _max_model_len(self, hf_config: dict) -> int:
@@ -134,12 +145,16 @@ class EngineArgs:
         if self.max_model_len is None:
             return limit
         if not 1 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}.")
+            raise ValueError(
+                f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}."
+            )
         return self.max_model_len
 
     def _scheduler_config(self) -> SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -164,14 +179,16 @@ def _check_load_format(load_format: str) -> str:
 
 
 def resolve_quantization(quantization: str | None, is_gguf: bool, device: str, load_format: str) -> str:
-    """"gguf" (weights kept packed) or "none" (dequantized at load); the packed kernels are CPU only."""
+    """ "gguf" (weights kept packed) or "none" (dequantized at load); the packed kernels are CPU only."""
     if quantization not in (None, "none", "gguf"):
         raise ValueError(f"quantization must be 'gguf' or 'none', got {quantization!r}.")
     if quantization is None:
         return "gguf" if is_gguf and device == "cpu" and load_format == "auto" else "none"
     if quantization == "gguf":
         if not is_gguf or load_format != "auto":
-            raise ValueError("quantization 'gguf' needs a GGUF model file read from disk (load_format 'auto').")
+            raise ValueError(
+                "quantization 'gguf' needs a GGUF model file read from disk (load_format 'auto')."
+            )
         if device != "cpu":
             raise ValueError("quantization 'gguf' runs on CPU only; use quantization 'none' on CUDA.")
     return quantization

@@ -13,6 +13,7 @@ Reading a name that is not declared here is a ``KeyError``, so a new
 variable cannot be read without being listed (and documented) first.
 Torch-free: the API process imports it.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,26 +30,46 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("WEFT_API_KEY", "API keys the /v1 routes accept, comma-separated, when no --api-key is given."),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
-    EnvVar("WEFT_WORKLOADS_DIR", "Folder where bare workload names resolve "
-                                 "(default: benchmarks/workloads/ in the repository)."),
-    EnvVar("WEFT_ATTENTION_BACKEND", "Force an attention backend: torch, cpu or triton "
-                                     "(default: triton on CUDA, cpu elsewhere)."),
-    EnvVar("WEFT_CONFIG", "A YAML file of flags, read when the command line has no --config.",
-           flag="--config"),
+    EnvVar(
+        "WEFT_WORKLOADS_DIR",
+        "Folder where bare workload names resolve (default: benchmarks/workloads/ in the repository).",
+    ),
+    EnvVar(
+        "WEFT_ATTENTION_BACKEND",
+        "Force an attention backend: torch, cpu or triton (default: triton on CUDA, cpu elsewhere).",
+    ),
+    EnvVar(
+        "WEFT_CONFIG", "A YAML file of flags, read when the command line has no --config.", flag="--config"
+    ),
     EnvVar("WEFT_MODEL", "The model to serve: a GGUF file or a folder of safetensors.", flag="--model"),
     EnvVar("WEFT_HOST", "Address the HTTP server listens on.", flag="--host"),
     EnvVar("WEFT_PORT", "Port the HTTP server listens on.", flag="--port"),
-    EnvVar("WEFT_DATA_PARALLEL_ADDRESS", "Host of the API node, for remote engine cores.",
-           flag="--data-parallel-address"),
+    EnvVar(
+        "WEFT_DATA_PARALLEL_ADDRESS",
+        "Host of the API node, for remote engine cores.",
+        flag="--data-parallel-address",
+    ),
     EnvVar("WEFT_DATA_PARALLEL_RPC_PORT", "Handshake port of the API node.", flag="--data-parallel-rpc-port"),
-    EnvVar("WEFT_DATA_PARALLEL_INPUT_PORT", "Port of the API's request socket, for remote engine cores.",
-           flag="--data-parallel-input-port"),
-    EnvVar("WEFT_DATA_PARALLEL_OUTPUT_PORT", "Port of the API's output socket, for remote engine cores.",
-           flag="--data-parallel-output-port"),
-    EnvVar("WEFT_ZMQ_CURVE_KEYS", "Folder of CurveZMQ keys (`weft keys`) for the API-engine links.",
-           flag="--zmq-curve-keys"),
-    EnvVar("WEFT_KV_CACHE_MEMORY", "Memory budget in bytes for the weights, activations and KV cache "
-                                   "(default on CPU: 2 GiB).", flag="--kv-cache-memory"),
+    EnvVar(
+        "WEFT_DATA_PARALLEL_INPUT_PORT",
+        "Port of the API's request socket, for remote engine cores.",
+        flag="--data-parallel-input-port",
+    ),
+    EnvVar(
+        "WEFT_DATA_PARALLEL_OUTPUT_PORT",
+        "Port of the API's output socket, for remote engine cores.",
+        flag="--data-parallel-output-port",
+    ),
+    EnvVar(
+        "WEFT_ZMQ_CURVE_KEYS",
+        "Folder of CurveZMQ keys (`weft keys`) for the API-engine links.",
+        flag="--zmq-curve-keys",
+    ),
+    EnvVar(
+        "WEFT_KV_CACHE_MEMORY",
+        "Memory budget in bytes for the weights, activations and KV cache (default on CPU: 2 GiB).",
+        flag="--kv-cache-memory",
+    ),
 )
 _BY_NAME = {variable.name: variable for variable in VARIABLES}
 
@@ -62,8 +83,11 @@ def get(name: str, default: str | None = None) -> str | None:
 
 def flag_overrides(known_flags: set[str]) -> list[tuple[EnvVar, str]]:
     """The set flag overrides whose flag is one of ``known_flags``, in declaration order."""
-    return [(v, value) for v in VARIABLES
-            if v.flag is not None and v.flag in known_flags and (value := get(v.name))]
+    return [
+        (v, value)
+        for v in VARIABLES
+        if v.flag is not None and v.flag in known_flags and (value := get(v.name))
+    ]
 
 
 def describe() -> str:

@@ -1,4 +1,5 @@
 """JSON-object engine arguments (``--speculative-config '<json>'`` and the like)."""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Runs an EngineCore in-process and steps it until every request finished,
 doing the front end's part itself (tokenize, detokenize, stop strings).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,9 +56,12 @@ class LLM:
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -72,15 +76,23 @@ class LLM:
         """SamplingParams with the model's generation_config.json defaults (as vLLM's LLM)."""
         return SamplingParams(**self.config.model.generation_defaults)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                 for c in conversations]
+        texts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
         # The template already holds the special tokens.
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False), "prompt": t}
-                   for t in texts]
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False), "prompt": t}
+            for t in texts
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> list[EngineCoreRequest]:
@@ -89,10 +101,15 @@ class LLM:
         children = []
         for index in range(params.n):
             child = msgspec.structs.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + index)
+                params, n=1, seed=None if params.seed is None else params.seed + index
+            )
             request = EngineCoreRequest(
-                request_id=f"{parent_id}-{index}", prompt_token_ids=token_ids, sampling_params=child,
-                arrival_time=time.time(), eos_token_id=self.tokenizer.eos_token_id)
+                request_id=f"{parent_id}-{index}",
+                prompt_token_ids=token_ids,
+                sampling_params=child,
+                arrival_time=time.time(),
+                eos_token_id=self.tokenizer.eos_token_id,
+            )
             self.engine.validate_request(request)
             children.append(request)
         return children
@@ -106,13 +123,15 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _run(self, prompts: list[Prompt], requests: list[list[EngineCoreRequest]],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[Prompt], requests: list[list[EngineCoreRequest]], use_tqdm: bool
+    ) -> list[RequestOutput]:
         states: dict[str, RequestState] = {}
         for children in requests:
             for request in children:
                 states[request.request_id] = RequestState.create(
-                    request.request_id, request.sampling_params, self.tokenizer, request.eos_token_id)
+                    request.request_id, request.sampling_params, self.tokenizer, request.eos_token_id
+                )
                 self.engine.add_request(request)
         progress = _progress(len(requests), use_tqdm)
         pending = {children[0].request_id.rsplit("-", 1)[0]: len(children) for children in requests}
@@ -137,8 +156,9 @@ class LLM:
         self.engine.shutdown()
 
 
-def _request_output(prompt: Prompt, children: list[EngineCoreRequest],
-                    states: dict[str, RequestState]) -> RequestOutput:
+def _request_output(
+    prompt: Prompt, children: list[EngineCoreRequest], states: dict[str, RequestState]
+) -> RequestOutput:
     child_states = [states[c.request_id] for c in children]
     first = child_states[0]
     if isinstance(prompt, dict):
@@ -148,12 +168,19 @@ def _request_output(prompt: Prompt, children: list[EngineCoreRequest],
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=children[0].prompt_token_ids,
         prompt_logprobs=first.prompt_logprobs,
-        outputs=[CompletionOutput(
-            index=i, text=s.text, token_ids=s.token_ids,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-            logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            error=s.error)
-            for i, s in enumerate(child_states)],
+        outputs=[
+            CompletionOutput(
+                index=i,
+                text=s.text,
+                token_ids=s.token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                error=s.error,
+            )
+            for i, s in enumerate(child_states)
+        ],
         finished=all(s.finished for s in child_states),
         num_cached_tokens=first.num_cached_tokens,
     )
@@ -170,16 +197,18 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _match_params(params: SamplingParams | Sequence[SamplingParams] | None,
-                  count: int) -> list[SamplingParams]:
+def _match_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)
     if len(params) != count:
-        raise ValueError(f"Got {len(params)} sampling params for {count} prompts; "
-                         f"give one for all, or one per prompt.")
+        raise ValueError(
+            f"Got {len(params)} sampling params for {count} prompts; give one for all, or one per prompt."
+        )
     return params
 
 
@@ -192,4 +221,5 @@ def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoProgress()
     from tqdm import tqdm
+
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -6,6 +6,7 @@ that once, writing ``tokenizer.json``, ``config.json`` and friends to a
 folder beside the GGUF (``<name>.hf/``); every process then loads them from
 there. Nothing here downloads anything.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Run when the engine config is built (torch-free, before any process
 starts), so a model that does not split over the ranks is refused at once
 with what to change, instead of failing inside the workers.
 """
+
 from __future__ import annotations
 
 
@@ -34,8 +35,11 @@ def check_tensor_parallel(hf_config: dict, tensor_parallel_size: int, speculativ
     if intermediate % size:
         problems.append(f"intermediate_size ({intermediate}) is not divisible by it")
     if problems:
-        sizes = [n for n in range(1, heads + 1) if not heads % n and (not kv_heads % n or not n % kv_heads)
-                 and not intermediate % n]
+        sizes = [
+            n
+            for n in range(1, heads + 1)
+            if not heads % n and (not kv_heads % n or not n % kv_heads) and not intermediate % n
+        ]
         raise ValueError(
             f"tensor_parallel_size {size} does not fit this model: {'; '.join(problems)}. "
             f"Sizes that fit: {', '.join(map(str, sizes))}."

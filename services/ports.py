@@ -4,6 +4,7 @@ Binding port 0 and closing again leaves a window in which another process can
 take the port, so this is for tests, benchmarks and one-machine set-ups; a
 deployment behind a firewall names its ports instead.
 """
+
 from __future__ import annotations
 
 import socket

@@ -1,4 +1,5 @@
 """Stopping the child processes a launcher started (engine cores). Torch-free."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,9 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
 
 
-def stop_processes(processes: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S,
-                   exit_wait_s: float = 0.0) -> None:
+def stop_processes(
+    processes: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S, exit_wait_s: float = 0.0
+) -> None:
     """Give the processes ``exit_wait_s`` to exit on their own, SIGTERM those
     still running, and SIGKILL those that outlive ``grace_s`` more."""
     deadline = time.monotonic() + exit_wait_s

@@ -3,6 +3,7 @@ resolved into the frozen ``SpeculativeConfig``.
 
 Torch-free: the API process builds the engine config too.
 """
+
 from __future__ import annotations
 
 from typing import Any

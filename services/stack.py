@@ -5,6 +5,7 @@ Everything is read from outside, as an operator would: ``/health`` for rank
 states, load and free KV blocks, ``/proc`` for the processes (the engine
 cores are the API's children) and their resident memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,6 @@ import httpx
 from services.ports import free_port
 
 _ENGINE_MODULE = "services.engine_core.proc"
-
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,22 @@ class Stack:
         # Its own session: stop() and kill() reach the API alone; its engine
         # cores must go because the API stops them (or dies).
         self.api = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             *serve_args], stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *serve_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.seen_engine_pids: set[int] = set()
 
     def log_tail(self, num_bytes: int = 4000) -> str:

@@ -6,6 +6,7 @@ A test is ``slow`` when ``SLOW`` (kept here, one list, so every test's tier
 is visible at a glance) names its module or the test itself, or when it
 carries ``@pytest.mark.slow``. ``make test`` runs both tiers.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,38 +18,40 @@ from tests.utils import REPO_ROOT
 
 # Modules (or single tests, ``path::name``) that start processes (engine cores,
 # servers, stacks, worker processes) or load the real model: seconds to minutes each.
-SLOW = frozenset({
-    "tests/api/test_dp_client.py",
-    "tests/api/test_dp_client_rejoin.py",
-    "tests/api/test_structured_api.py",
-    "tests/bench/test_bench_cli.py",
-    "tests/bench/test_bench_serve.py",
-    "tests/bench/test_bench_spec.py",
-    "tests/bench/test_bench_structured.py",
-    "tests/bench/test_compare.py",
-    "tests/bench/test_executor_overhead.py",
-    "tests/bench/test_hf_baseline.py",
-    "tests/bench/test_latency_and_datasets.py::test_end_to_end_latency",
-    "tests/bench/test_latency_and_datasets.py::test_end_to_end_throughput_on_random_prompts",
-    "tests/engine_core/test_proc.py",
-    "tests/engine_core/test_proc_hostile.py",
-    "tests/engine_core/test_structured_output_xgrammar.py",
-    "tests/kernels/test_e2e_triton.py",
-    "tests/kv_transfer/test_offline.py",
-    "tests/kv_transfer/test_pd_e2e.py",
-    "tests/test_hostile_http.py",
-    "tests/test_llm.py",
-    "tests/test_reliability.py",
-    "tests/test_serving.py",
-    "tests/test_spec_decode.py",
-    "tests/test_structured_outputs.py",
-    "tests/test_tensor_parallel.py",
-    "tests/test_tool_calling_serve.py",
-    "tests/worker/test_llama_oracle.py",
-    "tests/worker/test_model_runner.py",
-    "tests/worker/test_multiproc_executor.py",
-    "tests/worker/test_parallel_linear.py::test_sharded_layers_match_unsharded_over_gloo",
-})
+SLOW = frozenset(
+    {
+        "tests/api/test_dp_client.py",
+        "tests/api/test_dp_client_rejoin.py",
+        "tests/api/test_structured_api.py",
+        "tests/bench/test_bench_cli.py",
+        "tests/bench/test_bench_serve.py",
+        "tests/bench/test_bench_spec.py",
+        "tests/bench/test_bench_structured.py",
+        "tests/bench/test_compare.py",
+        "tests/bench/test_executor_overhead.py",
+        "tests/bench/test_hf_baseline.py",
+        "tests/bench/test_latency_and_datasets.py::test_end_to_end_latency",
+        "tests/bench/test_latency_and_datasets.py::test_end_to_end_throughput_on_random_prompts",
+        "tests/engine_core/test_proc.py",
+        "tests/engine_core/test_proc_hostile.py",
+        "tests/engine_core/test_structured_output_xgrammar.py",
+        "tests/kernels/test_e2e_triton.py",
+        "tests/kv_transfer/test_offline.py",
+        "tests/kv_transfer/test_pd_e2e.py",
+        "tests/test_hostile_http.py",
+        "tests/test_llm.py",
+        "tests/test_reliability.py",
+        "tests/test_serving.py",
+        "tests/test_spec_decode.py",
+        "tests/test_structured_outputs.py",
+        "tests/test_tensor_parallel.py",
+        "tests/test_tool_calling_serve.py",
+        "tests/worker/test_llama_oracle.py",
+        "tests/worker/test_model_runner.py",
+        "tests/worker/test_multiproc_executor.py",
+        "tests/worker/test_parallel_linear.py::test_sharded_layers_match_unsharded_over_gloo",
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,6 +4,7 @@ The one place tests sleep: a process we do not own (an HTTP server, an
 engine core) has no event to wait on, so we ask it again after a short pause
 until the deadline passes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,9 @@ from typing import Any
 import httpx
 
 
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str = "the condition",
-             interval_s: float = 0.1) -> Any:
+def wait_for(
+    check: Callable[[], Any], timeout_s: float, what: str = "the condition", interval_s: float = 0.1
+) -> Any:
     """Call ``check`` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout_s
     while not (result := check()):
@@ -25,8 +27,9 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str = "the condit
     return result
 
 
-async def wait_until(check: Callable[[], Any], timeout_s: float, what: str = "the condition",
-                     interval_s: float = 0.05) -> Any:
+async def wait_until(
+    check: Callable[[], Any], timeout_s: float, what: str = "the condition", interval_s: float = 0.05
+) -> Any:
     """``wait_for`` for a test running on the event loop."""
     deadline = time.monotonic() + timeout_s
     while not (result := check()):
@@ -36,9 +39,11 @@ async def wait_until(check: Callable[[], Any], timeout_s: float, what: str = "th
     return result
 
 
-def wait_healthy(url: str, timeout_s: float, check_alive: Callable[[], None],
-                 describe: Callable[[], str] = lambda: "") -> None:
+def wait_healthy(
+    url: str, timeout_s: float, check_alive: Callable[[], None], describe: Callable[[], str] = lambda: ""
+) -> None:
     """Until ``url``/health answers 200; ``check_alive`` asserts the servers still run."""
+
     def healthy() -> bool:
         check_alive()
         try:

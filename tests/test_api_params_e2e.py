@@ -9,6 +9,7 @@ allowed_token_ids and bad_words steer the sampler; echo and
 prompt_logprobs show the prompt; continuous_usage_stats puts usage on
 every chunk; an unknown field is a 400 naming it.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,9 +27,24 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(["--model", str(MODEL.weights), "--data-parallel-size", "1", "--dtype", "float32",
-                   "--max-num-batched-tokens", "512", "--max-model-len", "512", "--num-threads", "1"],
-                  tmp_path_factory.mktemp("logs"), startup_timeout_s=240)
+    stack = Stack(
+        [
+            "--model",
+            str(MODEL.weights),
+            "--data-parallel-size",
+            "1",
+            "--dtype",
+            "float32",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "512",
+            "--num-threads",
+            "1",
+        ],
+        tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=240,
+    )
     try:
         stack.wait_healthy()
         yield stack
@@ -49,8 +65,14 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def greedy(client):
     """The model's greedy continuation of PROMPT: (text, token ids)."""
-    result = client.completions.create(model=_model(client), prompt=PROMPT, max_tokens=8, temperature=0.0,
-                                       logprobs=0, extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=_model(client),
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     return result.choices[0].text, result.choices[0].logprobs.tokens
 
 
@@ -60,18 +82,23 @@ def _model(client) -> str:
 
 def complete(client, **kwargs):
     extra = kwargs.pop("extra_body", {})
-    return client.completions.create(model=_model(client), prompt=PROMPT, temperature=0.0, extra_body=extra,
-                                     **kwargs)
+    return client.completions.create(
+        model=_model(client), prompt=PROMPT, temperature=0.0, extra_body=extra, **kwargs
+    )
 
 
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_token_ends_the_text_before_its_own(client, tokenizer, include):
-    ids = tokenizer.encode(complete(client, max_tokens=8, extra_body={"ignore_eos": True}).choices[0].text,
-                           add_special_tokens=False)
+    ids = tokenizer.encode(
+        complete(client, max_tokens=8, extra_body={"ignore_eos": True}).choices[0].text,
+        add_special_tokens=False,
+    )
     stop_id = ids[2]
-    result = complete(client, max_tokens=8,
-                      extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
-                                  "include_stop_str_in_output": include})
+    result = complete(
+        client,
+        max_tokens=8,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "include_stop_str_in_output": include},
+    )
     choice = result.choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop_id
     first = ids.index(stop_id)
@@ -83,9 +110,12 @@ def test_a_stop_token_ends_the_text_before_its_own(client, tokenizer, include):
 def test_eos_text_is_left_out_unless_included(client, tokenizer, include):
     # min_tokens holds EOS back for two tokens; then a +100 bias makes it certain.
     eos = tokenizer.eos_token_id
-    result = complete(client, max_tokens=10, logit_bias={str(eos): 100},
-                      extra_body={"min_tokens": 2, "skip_special_tokens": False,
-                                  "include_stop_str_in_output": include})
+    result = complete(
+        client,
+        max_tokens=10,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 2, "skip_special_tokens": False, "include_stop_str_in_output": include},
+    )
     choice = result.choices[0]
     eos_text = tokenizer.decode([eos], skip_special_tokens=False)
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] is None
@@ -95,11 +125,13 @@ def test_eos_text_is_left_out_unless_included(client, tokenizer, include):
 
 def test_allowed_token_ids_and_logit_bias_steer_every_token(client, tokenizer):
     allowed = tokenizer.encode(" yes no", add_special_tokens=False)
-    result = complete(client, max_tokens=6, logprobs=0, extra_body={"allowed_token_ids": allowed,
-                                                                     "ignore_eos": True})
+    result = complete(
+        client, max_tokens=6, logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True}
+    )
     assert set(tokenizer.encode(result.choices[0].text, add_special_tokens=False)) <= set(allowed)
-    biased = complete(client, max_tokens=4, logit_bias={str(allowed[1]): 100},
-                      extra_body={"ignore_eos": True})
+    biased = complete(
+        client, max_tokens=4, logit_bias={str(allowed[1]): 100}, extra_body={"ignore_eos": True}
+    )
     assert biased.choices[0].text == tokenizer.decode([allowed[1]] * 4)
 
 
@@ -114,7 +146,7 @@ def test_echo_with_logprobs_puts_the_prompt_first(client, tokenizer, greedy):
     result = complete(client, max_tokens=3, echo=True, logprobs=1, extra_body={"ignore_eos": True})
     choice = result.choices[0]
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
-    assert choice.text.startswith(PROMPT) and choice.text[len(PROMPT):] == _first_tokens_text(greedy, 3)
+    assert choice.text.startswith(PROMPT) and choice.text[len(PROMPT) :] == _first_tokens_text(greedy, 3)
     lp = choice.logprobs
     assert len(lp.tokens) == len(prompt_ids) + 3 and "".join(lp.tokens) == choice.text
     assert lp.token_logprobs[0] is None and all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs[1:])
@@ -130,8 +162,13 @@ def test_prompt_logprobs_over_http(client, tokenizer):
 
 
 def test_continuous_usage_stats_on_every_chunk(client):
-    stream = complete(client, max_tokens=4, stream=True, extra_body={"ignore_eos": True},
-                      stream_options={"include_usage": True, "continuous_usage_stats": True})
+    stream = complete(
+        client,
+        max_tokens=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     chunks = list(stream)
     assert chunks and all(chunk.usage is not None for chunk in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4

@@ -1,4 +1,5 @@
 """``--config FILE.yaml`` and the WEFT_* flag overrides, on the real ``weft serve`` parser."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ def no_weft_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_any_flag_comes_from_the_file(tmp_path: Path) -> None:
-    path = write(tmp_path, "port: 9000\nmax_model_len: 512\nenable-prefix-caching: false\n"
-                           "api-key: [a, b]\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    path = write(
+        tmp_path,
+        "port: 9000\nmax_model_len: 512\nenable-prefix-caching: false\n"
+        "api-key: [a, b]\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n",
+    )
     args = config_file.parse_args(serve_parser(), ["--config", path])
     assert args.port == 9000 and args.max_model_len == 512 and args.enable_prefix_caching is False
     assert args.api_key == ["a", "b"]
@@ -33,7 +37,8 @@ def test_any_flag_comes_from_the_file(tmp_path: Path) -> None:
 
 
 def test_the_command_line_wins_over_the_environment_which_wins_over_the_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write(tmp_path, "port: 9000\nhost: 10.0.0.1\napi-key: [from-file]\n")
     monkeypatch.setenv("WEFT_PORT", "9100")
     monkeypatch.setenv("WEFT_HOST", "10.0.0.2")
@@ -42,35 +47,53 @@ def test_the_command_line_wins_over_the_environment_which_wins_over_the_file(
 
 
 def test_weft_config_names_the_file_when_the_command_line_does_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WEFT_CONFIG", write(tmp_path, "max-num-seqs: 7\n"))
     assert config_file.parse_args(serve_parser(), []).max_num_seqs == 7
 
 
 def test_no_argv_means_the_process_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sys.argv", ["engine-core", "--headless", "--data-parallel-size", "1",
-                                     "--data-parallel-address", "h", "--data-parallel-rpc-port", "1"])
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "engine-core",
+            "--headless",
+            "--data-parallel-size",
+            "1",
+            "--data-parallel-address",
+            "h",
+            "--data-parallel-rpc-port",
+            "1",
+        ],
+    )
     args = engine_core_args(None)
     assert args.headless and args.data_parallel_size == 1 and args.data_parallel_address == "h"
 
 
 def test_engine_core_takes_a_config_file_too(tmp_path: Path) -> None:
-    path = write(tmp_path, "headless: true\ndata-parallel-size: 2\ndata-parallel-address: api\n"
-                           "data-parallel-rpc-port: 29550\n")
+    path = write(
+        tmp_path,
+        "headless: true\ndata-parallel-size: 2\ndata-parallel-address: api\ndata-parallel-rpc-port: 29550\n",
+    )
     args = engine_core_args(["--config", path, "--dp-start-rank", "1"])
     assert (args.data_parallel_size, args.data_parallel_address, args.start_rank) == (2, "api", 1)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("no-such-flag: 1\n", "'no-such-flag' is not a flag of weft serve"),
-    ("port: eight\n", "--port: invalid int value: 'eight'"),
-    ("enable-prefix-caching: maybe\n", "enable-prefix-caching takes true or false"),
-    ("- port\n- 8000\n", "must be a mapping of flag names to values"),
-    ("port: [8000\n", "is not valid YAML"),
-    ("config: other.yaml\n", "'config' is not a flag"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("no-such-flag: 1\n", "'no-such-flag' is not a flag of weft serve"),
+        ("port: eight\n", "--port: invalid int value: 'eight'"),
+        ("enable-prefix-caching: maybe\n", "enable-prefix-caching takes true or false"),
+        ("- port\n- 8000\n", "must be a mapping of flag names to values"),
+        ("port: [8000\n", "is not valid YAML"),
+        ("config: other.yaml\n", "'config' is not a flag"),
+    ],
+)
 def test_a_bad_file_is_a_usage_error_naming_the_problem(
-        tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         config_file.parse_args(serve_parser(), ["--config", write(tmp_path, text)])
     assert exit_info.value.code == 2

@@ -1,5 +1,6 @@
 """docker-compose.yml: it parses, and every service's command is a real CLI
 invocation of this project (parsed by our own argparse parsers; nothing starts)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -28,8 +29,9 @@ def compose_keys_folder(monkeypatch, tmp_path):
     keys = tmp_path / "keys"
     curve.generate_keys(keys)
     real = curve.load_keys
-    monkeypatch.setattr(curve, "load_keys",
-                        lambda folder, role: real(keys if str(folder) == "/keys" else folder, role))
+    monkeypatch.setattr(
+        curve, "load_keys", lambda folder, role: real(keys if str(folder) == "/keys" else folder, role)
+    )
 
 
 def parse_command(command: list[str]):
@@ -88,8 +90,11 @@ def test_the_links_are_curve_and_the_api_has_a_key(name):
 
 
 def test_the_image_runs_as_a_user_without_privileges():
-    lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (REPO / "Dockerfile").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     last_user = max(i for i, line in enumerate(lines) if line.startswith("USER "))
@@ -124,16 +129,20 @@ def test_a_wrong_flag_is_caught():
 
 
 def test_compose_config_accepts_the_file():
-    result = subprocess.run([*compose_command(), "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [*compose_command(), "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_compose_config_rejects_a_broken_file(tmp_path: Path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text("services:\n  api:\n    image: weft\n    ports: 8000\n")  # ports must be a list
-    result = subprocess.run([*compose_command(), "-f", str(broken), "config", "-q"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [*compose_command(), "-f", str(broken), "config", "-q"], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "ports" in result.stderr
 
 

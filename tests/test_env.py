@@ -1,4 +1,5 @@
 """services/env.py: every WEFT_* variable the code reads is declared there, and only there."""
+
 from __future__ import annotations
 
 import re
@@ -11,7 +12,9 @@ from tests.utils import REPO_ROOT
 PRODUCT = ("protocol", "services", "kernels")
 # A read: .get("WEFT_..."), getenv("WEFT_..."), or ["WEFT_..."] not being assigned to (setting
 # one for a child process, as the GPU bench does, is not a read).
-READ = re.compile(r"""os\.(environ\.get|getenv)\(\s*["']WEFT_|os\.environ\[\s*["']WEFT_\w+["']\s*\](?!\s*=)""")
+READ = re.compile(
+    r"""os\.(environ\.get|getenv)\(\s*["']WEFT_|os\.environ\[\s*["']WEFT_\w+["']\s*\](?!\s*=)"""
+)
 
 
 def test_only_env_py_reads_the_environment_for_weft_variables() -> None:

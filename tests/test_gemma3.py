@@ -114,8 +114,10 @@ def server(files, tmp_path_factory):
     port = _free_port()
     args = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
     log_path = tmp_path_factory.mktemp("gemma3-serve") / "serve.log"
+
     def tail():
         return log_path.read_text(errors="replace")[-3000:]
+
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [

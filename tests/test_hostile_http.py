@@ -11,6 +11,7 @@ Last, the single requests meant to stall or break the API process (deep
 nesting, a pathological grammar, huge stop lists, a trickled body) are
 refused while the server keeps serving.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,15 +41,42 @@ def stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text(f"# the second key comes from a file, out of `ps`\n{KEYS[1]}\n")
-    stack = Stack(["--model", str(model), "--served-model-name", MODEL_NAME, "--data-parallel-size", "1",
-                   "--num-gpu-blocks-override", "128", "--max-model-len", "160", "--dtype", "float32",
-                   "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
-                   "--max-waiting-requests", str(MAX_WAITING), "--max-n", "4",
-                   "--max-request-body-bytes", str(MAX_BODY), "--api-key", KEYS[0],
-                   "--api-key-file", str(key_file), "--body-timeout", str(BODY_TIMEOUT_S),
-                   # Bodies carry both endpoints' prompt fields (see tests/api/test_app_fuzz.py).
-                   "--allow-unknown-fields"],
-                  tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
+    stack = Stack(
+        [
+            "--model",
+            str(model),
+            "--served-model-name",
+            MODEL_NAME,
+            "--data-parallel-size",
+            "1",
+            "--num-gpu-blocks-override",
+            "128",
+            "--max-model-len",
+            "160",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-waiting-requests",
+            str(MAX_WAITING),
+            "--max-n",
+            "4",
+            "--max-request-body-bytes",
+            str(MAX_BODY),
+            "--api-key",
+            KEYS[0],
+            "--api-key-file",
+            str(key_file),
+            "--body-timeout",
+            str(BODY_TIMEOUT_S),
+            # Bodies carry both endpoints' prompt fields (see tests/api/test_app_fuzz.py).
+            "--allow-unknown-fields",
+        ],
+        tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=120,
+    )
     try:
         stack.wait_healthy()
         yield stack
@@ -64,11 +92,20 @@ def http(stack):
 
 def wait_idle(stack: Stack, timeout_s: float = 20.0) -> dict:
     """Every rank ready and idle, every KV block free, nothing admitted."""
+
     def idle() -> dict | None:
         health = stack.health()
-        return health if health["admitted"] == 0 and all(
-            r["state"] == "ready" and r["num_running"] == r["num_waiting"] == r["num_in_flight"] == 0
-            and r["num_free_blocks"] == r["num_blocks"] - 1 for r in health["ranks"]) else None
+        return (
+            health
+            if health["admitted"] == 0
+            and all(
+                r["state"] == "ready"
+                and r["num_running"] == r["num_waiting"] == r["num_in_flight"] == 0
+                and r["num_free_blocks"] == r["num_blocks"] - 1
+                for r in health["ranks"]
+            )
+            else None
+        )
 
     try:
         return wait_for(idle, timeout_s, "every rank ready and idle with every KV block free")
@@ -79,15 +116,26 @@ def wait_idle(stack: Stack, timeout_s: float = 20.0) -> dict:
 # ---- the fuzz
 
 # Valid requests cost engine time: keep them short (the junk branch still tries any value).
-_small = {"max_tokens": st.integers(1, 3), "max_completion_tokens": st.integers(1, 3),
-          "n": st.integers(1, 5), "prompt": st.text(min_size=1, max_size=30)
-          | st.lists(st.integers(0, 49151), min_size=1, max_size=8) | st.lists(st.integers(-5, 60000), max_size=4)}
+_small = {
+    "max_tokens": st.integers(1, 3),
+    "max_completion_tokens": st.integers(1, 3),
+    "n": st.integers(1, 5),
+    "prompt": st.text(min_size=1, max_size=30)
+    | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+    | st.lists(st.integers(-5, 60000), max_size=4),
+}
 _fields = {**FIELDS, **_small}
 _names = sorted(_fields)
-_VALID = {"model": MODEL_NAME, "prompt": "Hello", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+_VALID = {
+    "model": MODEL_NAME,
+    "prompt": "Hello",
+    "messages": [{"role": "user", "content": "Hi"}],
+    "max_tokens": 2,
+}
 _changes = st.sets(st.sampled_from(_names), max_size=6).flatmap(
-    lambda keys: st.fixed_dictionaries({k: _fields[k] for k in keys}))
-_junk = json_values | st.integers(-10**20, 10**20) | st.text(max_size=20)
+    lambda keys: st.fixed_dictionaries({k: _fields[k] for k in keys})
+)
+_junk = json_values | st.integers(-(10**20), 10**20) | st.text(max_size=20)
 
 
 def _json(obj) -> bytes:
@@ -99,17 +147,25 @@ _bodies = st.one_of(
     st.builds(lambda c, k, j: _json({**_VALID, **c, k: j}), _changes, st.sampled_from(_names), _junk),
     json_values.map(_json),
     st.binary(max_size=80),
-    st.sampled_from([b'{"prompt": "x", "temperature": NaN}', b"[" * 5000 + b"]" * 5000,
-                     _json({**_VALID, "prompt": "y" * (MAX_BODY + 1)}),
-                     _json({**_VALID, "n": 10**9}), _json({**_VALID, "max_tokens": 10**12}),
-                     _json({**_VALID, "prompt": list(range(500))})]),
+    st.sampled_from(
+        [
+            b'{"prompt": "x", "temperature": NaN}',
+            b"[" * 5000 + b"]" * 5000,
+            _json({**_VALID, "prompt": "y" * (MAX_BODY + 1)}),
+            _json({**_VALID, "n": 10**9}),
+            _json({**_VALID, "max_tokens": 10**12}),
+            _json({**_VALID, "prompt": list(range(500))}),
+        ]
+    ),
 )
 _POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 _requests = st.one_of(
     st.tuples(st.just("POST"), st.sampled_from(_POSTS), _bodies),
-    st.tuples(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]),
-              st.sampled_from([*_POSTS, "/v1/models", "/health", "/version", "/v1", "/v1/x", "/../etc"]),
-              st.just(b"")),
+    st.tuples(
+        st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]),
+        st.sampled_from([*_POSTS, "/v1/models", "/health", "/version", "/v1", "/v1/x", "/../etc"]),
+        st.just(b""),
+    ),
 )
 _auth = st.sampled_from([f"Bearer {KEYS[0]}", f"Bearer {KEYS[1]}", f"Bearer {KEYS[1]}"[:-1], "", "Basic x"])
 
@@ -152,8 +208,11 @@ def test_after_the_fuzz_every_process_serves_and_no_block_leaked(stack, http):
     assert stack.api.poll() is None and [e.pid for e in stack.engines()] == engine_pids
     # Derandomized, the fuzz sends ~150 requests valid enough to reach the engine.
     assert stack.health()["ranks"][0]["num_routed"] > 100
-    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3},
-                         headers={"authorization": f"Bearer {KEYS[0]}"})
+    response = http.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3},
+        headers={"authorization": f"Bearer {KEYS[0]}"},
+    )
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
     wait_idle(stack)
 
@@ -167,7 +226,9 @@ def test_overload_gets_quick_503s_and_the_admitted_complete(stack):
     async def burst():
         headers = {"authorization": f"Bearer {KEYS[1]}"}
         limits = httpx.Limits(max_connections=4 * CAPACITY)
-        async with httpx.AsyncClient(base_url=stack.url, headers=headers, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=stack.url, headers=headers, timeout=120, limits=limits
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(4 * CAPACITY)))
 
     results = asyncio.run(burst())
@@ -203,8 +264,10 @@ async def _trickled_post(port: int) -> tuple[bytes, int]:
     """A body sent a byte at a time: the answer (read to EOF) and how many bytes went."""
     body = b'{"prompt": "' + b"x" * 5000 + b'"}'
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (b"POST /tokenize HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+    head = (
+        b"POST /tokenize HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    )
     writer.write(head % (KEYS[0].encode(), len(body)))
 
     async def trickle() -> int:
@@ -235,8 +298,9 @@ def test_single_hostile_requests_are_refused_and_the_server_keeps_serving(stack,
     answer, sent = asyncio.run(_trickled_post(httpx.URL(stack.url).port))
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert sent < 2500  # cut off at the deadline, not waited for
-    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3},
-                         headers=_AUTH)
+    response = http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3}, headers=_AUTH
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
     assert stack.api.poll() is None and stack.api.pid == api_pid
     wait_idle(stack)

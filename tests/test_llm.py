@@ -4,6 +4,7 @@ Transformers' ``generate`` on the same GGUF checkpoint is the oracle:
 greedy outputs must match it token for token, with chunked prefill,
 prefix caching and preemption all in play.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ PROMPT_SHAPES = [(10, 300), (37, 500), (120, 700), (600, 0), (250, 0), (75, 900)
 @pytest.fixture(scope="module")
 def tokenizer(default_model):
     from services.api.tokenizer import Tokenizer
+
     return Tokenizer(default_model.hf_dir)
 
 
@@ -38,13 +40,18 @@ def oracle(default_model, prompts, tokenizer) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        default_model.weights.parent, gguf_file=default_model.weights.name, dtype=torch.float32)
+        default_model.weights.parent, gguf_file=default_model.weights.name, dtype=torch.float32
+    )
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tokenizer.eos_token_id)
-            new = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            new = out[0, len(ids) :].tolist()
             if tokenizer.eos_token_id in new:
                 new = new[: new.index(tokenizer.eos_token_id) + 1]
             results.append(new)
@@ -109,8 +116,9 @@ def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
         outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert_matches_oracle(outputs, oracle)
     longest = outputs[3].request_id + "-0"
-    prefill_chunks = [s.num_scheduled_tokens[longest] for s in steps
-                      if s.num_scheduled_tokens.get(longest, 0) > 1]
+    prefill_chunks = [
+        s.num_scheduled_tokens[longest] for s in steps if s.num_scheduled_tokens.get(longest, 0) > 1
+    ]
     assert len(prefill_chunks) >= 4 and sum(prefill_chunks) == len(prompts[3])
     assert_no_leaks(llm)
     llm.shutdown()
@@ -129,9 +137,10 @@ def test_greedy_matches_transformers_under_preemption(prompts, oracle):
 
 def test_shared_three_block_prefix_is_served_from_cache(llm, tokenizer):
     block = 16
-    base = tokenizer.encode("Notes from the harbour master, kept in a red notebook:") + \
-        prompt_of_length(tokenizer, 80, offset=200)
-    first, second = base[:3 * block + 10], base[:3 * block] + tokenizer.encode(" Something else entirely.")
+    base = tokenizer.encode("Notes from the harbour master, kept in a red notebook:") + prompt_of_length(
+        tokenizer, 80, offset=200
+    )
+    first, second = base[: 3 * block + 10], base[: 3 * block] + tokenizer.encode(" Something else entirely.")
     llm.generate([first], greedy(), use_tqdm=False)
     with recorded_steps(llm) as steps:
         out = llm.generate([second], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
@@ -140,22 +149,28 @@ def test_shared_three_block_prefix_is_served_from_cache(llm, tokenizer):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"prompt_token_ids": []}, "empty"),
-    ({"prompt_token_ids": [1] * 9000}, "max_model_len"),
-    ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1] * 9000}, "max_model_len"),
+        ("", "empty"),
+    ],
+)
 def test_bad_prompts_raise_and_engine_keeps_serving(llm, bad, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(["A fine prompt.", bad], greedy(), use_tqdm=False)
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5),
-                       use_tqdm=False)
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 5
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0),
-                                          ("n", 0), ("top_k", -5), ("min_p", 1.5)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("n", 0), ("top_k", -5), ("min_p", 1.5)],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -177,30 +192,40 @@ def test_stop_strings_token_ids_and_n(llm):
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     text = base.outputs[0].text
     stop = text.strip().split()[1]  # a word the model does produce
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
     base_ids = base.outputs[0].token_ids
     stop_id = base_ids[3]
-    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
-                         use_tqdm=False)[0].outputs[0]
+    by_id = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
     assert by_id.token_ids == base_ids[: base_ids.index(stop_id) + 1] and by_id.stop_reason == stop_id
-    many = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[0]
+    many = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8), use_tqdm=False)[
+        0
+    ]
     assert [o.index for o in many.outputs] == [0, 1, 2] and len({o.text for o in many.outputs}) > 1
     assert_no_leaks(llm)
 
 
 def test_logprobs_and_chat(llm):
-    out = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=3, logprobs=2,
-                                                      prompt_logprobs=1), use_tqdm=False)[0]
+    out = llm.generate(
+        ["The sky is"],
+        SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1),
+        use_tqdm=False,
+    )[0]
     entries = out.outputs[0].logprobs
     assert len(entries) == 3
     for token_id, entry in zip(out.outputs[0].token_ids, entries):
         assert entry[token_id].rank == 1  # greedy picks the most likely token
         assert entry[token_id].logprob <= 0.0
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    reply = llm.chat([{"role": "user", "content": "Say hello."}],
-                     SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    reply = llm.chat(
+        [{"role": "user", "content": "Say hello."}],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )[0]
     assert reply.outputs[0].text and reply.prompt.startswith("<|im_start|>system")
     assert_no_leaks(llm)

@@ -11,6 +11,7 @@ histogram: the engine answers the pause after every earlier step's stats on
 the same ordered socket, so the count read once the pause returns is final,
 and any step run while paused would raise it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,15 +28,31 @@ KEY = "mgmt-key"
 NAMES = ["smol", "smol-alias"]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Two full KV blocks (38 tokens), so a repeat hits the prefix cache.
-LONG_PROMPT = ("The history of the city begins with a small settlement on the river, where traders met "
-               "to exchange grain, salt and cloth. Over the centuries it grew into a market town, then a ")
+LONG_PROMPT = (
+    "The history of the city begins with a small settlement on the river, where traders met "
+    "to exchange grain, salt and cloth. Over the centuries it grew into a market town, then a "
+)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(["--served-model-name", *NAMES, "--api-key", KEY, "--dtype", "float32",
-                   "--max-model-len", "512", "--num-threads", "1", "--data-parallel-size", "1"],
-                  tmp_path_factory.mktemp("logs"))
+    stack = Stack(
+        [
+            "--served-model-name",
+            *NAMES,
+            "--api-key",
+            KEY,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--num-threads",
+            "1",
+            "--data-parallel-size",
+            "1",
+        ],
+        tmp_path_factory.mktemp("logs"),
+    )
     try:
         stack.wait_healthy()
         yield stack
@@ -64,8 +81,9 @@ async def http(stack):
 
 
 async def _complete(client, prompt: str = LONG_PROMPT, max_tokens: int = 2, **extra):
-    return await client.completions.create(model=NAMES[0], prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0.0, extra_body=extra or None)
+    return await client.completions.create(
+        model=NAMES[0], prompt=prompt, max_tokens=max_tokens, temperature=0.0, extra_body=extra or None
+    )
 
 
 async def _engine_steps(http) -> float:
@@ -87,8 +105,14 @@ async def test_reset_prefix_cache_sends_cached_tokens_to_zero(client, http):
 
 async def test_paused_request_makes_no_progress_and_finishes_after_resume(client, http):
     expected = (await _complete(client, "Once upon a time", 24, ignore_eos=True)).choices[0].text
-    stream = await client.completions.create(model=NAMES[0], prompt="Once upon a time", max_tokens=24,
-                                             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=NAMES[0],
+        prompt="Once upon a time",
+        max_tokens=24,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = [await anext(stream)]  # it runs
     paused = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"}, headers=AUTH)
     assert paused.json() == {"is_paused": True, "mode": "keep", "cache_cleared": None}
@@ -124,8 +148,14 @@ async def _wait_load(http, n: int) -> dict:
 
 
 async def test_pause_abort_ends_running_requests_and_clears_the_cache(client, http):
-    stream = await client.completions.create(model=NAMES[0], prompt=LONG_PROMPT, max_tokens=200,
-                                             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=NAMES[0],
+        prompt=LONG_PROMPT,
+        max_tokens=200,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     await anext(stream)
     response = await http.post("/pause", headers=AUTH)  # vLLM's default: abort, then clear the cache
     assert response.json() == {"is_paused": True, "mode": "abort", "cache_cleared": True}

@@ -2,6 +2,7 @@
 the committed dashboard, and every metric the dashboard queries being one
 that /metrics serves (scraped from the in-process app after real requests
 through its routes; tests/test_management_e2e.py scrapes a real stack too)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,8 +57,12 @@ def mounted(service: dict, target: str) -> Path:
 
 
 def test_compose_config_accepts_the_monitoring_profile():
-    result = subprocess.run([*compose_binary(), "-f", str(COMPOSE_FILE), "--profile", "monitoring",
-                             "config", "--services"], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [*compose_binary(), "-f", str(COMPOSE_FILE), "--profile", "monitoring", "config", "--services"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert {"prometheus", "grafana", "api"} <= set(result.stdout.split())
 
@@ -106,8 +111,13 @@ async def test_every_metric_the_dashboard_queries_is_served():
     missing = dashboard_metric_names() - served
     assert not missing, f"the dashboard queries metrics /metrics does not serve: {sorted(missing)}"
     # The issue's families are all on the dashboard.
-    for family in ("vllm:request_prompt_tokens_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                   "vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
-                   "vllm:iteration_tokens_total_bucket", "vllm:request_queue_time_seconds_bucket",
-                   "vllm:cache_config_info"):
+    for family in (
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:iteration_tokens_total_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:cache_config_info",
+    ):
         assert family in dashboard_metric_names(), family

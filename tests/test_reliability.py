@@ -13,6 +13,7 @@ test spends its time on faults, not on matrix products), in this order:
 3. SIGTERM to the API during 32 streams: each ends with its full output or
    an error event, the API exits 0 and no engine process outlives it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,10 +34,28 @@ SHUTDOWN_TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
-    stack = Stack(["--model", str(model), "--served-model-name", MODEL, "--data-parallel-size", "2",
-                   "--num-gpu-blocks-override", "256", "--max-model-len", "512", "--dtype", "float32",
-                   "--num-threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
-                  tmp_path_factory.mktemp("logs"), startup_timeout_s=120)
+    stack = Stack(
+        [
+            "--model",
+            str(model),
+            "--served-model-name",
+            MODEL,
+            "--data-parallel-size",
+            "2",
+            "--num-gpu-blocks-override",
+            "256",
+            "--max-model-len",
+            "512",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+        ],
+        tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=120,
+    )
     try:
         stack.wait_healthy()
         yield stack
@@ -46,26 +65,42 @@ def stack(tmp_path_factory):
 
 async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Event | None = None) -> dict:
     """One streaming completion: its events, whether it finished, its token count."""
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if started is not None:
                     started.set()
     parsed = [json.loads(e) for e in events[:-1]]
     usage = next((e["usage"] for e in parsed if e.get("usage")), None)
-    return {"done": events[-1:] == ["[DONE]"], "error": next((e["error"] for e in parsed if "error" in e), None),
-            "finished": any(c.get("finish_reason") for e in parsed for c in e.get("choices", [])),
-            "tokens": usage["completion_tokens"] if usage else None}
+    return {
+        "done": events[-1:] == ["[DONE]"],
+        "error": next((e["error"] for e in parsed if "error" in e), None),
+        "finished": any(c.get("finish_reason") for e in parsed for c in e.get("choices", [])),
+        "tokens": usage["completion_tokens"] if usage else None,
+    }
 
 
 def test_chaos_soak_loses_nothing_and_leaks_nothing(stack):
-    config = SoakConfig(duration_s=60, chaos_interval_s=15, concurrency=8, max_tokens=32, warmup_s=4,
-                        quiesce_timeout_s=60, client_timeout_s=60)
+    config = SoakConfig(
+        duration_s=60,
+        chaos_interval_s=15,
+        concurrency=8,
+        max_tokens=32,
+        warmup_s=4,
+        quiesce_timeout_s=60,
+        client_timeout_s=60,
+    )
     report = asyncio.run(run_soak(stack, config, MODEL))
     print("\n" + report.table())
     # Kills fall due at 15, 30 and 45 s; one is skipped only if the rank killed
@@ -96,11 +131,14 @@ def test_sigterm_on_an_engine_core_finishes_its_streams(stack):
 
 def test_sigterm_on_the_api_during_32_streams(stack):
     """Last: it stops the stack."""
+
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=40)
         async with httpx.AsyncClient(base_url=stack.url, timeout=120, limits=limits) as client:
             started = [asyncio.Event() for _ in range(32)]
-            streams = [asyncio.create_task(stream(client, 8 if i % 2 else 400, e)) for i, e in enumerate(started)]
+            streams = [
+                asyncio.create_task(stream(client, 8 if i % 2 else 400, e)) for i, e in enumerate(started)
+            ]
             await asyncio.gather(*(e.wait() for e in started))
             stack.engines()  # remember the engine pids
             stack.api.send_signal(signal.SIGTERM)

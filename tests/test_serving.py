@@ -9,6 +9,7 @@ bytes). The SIGKILL test damages the stack, so it runs last. (``weft
 serve`` launching its own local engine cores is exercised by
 tests/bench/test_bench_serve.py.)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,24 +40,58 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-num-batched-tokens", "512"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-
 class Stack:
     def __init__(self, log_dir: Path) -> None:
         self.port, rpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.processes: list[subprocess.Popen] = []
-        dp = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
-              "--data-parallel-rpc-port", str(rpc_port)]
-        data_ports = ["--data-parallel-input-port", str(free_port()), "--data-parallel-output-port", str(free_port())]
-        self.api = self._start("api", ["services.cli", "serve", "--model", str(MODEL.weights),
-                                       "--host", "127.0.0.1", "--port", str(self.port),
-                                       "--data-parallel-size-local", "0", *dp, *data_ports, *ENGINE_ARGS])
+        dp = [
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-address",
+            "127.0.0.1",
+            "--data-parallel-rpc-port",
+            str(rpc_port),
+        ]
+        data_ports = [
+            "--data-parallel-input-port",
+            str(free_port()),
+            "--data-parallel-output-port",
+            str(free_port()),
+        ]
+        self.api = self._start(
+            "api",
+            [
+                "services.cli",
+                "serve",
+                "--model",
+                str(MODEL.weights),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-parallel-size-local",
+                "0",
+                *dp,
+                *data_ports,
+                *ENGINE_ARGS,
+            ],
+        )
         # engine-core takes no engine args: the config arrives in the handshake.
         self.engine_cores = [
-            self._start(f"engine-core-{rank}", ["services.engine_core.cli", "--headless",
-                                                "--dp-start-rank", str(rank),
-                                                "--data-parallel-size-local", "1", *dp])
+            self._start(
+                f"engine-core-{rank}",
+                [
+                    "services.engine_core.cli",
+                    "--headless",
+                    "--dp-start-rank",
+                    str(rank),
+                    "--data-parallel-size-local",
+                    "1",
+                    *dp,
+                ],
+            )
             for rank in range(2)
         ]
 
@@ -65,14 +100,21 @@ class Stack:
         # Own session: teardown kills the whole group, children included. The
         # child keeps the log open; this process closes its copy at once.
         with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *module_argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
         self.processes.append(proc)
         return proc
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def wait_healthy(self) -> None:
         def alive() -> None:
@@ -118,10 +160,19 @@ def client(stack):
 
 def wait_until_idle(stack: Stack, ranks=(0, 1), deadline_s: float = 15.0) -> dict[int, dict]:
     """Poll /health until ``ranks`` run nothing and every KV block is free."""
+
     def idle() -> dict | None:
         state = stack.ranks()
-        return state if all(state[r]["num_running"] == 0 and state[r]["num_waiting"] == 0
-                            and state[r]["num_free_blocks"] == state[r]["num_blocks"] - 1 for r in ranks) else None
+        return (
+            state
+            if all(
+                state[r]["num_running"] == 0
+                and state[r]["num_waiting"] == 0
+                and state[r]["num_free_blocks"] == state[r]["num_blocks"] - 1
+                for r in ranks
+            )
+            else None
+        )
 
     try:
         return wait_for(idle, deadline_s, f"ranks {ranks} idle with every KV block free")
@@ -137,14 +188,16 @@ def serve_layout(*argv: str) -> tuple[int, str]:
 def test_serve_picks_local_ranks_and_the_handshake_address():
     assert serve_layout("--data-parallel-size", "2")[0] == 2
     assert serve_layout("--data-parallel-size", "2")[1].startswith("ipc://")  # all ranks here
-    local, address = serve_layout("--data-parallel-size", "2", "--data-parallel-size-local", "0",
-                                  "--data-parallel-rpc-port", "0")
+    local, address = serve_layout(
+        "--data-parallel-size", "2", "--data-parallel-size-local", "0", "--data-parallel-rpc-port", "0"
+    )
     assert local == 0 and address.startswith("tcp://127.0.0.1:") and not address.endswith(":*")
     local, _ = serve_layout("--data-parallel-size", "3", "--data-parallel-start-rank", "1")
     assert local == 2
     with pytest.raises(ValueError, match="do not fit"):
-        serve_layout("--data-parallel-size", "2", "--data-parallel-start-rank", "1",
-                     "--data-parallel-size-local", "2")
+        serve_layout(
+            "--data-parallel-size", "2", "--data-parallel-start-rank", "1", "--data-parallel-size-local", "2"
+        )
 
 
 def test_serve_refuses_a_bad_layout_before_starting_anything(capsys):
@@ -167,8 +220,9 @@ def test_the_api_process_never_loads_torch(stack):
 
 
 def test_completion_n2_with_logprobs(client):
-    response = client.completions.create(model=MODEL.name, prompt=PROMPTS[0], max_tokens=6, n=2,
-                                         temperature=0.8, seed=1, logprobs=2)
+    response = client.completions.create(
+        model=MODEL.name, prompt=PROMPTS[0], max_tokens=6, n=2, temperature=0.8, seed=1, logprobs=2
+    )
     assert len(response.choices) == 2 and {c.index for c in response.choices} == {0, 1}
     for choice in response.choices:
         assert choice.finish_reason == "length"
@@ -181,8 +235,13 @@ def test_completion_n2_with_logprobs(client):
 
 def test_chat_with_top_logprobs(client):
     response = client.chat.completions.create(
-        model=MODEL.name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
-        temperature=0, logprobs=True, top_logprobs=2)
+        model=MODEL.name,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     choice = response.choices[0]
     assert response.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.message.content and choice.finish_reason in ("stop", "length")
@@ -190,8 +249,14 @@ def test_chat_with_top_logprobs(client):
 
 
 def test_streaming_completion_with_usage(client):
-    stream = client.completions.create(model=MODEL.name, prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL.name,
+        prompt=PROMPTS[1],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     *token_chunks, last = chunks
     assert last.choices == [] and last.usage.completion_tokens == 8
@@ -203,9 +268,16 @@ def test_streaming_completion_with_usage(client):
 
 def test_streaming_chat_n2_with_usage(client):
     stream = client.chat.completions.create(
-        model=MODEL.name, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, n=2,
-        temperature=0.7, seed=3, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})
+        model=MODEL.name,
+        messages=[{"role": "user", "content": "Count to three."}],
+        max_tokens=6,
+        n=2,
+        temperature=0.7,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     roles = {c.choices[0].index: c.choices[0].delta.role for c in chunks[:-1] if c.choices[0].delta.role}
@@ -215,28 +287,37 @@ def test_streaming_chat_n2_with_usage(client):
 
 
 def test_stop_string(client):
-    greedy = client.completions.create(model=MODEL.name, prompt=PROMPTS[0], max_tokens=12,
-                                       temperature=0).choices[0].text
+    greedy = (
+        client.completions.create(model=MODEL.name, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     stop = greedy.strip()[2:5]  # a few characters in the middle of the text
     assert stop
-    stopped = client.completions.create(model=MODEL.name, prompt=PROMPTS[0], max_tokens=12,
-                                        temperature=0, stop=[stop]).choices[0]
+    stopped = client.completions.create(
+        model=MODEL.name, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop]
+    ).choices[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.text == greedy[:greedy.index(stop)]
-    streamed = client.completions.create(model=MODEL.name, prompt=PROMPTS[0], max_tokens=12,
-                                         temperature=0, stop=[stop], stream=True)
+    assert stopped.text == greedy[: greedy.index(stop)]
+    streamed = client.completions.create(
+        model=MODEL.name, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == stopped.text
 
 
 def test_greedy_text_equals_offline_generate(client):
     from services import LLM, SamplingParams
 
-    served = [client.completions.create(model=MODEL.name, prompt=p, max_tokens=16, temperature=0)
-              .choices[0].text for p in PROMPTS]
+    served = [
+        client.completions.create(model=MODEL.name, prompt=p, max_tokens=16, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
     llm = LLM(str(MODEL.weights), dtype="float32", max_num_batched_tokens=512, num_threads=1)
     try:
-        offline = [llm.generate(p, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
-                   .outputs[0].text for p in PROMPTS]
+        offline = [
+            llm.generate(p, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+            for p in PROMPTS
+        ]
     finally:
         llm.shutdown()
     assert served == offline
@@ -246,9 +327,14 @@ def test_64_concurrent_streams_spread_over_both_ranks(stack):
     before = stack.ranks()
 
     async def one(aclient: openai.AsyncOpenAI, i: int) -> str:
-        stream = await aclient.completions.create(model=MODEL.name, prompt=f"Item {i}: the", max_tokens=8,
-                                                  temperature=0, stream=True,
-                                                  extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model=MODEL.name,
+            prompt=f"Item {i}: the",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         finishes = [c.choices[0].finish_reason async for c in stream if c.choices]
         return finishes[-1]
 
@@ -266,15 +352,22 @@ def test_64_concurrent_streams_spread_over_both_ranks(stack):
 
 
 def test_disconnecting_a_stream_aborts_it(stack):
-    body = {"model": MODEL.name, "prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL.name,
+        "prompt": PROMPTS[0],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", stack.url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            wait_for(lambda: sum(r["num_running"] for r in stack.ranks().values()) == 1, 10,
-                     "the request to run")
+            wait_for(
+                lambda: sum(r["num_running"] for r in stack.ranks().values()) == 1, 10, "the request to run"
+            )
         # Leaving the block closes the connection mid-stream.
     wait_until_idle(stack)
 
@@ -286,7 +379,7 @@ def _stream_until_end(url: str, body: dict, events: list) -> None:
         with httpx.stream("POST", url, json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
-                    events.append((time.monotonic(), line[len("data: "):]))
+                    events.append((time.monotonic(), line[len("data: ") :]))
     except httpx.TransportError:
         pass
 
@@ -297,16 +390,27 @@ def _ended(streams: list[list]) -> list | None:
 
 def test_sigkill_of_one_engine_fails_its_requests_and_the_other_serves(stack):
     before = stack.ranks()
-    body = {"model": MODEL.name, "prompt": PROMPTS[1], "max_tokens": 4000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL.name,
+        "prompt": PROMPTS[1],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     streams: list[list] = [[], []]
-    threads = [threading.Thread(target=_stream_until_end, args=(stack.url + "/v1/completions", body, events))
-               for events in streams]
+    threads = [
+        threading.Thread(target=_stream_until_end, args=(stack.url + "/v1/completions", body, events))
+        for events in streams
+    ]
     for thread in threads:
         thread.start()
     try:
-        wait_for(lambda: all(streams) and sum(r["num_running"] for r in stack.ranks().values()) >= 2, 30,
-                 "both streams to run")
+        wait_for(
+            lambda: all(streams) and sum(r["num_running"] for r in stack.ranks().values()) >= 2,
+            30,
+            "both streams to run",
+        )
         routed = [stack.ranks()[r]["num_routed"] - before[r]["num_routed"] for r in (0, 1)]
         assert routed == [1, 1]  # one endless stream on each rank
 
@@ -324,8 +428,11 @@ def test_sigkill_of_one_engine_fails_its_requests_and_the_other_serves(stack):
         assert health.json()["dead"] == [1] and health.json()["ready"] == [0]
         # New requests all go to the surviving rank, and succeed.
         for prompt in PROMPTS:
-            response = httpx.post(stack.url + "/v1/completions", timeout=60,
-                                  json={"model": MODEL.name, "prompt": prompt, "max_tokens": 4})
+            response = httpx.post(
+                stack.url + "/v1/completions",
+                timeout=60,
+                json={"model": MODEL.name, "prompt": prompt, "max_tokens": 4},
+            )
             assert response.status_code == 200, response.text
         after = stack.ranks()
         assert after[1]["num_routed"] == before[1]["num_routed"] + 1

@@ -5,6 +5,7 @@ token-identical, with chunked prefill (a small token budget) and prefix
 caching (prompts sharing a prefix) in play, including for requests that
 stop inside an accepted run of drafts, and no KV block may leak.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,12 +19,19 @@ from tests.text_corpus import prompt_of_length
 
 MAX_TOKENS = 32
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
-        "def mul(a, b):\n    return a * b\n\n\n")
+CODE = (
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n\n\n"
+)
 # Chat prompts the model answers briefly, ending with EOS.
 CHATS = [
     # The answer copies the prompt up to its end-of-turn token (EOS), so EOS comes as an accepted draft.
-    [{"role": "user", "content": "Repeat this sentence three times: The quick brown fox jumps over the lazy dog."}],
+    [
+        {
+            "role": "user",
+            "content": "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+        }
+    ],
     [{"role": "user", "content": "Say hello."}],
 ]
 
@@ -31,8 +39,14 @@ CHATS = [
 def make_llm(**kwargs) -> LLM:
     torch.set_num_threads(1)
     # A 48-token budget chunks every prompt here; prefix caching is on by default.
-    return LLM(dtype="float32", num_threads=1, max_num_batched_tokens=48, max_model_len=1024,
-               num_gpu_blocks_override=400, **kwargs)
+    return LLM(
+        dtype="float32",
+        num_threads=1,
+        max_num_batched_tokens=48,
+        max_model_len=1024,
+        num_gpu_blocks_override=400,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +76,12 @@ def prompts(plain: LLM) -> list[list[int]]:
     ]
     ids = [tokenizer.encode(t) for t in texts]
     ids.append(prompt_of_length(tokenizer, 60, 300))
-    ids += [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
-            for c in CHATS]
+    ids += [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False
+        )
+        for c in CHATS
+    ]
     return ids
 
 
@@ -88,8 +106,11 @@ def runs_cut_by_a_stop(llm: LLM):
     def record(scheduler_output, runner_output):
         outputs = original(scheduler_output, runner_output)
         emitted = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        cuts.extend((o.request_id, len(emitted[o.request_id]), len(o.new_token_ids)) for o in outputs
-                    if o.finished and len(emitted.get(o.request_id, ())) > len(o.new_token_ids))
+        cuts.extend(
+            (o.request_id, len(emitted[o.request_id]), len(o.new_token_ids))
+            for o in outputs
+            if o.finished and len(emitted.get(o.request_id, ())) > len(o.new_token_ids)
+        )
         return outputs
 
     scheduler.update_from_output = record
@@ -115,7 +136,9 @@ def test_greedy_outputs_are_token_identical(spec: LLM, prompts, reference) -> No
     # The chat answers end with EOS inside the budget: stops were met under speculation.
     assert [o.finish_reason for o in reference[-2:]] == ["stop", "stop"]
     totals = spec.engine.stats_logger.spec_totals
-    assert totals.num_accepted_tokens - before > 20  # speculation did the work, mostly on the repetitive prompts
+    assert (
+        totals.num_accepted_tokens - before > 20
+    )  # speculation did the work, mostly on the repetitive prompts
     assert_no_leaks(spec)
 
 
@@ -148,7 +171,7 @@ def test_requests_stopping_mid_proposal_emit_the_same_tokens(spec: LLM, prompts,
 
 def test_stop_strings_cut_the_accepted_run(spec: LLM, prompts, reference) -> None:
     text = reference[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 6]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
     want = text[: text.index(stop)]
     output = spec.generate([prompts[0]], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert output.text == want and output.finish_reason == "stop" and output.stop_reason == stop
@@ -170,8 +193,10 @@ def test_logprobs_of_accepted_tokens_match(plain: LLM, spec: LLM, prompts) -> No
 
 
 def test_seeded_random_sampling_repeats(spec: LLM, prompts) -> None:
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24),
-              SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=3, max_tokens=24)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24),
+        SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=3, max_tokens=24),
+    ]
     first = spec.generate(prompts[:2], params, use_tqdm=False)
     second = spec.generate(prompts[:2], params, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in first] == [r.outputs[0].token_ids for r in second]

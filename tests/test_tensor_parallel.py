@@ -11,6 +11,7 @@
   SIGKILL of a non-driver worker ends its engine core within 5 s, fails the
   in-flight request with a clear error, and leaves no process behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,13 +53,22 @@ def tokenizer():
 
 def run_workload(llm: LLM, tokenizer) -> list:
     """Two batches; the second reuses the first's 200-token prefix from the cache."""
-    first = [prompt_of_length(tokenizer, 200, 0), prompt_of_length(tokenizer, 120, 500),
-             prompt_of_length(tokenizer, 60, 900)]
+    first = [
+        prompt_of_length(tokenizer, 200, 0),
+        prompt_of_length(tokenizer, 120, 500),
+        prompt_of_length(tokenizer, 60, 900),
+    ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
-    second = [{"prompt_token_ids": prompt_of_length(tokenizer, 230, 0)}, "The capital of France is",
-              "Once upon a time, in a small village by the sea,"]
-    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12)]
+    second = [
+        {"prompt_token_ids": prompt_of_length(tokenizer, 230, 0)},
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+    ]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12),
+    ]
     return outputs + llm.generate(second, params, use_tqdm=False)
 
 
@@ -103,10 +113,22 @@ def save_tiny_llama(path: Path, num_kv_heads: int) -> Path:
     from transformers import LlamaForCausalLM as HFLlama
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=num_kv_heads, vocab_size=49152, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        vocab_size=49152,
+        max_position_embeddings=512,
+    )
     HFLlama(config).save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
         if (DEFAULT.hf_dir / name).exists():
             shutil.copy(DEFAULT.hf_dir / name, path / name)
     return path
@@ -115,7 +137,9 @@ def save_tiny_llama(path: Path, num_kv_heads: int) -> Path:
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-heads-split", "kv-heads-replicated"])
 def test_tp2_is_token_identical_to_tp1_on_a_tiny_llama(tmp_path, tokenizer, num_kv_heads):
     model = save_tiny_llama(tmp_path / "tiny", num_kv_heads)
-    prompts = [{"prompt_token_ids": prompt_of_length(tokenizer, n, offset)} for n, offset in ((150, 0), (40, 300))]
+    prompts = [
+        {"prompt_token_ids": prompt_of_length(tokenizer, n, offset)} for n, offset in ((150, 0), (40, 300))
+    ]
     results = []
     for size in (1, 2):
         llm = LLM(str(model), tensor_parallel_size=size, num_threads=size, **ENGINE)
@@ -127,7 +151,9 @@ def test_tp2_is_token_identical_to_tp1_on_a_tiny_llama(tmp_path, tokenizer, num_
 
 
 def test_head_counts_that_do_not_split_are_refused_before_starting():
-    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible by it.*Sizes that fit: 1, 3"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \(9\) is not divisible by it.*Sizes that fit: 1, 3"
+    ):
         LLM(tensor_parallel_size=2, **ENGINE)
     # The model refuses too, should a config reach a worker unchecked.
     args = LlamaArgs.from_hf_config(DEFAULT.hf_config())
@@ -139,8 +165,19 @@ def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
     from services.engine_core.cli import engine_args, parse_args
     from services.engine_core.proc import with_tensor_parallel_size
 
-    args = parse_args(["--headless", "--data-parallel-size", "1", "--data-parallel-address", "127.0.0.1",
-                       "--data-parallel-rpc-port", "29550", "--tensor-parallel-size", "3"])
+    args = parse_args(
+        [
+            "--headless",
+            "--data-parallel-size",
+            "1",
+            "--data-parallel-address",
+            "127.0.0.1",
+            "--data-parallel-rpc-port",
+            "29550",
+            "--tensor-parallel-size",
+            "3",
+        ]
+    )
     command = engine_args(args, 0, "tcp://127.0.0.1:29550").to_argv()
     assert command[command.index("--tensor-parallel-size") + 1] == "3"
     config = EngineArgs(dtype="float32").create_engine_config()
@@ -153,7 +190,6 @@ def test_engine_core_takes_a_tensor_parallel_size_of_its_own():
 # ---- through the serving stack
 
 
-
 class ServeTP3:
     """``weft serve --tensor-parallel-size 3``: the API, one engine core, three workers."""
 
@@ -163,13 +199,35 @@ class ServeTP3:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        argv = ["serve", "--model", str(DEFAULT.weights), "--host", "127.0.0.1", "--port", str(self.port),
-                "--tensor-parallel-size", "3", "--num-threads", "3", "--dtype", "float32",
-                "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--max-num-batched-tokens", "256"]
+        argv = [
+            "serve",
+            "--model",
+            str(DEFAULT.weights),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            "3",
+            "--num-threads",
+            "3",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--num-gpu-blocks-override",
+            "256",
+            "--max-num-batched-tokens",
+            "256",
+        ]
         with open(log_path, "wb") as log:  # the child keeps it open; this process closes its copy
-            self.api = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=os.environ | {"OMP_NUM_THREADS": "1"})
+            self.api = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=os.environ | {"OMP_NUM_THREADS": "1"},
+            )
 
     def wait_healthy(self) -> None:
         def alive() -> None:
@@ -206,22 +264,30 @@ def served(tmp_path_factory):
 def test_weft_serve_tp3_answers_the_openai_client(served, tp1_outputs):
     assert sorted(served.workers()) == ["weft-tp0", "weft-tp1", "weft-tp2"]
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    completion = client.completions.create(model=DEFAULT.name, prompt="The capital of France is", max_tokens=6,
-                                           temperature=0, logprobs=2)
+    completion = client.completions.create(
+        model=DEFAULT.name, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
     assert completion.choices[0].text == tp1_outputs[4].outputs[0].text  # the same greedy tokens as TP=1
-    chat = client.chat.completions.create(model=DEFAULT.name, messages=[{"role": "user", "content": "Say hello."}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=DEFAULT.name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
 
 
 def _stream(url: str, events: list) -> None:
-    body = {"model": DEFAULT.name, "prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": DEFAULT.name,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
-                    events.append(line[len("data: "):])
+                    events.append(line[len("data: ") :])
     except httpx.TransportError:
         pass
 

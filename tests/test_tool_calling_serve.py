@@ -6,6 +6,7 @@ the model writes, each call must validate against its tool's parameters
 render tools, so for ``auto`` it answers in words: that output must come
 back as the same content streamed or whole.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,31 @@ from services.model_files import resolve
 from tests.polling import wait_healthy
 
 MODEL = resolve(None)
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "maxLength": 24},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
-TIME = {"type": "object", "additionalProperties": False, "required": ["timezone"],
-        "properties": {"timezone": {"type": "string", "enum": ["UTC", "CET", "PST"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone.",
-                                           "parameters": TIME}}]
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+}
+TIME = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["timezone"],
+    "properties": {"timezone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a timezone.", "parameters": TIME},
+    },
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -47,15 +64,40 @@ def server(tmp_path_factory):
     """``weft serve`` with one local engine core, auto tool choice on (hermes)."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("weft-serve-tools") / "serve.log"
-    argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL.weights),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-            "--max-num-batched-tokens", "512", "--num-threads", "1",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        str(MODEL.weights),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        "512",
+        "--num-threads",
+        "1",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | {"OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def alive() -> None:
             assert proc.poll() is None, f"weft serve exited:\n{log_path.read_text()[-3000:]}"
 
@@ -77,8 +119,14 @@ def client(server):
 
 def ask(client, stream: bool, messages=ASK, **kwargs):
     """The reply as (content, [(id, name, arguments)], finish_reason), streamed or whole."""
-    kwargs = {"model": MODEL.name, "messages": messages, "tools": TOOLS, "max_tokens": 80, "temperature": 0,
-              **kwargs}
+    kwargs = {
+        "model": MODEL.name,
+        "messages": messages,
+        "tools": TOOLS,
+        "max_tokens": 80,
+        "temperature": 0,
+        **kwargs,
+    }
     if stream:
         return streamed(client, **kwargs)[:3]
     [choice] = client.chat.completions.create(**kwargs).choices
@@ -117,11 +165,17 @@ def test_weather_conversation(client, stream):
     assert_valid_calls(calls)
     [(call_id, name, arguments)] = calls
     assert name == "get_weather"
-    history = [*ASK,
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
-               {"role": "tool", "tool_call_id": call_id,
-                "content": json.dumps({"sky": "sunny", "degrees": 21})}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"sky": "sunny", "degrees": 21})},
+    ]
     content, calls, finish = ask(client, stream, messages=history, tool_choice="none", max_tokens=24)
     assert content and calls == [] and finish in ("stop", "length")
 
@@ -130,8 +184,14 @@ def test_weather_conversation(client, stream):
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_calls_follow_their_tools_schemas(client, stream, parallel):
     messages = [{"role": "user", "content": "What time is it in Berlin, and how warm is it there?"}]
-    content, calls, finish = ask(client, stream, messages=messages, tool_choice="required",
-                                 parallel_tool_calls=parallel, max_tokens=120)
+    content, calls, finish = ask(
+        client,
+        stream,
+        messages=messages,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=120,
+    )
     assert finish == "tool_calls" and not content
     assert_valid_calls(calls)
     if not parallel:

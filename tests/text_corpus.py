@@ -3,6 +3,7 @@
 Natural text (not random words) keeps greedy decoding away from near-ties,
 so token-for-token comparisons with the transformers oracle are meaningful.
 """
+
 from __future__ import annotations
 
 PARAGRAPHS = [
@@ -40,4 +41,4 @@ def prompt_of_length(tokenizer, length: int, offset: int = 0) -> list[int]:
     """``length`` tokens of the corpus starting ``offset`` tokens in."""
     ids = corpus_token_ids(tokenizer)
     assert offset + length <= len(ids), "corpus too short for this prompt"
-    return ids[offset: offset + length]
+    return ids[offset : offset + length]

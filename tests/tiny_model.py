@@ -2,6 +2,7 @@
 
 Loads in well under a second, so a test can afford a few engine processes.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -11,8 +12,13 @@ from protocol import EngineConfig
 from services import model_files
 from services.engine_args import EngineArgs
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def build_tiny_llama(path: Path) -> Path:
@@ -21,8 +27,15 @@ def build_tiny_llama(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=512,
+    )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer_dir = model_files.resolve(None).hf_dir
     for name in _TOKENIZER_FILES:
@@ -33,5 +46,11 @@ def build_tiny_llama(path: Path) -> Path:
 
 def tiny_engine_config(model_dir: Path, num_blocks: int = 64) -> EngineConfig:
     """fp32 on CPU, one torch thread, exactly ``num_blocks`` KV blocks (no profiling)."""
-    return EngineArgs(model=str(model_dir), num_gpu_blocks_override=num_blocks, max_model_len=512,
-                      dtype="float32", device="cpu", num_threads=1).create_engine_config()
+    return EngineArgs(
+        model=str(model_dir),
+        num_gpu_blocks_override=num_blocks,
+        max_model_len=512,
+        dtype="float32",
+        device="cpu",
+        num_threads=1,
+    ).create_engine_config()

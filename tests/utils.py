@@ -3,6 +3,7 @@
 Each lives here once: the repository's root, a free port, a ZMQ context for
 tests, and the Docker Compose binary that validates ``docker-compose.yml``.
 """
+
 from __future__ import annotations
 
 import importlib.util

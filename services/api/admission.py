@@ -16,6 +16,7 @@ On shutdown ``drain`` refuses new requests, waits for the admitted ones up to
 a timeout, then fails those still running with a clear 503 error (an error
 event for streams), which aborts them in the engines.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -85,12 +86,18 @@ class Admission:
             self.num_rejected["not_ready"] += 1
             raise unavailable("No engine is ready to serve requests; try again later.", _RETRY_UNAVAILABLE_S)
         if n > self.per_rank:
-            raise bad_request(f"This request needs {n} sequences (prompts x n), more than one engine "
-                              f"takes at once ({self.per_rank}).", "n")
+            raise bad_request(
+                f"This request needs {n} sequences (prompts x n), more than one engine "
+                f"takes at once ({self.per_rank}).",
+                "n",
+            )
         if self.in_use + n > capacity:
             self.num_rejected["overloaded"] += 1
-            raise unavailable(f"The server is overloaded ({self.in_use} sequences admitted, room for "
-                              f"{capacity}); retry later.", _RETRY_OVERLOADED_S)
+            raise unavailable(
+                f"The server is overloaded ({self.in_use} sequences admitted, room for "
+                f"{capacity}); retry later.",
+                _RETRY_OVERLOADED_S,
+            )
         ticket = Ticket(self, n)
         self._tickets.add(ticket)
         self.in_use += n
@@ -122,8 +129,9 @@ class Admission:
 
 
 def shutting_down_error() -> APIError:
-    return unavailable("The server is shutting down; this request was stopped before it finished.",
-                       _RETRY_UNAVAILABLE_S)
+    return unavailable(
+        "The server is shutting down; this request was stopped before it finished.", _RETRY_UNAVAILABLE_S
+    )
 
 
 def hold_ticket(scope: Scope, ticket: Ticket, runner: _Failable) -> None:

@@ -1,4 +1,5 @@
 """Server-wide choices about what the OpenAI API accepts and reports (``weft serve`` flags)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,14 +16,20 @@ class APIOptions:
 
 def add_api_option_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenAI API behaviour")
-    group.add_argument("--allow-unknown-fields", action="store_true",
-                       help="Accept request fields weft does not know, with a logged warning "
-                            "(default: a 400 naming them).")
-    group.add_argument("--enable-force-include-usage", action="store_true",
-                       help="Send a usage chunk at the end of every stream, even without "
-                            "stream_options.include_usage.")
+    group.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="Accept request fields weft does not know, with a logged warning (default: a 400 naming them).",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="Send a usage chunk at the end of every stream, even without stream_options.include_usage.",
+    )
 
 
 def api_options(args: argparse.Namespace) -> APIOptions:
-    return APIOptions(allow_unknown_fields=args.allow_unknown_fields,
-                      enable_force_include_usage=args.enable_force_include_usage)
+    return APIOptions(
+        allow_unknown_fields=args.allow_unknown_fields,
+        enable_force_include_usage=args.enable_force_include_usage,
+    )

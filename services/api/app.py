@@ -8,6 +8,7 @@ ask; admission control (``services.api.admission``) answers 503 with
 Retry-After when the engines' queues are full, and ``app.state.admission``
 is what a graceful shutdown drains.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -102,11 +103,13 @@ def _check_schema_depth(schema: object, param: str) -> None:
 
 def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
     """A client gone before the response is ready gets nothing, not a 500."""
+
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=_CLIENT_CLOSED)
+
     return endpoint
 
 
@@ -129,9 +132,16 @@ class _Routes:
         """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
         if name != self.ctx.served_model_name and name not in self.ctx.model_aliases:
             return None
-        return {"id": name, "object": "model", "created": self.created,
-                "owned_by": "weft", "root": self.ctx.served_model_name, "parent": None,
-                "max_model_len": self.ctx.max_model_len, "permission": []}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "weft",
+            "root": self.ctx.served_model_name,
+            "parent": None,
+            "max_model_len": self.ctx.max_model_len,
+            "permission": [],
+        }
 
     async def models(self, request: Request) -> Response:
         names = [self.ctx.served_model_name, *self.ctx.model_aliases]
@@ -145,16 +155,29 @@ class _Routes:
         ranks = []
         for rank, stats in sorted(client.rank_stats().items()):
             by_state.setdefault(stats.state, []).append(rank)
-            ranks.append({"rank": rank, "state": stats.state, "num_blocks": stats.num_blocks,
-                          "num_free_blocks": stats.num_free_blocks, "num_running": stats.num_running,
-                          "num_waiting": stats.num_waiting, "num_routed": stats.num_routed,
-                          "num_in_flight": len(stats.in_flight)})
+            ranks.append(
+                {
+                    "rank": rank,
+                    "state": stats.state,
+                    "num_blocks": stats.num_blocks,
+                    "num_free_blocks": stats.num_free_blocks,
+                    "num_running": stats.num_running,
+                    "num_waiting": stats.num_waiting,
+                    "num_routed": stats.num_routed,
+                    "num_in_flight": len(stats.in_flight),
+                }
+            )
         admission = self.ctx.admission
         load = {"admitted": admission.in_use, "capacity": admission.capacity()}
         if client.ready and not admission.draining:
             return JSONResponse({"status": "ok", **by_state, **load, "ranks": ranks})
-        status = "draining" if admission.draining else \
-            "degraded" if by_state["ready"] and len(by_state["ready"]) < len(ranks) else "unavailable"
+        status = (
+            "draining"
+            if admission.draining
+            else "degraded"
+            if by_state["ready"] and len(by_state["ready"]) < len(ranks)
+            else "unavailable"
+        )
         return JSONResponse({"status": status, **by_state, **load, "ranks": ranks}, status_code=503)
 
     async def version(self, request: Request) -> Response:
@@ -167,21 +190,32 @@ class _Routes:
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
             check_messages_size(self.ctx, body.messages)
-            tokens = await run_blocking(chat_prompt_ids, self.ctx, body.messages, body.add_generation_prompt,
-                                        **self.chat.template_args(body))
+            tokens = await run_blocking(
+                chat_prompt_ids,
+                self.ctx,
+                body.messages,
+                body.add_generation_prompt,
+                **self.chat.template_args(body),
+            )
         else:
             self.ctx.limits.check_text_size([body.prompt], "prompt")
             tokens = await run_blocking(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
         # msgspec, not json.dumps: a million token ids encode in milliseconds, on the loop.
-        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len": self.ctx.max_model_len,
-                                             "tokens": tokens}), media_type="application/json")
+        return Response(
+            msgspec.json.encode(
+                {"count": len(tokens), "max_model_len": self.ctx.max_model_len, "tokens": tokens}
+            ),
+            media_type="application/json",
+        )
 
     async def detokenize(self, request: Request) -> Response:
         body = await _read(request, DetokenizeRequest)
         self.ctx.check_model(body.model)
         if body.tokens and max(body.tokens) >= self.ctx.vocab_size:
-            raise bad_request(f"Token id {max(body.tokens)} is out of the vocabulary "
-                              f"(size {self.ctx.vocab_size}).", "tokens")
+            raise bad_request(
+                f"Token id {max(body.tokens)} is out of the vocabulary (size {self.ctx.vocab_size}).",
+                "tokens",
+            )
         return JSONResponse({"prompt": await run_blocking(self.ctx.tokenizer.decode, body.tokens)})
 
     async def metrics(self, request: Request) -> Response:
@@ -190,8 +224,7 @@ class _Routes:
     def table(self) -> list[Route]:
         return [
             Route("/v1/completions", _client_may_leave(self.create_completion), methods=["POST"]),
-            Route("/v1/chat/completions", _client_may_leave(self.create_chat_completion),
-                  methods=["POST"]),
+            Route("/v1/chat/completions", _client_may_leave(self.create_chat_completion), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
@@ -201,12 +234,18 @@ class _Routes:
         ]
 
 
-def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineConfig,
-              api_key: str | Sequence[str] | None = None,
-              served_model_name: str | Sequence[str] | None = None,
-              limits: ServingLimits | None = None, chat: ChatSettings | None = None,
-              protect_tokenize: bool = True, options: APIOptions | None = None,
-              kv_transfer_secret: str | None = None) -> Starlette:
+def build_app(
+    engine_client: EngineClient,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    api_key: str | Sequence[str] | None = None,
+    served_model_name: str | Sequence[str] | None = None,
+    limits: ServingLimits | None = None,
+    chat: ChatSettings | None = None,
+    protect_tokenize: bool = True,
+    options: APIOptions | None = None,
+    kv_transfer_secret: str | None = None,
+) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
     ``protect_tokenize`` it guards /tokenize and /detokenize too. ``chat``:
@@ -223,9 +262,21 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
     metrics = APIMetrics(engine_client.rank_stats, name, config)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
-    routes = _Routes(ServingContext(engine_client, tokenizer, config, name, metrics, limits, admission,
-                                    options or APIOptions(), kv_transfer_secret,
-                                    tuple(a for a in aliases if a != name)), chat)
+    routes = _Routes(
+        ServingContext(
+            engine_client,
+            tokenizer,
+            config,
+            name,
+            metrics,
+            limits,
+            admission,
+            options or APIOptions(),
+            kv_transfer_secret,
+            tuple(a for a in aliases if a != name),
+        ),
+        chat,
+    )
     management = ManagementRoutes(engine_client, admission, routes.model_card)
 
     @contextlib.asynccontextmanager
@@ -238,17 +289,28 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: EngineC
 
     # Outermost first: every exchange returns its tickets; bodies are capped
     # in time and size before anything reads them; keys are checked before any work.
-    middleware = [Middleware(TicketReleaseMiddleware),
-                  Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
-                  Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)]
+    middleware = [
+        Middleware(TicketReleaseMiddleware),
+        Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
+        Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes),
+    ]
     if api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_keys=api_key, protect_tokenize=protect_tokenize,
-                                     also_protect=MANAGEMENT_PATHS))
+        middleware.append(
+            Middleware(
+                APIKeyMiddleware,
+                api_keys=api_key,
+                protect_tokenize=protect_tokenize,
+                also_protect=MANAGEMENT_PATHS,
+            )
+        )
     app = Starlette(
         routes=routes.table() + management.table(),
         middleware=middleware,
-        exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
-                            Exception: internal_error_handler},
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_error_handler,
+            Exception: internal_error_handler,
+        },
         lifespan=lifespan,
     )
     app.state.admission = admission

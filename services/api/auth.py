@@ -10,6 +10,7 @@ once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
 length, its prefix nor which key matched leaks through timing.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,13 @@ def _is_v1(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str], protect_tokenize: bool = True,
-                 also_protect: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: str | Sequence[str],
+        protect_tokenize: bool = True,
+        also_protect: Sequence[str] = (),
+    ) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
         if not keys or not all(keys):
             raise ValueError("API keys must be non-empty strings.")
@@ -45,8 +51,11 @@ class APIKeyMiddleware:
         self._also_protected = frozenset(also_protect)
 
     def _is_protected(self, path: str) -> bool:
-        return _is_v1(path) or path in self._also_protected or (
-            self._protect_tokenize and path.rstrip("/") in _TOKENIZER_ROUTES)
+        return (
+            _is_v1(path)
+            or path in self._also_protected
+            or (self._protect_tokenize and path.rstrip("/") in _TOKENIZER_ROUTES)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._is_protected(scope["path"]):

@@ -1,4 +1,5 @@
 """The chat completions' server options: the chat template and tool calling."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,10 @@ class ChatSettings:
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to name the model's "
-                             f"tool-call format ({', '.join(sorted(TOOL_PARSERS))}).")
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser to name the model's "
+                f"tool-call format ({', '.join(sorted(TOOL_PARSERS))})."
+            )
         if self.tool_call_parser is not None:
             tool_parser_class(self.tool_call_parser)  # ValueError for an unknown name
         if self.chat_template is not None:
@@ -36,19 +39,33 @@ class ChatSettings:
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("chat template and tool calling")
-    group.add_argument("--chat-template", default=None, metavar="FILE-OR-TEMPLATE",
-                       help="A Jinja chat template, as a file or inline, instead of the model's own.")
-    group.add_argument("--trust-request-chat-template", action="store_true",
-                       help="Let requests bring their own chat_template (refused with 400 otherwise).")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='Serve tool_choice "auto": the model decides, --tool-call-parser finds calls.')
-    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="The model's tool-call format.")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE-OR-TEMPLATE",
+        help="A Jinja chat template, as a file or inline, instead of the model's own.",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Let requests bring their own chat_template (refused with 400 otherwise).",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Serve tool_choice "auto": the model decides, --tool-call-parser finds calls.',
+    )
+    group.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="The model's tool-call format."
+    )
 
 
 def chat_settings_from(args: argparse.Namespace) -> ChatSettings:
     """ValueError when the options do not fit together or the template does not load."""
     template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    return ChatSettings(chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser)
+    return ChatSettings(
+        chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+    )

@@ -6,6 +6,7 @@ gives it (``raise_exception``, ``strftime_now``, ``tojson`` with its
 arguments, the ``{% generation %}`` tag), so a template written for
 transformers renders the same text here.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -25,8 +26,9 @@ import jinja2.sandbox
 # writing that message instead of starting a new turn.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The names the renderer sets itself; a request's chat_template_kwargs may not replace them.
-RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
-                             "eos_token"})
+RESERVED_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 # A string with none of these is meant as a file path (vLLM's rule for --chat-template).
 _JINJA_CHARS = "{}\n"
 
@@ -55,8 +57,9 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(str(message))
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson escapes HTML characters, which a prompt must not see.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -69,31 +72,47 @@ def _strftime_now(format: str) -> str:
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template (cached: the model's is compiled once, per-request ones a few at a time)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
-def render(source: str, messages: list[dict], *, add_generation_prompt: bool,
-           continue_final_message: bool = False, tools: list[dict] | None = None,
-           bos_token: str = "", eos_token: str = "", **kwargs: Any) -> str:
+def render(
+    source: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+    bos_token: str = "",
+    eos_token: str = "",
+    **kwargs: Any,
+) -> str:
     """The prompt text; ``ChatTemplateError`` if the template refused,
     ``ContinueFinalMessageError`` if the final message cannot be continued,
     jinja2's errors if the template is broken."""
     if continue_final_message:
         messages = _tag_final_message(messages)
     text = compile_template(source).render(
-        messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token, eos_token=eos_token, **kwargs)
+        messages=messages,
+        tools=tools,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        **kwargs,
+    )
     return _cut_at_tag(text) if continue_final_message else text
 
 
 def _tag_final_message(messages: list[dict]) -> list[dict]:
     if not messages or not isinstance(messages[-1].get("content"), str):
-        raise ContinueFinalMessageError("continue_final_message needs a final message with text content "
-                                        "to continue.")
+        raise ContinueFinalMessageError(
+            "continue_final_message needs a final message with text content to continue."
+        )
     final = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_TAG)
     return [*messages[:-1], final]
 
@@ -101,9 +120,11 @@ def _tag_final_message(messages: list[dict]) -> list[dict]:
 def _cut_at_tag(text: str) -> str:
     at = text.rfind(_CONTINUE_TAG.strip())
     if at < 0:
-        raise ContinueFinalMessageError("continue_final_message is set, but this chat template does not "
-                                        "show the final message's content, so there is nothing to continue.")
-    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        raise ContinueFinalMessageError(
+            "continue_final_message is set, but this chat template does not "
+            "show the final message's content, so there is nothing to continue."
+        )
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -116,8 +137,9 @@ def load_chat_template(value: str) -> str:
         return Path(value).read_text()
     except OSError as e:
         if not any(c in value for c in _JINJA_CHARS):
-            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be read: "
-                             f"{e.strerror}.") from None
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read: {e.strerror}."
+            ) from None
     return codecs.decode(value, "unicode_escape")
 
 

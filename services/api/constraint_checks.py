@@ -13,6 +13,7 @@ Every check raises ``ValueError`` with a message that says what is wrong.
 Each runs on client input, so each is linear in its input and refuses
 anything over ``MAX_CONSTRAINT_CHARS`` before looking at it.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,9 @@ MAX_CONSTRAINT_CHARS = 128 * 1024
 
 def check_size(text: str, what: str) -> None:
     if len(text) > MAX_CONSTRAINT_CHARS:
-        raise ValueError(f"the {what} is {len(text)} characters long; this server checks at most "
-                         f"{MAX_CONSTRAINT_CHARS}")
+        raise ValueError(
+            f"the {what} is {len(text)} characters long; this server checks at most {MAX_CONSTRAINT_CHARS}"
+        )
 
 
 # ---------------------------------------------------------------- regexes
@@ -98,8 +100,7 @@ def _group_body_start(pattern: str, i: int) -> int:
         raise ValueError(f"lookbehind (position {i}) is not supported")
     named = _NAMED_GROUP.match(pattern, i)
     if named is None:
-        raise ValueError(f"'(?' groups other than (?:...) and (?<name>...) are not supported "
-                         f"(position {i})")
+        raise ValueError(f"'(?' groups other than (?:...) and (?<name>...) are not supported (position {i})")
     return named.end()
 
 
@@ -116,9 +117,11 @@ def _class_end(pattern: str, start: int) -> int:
     while i < len(pattern) and pattern[i] != "]":
         if pattern[i] == "\\":
             previous, i = None, i + 2
-        elif pattern[i] == "-" and previous is not None and pattern[i + 1:i + 2] not in ("", "]", "\\"):
+        elif pattern[i] == "-" and previous is not None and pattern[i + 1 : i + 2] not in ("", "]", "\\"):
             if ord(pattern[i + 1]) < ord(previous):
-                raise ValueError(f"character range {previous}-{pattern[i + 1]} at position {i - 1} is reversed")
+                raise ValueError(
+                    f"character range {previous}-{pattern[i + 1]} at position {i - 1} is reversed"
+                )
             previous, i = None, i + 2
         else:
             previous, i = pattern[i], i + 1
@@ -142,8 +145,18 @@ def _quantifier_end(pattern: str, i: int) -> int:
 _JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "propertyNames",
-                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_VALUES = (
+    "items",
+    "additionalProperties",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"))
@@ -190,7 +203,9 @@ def _check_keywords(schema: dict, path: str, root: object) -> None:
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
     for k in kinds:
         if not isinstance(k, str) or k not in _JSON_TYPES:
-            raise ValueError(f"{path}.type: {k!r} is not a JSON type (allowed: {', '.join(sorted(_JSON_TYPES))})")
+            raise ValueError(
+                f"{path}.type: {k!r} is not a JSON type (allowed: {', '.join(sorted(_JSON_TYPES))})"
+            )
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise ValueError(f"{path}.enum must be a non-empty array")
     for key in _COUNTS:
@@ -230,13 +245,15 @@ def _check_ref(ref: object, path: str, root: object) -> None:
 
 def _json_type(value: object) -> str:
     return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(
-        type(value), "null" if value is None else type(value).__name__)
+        type(value), "null" if value is None else type(value).__name__
+    )
 
 
 # --------------------------------------------------------------- grammars
 
 # One EBNF token: a comment, a string, a character class, '::=', a name, or one character.
-_EBNF_TOKEN = re.compile(r'''
+_EBNF_TOKEN = re.compile(
+    r"""
     (?P<space>\s+|\#[^\n]*)
   | (?P<string>"(?:\\.|[^"\\\n])*")
   | (?P<cls>\[(?:\\.|[^\]\\])*\])
@@ -244,7 +261,9 @@ _EBNF_TOKEN = re.compile(r'''
   | (?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)
   | (?P<repeat>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
   | (?P<char>[|*+?(),=])
-''', re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 def check_grammar(grammar: str) -> None:
@@ -325,8 +344,10 @@ def _check_rule_names(grammar: str, defined: dict[str, int], referenced: list[tu
 
 # Lark: strings, regexes and comments, then brackets; nothing else is checked.
 # Runs of other characters are one token, so the loop below steps per token, not per character.
-_LARK_TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*'
-                         r'|[^"/()\[\]]+|[^"/]')
+_LARK_TOKEN = re.compile(
+    r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*'
+    r'|[^"/()\[\]]+|[^"/]'
+)
 # The start rule at a line start. Only blanks other than '\n' may lead: a
 # leading \s* would run over every following empty line from each line
 # start (quadratic in the number of lines); the later line start matches anyway.
@@ -335,8 +356,10 @@ _LARK_START = re.compile(r"^[^\S\n]*[?!]?start\s*:", re.MULTILINE)
 
 def _check_lark(grammar: str) -> None:
     if not _LARK_START.search(grammar):
-        raise ValueError("the grammar has no 'start' rule (start: ...), where matching starts "
-                         "(or write EBNF: root ::= ...)")
+        raise ValueError(
+            "the grammar has no 'start' rule (start: ...), where matching starts "
+            "(or write EBNF: root ::= ...)"
+        )
     depth, i = 0, 0
     while i < len(grammar):
         match = _LARK_TOKEN.match(grammar, i)
@@ -358,7 +381,9 @@ def _where(text: str, pos: int) -> str:
 
 def _describe(text: str, pos: int) -> str:
     """What is wrong with the token that starts at ``pos``."""
-    unterminated = {'"': 'unterminated string (missing closing ")',
-                    "[": "unterminated character class (missing ']')",
-                    "/": "unterminated regular expression (missing closing /)"}
+    unterminated = {
+        '"': 'unterminated string (missing closing ")',
+        "[": "unterminated character class (missing ']')",
+        "/": "unterminated regular expression (missing closing /)",
+    }
     return unterminated.get(text[pos], f"unexpected character {text[pos]!r}")

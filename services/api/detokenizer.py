@@ -7,6 +7,7 @@ are held back, since they could still turn into a stop string. As in vLLM,
 stop strings are looked for only once the output has more than
 ``min_tokens`` tokens, and only in text that could end at the newest token.
 """
+
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
@@ -55,7 +56,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet, minus what could still become a stop string."""
-        end = len(self.text) if finished or self.stop_string else max(self._sent, len(self.text) - self._hold_back)
-        delta = self.text[self._sent:end]
+        end = (
+            len(self.text)
+            if finished or self.stop_string
+            else max(self._sent, len(self.text) - self._hold_back)
+        )
+        delta = self.text[self._sent : end]
         self._sent = end
         return delta

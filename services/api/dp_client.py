@@ -39,6 +39,7 @@ ROUTER_MANDATORY: a request for a rank whose connection is gone fails at
 once with ``EngineDeadError`` instead of vanishing.
 Torch-free: nothing here may import torch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -107,11 +108,20 @@ _LIVE = ("ready", "draining")
 
 
 class DPLBEngineClient(EngineClient):
-    def __init__(self, config: EngineConfig, handshake_address: str, num_ranks: int,
-                 local_processes: Sequence[subprocess.Popen] = (), *, local_start_rank: int = 0,
-                 silence_timeout_s: float = 3.0, curve: CurveKeys | None = None,
-                 restart_local: bool = False, prefix_router: PrefixRouter | None = None,
-                 data_ports: tuple[int, int] = (0, 0)) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        handshake_address: str,
+        num_ranks: int,
+        local_processes: Sequence[subprocess.Popen] = (),
+        *,
+        local_start_rank: int = 0,
+        silence_timeout_s: float = 3.0,
+        curve: CurveKeys | None = None,
+        restart_local: bool = False,
+        prefix_router: PrefixRouter | None = None,
+        data_ports: tuple[int, int] = (0, 0),
+    ) -> None:
         """``local_processes[i]`` is rank ``local_start_rank + i``'s process (this node started it);
         with ``restart_local`` one that dies is started again (with back-off). With a
         ``prefix_router`` ranks are chosen by cached prefix and load, else by load alone.
@@ -120,16 +130,19 @@ class DPLBEngineClient(EngineClient):
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be at least 1, got {num_ranks}.")
         if not 0 <= local_start_rank <= local_start_rank + len(local_processes) <= num_ranks:
-            raise ValueError(f"Local ranks {local_start_rank}..{local_start_rank + len(local_processes) - 1} "
-                             f"do not fit in {num_ranks} ranks.")
+            raise ValueError(
+                f"Local ranks {local_start_rank}..{local_start_rank + len(local_processes) - 1} "
+                f"do not fit in {num_ranks} ranks."
+            )
         self.config = config
         self.handshake_address = handshake_address
         self.num_ranks = num_ranks
         self.silence_timeout_s = silence_timeout_s
         self.curve = curve
         self.data_ports = {"input": data_ports[0], "output": data_ports[1]}
-        self.local = LocalEngines(dict(enumerate(local_processes, start=local_start_rank)),
-                                  restart=restart_local)
+        self.local = LocalEngines(
+            dict(enumerate(local_processes, start=local_start_rank)), restart=restart_local
+        )
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
         self._last_seen: dict[int, float] = {}
         self._identity: dict[int, bytes] = {}  # rank -> the identity that shook hands for it
@@ -161,8 +174,9 @@ class DPLBEngineClient(EngineClient):
             self._auth = ZapAuthenticator(self._ctx, self.curve)  # before any socket accepts a peer
         self._handshake_sock = self._bind(zmq.ROUTER, self.handshake_address)
         self.handshake_address = bound_address(self._handshake_sock)
-        self._input_sock = self._bind(zmq.ROUTER, self._data_address("input"), linger=1000,
-                                      router_mandatory=True)
+        self._input_sock = self._bind(
+            zmq.ROUTER, self._data_address("input"), linger=1000, router_mandatory=True
+        )
         self._output_sock = self._bind(zmq.PULL, self._data_address("output"))
         self.input_address = bound_address(self._input_sock)
         self.output_address = bound_address(self._output_sock)
@@ -173,10 +187,18 @@ class DPLBEngineClient(EngineClient):
             task.add_done_callback(_log_task_failure)
             self._tasks.append(task)
 
-    def _bind(self, socket_type: int, address: str, linger: int = 0,
-              router_mandatory: bool = False) -> zmq.asyncio.Socket:
-        return make_socket(self._ctx, socket_type, address, bind=True, linger=linger, curve=self.curve,
-                           router_mandatory=router_mandatory)
+    def _bind(
+        self, socket_type: int, address: str, linger: int = 0, router_mandatory: bool = False
+    ) -> zmq.asyncio.Socket:
+        return make_socket(
+            self._ctx,
+            socket_type,
+            address,
+            bind=True,
+            linger=linger,
+            curve=self.curve,
+            router_mandatory=router_mandatory,
+        )
 
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.
@@ -259,8 +281,12 @@ class DPLBEngineClient(EngineClient):
                 by_rank.setdefault(rank, []).append(request_id)
         for rank, ids in by_rank.items():
             for request_id in ids:
-                self._finish_locally(request_id, EngineCoreOutput(
-                    request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT))
+                self._finish_locally(
+                    request_id,
+                    EngineCoreOutput(
+                        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT
+                    ),
+                )
             if self._stats[rank].state in _LIVE:
                 await self._send(rank, EngineCoreRequestType.ABORT, ids)
 
@@ -275,8 +301,9 @@ class DPLBEngineClient(EngineClient):
             for call_id, rank in calls.items():
                 futures[rank] = self._utility_calls[call_id] = (rank, loop.create_future())
                 await self._send(rank, EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method))
-            results = await asyncio.wait_for(asyncio.gather(*(f for _, f in futures.values())),
-                                             _UTILITY_TIMEOUT_S)
+            results = await asyncio.wait_for(
+                asyncio.gather(*(f for _, f in futures.values())), _UTILITY_TIMEOUT_S
+            )
         finally:
             for call_id in calls:
                 self._utility_calls.pop(call_id, None)
@@ -304,7 +331,9 @@ class DPLBEngineClient(EngineClient):
         if not ready:
             raise EngineNotReadyError("No engine core is ready.")
         if self.prefix_router is not None:
-            return self.prefix_router.pick(request, {s.rank: 4 * s.num_waiting + s.num_running for s in ready})
+            return self.prefix_router.pick(
+                request, {s.rank: 4 * s.num_waiting + s.num_running for s in ready}
+            )
         # min() keeps the first of equal scores: ties go to the lowest rank.
         return min(ready, key=lambda s: (4 * s.num_waiting + s.num_running, s.rank)).rank
 
@@ -365,8 +394,12 @@ class DPLBEngineClient(EngineClient):
                 self._refuse_claim(rank, f"a hello for rank {rank}, which is {state}")
                 continue
             if hello.local != (rank in self.local):
-                logger.warning("Rank %d says local=%s, but this API %s start it.",
-                               rank, hello.local, "did" if rank in self.local else "did not")
+                logger.warning(
+                    "Rank %d says local=%s, but this API %s start it.",
+                    rank,
+                    hello.local,
+                    "did" if rank in self.local else "did not",
+                )
             if state == "dead":
                 self._stats[rank].state = "waiting"  # a restarted rank rejoins
                 self._quiet.pop(rank, None)  # a new process: the old one's requests died with it
@@ -377,11 +410,13 @@ class DPLBEngineClient(EngineClient):
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 
     def _reply_for(self, rank: int) -> EngineHandshakeReply:
-        parallel = msgspec.structs.replace(self.config.parallel, data_parallel_rank=rank,
-                                           data_parallel_size=self.num_ranks)
+        parallel = msgspec.structs.replace(
+            self.config.parallel, data_parallel_rank=rank, data_parallel_size=self.num_ranks
+        )
         config = msgspec.structs.replace(self.config, parallel=parallel)
-        return EngineHandshakeReply(config=config, input_address=self.input_address,
-                                    output_address=self.output_address)
+        return EngineHandshakeReply(
+            config=config, input_address=self.input_address, output_address=self.output_address
+        )
 
     async def _status_loop(self) -> None:
         decoder: Decoder[EngineStatus] = Decoder(EngineStatus)
@@ -410,8 +445,11 @@ class DPLBEngineClient(EngineClient):
     def _refuse_claim(self, rank: int, what: str) -> None:
         self._dropped_frames["rank_claim"] += 1
         if self._dropped_frames["rank_claim"] % 100 == 1:  # a peer retrying must not flood the log
-            logger.warning("Refused %s (%d refused so far): a rank is bound to the connection that shook "
-                           "hands for it.", what, self._dropped_frames["rank_claim"])
+            logger.warning(
+                "Refused %s (%d refused so far): a rank is bound to the connection that shook hands for it.",
+                what,
+                self._dropped_frames["rank_claim"],
+            )
 
     def _on_ready(self, ready: EngineReady) -> None:
         stats = self._stats[ready.rank]
@@ -424,16 +462,24 @@ class DPLBEngineClient(EngineClient):
         self._last_seen[ready.rank] = time.monotonic()
         if self.prefix_router is not None:
             self.prefix_router.rank_up(ready.rank)
-        logger.info("Rank %d is ready (%d KV blocks, max_model_len %d).",
-                    ready.rank, ready.num_blocks, ready.max_model_len)
+        logger.info(
+            "Rank %d is ready (%d KV blocks, max_model_len %d).",
+            ready.rank,
+            ready.num_blocks,
+            ready.max_model_len,
+        )
 
     async def _on_draining(self, draining: EngineDraining) -> None:
         stats = self._stats[draining.rank]
         if stats.state != "ready":
             return
         stats.state = "draining"
-        logger.info("Rank %d is draining: it finishes its %d request(s) (at most %.0fs) and gets no new ones.",
-                    draining.rank, len(stats.in_flight), draining.timeout_s)
+        logger.info(
+            "Rank %d is draining: it finishes its %d request(s) (at most %.0fs) and gets no new ones.",
+            draining.rank,
+            len(stats.in_flight),
+            draining.timeout_s,
+        )
         # Every ADD for this rank was sent before this: the engine may stop once idle.
         await self._send(draining.rank, EngineCoreRequestType.DRAIN)
 
@@ -446,8 +492,9 @@ class DPLBEngineClient(EngineClient):
                 self._dropped("output", e)
                 continue
             if key_name != self._key_name.get(batch.engine_index, key_name):
-                self._refuse_claim(batch.engine_index,
-                                   f"outputs for rank {batch.engine_index} under another key")
+                self._refuse_claim(
+                    batch.engine_index, f"outputs for rank {batch.engine_index} under another key"
+                )
                 continue
             stats = self._stats.get(batch.engine_index)
             if stats is not None and batch.engine_index in self._quiet:
@@ -469,8 +516,11 @@ class DPLBEngineClient(EngineClient):
         stats = self._stats[rank]
         stats.state = "ready"
         self._last_seen[rank] = time.monotonic()
-        logger.warning("Engine core rank %d is heard again: it rejoins (aborting its %d stale request(s)).",
-                       rank, len(stale))
+        logger.warning(
+            "Engine core rank %d is heard again: it rejoins (aborting its %d stale request(s)).",
+            rank,
+            len(stale),
+        )
         if self.prefix_router is not None:
             self.prefix_router.rank_up(rank)  # its cache view is rebuilt from the replay
         if stale:
@@ -479,8 +529,12 @@ class DPLBEngineClient(EngineClient):
     def _dropped(self, socket_name: str, error: Exception) -> None:
         self._dropped_frames[socket_name] += 1
         if self._dropped_frames[socket_name] % 100 == 1:  # garbage must not flood the log
-            logger.warning("Dropped a malformed %s message (%d so far): %s", socket_name,
-                           self._dropped_frames[socket_name], error)
+            logger.warning(
+                "Dropped a malformed %s message (%d so far): %s",
+                socket_name,
+                self._dropped_frames[socket_name],
+                error,
+            )
 
     def _route(self, output: EngineCoreOutput) -> None:
         queue = self._queues.get(output.request_id)
@@ -501,8 +555,9 @@ class DPLBEngineClient(EngineClient):
                 if stats.state != "dead" and code is not None:
                     self._mark_dead(rank, f"its process exited with code {code}")
                 elif stats.state in _LIVE and now - self._last_seen[rank] > self.silence_timeout_s:
-                    self._mark_dead(rank, f"it sent nothing for {self.silence_timeout_s:.1f}s", hung=True,
-                                    quiet=True)
+                    self._mark_dead(
+                        rank, f"it sent nothing for {self.silence_timeout_s:.1f}s", hung=True, quiet=True
+                    )
             for rank in self.local.restart_due():
                 self._stats[rank].state = "waiting"
             waiting = [r for r, s in self._stats.items() if s.state == "waiting"]
@@ -510,8 +565,9 @@ class DPLBEngineClient(EngineClient):
                 logger.info("Still waiting for engine core rank(s) %s to be ready.", waiting)
                 last_log = now
 
-    def _mark_dead(self, rank: int, reason: str, *, hung: bool = False, expected: bool = False,
-                   quiet: bool = False) -> None:
+    def _mark_dead(
+        self, rank: int, reason: str, *, hung: bool = False, expected: bool = False, quiet: bool = False
+    ) -> None:
         """``expected``: it said goodbye (a drain, a stop), rather than crashed or went silent.
         ``quiet``: it went silent or lost its connection; a remote rank may
         still be alive, and rejoins when heard again (a local one is killed)."""
@@ -525,12 +581,21 @@ class DPLBEngineClient(EngineClient):
             self.prefix_router.rank_down(rank)
         if not self._closing:
             level = logging.INFO if expected and not stats.in_flight else logging.ERROR
-            logger.log(level, "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
-                       rank, reason, len(stats.in_flight))
+            logger.log(
+                level,
+                "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",
+                rank,
+                reason,
+                len(stats.in_flight),
+            )
             self.local.on_dead(rank, hung=hung)
         for request_id in list(stats.in_flight):
-            self._finish_locally(request_id, EngineDeadError(
-                f"Engine core rank {rank} stopped while serving request {request_id}: {reason}."))
+            self._finish_locally(
+                request_id,
+                EngineDeadError(
+                    f"Engine core rank {rank} stopped while serving request {request_id}: {reason}."
+                ),
+            )
         for held_by, future in self._utility_calls.values():
             if held_by == rank and not future.done():
                 future.set_exception(EngineDeadError(f"Engine core rank {rank} stopped: {reason}."))

@@ -5,6 +5,7 @@ The routes code against ``EngineClient``; the real implementation
 data-parallel engine-core processes on ZMQ sockets, and tests may plug in a
 fake. Torch-free, like the whole API process.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

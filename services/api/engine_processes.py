@@ -12,6 +12,7 @@ the thread that started it exits (``die_with_launcher`` in
 ``services.engine_core.proc``), so every ``Popen`` here must run on a
 long-lived thread -- the event loop's, never a ``to_thread`` worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,26 +27,52 @@ from services.processes import STOP_GRACE_S, stop_processes
 logger = logging.getLogger(__name__)
 
 
-def engine_command(rank: int, handshake_address: str, *, num_threads: int | None = None,
-                   curve_keys: str | None = None, shutdown_timeout_s: float | None = None) -> list[str]:
+def engine_command(
+    rank: int,
+    handshake_address: str,
+    *,
+    num_threads: int | None = None,
+    curve_keys: str | None = None,
+    shutdown_timeout_s: float | None = None,
+) -> list[str]:
     """The command that starts local engine core ``rank``."""
     timeout_s = DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown_timeout_s is None else shutdown_timeout_s
-    return EngineCoreArgs(rank=rank, handshake_address=handshake_address, local=True, num_threads=num_threads,
-                          curve_keys=None if curve_keys is None else str(curve_keys),
-                          shutdown_timeout_s=timeout_s).to_argv()
+    return EngineCoreArgs(
+        rank=rank,
+        handshake_address=handshake_address,
+        local=True,
+        num_threads=num_threads,
+        curve_keys=None if curve_keys is None else str(curve_keys),
+        shutdown_timeout_s=timeout_s,
+    ).to_argv()
 
 
-def launch_local_engines(num: int, start_rank: int, handshake_address: str, num_threads: int | None = None,
-                         *, curve_keys: str | None = None,
-                         shutdown_timeout_s: float | None = None) -> list[subprocess.Popen]:
+def launch_local_engines(
+    num: int,
+    start_rank: int,
+    handshake_address: str,
+    num_threads: int | None = None,
+    *,
+    curve_keys: str | None = None,
+    shutdown_timeout_s: float | None = None,
+) -> list[subprocess.Popen]:
     """Start ranks ``start_rank..start_rank+num-1`` on this node (stdout/stderr inherited).
 
     Plain subprocesses: the config reaches them over the handshake, never pickled.
     """
-    return [subprocess.Popen(engine_command(rank, handshake_address, num_threads=num_threads,
-                                            curve_keys=curve_keys, shutdown_timeout_s=shutdown_timeout_s),
-                             start_new_session=True)
-            for rank in range(start_rank, start_rank + num)]
+    return [
+        subprocess.Popen(
+            engine_command(
+                rank,
+                handshake_address,
+                num_threads=num_threads,
+                curve_keys=curve_keys,
+                shutdown_timeout_s=shutdown_timeout_s,
+            ),
+            start_new_session=True,
+        )
+        for rank in range(start_rank, start_rank + num)
+    ]
 
 
 @dataclass
@@ -67,8 +94,14 @@ class RestartBackoff:
 class LocalEngines:
     """Rank -> process of the engines started here, restarting them if asked."""
 
-    def __init__(self, processes: dict[int, subprocess.Popen], *, restart: bool = False,
-                 backoff: RestartBackoff | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        processes: dict[int, subprocess.Popen],
+        *,
+        restart: bool = False,
+        backoff: RestartBackoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.processes = dict(processes)
         self.restart = restart
         self.backoff = backoff or RestartBackoff()
@@ -127,8 +160,12 @@ class LocalEngines:
             self._ready_at[rank] = None
             self.num_restarts[rank] += 1
             del self._due[rank]
-            logger.info("Engine core rank %d restarted (pid %d, restart #%d).", rank,
-                        self.processes[rank].pid, self.num_restarts[rank])
+            logger.info(
+                "Engine core rank %d restarted (pid %d, restart #%d).",
+                rank,
+                self.processes[rank].pid,
+                self.num_restarts[rank],
+            )
         return ranks
 
     def stop(self, grace_s: float = STOP_GRACE_S, exit_wait_s: float = 0.0) -> None:

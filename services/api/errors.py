@@ -4,6 +4,7 @@ Routes raise ``APIError`` (or one of its helpers) for anything a client did
 wrong or anything the engines cannot serve now; the app turns it into JSON
 with the HTTP status as ``code``, the way vLLM does.
 """
+
 from __future__ import annotations
 
 from http import HTTPStatus
@@ -25,8 +26,9 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -72,8 +74,9 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     message = exc.detail if exc.status_code != 404 else f"Not found: {request.url.path}"
-    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(
+        error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers
+    )
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> Response:

@@ -13,6 +13,7 @@ field is listed here and behaves as listed, sending each ``example``.
 Anything not in the table is an unknown field: a 400 naming it, unless the
 server runs with ``--allow-unknown-fields`` (then a logged warning).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,9 +47,14 @@ def _x(example: Any, note: str = "") -> FieldRule:
     return FieldRule(NO_EFFECT, example, note)
 
 
-_WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 # Fields both endpoints take, with the same meaning.
 _SHARED: dict[str, FieldRule] = {
@@ -59,10 +65,12 @@ _SHARED: dict[str, FieldRule] = {
     "stop": _h(["\n\n"], "left out of the text unless include_stop_str_in_output; held back while streaming"),
     "seed": _h(7),
     "stream": _h(False),
-    "stream_options": FieldRule(HONOURED, {"include_usage": True, "continuous_usage_stats": True},
-                                "include_usage, continuous_usage_stats (usage on every chunk); "
-                                "400 without stream",
-                                needs=(("stream", True),)),
+    "stream_options": FieldRule(
+        HONOURED,
+        {"include_usage": True, "continuous_usage_stats": True},
+        "include_usage, continuous_usage_stats (usage on every chunk); 400 without stream",
+        needs=(("stream", True),),
+    ),
     "presence_penalty": _h(0.5),
     "frequency_penalty": _h(0.5),
     "logit_bias": _h({"42": 5.0}, "token id -> bias in [-100, 100]; ids checked against the vocabulary"),
@@ -112,12 +120,18 @@ CHAT: dict[str, FieldRule] = {
     "top_logprobs": FieldRule(HONOURED, 2, "needs logprobs: true", needs=(("logprobs", True),)),
     **_SHARED,
     "add_generation_prompt": _h(True),
-    "tools": FieldRule(HONOURED, [_WEATHER_TOOL], "tool_choice auto (the default with tools) needs "
-                       "--enable-auto-tool-choice", needs=(("tool_choice", "required"),)),
+    "tools": FieldRule(
+        HONOURED,
+        [_WEATHER_TOOL],
+        "tool_choice auto (the default with tools) needs --enable-auto-tool-choice",
+        needs=(("tool_choice", "required"),),
+    ),
     "tool_choice": _h("none"),
     "parallel_tool_calls": _h(True),
-    "chat_template": _h("{% for m in messages %}{{ m.content }}{% endfor %}",
-                        "only with --trust-request-chat-template; else a 400"),
+    "chat_template": _h(
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "only with --trust-request-chat-template; else a 400",
+    ),
     "chat_template_kwargs": _h({}),
     "continue_final_message": _h(False),
     "echo": _h(True, "vLLM's: the final message leads the reply when it is the reply's role"),

@@ -8,6 +8,7 @@ those still running end with a clear error (a 503 body, or an error event
 and ``[DONE]`` for streams). Only then does the app's lifespan stop the
 engine cores. A second SIGINT still forces an immediate exit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,15 @@ class GracefulServer(uvicorn.Server):
             await asyncio.gather(self._drain, return_exceptions=True)
 
 
-def serve(app: Starlette, *, host: str, port: int, shutdown_timeout_s: float, log_level: str = "info",
-          **uvicorn_options) -> None:
+def serve(
+    app: Starlette,
+    *,
+    host: str,
+    port: int,
+    shutdown_timeout_s: float,
+    log_level: str = "info",
+    **uvicorn_options,
+) -> None:
     """Run ``app`` until SIGTERM/SIGINT, then stop gracefully; returns normally.
     ``uvicorn_options``: more ``uvicorn.Config`` settings (connection limits)."""
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level, **uvicorn_options)

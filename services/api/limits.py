@@ -6,6 +6,7 @@ parse, a thousand choices, a prompt or output past any use, a million stop
 strings, a body trickled in a byte a minute -- into a 400 (413 for the
 body, 408 for the slow one) before any work is done.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,18 @@ class ServingLimits:
     """Most chat messages in one request (checked before the chat template runs)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens", "max_prompts",
-                     "max_prompt_chars", "max_stop", "max_stop_bytes", "max_stop_token_ids", "max_messages"):
+        for name in (
+            "max_body_bytes",
+            "max_n",
+            "max_tokens",
+            "max_prompt_tokens",
+            "max_prompts",
+            "max_prompt_chars",
+            "max_stop",
+            "max_stop_bytes",
+            "max_stop_token_ids",
+            "max_messages",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
@@ -84,13 +95,19 @@ class ServingLimits:
 
     def check_prompt_count(self, count: int, param: str = "prompt") -> None:
         if count > self.max_prompts:
-            raise bad_request(f"The request has {count} prompts; this server takes at most "
-                              f"{self.max_prompts} (--max-prompts).", param)
+            raise bad_request(
+                f"The request has {count} prompts; this server takes at most "
+                f"{self.max_prompts} (--max-prompts).",
+                param,
+            )
 
     def check_message_count(self, count: int) -> None:
         if count > self.max_messages:
-            raise bad_request(f"The request has {count} messages; this server takes at most "
-                              f"{self.max_messages} (--max-messages).", "messages")
+            raise bad_request(
+                f"The request has {count} messages; this server takes at most "
+                f"{self.max_messages} (--max-messages).",
+                "messages",
+            )
 
     def check_text_size(self, texts: Iterable[str], param: str) -> None:
         """400 once the texts together pass ``max_prompt_chars`` (stops counting there)."""
@@ -98,21 +115,32 @@ class ServingLimits:
         for text in texts:
             total += len(text)
             if total > self.max_prompt_chars:
-                raise bad_request(f"The {param} text is longer than this server takes "
-                                  f"({self.max_prompt_chars} characters, --max-prompt-chars).", param)
+                raise bad_request(
+                    f"The {param} text is longer than this server takes "
+                    f"({self.max_prompt_chars} characters, --max-prompt-chars).",
+                    param,
+                )
 
     def check_stop_lists(self, stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > self.max_stop:
-            raise bad_request(f"stop holds {len(stops)} strings; this server takes at most "
-                              f"{self.max_stop} (--max-stop).", "stop")
+            raise bad_request(
+                f"stop holds {len(stops)} strings; this server takes at most {self.max_stop} (--max-stop).",
+                "stop",
+            )
         size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
         if size > self.max_stop_bytes:
-            raise bad_request(f"The stop strings are {size} bytes together; this server takes at most "
-                              f"{self.max_stop_bytes} (--max-stop-bytes).", "stop")
+            raise bad_request(
+                f"The stop strings are {size} bytes together; this server takes at most "
+                f"{self.max_stop_bytes} (--max-stop-bytes).",
+                "stop",
+            )
         if stop_token_ids is not None and len(stop_token_ids) > self.max_stop_token_ids:
-            raise bad_request(f"stop_token_ids holds {len(stop_token_ids)} ids; this server takes at most "
-                              f"{self.max_stop_token_ids} (--max-stop-token-ids).", "stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids holds {len(stop_token_ids)} ids; this server takes at most "
+                f"{self.max_stop_token_ids} (--max-stop-token-ids).",
+                "stop_token_ids",
+            )
 
 
 def check_depth(value: object, param: str, limit: int = MAX_JSON_DEPTH) -> None:
@@ -167,14 +195,18 @@ class BodySizeLimitMiddleware:
                 if seen > self.max_bytes:
                     raise _BodyTooLarge(self.max_bytes)  # the app's error handler answers 413
             return message
+
         return counted
 
 
 class _BodyTooSlow(APIError):
     def __init__(self, timeout_s: float) -> None:
         # Connection: close, so the server drops the rest of the body rather than wait for it.
-        super().__init__(f"The request body did not arrive within {timeout_s:g} seconds.", 408,
-                         headers={"Connection": "close"})
+        super().__init__(
+            f"The request body did not arrive within {timeout_s:g} seconds.",
+            408,
+            headers={"Connection": "close"},
+        )
 
 
 class BodyDeadlineMiddleware:
@@ -206,4 +238,5 @@ class BodyDeadlineMiddleware:
                 raise _BodyTooSlow(self.timeout_s) from None
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
+
         return receive_in_time

@@ -14,6 +14,7 @@
 The POST routes change serving for every user: with ``--api-key`` they need
 the key (``MANAGEMENT_PATHS``); the GET ones stay open, like /health.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,8 +39,10 @@ def _query(request: Request, allowed: dict[str, str]) -> dict[str, str]:
     params = request.query_params
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise bad_request(f"Unknown query parameter(s) {', '.join(unknown)}; allowed: "
-                          f"{', '.join(sorted(allowed))}.", unknown[0])
+        raise bad_request(
+            f"Unknown query parameter(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}.",
+            unknown[0],
+        )
     for name in params:
         if len(params.getlist(name)) > 1:
             raise bad_request(f"Query parameter `{name}` is given more than once.", name)
@@ -56,8 +59,9 @@ def _pause_mode(mode: str, wait_for_inflight: str) -> PauseMode:
     """``mode``, or vLLM's earlier ``wait_for_inflight_requests`` (true: wait,
     false: abort); by default abort, as vLLM."""
     if mode and wait_for_inflight:
-        raise bad_request("Give `mode` or `wait_for_inflight_requests`, not both.",
-                          "wait_for_inflight_requests")
+        raise bad_request(
+            "Give `mode` or `wait_for_inflight_requests`, not both.", "wait_for_inflight_requests"
+        )
     if wait_for_inflight:
         wait = _choice(wait_for_inflight, "wait_for_inflight_requests", _BOOLS)
         return PauseMode.WAIT if wait else PauseMode.ABORT
@@ -77,8 +81,9 @@ async def _engines(call):
 
 
 class ManagementRoutes:
-    def __init__(self, client: PausableEngineClient, admission: Admission,
-                 model_card: Callable[[str], dict | None]) -> None:
+    def __init__(
+        self, client: PausableEngineClient, admission: Admission, model_card: Callable[[str], dict | None]
+    ) -> None:
         self.client = client
         self.admission = admission
         self.model_card = model_card
@@ -92,8 +97,9 @@ class ManagementRoutes:
         mode = _pause_mode(query["mode"], query["wait_for_inflight_requests"])
         clear_cache = _choice(query["clear_cache"], "clear_cache", _BOOLS)
         cleared = await _engines(self.client.pause(mode, clear_cache))
-        return JSONResponse({"is_paused": self.client.is_paused, "mode": mode.value,
-                             "cache_cleared": cleared})
+        return JSONResponse(
+            {"is_paused": self.client.is_paused, "mode": mode.value, "cache_cleared": cleared}
+        )
 
     async def resume(self, request: Request) -> Response:
         _query(request, {})
@@ -109,8 +115,11 @@ class ManagementRoutes:
         results = await _engines(self.client.call_utility(UtilityMethod.RESET_PREFIX_CACHE))
         refused = sorted(rank for rank, ok in results.items() if not ok)
         if refused:
-            raise APIError(f"The prefix cache of rank(s) {refused} was not reset: their KV blocks are in use "
-                           f"by requests. Retry when idle, or POST /pause?mode=wait first.", 409)
+            raise APIError(
+                f"The prefix cache of rank(s) {refused} was not reset: their KV blocks are in use "
+                f"by requests. Retry when idle, or POST /pause?mode=wait first.",
+                409,
+            )
         return JSONResponse({"reset": True, "ranks": sorted(results)})
 
     async def model(self, request: Request) -> Response:

@@ -14,6 +14,7 @@ its ``SchedulerStats`` field, whose running total the API keeps by itself:
 ``protocol.engine.SCHEDULER_STATS_DELTAS``). ``services.api.reliability_metrics``
 declares the API's defences the same way.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -51,12 +52,74 @@ prometheus_client.disable_created_metrics()
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("model_name", "engine")  # vLLM's labels on every family
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 # Token-count histograms use 1-2-5 buckets up to max_model_len (vLLM's
 # build_1_2_5_buckets); this marks them in the tables.
@@ -84,7 +147,7 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
     bounds = []
     for exponent in itertools.count():
         for mantissa in (1, 2, 5):
-            value = mantissa * 10 ** exponent
+            value = mantissa * 10**exponent
             if value > max_value:
                 return tuple(bounds)
             bounds.append(value)
@@ -106,79 +169,178 @@ def _structured(stats: RankStats) -> StructuredOutputStats:
 # a list (one sample per index of the one extra label), or, for histograms,
 # (per-bucket counts, sum).
 RANK_FAMILIES: tuple[tuple[Family, Callable[[RankStats], object]], ...] = (
-    (Family("vllm:num_requests_running", "gauge", "Requests running on the engine."),
-     lambda s: s.num_running),
-    (Family("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-     lambda s: s.num_waiting),
-    (Family("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 0 to 1."),
-     lambda s: s.kv_cache_usage),
-    (Family("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
-     lambda s: s.totals.prefix_cache_queries),
-    (Family("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
-     lambda s: s.totals.prefix_cache_hits),
-    (Family("vllm:num_preemptions", "counter", "Requests preempted by the scheduler."),
-     lambda s: s.totals.num_preemptions),
-    (Family("vllm:external_prefix_cache_queries", "counter", "Prompt tokens a KV connector offered to load."),
-     lambda s: s.totals.external_prefix_cache_queries),
-    (Family("vllm:external_prefix_cache_hits", "counter",
-            "Prompt tokens loaded by a KV connector instead of computed."),
-     lambda s: s.totals.external_prefix_cache_hits),
-    (Family("vllm:spec_decode_num_drafts", "counter", "Request steps that verified draft tokens."),
-     lambda s: s.totals.spec_decode_num_drafts),
-    (Family("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),
-     lambda s: s.totals.spec_decode_num_draft_tokens),
-    (Family("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
-     lambda s: s.totals.spec_decode_num_accepted_tokens),
-    (Family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+    (
+        Family("vllm:num_requests_running", "gauge", "Requests running on the engine."),
+        lambda s: s.num_running,
+    ),
+    (
+        Family("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+        lambda s: s.num_waiting,
+    ),
+    (Family("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 0 to 1."), lambda s: s.kv_cache_usage),
+    (
+        Family("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+        lambda s: s.totals.prefix_cache_queries,
+    ),
+    (
+        Family("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache."),
+        lambda s: s.totals.prefix_cache_hits,
+    ),
+    (
+        Family("vllm:num_preemptions", "counter", "Requests preempted by the scheduler."),
+        lambda s: s.totals.num_preemptions,
+    ),
+    (
+        Family(
+            "vllm:external_prefix_cache_queries", "counter", "Prompt tokens a KV connector offered to load."
+        ),
+        lambda s: s.totals.external_prefix_cache_queries,
+    ),
+    (
+        Family(
+            "vllm:external_prefix_cache_hits",
+            "counter",
+            "Prompt tokens loaded by a KV connector instead of computed.",
+        ),
+        lambda s: s.totals.external_prefix_cache_hits,
+    ),
+    (
+        Family("vllm:spec_decode_num_drafts", "counter", "Request steps that verified draft tokens."),
+        lambda s: s.totals.spec_decode_num_drafts,
+    ),
+    (
+        Family("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),
+        lambda s: s.totals.spec_decode_num_draft_tokens,
+    ),
+    (
+        Family("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
+        lambda s: s.totals.spec_decode_num_accepted_tokens,
+    ),
+    (
+        Family(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "counter",
             "Draft tokens accepted, by draft position.",
-            extra_labels=("position",)),
-     lambda s: s.totals.spec_decode_num_accepted_tokens_per_pos),
-    (Family("vllm:iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
-            buckets=ITERATION_TOKENS_BUCKETS),
-     lambda s: (s.totals.iteration_tokens_counts, s.totals.iteration_tokens_sum)),
-    (Family("weft:structured_output_requests", "counter", "Requests with a structured-output constraint."),
-     lambda s: _structured(s).num_requests),
-    (Family("weft:structured_output_compile_seconds", "histogram", "Time to compile a request's grammar.",
-            buckets=COMPILE_TIME_BUCKETS),
-     lambda s: (_structured(s).compile_counts, _structured(s).compile_seconds)),
-    (Family("weft:engine_dropped_frames", "counter",
-            "Malformed input frames an engine core dropped (since it started)."),
-     lambda s: s.num_dropped_frames),
+            extra_labels=("position",),
+        ),
+        lambda s: s.totals.spec_decode_num_accepted_tokens_per_pos,
+    ),
+    (
+        Family(
+            "vllm:iteration_tokens_total",
+            "histogram",
+            "Histogram of number of tokens per engine_step.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        ),
+        lambda s: (s.totals.iteration_tokens_counts, s.totals.iteration_tokens_sum),
+    ),
+    (
+        Family("weft:structured_output_requests", "counter", "Requests with a structured-output constraint."),
+        lambda s: _structured(s).num_requests,
+    ),
+    (
+        Family(
+            "weft:structured_output_compile_seconds",
+            "histogram",
+            "Time to compile a request's grammar.",
+            buckets=COMPILE_TIME_BUCKETS,
+        ),
+        lambda s: (_structured(s).compile_counts, _structured(s).compile_seconds),
+    ),
+    (
+        Family(
+            "weft:engine_dropped_frames",
+            "counter",
+            "Malformed input frames an engine core dropped (since it started).",
+        ),
+        lambda s: s.num_dropped_frames,
+    ),
 )
 
 # Observed by RequestMetrics, labelled by the engine that served the request.
 REQUEST_FAMILIES: tuple[Family, ...] = (
     Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
     Family("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
-    Family("vllm:request_success", "counter", "Count of successfully processed requests.",
-           extra_labels=("finished_reason",)),
-    Family("vllm:request_prompt_tokens", "histogram", "Number of prefill tokens processed.",
-           buckets=MODEL_LEN_BUCKETS),
-    Family("vllm:request_generation_tokens", "histogram", "Number of generation tokens processed.",
-           buckets=MODEL_LEN_BUCKETS),
+    Family(
+        "vllm:request_success",
+        "counter",
+        "Count of successfully processed requests.",
+        extra_labels=("finished_reason",),
+    ),
+    Family(
+        "vllm:request_prompt_tokens",
+        "histogram",
+        "Number of prefill tokens processed.",
+        buckets=MODEL_LEN_BUCKETS,
+    ),
+    Family(
+        "vllm:request_generation_tokens",
+        "histogram",
+        "Number of generation tokens processed.",
+        buckets=MODEL_LEN_BUCKETS,
+    ),
     Family("vllm:request_params_n", "histogram", "Histogram of the n request parameter.", buckets=_N_BUCKETS),
-    Family("vllm:request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
-           buckets=MODEL_LEN_BUCKETS),
-    Family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
-           buckets=_TTFT_BUCKETS),
-    Family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
-           buckets=_ITL_BUCKETS),
+    Family(
+        "vllm:request_params_max_tokens",
+        "histogram",
+        "Histogram of the max_tokens request parameter.",
+        buckets=MODEL_LEN_BUCKETS,
+    ),
+    Family(
+        "vllm:time_to_first_token_seconds",
+        "histogram",
+        "Histogram of time to first token in seconds.",
+        buckets=_TTFT_BUCKETS,
+    ),
+    Family(
+        "vllm:inter_token_latency_seconds",
+        "histogram",
+        "Histogram of inter-token latency in seconds.",
+        buckets=_ITL_BUCKETS,
+    ),
     # vLLM's earlier name of the inter-token latency, which dashboards still query.
-    Family("vllm:time_per_output_token_seconds", "histogram",
-           "Histogram of time per output token in seconds (the inter-token latency's earlier name).",
-           buckets=_ITL_BUCKETS),
-    Family("vllm:request_time_per_output_token_seconds", "histogram",
-           "Histogram of time_per_output_token_seconds per request.", buckets=_ITL_BUCKETS),
-    Family("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-           buckets=_LATENCY_BUCKETS),
-    Family("vllm:request_queue_time_seconds", "histogram",
-           "Histogram of time spent in WAITING phase for request.", buckets=_LATENCY_BUCKETS),
-    Family("vllm:request_inference_time_seconds", "histogram",
-           "Histogram of time spent in RUNNING phase for request.", buckets=_LATENCY_BUCKETS),
-    Family("vllm:request_prefill_time_seconds", "histogram",
-           "Histogram of time spent in PREFILL phase for request.", buckets=_LATENCY_BUCKETS),
-    Family("vllm:request_decode_time_seconds", "histogram",
-           "Histogram of time spent in DECODE phase for request.", buckets=_LATENCY_BUCKETS),
+    Family(
+        "vllm:time_per_output_token_seconds",
+        "histogram",
+        "Histogram of time per output token in seconds (the inter-token latency's earlier name).",
+        buckets=_ITL_BUCKETS,
+    ),
+    Family(
+        "vllm:request_time_per_output_token_seconds",
+        "histogram",
+        "Histogram of time_per_output_token_seconds per request.",
+        buckets=_ITL_BUCKETS,
+    ),
+    Family(
+        "vllm:e2e_request_latency_seconds",
+        "histogram",
+        "Histogram of e2e request latency in seconds.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "vllm:request_queue_time_seconds",
+        "histogram",
+        "Histogram of time spent in WAITING phase for request.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "vllm:request_inference_time_seconds",
+        "histogram",
+        "Histogram of time spent in RUNNING phase for request.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "vllm:request_prefill_time_seconds",
+        "histogram",
+        "Histogram of time spent in PREFILL phase for request.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "vllm:request_decode_time_seconds",
+        "histogram",
+        "Histogram of time spent in DECODE phase for request.",
+        buckets=_LATENCY_BUCKETS,
+    ),
 )
 
 CACHE_CONFIG_INFO = Family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
@@ -186,8 +348,9 @@ CACHE_CONFIG_INFO = Family("vllm:cache_config_info", "gauge", "Information of th
 
 def metric_family(family: Family, labels: list[str]) -> Metric:
     """An empty scrape-time family for a table row."""
-    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
-           "histogram": HistogramMetricFamily}[family.kind]
+    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[
+        family.kind
+    ]
     return cls(family.name, family.doc, labels=labels)
 
 
@@ -206,8 +369,9 @@ def add_sample(metric: Metric, family: Family, label_values: list[str], value, m
 class _RankCollector(Collector):
     """Reads each rank's stats when Prometheus scrapes."""
 
-    def __init__(self, rank_stats: Callable[[], dict[int, RankStats]], model_name: str,
-                 config: EngineConfig | None) -> None:
+    def __init__(
+        self, rank_stats: Callable[[], dict[int, RankStats]], model_name: str, config: EngineConfig | None
+    ) -> None:
         self._rank_stats = rank_stats
         self._model_name = model_name
         self._config = config
@@ -224,8 +388,12 @@ class _RankCollector(Collector):
 
     def _cache_config_info(self, ranks: list[tuple[int, RankStats]]) -> Metric:
         """An info gauge (always 1) whose labels are the cache config, per rank (vLLM's way)."""
-        cache = {name: str(value) for name, value in
-                 ((f, getattr(self._config.cache, f)) for f in self._config.cache.__struct_fields__)}
+        cache = {
+            name: str(value)
+            for name, value in (
+                (f, getattr(self._config.cache, f)) for f in self._config.cache.__struct_fields__
+            )
+        }
         labels = [*sorted(cache), "num_gpu_blocks", "engine"]
         metric = metric_family(CACHE_CONFIG_INFO, labels)
         for rank, stats in ranks:
@@ -234,8 +402,12 @@ class _RankCollector(Collector):
 
 
 class APIMetrics:
-    def __init__(self, rank_stats: Callable[[], dict[int, RankStats]], model_name: str,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        rank_stats: Callable[[], dict[int, RankStats]],
+        model_name: str,
+        config: EngineConfig | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.max_model_len = config.model.max_model_len if config is not None else 65536
@@ -245,8 +417,13 @@ class APIMetrics:
     def _register(self, family: Family) -> Counter | Gauge | Histogram:
         labels = [*LABELS, *family.extra_labels]
         if family.kind == "histogram":
-            return Histogram(family.name, family.doc, labels, registry=self.registry,
-                             buckets=family.bucket_bounds(self.max_model_len))
+            return Histogram(
+                family.name,
+                family.doc,
+                labels,
+                registry=self.registry,
+                buckets=family.bucket_bounds(self.max_model_len),
+            )
         cls = Counter if family.kind == "counter" else Gauge
         return cls(family.name, family.doc, labels, registry=self.registry)
 
@@ -259,8 +436,9 @@ class APIMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def request(self, num_prompt_tokens: int, arrival_time: float,
-                params: SamplingParams | None = None) -> RequestMetrics:
+    def request(
+        self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams | None = None
+    ) -> RequestMetrics:
         """``params``: the request's own parameters (``n``, ``max_tokens``), given
         to exactly one of its engine requests, which observes them once."""
         return RequestMetrics(self, num_prompt_tokens, arrival_time, params)
@@ -270,8 +448,13 @@ class RequestMetrics:
     """Observes one engine request's outputs. API times are ``time.monotonic()``;
     engine times (events, output timestamps) are only compared with each other."""
 
-    def __init__(self, metrics: APIMetrics, num_prompt_tokens: int, arrival_time: float,
-                 params: SamplingParams | None = None) -> None:
+    def __init__(
+        self,
+        metrics: APIMetrics,
+        num_prompt_tokens: int,
+        arrival_time: float,
+        params: SamplingParams | None = None,
+    ) -> None:
         self._m = metrics
         self._num_prompt_tokens = num_prompt_tokens
         self._arrival = arrival_time
@@ -334,8 +517,12 @@ class RequestMetrics:
         for event in output.events or ():
             if event.type == EngineCoreEventType.QUEUED and self._queued is None:
                 self._queued = event.timestamp
-            elif event.type == EngineCoreEventType.SCHEDULED and self._queued is not None \
-                    and self._scheduled is None:
+            elif (
+                event.type == EngineCoreEventType.SCHEDULED
+                and self._queued is not None
+                and self._scheduled is None
+            ):
                 self._scheduled = event.timestamp
-                self._m.observe("vllm:request_queue_time_seconds", max(0.0, event.timestamp - self._queued),
-                                self._engine)
+                self._m.observe(
+                    "vllm:request_queue_time_seconds", max(0.0, event.timestamp - self._queued), self._engine
+                )

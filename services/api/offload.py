@@ -7,6 +7,7 @@ small thread pool instead, as vLLM's API server does with its tokenizer:
 HF ``tokenizers`` releases the GIL while it works, and Python work (jinja)
 is at least preempted every switch interval, so the loop keeps turning.
 """
+
 from __future__ import annotations
 
 import asyncio

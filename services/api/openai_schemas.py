@@ -8,6 +8,7 @@ silently dropped. ``services.api.field_table`` says what each field does.
 Every integer carries bounds, since JSON integers are unbounded and an
 out-of-range one must be a 400 here, never an overflow deeper down.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar

@@ -4,6 +4,7 @@ Torch-free and shared by the API process and the offline ``LLM``: it owns
 the incremental detokenizer, the stop strings, the accumulated tokens and
 logprobs of one (child) request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,10 +43,16 @@ class RequestState:
     eos_token_id: int | None = None
 
     @classmethod
-    def create(cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer,
-               eos_token_id: int | None = None) -> RequestState:
-        state = cls(request_id, params, IncrementalDetokenizer(tokenizer, params), tokenizer,
-                    eos_token_id=eos_token_id)
+    def create(
+        cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer, eos_token_id: int | None = None
+    ) -> RequestState:
+        state = cls(
+            request_id,
+            params,
+            IncrementalDetokenizer(tokenizer, params),
+            tokenizer,
+            eos_token_id=eos_token_id,
+        )
         if params.logprobs is not None:
             state.logprobs = []
         if params.prompt_logprobs is not None:

@@ -14,6 +14,7 @@ pause's ``mode``:
 Then, with ``clear_cache``, every rank's prefix cache is reset (refused,
 and reported, while a kept request holds blocks).
 """
+
 from __future__ import annotations
 
 import asyncio

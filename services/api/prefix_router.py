@@ -25,6 +25,7 @@ load-only balancer counts it:
 Knobs: ``--dp-routing prefix|load`` and ``--dp-prefix-max-imbalance``.
 Torch-free: nothing here may import torch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,8 +104,12 @@ class RankCacheView:
         return count
 
 
-def choose_rank(loads: Mapping[int, int], hits: Mapping[int, int], session_key: str | None = None,
-                max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> int:
+def choose_rank(
+    loads: Mapping[int, int],
+    hits: Mapping[int, int],
+    session_key: str | None = None,
+    max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+) -> int:
     """The rule in the module docstring; ``loads`` holds the ready ranks, ``hits`` their hit blocks."""
     if not loads:
         raise ValueError("no rank to choose from")
@@ -126,16 +131,23 @@ def session_key_of(header: str | None, user: str | None) -> str | None:
     """The request's session key: ``x-session-id`` first, then ``user``; ValueError when too long."""
     key = header if header else user
     if key is not None and len(key) > MAX_SESSION_KEY_CHARS:
-        raise ValueError(f"the session key (x-session-id or user) is longer than {MAX_SESSION_KEY_CHARS} "
-                         "characters.")
+        raise ValueError(
+            f"the session key (x-session-id or user) is longer than {MAX_SESSION_KEY_CHARS} characters."
+        )
     return key or None
 
 
 class RankSubscriber:
     """One rank's events into its view: a SUB socket, and the replay socket for gaps."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, config: KVEventsConfig, rank: int, view: RankCacheView,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        config: KVEventsConfig,
+        rank: int,
+        view: RankCacheView,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.rank = rank
         self.view = view
         self.next_seq = 0
@@ -144,8 +156,11 @@ class RankSubscriber:
         self._ctx = ctx
         self._topic = config.topic.encode()
         self._address = connect_address(endpoint_for_rank(config.endpoint, rank), host)
-        self._replay_address = None if config.replay_endpoint is None else \
-            connect_address(endpoint_for_rank(config.replay_endpoint, rank), host)
+        self._replay_address = (
+            None
+            if config.replay_endpoint is None
+            else connect_address(endpoint_for_rank(config.replay_endpoint, rank), host)
+        )
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
     async def run(self) -> None:
@@ -217,11 +232,19 @@ class RankSubscriber:
 class PrefixRouter:
     """Per-rank views kept current by subscribers; ``pick`` applies ``choose_rank``."""
 
-    def __init__(self, config: EngineConfig, *, max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-                 max_hashes: int = DEFAULT_MAX_HASHES, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+        max_hashes: int = DEFAULT_MAX_HASHES,
+        host: str = "127.0.0.1",
+    ) -> None:
         if config.kv_events is None or not config.kv_events.publishes:
-            raise ValueError("--dp-routing prefix needs KV cache events: --kv-events-config "
-                             "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", ...}'.")
+            raise ValueError(
+                "--dp-routing prefix needs KV cache events: --kv-events-config "
+                '\'{"enable_kv_cache_events": true, "publisher": "zmq", ...}\'.'
+            )
         if max_imbalance < 0:
             raise ValueError(f"--dp-prefix-max-imbalance must be non-negative, got {max_imbalance}.")
         self.events_config = config.kv_events
@@ -243,7 +266,9 @@ class PrefixRouter:
         if self._ctx is None:
             return
         view = self.views[rank] = RankCacheView(self.max_hashes)
-        subscriber = self.subscribers[rank] = RankSubscriber(self._ctx, self.events_config, rank, view, self.host)
+        subscriber = self.subscribers[rank] = RankSubscriber(
+            self._ctx, self.events_config, rank, view, self.host
+        )
         task = asyncio.get_running_loop().create_task(subscriber.run(), name=f"kv-events-{rank}")
         task.add_done_callback(_log_failure)
         self._tasks[rank] = task
@@ -263,8 +288,12 @@ class PrefixRouter:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def pick(self, request: EngineCoreRequest, loads: Mapping[int, int]) -> int:
-        hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt,
-                                     max_blocks=(len(request.prompt_token_ids) - 1) // self.block_size)
+        hashes = prompt_block_hashes(
+            request.prompt_token_ids,
+            self.block_size,
+            request.cache_salt,
+            max_blocks=(len(request.prompt_token_ids) - 1) // self.block_size,
+        )
         hits = {rank: view.hit_blocks(hashes) for rank, view in self.views.items() if rank in loads}
         return choose_rank(loads, hits, request.session_key, self.max_imbalance)
 

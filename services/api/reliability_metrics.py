@@ -5,6 +5,7 @@ time from the engine client and the admission control, so nothing has to
 keep them in sync. (The frames an engine dropped are a rank stat: they are
 a row of ``RANK_FAMILIES``.)
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
@@ -20,16 +21,32 @@ from services.api.metrics import Family, add_sample, metric_family
 Reader = Callable[[EngineClient, Admission], Iterable[tuple[tuple[str, ...], float]]]
 
 RELIABILITY_FAMILIES: tuple[tuple[Family, Reader], ...] = (
-    (Family("weft:api_dropped_frames", "counter", "Malformed frames the API dropped, by socket.",
-            extra_labels=("socket",)),
-     lambda client, _: (((name,), count) for name, count in sorted(client.dropped_frames().items()))),
-    (Family("weft:requests_rejected", "counter", "Requests refused with 503, by reason.",
-            extra_labels=("reason",)),
-     lambda _, admission: (((reason,), count) for reason, count in sorted(admission.num_rejected.items()))),
-    (Family("weft:admitted_sequences", "gauge", "Engine requests admitted and not yet ended."),
-     lambda _, admission: [((), admission.in_use)]),
-    (Family("weft:admission_capacity", "gauge", "Engine requests the ready ranks may hold."),
-     lambda _, admission: [((), admission.capacity())]),
+    (
+        Family(
+            "weft:api_dropped_frames",
+            "counter",
+            "Malformed frames the API dropped, by socket.",
+            extra_labels=("socket",),
+        ),
+        lambda client, _: (((name,), count) for name, count in sorted(client.dropped_frames().items())),
+    ),
+    (
+        Family(
+            "weft:requests_rejected",
+            "counter",
+            "Requests refused with 503, by reason.",
+            extra_labels=("reason",),
+        ),
+        lambda _, admission: (((reason,), count) for reason, count in sorted(admission.num_rejected.items())),
+    ),
+    (
+        Family("weft:admitted_sequences", "gauge", "Engine requests admitted and not yet ended."),
+        lambda _, admission: [((), admission.in_use)],
+    ),
+    (
+        Family("weft:admission_capacity", "gauge", "Engine requests the ready ranks may hold."),
+        lambda _, admission: [((), admission.capacity())],
+    ),
 )
 
 

@@ -7,6 +7,7 @@ text fragment by fragment. Nothing shown is taken back; only a reply cut
 short by ``max_tokens`` ends inside a call, whose arguments are then cut
 too (the whole reply shows such a call as content instead).
 """
+
 from __future__ import annotations
 
 import json
@@ -112,7 +113,7 @@ class RequiredCallsStream:
             start = _skip(self.pending, 0, _WHITESPACE)
             if not self.pending.startswith("[", start):
                 return False
-            self.opened, self.pending = True, self.pending[start + 1:]
+            self.opened, self.pending = True, self.pending[start + 1 :]
         if self.arguments is not None:
             return self._stream_arguments(pieces)
         start = _skip(self.pending, 0, _BETWEEN)
@@ -123,7 +124,7 @@ class RequiredCallsStream:
         name = json.loads(head.group(1)) if head is not None else None
         if name in self.parser.tool_names:
             pieces.append((self.num_calls, name, ""))
-            self.pending, self.arguments = self.pending[head.end():], _ObjectEnd()
+            self.pending, self.arguments = self.pending[head.end() :], _ObjectEnd()
             return True
         return self._whole_call(start, pieces)
 
@@ -146,7 +147,7 @@ class RequiredCallsStream:
         if not isinstance(call, ParsedCall):
             return False
         pieces += [(self.num_calls, call.name, ""), (self.num_calls, None, call.arguments)]
-        self.pending, self.num_calls = self.pending[decoded[1]:], self.num_calls + 1
+        self.pending, self.num_calls = self.pending[decoded[1] :], self.num_calls + 1
         return True
 
 

@@ -7,6 +7,7 @@ Starlette app on uvicorn + uvloop until SIGTERM/SIGINT, then drains
 ``engine-core --headless`` and connect to
 ``--data-parallel-address``:``--data-parallel-rpc-port``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,96 +48,198 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft serve", description="Serve the OpenAI-compatible API.")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize; "
-                             "repeat to accept several keys "
-                             "(default: $WEFT_API_KEY, comma-separated). A key here shows in `ps`: "
-                             "prefer --api-key-file or the environment variable.")
-    parser.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="Read the API keys from this file, one per line (#-comments allowed).")
-    parser.add_argument("--api-key-protects-tokenize", action=argparse.BooleanOptionalAction, default=True,
-                        help="With an API key, require it on /tokenize and /detokenize too.")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize; "
+        "repeat to accept several keys "
+        "(default: $WEFT_API_KEY, comma-separated). A key here shows in `ps`: "
+        "prefer --api-key-file or the environment variable.",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="Read the API keys from this file, one per line (#-comments allowed).",
+    )
+    parser.add_argument(
+        "--api-key-protects-tokenize",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With an API key, require it on /tokenize and /detokenize too.",
+    )
     _add_hardening_args(parser)
     add_chat_args(parser)
     add_api_option_args(parser)
-    parser.add_argument("--data-parallel-size-local", type=int, default=None,
-                        help="Engine cores to start on this node (default: all ranks).")
-    parser.add_argument("--data-parallel-start-rank", type=int, default=0,
-                        help="Rank of the first local engine core.")
-    parser.add_argument("--data-parallel-address", default="127.0.0.1",
-                        help="Address remote engine cores connect to.")
-    parser.add_argument("--data-parallel-rpc-port", type=int, default=29550,
-                        help="Handshake port for remote engine cores (0: any free port).")
+    parser.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="Engine cores to start on this node (default: all ranks).",
+    )
+    parser.add_argument(
+        "--data-parallel-start-rank", type=int, default=0, help="Rank of the first local engine core."
+    )
+    parser.add_argument(
+        "--data-parallel-address", default="127.0.0.1", help="Address remote engine cores connect to."
+    )
+    parser.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=29550,
+        help="Handshake port for remote engine cores (0: any free port).",
+    )
     _add_routing_args(parser)
-    parser.add_argument("--data-parallel-input-port", type=int, default=None,
-                        help="Port of the request socket remote engine cores connect to "
-                             "(default: the rpc port + 1; 0: any free port).")
-    parser.add_argument("--data-parallel-output-port", type=int, default=None,
-                        help="Port of the output socket remote engine cores connect to "
-                             "(default: the rpc port + 2; 0: any free port).")
+    parser.add_argument(
+        "--data-parallel-input-port",
+        type=int,
+        default=None,
+        help="Port of the request socket remote engine cores connect to "
+        "(default: the rpc port + 1; 0: any free port).",
+    )
+    parser.add_argument(
+        "--data-parallel-output-port",
+        type=int,
+        default=None,
+        help="Port of the output socket remote engine cores connect to "
+        "(default: the rpc port + 2; 0: any free port).",
+    )
     add_engine_args(parser)
     return parser
 
 
 def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("reliability and security")
-    group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="Engine requests that may wait per ready engine core beyond the max-num-seqs it runs; "
-                            "more get 503 with Retry-After (default: 2 x max-num-seqs).")
-    group.add_argument("--request-timeout", type=float, default=None,
-                       help="Abort a request still running after this many seconds (504; default: none).")
-    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                       help="On SIGTERM, seconds in-flight requests may run before they are ended with an error.")
-    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="Largest request body accepted (413 beyond).")
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="Engine requests that may wait per ready engine core beyond the max-num-seqs it runs; "
+        "more get 503 with Retry-After (default: 2 x max-num-seqs).",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Abort a request still running after this many seconds (504; default: none).",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="On SIGTERM, seconds in-flight requests may run before they are ended with an error.",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="Largest request body accepted (413 beyond).",
+    )
     group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="Most choices (n) per request.")
-    group.add_argument("--max-tokens-limit", type=int, default=None,
-                       help="Largest max_tokens a request may ask for (default: up to max-model-len).")
-    group.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="Longest prompt in tokens (default: max-model-len - 1).")
-    group.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                       help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
-                            "keys `weft keys --dir DIR` made (give engine-core the same folder).")
+    group.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="Largest max_tokens a request may ask for (default: up to max-model-len).",
+    )
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="Longest prompt in tokens (default: max-model-len - 1).",
+    )
+    group.add_argument(
+        "--zmq-curve-keys",
+        default=None,
+        metavar="DIR",
+        help="Authenticate and encrypt the links to the engine cores with CurveZMQ, using the "
+        "keys `weft keys --dir DIR` made (give engine-core the same folder).",
+    )
     add_kv_transfer_secret_arg(group)
-    group.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
-                       help="Restart a local engine core that dies (with back-off).")
+    group.add_argument(
+        "--restart-engines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Restart a local engine core that dies (with back-off).",
+    )
     _add_request_size_args(group)
 
 
 def _add_request_size_args(group) -> None:
-    group.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS,
-                       help="Most prompts in one completions request (400 beyond, before tokenizing).")
-    group.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
-                       help="Most characters of prompt or message text per request (400, before tokenizing).")
-    group.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
-                       help="Most chat messages per request (400 beyond, before the chat template runs).")
-    group.add_argument("--max-stop", type=int, default=DEFAULT_MAX_STOP,
-                       help="Most stop strings per request.")
-    group.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
-                       help="Most UTF-8 bytes of all stop strings of a request together.")
-    group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
-                       help="Most stop_token_ids per request.")
-    group.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                       help="Seconds a request's headers, then its body, may take to arrive "
-                            "(beyond: the connection is closed; 408 for a body).")
-    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                       help="Most connections and tasks served at once; more get 503 at once (uvicorn's "
-                            "limit_concurrency).")
-    group.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S,
-                       help="Seconds an idle keep-alive connection stays open.")
+    group.add_argument(
+        "--max-prompts",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS,
+        help="Most prompts in one completions request (400 beyond, before tokenizing).",
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="Most characters of prompt or message text per request (400, before tokenizing).",
+    )
+    group.add_argument(
+        "--max-messages",
+        type=int,
+        default=DEFAULT_MAX_MESSAGES,
+        help="Most chat messages per request (400 beyond, before the chat template runs).",
+    )
+    group.add_argument(
+        "--max-stop", type=int, default=DEFAULT_MAX_STOP, help="Most stop strings per request."
+    )
+    group.add_argument(
+        "--max-stop-bytes",
+        type=int,
+        default=DEFAULT_MAX_STOP_BYTES,
+        help="Most UTF-8 bytes of all stop strings of a request together.",
+    )
+    group.add_argument(
+        "--max-stop-token-ids",
+        type=int,
+        default=DEFAULT_MAX_STOP_TOKEN_IDS,
+        help="Most stop_token_ids per request.",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="Seconds a request's headers, then its body, may take to arrive "
+        "(beyond: the connection is closed; 408 for a body).",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="Most connections and tasks served at once; more get 503 at once (uvicorn's limit_concurrency).",
+    )
+    group.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_S,
+        help="Seconds an idle keep-alive connection stays open.",
+    )
 
 
 def _add_routing_args(parser: argparse.ArgumentParser) -> None:
     from services.api.prefix_router import DEFAULT_MAX_IMBALANCE, ROUTING_MODES
 
     group = parser.add_argument_group("data-parallel routing")
-    group.add_argument("--dp-routing", choices=ROUTING_MODES, default=None,
-                       help="prefix: by the longest prefix each rank caches (from its KV cache events), within "
-                            "--dp-prefix-max-imbalance of the least loaded rank; load: by 4 x waiting + running "
-                            "alone (default: prefix when --kv-events-config publishes, else load).")
-    group.add_argument("--dp-prefix-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
-                       help="Prefix routing: a rank more than this many load units (4 per waiting request, 1 per "
-                            "running one) above the least loaded rank gets no request for its cached prefix.")
+    group.add_argument(
+        "--dp-routing",
+        choices=ROUTING_MODES,
+        default=None,
+        help="prefix: by the longest prefix each rank caches (from its KV cache events), within "
+        "--dp-prefix-max-imbalance of the least loaded rank; load: by 4 x waiting + running "
+        "alone (default: prefix when --kv-events-config publishes, else load).",
+    )
+    group.add_argument(
+        "--dp-prefix-max-imbalance",
+        type=int,
+        default=DEFAULT_MAX_IMBALANCE,
+        help="Prefix routing: a rank more than this many load units (4 per waiting request, 1 per "
+        "running one) above the least loaded rank gets no request for its cached prefix.",
+    )
 
 
 def prefix_router_for(args: argparse.Namespace, config):
@@ -151,13 +254,22 @@ def prefix_router_for(args: argparse.Namespace, config):
 
 
 def serving_limits(args: argparse.Namespace) -> ServingLimits:
-    return ServingLimits(max_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
-                         max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout,
-                         shutdown_timeout_s=args.shutdown_timeout, max_prompts=args.max_prompts,
-                         max_prompt_chars=args.max_prompt_chars, max_stop=args.max_stop,
-                         max_stop_bytes=args.max_stop_bytes, max_stop_token_ids=args.max_stop_token_ids,
-                         body_timeout_s=args.body_timeout, max_messages=args.max_messages)
+    return ServingLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_prompts=args.max_prompts,
+        max_prompt_chars=args.max_prompt_chars,
+        max_stop=args.max_stop,
+        max_stop_bytes=args.max_stop_bytes,
+        max_stop_token_ids=args.max_stop_token_ids,
+        body_timeout_s=args.body_timeout,
+        max_messages=args.max_messages,
+    )
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -185,8 +297,11 @@ def uvicorn_options(args: argparse.Namespace) -> dict:
 
     if args.max_connections < 1 or not args.keep_alive_timeout > 0:
         raise ValueError("--max-connections must be at least 1 and --keep-alive-timeout positive.")
-    return {"limit_concurrency": args.max_connections, "timeout_keep_alive": args.keep_alive_timeout,
-            "http": header_deadline_protocol(args.body_timeout)}
+    return {
+        "limit_concurrency": args.max_connections,
+        "timeout_keep_alive": args.keep_alive_timeout,
+        "http": header_deadline_protocol(args.body_timeout),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -216,12 +331,16 @@ def main(argv: list[str]) -> int:
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
     """How many engine cores start here, and the handshake address they (and
     remote ones) connect to."""
-    local = size - args.data_parallel_start_rank if args.data_parallel_size_local is None \
+    local = (
+        size - args.data_parallel_start_rank
+        if args.data_parallel_size_local is None
         else args.data_parallel_size_local
+    )
     start = args.data_parallel_start_rank
     if not (0 <= start and 0 <= local and start + local <= size):
-        raise ValueError(f"Local ranks {start}..{start + local - 1} do not fit in "
-                         f"--data-parallel-size {size}.")
+        raise ValueError(
+            f"Local ranks {start}..{start + local - 1} do not fit in --data-parallel-size {size}."
+        )
     if local == size:
         return local, ipc_address("handshake")  # every rank is on this node
     port = args.data_parallel_rpc_port
@@ -236,42 +355,73 @@ def data_ports(args: argparse.Namespace) -> tuple[int, int]:
     """The TCP ports of the request and output sockets, for remote ranks: fixed, so that a
     firewall can let them through (the rpc port + 1 and + 2 unless given; 0: any free port)."""
     rpc = args.data_parallel_rpc_port
-    ports = tuple(given if given is not None else (rpc + offset if rpc else 0)
-                  for given, offset in ((args.data_parallel_input_port, 1), (args.data_parallel_output_port, 2)))
+    ports = tuple(
+        given if given is not None else (rpc + offset if rpc else 0)
+        for given, offset in ((args.data_parallel_input_port, 1), (args.data_parallel_output_port, 2))
+    )
     for name, port in zip(("input", "output"), ports, strict=True):
         if not 0 <= port <= 65535:
             raise ValueError(f"--data-parallel-{name}-port must be in [0, 65535], got {port}.")
     fixed = [port for port in (rpc, *ports) if port]
     if len(set(fixed)) != len(fixed):
-        raise ValueError(f"--data-parallel-rpc-port, -input-port and -output-port must differ, got {rpc}, "
-                         f"{ports[0]} and {ports[1]}.")
+        raise ValueError(
+            f"--data-parallel-rpc-port, -input-port and -output-port must differ, got {rpc}, "
+            f"{ports[0]} and {ports[1]}."
+        )
     return ports
 
 
-def _run(args: argparse.Namespace, config, local: int, handshake: str, limits: ServingLimits,
-         curve: CurveKeys | None, chat: ChatSettings, keys: list[str], server_options: dict,
-         ports: tuple[int, int] = (0, 0)) -> int:
+def _run(
+    args: argparse.Namespace,
+    config,
+    local: int,
+    handshake: str,
+    limits: ServingLimits,
+    curve: CurveKeys | None,
+    chat: ChatSettings,
+    keys: list[str],
+    server_options: dict,
+    ports: tuple[int, int] = (0, 0),
+) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
     from services.api.graceful import serve
     from services.api.tokenizer import Tokenizer
 
     # Engines take their torch thread count from the config (--num-threads).
-    procs = launch_local_engines(local, args.data_parallel_start_rank, handshake, curve_keys=args.zmq_curve_keys,
-                                 shutdown_timeout_s=args.shutdown_timeout)
+    procs = launch_local_engines(
+        local,
+        args.data_parallel_start_rank,
+        handshake,
+        curve_keys=args.zmq_curve_keys,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
     client = None
     try:
-        client = DPLBEngineClient(config, handshake, config.parallel.data_parallel_size, procs,
-                                  local_start_rank=args.data_parallel_start_rank, curve=curve,
-                                  restart_local=args.restart_engines,
-                                  prefix_router=prefix_router_for(args, config), data_ports=ports)
-        app = build_app(client, Tokenizer(config.model.tokenizer), config, api_key=keys,
-                        served_model_name=args.served_model_name or config.model.served_model_name,
-                        limits=limits, chat=chat,
-                        protect_tokenize=args.api_key_protects_tokenize, options=api_options(args),
-                        kv_transfer_secret=args.kv_transfer_secret)
-        serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-              **server_options)
+        client = DPLBEngineClient(
+            config,
+            handshake,
+            config.parallel.data_parallel_size,
+            procs,
+            local_start_rank=args.data_parallel_start_rank,
+            curve=curve,
+            restart_local=args.restart_engines,
+            prefix_router=prefix_router_for(args, config),
+            data_ports=ports,
+        )
+        app = build_app(
+            client,
+            Tokenizer(config.model.tokenizer),
+            config,
+            api_key=keys,
+            served_model_name=args.served_model_name or config.model.served_model_name,
+            limits=limits,
+            chat=chat,
+            protect_tokenize=args.api_key_protects_tokenize,
+            options=api_options(args),
+            kv_transfer_secret=args.kv_transfer_secret,
+        )
+        serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout, **server_options)
     finally:
         # The app's shutdown already stopped them (restarted ones included);
         # this covers a failed start.

@@ -7,6 +7,7 @@ one task per choice, and hands the route a single ordered stream of
 or one JSON body). Leaving the runner early, for whatever reason, aborts
 every engine request still running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,21 +78,28 @@ class ServingContext:
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
+        return (
+            self.tokenizer.eos_token_id
+            if self.tokenizer.eos_token_id is not None
             else self.config.model.eos_token_id
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name and model not in self.model_aliases:
-            raise bad_request(f"The model `{model}` does not exist; this server serves "
-                              f"`{self.served_model_name}`.", "model")
+            raise bad_request(
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.", "model"
+            )
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """400 for more choices than this server serves in one request."""
         if n > self.limits.max_n:
             raise bad_request(f"n must be at most {self.limits.max_n}, got {n}.", "n")
         if num_prompts * n > self.admission.per_rank:
-            raise bad_request(f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
-                              f"at once ({self.admission.per_rank}).", "n" if num_prompts == 1 else "prompt")
+            raise bad_request(
+                f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
+                f"at once ({self.admission.per_rank}).",
+                "n" if num_prompts == 1 else "prompt",
+            )
 
     def admit(self, request: Request, choices: list[Choice]) -> ChoiceRunner:
         """The runner of ``choices`` if the engines have room for them (else a
@@ -112,19 +120,23 @@ def check_prompt_ids(ctx: ServingContext, token_ids: list[int], param: str) -> N
     if not token_ids:
         raise bad_request("The prompt is empty; send at least one token.", param)
     if max(token_ids) >= ctx.vocab_size:
-        raise bad_request(f"Token id {max(token_ids)} is out of the vocabulary "
-                          f"(size {ctx.vocab_size}).", param)
+        raise bad_request(
+            f"Token id {max(token_ids)} is out of the vocabulary (size {ctx.vocab_size}).", param
+        )
     if len(token_ids) >= ctx.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens, and the prompt "
-            f"has {len(token_ids)} tokens, which leaves no room to generate.", param)
+            f"has {len(token_ids)} tokens, which leaves no room to generate.",
+            param,
+        )
     limit = ctx.limits.max_prompt_tokens
     if limit is not None and len(token_ids) > limit:
-        raise bad_request(f"The prompt has {len(token_ids)} tokens; this server takes at most {limit}.", param)
+        raise bad_request(
+            f"The prompt has {len(token_ids)} tokens; this server takes at most {limit}.", param
+        )
 
 
-def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: int,
-                       param: str) -> int:
+def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: int, param: str) -> int:
     """``None`` fills the context (up to the server's cap); more than fits is
     the client's error."""
     room = ctx.max_model_len - prompt_len
@@ -137,7 +149,9 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: i
     if requested > room:
         raise bad_request(
             f"{param} ({requested}) plus the prompt ({prompt_len} tokens) is more than this "
-            f"model's maximum context length ({ctx.max_model_len} tokens).", param)
+            f"model's maximum context length ({ctx.max_model_len} tokens).",
+            param,
+        )
     return requested
 
 
@@ -148,14 +162,15 @@ def check_finite(body: msgspec.Struct, fields: tuple[str, ...]) -> None:
             raise bad_request(f"{name} must be a finite number, got {value!r}.", name)
 
 
-def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
-                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def make_sampling_params(
+    ctx: ServingContext, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """SamplingParams from the fields completions and chat share; 400 on bad values."""
-    check_finite(body, ("temperature", "top_p", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty"))
+    check_finite(
+        body, ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    )
     if body.priority != 0 and ctx.config.scheduler.scheduling_policy != "priority":
-        raise bad_request("priority is only allowed when the server schedules by priority.",
-                          "priority")
+        raise bad_request("priority is only allowed when the server schedules by priority.", "priority")
     if body.cache_salt is not None and not body.cache_salt:
         raise bad_request("cache_salt must be a non-empty string.", "cache_salt")
     check_stream_options(body)
@@ -165,20 +180,27 @@ def make_sampling_params(ctx: ServingContext, body, max_tokens: int,
     default = functools.partial(model_default, ctx.config.model)  # generation_config.json's, else ours
     try:
         params = SamplingParams(
-            n=body.n, presence_penalty=body.presence_penalty,
+            n=body.n,
+            presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=_or(body.repetition_penalty, default("repetition_penalty", 1.0)),
             temperature=_or(body.temperature, default("temperature", 1.0)),
             top_p=_or(body.top_p, default("top_p", 1.0)),
-            top_k=_or(body.top_k, default("top_k", 0)), min_p=_or(body.min_p, default("min_p", 0.0)),
+            top_k=_or(body.top_k, default("top_k", 0)),
+            min_p=_or(body.min_p, default("min_p", 0.0)),
             seed=body.seed,
-            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
-            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
-            **token_filters(ctx.tokenizer, ctx.vocab_size, body))
+            **token_filters(ctx.tokenizer, ctx.vocab_size, body),
+        )
         return with_extra_eos(params, ctx.config.model.extra_eos_token_ids)
     except ValueError as e:
         # SamplingParams' messages start with the field's name.
@@ -211,7 +233,7 @@ class Choice:
     def take_logprobs(self) -> list:
         """Logprob entries not shown yet (one dict per token)."""
         entries = self.state.logprobs or []
-        new = entries[self.logprobs_sent:]
+        new = entries[self.logprobs_sent :]
         self.logprobs_sent = len(entries)
         return new
 
@@ -231,9 +253,15 @@ def session_key(request: Request, body) -> str | None:
         raise bad_request(str(e), "x-session-id" if header else "user") from e
 
 
-def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], body, arrival: float,
-                 session_key: str | None = None) -> list[Choice]:
+def make_choices(
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    body,
+    arrival: float,
+    session_key: str | None = None,
+) -> list[Choice]:
     """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i."""
     choices = []
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
@@ -243,10 +271,16 @@ def make_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
             seed = None if prompt_params.seed is None else _wrap_int64(prompt_params.seed + i)
             child = msgspec.structs.replace(prompt_params, n=1, seed=seed)
             engine_request = EngineCoreRequest(
-                request_id=f"{request_id}-{index}", prompt_token_ids=prompt,
-                sampling_params=child, arrival_time=time.time(),
-                eos_token_id=ctx.eos_token_id, priority=body.priority, cache_salt=body.cache_salt,
-                kv_transfer_params=body.kv_transfer_params, session_key=session_key)
+                request_id=f"{request_id}-{index}",
+                prompt_token_ids=prompt,
+                sampling_params=child,
+                arrival_time=time.time(),
+                eos_token_id=ctx.eos_token_id,
+                priority=body.priority,
+                cache_salt=body.cache_salt,
+                kv_transfer_params=body.kv_transfer_params,
+                session_key=session_key,
+            )
             state = RequestState.create(engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id)
             # The request's own parameters (n, max_tokens) are observed once, by its first choice.
             metrics = ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)
@@ -266,12 +300,17 @@ def usage_of(choices: list[Choice]) -> UsageInfo:
     cached: dict[int, int] = {}
     for c in choices:
         prompts.setdefault(c.prompt_index, c)
-        cached[c.prompt_index] = min(cached.get(c.prompt_index, c.state.num_cached_tokens),
-                                     c.state.num_cached_tokens)
+        cached[c.prompt_index] = min(
+            cached.get(c.prompt_index, c.state.num_cached_tokens), c.state.num_cached_tokens
+        )
     prompt_tokens = sum(c.num_prompt_tokens for c in prompts.values())
     completion_tokens = sum(len(c.state.token_ids) for c in choices)
-    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
-                           PromptTokensDetails(sum(cached.values())))
+    return UsageInfo(
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+        PromptTokensDetails(sum(cached.values())),
+    )
 
 
 def kv_transfer_params_of(choices: list[Choice]) -> KVTransferParams | None:
@@ -386,9 +425,12 @@ async def collect(runner: ChoiceRunner) -> list[Choice]:
     return runner.choices
 
 
-async def sse_events(runner: ChoiceRunner, chunk_for: Callable[[Choice], Any],
-                     head: tuple = (), usage_chunk: Callable[[], Any] | None = None,
-                     ) -> AsyncIterator[bytes]:
+async def sse_events(
+    runner: ChoiceRunner,
+    chunk_for: Callable[[Choice], Any],
+    head: tuple = (),
+    usage_chunk: Callable[[], Any] | None = None,
+) -> AsyncIterator[bytes]:
     """The SSE body: ``head`` events, a chunk per update (when ``chunk_for``
     gives one), the usage chunk, then ``[DONE]``. Errors after the headers
     went out can only be told in the stream: an error event, then ``[DONE]``."""

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: messages through the chat template, then text."""
+
 from __future__ import annotations
 
 import logging
@@ -69,8 +70,10 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
         message["tool_calls"] = history_tool_calls(m.tool_calls)
     if m.role == "tool":
         if m.tool_call_id is None:
-            raise bad_request("A tool message needs tool_call_id: the id of the call it answers.",
-                              f"messages[{i}].tool_call_id")
+            raise bad_request(
+                "A tool message needs tool_call_id: the id of the call it answers.",
+                f"messages[{i}].tool_call_id",
+            )
         message["tool_call_id"] = m.tool_call_id
     return message
 
@@ -99,20 +102,23 @@ def message_texts(messages: list[ChatMessage]):
             yield from (part.text for part in m.content if part.text is not None)
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage],
-                    add_generation_prompt: bool, **template_args) -> list[int]:
+def chat_prompt_ids(
+    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args
+) -> list[int]:
     """The prompt's token ids; ``template_args`` go to ``Tokenizer.apply_chat_template``."""
     dicts = message_dicts(messages)
     try:
-        text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
-                                                 **template_args)
+        text = ctx.tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=add_generation_prompt, **template_args
+        )
     except ChatTemplateError as e:  # the template's raise_exception: its words are for the client
         raise bad_request(str(e), "messages") from e
     except ContinueFinalMessageError as e:
         raise bad_request(str(e), "continue_final_message") from e
     except jinja2.TemplateSyntaxError as e:  # only a request's own template can get this far
-        raise bad_request(f"The chat template does not compile: {e.message} (line {e.lineno}).",
-                          "chat_template") from e
+        raise bad_request(
+            f"The chat template does not compile: {e.message} (line {e.lineno}).", "chat_template"
+        ) from e
     # The template is code run on the client's messages: whatever else it
     # raises (a None where it wants a string...) is a bad request. Only the
     # template's own message is shown: other errors' text describes the
@@ -139,48 +145,73 @@ class ChatServing:
         serving.check_kv_transfer_caller(ctx, request, body)
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
         check_messages_size(ctx, body.messages)
-        prompt = await run_blocking(chat_prompt_ids, ctx, body.messages, body.add_generation_prompt,
-                                    **self.template_args(body))
+        prompt = await run_blocking(
+            chat_prompt_ids, ctx, body.messages, body.add_generation_prompt, **self.template_args(body)
+        )
         serving.check_prompt_ids(ctx, prompt, "messages")
         if body.max_completion_tokens is not None:
-            max_tokens = serving.resolve_max_tokens(ctx, body.max_completion_tokens, len(prompt),
-                                                    "max_completion_tokens")
+            max_tokens = serving.resolve_max_tokens(
+                ctx, body.max_completion_tokens, len(prompt), "max_completion_tokens"
+            )
         else:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
         params = _with_tool_constraint(params, tool_choice)
         request_id = serving.new_request_id("chatcmpl")
-        choices = serving.make_choices(ctx, request_id, [prompt], [params], body, arrival,
-                                       serving.session_key(request, body))
+        choices = serving.make_choices(
+            ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
+        )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         role = _reply_role(body)
-        tool_output = None if tool_choice.kind == "none" else \
-            (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
+        tool_output = (
+            None
+            if tool_choice.kind == "none"
+            else (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
+        )
         include_usage, continuous = usage_modes(ctx.options, body)
-        view = _ChatView(request_id, int(time.time()), ctx.served_model_name, role, _echo_text(body, role),
-                         tool_output, continuous)
+        view = _ChatView(
+            request_id,
+            int(time.time()),
+            ctx.served_model_name,
+            role,
+            _echo_text(body, role),
+            tool_output,
+            continuous,
+        )
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if include_usage else None
-            return SSEResponse(serving.sse_events(runner, view.chunk, head=view.head_chunks(choices),
-                                                  usage_chunk=usage))
+            return SSEResponse(
+                serving.sse_events(runner, view.chunk, head=view.head_chunks(choices), usage_chunk=usage)
+            )
         await unless_disconnected(request, serving.collect(runner))
         return Response(encode(view.response(choices)), media_type="application/json")
 
     def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
         if body.continue_final_message and body.add_generation_prompt:
-            raise bad_request("Cannot set both continue_final_message and add_generation_prompt to true: "
-                              "set add_generation_prompt to false to continue the final message.",
-                              "continue_final_message")
+            raise bad_request(
+                "Cannot set both continue_final_message and add_generation_prompt to true: "
+                "set add_generation_prompt to false to continue the final message.",
+                "continue_final_message",
+            )
         if body.chat_template is not None and not self.settings.trust_request_chat_template:
-            raise bad_request("This server does not run chat templates sent with requests "
-                              "(start it with --trust-request-chat-template to allow them).", "chat_template")
+            raise bad_request(
+                "This server does not run chat templates sent with requests "
+                "(start it with --trust-request-chat-template to allow them).",
+                "chat_template",
+            )
         kwargs = body.chat_template_kwargs or {}
         if reserved := sorted(RESERVED_KWARGS & kwargs.keys()):
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
-                              "fields set them.", "chat_template_kwargs")
-        return {**kwargs, "tools": tool_dicts(body.tools), "chat_template": body.chat_template,
-                "continue_final_message": body.continue_final_message}
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields set them.",
+                "chat_template_kwargs",
+            )
+        return {
+            **kwargs,
+            "tools": tool_dicts(body.tools),
+            "chat_template": body.chat_template,
+            "continue_final_message": body.continue_final_message,
+        }
 
 
 def _with_tool_constraint(params: SamplingParams, tool_choice: ToolChoice) -> SamplingParams:
@@ -189,8 +220,11 @@ def _with_tool_constraint(params: SamplingParams, tool_choice: ToolChoice) -> Sa
     if constraint is None:
         return params
     if params.structured_outputs is not None:
-        raise bad_request("tool_choice required or a named function already constrains the output; "
-                          "drop the structured-output field.", "tool_choice")
+        raise bad_request(
+            "tool_choice required or a named function already constrains the output; "
+            "drop the structured-output field.",
+            "tool_choice",
+        )
     try:
         check_constraint(constraint)
     except ValueError as e:
@@ -219,8 +253,16 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
 class _ChatView:
     """Turns choices into OpenAI's chat completion objects."""
 
-    def __init__(self, request_id: str, created: int, model: str, role: str = "assistant", echo: str = "",
-                 tool_output: Callable[[], ToolOutput] | None = None, continuous_usage: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        role: str = "assistant",
+        echo: str = "",
+        tool_output: Callable[[], ToolOutput] | None = None,
+        continuous_usage: bool = False,
+    ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.role, self.echo = role, echo
         self.make_tool_output = tool_output
@@ -237,11 +279,15 @@ class _ChatView:
     def head_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
         # OpenAI's first chunk of each choice names the role, with empty content;
         # an echo follows as the choice's first text.
-        head = [self._chunk([ChatStreamChoice(c.index, DeltaMessage(self.role, ""))], self._usage(c))
-                for c in choices]
+        head = [
+            self._chunk([ChatStreamChoice(c.index, DeltaMessage(self.role, ""))], self._usage(c))
+            for c in choices
+        ]
         if self.echo:
-            head += [self._chunk([ChatStreamChoice(c.index, DeltaMessage(content=self.echo))], self._usage(c))
-                     for c in choices]
+            head += [
+                self._chunk([ChatStreamChoice(c.index, DeltaMessage(content=self.echo))], self._usage(c))
+                for c in choices
+            ]
         return tuple(head)
 
     def _usage(self, choice: Choice):
@@ -264,9 +310,14 @@ class _ChatView:
             delta.content = ""  # a logprobs-only chunk still says it adds no text
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
-            return ChatCompletionFinalChunk(self.request_id, self.created, self.model, shown,
-                                            self._usage(choice),
-                                            kv_transfer_params=choice.state.kv_transfer_params)
+            return ChatCompletionFinalChunk(
+                self.request_id,
+                self.created,
+                self.model,
+                shown,
+                self._usage(choice),
+                kv_transfer_params=choice.state.kv_transfer_params,
+            )
         return self._chunk(shown, self._usage(choice))
 
     def usage_chunk(self, choices: list[Choice]) -> ChatCompletionChunk:
@@ -282,9 +333,14 @@ class _ChatView:
             message = ChatResponseMessage(self.role, content, calls)
             finish, stop = _finish(c, tools)
             shown.append(ChatChoice(c.index, message, self._logprobs(c, c.take_logprobs()), finish, stop))
-        return ChatCompletionResponse(self.request_id, self.created, self.model, shown,
-                                      serving.usage_of(choices),
-                                      kv_transfer_params=serving.kv_transfer_params_of(choices))
+        return ChatCompletionResponse(
+            self.request_id,
+            self.created,
+            self.model,
+            shown,
+            serving.usage_of(choices),
+            kv_transfer_params=serving.kv_transfer_params_of(choices),
+        )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.request_id, self.created, self.model, choices, usage)
@@ -307,8 +363,9 @@ def _finish(choice: Choice, tools: ToolOutput | None = None) -> tuple[str | None
 
 def _entry(entry: dict[int, Logprob], top_n: int) -> ChatLogprobEntry:
     chosen = next(iter(entry.values()))  # the sampled token comes first
-    ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n),
-                    key=lambda lp: lp.rank)
+    ranked = sorted(
+        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank
+    )
     top = [TopLogprob(_token(lp), serving.shown_logprob(lp.logprob), _bytes(lp)) for lp in ranked]
     return ChatLogprobEntry(_token(chosen), serving.shown_logprob(chosen.logprob), _bytes(chosen), top)
 

@@ -5,6 +5,7 @@ chunk when streaming) and, with ``logprobs``, the prompt tokens' logprobs in
 front of the output's, the first one null (nothing predicts it), as vLLM
 does. ``prompt_logprobs`` (vLLM's) comes back per choice, keyed by token id.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,9 @@ def prompt_token_lists(ctx: ServingContext, prompt: Prompt, add_special_tokens: 
         raise bad_request("The prompt list is empty.", "prompt")
     kinds = {type(p) for p in prompt}
     if len(kinds) > 1:
-        raise bad_request("A prompt list must hold only strings, only token ids, or only "
-                          "lists of token ids.", "prompt")
+        raise bad_request(
+            "A prompt list must hold only strings, only token ids, or only lists of token ids.", "prompt"
+        )
     if kinds == {int}:
         return [list(prompt)]  # type: ignore[arg-type]
     if kinds == {str}:
@@ -76,16 +78,24 @@ class CompletionServing:
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, "prompt")
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
-            params.append(serving.make_sampling_params(ctx, body, max_tokens, body.logprobs,
-                                                       _prompt_logprobs(body)))
+            params.append(
+                serving.make_sampling_params(ctx, body, max_tokens, body.logprobs, _prompt_logprobs(body))
+            )
         request_id = serving.new_request_id("cmpl")
-        choices = serving.make_choices(ctx, request_id, prompts, params, body, arrival,
-                                       serving.session_key(request, body))
+        choices = serving.make_choices(
+            ctx, request_id, prompts, params, body, arrival, serving.session_key(request, body)
+        )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         include_usage, continuous = usage_modes(ctx.options, body)
-        view = _CompletionView(request_id, int(time.time()), ctx.served_model_name,
-                               _echo_texts(ctx, body, prompts), body.logprobs, continuous,
-                               show_prompt_logprobs=body.prompt_logprobs is not None)
+        view = _CompletionView(
+            request_id,
+            int(time.time()),
+            ctx.served_model_name,
+            _echo_texts(ctx, body, prompts),
+            body.logprobs,
+            continuous,
+            show_prompt_logprobs=body.prompt_logprobs is not None,
+        )
         if body.stream:
             usage = (lambda: view.usage_chunk(choices)) if include_usage else None
             return SSEResponse(serving.sse_events(runner, view.chunk, usage_chunk=usage))
@@ -96,8 +106,11 @@ class CompletionServing:
 def check_completion_fields(body: CompletionRequest) -> None:
     refuse_unsupported(body, COMPLETIONS)
     if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(f"best_of must equal n ({body.n}) or be left out: weft returns every sequence "
-                          f"it generates, got best_of={body.best_of}.", "best_of")
+        raise bad_request(
+            f"best_of must equal n ({body.n}) or be left out: weft returns every sequence "
+            f"it generates, got best_of={body.best_of}.",
+            "best_of",
+        )
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
 
@@ -123,9 +136,16 @@ def _echo_texts(ctx: ServingContext, body: CompletionRequest, prompts: list[list
 class _CompletionView:
     """Turns choices into OpenAI's completion objects."""
 
-    def __init__(self, request_id: str, created: int, model: str, echo_texts: list[str] | None = None,
-                 logprobs: int | None = None, continuous_usage: bool = False,
-                 show_prompt_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        echo_texts: list[str] | None = None,
+        logprobs: int | None = None,
+        continuous_usage: bool = False,
+        show_prompt_logprobs: bool = False,
+    ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self._show_prompt_logprobs = show_prompt_logprobs
         self._echo_texts = echo_texts
@@ -144,8 +164,14 @@ class _CompletionView:
         shown = [self._choice(choice, text, entries)]
         usage = serving.choice_usage(choice) if self._continuous_usage else None
         if choice.done and choice.state.kv_transfer_params is not None:
-            return CompletionFinalChunk(self.request_id, self.created, self.model, shown, usage,
-                                        kv_transfer_params=choice.state.kv_transfer_params)
+            return CompletionFinalChunk(
+                self.request_id,
+                self.created,
+                self.model,
+                shown,
+                usage,
+                kv_transfer_params=choice.state.kv_transfer_params,
+            )
         return CompletionChunk(self.request_id, self.created, self.model, shown, usage)
 
     def _take_echo(self, choice: Choice) -> str:
@@ -164,23 +190,29 @@ class _CompletionView:
         return entries[sent:]
 
     def usage_chunk(self, choices: list[Choice]) -> CompletionChunk:
-        return CompletionChunk(self.request_id, self.created, self.model, [],
-                               usage=serving.usage_of(choices))
+        return CompletionChunk(self.request_id, self.created, self.model, [], usage=serving.usage_of(choices))
 
     def response(self, choices: list[Choice]) -> CompletionResponse:
         shown = []
         for c in choices:
-            choice = self._choice(c, self._take_echo(c) + c.state.text,
-                                  self._take_prompt_entries(c) + c.take_logprobs())
+            choice = self._choice(
+                c, self._take_echo(c) + c.state.text, self._take_prompt_entries(c) + c.take_logprobs()
+            )
             if self._show_prompt_logprobs:
                 choice.prompt_logprobs = _prompt_logprobs_shown(c)
             shown.append(choice)
-        return CompletionResponse(self.request_id, self.created, self.model, shown,
-                                  serving.usage_of(choices),
-                                  kv_transfer_params=serving.kv_transfer_params_of(choices))
+        return CompletionResponse(
+            self.request_id,
+            self.created,
+            self.model,
+            shown,
+            serving.usage_of(choices),
+            kv_transfer_params=serving.kv_transfer_params_of(choices),
+        )
 
-    def _choice(self, choice: Choice, text: str,
-                entries: list[dict[int, Logprob] | None]) -> CompletionChoice:
+    def _choice(
+        self, choice: Choice, text: str, entries: list[dict[int, Logprob] | None]
+    ) -> CompletionChoice:
         logprobs = None
         if choice.state.logprobs is not None:
             logprobs = self._logprobs(choice, entries)
@@ -225,10 +257,15 @@ def _prompt_logprobs_shown(choice: Choice) -> list[dict[str, PromptLogprob] | No
     entries = choice.state.prompt_logprobs
     if entries is None:
         return None
-    return [None if e is None else {str(token_id): PromptLogprob(serving.shown_logprob(lp.logprob), lp.rank,
-                                                                 lp.decoded_token)
-                                    for token_id, lp in e.items()}
-            for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            str(token_id): PromptLogprob(serving.shown_logprob(lp.logprob), lp.rank, lp.decoded_token)
+            for token_id, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 def _rank(lp: Logprob) -> int:

@@ -8,6 +8,7 @@ closes a connection whose next request has not begun (its headers complete)
 ``timeout_s`` after the connection opened or its last response went out.
 The body's own deadline is the app's (``BodyDeadlineMiddleware``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,9 @@ class _HeaderDeadlineH11Protocol(H11Protocol):
         self._disarm_header_deadline()
         # A new request replaces self.cycle: if it is still the one seen now, none began.
         waiting_on = self.cycle
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._close_if_still_waiting,
-                                                     waiting_on)
+        self._header_deadline = self.loop.call_later(
+            self.header_timeout_s, self._close_if_still_waiting, waiting_on
+        )
 
     def _disarm_header_deadline(self) -> None:
         if self._header_deadline is not None:

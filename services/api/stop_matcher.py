@@ -7,6 +7,7 @@ text, whatever their number; the caller only scans the window where a new
 match can be (the new text plus the longest stop string's length). One
 request's choices share one automaton: it is built once per stop list.
 """
+
 from __future__ import annotations
 
 import functools

@@ -5,6 +5,7 @@ that leaves mid-stream or while waiting for a whole JSON body cancels the
 work, and cancelling the work closes the engine streams, which aborts the
 engine requests (their KV blocks go back to the pool).
 """
+
 from __future__ import annotations
 
 import asyncio

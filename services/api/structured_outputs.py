@@ -8,6 +8,7 @@ constraint that fails the cheap syntax checks, before anything is
 scheduled. A constraint that passes them but still fails to compile in the
 engine fails that request alone, with the compiler's message.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ from services.api.errors import bad_request
 from services.api.openai_schemas import ResponseFormat
 
 # The legacy fields: body attribute -> StructuredOutputsParams field.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def structured_outputs_from(body: Any) -> StructuredOutputsParams | None:
@@ -29,8 +34,9 @@ def structured_outputs_from(body: Any) -> StructuredOutputsParams | None:
     asked = _requested(body)
     if len(asked) > 1:
         names = ", ".join(param for param, _ in asked)
-        raise bad_request(f"Ask for structured output through one field only; this request "
-                          f"sets {names}.", asked[1][0])
+        raise bad_request(
+            f"Ask for structured output through one field only; this request sets {names}.", asked[1][0]
+        )
     if not asked:
         return None
     param, build = asked[0]
@@ -84,4 +90,3 @@ def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsP
     if spec is None or spec.schema is None:
         raise ValueError("type json_schema needs json_schema.schema, the JSON Schema to follow.")
     return StructuredOutputsParams(json=spec.schema)
-

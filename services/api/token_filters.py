@@ -5,6 +5,7 @@
 the vocabulary here (a 400 naming the field), and each bad word is
 tokenized, since the worker has no tokenizer.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +21,9 @@ def token_filters(tokenizer: Tokenizer, vocab_size: int, body: Any) -> dict[str,
     """The SamplingParams fields of the body's token filters."""
     return {
         "logit_bias": logit_bias_of(vocab_size, body.logit_bias),
-        "allowed_token_ids": _unique(check_token_ids(vocab_size, body.allowed_token_ids, "allowed_token_ids")),
+        "allowed_token_ids": _unique(
+            check_token_ids(vocab_size, body.allowed_token_ids, "allowed_token_ids")
+        ),
         "bad_words": body.bad_words,
         "bad_words_token_ids": bad_words_token_ids(tokenizer, body.bad_words),
     }
@@ -52,8 +55,9 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[l
     if words is None:
         return None
     if len(words) > MAX_BAD_WORDS:
-        raise bad_request(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed.",
-                          "bad_words")
+        raise bad_request(
+            f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed.", "bad_words"
+        )
     sequences: list[list[int]] = []
     for word in words:
         if not word.strip():

@@ -5,6 +5,7 @@ load, so this reads the same files (tokenizer.json, tokenizer_config.json,
 chat_template.jinja) directly and renders the chat template the way
 transformers does (``services.api.chat_template``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -66,11 +67,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **extra) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **extra,
+    ) -> str:
         """The prompt text; ``chat_template`` replaces the model's (see ``chat_template.render``)."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ChatTemplateError("This model's tokenizer has no chat template; use completions instead.")
-        return render(source, messages, add_generation_prompt=add_generation_prompt,
-                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        return render(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )

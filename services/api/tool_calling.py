@@ -10,6 +10,7 @@ streamed as OpenAI's tool-call deltas or whole. Forced calls stream their
 arguments as they are written; ``auto`` shows a call once it is complete,
 so a malformed one is never half-shown.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,11 @@ def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParse
         raise bad_request("tool_choice needs tools: give the functions the model may call.", "tool_choice")
     _check_unique_names(tools)
     if choice == "auto" and auto_parser is None:
-        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                          'to be set on the server.', "tool_choice")
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+            "to be set on the server.",
+            "tool_choice",
+        )
     if isinstance(choice, str):
         return ToolChoice(choice, tools, parallel=body.parallel_tool_calls)
     name = choice.function.name
@@ -110,11 +114,19 @@ def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
         parameters = dict(tool.function.parameters or _EMPTY_PARAMETERS)
         for def_name, definition in parameters.pop("$defs", {}).items():
             if defs.setdefault(def_name, definition) != definition:
-                raise bad_request(f"Tools define $defs.{def_name} differently; give each its own name.",
-                                  f"tools[{i}].function.parameters")
-        options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                       "parameters": parameters},
-                        "required": ["name", "parameters"]})
+                raise bad_request(
+                    f"Tools define $defs.{def_name} differently; give each its own name.",
+                    f"tools[{i}].function.parameters",
+                )
+        options.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
     if not parallel:
         schema["maxItems"] = 1
@@ -136,8 +148,11 @@ class ToolOutput:
         # How a whole reply is read (None: it is all content, or for "named" all arguments).
         self.parser_class = {"auto": auto_parser, "required": RequiredCallsParser}.get(choice.kind)
         self.auto_parser = auto_parser(choice.tool_names) if choice.kind == "auto" else None
-        self.required_stream = RequiredCallsStream(choice.tool_names, None if choice.parallel else 1) \
-            if choice.kind == "required" else None
+        self.required_stream = (
+            RequiredCallsStream(choice.tool_names, None if choice.parallel else 1)
+            if choice.kind == "required"
+            else None
+        )
         self.named_id = new_tool_call_id() if choice.kind == "named" else None
         self.buffer = ""  # streamed text the auto parser has not settled yet
 
@@ -153,8 +168,10 @@ class ToolOutput:
         if self.parser_class is None:
             return text, []
         segments, _ = self.parser_class(self.choice.tool_names).split(text, final=True)
-        calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(s.name, s.arguments))
-                 for s in self._allowed_calls(segments)]
+        calls = [
+            ToolCall(id=new_tool_call_id(), function=FunctionCall(s.name, s.arguments))
+            for s in self._allowed_calls(segments)
+        ]
         self.num_calls = len(calls)
         content = "".join(s for s in segments if isinstance(s, str))
         return (content if content.strip() or not calls else None), calls
@@ -179,16 +196,22 @@ class ToolOutput:
     def _allowed_calls(self, segments: list[Segment]) -> list[ParsedCall]:
         calls = [s for s in segments if isinstance(s, ParsedCall)]
         if not self.choice.parallel:
-            calls = calls[:max(0, 1 - self.num_calls)]  # parallel_tool_calls=false: the first call only
+            calls = calls[: max(0, 1 - self.num_calls)]  # parallel_tool_calls=false: the first call only
         return calls
 
     def _call_deltas(self, call: ParsedCall) -> list[DeltaToolCall]:
         # OpenAI's shape: the first delta of a call names it, the next ones add arguments.
         index = self.num_calls
         self.num_calls += 1
-        return [DeltaToolCall(index=index, id=new_tool_call_id(), type="function",
-                              function=DeltaFunctionCall(name=call.name, arguments="")),
-                DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
+        return [
+            DeltaToolCall(
+                index=index,
+                id=new_tool_call_id(),
+                type="function",
+                function=DeltaFunctionCall(name=call.name, arguments=""),
+            ),
+            DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)),
+        ]
 
     def _required_deltas(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
         content, pieces = self.required_stream.feed(delta, done)
@@ -196,8 +219,14 @@ class ToolOutput:
         for index, name, arguments in pieces:
             if name is not None:
                 self.num_calls += 1
-                deltas.append(DeltaToolCall(index=index, id=new_tool_call_id(), type="function",
-                                            function=DeltaFunctionCall(name=name, arguments="")))
+                deltas.append(
+                    DeltaToolCall(
+                        index=index,
+                        id=new_tool_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=name, arguments=""),
+                    )
+                )
             elif arguments:
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
         return content, deltas
@@ -205,17 +234,28 @@ class ToolOutput:
     def _named_delta(self, delta: str) -> list[DeltaToolCall]:
         if not self.num_calls:
             self.num_calls = 1
-            return [DeltaToolCall(index=0, id=self.named_id, type="function",
-                                  function=DeltaFunctionCall(name=self.choice.name, arguments=delta))]
+            return [
+                DeltaToolCall(
+                    index=0,
+                    id=self.named_id,
+                    type="function",
+                    function=DeltaFunctionCall(name=self.choice.name, arguments=delta),
+                )
+            ]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
 
 
 def history_tool_calls(calls) -> list[dict]:
     """An assistant message's earlier calls as templates expect them: arguments
     as a dict (Llama's and Qwen's templates write them with ``tojson``)."""
-    return [{"id": c.id, "type": c.type,
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-            for c in calls]
+    return [
+        {
+            "id": c.id,
+            "type": c.type,
+            "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+        }
+        for c in calls
+    ]
 
 
 def _arguments(text: str) -> object:

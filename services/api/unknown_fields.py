@@ -6,6 +6,7 @@ every unknown field at once (the body size is already capped). With
 ``--allow-unknown-fields`` the body is decoded by a twin Struct that
 ignores them, and the names are logged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,11 @@ def decode_request(body: bytes, type: type[T], allow_unknown: bool = False) -> T
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation_error(e) from e
     if not allow_unknown:
-        raise bad_request(f"Unknown field(s) in the request: {', '.join(names)}. "
-                          f"(The server accepts them only with --allow-unknown-fields.)", names[0])
+        raise bad_request(
+            f"Unknown field(s) in the request: {', '.join(names)}. "
+            f"(The server accepts them only with --allow-unknown-fields.)",
+            names[0],
+        )
     logger.warning("Ignoring unknown request field(s) of %s: %s", type.__name__, ", ".join(names))
     try:
         return msgspec.json.decode(body, type=_lenient(type))
@@ -60,5 +64,6 @@ def _is_top_level_unknown(e: msgspec.ValidationError) -> bool:
 @functools.cache
 def _lenient(type: type[T]) -> type[T]:
     """A subclass of ``type`` that ignores unknown fields (same fields, same behaviour)."""
-    return msgspec.defstruct(f"Lenient{type.__name__}", [], bases=(type,), forbid_unknown_fields=False,
-                             kw_only=True)
+    return msgspec.defstruct(
+        f"Lenient{type.__name__}", [], bases=(type,), forbid_unknown_fields=False, kw_only=True
+    )

@@ -5,6 +5,7 @@ its arguments and one that runs it. ``latency`` and ``serve`` join the table
 when they exist; nothing here is heavier to import than argparse, so the
 ``weft`` command stays quick (torch loads only when a benchmark runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,28 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
-    parser.add_argument("--compare-hf", action="store_true", help="Also run Hugging Face generate (static batches, same dtype) and print weft/HF.")
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="Also run Hugging Face generate (static batches, same dtype) and print weft/HF.",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16, help="Batch size of the HF baseline.")
-    parser.add_argument("--structured", choices=["json"], default=None,
-                        help="Run the workload unconstrained, then with every request constrained by one "
-                             "JSON schema, and compare (guided decoding's cost).")
-    parser.add_argument("--compare-no-spec", action="store_true",
-                        help="With --speculative-config: run the workload without speculation too, and print "
-                             "the speed-up and the acceptance rate.")
-    parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument(
+        "--structured",
+        choices=["json"],
+        default=None,
+        help="Run the workload unconstrained, then with every request constrained by one "
+        "JSON schema, and compare (guided decoding's cost).",
+    )
+    parser.add_argument(
+        "--compare-no-spec",
+        action="store_true",
+        help="With --speculative-config: run the workload without speculation too, and print "
+        "the speed-up and the acceptance rate.",
+    )
+    parser.add_argument(
+        "--output-json", type=Path, default=None, help="Also write the results to this JSON file."
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     add_engine_args(parser)  # --model, --dtype, --max-num-seqs, ... as `weft serve` takes them
 
@@ -85,8 +99,9 @@ def _run_structured(args: argparse.Namespace, workload: Workload, engine_args) -
     return 0
 
 
-def _run_spec_comparison(args: argparse.Namespace, workload: Workload, engine_args,
-                         parser: argparse.ArgumentParser) -> int:
+def _run_spec_comparison(
+    args: argparse.Namespace, workload: Workload, engine_args, parser: argparse.ArgumentParser
+) -> int:
     from services.bench.spec_decode import run_spec_comparison, spec_table
 
     if engine_args.speculative_config is None:
@@ -146,7 +161,9 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="Requests per batch.")
     parser.add_argument("--num-iters", type=int, default=10, help="Timed batches.")
     parser.add_argument("--num-iters-warmup", type=int, default=2, help="Untimed batches first.")
-    parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument(
+        "--output-json", type=Path, default=None, help="Also write the results to this JSON file."
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bars.")
     add_engine_args(parser)
 
@@ -165,13 +182,25 @@ def _run_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         engine_args.create_engine_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    report = run_latency(args.input_len, args.output_len, args.batch_size, args.num_iters,
-                         args.num_iters_warmup, quiet=args.quiet, **dataclasses.asdict(engine_args))
-    lines = [f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out), "
-             f"{args.num_iters} iterations, dtype {report['dtype']}",
-             f"{'ms':<22}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}"]
-    for key, label in (("ttft_ms", "TTFT (prefill)"), ("decode_ms_per_token", "decode per token"),
-                       ("batch_latency_ms", "whole batch")):
+    report = run_latency(
+        args.input_len,
+        args.output_len,
+        args.batch_size,
+        args.num_iters,
+        args.num_iters_warmup,
+        quiet=args.quiet,
+        **dataclasses.asdict(engine_args),
+    )
+    lines = [
+        f"batch {args.batch_size} x ({args.input_len} in, {args.output_len} out), "
+        f"{args.num_iters} iterations, dtype {report['dtype']}",
+        f"{'ms':<22}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}",
+    ]
+    for key, label in (
+        ("ttft_ms", "TTFT (prefill)"),
+        ("decode_ms_per_token", "decode per token"),
+        ("batch_latency_ms", "whole batch"),
+    ):
         s = report[key]
         lines.append(f"{label:<22}{s['mean']:>9.2f}{s['median']:>9.2f}{s['p90']:>9.2f}{s['p99']:>9.2f}")
     print("\n".join(lines))
@@ -184,14 +213,29 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 16, 64],
-                        help="Static batch sizes of the HF generate baseline.")
-    parser.add_argument("--hf-bs1-requests", type=int, default=16,
-                        help="HF at batch size 1 runs only this many requests, spread evenly over the workload "
-                             "(its tok/s is a per-request rate; 0 = all of them).")
-    parser.add_argument("--no-hf-continuous", dest="hf_continuous", action="store_false",
-                        help="Skip transformers' continuous batching.")
-    parser.add_argument("--output-json", type=Path, default=None, help="Also write the results to this JSON file.")
+    parser.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="Static batch sizes of the HF generate baseline.",
+    )
+    parser.add_argument(
+        "--hf-bs1-requests",
+        type=int,
+        default=16,
+        help="HF at batch size 1 runs only this many requests, spread evenly over the workload "
+        "(its tok/s is a per-request rate; 0 = all of them).",
+    )
+    parser.add_argument(
+        "--no-hf-continuous",
+        dest="hf_continuous",
+        action="store_false",
+        help="Skip transformers' continuous batching.",
+    )
+    parser.add_argument(
+        "--output-json", type=Path, default=None, help="Also write the results to this JSON file."
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     add_engine_args(parser)
 
@@ -212,8 +256,15 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error(str(e))
     kwargs = dataclasses.asdict(engine_args)
     model = kwargs.pop("model")
-    report = run_compare(workload, model, args.hf_batch_sizes, args.hf_continuous, not args.quiet,
-                         bs1_requests=args.hf_bs1_requests or None, **kwargs)
+    report = run_compare(
+        workload,
+        model,
+        args.hf_batch_sizes,
+        args.hf_continuous,
+        not args.quiet,
+        bs1_requests=args.hf_bs1_requests or None,
+        **kwargs,
+    )
     print(format_compare(report))
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
@@ -238,29 +289,30 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "serve": Subcommand(
         help="Streaming client against an OpenAI-compatible server (--base-url), or, without it, "
-             "a local `weft serve` compared with the offline engine.",
+        "a local `weft serve` compared with the offline engine.",
         add_arguments=serve_cli.add_arguments,
         run=serve_cli.run,
     ),
     "executor": Subcommand(
         help="Per-step round trip of the multi-process (tensor-parallel) executor vs the in-process one, "
-             "with a model-free worker.",
+        "with a model-free worker.",
         add_arguments=executor_overhead.add_arguments,
         run=executor_overhead.run,
     ),
     "peers": Subcommand(
         help="weft side by side with vLLM's CPU backend and llama.cpp's server (each in its own venv "
-             "under .peers/), interleaved, offline and served; a table, JSON and PNG.",
+        "under .peers/), interleaved, offline and served; a table, JSON and PNG.",
         add_arguments=peers.add_arguments,
         run=peers.run,
     ),
     "profile": Subcommand(
         help="torch.profiler breakdown of decode-64, prefill-2048 and batch-1 decode steps, fused kernels off/on.",
-        add_arguments=profile_bench.add_arguments, run=profile_bench.run,
+        add_arguments=profile_bench.add_arguments,
+        run=profile_bench.run,
     ),
     "pd": Subcommand(
         help="Disaggregated prefill/decode (pd-proxy, two servers, kv-transfer) vs one colocated server, "
-             "with the pd-mixed workload; and the KV transfer cost per block.",
+        "with the pd-mixed workload; and the KV transfer cost per block.",
         add_arguments=pd.add_arguments,
         run=pd.run,
     ),
@@ -275,6 +327,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         run=make_workload.run,
     ),
 }
+
 
 # Benchmarks that parse their own command line (the soak passes what it does
 # not know on to `weft serve`); `weft bench NAME ...` hands them the rest.

@@ -15,6 +15,7 @@ of that forward. The forward includes the LM head on the rows that sample, as
 any engine must compute those logits; what is left is scheduling, input
 preparation, sampling, output processing and detokenization.
 """
+
 from __future__ import annotations
 
 import gc
@@ -63,7 +64,9 @@ class StepRecorder:
         engine.executor.execute_model = timed_execute
 
 
-def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) -> tuple[BenchResult, dict[str, Any]]:
+def run_weft_recorded(
+    workload: Workload, use_tqdm: bool, **engine_args: Any
+) -> tuple[BenchResult, dict[str, Any]]:
     """The throughput run with its steps recorded, then the forward-only replay."""
     from services import LLM, SamplingParams
 
@@ -71,7 +74,9 @@ def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) ->
     recorder = StepRecorder()
     recorder.attach(llm.engine)
     prompts = [r.prompt_token_ids for r in workload.requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests
+    ]
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -81,10 +86,18 @@ def run_weft_recorded(workload: Workload, use_tqdm: bool, **engine_args: Any) ->
         llm.shutdown()
     config = llm.config
     result = BenchResult(
-        backend="weft", num_requests=len(outputs), prompt_tokens=workload.num_prompt_tokens,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs), elapsed_s=elapsed, cpu_s=cpu,
-        details={"dtype": config.model.dtype, "device": config.device.device,
-                 "torch_threads": config.device.num_threads})
+        backend="weft",
+        num_requests=len(outputs),
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed_s=elapsed,
+        cpu_s=cpu,
+        details={
+            "dtype": config.model.dtype,
+            "device": config.device.device,
+            "torch_threads": config.device.num_threads,
+        },
+    )
     # All steps count: one that runs no forward is overhead too.
     step_s = sum(recorder.step_s)
     efficiency = {
@@ -118,11 +131,18 @@ def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> tuple[float,
         for scheduler_output, output in executed:
             batch.update(scheduler_output)
             req_ids = list(scheduler_output.num_scheduled_tokens)
-            step = prepare_step(batch, req_ids, scheduler_output.num_scheduled_tokens, runner.device,
-                                runner.max_decode_group_tokens, attention_backend=runner.attention_backend)
+            step = prepare_step(
+                batch,
+                req_ids,
+                scheduler_output.num_scheduled_tokens,
+                runner.device,
+                runner.max_decode_group_tokens,
+                attention_backend=runner.attention_backend,
+            )
             start, cpu_start = time.perf_counter(), time.process_time()
-            with set_forward_context(step.attn_metadata, runner.kv_caches, runner.attention_backend,
-                                     step.group_metadata):
+            with set_forward_context(
+                step.attn_metadata, runner.kv_caches, runner.attention_backend, step.group_metadata
+            ):
                 hidden = runner.model(step.input_ids, step.positions)  # [T, H]
             if len(step.sample_token_index):
                 runner.model.compute_logits(hidden[torch.from_numpy(step.sample_token_index)])  # [N, V]
@@ -145,8 +165,10 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
             _warm_up_continuous(manager, workload.requests[0].prompt_token_ids)
             start, cpu_start = time.perf_counter(), time.process_time()
             # eos -1 is never sampled: ignore_eos, so lengths are exact.
-            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
-                   for r in workload.requests]
+            ids = [
+                manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
+                for r in workload.requests
+            ]
             results = {}
             while len(results) < len(ids):
                 result = manager.get_result(timeout=_RESULT_TIMEOUT_S)
@@ -161,9 +183,14 @@ def run_hf_continuous(workload: Workload, hf_model: Any) -> BenchResult | str:
         return f"continuous batching failed: {type(e).__name__}: {e}"
     requested = {i: r.max_tokens for i, r in zip(ids, workload.requests)}
     return BenchResult(
-        backend="hf-continuous", num_requests=len(results), prompt_tokens=workload.num_prompt_tokens,
+        backend="hf-continuous",
+        num_requests=len(results),
+        prompt_tokens=workload.num_prompt_tokens,
         output_tokens=sum(min(len(r.generated_tokens), requested[i]) for i, r in results.items()),
-        elapsed_s=elapsed, cpu_s=cpu, details={"dtype": str(hf_model.dtype).removeprefix("torch.")})
+        elapsed_s=elapsed,
+        cpu_s=cpu,
+        details={"dtype": str(hf_model.dtype).removeprefix("torch.")},
+    )
 
 
 def _warm_up_continuous(manager: Any, prompt: list[int]) -> None:
@@ -190,11 +217,20 @@ def spread_subset(workload: Workload, count: int | None) -> Workload:
         raise ValueError(f"the batch-1 subset needs at least one request, got {count}.")
     step = len(workload.requests) / count
     picked = [workload.requests[int(i * step)] for i in range(count)]
-    return msgspec.structs.replace(workload, requests=picked, total_prompt_tokens=None, total_output_tokens=None)
+    return msgspec.structs.replace(
+        workload, requests=picked, total_prompt_tokens=None, total_output_tokens=None
+    )
 
 
-def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], continuous: bool,
-                use_tqdm: bool, bs1_requests: int | None = None, **engine_args: Any) -> dict[str, Any]:
+def run_compare(
+    workload: Workload,
+    model: str | None,
+    batch_sizes: list[int],
+    continuous: bool,
+    use_tqdm: bool,
+    bs1_requests: int | None = None,
+    **engine_args: Any,
+) -> dict[str, Any]:
     import torch
 
     from services.bench.hf_baseline import load_hf_model, run_hf_baseline
@@ -206,7 +242,9 @@ def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], c
     _progress(use_tqdm, f"weft: {weft.output_tokens_per_s:.1f} output tok/s")
     peers: list[BenchResult] = []
     for size in batch_sizes:  # one at a time, each reported as it ends: the small batches take long
-        peers.append(run_hf_baseline(spread_subset(workload, bs1_requests) if size == 1 else workload, hf_model, size))
+        peers.append(
+            run_hf_baseline(spread_subset(workload, bs1_requests) if size == 1 else workload, hf_model, size)
+        )
         _progress(use_tqdm, f"hf static batch {size}: {peers[-1].output_tokens_per_s:.1f} output tok/s")
     notes = []
     if continuous:
@@ -215,11 +253,24 @@ def run_compare(workload: Workload, model: str | None, batch_sizes: list[int], c
             notes.append(cb)
         else:
             peers.append(cb)
-    rows = [{**r.to_dict(), "label": _label(r), "weft_over_peer": weft.output_tokens_per_s / r.output_tokens_per_s,
-             "weft_over_peer_cpu": weft.output_tokens_per_cpu_s / r.output_tokens_per_cpu_s}
-            for r in peers]
-    return {"workload": workload.name, "dtype": weft.details["dtype"], "torch_threads": weft.details["torch_threads"],
-            "weft": weft.to_dict(), "peers": rows, "efficiency": efficiency, "notes": notes}
+    rows = [
+        {
+            **r.to_dict(),
+            "label": _label(r),
+            "weft_over_peer": weft.output_tokens_per_s / r.output_tokens_per_s,
+            "weft_over_peer_cpu": weft.output_tokens_per_cpu_s / r.output_tokens_per_cpu_s,
+        }
+        for r in peers
+    ]
+    return {
+        "workload": workload.name,
+        "dtype": weft.details["dtype"],
+        "torch_threads": weft.details["torch_threads"],
+        "weft": weft.to_dict(),
+        "peers": rows,
+        "efficiency": efficiency,
+        "notes": notes,
+    }
 
 
 def _progress(enabled: bool, line: str) -> None:
@@ -235,20 +286,26 @@ def _label(result: BenchResult) -> str:
 
 def format_compare(report: dict[str, Any]) -> str:
     weft = report["weft"]
-    lines = [f"workload {report['workload']}: dtype {report['dtype']}, {report['torch_threads']} torch threads",
-             f"{'backend':<32}{'time (s)':>10}{'output tok/s':>14}{'weft/peer':>11}"
-             f"{'tok/CPU-s':>11}{'weft/peer':>11}",
-             f"{'weft (offline LLM)':<32}{weft['elapsed_s']:>10.2f}{weft['output_tokens_per_s']:>14.1f}{'':>11}"
-             f"{weft['output_tokens_per_cpu_s']:>11.1f}{'':>11}"]
+    lines = [
+        f"workload {report['workload']}: dtype {report['dtype']}, {report['torch_threads']} torch threads",
+        f"{'backend':<32}{'time (s)':>10}{'output tok/s':>14}{'weft/peer':>11}"
+        f"{'tok/CPU-s':>11}{'weft/peer':>11}",
+        f"{'weft (offline LLM)':<32}{weft['elapsed_s']:>10.2f}{weft['output_tokens_per_s']:>14.1f}{'':>11}"
+        f"{weft['output_tokens_per_cpu_s']:>11.1f}{'':>11}",
+    ]
     for row in report["peers"]:
-        lines.append(f"{row['label']:<32}{row['elapsed_s']:>10.2f}{row['output_tokens_per_s']:>14.1f}"
-                     f"{row['weft_over_peer']:>10.2f}x{row['output_tokens_per_cpu_s']:>11.1f}"
-                     f"{row['weft_over_peer_cpu']:>10.2f}x")
+        lines.append(
+            f"{row['label']:<32}{row['elapsed_s']:>10.2f}{row['output_tokens_per_s']:>14.1f}"
+            f"{row['weft_over_peer']:>10.2f}x{row['output_tokens_per_cpu_s']:>11.1f}"
+            f"{row['weft_over_peer_cpu']:>10.2f}x"
+        )
     e = report["efficiency"]
-    lines.append(f"engine efficiency over {e['steps']} steps: step {e['step_s']:.2f} s, execute_model "
-                 f"{e['execute_model_s']:.2f} s, pure forward {e['forward_s']:.2f} s -> step/forward "
-                 f"{e['step_over_forward']:.3f}, execute/forward {e['execute_over_forward']:.3f}; "
-                 f"in CPU time step {e['step_cpu_s']:.2f} s / forward {e['forward_cpu_s']:.2f} s = "
-                 f"{e['step_over_forward_cpu']:.3f}")
+    lines.append(
+        f"engine efficiency over {e['steps']} steps: step {e['step_s']:.2f} s, execute_model "
+        f"{e['execute_model_s']:.2f} s, pure forward {e['forward_s']:.2f} s -> step/forward "
+        f"{e['step_over_forward']:.3f}, execute/forward {e['execute_over_forward']:.3f}; "
+        f"in CPU time step {e['step_cpu_s']:.2f} s / forward {e['forward_cpu_s']:.2f} s = "
+        f"{e['step_over_forward_cpu']:.3f}"
+    )
     lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 Both become a ``Workload`` (so every bench command takes them the same way)
 with ``ignore_eos`` forced: output lengths are exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,15 @@ from services.bench.workload import (
 )
 
 
-def random_workload(input_len: int, output_len: int, num_prompts: int, vocab_size: int,
-                    seed: int = 0, tokenizer: Any = None) -> Workload:
+def random_workload(
+    input_len: int, output_len: int, num_prompts: int, vocab_size: int, seed: int = 0, tokenizer: Any = None
+) -> Workload:
     """``num_prompts`` prompts of ``input_len`` uniform random token ids."""
-    for name, value in (("input length", input_len), ("output length", output_len), ("num prompts", num_prompts)):
+    for name, value in (
+        ("input length", input_len),
+        ("output length", output_len),
+        ("num prompts", num_prompts),
+    ):
         if value < 1:
             raise ValueError(f"random {name} must be at least 1, got {value}.")
     rng = random.Random(seed)
@@ -50,7 +56,9 @@ def load_sharegpt(path: Path, tokenizer: Any, num_prompts: int | None = None) ->
         prompt_ids = tokenizer.encode(pair[0], add_special_tokens=False)
         output_len = len(tokenizer.encode(pair[1], add_special_tokens=False))
         if prompt_ids and output_len:
-            requests.append(WorkloadRequest(prompt=pair[0], prompt_token_ids=prompt_ids, max_tokens=output_len))
+            requests.append(
+                WorkloadRequest(prompt=pair[0], prompt_token_ids=prompt_ids, max_tokens=output_len)
+            )
         if num_prompts is not None and len(requests) == num_prompts:
             break
     if not requests:

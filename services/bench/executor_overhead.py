@@ -8,6 +8,7 @@ the in-process executor, the same call without any IPC. Each step is a
 steady decode step of N running requests (one token each, a new block for
 one request in 16), with request ids as long as the API's.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,7 +33,9 @@ _PROMPT_LEN = 128
 class DummyWorker:
     """A worker without a model: answers each step as the real runner would, at once."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
         self.config = config
 
     def init_device(self) -> None: ...
@@ -44,8 +47,9 @@ class DummyWorker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[42] for _ in req_ids],
-                                 logprobs=[[] for _ in req_ids])
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[42] for _ in req_ids], logprobs=[[] for _ in req_ids]
+        )
 
     def shutdown(self) -> None: ...
 
@@ -64,8 +68,9 @@ def decode_step(num_requests: int, step: int) -> SchedulerOutput:
 
 def bench_config(tensor_parallel_size: int) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model="none", tokenizer="none", served_model_name="dummy", dtype="float32",
-                          max_model_len=4096),
+        model=ModelConfig(
+            model="none", tokenizer="none", served_model_name="dummy", dtype="float32", max_model_len=4096
+        ),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         device=DeviceConfig(num_threads=1),
     )
@@ -85,24 +90,37 @@ def time_steps(executor, num_requests: int, num_steps: int, num_warmup: int) -> 
     return times
 
 
-def run_executor_bench(tensor_parallel_size: int, request_counts: list[int], num_steps: int,
-                       num_warmup: int = 50) -> dict[str, Any]:
+def run_executor_bench(
+    tensor_parallel_size: int, request_counts: list[int], num_steps: int, num_warmup: int = 50
+) -> dict[str, Any]:
     from services.worker.executor import UniProcExecutor
     from services.worker.multiproc_executor import MultiprocExecutor
 
     if tensor_parallel_size < 2:
-        raise ValueError(f"--tensor-parallel-size must be at least 2 to compare executors, got {tensor_parallel_size}.")
+        raise ValueError(
+            f"--tensor-parallel-size must be at least 2 to compare executors, got {tensor_parallel_size}."
+        )
     rows = []
-    executors = [("uniproc", UniProcExecutor(bench_config(1), worker_class=DUMMY_WORKER)),
-                 (f"multiproc (TP={tensor_parallel_size})",
-                  MultiprocExecutor(bench_config(tensor_parallel_size), worker_class=DUMMY_WORKER))]
+    executors = [
+        ("uniproc", UniProcExecutor(bench_config(1), worker_class=DUMMY_WORKER)),
+        (
+            f"multiproc (TP={tensor_parallel_size})",
+            MultiprocExecutor(bench_config(tensor_parallel_size), worker_class=DUMMY_WORKER),
+        ),
+    ]
     try:
         for num_requests in request_counts:
             size = sum(len(f) for f in Encoder().encode(ExecuteModel(decode_step(num_requests, 0))))
             for name, executor in executors:
                 times = time_steps(executor, num_requests, num_steps, num_warmup)
-                rows.append({"executor": name, "num_requests": num_requests, "message_bytes": size,
-                             **_describe_us(times)})
+                rows.append(
+                    {
+                        "executor": name,
+                        "num_requests": num_requests,
+                        "message_bytes": size,
+                        **_describe_us(times),
+                    }
+                )
     finally:
         for _, executor in executors:
             executor.shutdown()
@@ -111,16 +129,23 @@ def run_executor_bench(tensor_parallel_size: int, request_counts: list[int], num
 
 def _describe_us(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
-    return {"mean_us": statistics.fmean(times) * 1e6, "p50_us": ordered[len(ordered) // 2] * 1e6,
-            "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6}
+    return {
+        "mean_us": statistics.fmean(times) * 1e6,
+        "p50_us": ordered[len(ordered) // 2] * 1e6,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6,
+    }
 
 
 def format_executor_bench(report: dict[str, Any]) -> str:
-    lines = [f"execute_model round trip, model-free worker, {report['num_steps']} decode steps each",
-             f"{'executor':<20}{'requests':>9}{'call bytes':>12}{'mean us':>10}{'p50 us':>10}{'p99 us':>10}"]
+    lines = [
+        f"execute_model round trip, model-free worker, {report['num_steps']} decode steps each",
+        f"{'executor':<20}{'requests':>9}{'call bytes':>12}{'mean us':>10}{'p50 us':>10}{'p99 us':>10}",
+    ]
     for row in report["rows"]:
-        lines.append(f"{row['executor']:<20}{row['num_requests']:>9}{row['message_bytes']:>12}"
-                     f"{row['mean_us']:>10.1f}{row['p50_us']:>10.1f}{row['p99_us']:>10.1f}")
+        lines.append(
+            f"{row['executor']:<20}{row['num_requests']:>9}{row['message_bytes']:>12}"
+            f"{row['mean_us']:>10.1f}{row['p50_us']:>10.1f}{row['p99_us']:>10.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -128,10 +153,16 @@ def format_executor_bench(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--tensor-parallel-size", type=int, default=3,
-                        help="Worker processes of the multi-process executor.")
-    parser.add_argument("--num-requests", type=int, nargs="+", default=[1, 64, 256],
-                        help="Running requests per step (one run each).")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=3, help="Worker processes of the multi-process executor."
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        nargs="+",
+        default=[1, 64, 256],
+        help="Running requests per step (one run each).",
+    )
     parser.add_argument("--num-steps", type=int, default=500, help="Timed steps per run.")
     parser.add_argument("--num-warmup", type=int, default=50, help="Untimed steps first.")
     parser.add_argument("--output-json", default=None, help="Also write the results to this JSON file.")
@@ -144,7 +175,9 @@ def run(args, parser) -> int:
     if min(args.num_requests) < 1 or args.num_steps < 1 or args.num_warmup < 0:
         parser.error("--num-requests and --num-steps must be at least 1, --num-warmup at least 0.")
     try:
-        report = run_executor_bench(args.tensor_parallel_size, args.num_requests, args.num_steps, args.num_warmup)
+        report = run_executor_bench(
+            args.tensor_parallel_size, args.num_requests, args.num_steps, args.num_warmup
+        )
     except ValueError as e:
         parser.error(str(e))
     print(format_executor_bench(report))

@@ -8,6 +8,7 @@
 to check the script itself where there is no GPU; its figures mean nothing.
 Exit status 1 when a check fails (the e2e tokens differ).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,31 @@ from pathlib import Path
 
 # Llama-3-8B's shape (config.json of meta-llama/Meta-Llama-3-8B), for dummy weights.
 LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-    hidden_act="silu", bos_token_id=128000, eos_token_id=128001,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    bos_token_id=128000,
+    eos_token_id=128001,
 )
-TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY = {
+    **LLAMA3_8B,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def report(line: str) -> None:
@@ -66,21 +85,32 @@ def e2e(smoke: bool) -> int:
     tokens = {}
     for backend in ("torch", "triton"):
         os.environ["WEFT_ATTENTION_BACKEND"] = backend
-        llm = LLM(None, device=device_kind(smoke), dtype="float32", max_model_len=512, kv_cache_memory=4 << 30,
-                  max_num_seqs=8, enforce_eager=backend == "torch", num_threads=1)
+        llm = LLM(
+            None,
+            device=device_kind(smoke),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory=4 << 30,
+            max_num_seqs=8,
+            enforce_eager=backend == "torch",
+            num_threads=1,
+        )
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         release(llm)
     pairs = [(a, b) for want, got in zip(tokens["torch"], tokens["triton"]) for a, b in zip(want, got)]
     same = sum(a == b for a, b in pairs)
     ok = tokens["torch"] == tokens["triton"]
-    report(f"e2e greedy, default model fp32, {len(prompts)} prompts x {params.max_tokens} tokens, "
-           f"triton + CUDA graphs vs torch: {same}/{len(pairs)} tokens identical -> {'OK' if ok else 'MISMATCH'}")
+    report(
+        f"e2e greedy, default model fp32, {len(prompts)} prompts x {params.max_tokens} tokens, "
+        f"triton + CUDA graphs vs torch: {same}/{len(pairs)} tokens identical -> {'OK' if ok else 'MISMATCH'}"
+    )
     if not ok:
         report(f"  torch:  {tokens['torch']}\n  triton: {tokens['triton']}")
     return 0 if ok else 1
 
 
 # --- kernel timings -------------------------------------------------------------------------------
+
 
 def kernels(smoke: bool) -> int:
     import torch
@@ -89,15 +119,22 @@ def kernels(smoke: bool) -> int:
         shapes = [("decode", 2, 64), ("prefill", 1, 32)]
         heads, kv_heads, head_dim, dtype = 4, 2, 64, torch.float32
     else:
-        shapes = [("decode", 1, 8192), ("decode", 32, 2048), ("decode", 256, 1024), ("prefill", 1, 2048),
-                  ("prefill", 8, 512)]
+        shapes = [
+            ("decode", 1, 8192),
+            ("decode", 32, 2048),
+            ("decode", 256, 1024),
+            ("prefill", 1, 2048),
+            ("prefill", 8, 512),
+        ]
         heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     for kind, batch, length in shapes:
         triton_ms, sdpa_ms = _time_attention(kind, batch, length, heads, kv_heads, head_dim, dtype, smoke)
         what = f"ctx={length}" if kind == "decode" else f"len={length}"
-        report(f"kernel {kind} b={batch} {what} (H={heads}, KVH={kv_heads}, D={head_dim}, {str(dtype)[6:]}): "
-               f"triton paged {triton_ms:.3f} ms, torch SDPA (dense K/V) {sdpa_ms:.3f} ms, "
-               f"ratio {triton_ms / sdpa_ms:.2f}")
+        report(
+            f"kernel {kind} b={batch} {what} (H={heads}, KVH={kv_heads}, D={head_dim}, {str(dtype)[6:]}): "
+            f"triton paged {triton_ms:.3f} ms, torch SDPA (dense K/V) {sdpa_ms:.3f} ms, "
+            f"ratio {triton_ms / sdpa_ms:.2f}"
+        )
     return 0
 
 
@@ -113,7 +150,9 @@ def _time_attention(kind, batch, length, heads, kv_heads, head_dim, dtype, smoke
     num_blocks = batch * blocks_per_seq + 1
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
     # Each sequence's blocks scattered over the pool, as a busy server's would be.
-    table = (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).view(batch, -1).int()
+    table = (
+        (torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq] + 1).view(batch, -1).int()
+    )
     q_len = 1 if kind == "decode" else length
     query = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device=device)
     query_start = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device)
@@ -123,8 +162,18 @@ def _time_attention(kind, batch, length, heads, kv_heads, head_dim, dtype, smoke
         paged_attention(query, cache, query_start, seq_lens, table, head_dim**-0.5, max_query_len=q_len)
 
     # The same keys, gathered into dense [B, KVH, S, D] tensors before timing.
-    k = cache[0][:, table.long()].reshape(kv_heads, batch, -1, head_dim)[:, :, :length].transpose(0, 1).contiguous()
-    v = cache[1][:, table.long()].reshape(kv_heads, batch, -1, head_dim)[:, :, :length].transpose(0, 1).contiguous()
+    k = (
+        cache[0][:, table.long()]
+        .reshape(kv_heads, batch, -1, head_dim)[:, :, :length]
+        .transpose(0, 1)
+        .contiguous()
+    )
+    v = (
+        cache[1][:, table.long()]
+        .reshape(kv_heads, batch, -1, head_dim)[:, :, :length]
+        .transpose(0, 1)
+        .contiguous()
+    )
     q = query.view(batch, q_len, heads, head_dim).transpose(1, 2)  # [B, H, q, D]
 
     def run_sdpa():
@@ -145,15 +194,25 @@ def _time_ms(fn, smoke: bool) -> float:
 
 # --- throughput -------------------------------------------------------------------------------
 
+
 def throughput(smoke: bool) -> int:
     from services import LLM
 
     folder = Path(tempfile.mkdtemp(prefix="weft-dummy-8b-"))
     try:
         write_dummy_model(folder, TINY if smoke else LLAMA3_8B)
-        llm = LLM(str(folder), load_format="dummy", device=device_kind(smoke), dtype="float32" if smoke else "bfloat16",
-                  max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False,
-                  kv_cache_memory=(1 << 30) if smoke else (60 << 30), num_threads=1)
+        llm = LLM(
+            str(folder),
+            load_format="dummy",
+            device=device_kind(smoke),
+            dtype="float32" if smoke else "bfloat16",
+            max_model_len=2048,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            enable_prefix_caching=False,
+            kv_cache_memory=(1 << 30) if smoke else (60 << 30),
+            num_threads=1,
+        )
         shape = "tiny smoke model" if smoke else "Llama-3-8B shape, dummy weights, bf16"
         _generate(llm, batch=1, prompt_len=16, max_tokens=4)  # warm-up
         steps = 4 if smoke else 128
@@ -220,7 +279,9 @@ def _generate(llm, batch: int, prompt_len: int, max_tokens: int) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["e2e", "kernels", "throughput"])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreted): checks the script")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreted): checks the script"
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

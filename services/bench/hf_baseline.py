@@ -7,6 +7,7 @@ ignore_eos). Only each request's own ``max_tokens`` count as output; the
 rest of its row is the waste of static batching that continuous batching
 avoids, and is what this baseline is here to show.
 """
+
 from __future__ import annotations
 
 import time

@@ -6,6 +6,7 @@ time until every request of the batch has its first token (the batch's
 prefill, over several steps if the token budget splits it); the decode time
 per token is the rest divided by ``output_len - 1``.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,15 @@ from services.bench.datasets import random_workload
 from services.bench.metrics import describe_ms
 
 
-def run_latency(input_len: int, output_len: int, batch_size: int, num_iters: int,
-                num_iters_warmup: int, quiet: bool = False, **engine_args: Any) -> dict[str, Any]:
+def run_latency(
+    input_len: int,
+    output_len: int,
+    batch_size: int,
+    num_iters: int,
+    num_iters_warmup: int,
+    quiet: bool = False,
+    **engine_args: Any,
+) -> dict[str, Any]:
     from tqdm import tqdm
 
     from services import LLM
@@ -28,8 +36,9 @@ def run_latency(input_len: int, output_len: int, batch_size: int, num_iters: int
     decodes: list[float] = []
     totals: list[float] = []
     try:
-        workload = random_workload(input_len, output_len, batch_size, llm.config.model.vocab_size,
-                                   seed=engine_args.get("seed") or 0)
+        workload = random_workload(
+            input_len, output_len, batch_size, llm.config.model.vocab_size, seed=engine_args.get("seed") or 0
+        )
         prompts = [r.prompt_token_ids for r in workload.requests]
         for _ in tqdm(range(num_iters_warmup), disable=quiet, desc="warm-up"):
             _one_batch(llm, prompts, output_len)
@@ -42,8 +51,11 @@ def run_latency(input_len: int, output_len: int, batch_size: int, num_iters: int
     finally:
         llm.shutdown()
     return {
-        "input_len": input_len, "output_len": output_len, "batch_size": batch_size,
-        "num_iters": num_iters, "dtype": llm.config.model.dtype,
+        "input_len": input_len,
+        "output_len": output_len,
+        "batch_size": batch_size,
+        "num_iters": num_iters,
+        "dtype": llm.config.model.dtype,
         "ttft_ms": describe_ms(ttfts),
         "decode_ms_per_token": describe_ms(decodes),
         "batch_latency_ms": describe_ms(totals),
@@ -62,8 +74,14 @@ def _one_batch(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[flo
     for i, prompt in enumerate(prompts):
         request_id = f"latency-{time.monotonic_ns()}-{i}"
         counts[request_id] = 0
-        llm.engine.add_request(EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt,
-                                                 sampling_params=params, arrival_time=time.time()))
+        llm.engine.add_request(
+            EngineCoreRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                arrival_time=time.time(),
+            )
+        )
     first_done = None
     while llm.engine.has_unfinished_requests():
         for output in llm.engine.step().outputs:

@@ -10,6 +10,7 @@ default model's tokenizer (no special tokens), in the shared workload format
 
     weft bench make-workload pd-mixed
 """
+
 from __future__ import annotations
 
 from services.api.tokenizer import Tokenizer
@@ -49,15 +50,21 @@ def long_prompt(tokenizer: Tokenizer, index: int) -> tuple[str, list[int]]:
 
 def build(tokenizer: Tokenizer) -> dict:
     """The workload as a JSON-ready dict, tokenized with ``tokenizer``."""
-    requests = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
-                 "max_tokens": STREAM_TOKENS} for p in STREAM_PROMPTS]
+    requests = [
+        {
+            "prompt": p,
+            "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
+            "max_tokens": STREAM_TOKENS,
+        }
+        for p in STREAM_PROMPTS
+    ]
     for index in range(3):
         text, ids = long_prompt(tokenizer, index)
         requests.append({"prompt": text, "prompt_token_ids": ids, "max_tokens": LONG_OUTPUT_TOKENS})
     workload = {
         "name": "pd-mixed",
         "description": f"6 streams ({STREAM_TOKENS} output tokens) then 3 prompts of {LONG_PROMPT_TOKENS}+ "
-                       "tokens arriving while they decode; built by `weft bench make-workload pd-mixed`",
+        "tokens arriving while they decode; built by `weft bench make-workload pd-mixed`",
         "ignore_eos": True,
         "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
         "total_output_tokens": sum(r["max_tokens"] for r in requests),

@@ -9,6 +9,7 @@ copies long runs of the prompt. Tokenized with the default model's tokenizer
 
     weft bench make-workload repetitive-8
 """
+
 from __future__ import annotations
 
 from services.api.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ def mul(a, b):
 
 '''
 
-JS_CODE = '''function clamp(value, low, high) {
+JS_CODE = """function clamp(value, low, high) {
   if (value < low) {
     return low;
   }
@@ -40,14 +41,14 @@ JS_CODE = '''function clamp(value, low, high) {
   return value;
 }
 
-'''
+"""
 
 SQL_ROWS = "".join(
     f"INSERT INTO users (id, name, email, active) VALUES ({i}, 'user{i}', 'user{i}@example.com', true);\n"
     for i in range(1, 9)
 )
 
-YAML_RECORD = '''- name: worker
+YAML_RECORD = """- name: worker
   image: weft/worker:latest
   replicas: 2
   resources:
@@ -56,21 +57,28 @@ YAML_RECORD = '''- name: worker
   env:
     - name: LOG_LEVEL
       value: info
-'''
+"""
 
-CHORUS = ("And we sail on, we sail on, over the silver sea,\n"
-          "the wind in the sails and the stars in the sky, calling you home to me.\n")
-VERSE = ("The harbour lights are fading now, the gulls have gone to sleep,\n"
-         "the nets are dry, the boats are tied, the tide is running deep.\n")
+CHORUS = (
+    "And we sail on, we sail on, over the silver sea,\n"
+    "the wind in the sails and the stars in the sky, calling you home to me.\n"
+)
+VERSE = (
+    "The harbour lights are fading now, the gulls have gone to sleep,\n"
+    "the nets are dry, the boats are tied, the tide is running deep.\n"
+)
 
-PARAGRAPH = ("The old lighthouse stood at the end of a narrow spit of rock, and for most of the year "
-             "the only visitors were gulls. Its keeper kept a logbook in which he wrote the weather "
-             "every morning and the ships he saw every afternoon.")
+PARAGRAPH = (
+    "The old lighthouse stood at the end of a narrow spit of rock, and for most of the year "
+    "the only visitors were gulls. Its keeper kept a logbook in which he wrote the weather "
+    "every morning and the ships he saw every afternoon."
+)
 
 TABLE_ROW = "| {n} | sensor-{n} | online | 21.5 C | 45 % |\n"
 
-LOG = "".join(f"2024-05-01 12:00:{s:02d} INFO worker-{s % 3} heartbeat ok, queue=0, latency=3ms\n"
-              for s in range(12))
+LOG = "".join(
+    f"2024-05-01 12:00:{s:02d} INFO worker-{s % 3} heartbeat ok, queue=0, latency=3ms\n" for s in range(12)
+)
 
 
 def prompts() -> list[tuple[str, int]]:
@@ -98,7 +106,7 @@ def build(tokenizer: Tokenizer) -> dict:
     workload = {
         "name": "repetitive-8",
         "description": "8 prompts that repeat code or text and stop inside another copy (n-gram "
-                       "speculative decoding); built by `weft bench make-workload repetitive-8`",
+        "speculative decoding); built by `weft bench make-workload repetitive-8`",
         "ignore_eos": True,
         "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
         "total_output_tokens": sum(r["max_tokens"] for r in requests),

@@ -4,6 +4,7 @@
 tokenized with the default model's tokenizer; the files are committed in
 ``benchmarks/workloads/`` so a benchmark never depends on a tokenizer run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ BUILDERS = {"pd-mixed": make_pd_workload.build, "repetitive-8": make_repetitive_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(BUILDERS))
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="Folder to write NAME.json into (default: the workloads folder).")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="Folder to write NAME.json into (default: the workloads folder).",
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -31,6 +36,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{args.name}.json"
     path.write_text(json.dumps(workload, indent=1) + "\n")
-    print(f"wrote {path}: {len(workload['requests'])} requests, {workload['total_prompt_tokens']} prompt and "
-          f"{workload['total_output_tokens']} output tokens")
+    print(
+        f"wrote {path}: {len(workload['requests'])} requests, {workload['total_prompt_tokens']} prompt and "
+        f"{workload['total_output_tokens']} output tokens"
+    )
     return 0

@@ -11,6 +11,7 @@ Definitions (vLLM's, so the numbers compare):
 - ITL: gaps between consecutive chunks (a chunk may hold several tokens).
 - goodput: requests per second that met every given SLO.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,7 +62,9 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     for item in items or []:
         name, sep, value = item.partition(":")
         if not sep or name not in SLO_METRICS:
-            raise ValueError(f"--goodput takes NAME:MS with NAME one of {', '.join(SLO_METRICS)}; got {item!r}.")
+            raise ValueError(
+                f"--goodput takes NAME:MS with NAME one of {', '.join(SLO_METRICS)}; got {item!r}."
+            )
         try:
             ms = float(value)
         except ValueError:
@@ -102,8 +105,9 @@ def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
     return True
 
 
-def summarize(records: list[RequestRecord], duration_s: float,
-              slos: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    records: list[RequestRecord], duration_s: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The report of one benchmark run of ``duration_s`` wall seconds."""
     assert duration_s > 0, "a run takes some time"
     done = [r for r in records if r.ok]

@@ -9,6 +9,7 @@ conversation's turn 1, then every turn 2, ...), so with a concurrency at or
 below the number of conversations a turn is mostly sent after the previous
 turn of its conversation was answered, as real clients do.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,12 +21,26 @@ from services.bench.workload import Workload, WorkloadRequest
 _FIRST_ID = 1000
 
 
-def multiturn_workload(*, num_conversations: int = 8, num_turns: int = 4, system_len: int = 256,
-                       user_len: int = 32, answer_len: int = 32, output_len: int = 32, vocab_size: int = 49152,
-                       seed: int = 0, tokenizer: Any = None) -> Workload:
+def multiturn_workload(
+    *,
+    num_conversations: int = 8,
+    num_turns: int = 4,
+    system_len: int = 256,
+    user_len: int = 32,
+    answer_len: int = 32,
+    output_len: int = 32,
+    vocab_size: int = 49152,
+    seed: int = 0,
+    tokenizer: Any = None,
+) -> Workload:
     """``num_conversations * num_turns`` requests of ``output_len`` tokens each."""
-    for name, value in (("num_conversations", num_conversations), ("num_turns", num_turns),
-                        ("system_len", system_len), ("user_len", user_len), ("output_len", output_len)):
+    for name, value in (
+        ("num_conversations", num_conversations),
+        ("num_turns", num_turns),
+        ("system_len", system_len),
+        ("user_len", user_len),
+        ("output_len", output_len),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}.")
     if answer_len < 0 or vocab_size <= _FIRST_ID:
@@ -47,7 +62,8 @@ def multiturn_workload(*, num_conversations: int = 8, num_turns: int = 4, system
     return Workload(
         name=f"multiturn-{num_conversations}x{num_turns}",
         description=f"{num_conversations} conversations x {num_turns} turns: system {system_len}, "
-                    f"user {user_len}, answer {answer_len} tokens per turn, {output_len} output tokens, seed {seed}",
+        f"user {user_len}, answer {answer_len} tokens per turn, {output_len} output tokens, seed {seed}",
         requests=requests,
         total_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        total_output_tokens=output_len * len(requests))
+        total_output_tokens=output_len * len(requests),
+    )

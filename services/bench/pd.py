@@ -13,6 +13,7 @@ threads, the prefill and decode engines 1 each.
 
     weft bench pd [--request-rate 2] [--out bench-results/pd]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,19 @@ from services.model_files import REPO_ROOT
 from services.ports import free_port
 
 WORKLOAD = "pd-mixed"  # benchmarks/workloads/pd-mixed.json
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2304", "--max-num-batched-tokens", "512",
-               "--num-gpu-blocks-override", "700", "--max-num-seqs", "16"]
+ENGINE_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "2304",
+    "--max-num-batched-tokens",
+    "512",
+    "--num-gpu-blocks-override",
+    "700",
+    "--max-num-seqs",
+    "16",
+]
 STARTUP_S = 600.0
-
 
 
 class Processes:
@@ -48,8 +58,13 @@ class Processes:
 
     def weft(self, name: str, *argv: str) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=REPO_ROOT,
+            )
 
     def wait_healthy(self, url: str) -> None:
         deadline = time.monotonic() + STARTUP_S
@@ -82,9 +97,28 @@ class Processes:
 def bench_serve(url: str, rate: float, result: Path) -> dict:
     """``weft bench serve`` against ``url``; returns its JSON report."""
     httpx.post(url + "/v1/completions", json={"prompt": "Warm up.", "max_tokens": 4}, timeout=300)
-    subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", url,
-                    "--dataset", WORKLOAD, "--request-rate", str(rate), "--seed", "0",
-                    "--result-json", str(result), "--quiet"], check=True, cwd=REPO_ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--dataset",
+            WORKLOAD,
+            "--request-rate",
+            str(rate),
+            "--seed",
+            "0",
+            "--result-json",
+            str(result),
+            "--quiet",
+        ],
+        check=True,
+        cwd=REPO_ROOT,
+    )
     return json.loads(result.read_text())
 
 
@@ -93,8 +127,9 @@ def run_colocated(out: Path, rate: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     try:
-        procs.weft("serve", "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "2",
-                   *ENGINE_ARGS)
+        procs.weft(
+            "serve", "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "2", *ENGINE_ARGS
+        )
         procs.wait_healthy(url)
         return bench_serve(url, rate, out / "colocated.json")
     finally:
@@ -112,15 +147,38 @@ def run_disaggregated(out: Path, rate: float) -> tuple[dict, dict]:
     try:
         procs.weft("kv-transfer", "kv-transfer", "--host", "127.0.0.1", "--port", str(kv_port))
         for name, port, role in (("prefill", p_port, "kv_producer"), ("decode", d_port, "kv_consumer")):
-            procs.weft(name, "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
-                       "--kv-transfer-config", kv(role), *ENGINE_ARGS)
-        procs.weft("proxy", "pd-proxy", "--prefill", prefill, "--decode", decode, "--host", "127.0.0.1",
-                   "--port", str(proxy_port))
+            procs.weft(
+                name,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num-threads",
+                "1",
+                "--kv-transfer-config",
+                kv(role),
+                *ENGINE_ARGS,
+            )
+        procs.weft(
+            "proxy",
+            "pd-proxy",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(proxy_port),
+        )
         procs.wait_healthy(proxy)
         report = bench_serve(proxy, rate, out / "pd.json")
         metrics = httpx.get(decode + "/metrics", timeout=10).text
-        hits = sum(float(v) for v in re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$",
-                                                 metrics, re.M))
+        hits = sum(
+            float(v)
+            for v in re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M)
+        )
         return report, {"decode_external_prefix_cache_hits": hits, **transfer_log_stats(procs.log_dir)}
     finally:
         procs.close()
@@ -130,13 +188,18 @@ def transfer_log_stats(log_dir: Path) -> dict:
     """Blocks, MiB and ms of the engines' "KV saved/loaded" lines during the run."""
     stats = {}
     for name, verb in (("prefill", "saved"), ("decode", "loaded")):
-        lines = re.findall(rf"KV {verb}: (\d+) blocks, ([\d.]+) MiB in ([\d.]+) ms",
-                           (log_dir / f"{name}.log").read_text(errors="replace"))
+        lines = re.findall(
+            rf"KV {verb}: (\d+) blocks, ([\d.]+) MiB in ([\d.]+) ms",
+            (log_dir / f"{name}.log").read_text(errors="replace"),
+        )
         blocks = sum(int(b) for b, _, _ in lines)
         ms = sum(float(t) for _, _, t in lines)
-        stats[f"{name}_{verb}"] = {"transfers": len(lines), "blocks": blocks,
-                                   "mib": sum(float(m) for _, m, _ in lines),
-                                   "ms_per_block": ms / blocks if blocks else 0.0}
+        stats[f"{name}_{verb}"] = {
+            "transfers": len(lines),
+            "blocks": blocks,
+            "mib": sum(float(m) for _, m, _ in lines),
+            "ms_per_block": ms / blocks if blocks else 0.0,
+        }
     return stats
 
 
@@ -160,14 +223,20 @@ def transfer_cost(num_blocks: int = 128) -> dict:
     ids, hashes = list(range(1, num_blocks + 1)), [i.to_bytes(32, "little") for i in range(num_blocks)]
     results = {}
     port = free_port()
-    service = subprocess.Popen([sys.executable, "-m", "services.cli", "kv-transfer", "--host", "127.0.0.1",
-                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               cwd=REPO_ROOT)
+    service = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "kv-transfer", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT,
+    )
     try:
         with tempfile.TemporaryDirectory() as folder:
-            stores = {"zmq (weft kv-transfer, loopback tcp)":
-                          lambda: ZmqBlockStore(f"tcp://127.0.0.1:{port}", timeout_s=60.0),
-                      "shared storage (safetensors files)": lambda: FileBlockStore(folder)}
+            stores = {
+                "zmq (weft kv-transfer, loopback tcp)": lambda: ZmqBlockStore(
+                    f"tcp://127.0.0.1:{port}", timeout_s=60.0
+                ),
+                "shared storage (safetensors files)": lambda: FileBlockStore(folder),
+            }
             for name, make in stores.items():
                 producer = TransferThread(make(), PagedKVBlocks(caches()), lambda h: h)
                 consumer = TransferThread(make(), PagedKVBlocks(caches()), lambda h: h)
@@ -181,9 +250,12 @@ def transfer_cost(num_blocks: int = 128) -> dict:
                     _, loaded = consumer.take_finished(wait_s=120)
                     load_s = time.perf_counter() - start
                     assert loaded == {"c": num_blocks}, loaded
-                    results[name] = {"bytes_per_block": producer.blocks.block_nbytes, "blocks": num_blocks,
-                                     "save_ms_per_block": saved * 1e3 / num_blocks,
-                                     "load_ms_per_block": load_s * 1e3 / num_blocks}
+                    results[name] = {
+                        "bytes_per_block": producer.blocks.block_nbytes,
+                        "blocks": num_blocks,
+                        "save_ms_per_block": saved * 1e3 / num_blocks,
+                        "load_ms_per_block": load_s * 1e3 / num_blocks,
+                    }
                 finally:
                     producer.close()
                     consumer.close()
@@ -194,16 +266,22 @@ def transfer_cost(num_blocks: int = 128) -> dict:
 
 
 def summary(colocated: dict, pd: dict, pd_extra: dict, transfer: dict) -> str:
-    rows = ["| | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 | output tok/s |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 | output tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in (("colocated (1 engine, 2 threads)", colocated), ("P/D (proxy + prefill + decode)", pd)):
         t, i = r["ttft_ms"], r["itl_ms"]
-        rows.append(f"| {name} | {t['median']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {i['median']:.0f} | "
-                    f"{i['p90']:.0f} | {i['p99']:.0f} | {r['output_throughput']:.1f} |")
+        rows.append(
+            f"| {name} | {t['median']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | {i['median']:.0f} | "
+            f"{i['p90']:.0f} | {i['p99']:.0f} | {r['output_throughput']:.1f} |"
+        )
     rows += ["", "| store | bytes per block | save ms/block | load ms/block |", "|---|---|---|---|"]
     for name, c in transfer.items():
-        rows.append(f"| {name} | {c['bytes_per_block']:,} | {c['save_ms_per_block']:.2f} | "
-                    f"{c['load_ms_per_block']:.2f} |")
+        rows.append(
+            f"| {name} | {c['bytes_per_block']:,} | {c['save_ms_per_block']:.2f} | "
+            f"{c['load_ms_per_block']:.2f} |"
+        )
     rows.append(f"\nduring the P/D run: {json.dumps(pd_extra)}")
     return "\n".join(rows)
 
@@ -220,8 +298,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     transfer = {} if args.skip_transfer_cost else transfer_cost()
     colocated = run_colocated(args.out, args.request_rate)
     pd, pd_extra = run_disaggregated(args.out, args.request_rate)
-    (args.out / "summary.json").write_text(json.dumps(
-        {"request_rate": args.request_rate, "engine_args": ENGINE_ARGS, "colocated": colocated, "pd": pd,
-         "pd_transfers": pd_extra, "transfer_cost": transfer}, indent=2) + "\n")
+    (args.out / "summary.json").write_text(
+        json.dumps(
+            {
+                "request_rate": args.request_rate,
+                "engine_args": ENGINE_ARGS,
+                "colocated": colocated,
+                "pd": pd,
+                "pd_transfers": pd_extra,
+                "transfer_cost": transfer,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(summary(colocated, pd, pd_extra, transfer))
     return 0

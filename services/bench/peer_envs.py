@@ -4,6 +4,7 @@ Each peer gets its own venv under ``.peers/`` (git-ignored), created on first
 use and reused after (a ``.installed`` marker is written once the install
 commands all succeeded). Nothing is ever installed into weft's own venv.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -48,8 +49,10 @@ ENVS = {
 
 def install_commands(env: PeerEnv) -> list[list[str]]:
     """The commands that create ``env`` from nothing (the torchvision fix comes after)."""
-    return [[sys.executable, "-m", "venv", str(env.root)],
-            [str(env.python), "-m", "pip", "install", "--quiet", *env.packages]]
+    return [
+        [sys.executable, "-m", "venv", str(env.root)],
+        [str(env.python), "-m", "pip", "install", "--quiet", *env.packages],
+    ]
 
 
 def ensure(env: PeerEnv, log=print) -> Path:
@@ -79,8 +82,10 @@ def _check_call(argv: list[str]) -> None:
 
 def _imports(python: Path, package: str) -> bool:
     """Whether ``package`` imports in that venv (a package not installed counts as fine)."""
-    code = (f"import importlib.util, sys\nif importlib.util.find_spec({package!r}) is not None:\n"
-            f"    import {package}\n    {package}.__name__")
+    code = (
+        f"import importlib.util, sys\nif importlib.util.find_spec({package!r}) is not None:\n"
+        f"    import {package}\n    {package}.__name__"
+    )
     return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
@@ -94,7 +99,9 @@ def hf_checkpoint(gguf: Path, dtype: str = "float32") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + ".tmp")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+    )
     # transformers marks a GGUF-loaded model as quantized and refuses to save it; its
     # weights are already dequantized to ``dtype``, so drop the mark and save them plain.
     model.hf_quantizer = None

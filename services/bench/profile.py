@@ -10,6 +10,7 @@ kernels, element-wise ops by kind, the rest), so a change to one kind of
 work shows as a shift between groups. On a machine shared with other work
 only the ratio of the interleaved timings means something.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,20 +20,32 @@ from typing import Any
 
 # Self-CPU op name -> group; an op not named here is matched by the prefixes below, else "other".
 _GROUPS = {
-    "mkldnn::_linear_pointwise": "linear", "aten::addmm": "linear", "aten::mm": "linear",
-    "aten::linear": "linear", "aten::matmul": "linear",
+    "mkldnn::_linear_pointwise": "linear",
+    "aten::addmm": "linear",
+    "aten::mm": "linear",
+    "aten::linear": "linear",
+    "aten::matmul": "linear",
     "weft_cpu::paged_decode_attention": "attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::bmm": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "aten::bmm": "attention",
     "aten::_softmax": "attention",
-    "aten::mul": "elementwise: mul", "aten::add": "elementwise: add", "aten::add_": "elementwise: add",
-    "aten::pow": "elementwise: RMSNorm (pow/mean/rsqrt)", "aten::mean": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::rsqrt": "elementwise: RMSNorm (pow/mean/rsqrt)", "aten::sum": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::mul": "elementwise: mul",
+    "aten::add": "elementwise: add",
+    "aten::add_": "elementwise: add",
+    "aten::pow": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::mean": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::rsqrt": "elementwise: RMSNorm (pow/mean/rsqrt)",
+    "aten::sum": "elementwise: RMSNorm (pow/mean/rsqrt)",
     "aten::div": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::silu": "elementwise: silu", "aten::cat": "elementwise: cat/neg (rotary)",
+    "aten::silu": "elementwise: silu",
+    "aten::cat": "elementwise: cat/neg (rotary)",
     "aten::neg": "elementwise: cat/neg (rotary)",
-    "aten::copy_": "copies (copy_/to/index)", "aten::index": "copies (copy_/to/index)",
-    "aten::index_copy_": "copies (copy_/to/index)", "aten::index_put_": "copies (copy_/to/index)",
-    "aten::embedding": "copies (copy_/to/index)", "aten::index_select": "copies (copy_/to/index)",
+    "aten::copy_": "copies (copy_/to/index)",
+    "aten::index": "copies (copy_/to/index)",
+    "aten::index_copy_": "copies (copy_/to/index)",
+    "aten::index_put_": "copies (copy_/to/index)",
+    "aten::embedding": "copies (copy_/to/index)",
+    "aten::index_select": "copies (copy_/to/index)",
 }
 _PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
 
@@ -51,8 +64,11 @@ def group_of(op_name: str) -> str:
 
 def breakdown(events) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(groups, top ops) from ``prof.key_averages()``: self CPU ms and call counts, largest first."""
-    ops = [{"op": e.key, "group": group_of(e.key), "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
-           for e in events if e.self_cpu_time_total > 0]
+    ops = [
+        {"op": e.key, "group": group_of(e.key), "self_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+        for e in events
+        if e.self_cpu_time_total > 0
+    ]
     groups: dict[str, dict[str, Any]] = {}
     for op in ops:
         g = groups.setdefault(op["group"], {"group": op["group"], "self_ms": 0.0, "calls": 0})
@@ -73,9 +89,16 @@ def _requests(llm, num_seqs: int, prompt_len: int, max_tokens: int, tag: str, se
     rng = np.random.default_rng(seed)  # a seed per phase: no prefix-cache hits across phases
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = llm.config.model.vocab_size
-    return [EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=rng.integers(0, vocab, prompt_len).tolist(),
-                              sampling_params=params, arrival_time=time.time(), eos_token_id=None)
-            for i in range(num_seqs)]
+    return [
+        EngineCoreRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=rng.integers(0, vocab, prompt_len).tolist(),
+            sampling_params=params,
+            arrival_time=time.time(),
+            eos_token_id=None,
+        )
+        for i in range(num_seqs)
+    ]
 
 
 def _timed_steps(engine, n: int) -> list[float]:
@@ -159,20 +182,28 @@ def format_profile(report: dict[str, Any]) -> str:
     lines = []
     for run in report["runs"]:
         for shape in run["shapes"]:
-            lines.append(f"\n{shape['shape']}  fused CPU kernels {'on' if run['fused'] else 'off'}: "
-                         f"{shape['step_ms']:.1f} ms/step (median, unprofiled, interleaved)")
+            lines.append(
+                f"\n{shape['shape']}  fused CPU kernels {'on' if run['fused'] else 'off'}: "
+                f"{shape['step_ms']:.1f} ms/step (median, unprofiled, interleaved)"
+            )
             lines.append(f"  {'group':<40}{'self ms/step':>13}{'share':>8}{'calls/step':>11}")
             for g in shape["groups"]:
-                lines.append(f"  {g['group']:<40}{g['self_ms'] / shape['steps']:>13.2f}{g['share']:>8.1%}"
-                             f"{g['calls'] / shape['steps']:>11.0f}")
-            lines.append("  top ops: " + ", ".join(f"{o['op']} {o['self_ms'] / shape['steps']:.2f}"
-                                                     for o in shape["top_ops"][:6]))
+                lines.append(
+                    f"  {g['group']:<40}{g['self_ms'] / shape['steps']:>13.2f}{g['share']:>8.1%}"
+                    f"{g['calls'] / shape['steps']:>11.0f}"
+                )
+            lines.append(
+                "  top ops: "
+                + ", ".join(f"{o['op']} {o['self_ms'] / shape['steps']:.2f}" for o in shape["top_ops"][:6])
+            )
     if len(report["runs"]) == 2:
         off, on = (r["shapes"] for r in report["runs"])
         lines.append("\nfused on / off, step time (interleaved in one process):")
         for a, b in zip(off, on):
-            lines.append(f"  {a['shape']:<14} {a['step_ms']:.1f} -> {b['step_ms']:.1f} ms  "
-                         f"(x{a['step_ms'] / b['step_ms']:.2f} faster)")
+            lines.append(
+                f"  {a['shape']:<14} {a['step_ms']:.1f} -> {b['step_ms']:.1f} ms  "
+                f"(x{a['step_ms'] / b['step_ms']:.2f} faster)"
+            )
     return "\n".join(lines)
 
 
@@ -182,12 +213,25 @@ def format_profile(report: dict[str, Any]) -> str:
 def add_arguments(parser) -> None:
     from services.cli_args import add_engine_args
 
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
-                        help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode.")
-    parser.add_argument("--fused", choices=["on", "off", "both"], default="both",
-                        help="Fused CPU kernels on, off, or off then on in one process (WEFT_CPU_FUSED).")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="Timed rounds per shape, the modes' steps interleaved round by round.")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=list(SHAPES),
+        default=list(SHAPES),
+        help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode.",
+    )
+    parser.add_argument(
+        "--fused",
+        choices=["on", "off", "both"],
+        default="both",
+        help="Fused CPU kernels on, off, or off then on in one process (WEFT_CPU_FUSED).",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="Timed rounds per shape, the modes' steps interleaved round by round.",
+    )
     parser.add_argument("--output-json", default=None, help="Also write the results to this JSON file.")
     add_engine_args(parser)
 

@@ -7,6 +7,7 @@ both output token rates, their ratio, and the cores the API process used
 (its CPU time over the timed window's wall time; the engine core is a
 separate process and not counted).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,10 @@ class ServeResult:
         return self.api_cpu_s / self.elapsed_s
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"output_tokens_per_s": self.output_tokens_per_s,
-                                           "api_cores": self.api_cores}
+        return dataclasses.asdict(self) | {
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "api_cores": self.api_cores,
+        }
 
 
 def serve_argv(engine_args: EngineArgs, port: int) -> list[str]:
@@ -67,7 +70,6 @@ def serve_argv(engine_args: EngineArgs, port: int) -> list[str]:
     return argv + ["--data-parallel-size", "1"]
 
 
-
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process (not its children), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -82,8 +84,9 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", *argv],
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", *argv], start_new_session=True
+        )
 
     def wait_healthy(self, deadline_s: float = _STARTUP_DEADLINE_S) -> None:
         import httpx
@@ -115,8 +118,14 @@ class ServerProcess:
         self.proc.wait()
 
 
-def run_serve(workload: Workload, engine_args: EngineArgs, model_name: str, concurrency: int,
-              quiet: bool = True, slos: dict[str, float] | None = None) -> tuple[ServeResult, dict[str, Any]]:
+def run_serve(
+    workload: Workload,
+    engine_args: EngineArgs,
+    model_name: str,
+    concurrency: int,
+    quiet: bool = True,
+    slos: dict[str, float] | None = None,
+) -> tuple[ServeResult, dict[str, Any]]:
     """Start ``weft serve``, warm it up with one request, stream the workload
     through ``serve_client`` (all at once, ``concurrency`` in flight), stop it.
     Returns the run's totals and the client's full metrics report."""
@@ -134,8 +143,12 @@ def run_serve(workload: Workload, engine_args: EngineArgs, model_name: str, conc
         cpu = _cpu_seconds(server.proc.pid) - cpu_before
     finally:
         server.stop()
-    result = ServeResult(num_requests=report["completed"], output_tokens=report["total_output_tokens"],
-                         elapsed_s=report["duration_s"], api_cpu_s=cpu)
+    result = ServeResult(
+        num_requests=report["completed"],
+        output_tokens=report["total_output_tokens"],
+        elapsed_s=report["duration_s"],
+        api_cpu_s=cpu,
+    )
     return result, report
 
 

@@ -5,6 +5,7 @@ is (weft, vLLM, a stub), with optional ``--sweep`` and plot. Without it: a
 ``weft serve`` started here with the engine arguments, compared with the
 offline engine on the same workload (``serve.run_serve``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,21 +36,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
-    parser.add_argument("--base-url", default=None,
-                        help="An OpenAI-compatible server, e.g. http://127.0.0.1:8000. Without it, a local "
-                             "`weft serve` is started with the engine arguments and compared with the offline engine.")
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        help="An OpenAI-compatible server, e.g. http://127.0.0.1:8000. Without it, a local "
+        "`weft serve` is started with the engine arguments and compared with the offline engine.",
+    )
     parser.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Requests per second, Poisson arrivals; inf (the default) sends all at once.")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="Requests in flight at most (default: no limit; 64 for a local server).")
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000.")
-    parser.add_argument("--sweep", nargs="+", default=None, metavar="KIND VALUE",
-                        help="rates R1 R2 ... or concurrencies C1 C2 ...: one run per value, and a plot.")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Requests per second, Poisson arrivals; inf (the default) sends all at once.",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="Requests in flight at most (default: no limit; 64 for a local server).",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000.",
+    )
+    parser.add_argument(
+        "--sweep",
+        nargs="+",
+        default=None,
+        metavar="KIND VALUE",
+        help="rates R1 R2 ... or concurrencies C1 C2 ...: one run per value, and a plot.",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="Throughput-vs-latency PNG of a --sweep.")
-    parser.add_argument("--result-json", "--output-json", dest="output_json", type=Path, default=None,
-                        help="Also write the results to this JSON file.")
+    parser.add_argument(
+        "--result-json",
+        "--output-json",
+        dest="output_json",
+        type=Path,
+        default=None,
+        help="Also write the results to this JSON file.",
+    )
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     # --model is the model to request with --base-url (default: the server's first), else the one to serve.
     add_engine_args(parser, skip=("data_parallel_size",))  # one rank: the offline engine's setting
@@ -72,9 +100,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.base_url is None:
         return _run_launched(args, parser, workload, slos)
     base_url = args.base_url.rstrip("/")
-    config = ClientConfig(base_url=base_url, model=args.model or _served_model(base_url, parser),
-                          endpoint=args.endpoint, request_rate=args.request_rate,
-                          max_concurrency=args.max_concurrency, seed=args.seed, quiet=args.quiet)
+    config = ClientConfig(
+        base_url=base_url,
+        model=args.model or _served_model(base_url, parser),
+        endpoint=args.endpoint,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        quiet=args.quiet,
+    )
     if sweep is None:
         report = asyncio.run(run_benchmark(config, workload, slos))
         report["dataset"] = workload.name
@@ -104,13 +138,16 @@ def _parse_sweep(items: list[str] | None) -> tuple[str, list[float]] | None:
         values = [float(v) for v in items[1:]]
     except ValueError:
         raise ValueError(f"--sweep values must be numbers (or inf), got {items[1:]}.") from None
-    if any(v <= 0 for v in values) or (items[0] == "concurrencies" and any(not v.is_integer() for v in values)):
+    if any(v <= 0 for v in values) or (
+        items[0] == "concurrencies" and any(not v.is_integer() for v in values)
+    ):
         raise ValueError("--sweep values must be positive (whole numbers for concurrencies).")
     return items[0], values
 
 
-def _run_sweep(config: ClientConfig, workload: Any, slos: dict[str, float], kind: str,
-               values: list[float], plot: Path) -> dict[str, Any]:
+def _run_sweep(
+    config: ClientConfig, workload: Any, slos: dict[str, float], kind: str, values: list[float], plot: Path
+) -> dict[str, Any]:
     runs = []
     for value in values:
         if kind == "rates":
@@ -118,16 +155,21 @@ def _run_sweep(config: ClientConfig, workload: Any, slos: dict[str, float], kind
         else:
             point = dataclasses.replace(config, max_concurrency=int(value))
         run = asyncio.run(run_benchmark(point, workload, slos))
-        run["swept_value"] = "inf" if math.isinf(value) else (int(value) if kind == "concurrencies" else value)
+        run["swept_value"] = (
+            "inf" if math.isinf(value) else (int(value) if kind == "concurrencies" else value)
+        )
         runs.append(run)
-        print(f"--- {kind[:-1] if kind == 'rates' else 'concurrency'} {run['swept_value']} ---\n{format_report(run)}")
+        print(
+            f"--- {kind[:-1] if kind == 'rates' else 'concurrency'} {run['swept_value']} ---\n{format_report(run)}"
+        )
     plot_sweep(runs, kind, str(plot))
     print(f"plot: {plot}")
     return {"dataset": workload.name, "sweep": kind, "plot": str(plot), "runs": runs}
 
 
-def _run_launched(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Any,
-                  slos: dict[str, float]) -> int:
+def _run_launched(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Any, slos: dict[str, float]
+) -> int:
     from services.bench import throughput
     from services.bench.serve import run_serve
     from services.cli_args import engine_args_from
@@ -141,22 +183,34 @@ def _run_launched(args: argparse.Namespace, parser: argparse.ArgumentParser, wor
     offline = throughput.run_weft(workload, use_tqdm=not args.quiet, **dataclasses.asdict(engine_args))
     throughput.warn_if_short(offline, workload)
     gc.collect()  # the offline engine's memory goes before the server loads its own
-    served, metrics = run_serve(workload, engine_args, config.model.served_model_name, concurrency,
-                                 quiet=args.quiet, slos=slos)
+    served, metrics = run_serve(
+        workload, engine_args, config.model.served_model_name, concurrency, quiet=args.quiet, slos=slos
+    )
     ratio = served.output_tokens_per_s / offline.output_tokens_per_s
-    report = {"workload": workload.name, "model": config.model.served_model_name,
-              "dtype": offline.details["dtype"], "max_concurrency": concurrency,
-              "weft": offline.to_dict(), "serve": served.to_dict(), "serve_metrics": metrics,
-              "serve_over_offline_output_tokens_per_s": ratio}
-    print(f"{format_report(metrics)}\n"
-          f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_output_tokens} output tokens; "
-          f"dtype {report['dtype']}, {concurrency} concurrent streams\n"
-          f"offline LLM.generate: {offline.output_tokens_per_s:8.1f} output tok/s ({offline.elapsed_s:.2f} s)\n"
-          f"weft serve (HTTP)   : {served.output_tokens_per_s:8.1f} output tok/s ({served.elapsed_s:.2f} s)\n"
-          f"serve / offline: {ratio:.3f}; API process: {served.api_cores:.3f} cores")
+    report = {
+        "workload": workload.name,
+        "model": config.model.served_model_name,
+        "dtype": offline.details["dtype"],
+        "max_concurrency": concurrency,
+        "weft": offline.to_dict(),
+        "serve": served.to_dict(),
+        "serve_metrics": metrics,
+        "serve_over_offline_output_tokens_per_s": ratio,
+    }
+    print(
+        f"{format_report(metrics)}\n"
+        f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_output_tokens} output tokens; "
+        f"dtype {report['dtype']}, {concurrency} concurrent streams\n"
+        f"offline LLM.generate: {offline.output_tokens_per_s:8.1f} output tok/s ({offline.elapsed_s:.2f} s)\n"
+        f"weft serve (HTTP)   : {served.output_tokens_per_s:8.1f} output tok/s ({served.elapsed_s:.2f} s)\n"
+        f"serve / offline: {ratio:.3f}; API process: {served.api_cores:.3f} cores"
+    )
     if served.output_tokens != workload.num_output_tokens or metrics["failed"]:
-        print(f"warning: the server produced {served.output_tokens} output tokens, the workload asks for "
-              f"{workload.num_output_tokens}; failures: {metrics['errors']}", file=sys.stderr)
+        print(
+            f"warning: the server produced {served.output_tokens} output tokens, the workload asks for "
+            f"{workload.num_output_tokens}; failures: {metrics['errors']}",
+            file=sys.stderr,
+        )
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

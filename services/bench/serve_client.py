@@ -6,6 +6,7 @@ completion) with ``ignore_eos`` so output lengths are exact, and records
 per-request timestamps for ``metrics.summarize``. Nothing here is weft-specific:
 the tests run it against a stub server too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,12 @@ class ClientConfig:
 
 def request_body(config: ClientConfig, request: WorkloadRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": config.model, "max_tokens": request.max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "model": config.model,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     if config.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": request.prompt}]
@@ -70,14 +75,15 @@ async def send_one(http: Any, config: ClientConfig, request: WorkloadRequest) ->
     chunk_times: list[float] = []
     usage_tokens = None
     try:
-        async with http.stream("POST", config.base_url + config.endpoint,
-                               json=request_body(config, request)) as response:
+        async with http.stream(
+            "POST", config.base_url + config.endpoint, json=request_body(config, request)
+        ) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     raise RuntimeError(f"stream failed: {chunk['error']}")
                 if _chunk_text(chunk) is not None:
@@ -105,7 +111,9 @@ def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
     return delays
 
 
-async def run_benchmark(config: ClientConfig, workload: Workload, slos: dict[str, float] | None = None) -> dict[str, Any]:
+async def run_benchmark(
+    config: ClientConfig, workload: Workload, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Send the whole workload and return ``metrics.summarize``'s report plus the settings."""
     import httpx
     from tqdm import tqdm
@@ -129,9 +137,13 @@ async def run_benchmark(config: ClientConfig, workload: Workload, slos: dict[str
         duration = time.perf_counter() - start
     progress.close()
     report = summarize(list(records), duration, slos)
-    report |= {"request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
-               "max_concurrency": config.max_concurrency, "endpoint": config.endpoint,
-               "model": config.model, "num_prompts": len(workload.requests)}
+    report |= {
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "max_concurrency": config.max_concurrency,
+        "endpoint": config.endpoint,
+        "model": config.model,
+        "num_prompts": len(workload.requests),
+    }
     return report
 
 
@@ -158,12 +170,16 @@ def format_report(report: dict[str, Any]) -> str:
         f"total token throughput (tok/s): {report['total_token_throughput']:.1f}",
     ]
     if "request_goodput" in report:
-        lines.append(f"request goodput (req/s): {report['request_goodput']:.2f} "
-                     f"({report['good_requests']} met {report['goodput_slos_ms']})")
+        lines.append(
+            f"request goodput (req/s): {report['request_goodput']:.2f} "
+            f"({report['good_requests']} met {report['goodput_slos_ms']})"
+        )
     lines.append(f"{'ms':<6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2el"):
         s = report[f"{name}_ms"]
-        lines.append(f"{name.upper():<6}{s['mean']:>10.1f}{s['median']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+        lines.append(
+            f"{name.upper():<6}{s['mean']:>10.1f}{s['median']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ stays ready), then lets the stack quiesce and checks:
 
 Extra arguments go to ``weft serve`` as they are (``-- --max-num-seqs 64``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,13 +88,21 @@ class SoakReport:
 
     @property
     def ok(self) -> bool:
-        return (self.lost == 0 and self.errors_outside_chaos == 0 and self.quiesced
-                and not any(self.leaked_blocks.values()) and self.killed_ranks_serving_again
-                and not self.orphans)  # None (not checked) or empty
+        return (
+            self.lost == 0
+            and self.errors_outside_chaos == 0
+            and self.quiesced
+            and not any(self.leaked_blocks.values())
+            and self.killed_ranks_serving_again
+            and not self.orphans
+        )  # None (not checked) or empty
 
     def table(self) -> str:
-        chaos = f"SIGKILL an engine core every {self.chaos_interval_s:g}s ({len(self.kills)} kills)" \
-            if self.chaos_interval_s else "off"
+        chaos = (
+            f"SIGKILL an engine core every {self.chaos_interval_s:g}s ({len(self.kills)} kills)"
+            if self.chaos_interval_s
+            else "off"
+        )
         causes = ", ".join(f"{k}: {v}" for k, v in sorted(self.failures_by_cause.items())) or "-"
         rate = self.errors_outside_chaos / max(1, self.requests_outside_chaos)
         rows = [
@@ -104,12 +113,17 @@ class SoakReport:
             ("  failed with an error", f"{self.failed_with_error}  ({causes})"),
             ("  left by their client", self.disconnected),
             ("  lost", f"{self.lost}  {dict(self.lost_causes) or ''}"),
-            ("errors outside chaos windows", f"{self.errors_outside_chaos} of {self.requests_outside_chaos} "
-                                             f"({100 * rate:.2f}%)"),
+            (
+                "errors outside chaos windows",
+                f"{self.errors_outside_chaos} of {self.requests_outside_chaos} ({100 * rate:.2f}%)",
+            ),
             ("KV blocks leaked after quiesce", self.leaked_blocks if self.quiesced else "did not quiesce"),
             ("killed ranks serving again", "yes" if self.killed_ranks_serving_again else "NO"),
             *((f"RSS {name} (MiB)", _rss_row(v)) for name, v in sorted(self.rss_mib.items())),
-            ("engine processes left after SIGTERM", "not checked" if self.orphans is None else len(self.orphans)),
+            (
+                "engine processes left after SIGTERM",
+                "not checked" if self.orphans is None else len(self.orphans),
+            ),
             ("verdict", "PASS" if self.ok else "FAIL"),
         ]
         return "\n".join(f"{name:38} {value}" for name, value in rows)
@@ -128,7 +142,9 @@ async def run_soak(stack: Stack, config: SoakConfig, model: str) -> SoakReport:
     """Load ``stack`` (already healthy) for ``config.duration_s``, then quiesce and measure."""
     report = SoakReport(config.duration_s, config.concurrency, config.chaos_interval_s)
     params = ClientParams(model, config.max_tokens, config.disconnect_prob, config.client_timeout_s)
-    limits = httpx.Limits(max_connections=config.concurrency + 8, max_keepalive_connections=config.concurrency)
+    limits = httpx.Limits(
+        max_connections=config.concurrency + 8, max_keepalive_connections=config.concurrency
+    )
     async with httpx.AsyncClient(base_url=stack.url, timeout=None, limits=limits) as http:
         pool = ClientPool(http, params, config.concurrency, config.seed)
         start = time.monotonic()
@@ -147,10 +163,13 @@ async def run_soak(stack: Stack, config: SoakConfig, model: str) -> SoakReport:
             await asyncio.gather(load, return_exceptions=True)
         report.quiesced, report.leaked_blocks, final = await _quiesce(http, config.quiesce_timeout_s)
     rss_end = _rss(stack)
-    report.rss_mib = {name: [rss_start.get(name), rss_end.get(name)] for name in rss_start.keys() | rss_end.keys()}
+    report.rss_mib = {
+        name: [rss_start.get(name), rss_end.get(name)] for name in rss_start.keys() | rss_end.keys()
+    }
     _count(report, pool.results, start, config.window_grace_s)
     report.killed_ranks_serving_again = all(
-        e.back_at is not None and final.get(e.rank, 0) > e.routed_when_back for e in report.kills)
+        e.back_at is not None and final.get(e.rank, 0) > e.routed_when_back for e in report.kills
+    )
     return report
 
 
@@ -166,8 +185,9 @@ async def _health(http: httpx.AsyncClient) -> dict:
     return (await http.get("/health", timeout=10)).json()
 
 
-async def _chaos(stack: Stack, http: httpx.AsyncClient, config: SoakConfig, start: float,
-                 events: list[ChaosEvent]) -> None:
+async def _chaos(
+    stack: Stack, http: httpx.AsyncClient, config: SoakConfig, start: float, events: list[ChaosEvent]
+) -> None:
     """Kill a ready rank every interval until the load stops; wait for each to come back.
 
     Only while another rank stays ready: the point is a stack that loses a
@@ -217,17 +237,22 @@ async def _quiesce(http: httpx.AsyncClient, timeout_s: float) -> tuple[bool, dic
         health = await _health(http)
         ranks = health["ranks"]
         leaked = {r["rank"]: r["num_blocks"] - 1 - r["num_free_blocks"] for r in ranks}
-        idle = (health.get("admitted", 0) == 0 and all(
-            r["state"] == "ready" and r["num_running"] == 0 and r["num_waiting"] == 0
-            and r.get("num_in_flight", 0) == 0 for r in ranks))
+        idle = health.get("admitted", 0) == 0 and all(
+            r["state"] == "ready"
+            and r["num_running"] == 0
+            and r["num_waiting"] == 0
+            and r.get("num_in_flight", 0) == 0
+            for r in ranks
+        )
         if (idle and not any(leaked.values())) or time.monotonic() > deadline:
             return idle, leaked, {r["rank"]: r["num_routed"] for r in ranks}
         await asyncio.sleep(_POLL_S)
 
 
 def _count(report: SoakReport, results: list[RequestResult], start: float, grace_s: float) -> None:
-    windows = [(e.killed_at, (e.back_at if e.back_at is not None else float("inf")) + grace_s)
-               for e in report.kills]
+    windows = [
+        (e.killed_at, (e.back_at if e.back_at is not None else float("inf")) + grace_s) for e in report.kills
+    ]
     causes: Counter[str] = Counter()
     lost: Counter[str] = Counter()
     for r in results:
@@ -252,14 +277,24 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="weft bench soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="Seconds of load.")
     parser.add_argument("--concurrency", type=int, default=16, help="Clients sending at once.")
-    parser.add_argument("--chaos-interval", type=float, default=None,
-                        help="SIGKILL a random engine core this often (seconds; default: no chaos).")
-    parser.add_argument("--disconnect-prob", type=float, default=0.1, help="Share of clients that hang up early.")
+    parser.add_argument(
+        "--chaos-interval",
+        type=float,
+        default=None,
+        help="SIGKILL a random engine core this often (seconds; default: no chaos).",
+    )
+    parser.add_argument(
+        "--disconnect-prob", type=float, default=0.1, help="Share of clients that hang up early."
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="Largest max_tokens of a random request.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None, help="Model for weft serve (default: SmolLM2-135M-Instruct).")
+    parser.add_argument(
+        "--model", default=None, help="Model for weft serve (default: SmolLM2-135M-Instruct)."
+    )
     parser.add_argument("--data-parallel-size", type=int, default=2, help="Local engine cores.")
-    parser.add_argument("--log-dir", type=Path, default=None, help="Where weft serve's log goes (default: a temp dir).")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="Where weft serve's log goes (default: a temp dir)."
+    )
     parser.add_argument("--output-json", type=Path, default=None, help="Also write the report here.")
     args, serve_args = parser.parse_known_args(argv)
     if args.duration <= 0 or args.concurrency < 1 or not 0 <= args.disconnect_prob <= 1:
@@ -280,14 +315,25 @@ def main(argv: list[str] | None = None) -> int:
 
     files = resolve(args.model)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="weft-soak-"))
-    stack = Stack(["--model", str(files.weights), "--data-parallel-size", str(args.data_parallel_size),
-                   *serve_args], log_dir)
-    config = SoakConfig(duration_s=args.duration, concurrency=args.concurrency, chaos_interval_s=args.chaos_interval,
-                        disconnect_prob=args.disconnect_prob, max_tokens=args.max_tokens, seed=args.seed)
+    stack = Stack(
+        ["--model", str(files.weights), "--data-parallel-size", str(args.data_parallel_size), *serve_args],
+        log_dir,
+    )
+    config = SoakConfig(
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        chaos_interval_s=args.chaos_interval,
+        disconnect_prob=args.disconnect_prob,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
     try:
         served = stack.wait_healthy()
-        print(f"Stack ready ({len(served['ranks'])} engine cores); soaking for {args.duration:.0f}s. "
-              f"Log: {stack.log_path}", file=sys.stderr)
+        print(
+            f"Stack ready ({len(served['ranks'])} engine cores); soaking for {args.duration:.0f}s. "
+            f"Log: {stack.log_path}",
+            file=sys.stderr,
+        )
         report = asyncio.run(run_soak(stack, config, files.name))
         stack.stop()
         report.orphans = stack.survivors()

@@ -11,6 +11,7 @@ Every request ends one of four ways, judged only from what the client saw:
   ``[DONE]``, a malformed body, no answer within the client timeout. A
   serving stack must never lose a request, whatever happens to its parts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,15 @@ import httpx
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _MAX_RETRY_WAIT_S = 5.0
-_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
-            "Translate to French: good morning", "The quick brown fox", "import numpy as np\n"]
+_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "List three colors:",
+    "Translate to French: good morning",
+    "The quick brown fox",
+    "import numpy as np\n",
+]
 
 
 @dataclass
@@ -53,10 +61,16 @@ class ClientParams:
 def random_body(rng: random.Random, params: ClientParams) -> tuple[str, dict[str, Any]]:
     """A valid request with random sampling parameters."""
     endpoint = rng.choice([COMPLETIONS, CHAT])
-    body: dict[str, Any] = {"model": params.model, "max_tokens": rng.randint(1, params.max_tokens),
-                            "stream": rng.random() < 0.5, "n": rng.choice([1, 1, 1, 2]),
-                            "temperature": rng.choice([0.0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9]),
-                            "seed": rng.randint(0, 2**31), "ignore_eos": rng.random() < 0.5}
+    body: dict[str, Any] = {
+        "model": params.model,
+        "max_tokens": rng.randint(1, params.max_tokens),
+        "stream": rng.random() < 0.5,
+        "n": rng.choice([1, 1, 1, 2]),
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        "top_p": rng.choice([1.0, 0.9]),
+        "seed": rng.randint(0, 2**31),
+        "ignore_eos": rng.random() < 0.5,
+    }
     if rng.random() < 0.2:
         body["stop"] = [rng.choice([".", "\n", " the"])]
     prompt = rng.choice(_PROMPTS)
@@ -116,8 +130,9 @@ async def _whole(http: httpx.AsyncClient, endpoint: str, body: dict, result: Req
         _error(result, data, response.status_code)
 
 
-async def _stream(http: httpx.AsyncClient, endpoint: str, body: dict, result: RequestResult,
-                  leave_after: int | None) -> None:
+async def _stream(
+    http: httpx.AsyncClient, endpoint: str, body: dict, result: RequestResult, leave_after: int | None
+) -> None:
     finished: set[int] = set()
     error: dict | None = None
     async with http.stream("POST", endpoint, json=body) as response:
@@ -134,7 +149,7 @@ async def _stream(http: httpx.AsyncClient, endpoint: str, body: dict, result: Re
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 _stream_end(result, body["n"], finished, error)
                 return
@@ -148,7 +163,10 @@ async def _stream(http: httpx.AsyncClient, endpoint: str, body: dict, result: Re
             if leave_after is not None and events >= leave_after:
                 result.outcome, result.cause = "disconnected", "client left mid-stream"
                 return
-    result.outcome, result.cause = "lost", f"stream ended without [DONE] after {len(finished)} finished choice(s)"
+    result.outcome, result.cause = (
+        "lost",
+        f"stream ended without [DONE] after {len(finished)} finished choice(s)",
+    )
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -177,9 +195,13 @@ def _error(result: RequestResult, data: Any, status: int) -> None:
 
 def error_kind(message: str) -> str:
     """A short name for an error message, to count failures by cause."""
-    for needle, kind in (("stopped while serving", "engine core died"), ("overloaded", "overloaded"),
-                         ("No engine", "no engine ready"), ("shutting down", "shutting down"),
-                         ("timed out", "timed out")):
+    for needle, kind in (
+        ("stopped while serving", "engine core died"),
+        ("overloaded", "overloaded"),
+        ("No engine", "no engine ready"),
+        ("shutting down", "shutting down"),
+        ("timed out", "timed out"),
+    ):
         if needle in message:
             return kind
     return message[:60]

@@ -6,6 +6,7 @@ one process, and reports both rates, the speed-up and the acceptance figures.
 With ``--max-num-seqs 1`` the requests run one at a time: single-request
 decode speed.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,7 +29,9 @@ def run_spec_comparison(workload: Workload, use_tqdm: bool = False, **engine_arg
         "spec_decode": spec.details.get("spec_decode"),
     }
     if plain.output_tokens_per_cpu_s and spec.output_tokens_per_cpu_s:
-        report["speedup_output_tokens_per_cpu_s"] = spec.output_tokens_per_cpu_s / plain.output_tokens_per_cpu_s
+        report["speedup_output_tokens_per_cpu_s"] = (
+            spec.output_tokens_per_cpu_s / plain.output_tokens_per_cpu_s
+        )
     return report
 
 
@@ -42,8 +45,10 @@ def spec_table(workload: Workload, report: dict[str, Any]) -> str:
     for key, label in (("no_spec", "no spec"), ("spec", "spec")):
         r = report[key]
         per_cpu = r.get("output_tokens_per_cpu_s")
-        lines.append(f"{label:<12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>15.1f}"
-                     f"{per_cpu if per_cpu is not None else float('nan'):>18.1f}")
+        lines.append(
+            f"{label:<12}{r['elapsed_s']:>10.2f}{r['output_tokens_per_s']:>15.1f}"
+            f"{per_cpu if per_cpu is not None else float('nan'):>18.1f}"
+        )
     speedup = f"speed-up {report['speedup_output_tokens_per_s']:.2f}x (wall clock)"
     if "speedup_output_tokens_per_cpu_s" in report:
         speedup += f", {report['speedup_output_tokens_per_cpu_s']:.2f}x (CPU time)"
@@ -51,8 +56,10 @@ def spec_table(workload: Workload, report: dict[str, Any]) -> str:
     stats = report["spec_decode"]
     if stats:
         rates = ", ".join(f"{rate:.2f}" for rate in stats["per_position_acceptance_rate"])
-        lines.append(f"acceptance rate {stats['acceptance_rate']:.1%}, mean accepted length "
-                     f"{stats['mean_accepted_length']:.2f} ({stats['num_accepted_tokens']} of "
-                     f"{stats['num_draft_tokens']} draft tokens, {stats['num_drafts']} drafts); "
-                     f"per position [{rates}]")
+        lines.append(
+            f"acceptance rate {stats['acceptance_rate']:.1%}, mean accepted length "
+            f"{stats['mean_accepted_length']:.2f} ({stats['num_accepted_tokens']} of "
+            f"{stats['num_draft_tokens']} draft tokens, {stats['num_drafts']} drafts); "
+            f"per position [{rates}]"
+        )
     return "\n".join(lines)

@@ -13,6 +13,7 @@ tokens: their tokens/s compare like for like. Besides the two rates, the
 report gives what masking costs per step: the engine's fill, measured
 during the runs, and the worker's unpack-and-apply, timed apart.
 """
+
 from __future__ import annotations
 
 import time
@@ -66,15 +67,22 @@ def run_structured(workload: Workload, use_tqdm: bool = False, **engine_args: An
         totals = llm.engine.scheduler.structured_output_manager.totals
         for kind in ("unconstrained", "constrained", "constrained", "unconstrained"):
             before = _Fill.of(totals)
-            runs[kind].append(_timed_run(llm, workload, constraint if kind == "constrained" else None,
-                                         use_tqdm, kind))
+            runs[kind].append(
+                _timed_run(llm, workload, constraint if kind == "constrained" else None, use_tqdm, kind)
+            )
             if kind == "constrained":
                 fill = fill + (_Fill.of(totals) - before)
         apply_ms = _apply_ms_per_step(fill, llm.config.model.vocab_size, llm.config.device.device)
     finally:
         llm.shutdown()
-    return _report(workload, llm.config.model.served_model_name, _merged(runs["unconstrained"]),
-                   _merged(runs["constrained"]), fill, apply_ms)
+    return _report(
+        workload,
+        llm.config.model.served_model_name,
+        _merged(runs["unconstrained"]),
+        _merged(runs["constrained"]),
+        fill,
+        apply_ms,
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,10 @@ def _warm_up(llm, workload: Workload, constraint) -> None:
     from services import SamplingParams
 
     prompts = [r.prompt_token_ids for r in workload.requests]
-    params = [SamplingParams(temperature=0, max_tokens=min(8, r.max_tokens), ignore_eos=True)
-              for r in workload.requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=min(8, r.max_tokens), ignore_eos=True)
+        for r in workload.requests
+    ]
     constrained = SamplingParams(temperature=0, max_tokens=4, structured_outputs=constraint)
     llm.generate([*prompts, prompts[0]], [*params, constrained], use_tqdm=False)
 
@@ -112,17 +122,23 @@ def _warm_up(llm, workload: Workload, constraint) -> None:
 def _timed_run(llm, workload: Workload, constraint, use_tqdm: bool, backend: str) -> BenchResult:
     from services import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True,
-                             structured_outputs=constraint) for r in workload.requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True, structured_outputs=constraint)
+        for r in workload.requests
+    ]
     prompts = [r.prompt_token_ids for r in workload.requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     finished = [o.outputs[0].finish_reason for o in outputs]
     return BenchResult(
-        backend=backend, num_requests=len(outputs), prompt_tokens=workload.num_prompt_tokens,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs), elapsed_s=elapsed,
-        details={"finish_reasons": {r: finished.count(r) for r in set(finished)}})
+        backend=backend,
+        num_requests=len(outputs),
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        elapsed_s=elapsed,
+        details={"finish_reasons": {r: finished.count(r) for r in set(finished)}},
+    )
 
 
 def _merged(runs: list[BenchResult]) -> BenchResult:
@@ -131,10 +147,13 @@ def _merged(runs: list[BenchResult]) -> BenchResult:
         for reason, count in run.details["finish_reasons"].items():
             reasons[reason] = reasons.get(reason, 0) + count
     return BenchResult(
-        backend=runs[0].backend, num_requests=sum(r.num_requests for r in runs),
-        prompt_tokens=sum(r.prompt_tokens for r in runs), output_tokens=sum(r.output_tokens for r in runs),
+        backend=runs[0].backend,
+        num_requests=sum(r.num_requests for r in runs),
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
         elapsed_s=sum(r.elapsed_s for r in runs),
-        details={"runs": len(runs), "elapsed_s": [r.elapsed_s for r in runs], "finish_reasons": reasons})
+        details={"runs": len(runs), "elapsed_s": [r.elapsed_s for r in runs], "finish_reasons": reasons},
+    )
 
 
 def _apply_ms_per_step(fill: _Fill, vocab_size: int, device: str, repeats: int = 20) -> float:
@@ -149,8 +168,12 @@ def _apply_ms_per_step(fill: _Fill, vocab_size: int, device: str, repeats: int =
 
     rows = max(1, round(fill.rows / max(fill.steps, 1)))
     ids = [str(i) for i in range(rows)]
-    bitmask = np.random.default_rng(0).integers(-2**31, 2**31, (rows, bitmask_words(vocab_size))).astype(np.int32)
-    output = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=bitmask)
+    bitmask = (
+        np.random.default_rng(0).integers(-(2**31), 2**31, (rows, bitmask_words(vocab_size))).astype(np.int32)
+    )
+    output = SchedulerOutput(
+        [], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=bitmask
+    )
     logits = torch.zeros(rows, vocab_size, device=device)
     first_row = {req_id: i for i, req_id in enumerate(ids)}
     apply_grammar_bitmask(logits, output, first_row)  # warm-up
@@ -164,15 +187,25 @@ def _apply_ms_per_step(fill: _Fill, vocab_size: int, device: str, repeats: int =
     return 1000 * (time.perf_counter() - start) / repeats
 
 
-def _report(workload: Workload, model: str, unconstrained: BenchResult, constrained: BenchResult,
-            fill: _Fill, apply_ms: float) -> dict[str, Any]:
+def _report(
+    workload: Workload,
+    model: str,
+    unconstrained: BenchResult,
+    constrained: BenchResult,
+    fill: _Fill,
+    apply_ms: float,
+) -> dict[str, Any]:
     steps = max(fill.steps, 1)
     return {
-        "workload": workload.name, "model": model, "structured": "json",
-        "unconstrained": unconstrained.to_dict(), "constrained": constrained.to_dict(),
-        "constrained_over_unconstrained_output_tokens_per_s":
-            constrained.output_tokens_per_s / unconstrained.output_tokens_per_s,
-        "mask_steps": fill.steps, "mask_rows_per_step": fill.rows / steps,
+        "workload": workload.name,
+        "model": model,
+        "structured": "json",
+        "unconstrained": unconstrained.to_dict(),
+        "constrained": constrained.to_dict(),
+        "constrained_over_unconstrained_output_tokens_per_s": constrained.output_tokens_per_s
+        / unconstrained.output_tokens_per_s,
+        "mask_steps": fill.steps,
+        "mask_rows_per_step": fill.rows / steps,
         # Engine side: filling one step's masks (xgrammar, on the scheduler's thread).
         "mask_fill_ms_per_step": 1000 * fill.seconds / steps,
         # Worker side: unpacking the masks and applying them to one step's logits.
@@ -191,11 +224,17 @@ def structured_table(workload: Workload, report: dict[str, Any]) -> str:
     ]
     for key in ("unconstrained", "constrained"):
         r = report[key]
-        lines.append(f"{key:<16}{r['elapsed_s']:>10.2f}{r['output_tokens']:>15}{r['output_tokens_per_s']:>15.1f}")
-    lines.append(f"constrained / unconstrained output tok/s: "
-                 f"{report['constrained_over_unconstrained_output_tokens_per_s']:.3f}")
-    lines.append(f"mask per step ({report['mask_rows_per_step']:.1f} rows, {report['mask_steps']} steps): "
-                 f"fill {report['mask_fill_ms_per_step']:.3f} ms (engine) + apply "
-                 f"{report['mask_apply_ms_per_step']:.3f} ms (worker); "
-                 f"measured overhead {report['overhead_ms_per_step']:.3f} ms/step")
+        lines.append(
+            f"{key:<16}{r['elapsed_s']:>10.2f}{r['output_tokens']:>15}{r['output_tokens_per_s']:>15.1f}"
+        )
+    lines.append(
+        f"constrained / unconstrained output tok/s: "
+        f"{report['constrained_over_unconstrained_output_tokens_per_s']:.3f}"
+    )
+    lines.append(
+        f"mask per step ({report['mask_rows_per_step']:.1f} rows, {report['mask_steps']} steps): "
+        f"fill {report['mask_fill_ms_per_step']:.3f} ms (engine) + apply "
+        f"{report['mask_apply_ms_per_step']:.3f} ms (worker); "
+        f"measured overhead {report['overhead_ms_per_step']:.3f} ms/step"
+    )
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 Only ``generate`` is timed: model loading, KV cache profiling and warm-up
 are the engine's start-up, not its throughput.
 """
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ The format is described in ``benchmarks/workloads/README.md``. A workload is
 checked whole on load (types, ranges, declared totals), so a benchmark never
 starts on a file it would misreport.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,6 +6,7 @@ prefix can still hit it, until the queue hands the block out again and
 only then is its hash forgotten. The head of the queue is therefore the
 least recently used free block.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -18,8 +19,7 @@ if TYPE_CHECKING:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block",
-                 "next_free_block", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -189,11 +189,15 @@ class BlockPool:
         for run in runs:
             first, last = run[0], run[-1]
             block_size = self._event_block_size
-            self.kv_events.append(BlockStored(
-                block_hashes=[request.block_hashes[i] for i in run],
-                parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
-                token_ids=list(request.all_token_ids[first * block_size:(last + 1) * block_size]),
-                block_size=block_size, medium=self._event_medium))
+            self.kv_events.append(
+                BlockStored(
+                    block_hashes=[request.block_hashes[i] for i in run],
+                    parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
+                    token_ids=list(request.all_token_ids[first * block_size : (last + 1) * block_size]),
+                    block_size=block_size,
+                    medium=self._event_medium,
+                )
+            )
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         same_hash = self.cached_blocks.get(block_hash)
@@ -227,5 +231,7 @@ class BlockPool:
         if not same_hash:
             del self.cached_blocks[block.block_hash]
             if self.kv_events is not None:
-                self.kv_events.append(BlockRemoved(block_hashes=[block.block_hash], medium=self._event_medium))
+                self.kv_events.append(
+                    BlockRemoved(block_hashes=[block.block_hash], medium=self._event_medium)
+                )
         block.block_hash = None

@@ -7,6 +7,7 @@ drains first, up to ``--shutdown-timeout``). Restarting this command later
 brings the ranks back: they say hello again and the API routes to them once
 they are ready. Torch-free itself; only the engine processes load it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,26 +29,54 @@ _WATCH_S = 0.2
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--headless", action="store_true", required=True,
-                        help="Serve an API on another node (the only mode).")
-    parser.add_argument("--dp-start-rank", "--data-parallel-start-rank", dest="start_rank", type=int,
-                        default=0, help="Rank of the first engine core on this node.")
+    parser.add_argument(
+        "--headless", action="store_true", required=True, help="Serve an API on another node (the only mode)."
+    )
+    parser.add_argument(
+        "--dp-start-rank",
+        "--data-parallel-start-rank",
+        dest="start_rank",
+        type=int,
+        default=0,
+        help="Rank of the first engine core on this node.",
+    )
     parser.add_argument("--data-parallel-size", type=int, required=True, help="Engine cores in all.")
-    parser.add_argument("--data-parallel-size-local", type=int, default=None,
-                        help="Engine cores on this node (default: all from the start rank).")
+    parser.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="Engine cores on this node (default: all from the start rank).",
+    )
     parser.add_argument("--data-parallel-address", required=True, help="Host of the API node.")
-    parser.add_argument("--data-parallel-rpc-port", type=int, required=True,
-                        help="Port of the API node's handshake socket.")
+    parser.add_argument(
+        "--data-parallel-rpc-port", type=int, required=True, help="Port of the API node's handshake socket."
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per engine process.")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None,
-                        help="Worker processes per engine core on this node (default: the API's config).")
-    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).")
-    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        help="On SIGTERM, seconds each engine core may take to finish its requests.")
-    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help="Disaggregated prefill/decode role of these engine cores, as JSON "
-                             "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="Worker processes per engine core on this node (default: the API's config).",
+    )
+    parser.add_argument(
+        "--zmq-curve-keys",
+        default=None,
+        metavar="DIR",
+        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="On SIGTERM, seconds each engine core may take to finish its requests.",
+    )
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help="Disaggregated prefill/decode role of these engine cores, as JSON "
+        "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).",
+    )
     args = config_file.parse_args(parser, argv)  # --config FILE.yaml and WEFT_* overrides too
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
@@ -70,8 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.start_rank < 0 or args.data_parallel_size_local < 1:
         parser.error("--dp-start-rank must be >= 0 and --data-parallel-size-local >= 1.")
     if args.start_rank + args.data_parallel_size_local > args.data_parallel_size:
-        parser.error(f"Ranks {args.start_rank}..{args.start_rank + args.data_parallel_size_local - 1} "
-                     f"do not fit in --data-parallel-size {args.data_parallel_size}.")
+        parser.error(
+            f"Ranks {args.start_rank}..{args.start_rank + args.data_parallel_size_local - 1} "
+            f"do not fit in --data-parallel-size {args.data_parallel_size}."
+        )
     if not 1 <= args.data_parallel_rpc_port <= 65535:
         parser.error(f"--data-parallel-rpc-port must be in [1, 65535], got {args.data_parallel_rpc_port}.")
     return args
@@ -79,10 +110,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> EngineCoreArgs:
     """The command line of engine core ``rank``, from this command's."""
-    return EngineCoreArgs(rank=rank, handshake_address=handshake_address, headless=True,
-                          num_threads=args.num_threads, curve_keys=args.zmq_curve_keys,
-                          shutdown_timeout_s=args.shutdown_timeout, tensor_parallel_size=args.tensor_parallel_size,
-                          kv_transfer_config=args.kv_transfer_config)
+    return EngineCoreArgs(
+        rank=rank,
+        handshake_address=handshake_address,
+        headless=True,
+        num_threads=args.num_threads,
+        curve_keys=args.zmq_curve_keys,
+        shutdown_timeout_s=args.shutdown_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_transfer_config=args.kv_transfer_config,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

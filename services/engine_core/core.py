@@ -4,6 +4,7 @@
 The offline ``LLM`` calls it in a loop in-process; the engine-core process
 (serving) calls it from its busy loop between socket reads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,12 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()  # worker processes must not outlive a failed start
             raise
-        logger.info("KV cache: %d blocks of %d tokens (sized in %.1fs)",
-                    self.num_blocks, config.cache.block_size, time.perf_counter() - start)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (sized in %.1fs)",
+            self.num_blocks,
+            config.cache.block_size,
+            time.perf_counter() - start,
+        )
         _check_kv_capacity(config, self.num_blocks)
         self.scheduler = Scheduler(config, self.num_blocks)
         self.engine_index = config.parallel.data_parallel_rank
@@ -95,8 +100,9 @@ class EngineCore:
 
     def _step(self) -> EngineCoreOutputs:
         if not self.has_work():
-            return EngineCoreOutputs(engine_index=self.engine_index,
-                                     scheduler_stats=self.scheduler.make_stats())
+            return EngineCoreOutputs(
+                engine_index=self.engine_index, scheduler_stats=self.scheduler.make_stats()
+            )
         scheduler_output = self.scheduler.schedule()
         # An empty step still reaches the workers while KV transfers are in
         # flight (the plan is set): they report the transfers that finished.
@@ -128,7 +134,8 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: in
     if len(prompt) >= max_model_len:
         raise ValueError(
             f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
-            f"a prompt must be shorter than {max_model_len} tokens to leave room for output.")
+            f"a prompt must be shorter than {max_model_len} tokens to leave room for output."
+        )
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
     if request.sampling_params.n != 1:
@@ -143,4 +150,5 @@ def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
         raise ValueError(
             f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of {block_size}), "
             f"fewer than max_model_len={config.model.max_model_len}. Lower max_model_len or give "
-            f"the cache more memory (kv_cache_memory / gpu_memory_utilization).")
+            f"the cache more memory (kv_cache_memory / gpu_memory_utilization)."
+        )

@@ -12,6 +12,7 @@ Waiting for the API's DRAIN frame, not only for an empty scheduler, closes a
 race: an ADD the API sent just before it saw the notice is queued before the
 DRAIN frame on the same ordered link, so it is served, not dropped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,9 @@ class Drain:
             return
         self._deadline = time.monotonic() + self.timeout_s
         self.requested.set()
-        logger.info("Draining: finishing the requests held (at most %.0fs); signal again to stop now.",
-                    self.timeout_s)
+        logger.info(
+            "Draining: finishing the requests held (at most %.0fs); signal again to stop now.", self.timeout_s
+        )
 
     def stop_reason(self, num_unfinished: int) -> str | None:
         """Why the busy loop should stop now, or None to keep serving."""

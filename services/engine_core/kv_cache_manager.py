@@ -14,6 +14,7 @@ and its group, and a hit of ``n`` blocks needs, per group, the blocks the
 token after the hit will read — all ``n`` for a full group, the ones
 inside the window for a window group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -53,8 +54,13 @@ def _cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
-        group_windows: Sequence[int | None] = (None,), free_out_of_window: bool = True,
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        max_model_len: int,
+        group_windows: Sequence[int | None] = (None,),
+        free_out_of_window: bool = True,
     ) -> None:
         """``group_windows``: each KV cache group's sliding window (None: full attention).
         ``free_out_of_window=False`` keeps window groups' old blocks as a full group would
@@ -103,7 +109,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return GroupBlocks([[] for _ in self.windows]), 0
-        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         num_blocks = len(hashes)
         while True:  # each group may only shorten the hit; stop when all agree
             shortest = num_blocks
@@ -175,7 +181,9 @@ class KVCacheManager:
         hits = getattr(new_computed_blocks, "groups", None)
         if hits is None:  # a plain list: group 0's hits (one group), or no hits at all
             if new_computed_blocks and self.num_groups > 1:
-                raise ValueError("With several KV cache groups, prefix hits come as get_computed_blocks gives them.")
+                raise ValueError(
+                    "With several KV cache groups, prefix hits come as get_computed_blocks gives them."
+                )
             hits = [list(new_computed_blocks)] + [[] for _ in range(self.num_groups - 1)]
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
@@ -249,7 +257,7 @@ class KVCacheManager:
             # A request preempted in the very step that scheduled it never gets
             # them computed: their hashes must go, or a later hit reads garbage.
             # (No one else can hold them: that step makes no prefix lookups.)
-            for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
+            for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
                 if not block.is_null:
                     assert block.ref_cnt == 1, block
                     self.block_pool.uncache_block(block)
@@ -276,8 +284,7 @@ class KVCacheManager:
     def all_blocks_free(self) -> bool:
         """True when every usable block is back in the free queue (no leak)."""
         return (
-            not any(self.tables)
-            and self.block_pool.get_num_free_blocks() == self.block_pool.num_blocks - 1
+            not any(self.tables) and self.block_pool.get_num_free_blocks() == self.block_pool.num_blocks - 1
         )
 
 

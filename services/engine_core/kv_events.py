@@ -6,6 +6,7 @@ thread-safe), sends the batches in order and answers replay requests from
 the last ``buffer_steps`` batches. The wire format is in
 ``protocol/kv_events.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,12 @@ class ZmqEventPublisher:
             self.replay_endpoint = _bind(self._replay, endpoint_for_rank(config.replay_endpoint, rank))
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        logger.info("Rank %d publishes KV cache events on %s (replay: %s).",
-                    rank, self.endpoint, self.replay_endpoint or "off")
+        logger.info(
+            "Rank %d publishes KV cache events on %s (replay: %s).",
+            rank,
+            self.endpoint,
+            self.replay_endpoint or "off",
+        )
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events as a batch; a full queue drops it (counted, logged)."""

@@ -19,6 +19,7 @@ a load that never reports back must not leak its blocks. The worker drops a
 load that outlives its own deadline (``transfer_thread``), which is well
 inside this one, so no late write lands in blocks handed to another request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,18 +66,19 @@ class KVTransferScheduling:
 
     def num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
         """Prompt tokens past the local hit that the connector can load (0: schedule as usual)."""
-        if (self.connector is None or request.num_computed_tokens
-                or request.request_id in self._load_tried):
+        if self.connector is None or request.num_computed_tokens or request.request_id in self._load_tried:
             return 0
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
         assert load_async or num_external == 0, "connectors here load asynchronously"
         return num_external
 
-    def park(self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int,
-             num_external: int) -> bool:
+    def park(
+        self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int, num_external: int
+    ) -> bool:
         """Allocate blocks for the external tokens and wait for them; False if the pool is short."""
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_external, num_hit_tokens, hit_blocks,
-                                                          delay_cache_blocks=True)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_hit_tokens, hit_blocks, delay_cache_blocks=True
+        )
         if new_blocks is None:
             return False
         request.num_computed_tokens = num_hit_tokens
@@ -119,7 +121,8 @@ class KVTransferScheduling:
             self._abandoned[request_id] = (request, time.monotonic() + self.abandon_timeout_s)
             return False, None
         delay_free, params = self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request_id))
+            request, self.kv_cache_manager.get_block_ids(request_id)
+        )
         if delay_free:
             self._held[request_id] = (request, time.monotonic() + self.hold_timeout_s)
         return not delay_free, params
@@ -132,12 +135,18 @@ class KVTransferScheduling:
     def _release_expired(self) -> None:
         now = time.monotonic()
         for request_id in [r for r, (_, deadline) in self._held.items() if deadline <= now]:
-            logger.warning("No save reported for request %s in %.0fs; freeing its blocks.",
-                           request_id, self.hold_timeout_s)
+            logger.warning(
+                "No save reported for request %s in %.0fs; freeing its blocks.",
+                request_id,
+                self.hold_timeout_s,
+            )
             self._release(request_id)
         for request_id in [r for r, (_, deadline) in self._abandoned.items() if deadline <= now]:
-            logger.warning("The load of aborted request %s did not report in %.0fs; freeing its blocks.",
-                           request_id, self.abandon_timeout_s)
+            logger.warning(
+                "The load of aborted request %s did not report in %.0fs; freeing its blocks.",
+                request_id,
+                self.abandon_timeout_s,
+            )
             self.kv_cache_manager.free(self._abandoned.pop(request_id)[0])
             self.connector.forget(request_id)
 

@@ -6,6 +6,7 @@ blocks. The bytes hashed are a msgpack encoding, which is canonical for
 the ints, strings, bytes and None used here; pickle is never involved, so
 hashes are the same in every process and Python version.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,9 @@ def _salt_keys(cache_salt: str | None, block_index: int) -> tuple[str, ...] | No
     return None
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                        max_blocks: int | None = None) -> list[bytes]:
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, max_blocks: int | None = None
+) -> list[bytes]:
     """The hashes an engine gives the prompt's full blocks (the first ``max_blocks``).
 
     For the API's prefix-aware routing: torch-free, and the same chain as
@@ -60,8 +62,9 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: s
     hashes: list[bytes] = []
     parent = None
     for index in range(num_blocks):
-        parent = hash_block_tokens(parent, token_ids[index * block_size:(index + 1) * block_size],
-                                   _salt_keys(cache_salt, index))
+        parent = hash_block_tokens(
+            parent, token_ids[index * block_size : (index + 1) * block_size], _salt_keys(cache_salt, index)
+        )
         hashes.append(parent)
     return hashes
 
@@ -77,7 +80,7 @@ def make_block_hasher(block_size: int) -> BlockHasher:
         parent = request.block_hashes[-1] if request.block_hashes else None
         hashes = []
         for index in range(start, end):
-            tokens = request.all_token_ids[index * block_size:(index + 1) * block_size]
+            tokens = request.all_token_ids[index * block_size : (index + 1) * block_size]
             parent = hash_block_tokens(parent, tokens, _extra_keys(request, index))
             hashes.append(parent)
         return hashes

@@ -19,6 +19,7 @@ SIGTERM drains (``services.engine_core.drain``); a second SIGTERM, the API's
 SHUTDOWN frame or a fatal error stops at once; the death of the launcher
 kills it (Linux), so a crashed API or ``engine-core`` leaves no orphan.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -68,11 +69,22 @@ _STALL_WAIT_S = 0.001
 # A hello can be lost or ignored (the API still thinks an earlier instance of
 # this rank is alive): say it again this often until the API answers.
 _HELLO_RESEND_S = 5.0
+
+
 class EngineCoreProc:
     """Serves one built EngineCore on the API's data sockets until stopped."""
 
-    def __init__(self, engine, ctx: zmq.Context, reply: EngineHandshakeReply, stop: threading.Event,
-                 *, identity: bytes, drain: Drain | None = None, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        ctx: zmq.Context,
+        reply: EngineHandshakeReply,
+        stop: threading.Event,
+        *,
+        identity: bytes,
+        drain: Drain | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.engine = engine
         self.rank = reply.config.parallel.data_parallel_rank
         self._stop = stop  # set by a second signal, a SHUTDOWN frame, or a fatal error
@@ -85,13 +97,20 @@ class EngineCoreProc:
         self._stats_dirty = True  # tell the API our (empty) load at once
         self._stalled = False
         self._latest_stats = SchedulerStats()
-        self._input_sock = make_socket(ctx, zmq.DEALER, reply.input_address, bind=False,
-                                       identity=identity, linger=1000, curve=curve)
-        self._output_sock = make_socket(ctx, zmq.PUSH, reply.output_address, bind=False,
-                                        linger=OUTPUT_LINGER_MS, curve=curve)
+        self._input_sock = make_socket(
+            ctx, zmq.DEALER, reply.input_address, bind=False, identity=identity, linger=1000, curve=curve
+        )
+        self._output_sock = make_socket(
+            ctx, zmq.PUSH, reply.output_address, bind=False, linger=OUTPUT_LINGER_MS, curve=curve
+        )
         # First frame on the input socket: the API's ROUTER learns our identity from it.
-        send(self._input_sock, Encoder(), EngineReady(
-            rank=self.rank, num_blocks=engine.num_blocks, max_model_len=reply.config.model.max_model_len))
+        send(
+            self._input_sock,
+            Encoder(),
+            EngineReady(
+                rank=self.rank, num_blocks=engine.num_blocks, max_model_len=reply.config.model.max_model_len
+            ),
+        )
         self._executor_failed = False
         engine.executor.register_failure_callback(self._on_executor_failure)
         self._input_thread = threading.Thread(target=self._input_loop, name="engine-input", daemon=True)
@@ -154,8 +173,11 @@ class EngineCoreProc:
             self._outputs.put(EngineCoreOutputs(engine_index=self.rank, utility_output=self._call(payload)))
 
     def _call(self, call: UtilityRequest) -> UtilityResult:
-        methods = {UtilityMethod.RESET_PREFIX_CACHE: self.engine.reset_prefix_cache,
-                   UtilityMethod.PAUSE: self.engine.pause, UtilityMethod.RESUME: self.engine.resume}
+        methods = {
+            UtilityMethod.RESET_PREFIX_CACHE: self.engine.reset_prefix_cache,
+            UtilityMethod.PAUSE: self.engine.pause,
+            UtilityMethod.RESUME: self.engine.resume,
+        }
         try:
             return UtilityResult(call.call_id, ok=methods[call.method]())
         except Exception as e:  # the engine keeps serving; the API reports a 500
@@ -179,9 +201,14 @@ class EngineCoreProc:
         except ValueError as e:
             # The request failed on its own; the engine is fine and keeps serving.
             logger.info("Rejected request %s: %s", request.request_id, e)
-            error = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                     finish_reason=FinishReason.ERROR, error=str(e),
-                                     timestamp=time.monotonic(), engine_index=self.rank)
+            error = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=str(e),
+                timestamp=time.monotonic(),
+                engine_index=self.rank,
+            )
             self._outputs.put(EngineCoreOutputs(engine_index=self.rank, outputs=[error]))
 
     def _step(self) -> None:
@@ -193,8 +220,11 @@ class EngineCoreProc:
         # Stats carry deltas (prefix hits, preemptions): a step that counted
         # anything, or whose stats differ in anything but the step counter,
         # must reach the API.
-        changed = stats is not None and (has_deltas(stats) or msgspec.structs.replace(stats, step_counter=0)
-                                         != msgspec.structs.replace(self._latest_stats, step_counter=0))
+        changed = stats is not None and (
+            has_deltas(stats)
+            or msgspec.structs.replace(stats, step_counter=0)
+            != msgspec.structs.replace(self._latest_stats, step_counter=0)
+        )
         self._stalled = not (outputs.outputs or changed)
         if stats is not None:
             self._latest_stats = stats
@@ -234,14 +264,20 @@ class EngineCoreProc:
     # ---- input thread
 
     def _input_loop(self) -> None:
-        decoders = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
-                    EngineCoreRequestType.ABORT: Decoder(list[str]),
-                    EngineCoreRequestType.UTILITY: Decoder(UtilityRequest)}
+        decoders = {
+            EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: Decoder(list[str]),
+            EngineCoreRequestType.UTILITY: Decoder(UtilityRequest),
+        }
         while not self._goodbye_now.is_set():
             if self._input_sock.poll(_POLL_MS):
                 self._read_input(decoders)
             if self._drain.requested.is_set() and not self._drain.announced:
-                send(self._input_sock, Encoder(), EngineDraining(rank=self.rank, timeout_s=self._drain.timeout_s))
+                send(
+                    self._input_sock,
+                    Encoder(),
+                    EngineDraining(rank=self.rank, timeout_s=self._drain.timeout_s),
+                )
                 self._drain.announced = True
         self._say_goodbye()
 
@@ -252,8 +288,12 @@ class EngineCoreProc:
         except ValueError as e:
             self._num_dropped += 1
             if self._num_dropped % 100 == 1:  # a flood of garbage must not flood the log
-                logger.warning("Rank %d dropped a malformed input message (%d so far): %s",
-                               self.rank, self._num_dropped, e)
+                logger.warning(
+                    "Rank %d dropped a malformed input message (%d so far): %s",
+                    self.rank,
+                    self._num_dropped,
+                    e,
+                )
             return
         if kind is EngineCoreRequestType.SHUTDOWN:
             self._reason = "the API asked it to stop"
@@ -293,9 +333,17 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
     return kind, decoders[kind].decode(body)
 
 
-def handshake(ctx: zmq.Context, *, rank: int, address: str, local: bool, headless: bool,
-              stop: threading.Event, identity: bytes, curve: CurveKeys | None = None
-              ) -> EngineHandshakeReply | None:
+def handshake(
+    ctx: zmq.Context,
+    *,
+    rank: int,
+    address: str,
+    local: bool,
+    headless: bool,
+    stop: threading.Event,
+    identity: bytes,
+    curve: CurveKeys | None = None,
+) -> EngineHandshakeReply | None:
     """Say hello to the API and return its reply (None if stopped meanwhile).
 
     ``identity`` is this process's (``instance_identity``): the API binds the
@@ -318,13 +366,16 @@ def handshake(ctx: zmq.Context, *, rank: int, address: str, local: bool, headles
                     logger.warning("Rank %d dropped a malformed handshake reply: %s", rank, e)
                     continue
                 if reply.config.parallel.data_parallel_rank != rank:
-                    raise ValueError(f"The API sent the config of rank "
-                                     f"{reply.config.parallel.data_parallel_rank} to rank {rank}.")
+                    raise ValueError(
+                        f"The API sent the config of rank "
+                        f"{reply.config.parallel.data_parallel_rank} to rank {rank}."
+                    )
                 return reply
             now = time.monotonic()
             if now - start > HANDSHAKE_TIMEOUT_S:
-                raise TimeoutError(f"Rank {rank}: no handshake reply from {address} "
-                                   f"in {HANDSHAKE_TIMEOUT_S:.0f}s.")
+                raise TimeoutError(
+                    f"Rank {rank}: no handshake reply from {address} in {HANDSHAKE_TIMEOUT_S:.0f}s."
+                )
             if now - last_log > 10:
                 logger.info("Rank %d is waiting for the API at %s", rank, address)
                 last_log = now
@@ -338,7 +389,9 @@ def with_num_threads(config: EngineConfig, num_threads: int | None) -> EngineCon
         return config
     if num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1, got {num_threads}.")
-    return msgspec.structs.replace(config, device=msgspec.structs.replace(config.device, num_threads=num_threads))
+    return msgspec.structs.replace(
+        config, device=msgspec.structs.replace(config.device, num_threads=num_threads)
+    )
 
 
 def with_tensor_parallel_size(config: EngineConfig, size: int | None) -> EngineConfig:
@@ -347,13 +400,23 @@ def with_tensor_parallel_size(config: EngineConfig, size: int | None) -> EngineC
         return config
     if size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}.")
-    return msgspec.structs.replace(config, parallel=msgspec.structs.replace(config.parallel, tensor_parallel_size=size))
+    return msgspec.structs.replace(
+        config, parallel=msgspec.structs.replace(config.parallel, tensor_parallel_size=size)
+    )
 
 
-def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, headless: bool = False,
-                    num_threads: int | None = None, curve_keys: str | None = None,
-                    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-                    tensor_parallel_size: int | None = None, kv_transfer_config: str | None = None) -> int:
+def run_engine_core(
+    *,
+    rank: int,
+    handshake_address: str,
+    local: bool = False,
+    headless: bool = False,
+    num_threads: int | None = None,
+    curve_keys: str | None = None,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    tensor_parallel_size: int | None = None,
+    kv_transfer_config: str | None = None,
+) -> int:
     stop = threading.Event()
     drain = Drain(stop, shutdown_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -362,8 +425,16 @@ def run_engine_core(*, rank: int, handshake_address: str, local: bool = False, h
     ctx = zmq.Context()
     identity = instance_identity(rank)
     try:
-        reply = handshake(ctx, rank=rank, address=handshake_address, local=local, headless=headless, stop=stop,
-                          identity=identity, curve=curve)
+        reply = handshake(
+            ctx,
+            rank=rank,
+            address=handshake_address,
+            local=local,
+            headless=headless,
+            stop=stop,
+            identity=identity,
+            curve=curve,
+        )
         if reply is None:
             return 0
         config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
@@ -399,8 +470,9 @@ def die_with_launcher() -> None:
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     args = EngineCoreArgs.parse(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s"
+    )
     if args.curve_keys is not None:
         try:
             load_keys(args.curve_keys, CLIENT)  # refuse a bad folder before loading a model

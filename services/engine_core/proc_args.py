@@ -7,6 +7,7 @@ local-engine launcher (``services/api/engine_processes.py``), ``engine-core
 ``EngineCoreArgs.parse``. Each flag is one field below, so a new one cannot
 be passed by one side and unknown to the other. Torch-free: the API imports it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,19 +31,38 @@ class EngineCoreArgs:
     handshake_address: str = field(metadata=_flag("The API's handshake socket address.", kind=str))
     local: bool = field(default=False, metadata=_flag("Started by the API's launcher on its node."))
     headless: bool = field(default=False, metadata=_flag("Started by `engine-core --headless`."))
-    num_threads: int | None = field(default=None, metadata=_flag(
-        "torch threads (default: the config's).", kind=int))
-    tensor_parallel_size: int | None = field(default=None, metadata=_flag(
-        "Worker processes of this engine core (default: the config's).", kind=int))
-    curve_keys: str | None = field(default=None, metadata=_flag(
-        "Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).",
-        flag="--zmq-curve-keys", kind=str, metavar="DIR"))
-    shutdown_timeout_s: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=_flag(
-        "On SIGTERM, seconds to finish the requests held before stopping anyway.",
-        flag="--shutdown-timeout", kind=float))
-    kv_transfer_config: str | None = field(default=None, metadata=_flag(
-        "Disaggregated prefill/decode role of this engine, as JSON (default: the API's config).",
-        kind=str, metavar="JSON"))
+    num_threads: int | None = field(
+        default=None, metadata=_flag("torch threads (default: the config's).", kind=int)
+    )
+    tensor_parallel_size: int | None = field(
+        default=None,
+        metadata=_flag("Worker processes of this engine core (default: the config's).", kind=int),
+    )
+    curve_keys: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).",
+            flag="--zmq-curve-keys",
+            kind=str,
+            metavar="DIR",
+        ),
+    )
+    shutdown_timeout_s: float = field(
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metadata=_flag(
+            "On SIGTERM, seconds to finish the requests held before stopping anyway.",
+            flag="--shutdown-timeout",
+            kind=float,
+        ),
+    )
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Disaggregated prefill/decode role of this engine, as JSON (default: the API's config).",
+            kind=str,
+            metavar="JSON",
+        ),
+    )
 
     def to_argv(self) -> list[str]:
         """The whole command that starts this engine core."""
@@ -71,15 +91,22 @@ def _flag_name(f: dataclasses.Field) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROC_MODULE}",
-                                     description="One data-parallel engine-core process.")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROC_MODULE}", description="One data-parallel engine-core process."
+    )
     for f in dataclasses.fields(EngineCoreArgs):
         meta = f.metadata
         if meta["type"] is None:  # a switch
             parser.add_argument(_flag_name(f), dest=f.name, action="store_true", help=meta["help"])
             continue
         required = f.default is dataclasses.MISSING
-        parser.add_argument(_flag_name(f), dest=f.name, type=meta["type"], required=required,
-                            default=None if required else f.default, metavar=meta["metavar"],
-                            help=meta["help"])
+        parser.add_argument(
+            _flag_name(f),
+            dest=f.name,
+            type=meta["type"],
+            required=required,
+            default=None if required else f.default,
+            metavar=meta["metavar"],
+            help=meta["help"],
+        )
     return parser

@@ -5,6 +5,7 @@ of its tokens (prompt, then outputs) already have KV in the cache. Prefill
 chunks, prefix-cache hits and decodes all just move that number towards
 ``num_tokens``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -109,9 +110,7 @@ class Request:
             self.block_hashes.extend(block_hasher(self))
 
     @classmethod
-    def from_engine_core_request(
-        cls, req: EngineCoreRequest, block_hasher: BlockHasher | None
-    ) -> Request:
+    def from_engine_core_request(cls, req: EngineCoreRequest, block_hasher: BlockHasher | None) -> Request:
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

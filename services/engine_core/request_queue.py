@@ -3,6 +3,7 @@
 Both share one small interface so the scheduler never branches on policy
 except when it picks a preemption victim.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -157,6 +158,4 @@ def create_request_queue(policy: str) -> RequestQueue:
     try:
         return _POLICIES[policy]()
     except KeyError:
-        raise ValueError(
-            f"scheduling policy must be one of {sorted(_POLICIES)}, got {policy!r}."
-        ) from None
+        raise ValueError(f"scheduling policy must be one of {sorted(_POLICIES)}, got {policy!r}.") from None

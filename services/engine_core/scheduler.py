@@ -7,6 +7,7 @@ catches up with its ``num_tokens``. When the KV pool runs dry, running
 requests are preempted by recompute: their blocks are freed and they wait
 again at the front of the queue.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -50,8 +51,7 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
-    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock],
-            is_new: bool) -> None:
+    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], is_new: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
         (self.new_reqs if is_new else self.cached_reqs).append(request)
@@ -168,13 +168,18 @@ class Scheduler:
         self.waiting.remove_requests(queued)
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self.running) or bool(self.waiting) or bool(self.waiting_for_grammar)
-                or self.kv_transfer.has_pending())
+        return (
+            bool(self.running)
+            or bool(self.waiting)
+            or bool(self.waiting_for_grammar)
+            or self.kv_transfer.has_pending()
+        )
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting), the load an engine core reports."""
-        return len(self.running), (len(self.waiting) + len(self.waiting_for_grammar)
-                                   + len(self.kv_transfer.waiting_for_remote))
+        return len(self.running), (
+            len(self.waiting) + len(self.waiting_for_grammar) + len(self.kv_transfer.waiting_for_remote)
+        )
 
     # -------------------------------------------------------------- schedule
 
@@ -211,9 +216,7 @@ class Scheduler:
             request = self.running[index]
             num_drafts = self.spec_decode.num_schedulable_drafts(request)
             num_new = request.num_tokens + num_drafts - request.num_computed_tokens
-            num_new = self._clamp_to_budget(
-                self._clamp_chunk(num_new), request.num_computed_tokens, plan
-            )
+            num_new = self._clamp_to_budget(self._clamp_chunk(num_new), request.num_computed_tokens, plan)
             if num_new == 0:
                 # Its sampled token is not back yet; others may still run.
                 index += 1
@@ -241,7 +244,8 @@ class Scheduler:
             request = self.waiting.peek()
             # A request back from a remote KV load already holds its blocks.
             hit_blocks, num_hit_tokens = (
-                ([], 0) if request.num_computed_tokens else self.kv_cache_manager.get_computed_blocks(request))
+                ([], 0) if request.num_computed_tokens else self.kv_cache_manager.get_computed_blocks(request)
+            )
             num_external = self.kv_transfer.num_external_tokens(request, num_hit_tokens)
             if num_external:
                 if not self.kv_transfer.park(request, hit_blocks, num_hit_tokens, num_external):
@@ -253,9 +257,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > plan.budget:
                 break  # wait for a step with room, keeping arrival order
             num_new = self._clamp_to_budget(num_new, num_computed, plan)
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, num_hit_tokens, hit_blocks
-            )
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -321,7 +323,8 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in plan.cached_reqs],
             new_group_block_ids=(
                 [plan.new_group_block_ids[r.request_id] for r in plan.cached_reqs]
-                if self.kv_cache_manager.num_groups > 1 else []
+                if self.kv_cache_manager.num_groups > 1
+                else []
             ),
         )
         return SchedulerOutput(
@@ -341,23 +344,32 @@ class Scheduler:
         if not self.waiting_for_grammar:
             return
         ready, failed, self.waiting_for_grammar = self.structured_output_manager.split_compiled(
-            self.waiting_for_grammar)
+            self.waiting_for_grammar
+        )
         for request in ready:
             request.status = RequestStatus.WAITING
             self.waiting.requeue(request)
         for request, error in failed:
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
-            self._error_outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
-                events=request.take_events(), error=error))
+            self._error_outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    events=request.take_events(),
+                    error=error,
+                )
+            )
 
     def _attach_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Token masks of the constrained requests that sample this step."""
         scheduled = [self.requests[request_id] for request_id in output.num_scheduled_tokens]
         output.structured_output_request_ids, output.grammar_bitmask = (
             self.structured_output_manager.grammar_bitmask(
-                scheduled, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens))
+                scheduled, output.num_scheduled_tokens, output.scheduled_spec_decode_tokens
+            )
+        )
 
     def _grammar_ends(self, request: Request, token_id: int) -> bool:
         """Advance a constrained request's grammar; True once it ended (or refused)."""
@@ -382,16 +394,14 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted after it was scheduled
-            first_position = (
-                request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request_id]
-            )
+            first_position = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request_id]
             self.spec_decode.apply_output(
-                request, scheduler_output.scheduled_spec_decode_tokens.get(request_id, []),
-                index_of.get(request_id), model_runner_output,
+                request,
+                scheduler_output.scheduled_spec_decode_tokens.get(request_id, []),
+                index_of.get(request_id),
+                model_runner_output,
             )
-            output = self._process_one(
-                request, index_of.get(request_id), first_position, model_runner_output
-            )
+            output = self._process_one(request, index_of.get(request_id), first_position, model_runner_output)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -476,8 +486,9 @@ class Scheduler:
         self._iteration_sum = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=(len(self.waiting) + len(self.waiting_for_grammar)
-                              + len(self.kv_transfer.waiting_for_remote)),
+            num_waiting_reqs=(
+                len(self.waiting) + len(self.waiting_for_grammar) + len(self.kv_transfer.waiting_for_remote)
+            ),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.num_blocks - 1,

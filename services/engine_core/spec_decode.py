@@ -8,6 +8,7 @@ accepted run (1 to drafts + 1 tokens). The drafts it rejected had their KV
 written at positions the request does not own, so ``num_computed_tokens``
 steps back over them; the next step overwrites those slots.
 """
+
 from __future__ import annotations
 
 from protocol import ModelRunnerOutput, SpeculativeConfig
@@ -43,8 +44,9 @@ class SpecDecodeScheduling:
         num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
         return request.spec_token_ids[:num_drafts] if num_drafts > 0 else []
 
-    def apply_output(self, request: Request, drafts: list[int], index: int | None,
-                     runner_output: ModelRunnerOutput) -> None:
+    def apply_output(
+        self, request: Request, drafts: list[int], index: int | None, runner_output: ModelRunnerOutput
+    ) -> None:
         """Roll back the rejected drafts, and keep the drafts proposed for the next step.
 
         Must run before the sampled tokens are appended (the stop checks may
@@ -58,7 +60,9 @@ class SpecDecodeScheduling:
             request.num_computed_tokens -= len(drafts) - num_accepted
             self._record(len(drafts), num_accepted)
         proposals = runner_output.spec_token_ids
-        request.spec_token_ids = list(proposals[index]) if index is not None and index < len(proposals) else []
+        request.spec_token_ids = (
+            list(proposals[index]) if index is not None and index < len(proposals) else []
+        )
 
     # ----------------------------------------------------------------- stats
 

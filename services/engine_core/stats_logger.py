@@ -5,6 +5,7 @@ previous step); every ``interval_s`` it logs one line for the interval that
 just ended. It also keeps the speculative-decoding totals since start, which
 the benchmarks report.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,14 +52,21 @@ class SpecDecodingCounts:
 
     def summary(self) -> str:
         rates = ", ".join(f"{rate:.3f}" for rate in self.per_position_rates())
-        return (f"spec decode: acceptance rate {self.acceptance_rate:.1%}, mean accepted length "
-                f"{self.mean_accepted_length:.2f}, {self.num_draft_tokens} draft tokens in "
-                f"{self.num_drafts} drafts, per-position acceptance [{rates}]")
+        return (
+            f"spec decode: acceptance rate {self.acceptance_rate:.1%}, mean accepted length "
+            f"{self.mean_accepted_length:.2f}, {self.num_draft_tokens} draft tokens in "
+            f"{self.num_drafts} drafts, per-position acceptance [{rates}]"
+        )
 
 
 class EngineStatsLogger:
-    def __init__(self, engine_index: int, spec_decode: bool, interval_s: float = LOG_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine_index: int,
+        spec_decode: bool,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine_index = engine_index
         self.spec_decode = spec_decode
         self.interval_s = interval_s
@@ -83,9 +91,11 @@ class EngineStatsLogger:
             self._interval = SpecDecodingCounts()
 
     def line(self, stats: SchedulerStats, elapsed_s: float) -> str:
-        text = (f"Engine {self.engine_index:03d}: running {stats.num_running_reqs}, waiting "
-                f"{stats.num_waiting_reqs}, KV cache {stats.kv_cache_usage:.1%}, generation "
-                f"{self._num_generated / max(elapsed_s, 1e-9):.1f} tokens/s")
+        text = (
+            f"Engine {self.engine_index:03d}: running {stats.num_running_reqs}, waiting "
+            f"{stats.num_waiting_reqs}, KV cache {stats.kv_cache_usage:.1%}, generation "
+            f"{self._num_generated / max(elapsed_s, 1e-9):.1f} tokens/s"
+        )
         if self.spec_decode:
             text += "; " + self._interval.summary()
         return text

@@ -20,6 +20,7 @@ Requests are the engine core's ``Request`` objects, used by duck typing
 ``status``, ``sampling_params``, ``kv_transfer_params``) so this package
 does not import the engine core.
 """
+
 from __future__ import annotations
 
 import enum

@@ -20,6 +20,7 @@ from reading each other's blocks under equal token hashes. With a keys
 folder (``keys_dir``), blocks are sealed with a keyed MAC and the ZMQ link
 is CurveZMQ (``keys``).
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -87,8 +88,11 @@ class BlockConnector(KVConnectorBase):
         last = first + num_external_tokens // self.block_size
         # Announced blocks may still be on their way: wait for them; found ones are there.
         wait_s = self.options.timeout_s if self._announced_tokens(request) else 0.0
-        self._loads.append(KVBlockTransfer(request.request_id, block_ids[first:last],
-                                           request.block_hashes[first:last], wait_s))
+        self._loads.append(
+            KVBlockTransfer(
+                request.request_id, block_ids[first:last], request.block_hashes[first:last], wait_s
+            )
+        )
         self._in_flight.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
@@ -101,12 +105,14 @@ class BlockConnector(KVConnectorBase):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         if not self._should_save(request):
             return False, None
-        num_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(block_ids),
-                         len(request.block_hashes))
+        num_blocks = min(
+            (request.num_prompt_tokens - 1) // self.block_size, len(block_ids), len(request.block_hashes)
+        )
         if num_blocks == 0:
             return False, KVTransferParams(do_remote_prefill=True, remote_num_tokens=0)
-        self._saves.append(KVBlockTransfer(request.request_id, block_ids[:num_blocks],
-                                           request.block_hashes[:num_blocks]))
+        self._saves.append(
+            KVBlockTransfer(request.request_id, block_ids[:num_blocks], request.block_hashes[:num_blocks])
+        )
         self._in_flight.add(request.request_id)
         return True, KVTransferParams(do_remote_prefill=True, remote_num_tokens=num_blocks * self.block_size)
 
@@ -144,10 +150,15 @@ class BlockConnector(KVConnectorBase):
         from services.kv_transfer.kv_blocks import PagedKVBlocks
         from services.kv_transfer.transfer_thread import TransferThread
 
-        self._thread = TransferThread(self._make_store(), PagedKVBlocks(kv_caches), self.key_of,
-                                      mac_key=self.mac_key, make_store=self._make_store,
-                                      max_concurrent=self.options.max_concurrent,
-                                      timeout_s=self.options.timeout_s)
+        self._thread = TransferThread(
+            self._make_store(),
+            PagedKVBlocks(kv_caches),
+            self.key_of,
+            mac_key=self.mac_key,
+            make_store=self._make_store,
+            max_concurrent=self.options.max_concurrent,
+            timeout_s=self.options.timeout_s,
+        )
 
     @property
     def transfer_stats(self):

@@ -7,6 +7,7 @@ block damaged or forged anywhere on the way -- in a file, in the service's
 memory, on the wire -- is caught at the one place that would otherwise
 load it. Torch-free: the scheduler side probes stores too.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,7 @@ Torch-free: the API process builds the engine config too. Each connector's
 ``kv_connector_extra_config`` is checked against its own Struct here, so a
 misspelt option fails at start-up, not at the first transfer.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -61,8 +62,10 @@ def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransfer
     if value is None:
         return None
     if value.get("kv_connector") not in KV_CONNECTORS:
-        raise ValueError(f"kv_transfer_config needs kv_connector, one of {', '.join(KV_CONNECTORS)}; "
-                         f"got {value.get('kv_connector')!r}.")
+        raise ValueError(
+            f"kv_transfer_config needs kv_connector, one of {', '.join(KV_CONNECTORS)}; "
+            f"got {value.get('kv_connector')!r}."
+        )
     try:
         config = msgspec.convert(value, KVTransferConfig)
     except msgspec.ValidationError as e:
@@ -71,17 +74,21 @@ def resolve_kv_transfer_config(value: dict[str, Any] | str | None) -> KVTransfer
     return config
 
 
-def check_engine_supports(config: KVTransferConfig | None, *, tensor_parallel_size: int,
-                          enable_prefix_caching: bool) -> None:
+def check_engine_supports(
+    config: KVTransferConfig | None, *, tensor_parallel_size: int, enable_prefix_caching: bool
+) -> None:
     """Blocks are named by their prefix-cache hashes, and one worker moves them."""
     if config is None:
         return
     if not enable_prefix_caching:
-        raise ValueError("kv_transfer_config needs prefix caching (KV blocks are named by their "
-                         "prefix-cache hashes): drop --no-enable-prefix-caching.")
+        raise ValueError(
+            "kv_transfer_config needs prefix caching (KV blocks are named by their "
+            "prefix-cache hashes): drop --no-enable-prefix-caching."
+        )
     if tensor_parallel_size != 1:
-        raise ValueError("kv_transfer_config supports tensor_parallel_size 1 only "
-                         f"(got {tensor_parallel_size}).")
+        raise ValueError(
+            f"kv_transfer_config supports tensor_parallel_size 1 only (got {tensor_parallel_size})."
+        )
 
 
 def with_default_keys_dir(config: EngineConfig, curve_keys: str | None) -> EngineConfig:
@@ -102,6 +109,9 @@ def with_kv_transfer_config(config: EngineConfig, value: dict[str, Any] | str | 
     if value is None:
         return config
     kv_transfer = resolve_kv_transfer_config(value)
-    check_engine_supports(kv_transfer, tensor_parallel_size=config.parallel.tensor_parallel_size,
-                          enable_prefix_caching=config.cache.enable_prefix_caching)
+    check_engine_supports(
+        kv_transfer,
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+    )
     return msgspec.structs.replace(config, kv_transfer=kv_transfer)

@@ -3,6 +3,7 @@
 Each is imported only when asked for; none imports torch before its worker
 side starts.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -10,6 +10,7 @@
   does not need: the service stores blocks it cannot forge, and a consumer
   loads only blocks an engine of this deployment sealed.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -11,6 +11,7 @@ Sampling keeps this cheap for any size (16 windows of 64 KiB per file); a
 checkpoint that differs only outside every window (a fine-tune that changes
 a few bytes mid-file) would share a namespace -- recorded as a limit.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -29,6 +29,7 @@ generating for no one; and errors name the role of a failed server, never
 its URL (which only the logs show).
 Torch-free: Starlette, httpx and uvicorn only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,19 +99,31 @@ class BackendPool:
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's request: one token, whole, one choice, KV handed on."""
     # best_of must equal n, which becomes 1 here.
-    prefill = {key: value for key, value in body.items()
-               if key not in ("stream_options", "min_tokens", "best_of")}
-    prefill.update(stream=False, max_tokens=1, n=1,
-                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    prefill = {
+        key: value for key, value in body.items() if key not in ("stream_options", "min_tokens", "best_of")
+    }
+    prefill.update(
+        stream=False,
+        max_tokens=1,
+        n=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
     return prefill
 
 
 class PDProxy:
-    def __init__(self, prefill: BackendPool, decode: BackendPool, client: httpx.AsyncClient | None = None, *,
-                 secret: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        prefill: BackendPool,
+        decode: BackendPool,
+        client: httpx.AsyncClient | None = None,
+        *,
+        secret: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.client = client  # opened with the app when not given
@@ -181,8 +194,9 @@ class PDProxy:
         finally:
             self.prefill.release(url)
         if response.status_code == 403:  # it refused the proxy's own kv_transfer_params: a deployment fault
-            return self._prefill_failed(url, "HTTP 403: it does not trust this proxy "
-                                             "(--kv-transfer-secret-file)")
+            return self._prefill_failed(
+                url, "HTTP 403: it does not trust this proxy (--kv-transfer-secret-file)"
+            )
         if 400 <= response.status_code < 500:
             return Response(response.content, response.status_code, media_type="application/json")
         if response.status_code != 200:
@@ -198,11 +212,13 @@ class PDProxy:
         logger.warning("Prefill at %s failed (%s); the decode server computes the prompt.", url, reason)
         return None
 
-    async def _run_decode(self, client_request: Request, path: str, body: dict, headers: dict,
-                          stream: bool) -> Response:
+    async def _run_decode(
+        self, client_request: Request, path: str, body: dict, headers: dict, stream: bool
+    ) -> Response:
         url = self.decode.acquire()
-        request = self.client.build_request("POST", url + path, json=body, headers=headers,
-                                            timeout=self.timeout)
+        request = self.client.build_request(
+            "POST", url + path, json=body, headers=headers, timeout=self.timeout
+        )
         try:
             # A whole response is read inside send(): a client that leaves meanwhile closes it.
             upstream = await _unless_client_leaves(client_request, self.client.send(request, stream=stream))
@@ -215,18 +231,26 @@ class PDProxy:
             raise
         if not stream:
             self.decode.release(url)
-            return Response(upstream.content, upstream.status_code,
-                            media_type=upstream.headers.get("content-type", "application/json"))
+            return Response(
+                upstream.content,
+                upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+            )
         relay = _Relay(url, upstream, self.decode)
         # The background task also runs when the client left before the first byte.
-        return StreamingResponse(relay.chunks(), status_code=upstream.status_code, background=BackgroundTask(relay.close),
-                                 media_type=upstream.headers.get("content-type", "text/event-stream"))
+        return StreamingResponse(
+            relay.chunks(),
+            status_code=upstream.status_code,
+            background=BackgroundTask(relay.close),
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+        )
 
     async def models(self, request: Request) -> Response:
         url = self.decode.urls[0]
         try:
-            response = await self.client.get(url + "/v1/models", headers=_forwarded_headers(request),
-                                             timeout=self.timeout)
+            response = await self.client.get(
+                url + "/v1/models", headers=_forwarded_headers(request), timeout=self.timeout
+            )
         except httpx.HTTPError as e:
             logger.warning("The decode server %s failed: %s: %s", url, type(e).__name__, e)
             return _error(f"The decode server failed ({type(e).__name__}).", 502)
@@ -244,8 +268,10 @@ class PDProxy:
                     ok = False
                 servers[f"{role}-{i}"] = {"role": role, "healthy": ok, "in_flight": pool.in_flight[url]}
         healthy = all(s["healthy"] for s in servers.values())
-        return JSONResponse({"status": "ok" if healthy else "unavailable", "servers": servers},
-                            status_code=200 if healthy else 503)
+        return JSONResponse(
+            {"status": "ok" if healthy else "unavailable", "servers": servers},
+            status_code=200 if healthy else 503,
+        )
 
 
 class _Relay:
@@ -303,8 +329,9 @@ def _forwarded_headers(request: Request) -> dict[str, str]:
 
 
 def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "proxy_error", "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "proxy_error", "code": status}}, status_code=status
+    )
 
 
 def build_app(proxy: PDProxy) -> Starlette:
@@ -332,22 +359,45 @@ def build_app(proxy: PDProxy) -> Starlette:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weft pd-proxy", description=(
-        "OpenAI-compatible proxy for disaggregated prefill/decode: each request is prefilled on a "
-        "--prefill server (kv_producer) and decoded on a --decode server (kv_consumer)."))
-    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                        help="Prefill servers, e.g. http://127.0.0.1:8100.")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                        help="Decode servers, e.g. http://127.0.0.1:8200.")
+    parser = argparse.ArgumentParser(
+        prog="weft pd-proxy",
+        description=(
+            "OpenAI-compatible proxy for disaggregated prefill/decode: each request is prefilled on a "
+            "--prefill server (kv_producer) and decoded on a --decode server (kv_consumer)."
+        ),
+    )
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="Prefill servers, e.g. http://127.0.0.1:8100.",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="Decode servers, e.g. http://127.0.0.1:8200.",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="How a server is picked in each pool.")
-    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="Larger bodies get a 413 before any leg runs (default 8 MiB).")
-    parser.add_argument("--backend-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
-                        help="Longest wait for a server's next bytes: a whole prefill, or between two "
-                             "chunks of a stream (default 600 s; connecting: 10 s).")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default="round_robin", help="How a server is picked in each pool."
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="Larger bodies get a 413 before any leg runs (default 8 MiB).",
+    )
+    parser.add_argument(
+        "--backend-read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="Longest wait for a server's next bytes: a whole prefill, or between two "
+        "chunks of a stream (default 600 s; connecting: 10 s).",
+    )
     trust.add_secret_arg(parser)
     return parser
 
@@ -358,13 +408,19 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        proxy = PDProxy(BackendPool(args.prefill, args.policy), BackendPool(args.decode, args.policy),
-                        secret=trust.load_secret(args.kv_transfer_secret_file),
-                        max_body_bytes=args.max_request_body_bytes, read_timeout_s=args.backend_read_timeout)
+        proxy = PDProxy(
+            BackendPool(args.prefill, args.policy),
+            BackendPool(args.decode, args.policy),
+            secret=trust.load_secret(args.kv_transfer_secret_file),
+            max_body_bytes=args.max_request_body_bytes,
+            read_timeout_s=args.backend_read_timeout,
+        )
         if proxy.secret is None:
-            logger.warning("No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
-                           "transfer parameters, so every prompt is computed on the decode server.",
-                           trust.ENV)
+            logger.warning(
+                "No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
+                "transfer parameters, so every prompt is computed on the decode server.",
+                trust.ENV,
+            )
     except (ValueError, OSError) as e:
         print(f"weft pd-proxy: {e}", file=sys.stderr)
         return 2

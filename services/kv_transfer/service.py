@@ -21,6 +21,7 @@ sender, a get asks for at most ``MAX_KEYS_PER_GET`` keys and waits at most
 ``MAX_WAIT_MS``, and at most ``MAX_PARKED_GETS`` gets wait at once (more are
 answered at once with what is there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,14 @@ _IDLE_POLL_MS = 100  # how often a quiet service checks for a stop
 
 def entry_size(block: KVBlock) -> int:
     """The bytes a stored block holds, as the memory cap counts them."""
-    return ENTRY_OVERHEAD + block.data.nbytes + len(block.key) + 8 * len(block.shape) + len(block.dtype) \
+    return (
+        ENTRY_OVERHEAD
+        + block.data.nbytes
+        + len(block.key)
+        + 8 * len(block.shape)
+        + len(block.dtype)
         + len(block.mac)
+    )
 
 
 class LRUBlockStore:
@@ -112,9 +119,16 @@ class LRUBlockStore:
 
     def snapshot(self, seq: int) -> KVServiceStats:
         s = self.stats
-        return KVServiceStats(seq=seq, num_blocks=len(self._blocks), num_bytes=self.num_bytes,
-                              max_bytes=self.max_bytes, num_stored=s.num_stored, num_hits=s.num_hits,
-                              num_misses=s.num_misses, num_evicted=s.num_evicted)
+        return KVServiceStats(
+            seq=seq,
+            num_blocks=len(self._blocks),
+            num_bytes=self.num_bytes,
+            max_bytes=self.max_bytes,
+            num_stored=s.num_stored,
+            num_hits=s.num_hits,
+            num_misses=s.num_misses,
+            num_evicted=s.num_evicted,
+        )
 
 
 @dataclass
@@ -125,14 +139,21 @@ class _ParkedGet:
 
 
 class KVTransferService:
-    def __init__(self, address: str, max_bytes: int = DEFAULT_MAX_BYTES, *, curve: CurveKeys | None = None,
-                 max_msg_size: int = DEFAULT_MAX_MSG_SIZE) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        curve: CurveKeys | None = None,
+        max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+    ) -> None:
         self.store = LRUBlockStore(max_bytes)
         self._ctx = zmq.Context()
         # Before the socket binds: no peer is let in unchecked.
         self.auth = ZapAuthenticator(self._ctx, curve) if curve is not None else None
-        self._sock = make_socket(self._ctx, zmq.ROUTER, address, bind=True, curve=curve,
-                                 max_msg_size=max_msg_size)
+        self._sock = make_socket(
+            self._ctx, zmq.ROUTER, address, bind=True, curve=curve, max_msg_size=max_msg_size
+        )
         self.address = bound_address(self._sock)
         self._encoder = Encoder()
         self._decoder = Decoder(KVServiceRequest)
@@ -215,22 +236,42 @@ class KVTransferService:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weft kv-transfer", description=(
-        "The KV transfer service of disaggregated prefill/decode: prefill engines push KV blocks to it, "
-        "decode engines pull them (--kv-transfer-config '{\"kv_connector\": \"ZmqConnector\", ...}')."))
-    parser.add_argument("--host", default=DEFAULT_HOST,
-                        help="Interface to listen on (default loopback; 0.0.0.0 for every interface, with "
-                             "--zmq-curve-keys when other nodes can reach it).")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="Port to listen on (0: any free port).")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                        help="Memory for blocks, bookkeeping included; past it the least recently used are "
-                             "dropped (default 2 GiB).")
-    parser.add_argument("--max-msg-size", type=int, default=DEFAULT_MAX_MSG_SIZE,
-                        help="Largest frame accepted; a peer that sends a bigger one is disconnected "
-                             "(default 64 MiB).")
-    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                        help="A `weft keys` folder: only engines holding its client key may connect "
-                             "(CurveZMQ); give the engines the same folder as keys_dir.")
+    parser = argparse.ArgumentParser(
+        prog="weft kv-transfer",
+        description=(
+            "The KV transfer service of disaggregated prefill/decode: prefill engines push KV blocks to it, "
+            'decode engines pull them (--kv-transfer-config \'{"kv_connector": "ZmqConnector", ...}\').'
+        ),
+    )
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="Interface to listen on (default loopback; 0.0.0.0 for every interface, with "
+        "--zmq-curve-keys when other nodes can reach it).",
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="Port to listen on (0: any free port)."
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="Memory for blocks, bookkeeping included; past it the least recently used are "
+        "dropped (default 2 GiB).",
+    )
+    parser.add_argument(
+        "--max-msg-size",
+        type=int,
+        default=DEFAULT_MAX_MSG_SIZE,
+        help="Largest frame accepted; a peer that sends a bigger one is disconnected (default 64 MiB).",
+    )
+    parser.add_argument(
+        "--zmq-curve-keys",
+        default=None,
+        metavar="DIR",
+        help="A `weft keys` folder: only engines holding its client key may connect "
+        "(CurveZMQ); give the engines the same folder as keys_dir.",
+    )
     return parser
 
 
@@ -239,15 +280,23 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         curve = service_curve_keys(args.zmq_curve_keys) if args.zmq_curve_keys is not None else None
-        service = KVTransferService(tcp_address(args.host, args.port, bind=True), args.max_bytes, curve=curve,
-                                    max_msg_size=args.max_msg_size)
+        service = KVTransferService(
+            tcp_address(args.host, args.port, bind=True),
+            args.max_bytes,
+            curve=curve,
+            max_msg_size=args.max_msg_size,
+        )
     except (ValueError, zmq.ZMQError) as e:
         print(f"weft kv-transfer: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logger.info("KV transfer service listening on %s (%.0f MiB for blocks, %s)", service.address,
-                args.max_bytes / 2**20, "CurveZMQ" if args.zmq_curve_keys else "no authentication")
+    logger.info(
+        "KV transfer service listening on %s (%.0f MiB for blocks, %s)",
+        service.address,
+        args.max_bytes / 2**20,
+        "CurveZMQ" if args.zmq_curve_keys else "no authentication",
+    )
     service.serve(stop)
     return 0

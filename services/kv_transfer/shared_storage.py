@@ -16,6 +16,7 @@ A block file is opened without following links and without blocking (a
 FIFO named like a block must not hang the transfer thread), and read only if
 it is a regular file whose size is exactly what its own header describes.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,15 @@ def check_private_folder(path: Path) -> None:
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise PermissionError(f"shared_storage_path {path} is not a folder (or is a link).")
     if info.st_uid != os.getuid():
-        raise PermissionError(f"shared_storage_path {path} belongs to uid {info.st_uid}, not to this user "
-                              f"(uid {os.getuid()}): another user could read or plant KV blocks there.")
+        raise PermissionError(
+            f"shared_storage_path {path} belongs to uid {info.st_uid}, not to this user "
+            f"(uid {os.getuid()}): another user could read or plant KV blocks there."
+        )
     if info.st_mode & 0o022:
-        raise PermissionError(f"shared_storage_path {path} may be written by other users (mode "
-                              f"{stat.S_IMODE(info.st_mode):o}); `chmod go-w {path}`.")
+        raise PermissionError(
+            f"shared_storage_path {path} may be written by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); `chmod go-w {path}`."
+        )
 
 
 class FileBlockStore(BlockStore):
@@ -139,8 +144,9 @@ def read_block_file(path: Path) -> bytes:
             raise ValueError(f"{path.name}: header of {header_len} bytes")
         data_end = _data_end(f.read(header_len))
         if info.st_size != 8 + header_len + data_end:
-            raise ValueError(f"{path.name}: {info.st_size} bytes, its header describes "
-                             f"{8 + header_len + data_end}")
+            raise ValueError(
+                f"{path.name}: {info.st_size} bytes, its header describes {8 + header_len + data_end}"
+            )
         f.seek(0)
         return f.read(info.st_size)
 
@@ -163,14 +169,20 @@ def _decode(key: bytes, raw: bytes) -> KVBlock | None:
     try:
         tensor = load(raw)["kv"]
         header_len = struct.unpack("<Q", raw[:8])[0]
-        metadata = json.loads(raw[8:8 + header_len]).get("__metadata__") or {}
+        metadata = json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {}
         recorded = int(metadata.get("checksum", "-1"))
         mac = bytes.fromhex(metadata.get("mac", ""))
     except (SafetensorError, KeyError, ValueError, TypeError, AttributeError):
         return None
     data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return KVBlock(key=key, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape),
-                   checksum=recorded, data=data, mac=mac)
+    return KVBlock(
+        key=key,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=list(tensor.shape),
+        checksum=recorded,
+        data=data,
+        mac=mac,
+    )
 
 
 class SharedStorageConnector(BlockConnector):

@@ -17,6 +17,7 @@ hard deadline from its submission (its wait plus one store timeout): past
 it, nothing more is written into the cache, so the scheduler may give the
 blocks of an aborted request back after its own, longer, timeout.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,9 +60,17 @@ class _Job:
 
 
 class TransferThread:
-    def __init__(self, store: BlockStore, blocks: PagedKVBlocks, key_of: Callable[[bytes], bytes], *,
-                 mac_key: bytes | None = None, make_store: Callable[[], BlockStore] | None = None,
-                 max_concurrent: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        blocks: PagedKVBlocks,
+        key_of: Callable[[bytes], bytes],
+        *,
+        mac_key: bytes | None = None,
+        make_store: Callable[[], BlockStore] | None = None,
+        max_concurrent: int = 1,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         """``store`` serves the first thread; ``make_store`` makes one for each further thread."""
         if max_concurrent > 1 and make_store is None:
             raise ValueError("more than one transfer thread needs make_store (a store client per thread)")
@@ -75,8 +84,10 @@ class TransferThread:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._done: queue.Queue[tuple[str, str, int]] = queue.Queue()
         self._num_in_flight = 0  # submitted, not yet taken back (main thread only)
-        self._threads = [threading.Thread(target=self._run, args=(s,), name=f"kv-transfer-{i}", daemon=True)
-                         for i, s in enumerate(self.stores)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(s,), name=f"kv-transfer-{i}", daemon=True)
+            for i, s in enumerate(self.stores)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -97,7 +108,9 @@ class TransferThread:
         block = wait_s > 0 and self._num_in_flight > 0
         while True:
             try:
-                kind, req_id, num_blocks = self._done.get(timeout=wait_s) if block else self._done.get_nowait()
+                kind, req_id, num_blocks = (
+                    self._done.get(timeout=wait_s) if block else self._done.get_nowait()
+                )
             except queue.Empty:
                 return sent, received
             block = False
@@ -135,14 +148,19 @@ class TransferThread:
     def _save(self, store: BlockStore, transfer: KVBlockTransfer) -> None:
         start = time.perf_counter()
         for lo in range(0, len(transfer.block_ids), CHUNK_BLOCKS):
-            ids = transfer.block_ids[lo:lo + CHUNK_BLOCKS]
-            keys = [self.key_of(h) for h in transfer.block_hashes[lo:lo + CHUNK_BLOCKS]]
+            ids = transfer.block_ids[lo : lo + CHUNK_BLOCKS]
+            keys = [self.key_of(h) for h in transfer.block_hashes[lo : lo + CHUNK_BLOCKS]]
             try:
                 store.put(self.blocks.to_wire(keys, self.blocks.gather(ids), self.mac_key))
             except (OSError, TimeoutError) as e:
                 # The consumer finds the blocks missing and computes them.
-                logger.warning("KV save of request %s stopped after %d of %d blocks: %s",
-                               transfer.req_id, lo, len(transfer.block_ids), e)
+                logger.warning(
+                    "KV save of request %s stopped after %d of %d blocks: %s",
+                    transfer.req_id,
+                    lo,
+                    len(transfer.block_ids),
+                    e,
+                )
                 return
         self._count_save(len(transfer.block_ids), time.perf_counter() - start)
 
@@ -153,24 +171,33 @@ class TransferThread:
         wait_until = time.monotonic() + transfer.wait_s
         loaded = 0
         for lo in range(0, len(transfer.block_ids), CHUNK_BLOCKS):
-            keys = [self.key_of(h) for h in transfer.block_hashes[lo:lo + CHUNK_BLOCKS]]
+            keys = [self.key_of(h) for h in transfer.block_hashes[lo : lo + CHUNK_BLOCKS]]
             try:
                 found = store.get(keys, max(0.0, min(wait_until, job.deadline) - time.monotonic()))
             except (OSError, TimeoutError) as e:
-                logger.warning("KV load of request %s stopped after %d blocks: %s", transfer.req_id, loaded, e)
+                logger.warning(
+                    "KV load of request %s stopped after %d blocks: %s", transfer.req_id, loaded, e
+                )
                 break
             good = self._intact_prefix(keys, found)
             if time.monotonic() > job.deadline:
                 # The scheduler may be about to hand these blocks to someone else.
-                logger.warning("KV load of request %s ran past its deadline after %d blocks; stopped.",
-                               transfer.req_id, loaded)
+                logger.warning(
+                    "KV load of request %s ran past its deadline after %d blocks; stopped.",
+                    transfer.req_id,
+                    loaded,
+                )
                 break
             if good:
-                self.blocks.scatter(transfer.block_ids[lo:lo + len(good)], self.blocks.from_wire(good))
+                self.blocks.scatter(transfer.block_ids[lo : lo + len(good)], self.blocks.from_wire(good))
             loaded += len(good)
             if len(good) < len(keys):
-                logger.info("KV load of request %s: %d of %d blocks usable; the rest is computed.",
-                            transfer.req_id, loaded, len(transfer.block_ids))
+                logger.info(
+                    "KV load of request %s: %d of %d blocks usable; the rest is computed.",
+                    transfer.req_id,
+                    loaded,
+                    len(transfer.block_ids),
+                )
                 break
         self._count_load(loaded, time.perf_counter() - start)
         return loaded
@@ -184,8 +211,10 @@ class TransferThread:
             if not is_intact(block, self.blocks.dtype_name, self.blocks.block_shape, self.mac_key):
                 with self._stats_lock:
                     self.stats.blocks_refused += 1
-                logger.warning("KV block …%s is damaged, forged or of another model shape; computing it "
-                               "instead.", key.hex()[-16:])
+                logger.warning(
+                    "KV block …%s is damaged, forged or of another model shape; computing it instead.",
+                    key.hex()[-16:],
+                )
                 break
             good.append(block)
         return good
@@ -196,8 +225,12 @@ class TransferThread:
             s.blocks_saved += num_blocks
             s.bytes_saved += num_blocks * self.blocks.block_nbytes
             s.save_s += seconds
-        logger.info("KV saved: %d blocks, %.1f MiB in %.1f ms", num_blocks,
-                    num_blocks * self.blocks.block_nbytes / 2**20, seconds * 1e3)
+        logger.info(
+            "KV saved: %d blocks, %.1f MiB in %.1f ms",
+            num_blocks,
+            num_blocks * self.blocks.block_nbytes / 2**20,
+            seconds * 1e3,
+        )
 
     def _count_load(self, num_blocks: int, seconds: float) -> None:
         s = self.stats
@@ -205,5 +238,9 @@ class TransferThread:
             s.blocks_loaded += num_blocks
             s.bytes_loaded += num_blocks * self.blocks.block_nbytes
             s.load_s += seconds
-        logger.info("KV loaded: %d blocks, %.1f MiB in %.1f ms", num_blocks,
-                    num_blocks * self.blocks.block_nbytes / 2**20, seconds * 1e3)
+        logger.info(
+            "KV loaded: %d blocks, %.1f MiB in %.1f ms",
+            num_blocks,
+            num_blocks * self.blocks.block_nbytes / 2**20,
+            seconds * 1e3,
+        )

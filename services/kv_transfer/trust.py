@@ -10,6 +10,7 @@ and clients never see it. The secret comes from ``--kv-transfer-secret-file``
 ``WEFT_KV_TRANSFER_SECRET`` environment variable. A P/D server without one
 refuses every client-set ``kv_transfer_params`` (403). Torch-free.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,14 @@ _MAX_SECRET_BYTES = 4096
 
 
 def add_secret_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-transfer-secret-file", default=None, metavar="FILE",
-                        help="Disaggregated prefill/decode: the secret the P/D proxy sends with "
-                             "kv_transfer_params (default: $WEFT_KV_TRANSFER_SECRET). Without one, a P/D "
-                             "server refuses kv_transfer_params from clients.")
+    parser.add_argument(
+        "--kv-transfer-secret-file",
+        default=None,
+        metavar="FILE",
+        help="Disaggregated prefill/decode: the secret the P/D proxy sends with "
+        "kv_transfer_params (default: $WEFT_KV_TRANSFER_SECRET). Without one, a P/D "
+        "server refuses kv_transfer_params from clients.",
+    )
 
 
 def load_secret(path: str | os.PathLike | None) -> str | None:
@@ -40,12 +45,14 @@ def load_secret(path: str | os.PathLike | None) -> str | None:
     file = Path(path)
     mode = stat.S_IMODE(file.stat().st_mode)
     if mode & 0o077:
-        raise ValueError(f"--kv-transfer-secret-file {file} is readable by others (mode {mode:o}); "
-                         f"`chmod 600 {file}`.")
-    secret = file.read_bytes()[:_MAX_SECRET_BYTES + 1].decode().strip()
+        raise ValueError(
+            f"--kv-transfer-secret-file {file} is readable by others (mode {mode:o}); `chmod 600 {file}`."
+        )
+    secret = file.read_bytes()[: _MAX_SECRET_BYTES + 1].decode().strip()
     if not secret or len(secret) > _MAX_SECRET_BYTES:
-        raise ValueError(f"--kv-transfer-secret-file {file} must hold a secret of 1 to "
-                         f"{_MAX_SECRET_BYTES} bytes.")
+        raise ValueError(
+            f"--kv-transfer-secret-file {file} must hold a secret of 1 to {_MAX_SECRET_BYTES} bytes."
+        )
     return secret
 
 
@@ -59,7 +66,13 @@ def require_trusted_caller(headers: Mapping[str, str], secret: str | None) -> No
     """403 unless the request comes from the P/D proxy."""
     if is_trusted(headers, secret):
         return
-    reason = ("this server has no --kv-transfer-secret-file" if secret is None
-              else "the request does not carry the P/D proxy's key")
-    raise APIError(f"kv_transfer_params are accepted only from the P/D proxy ({reason}).", 403,
-                   param="kv_transfer_params")
+    reason = (
+        "this server has no --kv-transfer-secret-file"
+        if secret is None
+        else "the request does not carry the P/D proxy's key"
+    )
+    raise APIError(
+        f"kv_transfer_params are accepted only from the P/D proxy ({reason}).",
+        403,
+        param="kv_transfer_params",
+    )

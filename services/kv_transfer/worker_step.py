@@ -6,6 +6,7 @@ A step that runs no forward only polls for finished transfers; it waits a
 little for one (``IDLE_POLL_S``), so an engine with nothing to do but wait
 for KV does not spin.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,8 +18,11 @@ from services.kv_transfer.base import KVConnectorBase
 IDLE_POLL_S = 0.02
 
 
-def execute_with_kv_connector(connector: KVConnectorBase, scheduler_output: SchedulerOutput,
-                              execute: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
+def execute_with_kv_connector(
+    connector: KVConnectorBase,
+    scheduler_output: SchedulerOutput,
+    execute: Callable[[SchedulerOutput], ModelRunnerOutput],
+) -> ModelRunnerOutput:
     connector.bind_connector_metadata(scheduler_output.kv_connector_metadata or KVConnectorMetadata())
     try:
         connector.start_load_kv()

@@ -14,6 +14,7 @@ With ``keys_dir`` the link is CurveZMQ (``services.kv_transfer.keys``): the
 client talks only to the holder of the server key, and the service lets in
 only holders of the client key.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -62,8 +63,9 @@ class ZmqBlockStore(BlockStore):
     def put(self, blocks: list[KVBlock]) -> None:
         reply = self._request(KVPut(next(self._seq), blocks), self.timeout_s)
         if reply.num_rejected:
-            logger.warning("The kv_transfer service refused %d block(s) larger than its memory cap.",
-                           reply.num_rejected)
+            logger.warning(
+                "The kv_transfer service refused %d block(s) larger than its memory cap.", reply.num_rejected
+            )
 
     def get(self, keys: list[bytes], wait_s: float) -> dict[bytes, KVBlock]:
         reply = self._request(KVGet(next(self._seq), keys, int(wait_s * 1000)), wait_s + self.timeout_s)

@@ -14,6 +14,7 @@ per size serves any sequence lengths. Steps that are not pure decode
 largest size run eagerly. ``--enforce-eager`` turns graphs off; on CPU
 there are none.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(
-        self, model: nn.Module, kv_caches: list[torch.Tensor], *, sizes: list[int], block_size: int,
-        max_blocks_per_seq: int, device: torch.device,
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        sizes: list[int],
+        block_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -66,8 +73,12 @@ class CudaGraphRunner:
             graph, hidden = self._capture_one(size, pool)
             pool = graph.pool()
             self.graphs[size] = (graph, hidden)
-        logger.info("Captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
-                    len(self.sizes), self.sizes[-1], time.perf_counter() - start)
+        logger.info(
+            "Captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
+            len(self.sizes),
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
 
     def _capture_one(self, size: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         torch.cuda.synchronize(self.input_ids.device)
@@ -98,7 +109,9 @@ class CudaGraphRunner:
             and meta.block_table.shape[1] <= self.block_table.shape[1]
         )
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonAttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of the step; valid until the next replay."""
         n = meta.num_reqs
         size = next(s for s in self.sizes if s >= n)
@@ -115,15 +128,26 @@ class CudaGraphRunner:
 
 
 def maybe_capture_decode_graphs(
-    model: nn.Module, kv_caches: list[torch.Tensor], *, backend: str, enforce_eager: bool, max_num_seqs: int,
-    block_size: int, max_model_len: int, device: torch.device,
+    model: nn.Module,
+    kv_caches: list[torch.Tensor],
+    *,
+    backend: str,
+    enforce_eager: bool,
+    max_num_seqs: int,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
 ) -> CudaGraphRunner | None:
     """Captured graphs on a CUDA device with the Triton backend; None elsewhere or with enforce_eager."""
     if device.type != "cuda" or enforce_eager or backend != "triton":
         return None
     runner = CudaGraphRunner(
-        model, kv_caches, sizes=capture_sizes(max_num_seqs), block_size=block_size,
-        max_blocks_per_seq=-(-max_model_len // block_size), device=device,
+        model,
+        kv_caches,
+        sizes=capture_sizes(max_num_seqs),
+        block_size=block_size,
+        max_blocks_per_seq=-(-max_model_len // block_size),
+        device=device,
     )
     runner.capture()
     return runner

@@ -9,6 +9,7 @@ hand-written reduction.
 With one rank nothing is initialised: every collective is the identity, so
 the same layers serve TP=1 with no torch.distributed at all.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,8 +92,9 @@ def init_tensor_parallel(
         if init_method is None:
             raise ValueError("Tensor parallelism needs an init_method to meet the other ranks.")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        )
     _group = group
     return group
 

@@ -4,6 +4,7 @@ Matrices get a small normal spread and norms 1, so activations stay finite
 through any depth and every kernel does the work a real checkpoint would
 make it do; the outputs mean nothing.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ The engine core sees only this interface; ``UniProcExecutor`` runs one
 worker in the engine-core process, and a multi-process executor (one worker
 process per device, tensor parallel) plugs in behind the same methods.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,5 +1,6 @@
 """Which executor an engine core runs. Kept apart from ``executor.py``, whose
 base class the multi-process executor imports, so neither imports the other."""
+
 from __future__ import annotations
 
 from protocol import EngineConfig

@@ -6,6 +6,7 @@ fetch them with ``get_forward_context()``. A ``ContextVar`` scopes the value
 to the block (and to the thread), so no module global is set and reset by
 hand and a forgotten reset cannot leak one step's metadata into the next.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -16,6 +16,7 @@ more than GGUF's own (fp16 scales), the price of that exactness for Q4_K.
 Other types (F16, BF16, Q5_1, Q5_K, ...) have no packed layout here and are
 dequantized at load.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,9 @@ def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
     return PackedWeight(
         qweight=torch.from_numpy(np.ascontiguousarray(qweight.reshape(rows, -1))),
         scales=torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)),
-        mins=None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1), dtype=np.float32)),
+        mins=None
+        if mins is None
+        else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1), dtype=np.float32)),
         group_size=group,
         in_features=in_features,
         source_format=type_name,
@@ -49,7 +52,7 @@ def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
 
 def _half(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte ``start`` of each block, as fp32 ``[N, blocks]``."""
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
@@ -89,7 +92,9 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(blocks):
     d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]
     sc, mn = _q4_k_scales(blocks[..., 4:16])
-    qs = blocks[..., 16:144].reshape(*blocks.shape[:2], 4, 32)  # 4 chunks of 64: low nibbles 0..31, high 32..63
+    qs = blocks[..., 16:144].reshape(
+        *blocks.shape[:2], 4, 32
+    )  # 4 chunks of 64: low nibbles 0..31, high 32..63
     values = np.stack((qs & 0x0F, qs >> 4), axis=-2).reshape(*blocks.shape[:2], 8, 32)  # 8 groups of 32
     return _nibbles_to_int4(values[..., :16], values[..., 16:]), d * sc, -(dmin * mn), 32
 

@@ -12,6 +12,7 @@ With ``keep_quantized`` the matrices in a format that has a packed layout
 (``services.worker.gguf_repack``) are yielded as ``PackedWeight`` instead,
 repacked straight from their blocks; the rest are dequantized as above.
 """
+
 from __future__ import annotations
 
 import re
@@ -120,7 +121,9 @@ class GGUFCheckpoint:
                 packed = repack(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]))
                 if permuted and (".q_proj." in name or ".k_proj." in name):
                     heads = num_heads if ".q_proj." in name else num_kv_heads
-                    packed = packed.select_rows(torch.from_numpy(_unpermute_rows(np.arange(packed.shape[0]), heads)))
+                    packed = packed.select_rows(
+                        torch.from_numpy(_unpermute_rows(np.arange(packed.shape[0]), heads))
+                    )
                 yield name, packed
                 continue
             weights = dequantize(tensor.data, tensor.tensor_type)

@@ -5,6 +5,7 @@ counters), so building a step's flattened inputs is a handful of vectorized
 gathers rather than a loop over tokens. Rows are recycled as requests leave;
 a request keeps its row for its whole stay.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ class InputBatch:
         self.remove_request(new.req_id)
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         if len(tokens) > self.max_model_len:
-            raise ValueError(f"Request {new.req_id} has {len(tokens)} tokens, more than max_model_len ({self.max_model_len}).")
+            raise ValueError(
+                f"Request {new.req_id} has {len(tokens)} tokens, more than max_model_len ({self.max_model_len})."
+            )
         row = self._take_row()
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -102,13 +105,16 @@ class InputBatch:
     def append_block_ids(self, row: int, block_ids: list[int], group_block_ids: list[list[int]] = ()) -> None:
         """``block_ids`` extend group 0's table, ``group_block_ids[g - 1]`` group g's."""
         if len(group_block_ids) != len(self.block_tables) - 1:
-            raise ValueError(f"Expected block ids for {len(self.block_tables)} KV cache groups, "
-                             f"got {1 + len(group_block_ids)}.")
+            raise ValueError(
+                f"Expected block ids for {len(self.block_tables)} KV cache groups, "
+                f"got {1 + len(group_block_ids)}."
+            )
         for table, count, ids in zip(self.block_tables, self.group_num_blocks, [block_ids, *group_block_ids]):
             start = int(count[row])
             if start + len(ids) > table.shape[1]:
                 raise ValueError(
-                    f"Block table of row {row} would exceed {table.shape[1]} blocks (max_model_len).")
+                    f"Block table of row {row} would exceed {table.shape[1]} blocks (max_model_len)."
+                )
             table[row, start : start + len(ids)] = ids
             count[row] = start + len(ids)
 

@@ -1,4 +1,5 @@
 """Logprobs of chosen tokens and of the top alternatives, as wire structs."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,7 +9,9 @@ import torch
 from protocol import TokenLogprobs
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
     """One entry per row: the given token, then the row's ``num_top[i]`` most likely.
 
     logprobs [N, V] (log_softmax of the raw logits), token_ids [N] long;

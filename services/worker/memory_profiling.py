@@ -7,6 +7,7 @@ peak of exactly the code measured. Where that reset is refused, the rise of
 the lifetime peak (getrusage) stands in; it understates the increase when an
 earlier phase (weight loading) peaked higher.
 """
+
 from __future__ import annotations
 
 import resource

@@ -12,6 +12,7 @@ With ``quantization == "gguf"`` the formats that have a packed layout stay
 packed instead (``services.worker.layers.quantized_linear``), and the
 loader logs what they take per parameter.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     elif checkpoint is not None:
         # A GGUF file without an output head ties it to the embedding, whatever the config says.
         args = dataclasses.replace(args, tie_word_embeddings=not checkpoint.has_output_head)
-        weights = checkpoint.iter_weights(args.num_heads, args.num_kv_heads,
-                                          keep_quantized=config.quantization == "gguf")
+        weights = checkpoint.iter_weights(
+            args.num_heads, args.num_kv_heads, keep_quantized=config.quantization == "gguf"
+        )
     else:
         weights = iter_safetensors(files.weights)
     with torch.device(device):
@@ -92,7 +94,9 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, LazySlice]]:
 
     paths = sorted(folder.glob("*.safetensors"))
     if not paths:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files (other weight formats are not supported).")
+        raise FileNotFoundError(
+            f"{folder} has no *.safetensors files (other weight formats are not supported)."
+        )
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():

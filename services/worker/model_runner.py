@@ -6,6 +6,7 @@ and the sampler. ``execute_model`` takes a ``SchedulerOutput`` and returns a
 ``num_scheduled_tokens``), with an empty token list for requests still
 mid-prefill.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,17 +56,22 @@ class ModelRunner:
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
         self.spec_decoder = (
-            SpecDecoder(config, self.sampler.generator, self.device) if config.speculative is not None else None
+            SpecDecoder(config, self.sampler.generator, self.device)
+            if config.speculative is not None
+            else None
         )
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device)
-        place_layers_in_kv_groups(self.model, self.config.model.layer_sliding_windows, self.kv_groups,
-                                  self.attention_backend)
+        place_layers_in_kv_groups(
+            self.model, self.config.model.layer_sliding_windows, self.kv_groups, self.attention_backend
+        )
         if self.attention_backend == "cpu":
             pack_linear_weights(self.model, self.dtype, self.device)
         a = self.model.args
-        self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize)
+        self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (
+            2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        )
 
     @property
     def weights_bytes(self) -> int:
@@ -98,9 +104,14 @@ class ModelRunner:
         else:
             self.kv_caches = tensors
         self.cuda_graphs = maybe_capture_decode_graphs(
-            self.model, self.kv_caches, backend=self.attention_backend, enforce_eager=self.config.device.enforce_eager,
-            max_num_seqs=self.config.scheduler.max_num_seqs, block_size=self.block_size,
-            max_model_len=self.config.model.max_model_len, device=self.device,
+            self.model,
+            self.kv_caches,
+            backend=self.attention_backend,
+            enforce_eager=self.config.device.enforce_eager,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            block_size=self.block_size,
+            max_model_len=self.config.model.max_model_len,
+            device=self.device,
         )
 
     @torch.inference_mode()
@@ -114,12 +125,19 @@ class ModelRunner:
             self.model.attention_workspace.take(gather_shape, hidden).fill_(0)
         # Speculation computes logits at every draft position too, but samples them in chunks.
         rows = min(self.config.scheduler.max_num_seqs, hidden.shape[0])
-        logits_rows = rows if self.spec_decoder is None else min(self.spec_decoder.max_logits_rows, hidden.shape[0])
-        sample_rows = rows if self.spec_decoder is None else min(self.spec_decoder.max_chunk_rows, logits_rows)
+        logits_rows = (
+            rows if self.spec_decoder is None else min(self.spec_decoder.max_logits_rows, hidden.shape[0])
+        )
+        sample_rows = (
+            rows if self.spec_decoder is None else min(self.spec_decoder.max_chunk_rows, logits_rows)
+        )
         dummy = RequestSamplingInput(SamplingParams(top_p=0.9, logprobs=5), [0], [])
-        sampling = build_sampling_metadata([dummy] * sample_rows, vocab_size=a.vocab_size, eos_token_id=None,
-                                           device=self.device)
-        logits = self.model.compute_logits(hidden[:logits_rows])  # None on tensor-parallel followers: they never sample
+        sampling = build_sampling_metadata(
+            [dummy] * sample_rows, vocab_size=a.vocab_size, eos_token_id=None, device=self.device
+        )
+        logits = self.model.compute_logits(
+            hidden[:logits_rows]
+        )  # None on tensor-parallel followers: they never sample
         if logits is not None:
             self.sampler(logits[:sample_rows], sampling)
 
@@ -143,19 +161,28 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if spec_tokens and self.spec_decoder is None:
-            raise ValueError("The scheduler sent draft tokens, but speculative decoding is off in this worker.")
+            raise ValueError(
+                "The scheduler sent draft tokens, but speculative decoding is off in this worker."
+            )
         self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         req_ids = list(scheduler_output.num_scheduled_tokens)
         num_drafts = self.spec_decoder.write_drafts(self.input_batch, spec_tokens) if spec_tokens else None
         step = prepare_step(
-            self.input_batch, req_ids, scheduler_output.num_scheduled_tokens, self.device, self.max_decode_group_tokens,
-            num_drafts, self.attention_backend,
+            self.input_batch,
+            req_ids,
+            scheduler_output.num_scheduled_tokens,
+            self.device,
+            self.max_decode_group_tokens,
+            num_drafts,
+            self.attention_backend,
         )
         hidden = self._forward(step)  # [T, H]
         # Structured outputs: the sampled positions' logits come masked by their grammars.
-        compute_logits = with_grammar_bitmask(self.model.compute_logits, scheduler_output, req_ids, step.samples)
+        compute_logits = with_grammar_bitmask(
+            self.model.compute_logits, scheduler_output, req_ids, step.samples
+        )
         if spec_tokens:
             sampled, logprobs = self.spec_decoder.sample(
                 hidden, step, spec_tokens, self.input_batch, compute_logits
@@ -167,7 +194,9 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(hidden, step),
-            spec_token_ids=self.spec_decoder.propose(self.input_batch, req_ids, sampled) if self.spec_decoder else [],
+            spec_token_ids=self.spec_decoder.propose(self.input_batch, req_ids, sampled)
+            if self.spec_decoder
+            else [],
         )
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
@@ -179,7 +208,10 @@ class ModelRunner:
             return self.model(step.input_ids, step.positions)
 
     def _sample(
-        self, hidden: torch.Tensor, step: StepInputs, compute_logits: Callable[[torch.Tensor], torch.Tensor | None]
+        self,
+        hidden: torch.Tensor,
+        step: StepInputs,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
     ) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
@@ -195,7 +227,10 @@ class ModelRunner:
             entries = [None] * len(rows)
         else:
             meta = build_sampling_metadata(
-                [RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids) for s in states],
+                [
+                    RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                    for s in states
+                ],
                 vocab_size=logits.shape[1],
                 eos_token_id=self.config.model.eos_token_id,
                 device=self.device,
@@ -208,7 +243,9 @@ class ModelRunner:
             logprobs[i] = [] if entry is None else [entry]
         return sampled, logprobs
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, list[TokenLogprobs | None]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, step: StepInputs
+    ) -> dict[str, list[TokenLogprobs | None]]:
         result = {}
         for i, req_id in enumerate(step.req_ids):
             state = self.input_batch.requests[req_id]
@@ -229,10 +266,13 @@ def place_layers_in_kv_groups(
     ours = [layer.sliding_window or 0 for layer in layers]
     if (layer_windows or [0] * len(layers)) != ours:
         raise ValueError(
-            f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}.")
+            f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}."
+        )
     if any(ours) and backend == "triton":
-        raise ValueError("Sliding-window attention is not implemented in the triton backend; "
-                         "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")
+        raise ValueError(
+            "Sliding-window attention is not implemented in the triton backend; "
+            "use the torch backend (WEFT_ATTENTION_BACKEND=torch)."
+        )
     for layer_idx, (group, index) in layer_placement(groups).items():
         layers[layer_idx].kv_group = group
         layers[layer_idx].checks_decode_args = index == 0

@@ -23,6 +23,7 @@ parallelism needs the usual ``if __name__ == "__main__":`` guard. They die
 with the thread that built the executor (``PR_SET_PDEATHSIG``): build it on
 a thread that lives as long as the engine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -162,7 +163,9 @@ class MultiprocExecutor(Executor):
         # A rank that dies breaks its peers' collectives, and their errors
         # ("connection closed by peer") can arrive before its death is seen:
         # name the death first, it is the cause.
-        death = self._death_of_any(timeout_s=_DEATH_WAIT_S, besides=reply.rank)  # it exits after failing to start
+        death = self._death_of_any(
+            timeout_s=_DEATH_WAIT_S, besides=reply.rank
+        )  # it exits after failing to start
         if death is not None:
             message = f"{death} Then: {message}"
         self._fail(message)
@@ -218,8 +221,10 @@ class MultiprocExecutor(Executor):
         for rank, process in enumerate(self.processes):
             if process.sentinel in ready:
                 process.join(timeout=1.0)
-                return (f"Tensor-parallel worker rank {rank} (pid {process.pid}) died unexpectedly "
-                        f"({_describe_exit(process.exitcode)}).")
+                return (
+                    f"Tensor-parallel worker rank {rank} (pid {process.pid}) died unexpectedly "
+                    f"({_describe_exit(process.exitcode)})."
+                )
         return None
 
     # ---- start-up
@@ -230,10 +235,19 @@ class MultiprocExecutor(Executor):
         init_method = free_tcp_init_method() if self.world_size > 1 else None
         for rank in range(self.world_size):
             process = context.Process(
-                target=worker_proc.main, name=f"weft-tp-worker-{rank}", daemon=True,
-                kwargs=dict(rank=rank, config_msgpack=config_msgpack, distributed_init_method=init_method,
-                            call_address=bound_address(self._calls), reply_address=bound_address(self._replies),
-                            worker_class=worker_class, parent_pid=os.getpid()))
+                target=worker_proc.main,
+                name=f"weft-tp-worker-{rank}",
+                daemon=True,
+                kwargs=dict(
+                    rank=rank,
+                    config_msgpack=config_msgpack,
+                    distributed_init_method=init_method,
+                    call_address=bound_address(self._calls),
+                    reply_address=bound_address(self._replies),
+                    worker_class=worker_class,
+                    parent_pid=os.getpid(),
+                ),
+            )
             process.start()
             self.processes.append(process)  # as it starts: a failed start-up stops those already running
 

@@ -1,4 +1,5 @@
 """Logit adjustments applied before sampling (greedy included)."""
+
 from __future__ import annotations
 
 import torch

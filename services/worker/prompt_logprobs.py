@@ -6,6 +6,7 @@ covering prompt positions ``[start, end)`` yields the entries of tokens
 ``None`` of token 0, which nothing predicts. Summed over chunks, a request
 receives one entry per prompt token.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -10,6 +10,7 @@ token picks token i with probability p_i, and lets each row take its noise
 from its own generator: seeded rows from a generator seeded by (seed,
 output index), the rest from the worker's generator in one call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class Sampler:
         probs = random_probs(logits, rows, meta)  # [R, V]
         return (probs / self._exponential_noise(probs, rows, meta)).argmax(dim=-1)
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
+    def _exponential_noise(
+        self, probs: torch.Tensor, rows: list[int], meta: SamplingMetadata
+    ) -> torch.Tensor:
         noise = torch.empty_like(probs)  # [R, V]
         if any(row not in meta.generators for row in rows):
             noise.exponential_(generator=self.generator)
@@ -58,7 +61,9 @@ class Sampler:
         # An exact 0 would turn a zero-probability token into 0/0 = nan.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def _logprobs(self, raw: torch.Tensor | None, token_ids: torch.Tensor, meta: SamplingMetadata) -> list[TokenLogprobs | None]:
+    def _logprobs(
+        self, raw: torch.Tensor | None, token_ids: torch.Tensor, meta: SamplingMetadata
+    ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * meta.num_rows
         if raw is None:
             return out
@@ -102,7 +107,9 @@ def random_probs(logits: torch.Tensor, rows: list[int], meta: SamplingMetadata) 
     return probs
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _mask_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Keep, per row, the k most likely tokens, then the smallest set of those
     whose probability reaches top_p; the rest get -inf. logits [N, V]."""
     vocab = logits.shape[1]

@@ -3,6 +3,7 @@
 A feature no request uses this step stays ``None``, so the sampler skips it
 without looking at rows: an all-greedy batch costs one argmax.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -101,8 +102,9 @@ def build_sampling_metadata(
         penalties=_penalties(requests, vocab_size, device),
         banned=_banned_tokens(requests, eos_token_id),
         allowed=[(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids],
-        logit_bias=[(i, list(p.logit_bias), list(p.logit_bias.values()))
-                    for i, p in enumerate(params) if p.logit_bias],
+        logit_bias=[
+            (i, list(p.logit_bias), list(p.logit_bias.values())) for i, p in enumerate(params) if p.logit_bias
+        ],
         generators={
             i: torch.Generator(device=device).manual_seed(seed_for_output(p.seed, len(r.output_token_ids)))
             for i, (p, r) in enumerate(zip(params, requests))
@@ -114,7 +116,9 @@ def build_sampling_metadata(
 
 def _penalties(requests, vocab_size: int, device) -> Penalties | None:
     params = [r.params for r in requests]
-    if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+    if all(
+        p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params
+    ):
         return None
     uses_prompt = any(p.repetition_penalty != 1 for p in params)
     return Penalties(
@@ -163,6 +167,6 @@ def _bad_word_bans(r: RequestSamplingInput) -> list[int]:
     bans = []
     for word in words:
         prefix = word[:-1]
-        if len(prefix) <= len(output) and (not prefix or list(output[len(output) - len(prefix):]) == prefix):
+        if len(prefix) <= len(output) and (not prefix or list(output[len(output) - len(prefix) :]) == prefix):
             bans.append(word[-1])
     return bans

@@ -5,6 +5,7 @@ Request ``i`` contributes ``query_lens[i]`` tokens starting at its
 ``T`` tokens. Everything is computed with numpy gathers over the persistent
 batch's rows, then moved to the device once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +67,12 @@ def prepare_step(
         slot_mapping = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         if attention_backend == "triton":
             return build_triton_metadata(
-                query_lens=query_lens, context_lens=context, block_table=table[rows],
-                slot_mapping=slot_mapping, block_size=bs, device=device,
+                query_lens=query_lens,
+                context_lens=context,
+                block_table=table[rows],
+                slot_mapping=slot_mapping,
+                block_size=bs,
+                device=device,
             )
         return build_attention_metadata(
             query_lens=query_lens,

@@ -7,6 +7,7 @@ device and every forbidden token gets ``-inf``, in the logits rows of those
 requests only. Vocabulary ids past the mask (a model vocabulary padded
 beyond the tokenizer's) are forbidden too.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,8 +22,7 @@ _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 _NEG_INF_BITS = -(1 << 23)
 
 
-def logits_rows(req_ids: list[str], samples: np.ndarray,
-                spec_tokens: dict[str, list[int]]) -> dict[str, int]:
+def logits_rows(req_ids: list[str], samples: np.ndarray, spec_tokens: dict[str, list[int]]) -> dict[str, int]:
     """First logits row of each sampling request: the sampled requests in
     scheduled order, each with one row per draft token plus one."""
     first_row, row = {}, 0
@@ -51,8 +51,9 @@ def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bias, padding], dim=1)
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutput,
-                          first_row: dict[str, int]) -> None:
+def apply_grammar_bitmask(
+    logits: torch.Tensor, scheduler_output: SchedulerOutput, first_row: dict[str, int]
+) -> None:
     """Set -inf, in place, on the tokens the grammars forbid. logits [N, V]."""
     bitmask = scheduler_output.grammar_bitmask
     if bitmask is None or not scheduler_output.structured_output_request_ids:
@@ -61,8 +62,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutpu
     rows = []
     for req_id in scheduler_output.structured_output_request_ids:
         if req_id not in first_row:
-            raise ValueError(f"The scheduler sent a grammar mask for request {req_id}, "
-                             f"which does not sample this step.")
+            raise ValueError(
+                f"The scheduler sent a grammar mask for request {req_id}, which does not sample this step."
+            )
         start = first_row[req_id]
         rows.extend(range(start, start + 1 + len(spec_tokens.get(req_id, ()))))
     if len(rows) != bitmask.shape[0]:
@@ -76,9 +78,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, scheduler_output: SchedulerOutpu
         logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
 
 
-def with_grammar_bitmask(compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
-                         scheduler_output: SchedulerOutput, req_ids: list[str],
-                         samples: np.ndarray) -> Callable[[torch.Tensor], torch.Tensor | None]:
+def with_grammar_bitmask(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    scheduler_output: SchedulerOutput,
+    req_ids: list[str],
+    samples: np.ndarray,
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """``compute_logits`` for this step's sampled positions, masked by the grammars.
 
     The model runner's sampling paths (plain and speculative) both compute

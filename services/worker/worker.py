@@ -5,6 +5,7 @@ process (``services.worker.multiproc_executor``); ``init_device`` joins the
 ranks' process group before the model is built, so the model's layers hold
 this rank's shard.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
         """``rank`` is this worker's tensor-parallel rank; with more than one,
         the ranks meet at ``distributed_init_method`` (a ``tcp://`` address)."""
         self.config = config
@@ -64,9 +67,15 @@ class Worker:
         num_blocks = kv_blocks_from_memory(budget, runner.weights_bytes, peak, runner.kv_block_bytes)
         logger.info(
             "KV cache: %d blocks (budget %d B, weights %d B, profiled peak %d B, %d B per block)",
-            num_blocks, budget, runner.weights_bytes, peak, runner.kv_block_bytes,
+            num_blocks,
+            budget,
+            runner.weights_bytes,
+            peak,
+            runner.kv_block_bytes,
         )
-        _check_fits_one_sequence(num_blocks, self.config, budget, runner.weights_bytes, peak, runner.kv_block_bytes)
+        _check_fits_one_sequence(
+            num_blocks, self.config, budget, runner.weights_bytes, peak, runner.kv_block_bytes
+        )
         return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
@@ -81,7 +90,9 @@ class Worker:
         if self.kv_connector is not None:
             from services.kv_transfer.worker_step import execute_with_kv_connector
 
-            return execute_with_kv_connector(self.kv_connector, scheduler_output, self.model_runner.execute_model)
+            return execute_with_kv_connector(
+                self.kv_connector, scheduler_output, self.model_runner.execute_model
+            )
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
@@ -99,7 +110,9 @@ def kv_blocks_from_memory(budget: int, weights: int, activation_peak: int, block
 
 def _check_override(num_blocks: int) -> int:
     if num_blocks < 2:
-        raise ValueError(f"num_gpu_blocks_override must be at least 2 (the null block and one block), got {num_blocks}.")
+        raise ValueError(
+            f"num_gpu_blocks_override must be at least 2 (the null block and one block), got {num_blocks}."
+        )
     return num_blocks
 
 
@@ -123,9 +136,11 @@ def budget_advice(config: EngineConfig, needed_bytes: int) -> str:
     cache = config.cache
     if config.device.device != "cuda" and cache.kv_cache_memory is None:
         at_least = -(-needed_bytes // (1 << 30))  # whole GiB, rounded up
-        return (f"On CPU the default budget is {CPU_DEFAULT_BUDGET >> 30} GiB for the weights, activations and "
-                f"KV cache together: raise it with --kv-cache-memory (bytes; at least {at_least} GiB = "
-                f"{at_least << 30} here), or lower --max-model-len.")
+        return (
+            f"On CPU the default budget is {CPU_DEFAULT_BUDGET >> 30} GiB for the weights, activations and "
+            f"KV cache together: raise it with --kv-cache-memory (bytes; at least {at_least} GiB = "
+            f"{at_least << 30} here), or lower --max-model-len."
+        )
     if config.device.device == "cuda" and cache.kv_cache_memory is None:
         return "Raise --gpu-memory-utilization (the share of the GPU's memory), or lower --max-model-len."
     return f"Raise --kv-cache-memory (now {cache.kv_cache_memory} bytes), or lower --max-model-len."

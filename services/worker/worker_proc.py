@@ -12,6 +12,7 @@ same from the parent's sentinel elsewhere. SIGINT is ignored: a Ctrl-C
 reaches the whole process group, and the engine core decides when its
 workers stop.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,14 +50,25 @@ _PR_SET_NAME = 15
 _REPLY_LINGER_MS = 2000
 
 
-def main(*, rank: int, config_msgpack: bytes, distributed_init_method: str | None, call_address: str,
-         reply_address: str, worker_class: str, parent_pid: int) -> None:
+def main(
+    *,
+    rank: int,
+    config_msgpack: bytes,
+    distributed_init_method: str | None,
+    call_address: str,
+    reply_address: str,
+    worker_class: str,
+    parent_pid: int,
+) -> None:
     """Process entry point (the arguments are plain bytes and strings: the config travels as msgpack)."""
     _die_with_parent(parent_pid)
     _set_process_name(f"weft-tp{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [tp worker {rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [tp worker {rank}] %(name)s: %(message)s",
+    )
     config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
     ctx = zmq.Context()
     calls = make_socket(ctx, zmq.SUB, call_address, bind=False)
@@ -145,7 +157,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
     parent = multiprocessing.parent_process()
     if parent is not None:
-        threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="parent-watch", daemon=True).start()
+        threading.Thread(
+            target=_exit_when_gone, args=(parent.sentinel,), name="parent-watch", daemon=True
+        ).start()
 
 
 def _exit_when_gone(sentinel: int) -> None:

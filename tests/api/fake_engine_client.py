@@ -3,6 +3,7 @@
 The app's tests plug it into ``build_app``: it records every request,
 abort and early close, and can be told to die, hang or fail a request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,9 +42,15 @@ def tokenizer() -> Tokenizer:
 
 def engine_config(max_model_len: int = MAX_MODEL_LEN, policy: str = "fcfs") -> EngineConfig:
     tok = tokenizer()
-    model = ModelConfig(model="models/SmolLM2-135M-Instruct.Q4_1.gguf", tokenizer="models",
-                        served_model_name=MODEL_NAME, dtype="float32", max_model_len=max_model_len,
-                        vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
+    model = ModelConfig(
+        model="models/SmolLM2-135M-Instruct.Q4_1.gguf",
+        tokenizer="models",
+        served_model_name=MODEL_NAME,
+        dtype="float32",
+        max_model_len=max_model_len,
+        vocab_size=tok.vocab_size,
+        eos_token_id=tok.eos_token_id,
+    )
     return EngineConfig(model=model, scheduler=SchedulerConfig(scheduling_policy=policy))
 
 
@@ -129,22 +136,30 @@ class FakeEngineClient(EngineClient):
         index = int(request.request_id.rsplit("-", 1)[1])
         cached = self.cached_tokens_by_index.get(index, self.num_cached_tokens)
         # Engine clock: scheduled at 100.25, first token at 100.5, then one every 0.125.
-        output = EngineCoreOutput(request.request_id, [token], num_cached_tokens=cached,
-                                  timestamp=100.5 + 0.125 * step)
+        output = EngineCoreOutput(
+            request.request_id, [token], num_cached_tokens=cached, timestamp=100.5 + 0.125 * step
+        )
         if step == 0:
-            output.events = [EngineCoreEvent(EngineCoreEventType.QUEUED, 100.0),
-                             EngineCoreEvent(EngineCoreEventType.SCHEDULED, 100.25)]
+            output.events = [
+                EngineCoreEvent(EngineCoreEventType.QUEUED, 100.0),
+                EngineCoreEvent(EngineCoreEventType.SCHEDULED, 100.25),
+            ]
             if params.prompt_logprobs is not None:
                 # Position p's entry: the prompt token first (logprob -p), then the script's.
                 output.new_prompt_logprobs = [None] + [
-                    TokenLogprobs([t, *self.script[: params.prompt_logprobs]],
-                                  [-float(p)] + [-0.25] * params.prompt_logprobs, rank=p)
-                    for p, t in enumerate(request.prompt_token_ids[1:], 1)]
+                    TokenLogprobs(
+                        [t, *self.script[: params.prompt_logprobs]],
+                        [-float(p)] + [-0.25] * params.prompt_logprobs,
+                        rank=p,
+                    )
+                    for p, t in enumerate(request.prompt_token_ids[1:], 1)
+                ]
         if params.logprobs is not None:
             # The chosen token is the most likely one; the top-k follow it.
             top = ([token] + [t for t in self.script if t != token])[: params.logprobs]
-            output.new_logprobs = [TokenLogprobs([token] + top, [-0.5] + [-0.5 - i for i in range(len(top))],
-                                                 rank=1)]
+            output.new_logprobs = [
+                TokenLogprobs([token] + top, [-0.5] + [-0.5 - i for i in range(len(top))], rank=1)
+            ]
         if self.fail_with is not None:
             output.finish_reason, output.error = FinishReason.ERROR, self.fail_with
             output.error_is_internal = self.fail_internally
@@ -166,5 +181,6 @@ def http_client(app, **kwargs) -> httpx.AsyncClient:
 
 
 def openai_client(app, api_key: str = "unused") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, max_retries=0,
-                              http_client=http_client(app))
+    return openai.AsyncOpenAI(
+        base_url="http://test/v1", api_key=api_key, max_retries=0, http_client=http_client(app)
+    )

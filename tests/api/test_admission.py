@@ -4,6 +4,7 @@ The fake engine can hang a request after a few tokens, which is how these
 tests hold slots: a hanging request stays admitted until its client goes,
 it times out, or the drain stops it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,17 +46,25 @@ async def test_excess_requests_get_503_with_retry_after_until_slots_free_up():
     app, engine = app_with(hang_after=1)
     client = http_client(app)
     admission = app.state.admission
-    hanging = [asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9}))
-               for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
-    await wait_until(lambda: admission.in_use == 3 and len(engine.requests) == 3, 10, "3 admitted", interval_s=0.01)
-    response = await client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    hanging = [
+        asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9}))
+        for _ in range(MAX_NUM_SEQS + MAX_WAITING)
+    ]
+    await wait_until(
+        lambda: admission.in_use == 3 and len(engine.requests) == 3, 10, "3 admitted", interval_s=0.01
+    )
+    response = await client.post(
+        CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
     assert "overloaded" in assert_error(response, 503)["message"]
     assert response.headers["Retry-After"] == "1"
     streamed = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "stream": True})
     assert_error(streamed, 503)  # refused before the stream starts: a plain JSON error
     assert len(engine.requests) == 3  # the refused ones never reached the engine
     metrics = (await client.get("/metrics")).text
-    assert 'weft:requests_rejected_total{model_name="SmolLM2-135M-Instruct",reason="overloaded"} 2.0' in metrics
+    assert (
+        'weft:requests_rejected_total{model_name="SmolLM2-135M-Instruct",reason="overloaded"} 2.0' in metrics
+    )
     health = (await client.get("/health")).json()
     assert health["admitted"] == 3 and health["capacity"] == 3
     for task in hanging:  # their clients leave
@@ -72,7 +81,9 @@ async def test_more_sequences_than_one_rank_takes_is_a_400():
     client = http_client(app)
     assert_error(await client.post(COMPLETIONS, json={"prompt": "Hi", "n": 4}), 400, "n")
     assert_error(await client.post(COMPLETIONS, json={"prompt": ["a", "b"], "n": 2}), 400, "prompt")
-    assert_error(await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 4}), 400, "n")
+    assert_error(
+        await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 4}), 400, "n"
+    )
     assert engine.requests == []
 
 
@@ -87,7 +98,9 @@ async def test_limits_on_n_max_tokens_and_prompt_length():
     assert_error(await client.post(COMPLETIONS, json={"prompt": list(range(41))}), 400, "prompt")
     assert engine.requests == []
     ok = await client.post(COMPLETIONS, json={"prompt": list(range(40)), "max_tokens": None})
-    assert ok.status_code == 200 and engine.requests[0].sampling_params.max_tokens == 5  # capped, not the context
+    assert (
+        ok.status_code == 200 and engine.requests[0].sampling_params.max_tokens == 5
+    )  # capped, not the context
 
 
 async def test_bodies_over_the_limit_get_413():
@@ -98,7 +111,8 @@ async def test_bodies_over_the_limit_get_413():
 
     async def chunked():  # no Content-Length: the limit applies as the bytes arrive
         for i in range(0, len(big), 32):
-            yield big[i:i + 32]
+            yield big[i : i + 32]
+
     assert_error(await client.post(COMPLETIONS, content=chunked()), 413)
     assert engine.requests == []
     assert (await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1})).status_code == 200
@@ -118,10 +132,15 @@ async def test_several_api_keys():
 async def test_request_timeout_aborts_the_request():
     app, engine = app_with(ServingLimits(request_timeout_s=0.3), hang_after=2)
     client = http_client(app)
-    assert "timed out" in assert_error(await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9}),
-                                       504)["message"]
-    streamed = await client.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
-                                            "stream": True})
+    assert (
+        "timed out"
+        in assert_error(await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9}), 504)[
+            "message"
+        ]
+    )
+    streamed = await client.post(
+        CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "stream": True}
+    )
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 504
     assert engine.closed_early == {r.request_id for r in engine.requests} and len(engine.requests) == 2
@@ -134,7 +153,9 @@ async def test_drain_refuses_new_requests_and_stops_the_stragglers():
     admission = app.state.admission
     assert await admission.drain(1.0) == 0  # nothing in flight: done at once
     admission.draining = False
-    stream = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9, "stream": True}))
+    stream = asyncio.create_task(
+        client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 9, "stream": True})
+    )
     await engine.hanging.wait()
     drain = asyncio.create_task(admission.drain(0.3))
     await wait_until(lambda: admission.draining, 10, "draining", interval_s=0.01)
@@ -175,7 +196,11 @@ async def test_unexpected_errors_show_no_internals(stream):
     assert "internal detail" not in response.text and "Traceback" not in response.text
     if stream:
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-        assert json.loads(events[-2])["error"] == {"message": "Internal server error.",
-                                                   "type": "InternalServerError", "param": None, "code": 500}
+        assert json.loads(events[-2])["error"] == {
+            "message": "Internal server error.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
     else:
         assert_error(response, 500)

@@ -5,6 +5,7 @@ Expected outputs follow vLLM's documented behaviour: echo puts the prompt
 usage on every chunk; stream_options needs stream; suffix and best_of != n
 are refused; unknown fields are a 400 naming them.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,13 @@ def script_text(num_tokens: int) -> str:
 
 # ---- unknown fields
 
+
 async def test_unknown_fields_are_a_400_naming_every_one():
     app, engine = make_app()
-    for path, base in (("/v1/completions", {"prompt": PROMPT}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, base in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         response = await post(app, path, {**base, "temprature": 0.5, "max_tokns": 3})
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "temprature"
@@ -67,18 +71,24 @@ async def test_allow_unknown_fields_serves_and_logs_them(caplog):
 
 async def test_a_nested_shape_error_is_still_a_400_with_its_path():
     app, _ = make_app()
-    response = await post(app, "/v1/completions", {"prompt": PROMPT, "stream": True,
-                                                   "stream_options": {"include_usage": "yes"}})
+    response = await post(
+        app, "/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options.include_usage"
 
 
 # ---- token filters reach the engine
 
+
 async def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(served):
     client, engine = served
     await client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logit_bias={"42": -100, "7": 3.5},
-        extra_body={"allowed_token_ids": [42, 7, 9, 42], "bad_words": ["Paris", " big dog"]})
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=2,
+        logit_bias={"42": -100, "7": 3.5},
+        extra_body={"allowed_token_ids": [42, 7, 9, 42], "bad_words": ["Paris", " big dog"]},
+    )
     params = engine.requests[0].sampling_params
     assert params.logit_bias == {42: -100.0, 7: 3.5} and params.allowed_token_ids == [7, 9, 42]
     tok = tokenizer()
@@ -90,15 +100,18 @@ async def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_sampler(serv
     assert params.bad_words_token_ids == expected
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {"x1": 1}}, "logit_bias"),
-    ({"logit_bias": {"49152": 1}}, "logit_bias"),  # one past the vocabulary
-    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
-    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"bad_words": ["  "]}, "bad_words"),
-    ({"bad_words": ["w"] * 1025}, "bad_words"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"logit_bias": {"x1": 1}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),  # one past the vocabulary
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words": ["w"] * 1025}, "bad_words"),
+    ],
+)
 async def test_bad_token_filters_are_a_400_naming_the_field(extra, param):
     app, engine = make_app()
     response = await post(app, "/v1/completions", {"prompt": PROMPT, **extra})
@@ -108,13 +121,17 @@ async def test_bad_token_filters_are_a_400_naming_the_field(extra, param):
 
 # ---- completions: suffix, best_of, echo, prompt_logprobs
 
-@pytest.mark.parametrize("extra, param", [
-    ({"suffix": "!"}, "suffix"),
-    ({"best_of": 2}, "best_of"),
-    ({"best_of": 3, "n": 2}, "best_of"),
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-])
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"suffix": "!"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+        ({"best_of": 3, "n": 2}, "best_of"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 async def test_refused_completion_parameters(extra, param):
     app, engine = make_app()
     response = await post(app, "/v1/completions", {"prompt": PROMPT, **extra})
@@ -139,8 +156,9 @@ async def test_echo_puts_the_prompt_text_in_front(served):
 
 async def test_echo_with_logprobs_puts_the_prompt_logprobs_in_front(served):
     client, engine = served
-    result = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True,
-                                             logprobs=1)
+    result = await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1
+    )
     prompt_ids = engine.requests[0].prompt_token_ids
     assert engine.requests[0].sampling_params.prompt_logprobs == 1
     lp = result.choices[0].logprobs
@@ -156,16 +174,18 @@ async def test_echo_with_logprobs_puts_the_prompt_logprobs_in_front(served):
 
 async def test_streamed_echo_comes_first(served):
     client, _ = served
-    stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, echo=True,
-                                             stream=True)
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, echo=True, stream=True
+    )
     texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
     assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + script_text(3)
 
 
 async def test_prompt_logprobs_over_http(served):
     client, engine = served
-    result = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1,
-                                             extra_body={"prompt_logprobs": 2})
+    result = await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
     prompt_ids = engine.requests[0].prompt_token_ids
     shown = result.choices[0].model_extra["prompt_logprobs"]
     assert len(shown) == len(prompt_ids) and shown[0] is None
@@ -176,11 +196,16 @@ async def test_prompt_logprobs_over_http(served):
 
 # ---- streaming usage
 
+
 async def test_continuous_usage_stats_put_usage_on_every_chunk(served):
     client, _ = served
     stream = await client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True})
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert all(chunk.usage is not None for chunk in chunks)
     *per_token, final = chunks
@@ -193,8 +218,12 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(served):
 async def test_chat_continuous_usage_includes_the_role_chunk(served):
     client, _ = served
     stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True})
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert all(chunk.usage is not None for chunk in chunks)
     assert chunks[0].usage.completion_tokens == 0 and chunks[-1].usage.completion_tokens == 3
@@ -203,8 +232,12 @@ async def test_chat_continuous_usage_includes_the_role_chunk(served):
 async def test_continuous_usage_needs_include_usage(served):
     client, _ = served
     stream = await client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True,
-        stream_options={"continuous_usage_stats": True})
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=2,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks and all(chunk.usage is None for chunk in chunks)
 
@@ -219,6 +252,7 @@ async def test_force_include_usage_ends_every_stream_with_usage():
 
 
 # ---- errors: the engine's fault is a 500, the request's a 400
+
 
 @pytest.mark.parametrize("internal, status", [(True, 500), (False, 400)])
 async def test_engine_errors_are_500_and_input_errors_400(internal, status):
@@ -247,6 +281,7 @@ async def test_stream_error_event_carries_the_status():
 
 # ---- n > 1: cached_tokens is the request's own hit
 
+
 async def test_cached_tokens_for_n_siblings_is_the_requests_own_hit(served):
     client, engine = served
     # Child 0 found 16 tokens; its siblings then also found the block child 0 computed.
@@ -256,6 +291,7 @@ async def test_cached_tokens_for_n_siblings_is_the_requests_own_hit(served):
 
 
 # ---- aborts: one per request
+
 
 async def test_a_stop_string_aborts_once(served):
     client, engine = served

@@ -1,4 +1,5 @@
 """Chat options on /v1/chat/completions: templates, their kwargs, continuing a message, echo."""
+
 from __future__ import annotations
 
 import openai
@@ -13,8 +14,9 @@ CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def create(client, messages=PARTIAL, **extra):
-    return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20,
-                                          extra_body={"stop_token_ids": END, **extra})
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=20, extra_body={"stop_token_ids": END, **extra}
+    )
 
 
 async def assert_400(call, param: str, message: str | None = None) -> None:
@@ -35,8 +37,9 @@ async def test_continue_final_message_leaves_the_turn_open():
     client, engine = scripted(" blue.")
     reply = await create(client, **CONTINUE)
     # The model's own template renders the partial turn without closing it.
-    expected = tokenizer().apply_chat_template(PARTIAL, add_generation_prompt=False,
-                                               continue_final_message=True)
+    expected = tokenizer().apply_chat_template(
+        PARTIAL, add_generation_prompt=False, continue_final_message=True
+    )
     assert prompt_text(engine) == expected and expected.endswith("<|im_start|>assistant\nMy favourite is")
     [choice] = reply.choices
     assert (choice.message.role, choice.message.content) == ("assistant", " blue.")
@@ -46,8 +49,12 @@ async def test_echo_puts_the_continued_message_first():
     client, _ = scripted(" blue.")
     assert (await create(client, echo=True, **CONTINUE)).choices[0].message.content == "My favourite is blue."
     stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=PARTIAL, max_tokens=20, stream=True,
-        extra_body={"stop_token_ids": END, "echo": True, **CONTINUE})
+        model=MODEL_NAME,
+        messages=PARTIAL,
+        max_tokens=20,
+        stream=True,
+        extra_body={"stop_token_ids": END, "echo": True, **CONTINUE},
+    )
     deltas = [c.choices[0].delta async for c in stream]
     assert deltas[0].role == "assistant" and deltas[1].content == "My favourite is"
     assert "".join(d.content or "" for d in deltas) == "My favourite is blue."
@@ -85,8 +92,9 @@ async def test_a_requests_chat_template_needs_the_servers_trust():
     client, engine = scripted("ok")
     await assert_400(create(client, chat_template=GREETING), "chat_template")
     trusted, engine = scripted("ok", ChatSettings(trust_request_chat_template=True))
-    await create(trusted, messages=PARTIAL[:1], chat_template=GREETING,
-                 chat_template_kwargs={"greeting": "Hi. "})
+    await create(
+        trusted, messages=PARTIAL[:1], chat_template=GREETING, chat_template_kwargs={"greeting": "Hi. "}
+    )
     assert prompt_text(engine) == "Hi. Name a colour."
     await assert_400(create(trusted, chat_template="{% for m in messages %}"), "chat_template")
 
@@ -98,8 +106,9 @@ async def test_server_chat_template_replaces_the_models():
 
 
 async def test_raise_exception_is_a_400_with_the_templates_message():
-    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('Start with a user turn.') }}"
-                "{% endif %}")
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Start with a user turn.') }}{% endif %}"
+    )
     client, engine = scripted("ok", ChatSettings(chat_template=template))
     await assert_400(create(client, messages=PARTIAL[1:]), "messages", "Start with a user turn.")
     assert engine.requests == []
@@ -108,9 +117,13 @@ async def test_raise_exception_is_a_400_with_the_templates_message():
 async def test_tokenize_renders_with_the_same_options():
     client, _ = scripted("ok", ChatSettings(chat_template="{{ tools | length if tools else '' }}" + GREETING))
     http = client._client  # the app's httpx client, for a route the SDK has no method for
-    body = {"messages": PARTIAL, "tools": [{"type": "function", "function": {"name": "f"}}],
-            "chat_template_kwargs": {"greeting": "Hey. "}, "add_generation_prompt": False,
-            "continue_final_message": True}
+    body = {
+        "messages": PARTIAL,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "chat_template_kwargs": {"greeting": "Hey. "},
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     response = await http.post("http://test/tokenize", json=body)
     assert response.status_code == 200
     assert tokenizer().decode(response.json()["tokens"]) == "1Hey. Name a colour.My favourite is"

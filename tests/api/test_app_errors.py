@@ -1,4 +1,5 @@
 """Every way a request can be refused: its status and OpenAI's error shape."""
+
 from __future__ import annotations
 
 import json
@@ -118,8 +119,12 @@ async def test_api_key_guards_only_v1():
     app, _ = make_app(api_key="sekrit")
     client = http_client(app)
     body = {"prompt": "Hi", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
-                    {"Authorization": "Basic sekrit"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "sekrit"},
+        {"Authorization": "Basic sekrit"},
+    ):
         assert_error(await client.post(COMPLETIONS, json=body, headers=headers), 401)
     assert_error(await client.get("/v1/models"), 401)
     ok = await client.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer sekrit"})
@@ -130,7 +135,9 @@ async def test_api_key_guards_only_v1():
 
 async def test_priority_allowed_under_priority_scheduling():
     app, engine = make_app(config=engine_config(policy="priority"))
-    response = await http_client(app).post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "priority": -3})
+    response = await http_client(app).post(
+        COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1, "priority": -3}
+    )
     assert response.status_code == 200 and engine.requests[0].priority == -3
 
 

@@ -1,4 +1,5 @@
 """Nothing a client sends gets a 5xx: 1,000 random and malformed bodies."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,24 +17,42 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # Kept small so that the valid bodies among the random ones finish fast.
 FUZZ_MAX_MODEL_LEN = 64
 
-_scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-            | st.text(max_size=12)
-            | st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, ""]))
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, ""])
+)
 json_values = st.recursive(
-    _scalars, lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=12)
+    _scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
 
-_messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "tool"]),
-     "content": st.text(max_size=30) | st.lists(st.fixed_dictionaries(
-         {"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2)}),
-    min_size=1, max_size=3)
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool"]),
+            "content": st.text(max_size=30)
+            | st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 # Values each field may validly hold (some still refused in combination,
 # e.g. min_tokens > max_tokens); the junk branch below covers the rest.
 FIELDS = {
     "model": st.just(MODEL_NAME),
-    "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+    "prompt": st.text(min_size=1, max_size=40)
+    | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
     | st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=4), min_size=1, max_size=3),
     "messages": _messages,
     "max_tokens": st.integers(1, 30) | st.none(),
@@ -66,7 +85,12 @@ _junk = json_values | st.integers(-100, 100) | st.floats().filter(lambda x: x ==
 _field_names = sorted(FIELDS)
 
 # A body both endpoints accept (each ignores the other's prompt field).
-VALID = {"model": MODEL_NAME, "prompt": "Hello", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+VALID = {
+    "model": MODEL_NAME,
+    "prompt": "Hello",
+    "messages": [{"role": "user", "content": "Hi"}],
+    "max_tokens": 4,
+}
 
 
 def _body(changes: dict, dropped: set, stream: bool = False) -> bytes:
@@ -75,11 +99,16 @@ def _body(changes: dict, dropped: set, stream: bool = False) -> bytes:
 
 
 _changes = st.sets(st.sampled_from(_field_names), max_size=6).flatmap(
-    lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys}))
+    lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys})
+)
 _plausible = st.builds(_body, _changes, st.sets(st.sampled_from(sorted(VALID)), max_size=1), st.booleans())
 # Plausible, but one field holds any JSON value at all.
-_one_junk_field = st.builds(lambda changes, key, junk: _body({**changes, key: junk}, set()),
-                            _changes, st.sampled_from(_field_names), _junk)
+_one_junk_field = st.builds(
+    lambda changes, key, junk: _body({**changes, key: junk}, set()),
+    _changes,
+    st.sampled_from(_field_names),
+    _junk,
+)
 
 bodies = st.one_of(
     _plausible,  # listed thrice: one_of picks a branch uniformly, and these reach the engine
@@ -88,9 +117,16 @@ bodies = st.one_of(
     _one_junk_field,
     json_values.map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=64),
-    st.sampled_from([b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "max_tokens": 1e999}',
-                     b'{"prompt": "x", "n": 1' + b"0" * 400 + b"}", b'{"prompt": "\\ud800"}',
-                     b'{"messages": [{"role": "user", "content": "\\udfff"}]}', b"[" * 5000 + b"]" * 5000]),
+    st.sampled_from(
+        [
+            b'{"prompt": "x", "temperature": NaN}',
+            b'{"prompt": "x", "max_tokens": 1e999}',
+            b'{"prompt": "x", "n": 1' + b"0" * 400 + b"}",
+            b'{"prompt": "\\ud800"}',
+            b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+            b"[" * 5000 + b"]" * 5000,
+        ]
+    ),
 )
 
 
@@ -105,8 +141,9 @@ def client():
     # Each body goes to both endpoints with both prompt fields, so the server
     # takes unknown fields (the lenient decoding is then fuzzed too); the
     # strict refusal has its own tests (tests/api/test_field_table.py).
-    app, _ = make_app(config=engine_config(max_model_len=FUZZ_MAX_MODEL_LEN),
-                      options=APIOptions(allow_unknown_fields=True))
+    app, _ = make_app(
+        config=engine_config(max_model_len=FUZZ_MAX_MODEL_LEN), options=APIOptions(allow_unknown_fields=True)
+    )
     return http_client(app)
 
 

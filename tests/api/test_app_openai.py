@@ -1,4 +1,5 @@
 """The app through the official openai client, against the fake engine."""
+
 from __future__ import annotations
 
 import openai
@@ -53,8 +54,9 @@ async def test_completion_defaults_to_16_tokens_and_takes_token_prompts(served):
 
 async def test_completion_stream_with_usage(served):
     client, _ = served
-    stream = await client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=6, stream=True,
-                                             stream_options={"include_usage": True})
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert all(c.object == "text_completion" for c in chunks)
     assert len({c.id for c in chunks}) == 1
@@ -72,8 +74,9 @@ async def test_stream_when_engine_outputs_arrive_in_a_burst(stop):
     engine = FakeEngineClient()
     engine.burst = True
     app, _ = make_app(engine)
-    stream = await openai_client(app).completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8,
-                                                         stream=True, stop=stop)
+    stream = await openai_client(app).completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=8, stream=True, stop=stop
+    )
     chunks = [c async for c in stream]
     assert [c.choices[0].finish_reason for c in chunks][-1] == ("length" if stop is None else "stop")
     assert sum(c.choices[0].finish_reason is not None for c in chunks) == 1
@@ -95,7 +98,9 @@ async def test_chat_completion(served):
 
 async def test_chat_without_max_tokens_fills_the_context(served):
     client, engine = served
-    result = await client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}])
+    result = await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}]
+    )
     request = engine.requests[0]
     assert request.sampling_params.max_tokens == 256 - len(request.prompt_token_ids)
     assert result.usage.total_tokens == 256 and result.choices[0].finish_reason == "length"
@@ -104,8 +109,14 @@ async def test_chat_without_max_tokens_fills_the_context(served):
 async def test_chat_stream_n2_roles_first_and_usage(served):
     client, engine = served
     stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5, n=2,
-        seed=3, stream=True, stream_options={"include_usage": True})
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=5,
+        n=2,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [c async for c in stream]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     texts, roles, finishes = {0: "", 1: ""}, {}, {}
@@ -150,8 +161,13 @@ async def test_stop_string_cuts_text_and_aborts(served, stream):
 
 async def test_stop_string_included_when_asked(served):
     client, _ = served
-    result = await client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=40, stop="STOP",
-                                             extra_body={"include_stop_str_in_output": True})
+    result = await client.completions.create(
+        model=MODEL_NAME,
+        prompt="Hi",
+        max_tokens=40,
+        stop="STOP",
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert result.choices[0].text.endswith("dog. STOP")
 
 
@@ -162,12 +178,16 @@ async def test_stop_token_id_reports_stop_reason(served, include):
     client, engine = served
     stop_id = tokenizer().encode(" fox", add_special_tokens=False)[0]
     result = await client.completions.create(
-        model=MODEL_NAME, prompt="Hi", max_tokens=40,
-        extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": include})
+        model=MODEL_NAME,
+        prompt="Hi",
+        max_tokens=40,
+        extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": include},
+    )
     assert result.choices[0].text == "Hello world! The quick brown" + (" fox" if include else "")
     assert result.choices[0].model_extra["stop_reason"] == stop_id
-    assert result.usage.completion_tokens == len(tokenizer().encode("Hello world! The quick brown fox",
-                                                                    add_special_tokens=False))
+    assert result.usage.completion_tokens == len(
+        tokenizer().encode("Hello world! The quick brown fox", add_special_tokens=False)
+    )
     assert engine.aborted == set()
 
 
@@ -184,8 +204,13 @@ async def test_completion_logprobs(served):
 async def test_chat_logprobs_streamed(served):
     client, _ = served
     stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
-        top_logprobs=2, stream=True)
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
     entries = [e async for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 3
     assert "".join(e.token for e in entries) == script_text(3)
@@ -197,11 +222,26 @@ async def test_chat_logprobs_streamed(served):
 async def test_chat_content_parts_and_extras_pass_through(served):
     client, engine = served
     await client.chat.completions.create(
-        model=MODEL_NAME, max_tokens=2, temperature=0.5, top_p=0.9, presence_penalty=0.5,
-        frequency_penalty=-0.5, user="someone",
-        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 1,
-                    "skip_special_tokens": False, "cache_salt": "salt"})
+        model=MODEL_NAME,
+        max_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        user="someone",
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+            "min_tokens": 1,
+            "skip_special_tokens": False,
+            "cache_salt": "salt",
+        },
+    )
     request = engine.requests[0]
     params = request.sampling_params
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 5, 0.1)
@@ -221,8 +261,12 @@ async def test_cached_tokens_reported():
 
 async def test_api_key():
     app, _ = make_app(api_key="sekrit")
-    result = await openai_client(app, api_key="sekrit").completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)
+    result = await openai_client(app, api_key="sekrit").completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=1
+    )
     assert result.choices[0].text
     with pytest.raises(openai.AuthenticationError) as e:
-        await openai_client(app, api_key="wrong").completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)
+        await openai_client(app, api_key="wrong").completions.create(
+            model=MODEL_NAME, prompt="Hi", max_tokens=1
+        )
     assert e.value.status_code == 401

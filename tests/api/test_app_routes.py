@@ -1,4 +1,5 @@
 """The small routes: health, version, models, tokenize, metrics, lifespan."""
+
 from __future__ import annotations
 
 import subprocess
@@ -40,8 +41,12 @@ async def test_served_model_name_overrides_config():
     app, _ = make_app(served_model_name="alias")
     client = http_client(app)
     assert (await client.get("/v1/models")).json()["data"][0]["id"] == "alias"
-    assert (await client.post("/v1/completions", json={"prompt": "x", "model": "alias", "max_tokens": 1})).status_code == 200
-    assert (await client.post("/v1/completions", json={"prompt": "x", "model": MODEL_NAME})).status_code == 400
+    assert (
+        await client.post("/v1/completions", json={"prompt": "x", "model": "alias", "max_tokens": 1})
+    ).status_code == 200
+    assert (
+        await client.post("/v1/completions", json={"prompt": "x", "model": MODEL_NAME})
+    ).status_code == 400
 
 
 async def test_health_names_waiting_ranks():
@@ -76,22 +81,22 @@ async def test_metrics_exposes_vllm_names(served):
     await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "stop": "STOP"})
     text = (await client.get("/metrics")).text
     labels = f'engine="0",model_name="{MODEL_NAME}"'
-    for line in (f"vllm:num_requests_running{{{labels}}} 3.0",
-                 f"vllm:num_requests_waiting{{{labels}}} 0.0",
-                 f"vllm:kv_cache_usage_perc{{{labels}}} 0.25",
-                 f"vllm:prefix_cache_queries_total{{{labels}}} 100.0",
-                 f"vllm:prefix_cache_hits_total{{{labels}}} 40.0",
-                 f"vllm:num_preemptions_total{{{labels}}} 0.0",
-                 f"vllm:generation_tokens_total{{{labels}}} 19.0",
-                 f"vllm:prompt_tokens_total{{{labels}}} 2.0",
-                 f'vllm:request_success_total{{engine="0",finished_reason="length",'
-                 f'model_name="{MODEL_NAME}"}} 1.0',
-                 f'vllm:request_success_total{{engine="0",finished_reason="stop",'
-                 f'model_name="{MODEL_NAME}"}} 1.0',
-                 f"vllm:request_queue_time_seconds_sum{{{labels}}} 0.5",
-                 f"vllm:e2e_request_latency_seconds_count{{{labels}}} 2.0",
-                 f"vllm:time_to_first_token_seconds_count{{{labels}}} 2.0",
-                 f"vllm:inter_token_latency_seconds_count{{{labels}}} 17.0"):
+    for line in (
+        f"vllm:num_requests_running{{{labels}}} 3.0",
+        f"vllm:num_requests_waiting{{{labels}}} 0.0",
+        f"vllm:kv_cache_usage_perc{{{labels}}} 0.25",
+        f"vllm:prefix_cache_queries_total{{{labels}}} 100.0",
+        f"vllm:prefix_cache_hits_total{{{labels}}} 40.0",
+        f"vllm:num_preemptions_total{{{labels}}} 0.0",
+        f"vllm:generation_tokens_total{{{labels}}} 19.0",
+        f"vllm:prompt_tokens_total{{{labels}}} 2.0",
+        f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL_NAME}"}} 1.0',
+        f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL_NAME}"}} 1.0',
+        f"vllm:request_queue_time_seconds_sum{{{labels}}} 0.5",
+        f"vllm:e2e_request_latency_seconds_count{{{labels}}} 2.0",
+        f"vllm:time_to_first_token_seconds_count{{{labels}}} 2.0",
+        f"vllm:inter_token_latency_seconds_count{{{labels}}} 17.0",
+    ):
         assert line in text, line
 
 
@@ -103,7 +108,9 @@ async def test_lifespan_starts_and_shuts_down_the_engine_client():
 
 
 def test_the_app_never_imports_torch():
-    code = ("import sys, services.api.app; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, services.api.app; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

@@ -1,4 +1,5 @@
 """The sticky-session key reaches the balancer: ``x-session-id`` first, then ``user``."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,13 +14,18 @@ def served():
     return http_client(app), engine
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-])
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ],
+)
 async def test_header_wins_over_user_and_user_is_the_fallback(served, route, body):
     client, engine = served
-    assert (await client.post(route, json=body | {"user": "u1"}, headers={"x-session-id": "s1"})).status_code == 200
+    assert (
+        await client.post(route, json=body | {"user": "u1"}, headers={"x-session-id": "s1"})
+    ).status_code == 200
     assert (await client.post(route, json=body | {"user": "u1"})).status_code == 200
     assert (await client.post(route, json=body)).status_code == 200
     assert [r.session_key for r in engine.requests] == ["s1", "u1", None]

@@ -1,4 +1,5 @@
 """Tool calling on /v1/chat/completions, against the fake engine, through the openai client."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,17 @@ from tests.api.fake_engine_client import MODEL_NAME
 from tests.api.tool_scripts import END, TOOL_TEMPLATE, prompt_text, scripted
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-                                           "parameters": WEATHER_PARAMETERS}},
-         {"type": "function", "function": {"name": "get_time"}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 AUTO = ChatSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
 HERMES_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -57,15 +66,29 @@ async def test_auto_needs_the_server_to_enable_it(tool_choice):
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
-    ({"tools": [TOOLS[1], TOOLS[1]], "tool_choice": "required"}, "tools[1].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
-      "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+            "tool_choice",
+        ),
+        ({"tools": [TOOLS[1], TOOLS[1]], "tool_choice": "required"}, "tools[1].function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
 async def test_tool_requests_that_cannot_be_served(kwargs, param):
     client, engine = scripted("Hi")
     with pytest.raises(openai.BadRequestError) as error:
@@ -86,25 +109,46 @@ async def test_none_shows_the_tools_to_the_template_and_returns_text():
 
 async def test_history_of_calls_and_results_reaches_the_template():
     client, engine = scripted("It is sunny.", ChatSettings(chat_template=TOOL_TEMPLATE))
-    history = [*ASK,
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+    ]
     reply = await create(client, messages=history, tools=TOOLS, tool_choice="none")
     assert prompt_text(engine) == (
         "TOOLS:" + json.dumps(TOOLS) + "\nuser: Weather in Paris?\n"
         'assistant: CALL call_1 get_weather {"city": "Paris"} city=Paris\n'
-        'tool: {"sky": "sunny"} (answers call_1)\nassistant:')
+        'tool: {"sky": "sunny"} (answers call_1)\nassistant:'
+    )
     assert reply.choices[0].message.content == "It is sunny."
 
 
-@pytest.mark.parametrize("message,param", [
-    ({"role": "tool", "content": "42"}, "messages[1].tool_call_id"),
-    ({"role": "user", "content": "hi", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
-     "messages[1].tool_calls"),
-])
+@pytest.mark.parametrize(
+    "message,param",
+    [
+        ({"role": "tool", "content": "42"}, "messages[1].tool_call_id"),
+        (
+            {
+                "role": "user",
+                "content": "hi",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+                ],
+            },
+            "messages[1].tool_calls",
+        ),
+    ],
+)
 async def test_malformed_tool_history(message, param):
     client, _ = scripted("Hi")
     with pytest.raises(openai.BadRequestError) as error:
@@ -127,8 +171,10 @@ async def test_auto_streams_the_calls():
     client, _ = scripted(HERMES_REPLY + "\n" + HERMES_REPLY.replace("Paris", "Oslo"), AUTO)
     content, calls, finish = await stream_of(client, tools=TOOLS, tool_choice="auto", max_tokens=150)
     assert content == "Checking.\nChecking." and finish == "tool_calls"
-    assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == \
-        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
     assert len({call_id for call_id, _, _ in calls.values()}) == 2
 
 
@@ -166,8 +212,9 @@ async def test_named_function_is_forced_by_its_schema(stream):
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_required_is_forced_by_an_array_schema(stream, parallel):
-    client, engine = scripted('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
-                              '{"name": "get_time", "parameters": {}}]')
+    client, engine = scripted(
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    )
     kwargs = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel}
     if stream:
         content, calls, finish = await stream_of(client, **kwargs)
@@ -181,8 +228,10 @@ async def test_required_is_forced_by_an_array_schema(stream, parallel):
     schema = json.loads(engine.requests[0].sampling_params.structured_outputs.json)
     assert schema == required_schema(tool_structs(TOOLS), parallel)
     assert schema.get("maxItems") == (None if parallel else 1)
-    assert [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]] == \
-        [["get_weather"], ["get_time"]]
+    assert [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]] == [
+        ["get_weather"],
+        ["get_time"],
+    ]
 
 
 def tool_structs(tools: list[dict]) -> tuple[ChatTool, ...]:
@@ -199,20 +248,41 @@ async def test_required_cut_short_is_content_not_an_error():
 
 def test_required_schema_hoists_defs_for_references():
     point = {"type": "object", "properties": {"x": {"type": "number"}}}
-    tool = {"type": "function", "function": {"name": "move", "parameters": {
-        "type": "object", "properties": {"to": {"$ref": "#/$defs/point"}}, "$defs": {"point": point}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/point"}},
+                "$defs": {"point": point},
+            },
+        },
+    }
     schema = required_schema(tool_structs([tool]))
     assert schema["$defs"] == {"point": point}
     [option] = schema["items"]["anyOf"]
-    assert option["properties"]["parameters"] == \
-        {"type": "object", "properties": {"to": {"$ref": "#/$defs/point"}}}
+    assert option["properties"]["parameters"] == {
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/point"}},
+    }
     assert option["properties"]["name"] == {"type": "string", "enum": ["move"]}
 
 
 def test_tools_defining_one_name_differently_are_refused():
     def tool(name, x_type):
-        return {"type": "function", "function": {"name": name, "parameters": {
-            "$defs": {"p": {"type": x_type}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/p"}}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "$defs": {"p": {"type": x_type}},
+                    "type": "object",
+                    "properties": {"a": {"$ref": "#/$defs/p"}},
+                },
+            },
+        }
+
     with pytest.raises(APIError) as error:
         required_schema(tool_structs([tool("f", "number"), tool("g", "string")]))
     assert error.value.status == 400 and error.value.param == "tools[1].function.parameters"

@@ -4,6 +4,7 @@ The checks must name what is wrong, and must never refuse a constraint the
 engine's compiler (xgrammar) accepts: the differential tests below compare
 them with xgrammar's tokenizer-free grammar builders.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,21 @@ import pytest
 
 from services.api.constraint_checks import check_grammar, check_json_schema, check_regex
 
-VALID_REGEXES = [r"\d{4}-\d{2}-\d{2}", r"[a-z]{3,8}@[a-z]+\.(com|org)", r"(?:ab)+c?", r"a*?b+?", r"[^]",
-                 r"(?<year>\d{4})", r"[\]\-a]", r"\p", r"a}", r"[-a]", r"x{2}?", r"(|a)", "^a$"]
+VALID_REGEXES = [
+    r"\d{4}-\d{2}-\d{2}",
+    r"[a-z]{3,8}@[a-z]+\.(com|org)",
+    r"(?:ab)+c?",
+    r"a*?b+?",
+    r"[^]",
+    r"(?<year>\d{4})",
+    r"[\]\-a]",
+    r"\p",
+    r"a}",
+    r"[-a]",
+    r"x{2}?",
+    r"(|a)",
+    "^a$",
+]
 BAD_REGEXES = [
     ("[a-", "unclosed '[' at position 0"),
     ("(abc", "1 unclosed '('"),
@@ -71,13 +85,21 @@ def test_bad_schemas_are_named(schema, message):
 
 
 def test_a_rich_schema_passes():
-    check_json_schema({
-        "type": "object", "$defs": {"tag": {"type": "string", "enum": ["a", "b"]}},
-        "properties": {"tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1},
-                       "id": {"type": ["integer", "null"], "minimum": 0},
-                       "name": {"type": "string", "pattern": "^[A-Z][a-z]+$", "maxLength": 20},
-                       "any": True, "either": {"anyOf": [{"type": "string"}, {"type": "number"}]}},
-        "required": ["tags", "id"], "additionalProperties": False})
+    check_json_schema(
+        {
+            "type": "object",
+            "$defs": {"tag": {"type": "string", "enum": ["a", "b"]}},
+            "properties": {
+                "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1},
+                "id": {"type": ["integer", "null"], "minimum": 0},
+                "name": {"type": "string", "pattern": "^[A-Z][a-z]+$", "maxLength": 20},
+                "any": True,
+                "either": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+            },
+            "required": ["tags", "id"],
+            "additionalProperties": False,
+        }
+    )
 
 
 BAD_GRAMMARS = [
@@ -87,13 +109,13 @@ BAD_GRAMMARS = [
     ('root ::= "a" )', "line 1, column 14: unmatched ')'"),
     ('root ::= "abc', "line 1, column 10: unterminated string"),
     ("root ::= [a-z", "line 1, column 10: unterminated character class"),
-    ("root ::= 'a'", "line 1, column 10: unexpected character \"'\""),
-    ('root ::= item+\n', "rule 'item' is used but never defined"),
+    ("root ::= 'a'", 'line 1, column 10: unexpected character "\'"'),
+    ("root ::= item+\n", "rule 'item' is used but never defined"),
     ("root ::=", "the rule before here is empty"),
     ('root ::= "a" ::= "b"', "'::=' must follow a rule name"),
     ('"a"\nroot ::= "b"', "the grammar must start with a rule"),
     ('root ::= "a"{3,1}', "repetition {3,1} has its bounds reversed"),
-    ('expr: NUMBER', "the grammar has no 'start' rule"),
+    ("expr: NUMBER", "the grammar has no 'start' rule"),
     ('start: "a', "unterminated string"),
     ('start: ("a" | "b"', "1 unclosed bracket"),
 ]
@@ -106,18 +128,22 @@ def test_bad_grammars_are_named(grammar, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("grammar", [
-    'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+  # digits',
-    'root ::= "a" (= "b") "b"',
-    'root ::= TagDispatch(("<t>", body))\nbody ::= "x"',
-    'root::="a"{2,3}|"b"{2}',
-    'start: expr\nexpr: NUMBER ("+" NUMBER)*\nNUMBER: /[0-9]+/\n%ignore " "',
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+  # digits',
+        'root ::= "a" (= "b") "b"',
+        'root ::= TagDispatch(("<t>", body))\nbody ::= "x"',
+        'root::="a"{2,3}|"b"{2}',
+        'start: expr\nexpr: NUMBER ("+" NUMBER)*\nNUMBER: /[0-9]+/\n%ignore " "',
+    ],
+)
 def test_valid_grammars_pass(grammar):
     check_grammar(grammar)
 
 
 # ------------------------------------------------------- against xgrammar
+
 
 @pytest.fixture(scope="module")
 def xgr():

@@ -1,5 +1,6 @@
 """requirements.lock (what `make install` installs) agrees with pyproject.toml,
 and neither lets in a release with a known hole."""
+
 from __future__ import annotations
 
 import tomllib
@@ -14,9 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Kept out of the lock: a GPU user keeps the CUDA torch they installed first.
 UNLOCKED = {"torch"}
 # name -> (the first safe release, the last one with a known hole that matters here).
-SAFE_FLOORS = {"jinja2": ("3.1.6", "3.1.5"),  # sandbox escapes: CVE-2024-56201, CVE-2025-27516
-               "h11": ("0.16.0", "0.14.0"),  # request smuggling: CVE-2025-43859
-               "starlette": ("0.47.2", "0.47.1")}  # multipart DoS: CVE-2024-47874, CVE-2025-54121
+SAFE_FLOORS = {
+    "jinja2": ("3.1.6", "3.1.5"),  # sandbox escapes: CVE-2024-56201, CVE-2025-27516
+    "h11": ("0.16.0", "0.14.0"),  # request smuggling: CVE-2025-43859
+    "starlette": ("0.47.2", "0.47.1"),
+}  # multipart DoS: CVE-2024-47874, CVE-2025-54121
 
 
 def requirements() -> list[Requirement]:

@@ -3,6 +3,7 @@
 Two local ranks over ipc for routing, errors, aborts and a killed rank; one
 headless `engine-core` over tcp. Every process is killed in a fixture.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,10 @@ async def test_requests_spread_over_both_ranks(client):
 
 
 async def test_invalid_request_errors_only_itself(client):
-    bad, good = await asyncio.gather(collect(client, make_request("too-long", prompt_len=600)),
-                                     collect(client, make_request("fine", max_tokens=5)))
+    bad, good = await asyncio.gather(
+        collect(client, make_request("too-long", prompt_len=600)),
+        collect(client, make_request("fine", max_tokens=5)),
+    )
     assert bad[0] == [] and bad[1].finish_reason == FinishReason.ERROR and "max_model_len" in bad[1].error
     assert len(good[0]) == 5 and good[1].finish_reason == FinishReason.LENGTH
 
@@ -105,8 +108,11 @@ async def test_closing_the_stream_aborts_and_frees_blocks(client):
     await gen.aclose()
 
     def all_idle() -> bool:
-        return all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == NUM_BLOCKS - 1
-                   for s in client.rank_stats().values())
+        return all(
+            s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == NUM_BLOCKS - 1
+            for s in client.rank_stats().values()
+        )
+
     await wait_until(all_idle, 10, "the aborted request's blocks to come back")
 
 
@@ -163,9 +169,17 @@ async def test_killed_rank_fails_its_requests_and_the_survivor_serves(client, lo
     tokens, _ = await collect(client, make_request("survivor", max_tokens=3))
     assert len(tokens) == 3 and client.rank_stats()[1].state == "ready"
     with pytest.raises(EngineNotReadyError):
-        await anext(client.generate(EngineCoreRequest(
-            request_id="pinned", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
-            arrival_time=time.time(), data_parallel_rank=0)))
+        await anext(
+            client.generate(
+                EngineCoreRequest(
+                    request_id="pinned",
+                    prompt_token_ids=[1, 2],
+                    sampling_params=SamplingParams(),
+                    arrival_time=time.time(),
+                    data_parallel_rank=0,
+                )
+            )
+        )
 
 
 @pytest.fixture
@@ -182,11 +196,28 @@ async def test_headless_engine_core_over_tcp(tiny_config, headless_processes):
     try:
         await client.start()
         port = int(client.handshake_address.rsplit(":", 1)[1])
-        headless_processes.append(subprocess.Popen([
-            sys.executable, "-m", "services.engine_core.cli", "--headless", "--dp-start-rank", "0",
-            "--data-parallel-size", "1", "--data-parallel-size-local", "1",
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port),
-            "--num-threads", "1"]))
+        headless_processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.engine_core.cli",
+                    "--headless",
+                    "--dp-start-rank",
+                    "0",
+                    "--data-parallel-size",
+                    "1",
+                    "--data-parallel-size-local",
+                    "1",
+                    "--data-parallel-address",
+                    "127.0.0.1",
+                    "--data-parallel-rpc-port",
+                    str(port),
+                    "--num-threads",
+                    "1",
+                ]
+            )
+        )
         await wait_until(lambda: client.ready, START_S, "the headless rank to be ready")
         tokens, last = await collect(client, make_request("remote", max_tokens=6))
         assert len(tokens) == 6 and last.finish_reason == FinishReason.LENGTH

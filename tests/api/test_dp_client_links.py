@@ -4,6 +4,7 @@ claims a live rank is refused while the real rank keeps serving, a rank
 that went quiet rejoins when heard again, and a request for a rank whose
 connection is gone fails clearly instead of vanishing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,8 +65,9 @@ class StandInEngine:
     """Shakes hands like an engine core, answers each request with its
     ``max_tokens`` tokens, and sends heartbeats while ``beating`` is set."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, handshake_address: str,
-                 curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, handshake_address: str, curve: CurveKeys | None = None
+    ) -> None:
         self.ctx = ctx
         self.handshake_address = handshake_address
         self.curve = curve
@@ -77,13 +79,15 @@ class StandInEngine:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        hs = make_socket(self.ctx, zmq.DEALER, self.handshake_address, bind=False, identity=self.identity,
-                         curve=self.curve)
+        hs = make_socket(
+            self.ctx, zmq.DEALER, self.handshake_address, bind=False, identity=self.identity, curve=self.curve
+        )
         await asend(hs, self.encoder, EngineHello(rank=RANK, local=False, headless=True))
         _, reply = await asyncio.wait_for(arecv(hs, Decoder(EngineHandshakeReply)), WAIT_S)
         hs.close()
-        self.input = make_socket(self.ctx, zmq.DEALER, reply.input_address, bind=False,
-                                 identity=self.identity, curve=self.curve)
+        self.input = make_socket(
+            self.ctx, zmq.DEALER, reply.input_address, bind=False, identity=self.identity, curve=self.curve
+        )
         self.output = make_socket(self.ctx, zmq.PUSH, reply.output_address, bind=False, curve=self.curve)
         await asend(self.input, self.encoder, EngineReady(rank=RANK, num_blocks=64, max_model_len=512))
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._beat())]
@@ -107,15 +111,21 @@ class StandInEngine:
                 if request.sampling_params.max_tokens > 100:
                     continue  # one that never ends on its own
                 tokens = [7] * request.sampling_params.max_tokens
-                outputs = [EngineCoreOutput(request_id=request.request_id, new_token_ids=tokens,
-                                            finish_reason=FinishReason.LENGTH)]
+                outputs = [
+                    EngineCoreOutput(
+                        request_id=request.request_id, new_token_ids=tokens, finish_reason=FinishReason.LENGTH
+                    )
+                ]
                 await asend(self.output, self.encoder, EngineCoreOutputs(engine_index=RANK, outputs=outputs))
 
     async def _beat(self) -> None:
         while True:
             await self.beating.wait()
-            await asend(self.output, self.encoder, EngineCoreOutputs(engine_index=RANK,
-                                                                     scheduler_stats=SchedulerStats()))
+            await asend(
+                self.output,
+                self.encoder,
+                EngineCoreOutputs(engine_index=RANK, scheduler_stats=SchedulerStats()),
+            )
             await asyncio.sleep(HEARTBEAT_S)
 
 
@@ -131,8 +141,13 @@ async def stack(silence_timeout_s: float = 3.0, keys=None):
     over tcp and CURVE, the engine holding node ``a``'s key."""
     ctx = zmq.asyncio.Context()
     address = ipc_address("hs") if keys is None else tcp_address("127.0.0.1", 0, bind=True)
-    client = DPLBEngineClient(make_config(block_size=16), address, 1, silence_timeout_s=silence_timeout_s,
-                              curve=None if keys is None else load_keys(keys, SERVER))
+    client = DPLBEngineClient(
+        make_config(block_size=16),
+        address,
+        1,
+        silence_timeout_s=silence_timeout_s,
+        curve=None if keys is None else load_keys(keys, SERVER),
+    )
     engine = None
     try:
         await client.start()
@@ -162,8 +177,9 @@ async def test_a_second_connection_claiming_a_live_rank_is_refused_and_the_rank_
             claimants += [hello, status]
         # Six claims where the identity reached the API; the real identity's second connection
         # is refused by ZMQ itself and never heard.
-        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 5, WAIT_S,
-                         "the claims to be refused")
+        await wait_until(
+            lambda: client.dropped_frames()["rank_claim"] >= 5, WAIT_S, "the claims to be refused"
+        )
         assert client.rank_stats()[RANK].state == "ready"
         tokens, last = await collect(client, make_request("after-claims", max_tokens=3))
         assert tokens == [7, 7, 7] and last.finished
@@ -201,8 +217,14 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
     async with stack(keys=keys) as (client, _, ctx):
         other_node = node_keys(keys, "b")  # a valid key of the deployment, for another node
         encoder = Encoder()
-        hello = make_socket(ctx, zmq.DEALER, client.handshake_address, bind=False,
-                            identity=instance_identity(RANK), curve=other_node)
+        hello = make_socket(
+            ctx,
+            zmq.DEALER,
+            client.handshake_address,
+            bind=False,
+            identity=instance_identity(RANK),
+            curve=other_node,
+        )
         await asend(hello, encoder, EngineHello(rank=RANK, local=False, headless=True))
         # Outputs for rank 0's request, pushed by node b: never delivered.
         in_flight = client.generate(make_request("held", max_tokens=1000))
@@ -211,8 +233,9 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
         injector = make_socket(ctx, zmq.PUSH, client.output_address, bind=False, curve=other_node)
         forged = EngineCoreOutput(request_id="held", new_token_ids=[666], finish_reason=FinishReason.STOP)
         await asend(injector, encoder, EngineCoreOutputs(engine_index=RANK, outputs=[forged]))
-        await wait_until(lambda: client.dropped_frames()["rank_claim"] >= 2, WAIT_S,
-                         "node b's claims to be refused")
+        await wait_until(
+            lambda: client.dropped_frames()["rank_claim"] >= 2, WAIT_S, "node b's claims to be refused"
+        )
         assert not waiting.done() and client.rank_stats()[RANK].state == "ready"
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -222,4 +245,3 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
         assert tokens == [7, 7] and last.finished
         hello.close(linger=0)
         injector.close(linger=0)
-

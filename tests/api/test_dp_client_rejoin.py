@@ -6,6 +6,7 @@ silent; started again by the operator, it shakes hands anew and serves.
 (Local ranks restarted by the API itself are tested on the whole stack in
 tests/test_reliability.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -46,19 +47,43 @@ def operator_processes():
         proc.wait()
 
 
-async def test_a_headless_rank_restarted_by_the_operator_rejoins_over_curve(tiny_config, tmp_path,
-                                                                            operator_processes):
+async def test_a_headless_rank_restarted_by_the_operator_rejoins_over_curve(
+    tiny_config, tmp_path, operator_processes
+):
     keys = tmp_path / "keys"
     generate_keys(keys)
-    client = DPLBEngineClient(tiny_config, tcp_address("127.0.0.1", 0, bind=True), 1, silence_timeout_s=1.5,
-                              curve=load_keys(keys, SERVER))
+    client = DPLBEngineClient(
+        tiny_config,
+        tcp_address("127.0.0.1", 0, bind=True),
+        1,
+        silence_timeout_s=1.5,
+        curve=load_keys(keys, SERVER),
+    )
 
     def start_node() -> None:
         port = client.handshake_address.rsplit(":", 1)[1]
-        operator_processes.append(subprocess.Popen([
-            sys.executable, "-m", "services.engine_core.cli", "--headless", "--data-parallel-size", "1",
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", port, "--num-threads", "1",
-            "--zmq-curve-keys", str(keys)], start_new_session=True))
+        operator_processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.engine_core.cli",
+                    "--headless",
+                    "--data-parallel-size",
+                    "1",
+                    "--data-parallel-address",
+                    "127.0.0.1",
+                    "--data-parallel-rpc-port",
+                    port,
+                    "--num-threads",
+                    "1",
+                    "--zmq-curve-keys",
+                    str(keys),
+                ],
+                start_new_session=True,
+            )
+        )
+
     try:
         await client.start()
         start_node()

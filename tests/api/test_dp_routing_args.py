@@ -1,4 +1,5 @@
 """`--dp-routing`: prefix by default when KV events are published, refused without them."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,16 @@ def test_prefix_routing_is_the_default_when_events_are_published():
 def test_prefix_routing_without_published_events_is_refused():
     with pytest.raises(ValueError, match="kv-events-config"):
         prefix_router_for(parse("--dp-routing", "prefix"), engine_config())
-    recorded_only = msgspec.structs.replace(engine_config(), kv_events=KVEventsConfig(enable_kv_cache_events=True))
+    recorded_only = msgspec.structs.replace(
+        engine_config(), kv_events=KVEventsConfig(enable_kv_cache_events=True)
+    )
     with pytest.raises(ValueError, match="kv-events-config"):
         prefix_router_for(parse("--dp-routing", "prefix"), recorded_only)
     with pytest.raises(ValueError, match="non-negative"):
-        prefix_router_for(parse("--dp-prefix-max-imbalance", "-1"),
-                          msgspec.structs.replace(engine_config(), kv_events=EVENTS))
+        prefix_router_for(
+            parse("--dp-prefix-max-imbalance", "-1"),
+            msgspec.structs.replace(engine_config(), kv_events=EVENTS),
+        )
 
 
 def test_the_kv_events_flag_reaches_the_engine_args():

@@ -1,4 +1,5 @@
 """Restarting local engine processes, with stand-in processes (no model)."""
+
 from __future__ import annotations
 
 import signal
@@ -77,8 +78,12 @@ def test_backoff_counts_the_life_from_ready_not_from_spawn():
     """A model that loads for 100 s and crashes 1 s after ready is a crash loop:
     its back-off doubles, although each process lived longer than ``stable_s``."""
     clock = FakeClock()
-    engines = LocalEngines({0: subprocess.Popen(SLEEPER, start_new_session=True)}, restart=True,
-                           backoff=RestartBackoff(base_s=1.0, max_s=64.0, stable_s=30.0), clock=clock)
+    engines = LocalEngines(
+        {0: subprocess.Popen(SLEEPER, start_new_session=True)},
+        restart=True,
+        backoff=RestartBackoff(base_s=1.0, max_s=64.0, stable_s=30.0),
+        clock=clock,
+    )
     try:
         delays = []
         for _ in range(3):

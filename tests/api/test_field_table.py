@@ -8,6 +8,7 @@ whose field this branch's Struct does not declare yet are unknown fields
 until then, so they must be a 400 naming them; once declared, they are
 checked like the rest.
 """
+
 from __future__ import annotations
 
 import typing
@@ -24,18 +25,31 @@ from services.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from tests.api.fake_engine_client import http_client, make_app
 
 ENDPOINTS = {
-    "completions": ("/v1/completions", COMPLETIONS, CompletionRequest, completion_params,
-                    {"prompt": "Hi", "max_tokens": 2}),
-    "chat": ("/v1/chat/completions", CHAT, ChatCompletionRequest, chat_params,
-             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    "completions": (
+        "/v1/completions",
+        COMPLETIONS,
+        CompletionRequest,
+        completion_params,
+        {"prompt": "Hi", "max_tokens": 2},
+    ),
+    "chat": (
+        "/v1/chat/completions",
+        CHAT,
+        ChatCompletionRequest,
+        chat_params,
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    ),
 }
 
 
 def openai_fields(module) -> set[str]:
     """Every key of the module's CompletionCreateParams TypedDicts (streaming or not)."""
     names: set[str] = set()
-    for name in ("CompletionCreateParamsBase", "CompletionCreateParamsStreaming",
-                 "CompletionCreateParamsNonStreaming"):
+    for name in (
+        "CompletionCreateParamsBase",
+        "CompletionCreateParamsStreaming",
+        "CompletionCreateParamsNonStreaming",
+    ):
         names |= set(typing.get_type_hints(getattr(module, name)))
     return names
 
@@ -45,8 +59,11 @@ def declared(struct: type[msgspec.Struct]) -> set[str]:
 
 
 def cases() -> list:
-    return [pytest.param(endpoint, name, id=f"{endpoint}-{name}")
-            for endpoint, (_, table, _, _, _) in ENDPOINTS.items() for name in table]
+    return [
+        pytest.param(endpoint, name, id=f"{endpoint}-{name}")
+        for endpoint, (_, table, _, _, _) in ENDPOINTS.items()
+        for name in table
+    ]
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -90,4 +107,3 @@ def test_the_readme_table_lists_every_field_with_its_status():
     for endpoint in ENDPOINTS.values():
         for name, rule in endpoint[1].items():
             assert f"| `{name}` |" in text and rule.status in text
-

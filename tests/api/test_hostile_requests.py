@@ -6,6 +6,7 @@ shows it defeated: a quick 4xx naming the limit, or the work done off the
 loop while small requests keep their latency. Times are only ever compared
 with each other (ratios), never with a constant.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,9 @@ async def test_a_pathological_grammar_is_refused_in_time_that_does_not_grow_with
     app, engine = make_app()
     async with http_client(app) as client:
         await timed(client, COMPLETIONS, newline_grammar(10))  # warm up
-        small = statistics.median([(await timed(client, COMPLETIONS, newline_grammar(400)))[1]
-                                   for _ in range(5)])
+        small = statistics.median(
+            [(await timed(client, COMPLETIONS, newline_grammar(400)))[1] for _ in range(5)]
+        )
         response, big = await timed(client, COMPLETIONS, newline_grammar(40_000))
         error = assert_error(response, 400, "guided_grammar")
         assert "no 'start' rule" in error["message"]
@@ -91,11 +93,14 @@ async def test_a_pathological_grammar_is_refused_in_time_that_does_not_grow_with
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("field, value", [
-    ("guided_regex", "a" * (MAX_CONSTRAINT_CHARS + 1)),
-    ("guided_json", '{"type": "string", "description": "' + "x" * MAX_CONSTRAINT_CHARS + '"}'),
-    ("guided_choice", [f"choice {i}" for i in range(MAX_CONSTRAINT_CHARS // 10)]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("guided_regex", "a" * (MAX_CONSTRAINT_CHARS + 1)),
+        ("guided_json", '{"type": "string", "description": "' + "x" * MAX_CONSTRAINT_CHARS + '"}'),
+        ("guided_choice", [f"choice {i}" for i in range(MAX_CONSTRAINT_CHARS // 10)]),
+    ],
+)
 async def test_oversize_constraints_are_refused(field, value):
     app, engine = make_app()
     async with http_client(app) as client:
@@ -139,15 +144,25 @@ async def test_a_million_prompts_are_refused_before_tokenizing_without_stalling_
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("path, body, param", [
-    (COMPLETIONS, {"prompt": "x" * 101}, "prompt"),
-    (COMPLETIONS, {"prompt": ["x" * 60, "y" * 60]}, "prompt"),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]},
-     "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 101}]}]}, "messages"),
-    ("/tokenize", {"prompt": "x" * 101}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x" * 101}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, {"prompt": "x" * 101}, "prompt"),
+        (COMPLETIONS, {"prompt": ["x" * 60, "y" * 60]}, "prompt"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]},
+            "messages",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 101}]}]},
+            "messages",
+        ),
+        ("/tokenize", {"prompt": "x" * 101}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x" * 101}]}, "messages"),
+    ],
+)
 async def test_prompt_text_is_capped_before_tokenizing(path, body, param):
     app, engine = make_app(limits=ServingLimits(max_prompt_chars=100))
     async with http_client(app) as client:
@@ -188,12 +203,15 @@ async def test_prompt_count_is_capped():
 
 
 @pytest.mark.parametrize("path, base", [(COMPLETIONS, {"prompt": "Hi"}), (CHAT, {"messages": MESSAGES})])
-@pytest.mark.parametrize("extra, param, flag", [
-    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "--max-stop"),
-    ({"stop": ["x" * 5000, "y" * 5000]}, "stop", "--max-stop-bytes"),
-    ({"stop": "é" * 4097}, "stop", "--max-stop-bytes"),  # bytes, not characters
-    ({"stop_token_ids": list(range(257))}, "stop_token_ids", "--max-stop-token-ids"),
-])
+@pytest.mark.parametrize(
+    "extra, param, flag",
+    [
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop", "--max-stop"),
+        ({"stop": ["x" * 5000, "y" * 5000]}, "stop", "--max-stop-bytes"),
+        ({"stop": "é" * 4097}, "stop", "--max-stop-bytes"),  # bytes, not characters
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids", "--max-stop-token-ids"),
+    ],
+)
 async def test_oversize_stop_lists_are_refused(path, base, extra, param, flag):
     app, engine = make_app()
     async with http_client(app) as client:
@@ -223,12 +241,15 @@ def nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
-@pytest.mark.parametrize("path, head", [
-    (COMPLETIONS, b'{"prompt": "Hi", '),
-    (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], '),
-    ("/tokenize", b'{"prompt": "Hi", '),
-    ("/detokenize", b'{"tokens": [1], '),
-])
+@pytest.mark.parametrize(
+    "path, head",
+    [
+        (COMPLETIONS, b'{"prompt": "Hi", '),
+        (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], '),
+        ("/tokenize", b'{"prompt": "Hi", '),
+        ("/detokenize", b'{"tokens": [1], '),
+    ],
+)
 @pytest.mark.parametrize("field", [b"unknown_field", b"guided_json", b"user"])
 async def test_deep_nesting_is_a_400_on_every_route(path, head, field):
     app, engine = make_app()
@@ -253,12 +274,19 @@ async def test_schemas_given_as_json_text_are_bounded_too(field, depth):
     assert engine.requests == []
 
 
-@pytest.mark.parametrize("path, template, param", [
-    (COMPLETIONS, b'{"prompt": "Hi", "guided_json": %s}', "guided_json"),
-    (COMPLETIONS, b'{"prompt": "Hi", "structured_outputs": {"json": %s}}', "structured_outputs"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], '
-           b'"response_format": {"type": "json_schema", "json_schema": {"schema": %s}}}', "response_format"),
-])
+@pytest.mark.parametrize(
+    "path, template, param",
+    [
+        (COMPLETIONS, b'{"prompt": "Hi", "guided_json": %s}', "guided_json"),
+        (COMPLETIONS, b'{"prompt": "Hi", "structured_outputs": {"json": %s}}', "structured_outputs"),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": "Hi"}], '
+            b'"response_format": {"type": "json_schema", "json_schema": {"schema": %s}}}',
+            "response_format",
+        ),
+    ],
+)
 async def test_schemas_nested_below_the_decoders_limit_are_refused_too(path, template, param):
     # 600 levels: shallow enough for the JSON decoder, deep enough that
     # recursive walks (json.dumps, the schema checks) would use up the stack.
@@ -311,8 +339,10 @@ async def test_template_failures_do_not_show_the_templates_internals():
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_errors_reach_the_client_without_source_paths(stream):
     app, engine = make_app()
-    engine.fail_with = ("[08:40:20] /project/cpp/grammar_parser.cc:106: EBNF lexer error at line 1, "
-                        "column 12: Expect \" in string literal (cache /home/weft/.cache/xgrammar/x.bin)")
+    engine.fail_with = (
+        "[08:40:20] /project/cpp/grammar_parser.cc:106: EBNF lexer error at line 1, "
+        'column 12: Expect " in string literal (cache /home/weft/.cache/xgrammar/x.bin)'
+    )
     async with http_client(app) as client:
         response = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2, "stream": stream})
     text = response.text

@@ -1,5 +1,6 @@
 """Client-set ``kv_transfer_params`` on a P/D server: refused (403) unless
 the request carries the P/D proxy's secret; the proxy's own requests pass."""
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,13 @@ def consumer_config():
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("secret", [None, SECRET])
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ],
+)
 async def test_a_client_set_remote_prefill_without_the_proxy_key_is_refused(secret, path, body):
     app, engine = make_app(config=consumer_config(), kv_transfer_secret=secret)
     async with http_client(app) as client:
@@ -37,8 +41,9 @@ async def test_a_client_set_remote_prefill_without_the_proxy_key_is_refused(secr
         plain = await client.post(path, json=body)  # the same request without the params is served
         assert plain.status_code == 200
         if secret is not None:  # the proxy's request is accepted, its params passed on
-            trusted = await client.post(path, json={**body, "kv_transfer_params": PARK},
-                                        headers={trust.HEADER: SECRET})
+            trusted = await client.post(
+                path, json={**body, "kv_transfer_params": PARK}, headers={trust.HEADER: SECRET}
+            )
             assert trusted.status_code == 200
             assert engine.requests[-1].kv_transfer_params.remote_num_tokens == 4096
 

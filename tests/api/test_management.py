@@ -2,6 +2,7 @@
 /reset_prefix_cache, /v1/models/{model}, several served model names, and
 which of them need the API key. (The engines' side is tested end to end in
 tests/test_management_e2e.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -102,11 +103,17 @@ async def test_pause_reports_a_cache_that_was_not_reset(served):
     assert response.json()["cache_cleared"] is False
 
 
-@pytest.mark.parametrize("query, param", [
-    ({"mode": "sleep"}, "mode"), ({"clear_cache": "yes"}, "clear_cache"),
-    ({"wait_for_inflight_requests": "maybe"}, "wait_for_inflight_requests"),
-    ({"mode": "wait", "wait_for_inflight_requests": "true"}, "wait_for_inflight_requests"),
-    ({"timeout": "5"}, "timeout"), ({"mode": ["wait", "keep"]}, "mode")])
+@pytest.mark.parametrize(
+    "query, param",
+    [
+        ({"mode": "sleep"}, "mode"),
+        ({"clear_cache": "yes"}, "clear_cache"),
+        ({"wait_for_inflight_requests": "maybe"}, "wait_for_inflight_requests"),
+        ({"mode": "wait", "wait_for_inflight_requests": "true"}, "wait_for_inflight_requests"),
+        ({"timeout": "5"}, "timeout"),
+        ({"mode": ["wait", "keep"]}, "mode"),
+    ],
+)
 async def test_pause_refuses_bad_query_parameters(served, query, param):
     client, engine, _gate = served
     response = await client.post("/pause", params=query)
@@ -144,8 +151,12 @@ async def test_models_by_id_and_several_served_names():
     assert (await client.get("/v1/models/second")).json()["id"] == "second"
     missing = await client.get("/v1/models/" + MODEL_NAME)
     assert missing.status_code == 404
-    assert missing.json()["error"] == {"message": f"The model `{MODEL_NAME}` does not exist.",
-                                       "type": "NotFoundError", "param": "model", "code": 404}
+    assert missing.json()["error"] == {
+        "message": f"The model `{MODEL_NAME}` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
     for name in ("first", "second"):
         response = await client.post("/v1/completions", json={"prompt": "x", "model": name, "max_tokens": 1})
         assert response.status_code == 200 and response.json()["model"] == "first"

@@ -4,6 +4,7 @@ The fake engine stamps its outputs on a fixed engine clock (queued 100.0,
 scheduled 100.25, first token 100.5, one more every 0.125 s), so the phase
 histograms have exact sums.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,11 @@ from tests.api.fake_engine_client import (
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
     """(sample name, its labels) -> value, for every sample of an exposition."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(found: dict, name: str, **labels: str) -> float:
@@ -71,7 +75,8 @@ def test_phase_histograms_use_the_engine_clock(scraped):
     # Decode = first -> last token: 4 gaps of 0.125 twice, 2 gaps once.
     assert value(scraped, "vllm:request_decode_time_seconds_sum") == pytest.approx(0.125 * (4 + 4 + 2))
     assert value(scraped, "vllm:request_inference_time_seconds_sum") == pytest.approx(
-        3 * 0.25 + 0.125 * (4 + 4 + 2))
+        3 * 0.25 + 0.125 * (4 + 4 + 2)
+    )
     # Per request: decode time over the tokens after the first one.
     assert value(scraped, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(3 * 0.125)
 
@@ -92,8 +97,11 @@ def test_cache_config_info_is_a_gauge_of_one_labelled_by_the_config(scraped):
 
 
 def test_token_histograms_use_1_2_5_buckets_up_to_max_model_len(scraped):
-    bounds = sorted(float(dict(k[1])["le"]) for k in scraped
-                    if k[0] == "vllm:request_prompt_tokens_bucket" and dict(k[1])["le"] != "+Inf")
+    bounds = sorted(
+        float(dict(k[1])["le"])
+        for k in scraped
+        if k[0] == "vllm:request_prompt_tokens_bucket" and dict(k[1])["le"] != "+Inf"
+    )
     assert bounds == [float(b) for b in one_two_five_buckets(MAX_MODEL_LEN)]
     assert one_two_five_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
 
@@ -112,18 +120,23 @@ def test_iteration_tokens_histogram_from_the_engines_counts():
 
 
 def test_each_metric_is_declared_once():
-    names = [f.name for f, _ in RANK_FAMILIES] + [f.name for f in REQUEST_FAMILIES] \
+    names = (
+        [f.name for f, _ in RANK_FAMILIES]
+        + [f.name for f in REQUEST_FAMILIES]
         + [f.name for f, _ in RELIABILITY_FAMILIES]
+    )
     assert len(names) == len(set(names))
     # The API sums exactly the engine's deltas into its totals, and a heartbeat zeroes them.
     rank = RankStats(rank=0)
     for _ in range(2):
-        add_deltas(rank, SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1, 2],
-                                        num_running_reqs=5))
+        add_deltas(
+            rank, SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1, 2], num_running_reqs=5)
+        )
     assert (rank.totals.prefix_cache_queries, rank.totals.iteration_tokens_counts) == (6, [2, 4])
     assert rank.totals.num_running_reqs == 0  # not a delta: never summed
-    zeroed = without_deltas(SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1],
-                                           num_running_reqs=2))
+    zeroed = without_deltas(
+        SchedulerStats(prefix_cache_queries=3, iteration_tokens_counts=[1], num_running_reqs=2)
+    )
     assert zeroed.num_running_reqs == 2 and not any(getattr(zeroed, n) for n in SCHEDULER_STATS_DELTAS)
 
 

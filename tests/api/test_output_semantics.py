@@ -6,6 +6,7 @@ OPT's does, so the truths carry over) and its detokenizer's rule that a
 stop token or EOS ends the request with its id in ``token_ids`` but not
 its text in ``text``, unless ``include_stop_str_in_output``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ from tests.api.fake_engine_client import tokenizer
 SENTENCE = "Hello, my name is Lee, and I'm a student in the college of engineering"
 
 
-def run(params: SamplingParams, token_ids: list[int], last: EngineCoreOutput | None = None,
-        eos: int | None = None) -> RequestState:
+def run(
+    params: SamplingParams, token_ids: list[int], last: EngineCoreOutput | None = None, eos: int | None = None
+) -> RequestState:
     """Feed ``token_ids`` one output each (then ``last``) until a stop string ends it."""
     state = RequestState.create("r", params, tokenizer(), eos)
     for token_id in token_ids:
@@ -29,11 +31,14 @@ def run(params: SamplingParams, token_ids: list[int], last: EngineCoreOutput | N
     return state
 
 
-@pytest.mark.parametrize("min_tokens, stop, truth", [
-    (0, None, " is Lee, and I'm a student in the college of engineering"),
-    (0, "e", " is L"),
-    (5, "e", " is Lee, and I'm a stud"),
-])
+@pytest.mark.parametrize(
+    "min_tokens, stop, truth",
+    [
+        (0, None, " is Lee, and I'm a student in the college of engineering"),
+        (0, "e", " is L"),
+        (5, "e", " is Lee, and I'm a stud"),
+    ],
+)
 def test_min_tokens_holds_back_stop_strings(min_tokens, stop, truth):
     ids = tokenizer().encode(SENTENCE, add_special_tokens=False)[4:]  # after "Hello, my name"
     state = run(SamplingParams(min_tokens=min_tokens, stop=stop, max_tokens=100), ids)
@@ -81,8 +86,9 @@ def test_a_stop_token_ends_the_request_without_its_text(include):
 def test_a_length_finish_keeps_its_last_tokens_text():
     tok = tokenizer()
     ids = tok.encode(" one two", add_special_tokens=False)
-    last = EngineCoreOutput("r", [tok.encode(" three", add_special_tokens=False)[0]],
-                            finish_reason=FinishReason.LENGTH)
+    last = EngineCoreOutput(
+        "r", [tok.encode(" three", add_special_tokens=False)[0]], finish_reason=FinishReason.LENGTH
+    )
     assert run(SamplingParams(max_tokens=10), ids, last).text == " one two three"
 
 

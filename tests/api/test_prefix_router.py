@@ -1,4 +1,5 @@
 """The prefix-aware rule, the per-rank views and the API-side hashing, in process."""
+
 from __future__ import annotations
 
 import subprocess
@@ -37,8 +38,14 @@ def _view(hashes: list[bytes], max_hashes: int = 1000) -> RankCacheView:
 def test_api_hashes_equal_the_engines_for_plain_and_salted_prompts():
     prompt = list(range(1000, 1000 + 3 * BLOCK + 5))
     for salt in (None, "tenant-a"):
-        request = Request("r", prompt, SamplingParams(max_tokens=1), 0.0, cache_salt=salt,
-                          block_hasher=make_block_hasher(BLOCK))
+        request = Request(
+            "r",
+            prompt,
+            SamplingParams(max_tokens=1),
+            0.0,
+            cache_salt=salt,
+            block_hasher=make_block_hasher(BLOCK),
+        )
         assert prompt_block_hashes(prompt, BLOCK, salt) == request.block_hashes
         assert len(request.block_hashes) == 3
     assert prompt_block_hashes(prompt, BLOCK, None) != prompt_block_hashes(prompt, BLOCK, "tenant-a")
@@ -109,22 +116,34 @@ def test_choose_rank_needs_a_rank():
 
 
 def test_the_router_and_hashing_import_without_torch():
-    code = ("import sys, services.api.prefix_router, services.api.dp_client; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, services.api.prefix_router, services.api.dp_client; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _router(views: dict[int, RankCacheView]) -> PrefixRouter:
-    config = msgspec.structs.replace(engine_config(), kv_events=KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint="ipc:///nowhere/kv"))
+    config = msgspec.structs.replace(
+        engine_config(),
+        kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="ipc:///nowhere/kv"),
+    )
     router = PrefixRouter(config, max_imbalance=8)
     router.views.update(views)
     return router
 
 
-def _engine_request(prompt: list[int], salt: str | None = None, session: str | None = None) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id="r", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
-                             arrival_time=0.0, cache_salt=salt, session_key=session)
+def _engine_request(
+    prompt: list[int], salt: str | None = None, session: str | None = None
+) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1),
+        arrival_time=0.0,
+        cache_salt=salt,
+        session_key=session,
+    )
 
 
 def test_the_router_hashes_prompts_as_the_engine_does_salt_included():

@@ -1,5 +1,6 @@
 """The API's per-rank subscriber against a real (in-process) publisher: a view
 built from replay when it joins late, gaps closed by replay, garbage dropped."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,13 @@ def _stored(i: int) -> list:
 
 @pytest.fixture
 def config():
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=ipc_address("kv"),
-                          replay_endpoint=ipc_address("kvr"), topic="k")
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=ipc_address("kv"),
+        replay_endpoint=ipc_address("kvr"),
+        topic="k",
+    )
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ ipc, a DPLBEngineClient with a PrefixRouter that restarts a killed rank.
 An external subscriber (plain pyzmq + msgspec Structs of its own) reads the
 same events. Every process is killed in a fixture.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,13 @@ EVENTS_S = 10.0
 
 @pytest.fixture(scope="module")
 def events_config() -> KVEventsConfig:
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=ipc_address("kv"),
-                          replay_endpoint=ipc_address("kvr"), topic="weft")
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=ipc_address("kv"),
+        replay_endpoint=ipc_address("kvr"),
+        topic="weft",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +54,9 @@ def tiny_config(tmp_path_factory, events_config):
 async def client(tiny_config):
     address = ipc_address("hs")
     processes = launch_local_engines(2, 0, address, num_threads=1)
-    client = DPLBEngineClient(tiny_config, address, 2, processes, restart_local=True,
-                              prefix_router=PrefixRouter(tiny_config))
+    client = DPLBEngineClient(
+        tiny_config, address, 2, processes, restart_local=True, prefix_router=PrefixRouter(tiny_config)
+    )
     try:
         await client.start()
         await wait_until(lambda: client.ready, START_S, "both ranks to be ready")
@@ -65,11 +72,16 @@ def _prompt(first: int, num_blocks: int, tail: int) -> list[int]:
     return list(range(first, first + num_blocks * BLOCK)) + list(range(20_000 + tail, 20_000 + tail + 5))
 
 
-def _request(request_id: str, prompt: list[int], max_tokens: int = 4, rank: int | None = None) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, arrival_time=0.0,
-                             sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                            ignore_eos=True),
-                             data_parallel_rank=rank)
+def _request(
+    request_id: str, prompt: list[int], max_tokens: int = 4, rank: int | None = None
+) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        arrival_time=0.0,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        data_parallel_rank=rank,
+    )
 
 
 async def _warm(client: DPLBEngineClient, rank: int, prompt: list[int], request_id: str) -> None:
@@ -77,8 +89,11 @@ async def _warm(client: DPLBEngineClient, rank: int, prompt: list[int], request_
     await collect(client, _request(request_id, prompt, rank=rank))
     hashes = prompt_block_hashes(prompt, BLOCK)
     router = client.prefix_router
-    await wait_until(lambda: rank in router.views and router.views[rank].hit_blocks(hashes) == len(hashes),
-                     EVENTS_S, f"rank {rank}'s events for {request_id}")
+    await wait_until(
+        lambda: rank in router.views and router.views[rank].hit_blocks(hashes) == len(hashes),
+        EVENTS_S,
+        f"rank {rank}'s events for {request_id}",
+    )
 
 
 async def test_a_prefix_cached_on_rank_1_is_routed_to_rank_1_and_hits(client):
@@ -94,8 +109,10 @@ async def test_a_prefix_cached_on_rank_1_is_routed_to_rank_1_and_hits(client):
 async def test_a_flood_on_one_hot_prefix_spreads_once_the_holder_is_loaded_beyond_the_bound(client):
     await _warm(client, 1, _prompt(3000, 3, tail=0), "warm-b")
     before = {rank: s.num_routed for rank, s in client.rank_stats().items()}
-    generators = [client.generate(_request(f"flood-{i}", _prompt(3000, 3, tail=100 + 10 * i), max_tokens=24))
-                  for i in range(10)]
+    generators = [
+        client.generate(_request(f"flood-{i}", _prompt(3000, 3, tail=100 + 10 * i), max_tokens=24))
+        for i in range(10)
+    ]
     await asyncio.gather(*(anext(g) for g in generators))  # each is routed before its first output
     routed = {rank: s.num_routed - before[rank] for rank, s in client.rank_stats().items()}
     for gen in generators:
@@ -116,8 +133,11 @@ async def test_a_killed_ranks_view_is_dropped_and_its_restarted_process_is_route
     # Meanwhile its prefix is routed by load, to the live rank.
     _, last = await collect(client, _request("while-dead", _prompt(5000, 3, tail=7)))
     assert last.finish_reason == FinishReason.LENGTH
-    await wait_until(lambda: client.rank_stats()[1].state == "ready" and client.local.processes[1] is not old,
-                     START_S, "rank 1 to be restarted and ready")
+    await wait_until(
+        lambda: client.rank_stats()[1].state == "ready" and client.local.processes[1] is not old,
+        START_S,
+        "rank 1 to be restarted and ready",
+    )
     # The new process's cache is empty, and so is its view: nothing of the old one came back.
     assert router.views[1].hit_blocks(prompt_block_hashes(_prompt(5000, 3, tail=0), BLOCK)) == 0
     await _warm(client, 1, _prompt(7000, 3, tail=0), "warm-d")
@@ -176,7 +196,7 @@ async def test_an_external_pyzmq_subscriber_receives_a_real_engines_events(clien
         stored = [e for _, b in batches for e in b.events if isinstance(e, _Stored)]
         ours = [e for e in stored if e.token_ids[:BLOCK] == prompt[:BLOCK]]
         assert ours and ours[0].block_hashes == prompt_block_hashes(prompt, BLOCK)
-        assert ours[0].token_ids == prompt[:2 * BLOCK] and ours[0].block_size == BLOCK
+        assert ours[0].token_ids == prompt[: 2 * BLOCK] and ours[0].block_size == BLOCK
         assert all(b.data_parallel_rank == 0 for _, b in batches)
         # Live: a new step's batch reaches the SUB socket with the next seq.
         await collect(client, _request("external-2", _prompt(9500, 1, tail=0), rank=0))

@@ -1,4 +1,5 @@
 """`weft serve`'s hardening flags: keys kept out of `ps`, limits handed to the app and uvicorn."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,14 +35,37 @@ def test_keys_come_from_the_environment_only_without_flags(monkeypatch, tmp_path
 
 
 def test_the_limits_reach_the_app_and_uvicorn():
-    args = parse("--max-prompts", "7", "--max-prompt-chars", "99", "--max-stop", "3",
-                 "--max-stop-bytes", "40", "--max-stop-token-ids", "5", "--body-timeout", "2.5",
-                 "--max-connections", "11", "--keep-alive-timeout", "1.5", "--no-api-key-protects-tokenize",
-                 "--max-messages", "13")
+    args = parse(
+        "--max-prompts",
+        "7",
+        "--max-prompt-chars",
+        "99",
+        "--max-stop",
+        "3",
+        "--max-stop-bytes",
+        "40",
+        "--max-stop-token-ids",
+        "5",
+        "--body-timeout",
+        "2.5",
+        "--max-connections",
+        "11",
+        "--keep-alive-timeout",
+        "1.5",
+        "--no-api-key-protects-tokenize",
+        "--max-messages",
+        "13",
+    )
     limits = serving_limits(args)
-    assert (limits.max_prompts, limits.max_prompt_chars, limits.max_stop, limits.max_stop_bytes,
-            limits.max_stop_token_ids, limits.body_timeout_s, limits.max_messages) == \
-        (7, 99, 3, 40, 5, 2.5, 13)
+    assert (
+        limits.max_prompts,
+        limits.max_prompt_chars,
+        limits.max_stop,
+        limits.max_stop_bytes,
+        limits.max_stop_token_ids,
+        limits.body_timeout_s,
+        limits.max_messages,
+    ) == (7, 99, 3, 40, 5, 2.5, 13)
     options = uvicorn_options(args)
     assert options["limit_concurrency"] == 11 and options["timeout_keep_alive"] == 1.5
     assert options["http"].header_timeout_s == 2.5

@@ -6,6 +6,7 @@ connection limit must turn the excess away at once, while other clients are
 served all along. The attackers are raw sockets: an HTTP client would not
 misbehave this way.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,9 +28,16 @@ TRICKLE_INTERVAL_S = DEADLINE_S / 20  # the attacker's pace: a byte every this m
 @contextlib.asynccontextmanager
 async def running_server(max_connections: int = 100):
     app, _ = make_app(limits=ServingLimits(body_timeout_s=DEADLINE_S))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                            limit_concurrency=max_connections, timeout_keep_alive=5,
-                            http=header_deadline_protocol(DEADLINE_S))
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan="on",
+        limit_concurrency=max_connections,
+        timeout_keep_alive=5,
+        http=header_deadline_protocol(DEADLINE_S),
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
@@ -63,8 +71,10 @@ async def test_a_trickled_body_gets_408_and_loses_its_connection():
     body = b'{"prompt": "' + b"x" * 10_000 + b'"}'
     async with running_server() as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /tokenize HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body))
+        writer.write(
+            b"POST /tokenize HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
         trickler = asyncio.create_task(trickle(writer, body))
         await still_served(port)  # others are served while the attacker trickles
         response = await asyncio.wait_for(reader.read(), 60)  # to EOF: the server closes

@@ -1,5 +1,6 @@
 """The one-pass stop-string matcher: the same answers as checking each stop
 string, in time that does not grow with how many there are."""
+
 from __future__ import annotations
 
 import random
@@ -21,12 +22,16 @@ def naive_earliest(stops: list[str], text: str, start: int) -> tuple[int, str] |
 def test_agrees_with_checking_each_stop_string():
     rng = random.Random(0)
     for _ in range(3000):
-        stops = list({"".join(rng.choice("abé") for _ in range(rng.randint(1, 4)))
-                      for _ in range(rng.randint(1, 6))})
+        stops = list(
+            {"".join(rng.choice("abé") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))}
+        )
         text = "".join(rng.choice("abcé") for _ in range(rng.randint(0, 30)))
         start = rng.randint(0, len(text))
-        assert StopMatcher(tuple(stops)).earliest(text, start) == naive_earliest(stops, text, start), \
-            (stops, text, start)
+        assert StopMatcher(tuple(stops)).earliest(text, start) == naive_earliest(stops, text, start), (
+            stops,
+            text,
+            start,
+        )
 
 
 def test_no_stops_match_nothing():
@@ -68,9 +73,10 @@ def test_time_per_token_does_not_grow_with_the_number_of_stop_strings():
     text = "".join(rng.choice(alphabet) for _ in range(20_000))
     length = 16
     # What each token's check looks at: its text and the length-1 characters before it.
-    windows = [text[i:i + length + 3] for i in range(0, len(text) - length, 4)]
+    windows = [text[i : i + length + 3] for i in range(0, len(text) - length, 4)]
     # Stop strings of the text's own letters, so the scan walks into the automaton.
-    few, many = (tuple({"".join(rng.choice(alphabet) for _ in range(length)) for _ in range(n)})
-                 for n in (1, 1000))
+    few, many = (
+        tuple({"".join(rng.choice(alphabet) for _ in range(length)) for _ in range(n)}) for n in (1, 1000)
+    )
     # Checking each with str.find takes ~500x longer with 1000 than with one.
     assert _steps_time(many, windows) / _steps_time(few, windows) < 15

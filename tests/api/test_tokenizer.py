@@ -1,4 +1,5 @@
 """The torch-free tokenizer and detokenizer agree with Hugging Face's."""
+
 import random
 
 import pytest
@@ -8,8 +9,13 @@ from protocol import SamplingParams
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.tokenizer import Tokenizer
 
-TEXTS = ["Hello world", " leading space", "naïve café — ünïcødé 🚀 emoji", "line\nbreaks\n\n and\ttabs",
-         "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = [
+    "Hello world",
+    " leading space",
+    "naïve café — ünïcødé 🚀 emoji",
+    "line\nbreaks\n\n and\ttabs",
+    "<|im_start|>user\nhi<|im_end|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +31,15 @@ def test_encode_matches_hf(tokenizers, text):
 
 def test_chat_template_matches_hf(tokenizers):
     ours, hf = tokenizers
-    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "And 3+3?"}]
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     for add in (True, False):
-        assert ours.apply_chat_template(messages, add_generation_prompt=add) == \
-            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add
+        )
 
 
 def test_incremental_detokenization_equals_full_decode(tokenizers):

@@ -5,6 +5,7 @@ OpenAI's streaming shape (a call's first delta has its id, type and name;
 the ones after it only arguments), and malformed calls must come back as
 plain content.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,38 +21,72 @@ WEATHER = {"city": "Paris", "unit": "celsius"}
 
 HERMES = [
     ("Just words, no calls. 1 < 2 and <b>bold</b>.", "Just words, no calls. 1 < 2 and <b>bold</b>.", []),
-    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-     '\n</tool_call>', "Let me check.\n", [("get_weather", WEATHER)]),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>\n'
-     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None,
-     [("get_weather", WEATHER), ("get_time", {})]),
+    (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        "\n</tool_call>",
+        "Let me check.\n",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        None,
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
     # Qwen sometimes writes the arguments as JSON text.
-    ('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>', None,
-     [("get_time", {"tz": "UTC"})]),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>', []),
-    ('<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
-     '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', []),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
-     '<tool_call>{"name": "get_weather", "arguments": {"city": "Par', []),
-    ('<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after',
-     '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after', []),
-    ('Before <tool_call>{"name": "get_time", "arguments": {}}</tool_call> and after <tool_',
-     "Before  and after <tool_", [("get_time", {})]),
+    (
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>',
+        None,
+        [("get_time", {"tz": "UTC"})],
+    ),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after',
+        '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> after',
+        [],
+    ),
+    (
+        'Before <tool_call>{"name": "get_time", "arguments": {}}</tool_call> and after <tool_',
+        "Before  and after <tool_",
+        [("get_time", {})],
+    ),
 ]
 
 LLAMA3 = [
     ("The weather in Paris is mild.", "The weather in Paris is mild.", []),
-    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
-     [("get_weather", WEATHER)]),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-     '{"name": "get_time", "parameters": {}}', None, [("get_weather", WEATHER), ("get_time", {})]),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        None,
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
     (' {"name": "get_time", "arguments": {"tz": "UTC"}}', None, [("get_time", {"tz": "UTC"})]),
     ('{"answer": 4}', '{"answer": 4}', []),
-    ('{"name": "get_weather", "parameters": {"city": "Par',
-     '{"name": "get_weather", "parameters": {"city": "Par', []),
-    ('{"name": "get_time", "parameters": {}} and then some words',
-     "and then some words", [("get_time", {})]),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Par',
+        '{"name": "get_weather", "parameters": {"city": "Par',
+        [],
+    ),
+    ('{"name": "get_time", "parameters": {}} and then some words', "and then some words", [("get_time", {})]),
     ("<|python_tag|>", "", []),
 ]
 
@@ -134,15 +169,21 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     text = HERMES[2][0]
     assert whole("hermes", text, parallel=False) == (None, [("get_weather", WEATHER)])
     for k in range(len(text) + 1):
-        assert streamed(auto_output("hermes", parallel=False), [text[:k], text[k:], ""])[1] == \
-            [("get_weather", WEATHER)]
+        assert streamed(auto_output("hermes", parallel=False), [text[:k], text[k:], ""])[1] == [
+            ("get_weather", WEATHER)
+        ]
 
 
 REQUIRED = [
-    ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
-     '{"name": "get_time", "parameters": {}}]', [("get_weather", WEATHER), ("get_time", {})]),
-    ('[ {"name": "get_time", "parameters": {"tz": "UTC", "note": "a } and a \\" inside"}} ]',
-     [("get_time", {"tz": "UTC", "note": 'a } and a " inside'})]),
+    (
+        '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "parameters": {}}]',
+        [("get_weather", WEATHER), ("get_time", {})],
+    ),
+    (
+        '[ {"name": "get_time", "parameters": {"tz": "UTC", "note": "a } and a \\" inside"}} ]',
+        [("get_time", {"tz": "UTC", "note": 'a } and a " inside'})],
+    ),
     # Keys in another order than the schema's: the call shows once it is complete.
     ('[{"parameters": {"tz": "UTC"}, "name": "get_time"}]', [("get_time", {"tz": "UTC"})]),
 ]
@@ -182,8 +223,10 @@ def test_required_cut_short():
     assert content == '{"name": "get_weather", "parameters": {"ci'
     assert [(c.function.name, c.function.arguments) for c in calls] == [("get_time", "{}")]
     # A stream already showed the second call's head: its arguments end cut too.
-    assert streamed_text(required_output(), [CUT_SHORT, ""]) == \
-        ("", [("get_time", "{}"), ("get_weather", '{"ci')])
+    assert streamed_text(required_output(), [CUT_SHORT, ""]) == (
+        "",
+        [("get_time", "{}"), ("get_weather", '{"ci')],
+    )
     assert streamed_text(required_output(), ['[{"name": "get_ti', ""]) == ('{"name": "get_ti', [])
     assert streamed_text(required_output(), ["", ""]) == ("", [])
     unknown = '[{"name": "launch", "parameters": {}}]'
@@ -201,8 +244,12 @@ def test_named_choice_streams_arguments_as_they_come():
     first, second = output.feed('{"city": ', done=False), output.feed('"Paris"}', done=True)
     [head], [rest] = first[1], second[1]
     assert first[0] == second[0] == ""
-    assert (head.index, head.type, head.function.name, head.function.arguments) == \
-        (0, "function", "get_weather", '{"city": ')
+    assert (head.index, head.type, head.function.name, head.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        '{"city": ',
+    )
     assert head.id.startswith("chatcmpl-tool-")
     assert (rest.index, rest.id, rest.function.name, rest.function.arguments) == (0, None, None, '"Paris"}')
     assert output.called
@@ -210,18 +257,22 @@ def test_named_choice_streams_arguments_as_they_come():
 
 def test_no_tool_choice_passes_text_through():
     output = ToolOutput(ToolChoice("none", TOOLS), None)
-    assert output.feed('<tool_call>{"name": "get_time"}</tool_call>', done=True) == \
-        ('<tool_call>{"name": "get_time"}</tool_call>', [])
+    assert output.feed('<tool_call>{"name": "get_time"}</tool_call>', done=True) == (
+        '<tool_call>{"name": "get_time"}</tool_call>',
+        [],
+    )
     assert not output.called
 
 
 def test_llama3_json_decodes_a_held_object_again_only_when_it_may_have_ended(monkeypatch):
     from services.api.tool_parsers import llama3_json
+
     attempts, decode = [], llama3_json.decode_json_at
 
     def counted(text, pos):
         attempts.append(pos)
         return decode(text, pos)
+
     monkeypatch.setattr(llama3_json, "decode_json_at", counted)
     text = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
     assert streamed(auto_output("llama3_json"), [*text, ""]) == ("", [("get_weather", WEATHER)])

@@ -1,4 +1,5 @@
 """For the chat tests: a fake engine that writes a given text, and a template that shows tools."""
+
 from __future__ import annotations
 
 from services.api.chat_args import ChatSettings

@@ -1,4 +1,5 @@
 """`weft bench throughput`: arguments, the report, and the real end-to-end run."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,18 @@ def smoke8(workloads_dir: Path) -> str:
 
 def test_end_to_end_throughput_on_smoke8(tmp_path: Path, smoke8: str) -> None:
     out = tmp_path / "result.json"
-    argv = ["throughput", "--dataset", smoke8, "--num-threads", "1", "--max-num-batched-tokens", "512",
-            "--quiet", "--output-json", str(out)]
+    argv = [
+        "throughput",
+        "--dataset",
+        smoke8,
+        "--num-threads",
+        "1",
+        "--max-num-batched-tokens",
+        "512",
+        "--quiet",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     weft = report["weft"]
@@ -35,16 +46,21 @@ def test_end_to_end_throughput_on_smoke8(tmp_path: Path, smoke8: str) -> None:
 def _fake_run(backend: str, elapsed_s: float) -> Any:
     def run(workload: Workload, *args: Any, **kwargs: Any) -> BenchResult:
         return BenchResult(
-            backend=backend, num_requests=len(workload.requests),
-            prompt_tokens=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
+            backend=backend,
+            num_requests=len(workload.requests),
+            prompt_tokens=workload.num_prompt_tokens,
+            output_tokens=workload.num_output_tokens,
             elapsed_s=elapsed_s,
             details={"batch_size": 16, "dtype": "float32", "device": "cpu", "torch_threads": 1},
         )
+
     return run
 
 
 def test_compare_hf_reports_both_and_the_ratio(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, workloads_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    workloads_dir: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # The two runs are stand-ins: this test is about the arguments and the report.
@@ -52,8 +68,18 @@ def test_compare_hf_reports_both_and_the_ratio(
     monkeypatch.setattr(throughput, "run_weft", _fake_run("weft", elapsed_s=1.0))
     monkeypatch.setattr(cli, "_run_hf", _fake_run("hf", elapsed_s=4.0))
     out = tmp_path / "result.json"
-    argv = ["throughput", "--dataset", "smoke-8", "--num-prompts", "2", "--dtype", "float32",
-            "--compare-hf", "--output-json", str(out)]
+    argv = [
+        "throughput",
+        "--dataset",
+        "smoke-8",
+        "--num-prompts",
+        "2",
+        "--dtype",
+        "float32",
+        "--compare-hf",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["workload"] == "smoke-8" and report["dtype"] == "float32"
@@ -74,8 +100,17 @@ def test_engine_args_reach_the_engine(monkeypatch: pytest.MonkeyPatch, smoke8: s
         return _fake_run("weft", 1.0)(workload)
 
     monkeypatch.setattr(throughput, "run_weft", run_weft)
-    argv = ["throughput", "--dataset", smoke8, "--dtype", "bfloat16", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "256"]
+    argv = [
+        "throughput",
+        "--dataset",
+        smoke8,
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "256",
+    ]
     assert cli.main(argv) == 0
     assert seen["dtype"] == "bfloat16" and seen["model"] is None
     assert seen["max_num_seqs"] == 4 and seen["max_num_batched_tokens"] == 256
@@ -86,7 +121,10 @@ def test_engine_args_reach_the_engine(monkeypatch: pytest.MonkeyPatch, smoke8: s
     [
         (["throughput", "--dataset", "no-such-workload"], "Cannot read workload"),
         (["throughput", "--dataset", "{smoke8}", "--num-prompts", "0"], "--num-prompts must be at least 1"),
-        (["throughput", "--dataset", "{smoke8}", "--hf-batch-size", "0"], "--hf-batch-size must be at least 1"),
+        (
+            ["throughput", "--dataset", "{smoke8}", "--hf-batch-size", "0"],
+            "--hf-batch-size must be at least 1",
+        ),
         (["throughput", "--dataset", "{smoke8}", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
         (["throughput", "--dataset", "{smoke8}", "--dtype", "int8"], "dtype must be one of"),
         (["throughput", "--dataset", "{smoke8}", "--model", "/no/such.gguf"], "Model not found"),

@@ -1,4 +1,5 @@
 """``weft bench``: every benchmark is a subcommand of the one package (nothing to run from scripts/)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,17 @@ def test_the_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> N
     assert all(name in out for name in ALL)
 
 
-@pytest.mark.parametrize(("name", "usage"), [
-    ("soak", "usage: weft bench soak"),
-    ("pd", "usage: weft bench pd"),
-    ("gpu", "usage: weft bench gpu"),
-])
-def test_each_benchmark_answers_its_own_help(name: str, usage: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("name", "usage"),
+    [
+        ("soak", "usage: weft bench soak"),
+        ("pd", "usage: weft bench pd"),
+        ("gpu", "usage: weft bench gpu"),
+    ],
+)
+def test_each_benchmark_answers_its_own_help(
+    name: str, usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([name, "--help"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(usage)

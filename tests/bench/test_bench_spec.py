@@ -1,4 +1,5 @@
 """`weft bench throughput --speculative-config ... --compare-no-spec`: arguments and report."""
+
 from __future__ import annotations
 
 import json
@@ -15,24 +16,48 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 
 def test_runs_without_then_with_speculation_and_reports_the_speedup(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, workloads_dir: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    workloads_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     seen: list[Any] = []
 
     def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> BenchResult:
         spec = engine_args["speculative_config"]
         seen.append((spec, engine_args["max_num_seqs"]))
-        stats = {"acceptance_rate": 0.5, "mean_accepted_length": 3.0, "num_accepted_tokens": 6,
-                 "num_draft_tokens": 12, "num_drafts": 3, "per_position_acceptance_rate": [1.0, 0.5, 0.5, 0.0]}
-        return BenchResult(backend="weft", num_requests=len(workload.requests),
-                           prompt_tokens=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
-                           elapsed_s=1.0 if spec else 2.5, cpu_s=2.0 if spec else 4.0,
-                           details={"max_num_seqs": 1, "spec_decode": stats if spec else None})
+        stats = {
+            "acceptance_rate": 0.5,
+            "mean_accepted_length": 3.0,
+            "num_accepted_tokens": 6,
+            "num_draft_tokens": 12,
+            "num_drafts": 3,
+            "per_position_acceptance_rate": [1.0, 0.5, 0.5, 0.0],
+        }
+        return BenchResult(
+            backend="weft",
+            num_requests=len(workload.requests),
+            prompt_tokens=workload.num_prompt_tokens,
+            output_tokens=workload.num_output_tokens,
+            elapsed_s=1.0 if spec else 2.5,
+            cpu_s=2.0 if spec else 4.0,
+            details={"max_num_seqs": 1, "spec_decode": stats if spec else None},
+        )
 
     monkeypatch.setattr(throughput, "run_weft", run_weft)
     out = tmp_path / "spec.json"
-    argv = ["throughput", "--dataset", str(workloads_dir / "smoke-8.json"), "--max-num-seqs", "1",
-            "--speculative-config", SPEC, "--compare-no-spec", "--output-json", str(out)]
+    argv = [
+        "throughput",
+        "--dataset",
+        str(workloads_dir / "smoke-8.json"),
+        "--max-num-seqs",
+        "1",
+        "--speculative-config",
+        SPEC,
+        "--compare-no-spec",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     assert seen == [(None, 1), (SPEC, 1)]  # the same arguments, speculation off first
     report = json.loads(out.read_text())
@@ -44,13 +69,19 @@ def test_runs_without_then_with_speculation_and_reports_the_speedup(
     assert "acceptance rate 50.0%, mean accepted length 3.00" in table
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["--compare-no-spec"], "--compare-no-spec needs --speculative-config"),
-    (["--speculative-config", "{bad"], "speculative_config is not valid JSON"),
-    (["--speculative-config", '{"num_speculative_tokens": 0}'], "num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--compare-no-spec"], "--compare-no-spec needs --speculative-config"),
+        (["--speculative-config", "{bad"], "speculative_config is not valid JSON"),
+        (["--speculative-config", '{"num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    ],
+)
 def test_bad_speculative_arguments_exit_with_a_reason(
-    argv: list[str], why: str, workloads_dir: Path, capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    why: str,
+    workloads_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["throughput", "--dataset", str(workloads_dir / "smoke-8.json"), *argv])

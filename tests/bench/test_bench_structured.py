@@ -1,4 +1,5 @@
 """`weft bench throughput --structured json`: both runs on one engine, same tokens."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,24 @@ from services.bench.structured import BENCH_SCHEMA
 
 def test_structured_bench_on_smoke8(tmp_path: Path, workloads_dir: Path, capsys) -> None:
     out = tmp_path / "structured.json"
-    argv = ["throughput", "--dataset", str(workloads_dir / "smoke-8.json"), "--num-prompts", "2",
-            "--structured", "json", "--dtype", "float32", "--num-threads", "1",
-            "--max-num-batched-tokens", "512", "--quiet", "--output-json", str(out)]
+    argv = [
+        "throughput",
+        "--dataset",
+        str(workloads_dir / "smoke-8.json"),
+        "--num-prompts",
+        "2",
+        "--structured",
+        "json",
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--max-num-batched-tokens",
+        "512",
+        "--quiet",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     plain, constrained = report["unconstrained"], report["constrained"]
@@ -22,7 +38,11 @@ def test_structured_bench_on_smoke8(tmp_path: Path, workloads_dir: Path, capsys)
     assert plain["output_tokens"] == constrained["output_tokens"] > 0
     assert constrained["details"]["finish_reasons"] == {"length": 4}  # 2 requests, 2 runs
     assert report["constrained_over_unconstrained_output_tokens_per_s"] > 0
-    assert report["mask_steps"] > 0 and report["mask_fill_ms_per_step"] > 0 and report["mask_apply_ms_per_step"] > 0
+    assert (
+        report["mask_steps"] > 0
+        and report["mask_fill_ms_per_step"] > 0
+        and report["mask_apply_ms_per_step"] > 0
+    )
     assert "constrained / unconstrained output tok/s" in capsys.readouterr().out
 
 

@@ -1,5 +1,6 @@
 """`weft bench compare` end to end on two requests: weft vs HF static batching, and
 the engine's step time against the replayed pure forward."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,37 @@ from services.bench.workload import load_workload
 
 def test_end_to_end_compare(tmp_path: Path, workloads_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "compare.json"
-    argv = ["compare", "--dataset", str(workloads_dir / "smoke-8.json"), "--num-prompts", "2",
-            "--hf-batch-sizes", "1", "2", "--hf-bs1-requests", "1", "--no-hf-continuous", "--dtype", "float32", "--num-threads", "1",
-            "--max-num-batched-tokens", "64", "--quiet", "--output-json", str(out)]
+    argv = [
+        "compare",
+        "--dataset",
+        str(workloads_dir / "smoke-8.json"),
+        "--num-prompts",
+        "2",
+        "--hf-batch-sizes",
+        "1",
+        "2",
+        "--hf-bs1-requests",
+        "1",
+        "--no-hf-continuous",
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--max-num-batched-tokens",
+        "64",
+        "--quiet",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     weft, (hf1, hf) = report["weft"], report["peers"]
     assert weft["output_tokens"] == hf["output_tokens"] == 18  # exactly the requested tokens
     assert hf["label"] == "hf static (batch 2, 2 req)" and hf["details"]["dtype"] == "float32"
     assert hf["weft_over_peer"] == pytest.approx(weft["output_tokens_per_s"] / hf["output_tokens_per_s"])
-    assert hf["weft_over_peer_cpu"] == pytest.approx(weft["output_tokens_per_cpu_s"] / hf["output_tokens_per_cpu_s"])
+    assert hf["weft_over_peer_cpu"] == pytest.approx(
+        weft["output_tokens_per_cpu_s"] / hf["output_tokens_per_cpu_s"]
+    )
     assert 0 < weft["cpu_s"] and 0 < hf["cpu_s"]
     assert hf1["label"] == "hf static (batch 1, 1 req)" and hf1["num_requests"] == 1
     e = report["efficiency"]

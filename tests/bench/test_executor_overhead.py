@@ -1,4 +1,5 @@
 """`weft bench executor`: a short real run (model-free workers), and its argument checks."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,11 @@ def test_both_executors_are_timed_for_each_request_count():
     report = run_executor_bench(2, [1, 16], num_steps=20, num_warmup=2)
     rows = report["rows"]
     assert [(r["executor"], r["num_requests"]) for r in rows] == [
-        ("uniproc", 1), ("multiproc (TP=2)", 1), ("uniproc", 16), ("multiproc (TP=2)", 16)]
+        ("uniproc", 1),
+        ("multiproc (TP=2)", 1),
+        ("uniproc", 16),
+        ("multiproc (TP=2)", 16),
+    ]
     assert rows[2]["message_bytes"] > rows[0]["message_bytes"]
     assert all(0 < r["p50_us"] <= r["p99_us"] for r in rows)
     table = format_executor_bench(report)
@@ -29,8 +34,19 @@ def test_both_executors_are_timed_for_each_request_count():
 
 def test_cli_writes_json_and_refuses_one_rank(tmp_path, capsys):
     out = tmp_path / "executor.json"
-    argv = ["executor", "--tensor-parallel-size", "2", "--num-requests", "4", "--num-steps", "5",
-            "--num-warmup", "0", "--output-json", str(out)]
+    argv = [
+        "executor",
+        "--tensor-parallel-size",
+        "2",
+        "--num-requests",
+        "4",
+        "--num-steps",
+        "5",
+        "--num-warmup",
+        "0",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     assert json.loads(out.read_text())["tensor_parallel_size"] == 2
     assert "call bytes" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 Loading the model takes ~15 s, so one module-wide model serves every test
 and the runs are the first requests of smoke-8 (a few tokens each).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """`weft bench latency` and `throughput --random-*` end to end on tiny shapes, and
 the random / ShareGPT datasets."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,30 @@ TINY_ENGINE = ["--dtype", "float32", "--num-threads", "1", "--max-num-batched-to
 
 def test_end_to_end_latency(tmp_path: Path) -> None:
     out = tmp_path / "latency.json"
-    argv = ["latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2", "--num-iters", "2",
-            "--num-iters-warmup", "1", "--output-json", str(out), *TINY_ENGINE]
+    argv = [
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-size",
+        "2",
+        "--num-iters",
+        "2",
+        "--num-iters-warmup",
+        "1",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
-    assert (report["input_len"], report["output_len"], report["batch_size"], report["num_iters"]) == (8, 4, 2, 2)
+    assert (report["input_len"], report["output_len"], report["batch_size"], report["num_iters"]) == (
+        8,
+        4,
+        2,
+        2,
+    )
     for name in ("ttft_ms", "decode_ms_per_token", "batch_latency_ms"):
         s = report[name]
         assert 0 < s["median"] <= s["p90"] <= s["p99"], name
@@ -29,8 +49,18 @@ def test_end_to_end_latency(tmp_path: Path) -> None:
 
 def test_end_to_end_throughput_on_random_prompts(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
-    argv = ["throughput", "--random-input-len", "6", "--random-output-len", "3", "--num-prompts", "3",
-            "--output-json", str(out), *TINY_ENGINE]
+    argv = [
+        "throughput",
+        "--random-input-len",
+        "6",
+        "--random-output-len",
+        "3",
+        "--num-prompts",
+        "3",
+        "--output-json",
+        str(out),
+        *TINY_ENGINE,
+    ]
     assert cli.main(argv) == 0
     weft = json.loads(out.read_text())["weft"]
     assert (weft["num_requests"], weft["prompt_tokens"], weft["output_tokens"]) == (3, 18, 9)
@@ -50,12 +80,23 @@ def test_random_workload_is_seeded_and_shaped() -> None:
 def test_sharegpt_first_human_turn_and_gpt_length(tmp_path: Path) -> None:
     tokenizer = default_tokenizer()
     conversations = [
-        {"id": "a", "conversations": [{"from": "human", "value": "Hello there"},
-                                      {"from": "gpt", "value": "Hi, how can I help you today?"},
-                                      {"from": "human", "value": "ignored"}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "Hello there"},
+                {"from": "gpt", "value": "Hi, how can I help you today?"},
+                {"from": "human", "value": "ignored"},
+            ],
+        },
         {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn first"}]},
-        {"id": "c", "conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "Tell me"},
-                                      {"from": "gpt", "value": "Sure"}]},
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "x"},
+                {"from": "human", "value": "Tell me"},
+                {"from": "gpt", "value": "Sure"},
+            ],
+        },
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(conversations))
@@ -63,7 +104,9 @@ def test_sharegpt_first_human_turn_and_gpt_length(tmp_path: Path) -> None:
     assert [r.prompt for r in workload.requests] == ["Hello there", "Tell me"]
     first = workload.requests[0]
     assert first.prompt_token_ids == tokenizer.encode("Hello there", add_special_tokens=False)
-    assert first.max_tokens == len(tokenizer.encode("Hi, how can I help you today?", add_special_tokens=False))
+    assert first.max_tokens == len(
+        tokenizer.encode("Hi, how can I help you today?", add_special_tokens=False)
+    )
     assert workload.ignore_eos
     assert len(load_sharegpt(path, tokenizer, num_prompts=1).requests) == 1
     path.write_text(json.dumps(conversations[1:2]))

@@ -1,4 +1,5 @@
 """The generated workloads rebuild, byte for byte, as they are committed."""
+
 from __future__ import annotations
 
 from pathlib import Path

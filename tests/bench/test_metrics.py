@@ -1,4 +1,5 @@
 """Serving metric arithmetic on synthetic timestamps, against values worked out by hand."""
+
 from __future__ import annotations
 
 import pytest

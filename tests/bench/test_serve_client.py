@@ -1,5 +1,6 @@
 """`weft bench serve --base-url` against a stub OpenAI-compatible server (not weft's):
 the client, its report, goodput, failures, chat streams without usage, and a sweep with its plot."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +39,9 @@ def _stub_app(bodies: list[dict[str, Any]]) -> Starlette:
                 yield _event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(0)  # let other streams interleave
-                choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+                choice = (
+                    {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+                )
                 yield _event({"choices": [choice]})
             if not chat:  # the chat stub sends no usage: the client counts chunks
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
@@ -47,8 +50,13 @@ def _stub_app(bodies: list[dict[str, Any]]) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
-                             Route("/v1/chat/completions", complete, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/v1/completions", complete, methods=["POST"]),
+            Route("/v1/chat/completions", complete, methods=["POST"]),
+        ]
+    )
 
 
 def _event(chunk: dict[str, Any]) -> str:
@@ -71,8 +79,10 @@ def stub() -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
 
 def _workload(path: Path, max_tokens: list[int]) -> str:
-    requests = [{"prompt": f"word {i}", "prompt_token_ids": list(range(1, 3 + i)), "max_tokens": n}
-                for i, n in enumerate(max_tokens)]
+    requests = [
+        {"prompt": f"word {i}", "prompt_token_ids": list(range(1, 3 + i)), "max_tokens": n}
+        for i, n in enumerate(max_tokens)
+    ]
     path.write_text(json.dumps({"name": "tiny", "requests": requests}))
     return str(path)
 
@@ -89,29 +99,61 @@ def _check_stats(report: dict[str, Any]) -> None:
 def test_completions_against_the_stub(tmp_path: Path, stub: tuple[str, list]) -> None:
     url, bodies = stub
     out = tmp_path / "result.json"
-    argv = ["serve", "--base-url", url, "--dataset", _workload(tmp_path / "w.json", [3, 5, 2, 1]),
-            "--request-rate", "200", "--max-concurrency", "2", "--goodput", "ttft:60000", "tpot:60000",
-            "--seed", "1", "--quiet", "--result-json", str(out)]
+    argv = [
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        _workload(tmp_path / "w.json", [3, 5, 2, 1]),
+        "--request-rate",
+        "200",
+        "--max-concurrency",
+        "2",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--seed",
+        "1",
+        "--quiet",
+        "--result-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert (report["completed"], report["failed"]) == (4, 0)
     assert report["total_output_tokens"] == 11 and report["total_input_tokens"] == 2 + 3 + 4 + 5
     assert report["model"] == "stub-model"  # found through /v1/models
-    assert report["duration_s"] > 0 and report["output_throughput"] == pytest.approx(11 / report["duration_s"])
+    assert report["duration_s"] > 0 and report["output_throughput"] == pytest.approx(
+        11 / report["duration_s"]
+    )
     assert report["request_throughput"] > 0 and report["total_token_throughput"] > report["output_throughput"]
-    assert report["good_requests"] == 4 and report["request_goodput"] == pytest.approx(report["request_throughput"])
+    assert report["good_requests"] == 4 and report["request_goodput"] == pytest.approx(
+        report["request_throughput"]
+    )
     _check_stats(report)
     assert len(bodies) == 4 and all(b["ignore_eos"] and b["stream"] for b in bodies)
     assert sorted(b["prompt"] for b in bodies)[0] == [1, 2]  # token ids, exactly
 
 
-def test_chat_without_usage_and_a_failure(tmp_path: Path, stub: tuple[str, list],
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_chat_without_usage_and_a_failure(
+    tmp_path: Path, stub: tuple[str, list], capsys: pytest.CaptureFixture[str]
+) -> None:
     url, bodies = stub
     out = tmp_path / "result.json"
-    argv = ["serve", "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", "anything",
-            "--dataset", _workload(tmp_path / "w.json", [4, FAIL_MAX_TOKENS, 2]), "--quiet",
-            "--output-json", str(out)]
+    argv = [
+        "serve",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        "anything",
+        "--dataset",
+        _workload(tmp_path / "w.json", [4, FAIL_MAX_TOKENS, 2]),
+        "--quiet",
+        "--output-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert (report["completed"], report["failed"]) == (2, 1)
@@ -125,8 +167,22 @@ def test_chat_without_usage_and_a_failure(tmp_path: Path, stub: tuple[str, list]
 def test_concurrency_sweep_writes_a_plot(tmp_path: Path, stub: tuple[str, list]) -> None:
     url, _ = stub
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    argv = ["serve", "--base-url", url, "--dataset", _workload(tmp_path / "w.json", [3, 3, 3]),
-            "--sweep", "concurrencies", "1", "3", "--plot", str(plot), "--quiet", "--result-json", str(out)]
+    argv = [
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        _workload(tmp_path / "w.json", [3, 3, 3]),
+        "--sweep",
+        "concurrencies",
+        "1",
+        "3",
+        "--plot",
+        str(plot),
+        "--quiet",
+        "--result-json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert [run["swept_value"] for run in report["runs"]] == [1, 3]
@@ -146,8 +202,17 @@ def test_concurrency_sweep_writes_a_plot(tmp_path: Path, stub: tuple[str, list])
         ([], "cannot list the models"),  # nothing listens on the discard port
     ],
 )
-def test_bad_client_arguments(extra: list[str], why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["serve", "--base-url", "http://127.0.0.1:9", "--dataset", _workload(tmp_path / "w.json", [1]), *extra]
+def test_bad_client_arguments(
+    extra: list[str], why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "serve",
+        "--base-url",
+        "http://127.0.0.1:9",
+        "--dataset",
+        _workload(tmp_path / "w.json", [1]),
+        *extra,
+    ]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2

@@ -1,4 +1,5 @@
 """Workload files: the committed ones load, bad ones are refused with a reason."""
+
 from __future__ import annotations
 
 import json

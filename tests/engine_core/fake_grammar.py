@@ -4,6 +4,7 @@ A "regex" here is a list of token ids written as text ("7 8 9"): its grammar
 allows exactly those tokens in order, then the stop token. Compiles can be
 held (``release`` cleared) to test waiting and timeouts without sleeping.
 """
+
 from __future__ import annotations
 
 import threading
@@ -38,7 +39,7 @@ class SequenceGrammar(StructuredOutputGrammar):
         return True
 
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
-        expected = self._tokens[self._pos:]
+        expected = self._tokens[self._pos :]
         n = 0
         while n < min(len(token_ids), len(expected)) and token_ids[n] == expected[n]:
             n += 1

@@ -5,6 +5,7 @@ alone, as the real worker does, and asserts the stream is consistent
 (block tables cover every computed token, cached diffs line up), so every
 scenario also checks the scheduler -> worker contract.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,8 +39,12 @@ def make_config(
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
-            model="fake.gguf", tokenizer="fake", served_model_name="fake",
-            dtype="float32", max_model_len=max_model_len, eos_token_id=EOS,
+            model="fake.gguf",
+            tokenizer="fake",
+            served_model_name="fake",
+            dtype="float32",
+            max_model_len=max_model_len,
+            eos_token_id=EOS,
         ),
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(**scheduler_kwargs),
@@ -122,11 +127,16 @@ class FakeWorker:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.requests, f"{new.req_id} sent as new twice"
             self.requests[new.req_id] = _WorkerRequest(
-                [*new.prompt_token_ids, *new.output_token_ids], len(new.prompt_token_ids),
-                new.num_computed_tokens, new.sampling_params, list(new.block_ids))
+                [*new.prompt_token_ids, *new.output_token_ids],
+                len(new.prompt_token_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                list(new.block_ids),
+            )
         cached = so.scheduled_cached_reqs
         for request_id, block_ids, num_computed in zip(
-                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             state = self.requests[request_id]
             assert state.num_computed == num_computed, request_id
             state.block_ids.extend(block_ids)
@@ -141,8 +151,7 @@ class FakeWorker:
             out.req_ids.append(request_id)
             out.sampled_token_ids.append(sampled)
             wants = state.params.logprobs is not None
-            out.logprobs.append([fake_logprob(t, len(state.tokens) - 1) for t in sampled]
-                                if wants else [])
+            out.logprobs.append([fake_logprob(t, len(state.tokens) - 1) for t in sampled] if wants else [])
         return out
 
     @staticmethod
@@ -167,7 +176,8 @@ class FakeWorker:
         assert len(state.block_ids) * self.block_size >= state.num_computed, "no slot for a token"
         for position in range(start):
             assert self.kv.get(self._slot(state, position)) == state.tokens[position], (
-                f"{request_id}: wrong KV at position {position}")
+                f"{request_id}: wrong KV at position {position}"
+            )
         for position in range(start, state.num_computed):
             self.kv[self._slot(state, position)] = state.tokens[position]
         if state.num_computed < len(state.tokens):

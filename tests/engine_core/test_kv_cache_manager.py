@@ -13,8 +13,7 @@ def manager(num_blocks: int = 11, caching: bool = True) -> KVCacheManager:
 
 
 def request(request_id: str, prompt: list[int], **sampling) -> Request:
-    return Request(request_id, prompt, SamplingParams(**sampling), 0.0,
-                   block_hasher=make_block_hasher(BLOCK))
+    return Request(request_id, prompt, SamplingParams(**sampling), 0.0, block_hasher=make_block_hasher(BLOCK))
 
 
 def run_prefill(kv: KVCacheManager, r: Request) -> int:

@@ -1,5 +1,6 @@
 """The engine core's KV event publisher in process: PUB framing, replay from a bounded ring buffer,
 per-rank endpoints, and the config as users give it."""
+
 from __future__ import annotations
 
 import msgspec
@@ -22,8 +23,14 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 @pytest.fixture
 def publisher():
-    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=ipc_address("pub"),
-                            replay_endpoint=ipc_address("replay"), buffer_steps=3, topic="t")
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=ipc_address("pub"),
+        replay_endpoint=ipc_address("replay"),
+        buffer_steps=3,
+        topic="t",
+    )
     pub = ZmqEventPublisher(config, rank=0)
     yield pub
     pub.shutdown()
@@ -66,7 +73,11 @@ def test_replay_answers_from_seq_n_out_of_the_last_buffer_steps_batches(publishe
     assert [seq for seq, _ in got] == [3, 4]
     assert got[0][1].events == _removed(3) and got[0][1].data_parallel_rank == 0
     # Only the last three batches are kept: older ones are gone.
-    assert [seq for seq, _ in _replay(ctx, publisher.replay_endpoint, [b"", (0).to_bytes(8, "big")])] == [2, 3, 4]
+    assert [seq for seq, _ in _replay(ctx, publisher.replay_endpoint, [b"", (0).to_bytes(8, "big")])] == [
+        2,
+        3,
+        4,
+    ]
 
 
 def test_a_malformed_replay_request_is_ignored_and_the_publisher_keeps_serving(publisher, ctx):
@@ -112,8 +123,11 @@ def test_kv_events_config_as_users_give_it():
     assert config.buffer_steps == 10_000 and config.replay_endpoint is None
     assert resolve_kv_events_config(None) is None
     assert resolve_kv_events_config('{"enable_kv_cache_events": false}') is None
-    for bad, match in (("{nope", "not valid JSON"), ('{"enable_kv_cache_events": true, "colour": 1}', "colour"),
-                       ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
-                       ('{"enable_kv_cache_events": true, "endpoint": "tcp://*"}', "port")):
+    for bad, match in (
+        ("{nope", "not valid JSON"),
+        ('{"enable_kv_cache_events": true, "colour": 1}', "colour"),
+        ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+        ('{"enable_kv_cache_events": true, "endpoint": "tcp://*"}', "port"),
+    ):
         with pytest.raises(ValueError, match=match):
             resolve_kv_events_config(bad)

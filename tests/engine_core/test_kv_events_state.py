@@ -3,6 +3,7 @@ event in order holds the pool's set of cached block hashes after every step,
 through random workloads with shared prefixes, eviction, preemption, aborts
 and prefix cache resets (scheduler + FakeWorker, several seeds).
 """
+
 from __future__ import annotations
 
 import random
@@ -45,7 +46,7 @@ class Subscriber:
         assert event.parent_block_hash is None or event.parent_block_hash in self.hashes
         parent = event.parent_block_hash
         for i, block_hash in enumerate(event.block_hashes):
-            tokens = event.token_ids[i * BLOCK:(i + 1) * BLOCK]
+            tokens = event.token_ids[i * BLOCK : (i + 1) * BLOCK]
             if parent is not None:  # the first block of a salted prompt also hashes the salt
                 assert hash_block_tokens(parent, tokens) == block_hash, "tokens do not match the hash"
             parent = block_hash
@@ -54,8 +55,13 @@ class Subscriber:
 
 
 def _scheduler(rng: random.Random):
-    s = make_scheduler(num_blocks=rng.randint(8, 14), max_model_len=96, block_size=BLOCK,
-                       max_num_batched_tokens=rng.choice([32, 64, 128]), max_num_seqs=rng.randint(2, 5))
+    s = make_scheduler(
+        num_blocks=rng.randint(8, 14),
+        max_model_len=96,
+        block_size=BLOCK,
+        max_num_batched_tokens=rng.choice([32, 64, 128]),
+        max_num_seqs=rng.randint(2, 5),
+    )
     s.kv_cache_manager.block_pool.enable_kv_events(BLOCK, "CPU")
     return s
 
@@ -78,8 +84,13 @@ def _run_workload(seed: int) -> tuple[Subscriber, int, int]:
     live: list[str] = []
     preemptions = resets = 0
     for index in range(60):
-        request = make_request(s, f"r{index}", _prompt(rng, index), max_tokens=rng.randint(1, 20),
-                               cache_salt=rng.choice([None, None, "salt"]))
+        request = make_request(
+            s,
+            f"r{index}",
+            _prompt(rng, index),
+            max_tokens=rng.randint(1, 20),
+            cache_salt=rng.choice([None, None, "salt"]),
+        )
         s.add_request(request)
         live.append(request.request_id)
         if rng.random() < 0.1:
@@ -142,7 +153,7 @@ def test_a_hash_held_by_two_blocks_is_stored_once_and_removed_with_its_last_bloc
     stored = pool.take_kv_events()
     assert len(stored) == 1 and isinstance(stored[0], BlockStored)
     assert stored[0].parent_block_hash is None and len(stored[0].block_hashes) == 2
-    assert stored[0].token_ids == prompt[:2 * BLOCK]
+    assert stored[0].token_ids == prompt[: 2 * BLOCK]
     for block in copies[0]:
         pool.uncache_block(block)
     assert pool.take_kv_events() == [], "the hashes are still cached (the other copies)"

@@ -7,6 +7,7 @@ test hold reports back or damage the store. The fake worker underneath still
 checks that every position a request reads holds that request's own token,
 so a wrong load or a block freed too early fails the test.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -58,7 +59,9 @@ class TransferWorker:
         return len(block_ids)
 
 
-def decode_request(scheduler: Scheduler, request_id: str, prompt: list[int], remote_num_tokens: int, **kwargs):
+def decode_request(
+    scheduler: Scheduler, request_id: str, prompt: list[int], remote_num_tokens: int, **kwargs
+):
     params = KVTransferParams(do_remote_prefill=True, remote_num_tokens=remote_num_tokens)
     request = make_request(scheduler, request_id, prompt, **kwargs)
     request.kv_transfer_params = params
@@ -94,8 +97,9 @@ def test_producer_keeps_the_blocks_until_they_are_saved_and_hands_on_the_params(
     prefill_request(s, "p", PROMPT)
     _, outputs = step(s, w)
     (out,) = outputs
-    assert out.finished and out.kv_transfer_params == KVTransferParams(do_remote_prefill=True,
-                                                                       remote_num_tokens=48)
+    assert out.finished and out.kv_transfer_params == KVTransferParams(
+        do_remote_prefill=True, remote_num_tokens=48
+    )
     assert s.has_unfinished_requests() and not s.kv_cache_manager.all_blocks_free()
     so, _ = step(s, w)  # an empty step carries the save plan to the worker
     assert so.is_empty and [t.req_id for t in so.kv_connector_metadata.saves] == ["p"]
@@ -276,6 +280,8 @@ def test_requests_back_from_their_loads_keep_arrival_order_ahead_of_later_ones()
         s.add_request(make_request(s, request_id, 4, max_tokens=50))
     step(s, w)  # d1 and d2 park off the queue and load (reported in this step); late-4 has no seat
     assert [r.request_id for r in s.waiting] == ["d1", "d2", "late-4"]
+
+
 def test_a_request_aborted_while_loading_gets_its_blocks_back_when_the_load_never_reports():
     s = make("kv_consumer")
     s.kv_transfer.abandon_timeout_s = 0.0

@@ -34,9 +34,14 @@ def test_hashes_are_the_same_in_another_process():
         "from services.engine_core.prefix_hash import NONE_HASH, hash_block_tokens;"
         "print(NONE_HASH.hex(), hash_block_tokens(None, [7, 8], ('s',)).hex())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "123"},
-                         cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
     assert out == [NONE_HASH.hex(), hash_block_tokens(None, [7, 8], ("s",)).hex()]
 
 

@@ -4,6 +4,7 @@ The test plays the API's part with the same helpers and messages the real
 client uses, so it sees exactly what crosses the wire: the handshake, the
 ready frame, outputs and heartbeats, error outputs, and the goodbye.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -75,9 +76,11 @@ class FakeApi:
 
 def make_request(request_id: str, max_tokens: int = 5, prompt_len: int = 8) -> EngineCoreRequest:
     return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=list(range(100, 100 + prompt_len)),
+        request_id=request_id,
+        prompt_token_ids=list(range(100, 100 + prompt_len)),
         sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        arrival_time=time.time())
+        arrival_time=time.time(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +88,30 @@ def started(tmp_path_factory):
     """(fake api, engine process, ready message); the process is always killed."""
     config = tiny_engine_config(build_tiny_llama(tmp_path_factory.mktemp("tiny")), NUM_BLOCKS)
     api = FakeApi()
-    proc = subprocess.Popen([sys.executable, "-m", "services.engine_core.proc", "--rank", str(RANK),
-                             "--handshake-address", bound_address(api.handshake), "--num-threads", "1"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.engine_core.proc",
+            "--rank",
+            str(RANK),
+            "--handshake-address",
+            bound_address(api.handshake),
+            "--num-threads",
+            "1",
+        ]
+    )
     try:
         (identity,), hello = api.recv(api.handshake, Decoder(EngineHello), 1, DEADLINE_S)
         assert identity[:2] == rank_identity(RANK) and len(identity) == 10  # the rank, then random bytes
         api.identity = identity
         assert hello == EngineHello(rank=RANK, local=False, headless=False)
         parallel = msgspec.structs.replace(config.parallel, data_parallel_rank=RANK)
-        reply = EngineHandshakeReply(config=msgspec.structs.replace(config, parallel=parallel),
-                                     input_address=bound_address(api.input),
-                                     output_address=bound_address(api.output))
+        reply = EngineHandshakeReply(
+            config=msgspec.structs.replace(config, parallel=parallel),
+            input_address=bound_address(api.input),
+            output_address=bound_address(api.output),
+        )
         send(api.handshake, api.encoder, reply, identity)
         (identity,), ready = api.recv(api.input, Decoder(EngineStatus), 1, DEADLINE_S)
         assert identity == api.identity

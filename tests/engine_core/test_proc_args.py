@@ -1,4 +1,5 @@
 """The engine-core process's command line: what a launcher writes, the process reads."""
+
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,17 @@ from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, PROC_MODU
 
 
 def test_every_field_survives_to_argv_then_parse() -> None:
-    args = EngineCoreArgs(rank=2, handshake_address="tcp://10.0.0.1:29550", local=True, headless=True,
-                          num_threads=3, tensor_parallel_size=2, curve_keys="/keys", shutdown_timeout_s=7.5,
-                          kv_transfer_config='{"kv_connector": "ZmqConnector"}')
+    args = EngineCoreArgs(
+        rank=2,
+        handshake_address="tcp://10.0.0.1:29550",
+        local=True,
+        headless=True,
+        num_threads=3,
+        tensor_parallel_size=2,
+        curve_keys="/keys",
+        shutdown_timeout_s=7.5,
+        kv_transfer_config='{"kv_connector": "ZmqConnector"}',
+    )
     argv = args.to_argv()
     assert argv[:3] == [sys.executable, "-m", PROC_MODULE]
     assert EngineCoreArgs.parse(argv[3:]) == args
@@ -25,14 +34,21 @@ def test_defaults_are_left_out_or_written_as_the_process_reads_them() -> None:
     assert parsed == args and parsed.shutdown_timeout_s == DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--handshake-address", "ipc:///h"], "--rank"),
-    (["--rank", "-1", "--handshake-address", "ipc:///h"], "--rank must be non-negative"),
-    (["--rank", "0", "--handshake-address", "ipc:///h", "--shutdown-timeout", "-2"], "--shutdown-timeout"),
-    (["--rank", "zero", "--handshake-address", "ipc:///h"], "invalid int value"),
-])
-def test_bad_command_lines_are_usage_errors(argv: list[str], message: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--handshake-address", "ipc:///h"], "--rank"),
+        (["--rank", "-1", "--handshake-address", "ipc:///h"], "--rank must be non-negative"),
+        (
+            ["--rank", "0", "--handshake-address", "ipc:///h", "--shutdown-timeout", "-2"],
+            "--shutdown-timeout",
+        ),
+        (["--rank", "zero", "--handshake-address", "ipc:///h"], "invalid int value"),
+    ],
+)
+def test_bad_command_lines_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         EngineCoreArgs.parse(argv)
     assert exit_info.value.code == 2

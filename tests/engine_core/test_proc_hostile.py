@@ -6,6 +6,7 @@ counted and dropped while valid requests are still served; with CURVE, only
 peers holding the keys get a message through; SIGTERM finishes the requests
 held before the goodbye.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -60,7 +61,12 @@ class Api:
         def bind(kind: int, name: str) -> zmq.Socket:
             address = tcp_address("127.0.0.1", 0, bind=True) if curve else ipc_address(name)
             return make_socket(self.ctx, kind, address, bind=True, curve=curve)
-        self.handshake, self.input, self.output = bind(zmq.ROUTER, "hs"), bind(zmq.ROUTER, "in"), bind(zmq.PULL, "out")
+
+        self.handshake, self.input, self.output = (
+            bind(zmq.ROUTER, "hs"),
+            bind(zmq.ROUTER, "in"),
+            bind(zmq.PULL, "out"),
+        )
         self.encoder = Encoder()
         self.identity = b""  # the engine's own (``instance_identity``), learnt from its hello
 
@@ -115,23 +121,44 @@ class Api:
 
 def make_request(request_id: str, max_tokens: int = 4) -> EngineCoreRequest:
     return EngineCoreRequest(
-        request_id=request_id, prompt_token_ids=list(range(100, 108)),
+        request_id=request_id,
+        prompt_token_ids=list(range(100, 108)),
         sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        arrival_time=time.time())
+        arrival_time=time.time(),
+    )
 
 
 def start_engine(api: Api, config, *extra: str) -> subprocess.Popen:
     """An engine process that has shaken hands with ``api`` and sent its ready frame."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.engine_core.proc", "--rank", str(RANK),
-                             "--handshake-address", bound_address(api.handshake), "--num-threads", "1", *extra])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.engine_core.proc",
+            "--rank",
+            str(RANK),
+            "--handshake-address",
+            bound_address(api.handshake),
+            "--num-threads",
+            "1",
+            *extra,
+        ]
+    )
     assert api.handshake.poll(int(DEADLINE_S * 1000)), "no hello from the engine"
     (identity,), hello = recv(api.handshake, Decoder(EngineHello), 1)
     assert hello.rank == RANK
     api.identity = identity  # the input socket must use the same one
     parallel = msgspec.structs.replace(config.parallel, data_parallel_rank=RANK)
-    send(api.handshake, api.encoder, EngineHandshakeReply(
-        config=msgspec.structs.replace(config, parallel=parallel), input_address=bound_address(api.input),
-        output_address=bound_address(api.output)), identity)
+    send(
+        api.handshake,
+        api.encoder,
+        EngineHandshakeReply(
+            config=msgspec.structs.replace(config, parallel=parallel),
+            input_address=bound_address(api.input),
+            output_address=bound_address(api.output),
+        ),
+        identity,
+    )
     assert isinstance(api.status(DEADLINE_S), EngineReady)
     return proc
 
@@ -184,17 +211,27 @@ def plain(plain_slot):
 # ---- fuzzing the input socket
 
 _ids = itertools.count()
-_DECODERS = {EngineCoreRequestType.ADD: Decoder(EngineCoreRequest), EngineCoreRequestType.ABORT: Decoder(list[str]),
-             EngineCoreRequestType.UTILITY: Decoder(UtilityRequest)}
+_DECODERS = {
+    EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
+    EngineCoreRequestType.ABORT: Decoder(list[str]),
+    EngineCoreRequestType.UTILITY: Decoder(UtilityRequest),
+}
 # SHUTDOWN and DRAIN are the API's commands, not malformed input: left out.
-_TYPE_BYTES = st.sampled_from([EngineCoreRequestType.ADD.value, EngineCoreRequestType.ABORT.value,
-                               EngineCoreRequestType.UTILITY.value]) | st.binary(max_size=3).filter(
-    lambda b: b not in (EngineCoreRequestType.SHUTDOWN.value, EngineCoreRequestType.DRAIN.value))
+_TYPE_BYTES = st.sampled_from(
+    [EngineCoreRequestType.ADD.value, EngineCoreRequestType.ABORT.value, EngineCoreRequestType.UTILITY.value]
+) | st.binary(max_size=3).filter(
+    lambda b: b not in (EngineCoreRequestType.SHUTDOWN.value, EngineCoreRequestType.DRAIN.value)
+)
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=20)
+    max_leaves=20,
+)
 
 
 def _encoded_request() -> bytes:
@@ -204,13 +241,19 @@ def _encoded_request() -> bytes:
 @st.composite
 def hostile_messages(draw) -> list[bytes]:
     kind = draw(_TYPE_BYTES)
-    body = draw(st.one_of(
-        st.lists(st.binary(max_size=64), max_size=3),  # random frames
-        st.integers(0, 200).map(lambda cut: [_encoded_request()[:cut]]),  # a request cut short
-        _msgpack_values.map(lambda v: [msgspec.msgpack.encode(v)]),  # well-formed msgpack, wrong shape
-        st.binary(min_size=1, max_size=32).map(lambda extra: [_encoded_request(), extra]),  # stray extra frame
-        st.integers(0, 40).map(lambda i: [_encoded_request()[:i] + b"\xc1" + _encoded_request()[i:]]),  # bad byte
-    ))
+    body = draw(
+        st.one_of(
+            st.lists(st.binary(max_size=64), max_size=3),  # random frames
+            st.integers(0, 200).map(lambda cut: [_encoded_request()[:cut]]),  # a request cut short
+            _msgpack_values.map(lambda v: [msgspec.msgpack.encode(v)]),  # well-formed msgpack, wrong shape
+            st.binary(min_size=1, max_size=32).map(
+                lambda extra: [_encoded_request(), extra]
+            ),  # stray extra frame
+            st.integers(0, 40).map(
+                lambda i: [_encoded_request()[:i] + b"\xc1" + _encoded_request()[i:]]
+            ),  # bad byte
+        )
+    )
     return [kind, *body]
 
 
@@ -263,6 +306,7 @@ def test_sigterm_drains_every_request_then_says_goodbye(plain):
 
 # ---- CURVE
 
+
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys") / "curve"
@@ -272,8 +316,9 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def curved_slot(config, keys):
-    slot = EngineSlot(config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5",
-                      curve=load_keys(keys, SERVER))
+    slot = EngineSlot(
+        config, "--zmq-curve-keys", str(keys), "--shutdown-timeout", "0.5", curve=load_keys(keys, SERVER)
+    )
     yield slot
     slot.close()
 
@@ -311,15 +356,23 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
         for curve in (None, stranger):  # no CURVE at all; CURVE with keys of its own
             # Pose as rank 1 on every socket the API binds: hello, status, outputs.
             for sock_type, target, message in (
-                    (zmq.DEALER, api.handshake, EngineHello(rank=RANK, local=False, headless=True)),
-                    (zmq.DEALER, api.input, EngineGoodbye(rank=RANK, reason="forged")),
-                    (zmq.PUSH, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[]))):
-                sock = make_socket(ctx, sock_type, bound_address(target), bind=False,
-                                   identity=rank_identity(RANK) if sock_type == zmq.DEALER else None, curve=curve)
+                (zmq.DEALER, api.handshake, EngineHello(rank=RANK, local=False, headless=True)),
+                (zmq.DEALER, api.input, EngineGoodbye(rank=RANK, reason="forged")),
+                (zmq.PUSH, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[])),
+            ):
+                sock = make_socket(
+                    ctx,
+                    sock_type,
+                    bound_address(target),
+                    bind=False,
+                    identity=rank_identity(RANK) if sock_type == zmq.DEALER else None,
+                    curve=curve,
+                )
                 attacker_send(sock, encoder, message)
             injected = make_socket(ctx, zmq.DEALER, bound_address(api.input), bind=False, curve=curve)
-            attacker_send(injected, encoder, make_request("injected", max_tokens=2),
-                          EngineCoreRequestType.ADD.value)
+            attacker_send(
+                injected, encoder, make_request("injected", max_tokens=2), EngineCoreRequestType.ADD.value
+            )
         assert not api.handshake.poll(QUIET_MS) and not api.input.poll(QUIET_MS)
         assert api.auth.denied.wait(5)
         # Only the real engine's outputs arrive, and the engine never saw the injected request.
@@ -330,9 +383,19 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
             assert batch.scheduler_stats is None or batch.scheduler_stats.num_dropped_frames == 0
         # An impostor API (its own keys) never hears an engine that holds the real ones.
         impostor = Api(CurveKeys(SERVER, *zmq.curve_keypair(), load_keys(keys, CLIENT).public))
-        fooled = subprocess.Popen([sys.executable, "-m", "services.engine_core.proc", "--rank", "0",
-                                   "--handshake-address", bound_address(impostor.handshake),
-                                   "--zmq-curve-keys", str(keys)])
+        fooled = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.engine_core.proc",
+                "--rank",
+                "0",
+                "--handshake-address",
+                bound_address(impostor.handshake),
+                "--zmq-curve-keys",
+                str(keys),
+            ]
+        )
         try:
             assert not impostor.handshake.poll(3000), "the engine talked to an impostor"
             assert fooled.poll() is None  # still waiting for the real API

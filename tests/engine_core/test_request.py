@@ -14,9 +14,14 @@ from services.engine_core.request_queue import (
 
 def test_from_engine_core_request_copies_every_field():
     wire = EngineCoreRequest(
-        request_id="r1", prompt_token_ids=list(range(20)),
-        sampling_params=SamplingParams(max_tokens=5), arrival_time=12.5,
-        eos_token_id=2, priority=3, cache_salt="s")
+        request_id="r1",
+        prompt_token_ids=list(range(20)),
+        sampling_params=SamplingParams(max_tokens=5),
+        arrival_time=12.5,
+        eos_token_id=2,
+        priority=3,
+        cache_salt="s",
+    )
     r = Request.from_engine_core_request(wire, make_block_hasher(16))
     assert (r.request_id, r.prompt_token_ids, r.arrival_time) == ("r1", list(range(20)), 12.5)
     assert (r.eos_token_id, r.priority, r.cache_salt) == (2, 3, "s")
@@ -36,15 +41,18 @@ def test_token_counts_follow_appended_outputs():
     assert r.prompt_token_ids == [1, 2, 3]
 
 
-@pytest.mark.parametrize("status, reason", [
-    (RequestStatus.WAITING, None),
-    (RequestStatus.RUNNING, None),
-    (RequestStatus.PREEMPTED, None),
-    (RequestStatus.FINISHED_STOPPED, FinishReason.STOP),
-    (RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH),
-    (RequestStatus.FINISHED_ABORTED, FinishReason.ABORT),
-    (RequestStatus.FINISHED_ERROR, FinishReason.ERROR),
-])
+@pytest.mark.parametrize(
+    "status, reason",
+    [
+        (RequestStatus.WAITING, None),
+        (RequestStatus.RUNNING, None),
+        (RequestStatus.PREEMPTED, None),
+        (RequestStatus.FINISHED_STOPPED, FinishReason.STOP),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH),
+        (RequestStatus.FINISHED_ABORTED, FinishReason.ABORT),
+        (RequestStatus.FINISHED_ERROR, FinishReason.ERROR),
+    ],
+)
 def test_finished_statuses_map_to_finish_reasons(status, reason):
     r = Request("r", [1], SamplingParams(), 0.0)
     r.status = status

@@ -1,4 +1,5 @@
 """Scheduling decisions: budgets, chunking, ordering, prefix hits."""
+
 from __future__ import annotations
 
 import msgspec
@@ -86,8 +87,11 @@ def test_chunked_prefill_splits_a_long_prompt_into_budget_sized_chunks():
     for _ in range(4):
         so, out = step(s, w)
         chunks.append(scheduled(so)["a"])
-        new_blocks.append(len(so.scheduled_cached_reqs.new_block_ids[0])
-                          if so.scheduled_cached_reqs.num_reqs else len(so.scheduled_new_reqs[0].block_ids))
+        new_blocks.append(
+            len(so.scheduled_cached_reqs.new_block_ids[0])
+            if so.scheduled_cached_reqs.num_reqs
+            else len(so.scheduled_new_reqs[0].block_ids)
+        )
         outputs.append(out)
     assert chunks == [32, 32, 32, 4]
     assert new_blocks == [2, 2, 2, 1]  # the block table only grows by this step's blocks
@@ -178,8 +182,11 @@ def test_unservable_requests_are_refused_by_the_engines_one_check(prompt, n):
     request = EngineCoreRequest("a", prompt, SamplingParams(n=n), 0.0)
     with pytest.raises(ValueError, match="prompt|Prompt|n=1"):
         check_request(request, max_model_len=64, vocab_size=100)
-    check_request(msgspec.structs.replace(request, prompt_token_ids=[1, 2], sampling_params=SamplingParams()),
-                  max_model_len=64, vocab_size=100)
+    check_request(
+        msgspec.structs.replace(request, prompt_token_ids=[1, 2], sampling_params=SamplingParams()),
+        max_model_len=64,
+        vocab_size=100,
+    )
 
 
 def test_duplicate_request_ids_are_refused():

@@ -1,4 +1,5 @@
 """update_from_output: stop conditions, logprobs, aborts, stats."""
+
 from __future__ import annotations
 
 import pytest
@@ -146,8 +147,7 @@ def test_first_output_carries_queue_and_schedule_events():
     s, w = make_scheduler(), FakeWorker(16)
     add(s, "r", 4, max_tokens=2)
     outputs = run_to_completion(s, w)["r"]
-    assert [e.type for e in outputs[0].events] == [EngineCoreEventType.QUEUED,
-                                                   EngineCoreEventType.SCHEDULED]
+    assert [e.type for e in outputs[0].events] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
     assert outputs[1].events is None
 
 

@@ -1,5 +1,6 @@
 """The scheduler's side of /pause, /resume and /reset_prefix_cache, and its
 tokens-per-step counts (vllm:iteration_tokens_total)."""
+
 from __future__ import annotations
 
 from protocol.engine import ITERATION_TOKENS_BUCKETS

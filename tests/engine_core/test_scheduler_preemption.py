@@ -1,4 +1,5 @@
 """Preemption by recompute when the KV pool runs out of blocks."""
+
 from __future__ import annotations
 
 from services.engine_core.request import RequestStatus
@@ -76,7 +77,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
 
 
 def _priority_scenario():
-    """"lo" runs first; "hi" and "mid" join and fill the pool (6 usable blocks)."""
+    """ "lo" runs first; "hi" and "mid" join and fill the pool (6 usable blocks)."""
     s, w = make_scheduler(num_blocks=7, scheduling_policy="priority"), FakeWorker(16)
     add(s, "lo", 20, priority=5)
     step(s, w)
@@ -127,8 +128,9 @@ def test_blocks_of_a_request_preempted_in_its_own_step_are_not_served_from_cache
     # Blocks are published to the prefix cache when allocated. "lo" gets its
     # fifth block filled (on paper) in the step that then preempts it, so
     # that block's KV is never written and must not be a hit later.
-    s = make_scheduler(num_blocks=8, scheduling_policy="priority",
-                       max_num_batched_tokens=40, long_prefill_token_threshold=24)
+    s = make_scheduler(
+        num_blocks=8, scheduling_policy="priority", max_num_batched_tokens=40, long_prefill_token_threshold=24
+    )
     w = FakeWorker(16)
     lo = add(s, "lo", 90, priority=5)
     step(s, w)

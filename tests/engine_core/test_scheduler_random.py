@@ -3,6 +3,7 @@
 FakeWorker checks the KV contents each step, so prefix hits, chunking and
 preemption are all held to "the model saw exactly this request's tokens".
 """
+
 from __future__ import annotations
 
 from hypothesis import event, given, settings
@@ -15,26 +16,30 @@ from tests.engine_core.fakes import FakeWorker, make_request, make_scheduler, st
 MAX_MODEL_LEN = 96
 BLOCK = 16
 
-request_spec = st.fixed_dictionaries({
-    "base": st.integers(0, 1),  # requests with the same base share a prefix
-    "shared": st.integers(0, 64),
-    "own": st.integers(1, 12),
-    "max_tokens": st.integers(1, 24),
-    "priority": st.integers(0, 3),
-    "salt": st.sampled_from([None, "s"]),
-    "arrives": st.integers(0, 6),  # step at which it is added
-    "abort_at": st.one_of(st.none(), st.integers(0, 30)),
-})
+request_spec = st.fixed_dictionaries(
+    {
+        "base": st.integers(0, 1),  # requests with the same base share a prefix
+        "shared": st.integers(0, 64),
+        "own": st.integers(1, 12),
+        "max_tokens": st.integers(1, 24),
+        "priority": st.integers(0, 3),
+        "salt": st.sampled_from([None, "s"]),
+        "arrives": st.integers(0, 6),  # step at which it is added
+        "abort_at": st.one_of(st.none(), st.integers(0, 30)),
+    }
+)
 
-config_spec = st.fixed_dictionaries({
-    "num_blocks": st.integers(MAX_MODEL_LEN // BLOCK + 1, 16),
-    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
-    "enable_chunked_prefill": st.booleans(),
-    "max_num_batched_tokens": st.integers(8, 128),
-    "max_num_seqs": st.integers(1, 6),
-    "long_prefill_token_threshold": st.sampled_from([0, 8, 24]),
-    "caching": st.booleans(),
-})
+config_spec = st.fixed_dictionaries(
+    {
+        "num_blocks": st.integers(MAX_MODEL_LEN // BLOCK + 1, 16),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
+        "enable_chunked_prefill": st.booleans(),
+        "max_num_batched_tokens": st.integers(8, 128),
+        "max_num_seqs": st.integers(1, 6),
+        "long_prefill_token_threshold": st.sampled_from([0, 8, 24]),
+        "caching": st.booleans(),
+    }
+)
 
 
 def _prompt(index: int, spec: dict) -> list[int]:
@@ -55,8 +60,14 @@ def test_random_workloads_finish_correctly_without_leaks(config, specs):
     for step_index in range(3000):
         for i, spec in enumerate(specs):
             if spec["arrives"] == step_index:
-                r = make_request(s, f"r{i}", _prompt(i, spec), priority=spec["priority"],
-                                 cache_salt=spec["salt"], max_tokens=spec["max_tokens"])
+                r = make_request(
+                    s,
+                    f"r{i}",
+                    _prompt(i, spec),
+                    priority=spec["priority"],
+                    cache_salt=spec["salt"],
+                    max_tokens=spec["max_tokens"],
+                )
                 s.add_request(r)
                 requests[r.request_id] = r
             if spec["abort_at"] == step_index:

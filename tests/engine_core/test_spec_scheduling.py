@@ -9,6 +9,7 @@ that the context a request reads holds its own tokens: a rolled-back
 ``num_computed_tokens`` that is off by one, or a block table that lost a
 block, fails there.
 """
+
 from __future__ import annotations
 
 import random
@@ -51,8 +52,9 @@ class _State:
 
 
 class SpecWorker:
-    def __init__(self, block_size: int, model=looping_model, propose: bool = True,
-                 accept: int | None = None) -> None:
+    def __init__(
+        self, block_size: int, model=looping_model, propose: bool = True, accept: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.model = model
         self.propose = propose
@@ -65,11 +67,13 @@ class SpecWorker:
         for request_id in [*so.finished_req_ids, *so.preempted_req_ids]:
             self.requests.pop(request_id, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _State([*new.prompt_token_ids, *new.output_token_ids],
-                                               new.num_computed_tokens, list(new.block_ids))
+            self.requests[new.req_id] = _State(
+                [*new.prompt_token_ids, *new.output_token_ids], new.num_computed_tokens, list(new.block_ids)
+            )
         cached = so.scheduled_cached_reqs
-        for request_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                       cached.num_computed_tokens):
+        for request_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             state = self.requests[request_id]
             assert state.num_computed == num_computed, (request_id, state.num_computed, num_computed)
             state.block_ids.extend(block_ids)
@@ -229,10 +233,13 @@ def test_preemption_drops_the_drafts() -> None:
 # ----------------------------------------------------------- stop conditions
 
 
-@pytest.mark.parametrize("kwargs, stop_at, reason", [
-    ({}, EOS, "stop"),  # EOS inside the accepted run
-    ({"stop_token_ids": [42]}, 42, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, stop_at, reason",
+    [
+        ({}, EOS, "stop"),  # EOS inside the accepted run
+        ({"stop_token_ids": [42]}, 42, "stop"),
+    ],
+)
 def test_a_stop_token_inside_the_accepted_run_ends_it_there(kwargs, stop_at, reason) -> None:
     scheduler = make_spec_scheduler(block_size=4)
     worker = SpecWorker(4, accept=4)
@@ -284,8 +291,11 @@ def test_stats_count_drafts_and_acceptance_per_position() -> None:
     scheduler.make_stats()
     step(scheduler, worker)
     stats = scheduler.make_stats()
-    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
-            stats.spec_decode_num_accepted_tokens) == (1, 3, 2)
+    assert (
+        stats.spec_decode_num_drafts,
+        stats.spec_decode_num_draft_tokens,
+        stats.spec_decode_num_accepted_tokens,
+    ) == (1, 3, 2)
     assert stats.spec_decode_num_accepted_tokens_per_pos == [1, 1, 0, 0]
     assert scheduler.make_stats().spec_decode_num_drafts == 0  # deltas
 
@@ -311,8 +321,9 @@ def test_outputs_equal_those_without_speculation(seed: int) -> None:
     max_tokens = [rng.randrange(1, 60) for _ in prompts]
     results = []
     for k in (0, K):
-        scheduler = make_spec_scheduler(num_blocks=40, k=k, block_size=4, max_num_batched_tokens=24,
-                                        max_num_seqs=6, max_model_len=128)
+        scheduler = make_spec_scheduler(
+            num_blocks=40, k=k, block_size=4, max_num_batched_tokens=24, max_num_seqs=6, max_model_len=128
+        )
         for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
             add(scheduler, f"r{i}", prompt, max_tokens=n, ignore_eos=True)
         results.append(run_all(scheduler, SpecWorker(4, propose=k > 0)))

@@ -1,4 +1,5 @@
 """The engine's periodic log line and its speculative-decoding summary."""
+
 from __future__ import annotations
 
 import logging
@@ -10,9 +11,13 @@ from services.engine_core.stats_logger import EngineStatsLogger, SpecDecodingCou
 
 
 def spec_stats(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], **kwargs) -> SchedulerStats:
-    return SchedulerStats(spec_decode_num_drafts=drafts, spec_decode_num_draft_tokens=draft_tokens,
-                          spec_decode_num_accepted_tokens=accepted,
-                          spec_decode_num_accepted_tokens_per_pos=per_pos, **kwargs)
+    return SchedulerStats(
+        spec_decode_num_drafts=drafts,
+        spec_decode_num_draft_tokens=draft_tokens,
+        spec_decode_num_accepted_tokens=accepted,
+        spec_decode_num_accepted_tokens_per_pos=per_pos,
+        **kwargs,
+    )
 
 
 def test_counts_add_up_and_give_the_rates() -> None:
@@ -35,8 +40,9 @@ def test_one_line_per_interval_with_acceptance(caplog: pytest.LogCaptureFixture)
         stats_logger.observe(spec_stats(1, 4, 3, [1, 1, 1, 0], num_running_reqs=1), num_generated=4)
         assert not caplog.records  # not yet
         now[0] = 10.0
-        stats_logger.observe(spec_stats(1, 4, 1, [1, 0, 0, 0], num_running_reqs=1, kv_cache_usage=0.5),
-                             num_generated=2)
+        stats_logger.observe(
+            spec_stats(1, 4, 1, [1, 0, 0, 0], num_running_reqs=1, kv_cache_usage=0.5), num_generated=2
+        )
     [record] = caplog.records
     line = record.getMessage()
     assert "running 1" in line and "KV cache 50.0%" in line and "generation 0.6 tokens/s" in line

@@ -4,6 +4,7 @@ Torch-free and fast: grammars are fixed token sequences (tests/engine_core/
 fake_grammar.py), compiles are held with an event and timeouts are driven
 by a fake clock, so nothing here sleeps.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -51,12 +52,15 @@ class MaskWorker(FakeWorker):
 def make_scheduler(num_blocks: int = 64, **config_kwargs) -> tuple[Scheduler, FakeBackend, Clock]:
     config = make_config(**config_kwargs)
     config = msgspec.structs.replace(
-        config, model=msgspec.structs.replace(config.model, vocab_size=VOCAB),
-        structured_outputs=msgspec.structs.replace(config.structured_outputs, compile_timeout=TIMEOUT_S))
+        config,
+        model=msgspec.structs.replace(config.model, vocab_size=VOCAB),
+        structured_outputs=msgspec.structs.replace(config.structured_outputs, compile_timeout=TIMEOUT_S),
+    )
     scheduler = Scheduler(config, num_blocks)
     backend, clock = FakeBackend(VOCAB, EOS), Clock()
     scheduler.structured_output_manager = StructuredOutputManager(
-        config, backend_factory=lambda: backend, clock=clock)
+        config, backend_factory=lambda: backend, clock=clock
+    )
     return scheduler, backend, clock
 
 
@@ -251,6 +255,8 @@ def test_a_compiled_request_goes_ahead_of_later_arrivals():
     compiled(constrained)
     step(scheduler, worker)
     assert [r.request_id for r in scheduler.waiting] == ["c", "late"]
+
+
 def test_a_compile_still_queued_times_out_and_never_runs():
     """Slow constraints fill every compile thread; one queued behind them
     fails once its timeout (from submission) passes, though it never started."""

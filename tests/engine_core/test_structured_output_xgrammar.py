@@ -1,4 +1,5 @@
 """The xgrammar backend on the default model's real vocabulary (no weights needed)."""
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,21 @@ def accepts(grammar, tokenizer, text: str) -> bool:
     return grammar.accept_tokens(ids) and grammar.accept_tokens([EOS]) and grammar.is_terminated()
 
 
-@pytest.mark.parametrize("kwargs, good, bad", [
-    ({"regex": r"\d{4}-\d{2}-\d{2}"}, "2024-01-31", "2024-1-31"),
-    ({"choice": ["Positive", "Negative"]}, "Negative", "Neutral"),
-    ({"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
-     '{"n": 42}', '{"n": "42"}'),
-    ({"json_object": True}, '{"any": [1, 2]}', "[1, 2]"),
-    ({"grammar": 'root ::= num ("+" num)*\nnum ::= [0-9]+'}, "12+3+45", "12++3"),
-    ({"grammar": 'start: NUM ("*" NUM)*\nNUM: /[0-9]+/'}, "6*7", "6*"),  # Lark
-])
+@pytest.mark.parametrize(
+    "kwargs, good, bad",
+    [
+        ({"regex": r"\d{4}-\d{2}-\d{2}"}, "2024-01-31", "2024-1-31"),
+        ({"choice": ["Positive", "Negative"]}, "Negative", "Neutral"),
+        (
+            {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+            '{"n": 42}',
+            '{"n": "42"}',
+        ),
+        ({"json_object": True}, '{"any": [1, 2]}', "[1, 2]"),
+        ({"grammar": 'root ::= num ("+" num)*\nnum ::= [0-9]+'}, "12+3+45", "12++3"),
+        ({"grammar": 'start: NUM ("*" NUM)*\nNUM: /[0-9]+/'}, "6*7", "6*"),  # Lark
+    ],
+)
 def test_each_kind_takes_good_text_and_refuses_bad(backend, tokenizer, kwargs, good, bad):
     assert accepts(matcher(backend, **kwargs), tokenizer, good)
     assert not accepts(matcher(backend, **kwargs), tokenizer, bad)
@@ -61,16 +68,22 @@ def test_each_kind_takes_good_text_and_refuses_bad(backend, tokenizer, kwargs, g
 
 def test_choices_with_quotes_newlines_and_unicode(backend, tokenizer):
     choices = ['say "hi"', "back\\slash", "two\nlines", "héllo wörld"]
-    assert choice_ebnf(["a\"b"]) == 'root ::= "a\\"b"'
+    assert choice_ebnf(['a"b']) == 'root ::= "a\\"b"'
     for choice in choices:
         assert accepts(matcher(backend, choice=choices), tokenizer, choice)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"regex": "[a-"}, "Invalid regex: Regex parsing error at position 4: Unclosed '['"),
-    ({"json": {"type": "foo"}}, 'Invalid json: Unsupported type "foo"'),
-    ({"grammar": "root ::= missing"}, 'Invalid grammar: EBNF parser error at line 1, column 10: Rule "missing" is not defined'),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"regex": "[a-"}, "Invalid regex: Regex parsing error at position 4: Unclosed '['"),
+        ({"json": {"type": "foo"}}, 'Invalid json: Unsupported type "foo"'),
+        (
+            {"grammar": "root ::= missing"},
+            'Invalid grammar: EBNF parser error at line 1, column 10: Rule "missing" is not defined',
+        ),
+    ],
+)
 def test_invalid_constraints_raise_clean_value_errors(backend, kwargs, message):
     with pytest.raises(ValueError) as info:
         backend.compile(StructuredOutputsParams(**kwargs))
@@ -118,12 +131,19 @@ def test_ids_past_the_tokenizer_are_never_allowed(default_model):
 
 def test_the_manager_compiles_on_its_pool_with_the_configured_tokenizer(default_model):
     config = make_config()
-    config = msgspec.structs.replace(config, model=msgspec.structs.replace(
-        config.model, tokenizer=str(default_model.hf_dir), vocab_size=VOCAB))
+    config = msgspec.structs.replace(
+        config,
+        model=msgspec.structs.replace(config.model, tokenizer=str(default_model.hf_dir), vocab_size=VOCAB),
+    )
     manager = StructuredOutputManager(config)
     try:
-        request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(
-            json=json.dumps({"type": "boolean"}))), 0.0, eos_token_id=EOS)
+        request = Request(
+            "r",
+            [1],
+            SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps({"type": "boolean"}))),
+            0.0,
+            eos_token_id=EOS,
+        )
         manager.add_request(request)
         request.structured_output.job.future.result(timeout=60)
         ready, failed, pending = manager.split_compiled([request])

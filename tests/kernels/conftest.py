@@ -6,6 +6,7 @@ modules beside it, so setting it here is early enough. Nothing outside the
 Triton backend imports ``kernels.*`` modules, so no earlier test can have
 imported them uninterpreted. An explicit ``TRITON_INTERPRET`` is respected.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,14 @@ def generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> None:
     """Max abs error within the dtype's bound times ``scale`` (the values' magnitude)."""
     error = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
-    assert error <= TOLERANCE[dtype] * scale, f"max abs error {error} > {TOLERANCE[dtype] * scale} for {dtype}"
+    assert error <= TOLERANCE[dtype] * scale, (
+        f"max abs error {error} > {TOLERANCE[dtype] * scale} for {dtype}"
+    )
 
 
 @pytest.fixture(scope="session")

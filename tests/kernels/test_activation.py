@@ -1,4 +1,5 @@
 """The SiLU-and-mul kernel against its twin."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The compiled CPU decode-attention kernel against its torch twin, and the cpu backend's selection."""
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,9 @@ def decode_case(gen, lens, num_heads, num_kv_heads, head_dim, dtype, num_tokens=
         table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
     cache = torch.randn(2, num_kv_heads, num_blocks, BS, head_dim, generator=gen).to(dtype)
     num_tokens = num_tokens or n
-    token_idx = torch.randperm(num_tokens, generator=gen)[:n].sort().values if num_tokens > n else torch.arange(n)
+    token_idx = (
+        torch.randperm(num_tokens, generator=gen)[:n].sort().values if num_tokens > n else torch.arange(n)
+    )
     # The query is a view into a wider projection, as the model's q is of its fused qkv.
     qkv = torch.randn(num_tokens, (num_heads + 2) * head_dim, generator=gen).to(dtype)
     query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
@@ -52,14 +55,20 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @needs_compiler
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim",
-    [(9, 3, 64), (4, 4, 128), (8, 2, 40)],  # SmolLM2's GQA; no grouping at 128; a size with no fixed-size path
+    [
+        (9, 3, 64),
+        (4, 4, 128),
+        (8, 2, 40),
+    ],  # SmolLM2's GQA; no grouping at 128; a size with no fixed-size path
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_the_torch_twin(num_heads, num_kv_heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(0)
     # Lengths at and around block edges, a single key, and one long sequence.
     lens = [1, 15, 16, 17, 32, 33, 5, 300, 2, 64]
-    query, cache, token_idx, seq_lens, table = decode_case(gen, lens, num_heads, num_kv_heads, head_dim, dtype)
+    query, cache, token_idx, seq_lens, table = decode_case(
+        gen, lens, num_heads, num_kv_heads, head_dim, dtype
+    )
     out = torch.zeros(query.shape, dtype=dtype)
     scale = head_dim**-0.5
     cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, scale, out)
@@ -82,7 +91,9 @@ def test_sliding_window_matches_the_torch_twin_and_reads_no_block_before_it(wind
     for i, length in enumerate(lens):
         poisoned[i, : max(0, length - window) // BS] = 0
     out = torch.zeros(query.shape, dtype=dtype)
-    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, poisoned, scale, out, window=window)
+    cpu_attention.paged_decode_attention(
+        query, cache, token_idx, seq_lens, poisoned, scale, out, window=window
+    )
     assert torch.isfinite(out).all()
     assert (out.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
     with pytest.raises(ValueError, match="window"):
@@ -92,11 +103,14 @@ def test_sliding_window_matches_the_torch_twin_and_reads_no_block_before_it(wind
 @needs_compiler
 def test_writes_only_the_rows_of_its_decodes():
     gen = torch.Generator().manual_seed(1)
-    query, cache, token_idx, seq_lens, table = decode_case(gen, [40, 3, 70], 6, 2, 64, torch.float32, num_tokens=9)
+    query, cache, token_idx, seq_lens, table = decode_case(
+        gen, [40, 3, 70], 6, 2, 64, torch.float32, num_tokens=9
+    )
     out = torch.full(query.shape, 7.0)
     cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
-    torch.testing.assert_close(out[token_idx], reference(query, cache, token_idx, seq_lens, table, 0.125),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out[token_idx], reference(query, cache, token_idx, seq_lens, table, 0.125), atol=2e-5, rtol=1e-5
+    )
     others = torch.ones(9, dtype=torch.bool)
     others[token_idx] = False
     assert torch.all(out[others] == 7.0)
@@ -110,7 +124,9 @@ def test_large_scores_keep_the_softmax_exact():
     query.mul_(40.0)
     out = torch.empty(query.shape)
     cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
-    torch.testing.assert_close(out, reference(query, cache, token_idx, seq_lens, table, 0.125), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference(query, cache, token_idx, seq_lens, table, 0.125), atol=2e-5, rtol=1e-5
+    )
     assert torch.isfinite(out).all()
 
 
@@ -149,8 +165,15 @@ def test_bad_arguments_get_a_clear_error(case):
     change, message = cases[case]
     args = good | change
     with pytest.raises(ValueError, match=message):
-        cpu_attention.paged_decode_attention(args["query"], args["kv_cache"], args["token_idx"], args["seq_lens"],
-                                             args["block_table"], 0.1, args["out"])
+        cpu_attention.paged_decode_attention(
+            args["query"],
+            args["kv_cache"],
+            args["token_idx"],
+            args["seq_lens"],
+            args["block_table"],
+            0.1,
+            args["out"],
+        )
 
 
 def test_cpu_backend_selection(monkeypatch, caplog):

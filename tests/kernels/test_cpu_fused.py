@@ -1,4 +1,5 @@
 """The compiled fused CPU kernels (RMSNorm + residual, RMSNorm, SiLU-and-mul, rotary) against their torch twins."""
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 ROWS = (1, 64, 301)
 
 
-def rows_view(gen, rows: int, cols: int, dtype: torch.dtype, strided: bool, scale: float = 1.0) -> torch.Tensor:
+def rows_view(
+    gen, rows: int, cols: int, dtype: torch.dtype, strided: bool, scale: float = 1.0
+) -> torch.Tensor:
     """[rows, cols]; strided: a column slice of a wider tensor, as q is of the fused qkv."""
     width = cols + 40 if strided else cols
     wide = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
@@ -111,8 +114,14 @@ def test_empty_batches_are_no_ops():
     [
         (lambda: (torch.zeros(4, 8), torch.zeros(4, 8), torch.ones(7)), "weight must be"),
         (lambda: (torch.zeros(4, 8), torch.zeros(3, 8), torch.ones(8)), "residual must be"),
-        (lambda: (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(8)), "residual must be"),
-        (lambda: (torch.zeros(4, 8, dtype=torch.float16),) * 2 + (torch.ones(8, dtype=torch.float16),), "x must be one of"),
+        (
+            lambda: (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(8)),
+            "residual must be",
+        ),
+        (
+            lambda: (torch.zeros(4, 8, dtype=torch.float16),) * 2 + (torch.ones(8, dtype=torch.float16),),
+            "x must be one of",
+        ),
         (lambda: (torch.zeros(8, 4).t(), torch.zeros(4, 8), torch.ones(8)), "x must be contiguous"),
         (lambda: (torch.zeros(4, 2, 4), torch.zeros(4, 2, 4), torch.ones(4)), r"x must be \[T, N\]"),
     ],
@@ -197,7 +206,10 @@ def test_cpu_layers_with_and_without_the_fused_path_agree(generator, close, monk
     torch_norm, torch_rotary, torch_act = _layers(monkeypatch, "0", dtype)
     assert (fused_norm._cpu_fused, fused_rotary._cpu_fused, fused_act._cpu_fused) == (True, True, True)
     assert (torch_norm._cpu_fused, torch_rotary._cpu_fused, torch_act._cpu_fused) == (False, False, False)
-    x, residual = torch.randn(5, 576, generator=generator).to(dtype), torch.randn(5, 576, generator=generator).to(dtype)
+    x, residual = (
+        torch.randn(5, 576, generator=generator).to(dtype),
+        torch.randn(5, 576, generator=generator).to(dtype),
+    )
     expected_out, expected_residual = torch_norm(x.clone(), residual.clone())
     out, new_residual = fused_norm(x.clone(), residual.clone())
     close(out, expected_out, dtype, scale=4.0)

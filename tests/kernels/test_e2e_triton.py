@@ -3,6 +3,7 @@
 A step budget of 8 tokens splits the prompts into chunks, so the steps mix
 a prefill chunk over cached context with decodes, as serving does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,14 @@ import kernels.paged_attention
 from protocol import SamplingParams
 from services.llm import LLM
 
-ENGINE = dict(num_threads=1, dtype="float32", max_model_len=128, num_gpu_blocks_override=32,
-              max_num_seqs=4, max_num_batched_tokens=8)
+ENGINE = dict(
+    num_threads=1,
+    dtype="float32",
+    max_model_len=128,
+    num_gpu_blocks_override=32,
+    max_num_seqs=4,
+    max_num_batched_tokens=8,
+)
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
@@ -32,7 +39,11 @@ def test_triton_backend_gives_the_torch_greedy_tokens(monkeypatch, device):
     expected = greedy_tokens(monkeypatch, "torch", device)
     calls = []
     kernel = kernels.paged_attention.paged_attention
-    monkeypatch.setattr(kernels.paged_attention, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(
+        kernels.paged_attention, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
     assert greedy_tokens(monkeypatch, "triton", device) == expected
-    assert len(calls) >= 30 * 2  # every layer of every eager step ran the kernel (graph replays call no Python)
+    assert (
+        len(calls) >= 30 * 2
+    )  # every layer of every eager step ran the kernel (graph replays call no Python)
     assert all(len(tokens) == 3 for tokens in expected)

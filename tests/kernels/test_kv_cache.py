@@ -1,4 +1,5 @@
 """The KV cache write kernel against its twin: out-of-order slots, skipped tokens, strided inputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,8 @@ def test_refuses_mismatched_shapes(device):
     cache = torch.zeros(2, 2, 4, 16, 64, device=device)
     key = torch.zeros(3, 2, 64, device=device)
     with pytest.raises(ValueError, match="match"):
-        write_kv_cache(key, torch.zeros(3, 1, 64, device=device), cache, torch.zeros(3, dtype=torch.long, device=device))
+        write_kv_cache(
+            key, torch.zeros(3, 1, 64, device=device), cache, torch.zeros(3, dtype=torch.long, device=device)
+        )
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_cache(key, key, cache, torch.zeros(2, dtype=torch.long, device=device))

@@ -1,4 +1,5 @@
 """The paged attention kernel against its torch twin on small mixed batches."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,12 +45,16 @@ def make_batch(reqs, *, num_heads, head_dim, block_size, dtype, gen, pool_blocks
         seq_len = req.context + req.new
         shared = []
         if req.shares_prefix_of is not None:  # only full blocks are shared
-            shared = tables[req.shares_prefix_of][: min(seq_lens[req.shares_prefix_of], req.context) // block_size]
+            shared = tables[req.shares_prefix_of][
+                : min(seq_lens[req.shares_prefix_of], req.context) // block_size
+            ]
         blocks = shared + [order.pop() for _ in range(-(-seq_len // block_size) - len(shared))]
         tables.append(blocks)
         seq_lens.append(seq_len)
         for pos in range(len(shared) * block_size, seq_len):
-            cache[:, :, blocks[pos // block_size], pos % block_size] = torch.randn(2, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+            cache[:, :, blocks[pos // block_size], pos % block_size] = torch.randn(
+                2, NUM_KV_HEADS, head_dim, generator=gen
+            ).to(dtype)
     width = max(len(t) for t in tables) + 1  # a spare column: rows are padded with the null block
     block_table = torch.zeros(len(reqs), width, dtype=torch.int32)
     for i, t in enumerate(tables):
@@ -58,8 +63,13 @@ def make_batch(reqs, *, num_heads, head_dim, block_size, dtype, gen, pool_blocks
     query_start = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]).int()
     query = torch.randn(int(query_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
     return dict(
-        query=query, kv_cache=cache, query_start_loc=query_start, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table, scale=head_dim**-0.5, max_query_len=int(query_lens.max()),
+        query=query,
+        kv_cache=cache,
+        query_start_loc=query_start,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        scale=head_dim**-0.5,
+        max_query_len=int(query_lens.max()),
     )
 
 
@@ -73,8 +83,14 @@ def run_both(batch, device, **kernel_kwargs):
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
 def test_mixed_batch_matches_twin(gqa, block_size, head_dim, dtype, device, generator, close):
-    batch = make_batch(MIXED, num_heads=NUM_KV_HEADS * gqa, head_dim=head_dim, block_size=block_size,
-                       dtype=dtype, gen=generator)
+    batch = make_batch(
+        MIXED,
+        num_heads=NUM_KV_HEADS * gqa,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        gen=generator,
+    )
     out, expected = run_both(batch, device)
     assert torch.isfinite(out).all()  # the NaN in unused slots never leaks in
     close(out, expected, dtype)
@@ -101,17 +117,25 @@ def test_long_decode_split_over_keys(num_kv_splits, dtype, device, generator, cl
 
 
 def test_writes_into_out_and_handles_an_empty_batch(device, generator, close):
-    batch = make_batch([Req(context=10, new=3)], num_heads=4, head_dim=64, block_size=16, dtype=torch.float32, gen=generator)
+    batch = make_batch(
+        [Req(context=10, new=3)], num_heads=4, head_dim=64, block_size=16, dtype=torch.float32, gen=generator
+    )
     out = torch.empty_like(batch["query"]).to(device)
     on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     assert paged_attention(**on_device, out=out) is out
     close(out, paged_attention_ref(**batch), torch.float32)
-    empty = {**on_device, "query": on_device["query"][:0], "query_start_loc": torch.zeros(2, dtype=torch.int32, device=device)}
+    empty = {
+        **on_device,
+        "query": on_device["query"][:0],
+        "query_start_loc": torch.zeros(2, dtype=torch.int32, device=device),
+    }
     assert paged_attention(**empty).shape == (0, 4, 64)
 
 
 def test_refuses_bad_arguments(generator):
-    batch = make_batch([Req(context=10, new=3)], num_heads=4, head_dim=64, block_size=16, dtype=torch.float32, gen=generator)
+    batch = make_batch(
+        [Req(context=10, new=3)], num_heads=4, head_dim=64, block_size=16, dtype=torch.float32, gen=generator
+    )
     with pytest.raises(ValueError, match="int32"):
         paged_attention(**{**batch, "seq_lens": batch["seq_lens"].long()})
     with pytest.raises(ValueError, match="multiple of KV heads"):

@@ -4,6 +4,7 @@ The rebuilt weights must equal the twin's exactly (the same fp32 products);
 the matmul may differ only by the order of fp32 sums: within 1e-5 of the
 largest output for K = 576.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,9 @@ def test_quant_linear_matches_the_twin(layout, group, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     expected = quant_linear_ref(x, q, s, m, group)
     actual = cpu_quant_linear.quant_linear(x, q, s, m, group)
-    torch.testing.assert_close(actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max()))
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
 
 
 @pytest.mark.parametrize("layout,group", LAYOUTS)

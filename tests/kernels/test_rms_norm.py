@@ -1,4 +1,5 @@
 """The RMSNorm kernel, plain and fused with the residual add, against its twin."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The neox rotary kernel against its twin, in place on slices of a fused QKV output."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,5 +41,11 @@ def test_twin_agrees_with_the_layer(generator):
 def test_refuses_an_odd_head_dim(device):
     table = torch.zeros(8, 6, device=device)
     with pytest.raises(ValueError, match="even"):
-        rotary_embedding(torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, 10, device=device),
-                         torch.zeros(1, 5, device=device), table, table, 5)
+        rotary_embedding(
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(1, 10, device=device),
+            torch.zeros(1, 5, device=device),
+            table,
+            table,
+            5,
+        )

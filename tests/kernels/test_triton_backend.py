@@ -1,4 +1,5 @@
 """The Triton backend inside the model's layers, against the torch backend on the same step."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,13 @@ def step_inputs(gen):
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
     rows = np.repeat(np.arange(3), query_lens)
     slot_mapping = block_table[rows, positions // BS].astype(np.int64) * BS + positions % BS
-    return dict(query_lens=query_lens, context_lens=context_lens, block_table=block_table,
-                slot_mapping=slot_mapping, block_size=BS), tables
+    return dict(
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        block_size=BS,
+    ), tables
 
 
 def test_attention_layer_backends_agree(generator, close, device):
@@ -41,8 +47,12 @@ def test_attention_layer_backends_agree(generator, close, device):
     for blocks, context in zip(tables, inputs["context_lens"]):  # the cached contexts
         if context:
             slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(context)])
-            write_kv(cache, torch.randn(context, KVH, D, generator=generator),
-                     torch.randn(context, KVH, D, generator=generator), slots)
+            write_kv(
+                cache,
+                torch.randn(context, KVH, D, generator=generator),
+                torch.randn(context, KVH, D, generator=generator),
+                slots,
+            )
     num_tokens = int(inputs["query_lens"].sum())
     qkv = torch.randn(num_tokens, (H + 2 * KVH) * D, generator=generator).to(device)
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
@@ -57,12 +67,21 @@ def test_attention_layer_backends_agree(generator, close, device):
 
 
 def test_norm_rotary_and_gate_follow_the_backend(generator, close, device):
-    meta = build_triton_metadata(query_lens=np.array([4]), context_lens=np.array([0]), device=device,
-                                 block_table=np.zeros((1, 1), np.int32), slot_mapping=np.arange(4), block_size=BS)
+    meta = build_triton_metadata(
+        query_lens=np.array([4]),
+        context_lens=np.array([0]),
+        device=device,
+        block_table=np.zeros((1, 1), np.int32),
+        slot_mapping=np.arange(4),
+        block_size=BS,
+    )
     norm, rotary = RMSNorm(96, 1e-5), RotaryEmbedding(D, 64, 10000.0)
     norm.weight.data.normal_(1.0, 0.3, generator=generator)
     norm, rotary = norm.to(device), rotary.to(device)
-    x, residual = torch.randn(4, 96, generator=generator).to(device), torch.randn(4, 96, generator=generator).to(device)
+    x, residual = (
+        torch.randn(4, 96, generator=generator).to(device),
+        torch.randn(4, 96, generator=generator).to(device),
+    )
     positions = torch.tensor([0, 1, 2, 40], device=device)
     qk = torch.randn(4, (H + KVH) * D, generator=generator).to(device)
     results = {}

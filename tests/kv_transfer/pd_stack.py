@@ -7,6 +7,7 @@ keyed MAC on every block) and the proxy's secret (the servers accept
 ``kv_transfer_params`` from it only). Used by the
 end-to-end tests; every process runs in its own session and is killed, with
 its children, on close."""
+
 from __future__ import annotations
 
 import json
@@ -27,19 +28,33 @@ from tests.polling import wait_for, wait_healthy
 
 MODEL = resolve(None)
 STARTUP_DEADLINE_S = 300.0  # two model loads on two shared cores
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "128",
-               "--max-num-batched-tokens", "256", "--num-threads", "1"]
+ENGINE_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--num-gpu-blocks-override",
+    "128",
+    "--max-num-batched-tokens",
+    "256",
+    "--num-threads",
+    "1",
+]
 # Short, so the tests of a dead service spend seconds, not minutes, in fallbacks.
 TRANSFER_TIMEOUT_S = 2.0
-
 
 
 def kv_transfer_config(connector: str, role: str, kv_port: int, storage: Path, keys: Path) -> dict:
     extra = {"timeout_s": TRANSFER_TIMEOUT_S, "keys_dir": str(keys)}
     if connector == "SharedStorageConnector":
         extra["shared_storage_path"] = str(storage)
-    return {"kv_connector": connector, "kv_role": role, "kv_ip": "127.0.0.1", "kv_port": kv_port,
-            "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": connector,
+        "kv_role": role,
+        "kv_ip": "127.0.0.1",
+        "kv_port": kv_port,
+        "kv_connector_extra_config": extra,
+    }
 
 
 class PDStack:
@@ -63,36 +78,80 @@ class PDStack:
         self.decode_url = self._serve("decode", "kv_consumer")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._start("proxy", ["pd-proxy", "--prefill", self.prefill_url, "--decode", self.decode_url,
-                              "--host", "127.0.0.1", "--port", str(port),
-                              "--kv-transfer-secret-file", str(self.secret_file)])
+        self._start(
+            "proxy",
+            [
+                "pd-proxy",
+                "--prefill",
+                self.prefill_url,
+                "--decode",
+                self.decode_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--kv-transfer-secret-file",
+                str(self.secret_file),
+            ],
+        )
 
     def start_kv_transfer(self) -> None:
         """The kv_transfer service, on the port the servers' connectors know (again, after ``stop``)."""
-        self._start("kv-transfer", ["kv-transfer", "--host", "127.0.0.1", "--port", str(self.kv_port),
-                                    "--zmq-curve-keys", str(self.keys)])
+        self._start(
+            "kv-transfer",
+            [
+                "kv-transfer",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.kv_port),
+                "--zmq-curve-keys",
+                str(self.keys),
+            ],
+        )
 
     def _serve(self, name: str, role: str) -> str:
         port = free_port()
         config = kv_transfer_config(self.connector, role, self.kv_port, self.storage, self.keys)
-        self._start(name, ["serve", "--model", str(MODEL.weights), "--host", "127.0.0.1", "--port", str(port),
-                           "--kv-transfer-config", json.dumps(config),
-                           "--kv-transfer-secret-file", str(self.secret_file), *self.engine_args])
+        self._start(
+            name,
+            [
+                "serve",
+                "--model",
+                str(MODEL.weights),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--kv-transfer-config",
+                json.dumps(config),
+                "--kv-transfer-secret-file",
+                str(self.secret_file),
+                *self.engine_args,
+            ],
+        )
         return f"http://127.0.0.1:{port}"
 
     def _start(self, name: str, weft_argv: list[str]) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps it open
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *weft_argv], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env=env)
+                [sys.executable, "-m", "services.cli", *weft_argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def wait_healthy(self) -> None:
         """Until the proxy reports both servers healthy (polling, with a deadline)."""
+
         def alive() -> None:
             exited = [name for name, p in self.processes.items() if p.poll() is not None]
             assert not exited, f"{exited} exited during start-up:\n{self.logs()}"
@@ -123,15 +182,22 @@ class PDStack:
 
     def wait_until_idle(self, deadline_s: float = 30.0) -> None:
         """Both servers run nothing and have every KV block free (producers free after the save)."""
+
         def idle() -> bool:
             ranks = [r for url in (self.prefill_url, self.decode_url) for r in self.ranks(url)]
-            return all(r["num_running"] == 0 and r["num_waiting"] == 0
-                       and r["num_free_blocks"] == r["num_blocks"] - 1 for r in ranks)
+            return all(
+                r["num_running"] == 0
+                and r["num_waiting"] == 0
+                and r["num_free_blocks"] == r["num_blocks"] - 1
+                for r in ranks
+            )
 
         try:
             wait_for(idle, deadline_s, "both servers idle with every KV block free")
         except AssertionError as e:
-            raise AssertionError(f"{e}: {[self.ranks(u) for u in (self.prefill_url, self.decode_url)]}") from None
+            raise AssertionError(
+                f"{e}: {[self.ranks(u) for u in (self.prefill_url, self.decode_url)]}"
+            ) from None
 
     def counter(self, url: str, name: str) -> float:
         """A counter of a server's /metrics, summed over its labels."""

@@ -1,6 +1,7 @@
 """docker-compose.yml's ``pd`` profile: four services outside the default
 ``docker compose up``, whose commands are real invocations of our CLIs and
 agree on hosts, ports and roles (parsed only; nothing starts)."""
+
 from __future__ import annotations
 
 import subprocess

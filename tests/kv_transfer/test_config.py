@@ -1,4 +1,5 @@
 """``--kv-transfer-config``: parsing, validation, and where it may be given."""
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,31 @@ def test_json_and_dicts_resolve_to_the_same_frozen_config():
     from_json = resolve_kv_transfer_config(json.dumps(ZMQ))
     assert from_json == resolve_kv_transfer_config(ZMQ)
     assert (from_json.kv_ip, from_json.kv_port, from_json.is_consumer, from_json.is_producer) == (
-        "127.0.0.1", 15000, True, False)
+        "127.0.0.1",
+        15000,
+        True,
+        False,
+    )
     assert resolve_kv_transfer_config(None) is None and resolve_kv_transfer_config("") is None
 
 
-@pytest.mark.parametrize("value, message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    ({"kv_role": "kv_producer"}, "needs kv_connector"),
-    ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, "one of SharedStorageConnector, ZmqConnector"),
-    ({"kv_connector": "ZmqConnector", "kv_role": "prefill"}, "kv_role"),
-    ({"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 0}, "kv_port"),
-    ({**ZMQ, "kv_buffer_device": "cuda"}, "kv_buffer_device"),
-    ({**ZMQ, "kv_connector_extra_config": {"shared_storage_path": "/x"}}, "shared_storage_path"),
-    ({**ZMQ, "kv_connector_extra_config": {"timeout_s": -1}}, "timeout_s"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ({"kv_role": "kv_producer"}, "needs kv_connector"),
+        (
+            {"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+            "one of SharedStorageConnector, ZmqConnector",
+        ),
+        ({"kv_connector": "ZmqConnector", "kv_role": "prefill"}, "kv_role"),
+        ({"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 0}, "kv_port"),
+        ({**ZMQ, "kv_buffer_device": "cuda"}, "kv_buffer_device"),
+        ({**ZMQ, "kv_connector_extra_config": {"shared_storage_path": "/x"}}, "shared_storage_path"),
+        ({**ZMQ, "kv_connector_extra_config": {"timeout_s": -1}}, "timeout_s"),
+    ],
+)
 def test_bad_configs_say_what_is_wrong(value, message):
     with pytest.raises(ValueError, match=message):
         resolve_kv_transfer_config(value)
@@ -67,8 +78,17 @@ def test_the_serve_flag_is_generated_from_the_engine_args():
 
 
 def test_engine_core_takes_it_and_passes_it_to_each_engine_process():
-    argv = ["--headless", "--data-parallel-size", "1", "--data-parallel-address", "h",
-            "--data-parallel-rpc-port", "1", "--kv-transfer-config", json.dumps(ZMQ)]
+    argv = [
+        "--headless",
+        "--data-parallel-size",
+        "1",
+        "--data-parallel-address",
+        "h",
+        "--data-parallel-rpc-port",
+        "1",
+        "--kv-transfer-config",
+        json.dumps(ZMQ),
+    ]
     args = engine_core_args(argv)
     command = engine_args(args, 0, "tcp://h:1").to_argv()
     assert command[command.index("--kv-transfer-config") + 1] == json.dumps(ZMQ)
@@ -81,7 +101,6 @@ def test_an_engine_core_override_replaces_the_apis_choice():
     engine_config = with_kv_transfer_config(api_config, json.dumps(ZMQ))
     assert engine_config.kv_transfer.kv_role == "kv_consumer"
     assert with_kv_transfer_config(api_config, None) is api_config
-
 
 
 def test_the_curve_keys_folder_secures_the_kv_transfer_unless_it_names_its_own():

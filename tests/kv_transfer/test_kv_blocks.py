@@ -1,4 +1,5 @@
 """Whole blocks out of and into the paged KV cache, and their wire form."""
+
 from __future__ import annotations
 
 import pytest

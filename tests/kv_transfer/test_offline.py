@@ -3,6 +3,7 @@ blocks to a shared folder, and a consumer engine built afterwards (another
 engine, another KV cache) finds and loads them instead of computing them,
 with the same greedy outputs. A producer computes like any engine, so its own
 outputs are the ordinary ones."""
+
 from __future__ import annotations
 
 from protocol import SamplingParams
@@ -13,8 +14,11 @@ ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, ma
 
 
 def shared_storage(role: str, path) -> dict:
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
 
 
 def test_a_consumer_llm_loads_what_a_producer_llm_saved(tmp_path):
@@ -24,7 +28,9 @@ def test_a_consumer_llm_loads_what_a_producer_llm_saved(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0.0)
     producer = LLM(model, **ENGINE, kv_transfer_config=shared_storage("kv_producer", tmp_path))
     try:
-        prompts = [{"prompt_token_ids": prompt_of_length(producer.tokenizer, n, offset=7 * n)} for n in (50, 83)]
+        prompts = [
+            {"prompt_token_ids": prompt_of_length(producer.tokenizer, n, offset=7 * n)} for n in (50, 83)
+        ]
         expected = producer.generate(prompts, params, use_tqdm=False)
         # generate() returns once the saves are done and the held blocks are back.
         assert producer.engine.scheduler.kv_cache_manager.all_blocks_free()

@@ -3,6 +3,7 @@ folder; an attacker who can write to the folder but lacks the key replaces
 one block of a saved prompt with KV of its own (a valid file, the right name,
 a MAC made with another key). The consumer engine refuses it, computes that
 block and the rest itself, and its greedy output equals the producer's."""
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,21 @@ from services.kv_transfer.shared_storage import FileBlockStore
 from services.model_files import resolve
 from tests.text_corpus import prompt_of_length
 
-ENGINE = {"dtype": "float32", "max_model_len": 256, "num_gpu_blocks_override": 64,
-          "max_num_batched_tokens": 256}
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "num_gpu_blocks_override": 64,
+    "max_num_batched_tokens": 256,
+}
 BS = 16
 
 
 def shared_storage(role: str, path, keys) -> dict:
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(path), "keys_dir": str(keys)}}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(path), "keys_dir": str(keys)},
+    }
 
 
 def forge(store: FileBlockStore, key: bytes) -> None:

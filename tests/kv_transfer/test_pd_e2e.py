@@ -15,6 +15,7 @@ kv_transfer service for the ZmqConnector), against a single ordinary engine.
 Prompts differ between requests, so no request gets local prefix hits from
 another, and every count below is exact.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -90,12 +91,14 @@ def test_greedy_outputs_equal_an_ordinary_engine(stack, client, oracle):
     transferred = 0
     for i, prompt in enumerate(prompts):
         if i == 1:  # one of them streamed
-            stream = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                               temperature=0, stream=True)
+            stream = client.completions.create(
+                model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
             text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         else:
-            response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                 temperature=0)
+            response = client.completions.create(
+                model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            )
             text = response.choices[0].text
             # The decode server found the prompt's KV already computed.
             assert response.usage.prompt_tokens_details.cached_tokens == transferable(len(prompt))
@@ -106,8 +109,9 @@ def test_greedy_outputs_equal_an_ordinary_engine(stack, client, oracle):
 
 def test_chat_streams_through_the_proxy(stack, client, oracle):
     messages = [{"role": "user", "content": " ".join(["Tell me about lighthouses and their keepers."] * 6)}]
-    stream = client.chat.completions.create(model=MODEL.name, messages=messages, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     assert text == oracle.chat(messages, params, use_tqdm=False)[0].outputs[0].text
@@ -116,16 +120,23 @@ def test_chat_streams_through_the_proxy(stack, client, oracle):
 def test_a_damaged_block_is_recomputed(stack, oracle):
     prompt = fresh_prompt(oracle, 70)  # 4 transferable blocks
     hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
-    body = {"model": MODEL.name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    prefill = httpx.post(stack.prefill_url + "/v1/completions", json=body, headers=stack.trusted,
-                         timeout=120).json()
+    body = {
+        "model": MODEL.name,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    prefill = httpx.post(
+        stack.prefill_url + "/v1/completions", json=body, headers=stack.trusted, timeout=120
+    ).json()
     params = prefill["kv_transfer_params"]
     assert params == {"do_remote_prefill": True, "remote_num_tokens": 64}
     damage_block(stack, prompt, index=2)
     body.update(max_tokens=MAX_TOKENS, kv_transfer_params=params)
-    decoded = httpx.post(stack.decode_url + "/v1/completions", json=body, headers=stack.trusted,
-                         timeout=120).json()
+    decoded = httpx.post(
+        stack.decode_url + "/v1/completions", json=body, headers=stack.trusted, timeout=120
+    ).json()
     assert decoded["choices"][0]["text"] == expected_text(oracle, prompt)
     # Blocks 0 and 1 were loaded; block 2 failed its check, so it and block 3 were computed.
     assert stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before == 2 * BS
@@ -137,8 +148,9 @@ def damage_block(stack: PDStack, prompt: list[int], index: int) -> None:
     request = Request("probe", prompt, SamplingParams(), 0.0, block_hasher=make_block_hasher(BS))
     key = block_namespace(config) + request.block_hashes[index]
     if stack.connector == "ZmqConnector":
-        store = ZmqBlockStore(f"tcp://127.0.0.1:{stack.kv_port}", timeout_s=10,
-                              curve=engine_curve_keys(stack.keys))
+        store = ZmqBlockStore(
+            f"tcp://127.0.0.1:{stack.kv_port}", timeout_s=10, curve=engine_curve_keys(stack.keys)
+        )
         try:
             block = store.get([key], wait_s=30)[key]
             data = block.data.copy()
@@ -172,8 +184,9 @@ def test_a_lost_transfer_path_costs_only_speed(stack, client, oracle):
     try:
         hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
         prompt = fresh_prompt(oracle, 90)
-        response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0)
+        response = client.completions.create(
+            model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert response.choices[0].text == expected_text(oracle, prompt)
         assert stack.counter(stack.decode_url, EXTERNAL_HITS) == hits_before  # everything was computed
         # The decode server keeps serving, and nothing is left held anywhere.
@@ -183,7 +196,9 @@ def test_a_lost_transfer_path_costs_only_speed(stack, client, oracle):
         restore_transfer_path(stack)
     prompt = fresh_prompt(oracle, 60)
     hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
-    response = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    response = client.completions.create(
+        model=MODEL.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert response.choices[0].text == expected_text(oracle, prompt)
     assert stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before == transferable(len(prompt))
 

@@ -1,5 +1,6 @@
 """The P/D proxy against stand-in servers (in-process ASGI, no engines):
 what each leg is sent, what the client gets back, and the fallbacks."""
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,14 @@ class Servers:
         self.calls: list[tuple[str, str, dict, dict]] = []
         self.prefill_status = 200
         self.dead = set()  # hosts that refuse connections
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.generate, methods=["POST"]),
-            Route("/v1/chat/completions", self.generate, methods=["POST"]),
-            Route("/health", lambda r: JSONResponse({}, 200 if r.url.hostname != "decode-1" else 503)),
-            Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "m"}]})),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                Route("/health", lambda r: JSONResponse({}, 200 if r.url.hostname != "decode-1" else 503)),
+                Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "m"}]})),
+            ]
+        )
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
@@ -64,18 +67,28 @@ def servers():
 @pytest.fixture
 async def client(servers):
     upstream = httpx.AsyncClient(transport=servers.transport())
-    proxy = PDProxy(BackendPool(["http://prefill-0", "http://prefill-1"], "round_robin"),
-                    BackendPool(["http://decode-0"], "round_robin"), upstream)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(proxy)),
-                                 base_url="http://proxy") as front:
+    proxy = PDProxy(
+        BackendPool(["http://prefill-0", "http://prefill-1"], "round_robin"),
+        BackendPool(["http://decode-0"], "round_robin"),
+        upstream,
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=build_app(proxy)), base_url="http://proxy"
+    ) as front:
         front.proxy = proxy
         yield front
     await upstream.aclose()
 
 
 async def test_prefill_gets_one_token_and_decode_gets_its_params(client, servers):
-    body = {"prompt": "hello", "max_tokens": 20, "n": 2, "min_tokens": 3, "stream_options": {"include_usage": True},
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_num_tokens": 999}}
+    body = {
+        "prompt": "hello",
+        "max_tokens": 20,
+        "n": 2,
+        "min_tokens": 3,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_num_tokens": 999},
+    }
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200 and response.json()["got"] == PARAMS
     (p_host, _, p_body, p_headers), (d_host, _, d_body, d_headers) = servers.calls
@@ -135,7 +148,11 @@ async def test_bad_bodies_are_refused_before_any_leg(client, servers):
 async def test_prefill_servers_take_turns(client, servers):
     for _ in range(3):
         await client.post("/v1/completions", json={"prompt": "x"})
-    assert [c[0] for c in servers.calls if c[0].startswith("prefill")] == ["prefill-0", "prefill-1", "prefill-0"]
+    assert [c[0] for c in servers.calls if c[0].startswith("prefill")] == [
+        "prefill-0",
+        "prefill-1",
+        "prefill-0",
+    ]
 
 
 async def test_health_and_models(client, servers):
@@ -164,7 +181,18 @@ def test_least_loaded_picks_the_idlest_server():
 def test_prefill_body_and_cli():
     assert prefill_body({"messages": [], "max_tokens": 5})["max_tokens"] == 1
     assert "best_of" not in prefill_body({"prompt": "x", "n": 2, "best_of": 2})  # it must equal n, now 1
-    args = build_parser().parse_args(["--prefill", "http://p:1", "--decode", "http://d:1", "http://d:2",
-                                      "--port", "9000", "--policy", "least_loaded"])
+    args = build_parser().parse_args(
+        [
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:1",
+            "http://d:2",
+            "--port",
+            "9000",
+            "--policy",
+            "least_loaded",
+        ]
+    )
     assert args.decode == ["http://d:1", "http://d:2"] and args.port == 9000
     assert json.loads(json.dumps(prefill_body({"n": 3})))["n"] == 1

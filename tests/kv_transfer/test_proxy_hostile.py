@@ -1,6 +1,7 @@
 """The P/D proxy as the public front, under hostile or careless clients and
 stuck servers: oversize bodies, smuggled trust headers, clients that leave
 mid-request, servers that accept a connection and never answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,12 @@ class Servers:
 
 def make_proxy(servers: Servers, **kwargs) -> PDProxy:
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(app=servers.app))
-    return PDProxy(BackendPool(["http://prefill-0"], "round_robin"),
-                   BackendPool(["http://decode-0"], "round_robin"), upstream, **kwargs)
+    return PDProxy(
+        BackendPool(["http://prefill-0"], "round_robin"),
+        BackendPool(["http://decode-0"], "round_robin"),
+        upstream,
+        **kwargs,
+    )
 
 
 async def post(proxy: PDProxy, body: bytes, headers: dict | None = None) -> httpx.Response:
@@ -97,10 +102,20 @@ async def _call_and_leave(proxy: PDProxy, servers: Servers, role: str) -> list[d
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("proxy", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("proxy", 80),
+    }
     call = asyncio.ensure_future(build_app(proxy)(scope, receive, send))
     await wait_until(lambda: role in servers.started, 10, f"the {role} server to start")
     left.set()

@@ -3,6 +3,7 @@ transfer threads: a keyless or stranger peer on the kv_transfer service, a
 forged block under a real key, blocks of another checkpoint with the same
 file name, a storage folder planted by another user, a FIFO named like a
 block, and floods of parked gets or tiny blocks."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,9 @@ def keys(tmp_path):
 
 class CurveService:
     def __init__(self, keys, max_bytes: int = 1 << 24) -> None:
-        self.service = KVTransferService(tcp_address("127.0.0.1", 0, bind=True), max_bytes,
-                                         curve=service_curve_keys(keys))
+        self.service = KVTransferService(
+            tcp_address("127.0.0.1", 0, bind=True), max_bytes, curve=service_curve_keys(keys)
+        )
         self.address = self.service.address
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.serve, args=(self.stop,), daemon=True)
@@ -253,8 +255,10 @@ def test_parked_gets_are_bounded_in_number_and_wait(keys, curve_service):
         while (reply := recv(sock, decoder)[1]).seq != 10_000:
             assert sock.poll(10_000)
         assert len(curve_service.service._parked) == MAX_PARKED_GETS
-        assert max(p.deadline for p in curve_service.service._parked) \
+        assert (
+            max(p.deadline for p in curve_service.service._parked)
             <= min(p.deadline for p in curve_service.service._parked) + MAX_WAIT_MS / 1000
+        )
         assert curve_service.service.num_refused_gets == 10
     finally:
         sock.close(linger=0)
@@ -266,7 +270,7 @@ def test_the_memory_cap_counts_every_entry_not_only_its_bytes(keys):
     client = ZmqBlockStore(running.address, timeout_s=10.0, curve=engine_curve_keys(keys))
     try:
         for lo in range(0, len(tiny), 1000):
-            client.put(tiny[lo:lo + 1000])
+            client.put(tiny[lo : lo + 1000])
         stats = client.stats()
         assert stats.num_blocks == 100 and stats.num_bytes <= stats.max_bytes
         assert stats.num_evicted == len(tiny) - 100

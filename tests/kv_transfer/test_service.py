@@ -1,5 +1,6 @@
 """The kv_transfer service and its ZMQ client: put/get, waiting gets, LRU
 under the memory cap, malformed frames, and a dead service."""
+
 from __future__ import annotations
 
 import threading
@@ -16,8 +17,11 @@ from services.kv_transfer.zmq_connector import ServiceDownError, ZmqBlockStore
 
 
 def block(key: bytes, nbytes: int = 1024, fill: int | None = None) -> KVBlock:
-    data = np.full(nbytes, fill, np.uint8) if fill is not None else np.random.default_rng(0).integers(
-        0, 256, nbytes, dtype=np.uint8)
+    data = (
+        np.full(nbytes, fill, np.uint8)
+        if fill is not None
+        else np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    )
     return KVBlock(key=key, dtype="float32", shape=[nbytes // 4], checksum=checksum(data), data=data)
 
 
@@ -89,7 +93,11 @@ def test_put_then_get_returns_the_same_bytes(client):
         assert is_intact(got, "float32", [1024])
     stats = client.stats()
     assert (stats.num_blocks, stats.num_bytes, stats.num_hits, stats.num_misses) == (
-        3, sum(map(entry_size, blocks)), 3, 1)
+        3,
+        sum(map(entry_size, blocks)),
+        3,
+        1,
+    )
 
 
 def test_a_get_waits_for_blocks_put_after_it(service, client):

@@ -1,5 +1,6 @@
 """The worker's transfer thread over both stores: save on one cache, load
 into another, and a damaged or missing block cuts the load short."""
+
 from __future__ import annotations
 
 import pytest
@@ -125,8 +126,9 @@ def test_a_load_waiting_for_blocks_does_not_hold_up_the_others(make_store):
     """Two transfer threads: a load whose blocks never come waits out its time
     on one, while a load of blocks that are there finishes on the other."""
     producer = TransferThread(make_store(), PagedKVBlocks(caches(seed=1)), key_of)
-    consumer = TransferThread(make_store(), PagedKVBlocks(caches(seed=2)), key_of, make_store=make_store,
-                              max_concurrent=2)
+    consumer = TransferThread(
+        make_store(), PagedKVBlocks(caches(seed=2)), key_of, make_store=make_store, max_concurrent=2
+    )
     try:
         run(producer, "save", KVBlockTransfer("p", [1], HASHES[:1]))
         consumer.submit("load", KVBlockTransfer("stuck", [2], HASHES[4:5], wait_s=5.0))  # never saved

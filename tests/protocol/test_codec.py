@@ -1,5 +1,6 @@
 """The wire codec: round trips of every protocol Struct, arrays as frames,
 and one clean DecodeError for anything malformed."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,60 +44,95 @@ def _logprobs(token: int) -> TokenLogprobs:
 
 def _engine_core_request() -> EngineCoreRequest:
     params = SamplingParams(
-        n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, max_tokens=32,
-        min_tokens=4, stop=["\n\n", "END"], stop_token_ids=[2], logprobs=3,
-        prompt_logprobs=1, presence_penalty=0.5, frequency_penalty=-0.5,
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=1234,
+        max_tokens=32,
+        min_tokens=4,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2],
+        logprobs=3,
+        prompt_logprobs=1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
         repetition_penalty=1.1,
     )
     return EngineCoreRequest(
-        request_id="req-1", prompt_token_ids=[1, 2, 3, 49151], sampling_params=params,
-        arrival_time=1712.5, eos_token_id=2, priority=-3, cache_salt="salt",
+        request_id="req-1",
+        prompt_token_ids=[1, 2, 3, 49151],
+        sampling_params=params,
+        arrival_time=1712.5,
+        eos_token_id=2,
+        priority=-3,
+        cache_salt="salt",
         data_parallel_rank=1,
     )
 
 
 def _engine_core_outputs() -> EngineCoreOutputs:
     finished = EngineCoreOutput(
-        request_id="req-1", new_token_ids=[11, 12],
+        request_id="req-1",
+        new_token_ids=[11, 12],
         new_logprobs=[_logprobs(11), _logprobs(12)],
         new_prompt_logprobs=[None, _logprobs(3)],
-        finish_reason=FinishReason.STOP, stop_reason="END", num_cached_tokens=16,
+        finish_reason=FinishReason.STOP,
+        stop_reason="END",
+        num_cached_tokens=16,
         events=[EngineCoreEvent(type=EngineCoreEventType.QUEUED, timestamp=3.25)],
     )
     failed = EngineCoreOutput(
-        request_id="req-2", new_token_ids=[], finish_reason=FinishReason.ERROR,
+        request_id="req-2",
+        new_token_ids=[],
+        finish_reason=FinishReason.ERROR,
         error="prompt too long",
     )
     stats = SchedulerStats(
-        num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25, num_free_blocks=10,
-        num_total_blocks=40, prefix_cache_queries=64, prefix_cache_hits=32,
-        num_preemptions=1, step_counter=99,
+        num_running_reqs=3,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        num_free_blocks=10,
+        num_total_blocks=40,
+        prefix_cache_queries=64,
+        prefix_cache_hits=32,
+        num_preemptions=1,
+        step_counter=99,
     )
     return EngineCoreOutputs(
-        engine_index=1, outputs=[finished, failed], scheduler_stats=stats,
+        engine_index=1,
+        outputs=[finished, failed],
+        scheduler_stats=stats,
         finished_requests=["req-1", "req-2"],
     )
 
 
 def _scheduler_output() -> SchedulerOutput:
     new = NewRequestData(
-        req_id="a", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0),
-        block_ids=[0, 1], num_computed_tokens=0, output_token_ids=[8],
+        req_id="a",
+        prompt_token_ids=[5, 6, 7],
+        sampling_params=SamplingParams(temperature=0),
+        block_ids=[0, 1],
+        num_computed_tokens=0,
+        output_token_ids=[8],
     )
-    cached = CachedRequestData(
-        req_ids=["b", "c"], new_block_ids=[[4], []], num_computed_tokens=[17, 3]
-    )
+    cached = CachedRequestData(req_ids=["b", "c"], new_block_ids=[[4], []], num_computed_tokens=[17, 3])
     return SchedulerOutput(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-        num_scheduled_tokens={"a": 3, "b": 1, "c": 2}, total_num_scheduled_tokens=6,
-        finished_req_ids=["z"], preempted_req_ids=["y"],
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"a": 3, "b": 1, "c": 2},
+        total_num_scheduled_tokens=6,
+        finished_req_ids=["z"],
+        preempted_req_ids=["y"],
         scheduled_spec_decode_tokens={"c": [101]},
     )
 
 
 def _model_runner_output() -> ModelRunnerOutput:
     return ModelRunnerOutput(
-        req_ids=["a", "b"], sampled_token_ids=[[], [42, 43]],
+        req_ids=["a", "b"],
+        sampled_token_ids=[[], [42, 43]],
         logprobs=[[], [_logprobs(42), _logprobs(43)]],
         prompt_logprobs={"a": [None, _logprobs(6)]},
         spec_token_ids=[[], [44, 45]],
@@ -106,8 +142,14 @@ def _model_runner_output() -> ModelRunnerOutput:
 def _engine_config() -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
-            model="models/x.gguf", tokenizer="models/x.hf", served_model_name="x",
-            dtype="bfloat16", max_model_len=2048, seed=7, vocab_size=49152, eos_token_id=2,
+            model="models/x.gguf",
+            tokenizer="models/x.hf",
+            served_model_name="x",
+            dtype="bfloat16",
+            max_model_len=2048,
+            seed=7,
+            vocab_size=49152,
+            eos_token_id=2,
         ),
         cache=CacheConfig(block_size=32, enable_prefix_caching=False, kv_cache_memory=1 << 30),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, scheduling_policy="priority"),
@@ -124,7 +166,9 @@ SAMPLES = [
     _model_runner_output(),
     _engine_config(),
     SamplingParams(),
-    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)),
+    SamplingParams(
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    ),
 ]
 
 
@@ -156,9 +200,9 @@ def test_protocol_struct_round_trips(obj: msgspec.Struct) -> None:
 
 def test_samples_cover_every_protocol_struct() -> None:
     exported = {
-        getattr(protocol, name) for name in protocol.__all__
-        if isinstance(getattr(protocol, name), type)
-        and issubclass(getattr(protocol, name), msgspec.Struct)
+        getattr(protocol, name)
+        for name in protocol.__all__
+        if isinstance(getattr(protocol, name), type) and issubclass(getattr(protocol, name), msgspec.Struct)
     }
     covered = set().union(*map(_struct_types, SAMPLES))
     assert exported - covered == set()
@@ -360,9 +404,7 @@ def _decode_or_error(type_: Any, frames: list[bytes]) -> Any:
 @settings(max_examples=200, deadline=None)
 @given(body=st.binary(max_size=512), extra=st.lists(st.binary(max_size=64), max_size=3))
 @pytest.mark.parametrize("type_", [EngineCoreRequest, EngineCoreOutputs, _Tensors, Any])
-def test_random_bytes_decode_or_raise_decode_error(
-    type_: Any, body: bytes, extra: list[bytes]
-) -> None:
+def test_random_bytes_decode_or_raise_decode_error(type_: Any, body: bytes, extra: list[bytes]) -> None:
     result = _decode_or_error(type_, [body, *extra])
     assert isinstance(result, DecodeError) or type_ is Any or isinstance(result, type_)
 

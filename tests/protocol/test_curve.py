@@ -4,6 +4,7 @@ The API's side is a CURVE server with a ``ZapAuthenticator``; an engine's is
 a client with the keys from ``weft keys``. Peers without those keys try to
 get a message through, in each way they could; none arrives.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,9 @@ def ctx():
 def server(ctx, keys_dir):
     """(a CURVE ROUTER bound on loopback, its authenticator)."""
     auth = ZapAuthenticator(ctx, load_keys(keys_dir, SERVER))
-    sock = make_socket(ctx, zmq.ROUTER, tcp_address("127.0.0.1", 0, bind=True), bind=True,
-                       curve=load_keys(keys_dir, SERVER))
+    sock = make_socket(
+        ctx, zmq.ROUTER, tcp_address("127.0.0.1", 0, bind=True), bind=True, curve=load_keys(keys_dir, SERVER)
+    )
     yield sock, auth
     auth.stop()
 
@@ -123,8 +125,9 @@ def test_client_refuses_an_impostor_server(ctx, keys_dir):
     impostor_keys = CurveKeys(SERVER, *zmq.curve_keypair(), load_keys(keys_dir, CLIENT).public)
     auth = ZapAuthenticator(ctx, impostor_keys)
     try:
-        impostor = make_socket(ctx, zmq.ROUTER, tcp_address("127.0.0.1", 0, bind=True), bind=True,
-                               curve=impostor_keys)
+        impostor = make_socket(
+            ctx, zmq.ROUTER, tcp_address("127.0.0.1", 0, bind=True), bind=True, curve=impostor_keys
+        )
         plain_impostor = make_socket(ctx, zmq.ROUTER, tcp_address("127.0.0.1", 0, bind=True), bind=True)
         for fake in (impostor, plain_impostor):
             client = dealer(ctx, bound_address(fake), load_keys(keys_dir, CLIENT))
@@ -135,7 +138,7 @@ def test_client_refuses_an_impostor_server(ctx, keys_dir):
 
 
 def test_ipc_sockets_live_in_a_folder_only_this_user_can_enter():
-    folder = os.path.dirname(ipc_address("private")[len("ipc://"):])
+    folder = os.path.dirname(ipc_address("private")[len("ipc://") :])
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     assert os.stat(folder).st_uid == os.getuid()
 

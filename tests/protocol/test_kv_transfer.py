@@ -1,4 +1,5 @@
 """The KV transfer wire: new fields travel and default away, blocks go as raw frames."""
+
 from __future__ import annotations
 
 import msgspec
@@ -50,8 +51,10 @@ def test_params_from_other_connectors_are_ignored_not_refused():
 
 
 def test_the_step_plan_and_the_reports_travel():
-    plan = KVConnectorMetadata(loads=[KVBlockTransfer("d", [3, 4], [b"a" * 32, b"b" * 32], 2.0)],
-                               saves=[KVBlockTransfer("p", [5], [b"c" * 32])])
+    plan = KVConnectorMetadata(
+        loads=[KVBlockTransfer("d", [3, 4], [b"a" * 32, b"b" * 32], 2.0)],
+        saves=[KVBlockTransfer("p", [5], [b"c" * 32])],
+    )
     output = SchedulerOutput([], CachedRequestData(), {}, 0, kv_connector_metadata=plan)
     assert roundtrip(output, SchedulerOutput).kv_connector_metadata == plan
     report = ModelRunnerOutput(finished_sending=["p"], finished_recving={"d": 1})

@@ -1,4 +1,5 @@
 """SamplingParams: every bad field is refused by name; good ones round-trip."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -58,8 +59,12 @@ def test_invalid_field_is_refused_on_decode(kwargs: dict[str, Any], field: str) 
 
 VALID = [
     {},
-    {"logit_bias": {5: -100.0, 6: 100.0}, "allowed_token_ids": [5, 6], "bad_words": ["no"],
-     "bad_words_token_ids": [[1, 2], [3]]},
+    {
+        "logit_bias": {5: -100.0, 6: 100.0},
+        "allowed_token_ids": [5, 6],
+        "bad_words": ["no"],
+        "bad_words_token_ids": [[1, 2], [3]],
+    },
     {"temperature": 0.0, "max_tokens": 1},
     {"temperature": 1.3, "top_p": 1.0, "top_k": -1, "min_p": 1.0, "seed": 0},
     {"n": 4, "top_p": 0.01, "top_k": 50, "min_tokens": 16, "max_tokens": 16},

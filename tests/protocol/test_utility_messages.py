@@ -1,4 +1,5 @@
 """Utility calls on the wire, and the fields appended for the request metrics."""
+
 from __future__ import annotations
 
 import msgspec
@@ -39,7 +40,12 @@ def test_outputs_without_the_appended_fields_still_decode():
 
 
 def test_deltas_are_what_a_heartbeat_may_not_repeat():
-    stats = SchedulerStats(num_running_reqs=2, prefix_cache_hits=16, iteration_tokens_counts=[0, 1],
-                           iteration_tokens_sum=8, spec_decode_num_accepted_tokens_per_pos=[1])
+    stats = SchedulerStats(
+        num_running_reqs=2,
+        prefix_cache_hits=16,
+        iteration_tokens_counts=[0, 1],
+        iteration_tokens_sum=8,
+        spec_decode_num_accepted_tokens_per_pos=[1],
+    )
     assert has_deltas(stats) and not has_deltas(without_deltas(stats))
     assert without_deltas(stats).num_running_reqs == 2

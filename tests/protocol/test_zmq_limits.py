@@ -1,5 +1,6 @@
 """Socket-level limits of the factory: oversize frames, tcp liveness, and
 the ipc folders that killed processes leave behind."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ def ctx():
 def test_a_peer_sending_an_oversize_frame_is_cut_off_and_others_go_on(ctx):
     address = ipc_address("max")
     pull = make_socket(ctx, zmq.PULL, address, bind=True, max_msg_size=1024)
-    assert make_socket(ctx, zmq.PULL, ipc_address("default"), bind=True).getsockopt(zmq.MAXMSGSIZE) \
+    assert (
+        make_socket(ctx, zmq.PULL, ipc_address("default"), bind=True).getsockopt(zmq.MAXMSGSIZE)
         == DEFAULT_MAX_MSG_SIZE
+    )
     hostile = make_socket(ctx, zmq.PUSH, address, bind=False)
     hostile.send(b"x" * 4096)
     honest = make_socket(ctx, zmq.PUSH, address, bind=False)
@@ -84,6 +87,7 @@ def test_stale_ipc_folders_of_dead_processes_are_removed_and_nothing_else(tmp_pa
 
     ipc_address("own")  # this process's folder has its owner file
     from protocol import zmq_sockets
+
     live_tag = (Path(zmq_sockets._ipc_dir) / "owner").read_text()
     stale = folder("weft-ipc-stale", f"{_dead_pid()} 123")
     reused = folder("weft-ipc-reused", f"{os.getpid()} 1")  # a live pid, but another process's start time

@@ -1,4 +1,5 @@
 """The ZMQ helpers and handshake messages, in one process over ipc:// and tcp://."""
+
 from __future__ import annotations
 
 import os
@@ -53,7 +54,7 @@ def test_ipc_addresses_are_fresh_and_in_a_private_folder():
     first, second = ipc_address("x"), ipc_address("x")
     assert first != second and first.startswith("ipc://")
     assert os.path.dirname(first) == os.path.dirname(second)
-    assert os.path.isdir(os.path.dirname(first[len("ipc://"):]))
+    assert os.path.isdir(os.path.dirname(first[len("ipc://") :]))
     assert len(first) < 100  # unix socket paths are short
 
 
@@ -89,8 +90,12 @@ def test_router_dealer_round_trip_with_headers(ctx):
     wait_readable(router)
     (identity,), status = recv(router, Decoder(EngineStatus), num_header=1)
     assert identity == rank_identity(3) and status == EngineReady(3, 10, 64)
-    request = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2, 3],
-                                sampling_params=SamplingParams(max_tokens=3), arrival_time=1.0)
+    request = EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=SamplingParams(max_tokens=3),
+        arrival_time=1.0,
+    )
     send(router, encoder, request, identity, b"\x00")
     wait_readable(dealer)
     (kind,), received = recv(dealer, Decoder(EngineCoreRequest), num_header=1)
@@ -126,13 +131,16 @@ async def test_async_send_and_receive():
 
 
 def test_handshake_messages_round_trip():
-    config = EngineConfig(model=ModelConfig(model="m", tokenizer="t", served_model_name="n",
-                                            dtype="float32", max_model_len=128))
+    config = EngineConfig(
+        model=ModelConfig(model="m", tokenizer="t", served_model_name="n", dtype="float32", max_model_len=128)
+    )
     encoder = Encoder()
     for message, decoder in [
         (EngineHello(rank=1, local=True, headless=False), Decoder(EngineHello)),
-        (EngineHandshakeReply(config=config, input_address="ipc://a", output_address="ipc://b"),
-         Decoder(EngineHandshakeReply)),
+        (
+            EngineHandshakeReply(config=config, input_address="ipc://a", output_address="ipc://b"),
+            Decoder(EngineHandshakeReply),
+        ),
         (EngineGoodbye(rank=4, reason="SIGTERM"), Decoder(EngineStatus)),
         (EngineReady(rank=0, num_blocks=9, max_model_len=128), Decoder(EngineStatus)),
     ]:

@@ -1,4 +1,5 @@
 """docs/architecture.md names only code that exists."""
+
 from __future__ import annotations
 
 import re

@@ -4,6 +4,7 @@ Lazy imports (inside functions) and ``TYPE_CHECKING`` blocks count: a cycle
 hidden behind a late import still ties the two modules' designs together.
 The graph is read with ``ast``, so nothing is imported to build it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -69,7 +70,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(child) == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif child not in state:
                 state[child] = 1
                 path.append(child)

@@ -1,5 +1,6 @@
 """The repository needs nothing outside itself (``.ci/clone-check`` runs the
 fast tier in a clone with nothing beside it; this is the cheap part of that)."""
+
 from __future__ import annotations
 
 import re

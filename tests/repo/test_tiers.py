@@ -1,4 +1,5 @@
 """The test tiers' list names tests that exist."""
+
 from __future__ import annotations
 
 import re

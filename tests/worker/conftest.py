@@ -1,4 +1,5 @@
 """Shared worker fixtures: the real default model, and tiny random Hugging Face models."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,11 +14,27 @@ from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention_metadata import build_attention_metadata
 
 
-def engine_config(model: str, tokenizer: str, *, max_model_len=2048, num_blocks=None, kv_cache_memory=None,
-                  max_num_batched_tokens=2048, seed=0) -> EngineConfig:
+def engine_config(
+    model: str,
+    tokenizer: str,
+    *,
+    max_model_len=2048,
+    num_blocks=None,
+    kv_cache_memory=None,
+    max_num_batched_tokens=2048,
+    seed=0,
+) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=model, tokenizer=tokenizer, served_model_name="x", dtype="float32",
-                          max_model_len=max_model_len, vocab_size=49152, eos_token_id=2, seed=seed),
+        model=ModelConfig(
+            model=model,
+            tokenizer=tokenizer,
+            served_model_name="x",
+            dtype="float32",
+            max_model_len=max_model_len,
+            vocab_size=49152,
+            eos_token_id=2,
+            seed=seed,
+        ),
         cache=CacheConfig(num_gpu_blocks_override=num_blocks, kv_cache_memory=kv_cache_memory),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=128),
         device=DeviceConfig(num_threads=1),
@@ -46,15 +63,26 @@ def dense_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Our model's logits [T, V] for one sequence, prefilled at once without a cache."""
     n = len(token_ids)
     meta = build_attention_metadata(
-        query_lens=np.array([n]), context_lens=np.array([0]), block_table=np.zeros((1, 1), np.int32),
-        slot_mapping=np.zeros(n), block_size=16,
+        query_lens=np.array([n]),
+        context_lens=np.array([0]),
+        block_table=np.zeros((1, 1), np.int32),
+        slot_mapping=np.zeros(n),
+        block_size=16,
     )
     with torch.inference_mode(), set_forward_context(meta, None):
         return model.compute_logits(model(torch.tensor(token_ids), torch.arange(n)))
 
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
 
 
 def save_tiny_hf_model(path: Path, model_type: str = "llama", **overrides) -> Path:

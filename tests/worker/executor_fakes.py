@@ -10,6 +10,7 @@ request ids it is given, so a test can make one rank fail or hang:
 and by the served model name: ``refuse-start-on-R`` makes rank R raise a
 ValueError while starting.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,14 +23,18 @@ FAKE_WORKER = "tests.worker.executor_fakes:FakeWorker"
 
 def fake_config(tensor_parallel_size: int, name: str = "fake", num_threads: int = 1) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model="none", tokenizer="none", served_model_name=name, dtype="float32", max_model_len=64),
+        model=ModelConfig(
+            model="none", tokenizer="none", served_model_name=name, dtype="float32", max_model_len=64
+        ),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         device=DeviceConfig(num_threads=num_threads),
     )
 
 
 class FakeWorker:
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
         self.config = config
         self.rank = rank
         self.num_blocks: int | None = None
@@ -51,8 +56,9 @@ class FakeWorker:
         if f"hang-on-{self.rank}" in req_ids:
             threading.Event().wait()
         # Each rank answers with its own rank and thread count: the executor must return the driver's.
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 sampled_token_ids=[[self.rank, self.config.device.num_threads]] * len(req_ids))
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[self.rank, self.config.device.num_threads]] * len(req_ids)
+        )
 
     def shutdown(self) -> None:
         pass

@@ -1,4 +1,5 @@
 """GGUF tensor naming and the Q/K row order llama.cpp's converter changes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,11 @@ from services.worker.gguf_weights import _unpermute_rows, hf_name
 
 def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q and K rows: per head, (2 halves, D/2) -> (D/2, 2)."""
-    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    return (
+        rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
 
 
 @pytest.mark.parametrize("num_heads", [1, 3, 9])

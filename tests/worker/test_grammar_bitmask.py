@@ -1,4 +1,5 @@
 """The worker's side of structured outputs: unpacking masks and masking logits."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,18 @@ def pack(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
 
 
-def output(ids: list[str], bitmask: np.ndarray | None, spec: dict[str, list[int]] | None = None) -> SchedulerOutput:
-    return SchedulerOutput([], CachedRequestData(), {}, 0, scheduled_spec_decode_tokens=spec or {},
-                           structured_output_request_ids=ids, grammar_bitmask=bitmask)
+def output(
+    ids: list[str], bitmask: np.ndarray | None, spec: dict[str, list[int]] | None = None
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        [],
+        CachedRequestData(),
+        {},
+        0,
+        scheduled_spec_decode_tokens=spec or {},
+        structured_output_request_ids=ids,
+        grammar_bitmask=bitmask,
+    )
 
 
 def allowed_by(bias: torch.Tensor) -> torch.Tensor:
@@ -36,7 +46,7 @@ def allowed_by(bias: torch.Tensor) -> torch.Tensor:
 
 def test_unpacking_matches_a_per_bit_reference():
     rng = np.random.default_rng(0)
-    packed = rng.integers(-2**31, 2**31, size=(4, 5), dtype=np.int64).astype(np.int32)
+    packed = rng.integers(-(2**31), 2**31, size=(4, 5), dtype=np.int64).astype(np.int32)
     allowed = allowed_by(bitmask_bias(torch.from_numpy(packed), 160))
     reference = [[bool((int(packed[r, t // 32]) >> (t % 32)) & 1) for t in range(160)] for r in range(4)]
     assert allowed.tolist() == reference
@@ -101,10 +111,15 @@ def test_the_wrapper_masks_what_compute_logits_returns():
     hidden = torch.zeros(2, 4)
     compute = lambda h: torch.zeros(h.shape[0], 32)  # noqa: E731
     assert with_grammar_bitmask(compute, output([], None), ["a"], np.array([True])) is compute
-    masked = with_grammar_bitmask(compute, output(["b"], np.full((1, 1), 2, np.int32)),
-                                  ["a", "b"], np.array([True, True]))
+    masked = with_grammar_bitmask(
+        compute, output(["b"], np.full((1, 1), 2, np.int32)), ["a", "b"], np.array([True, True])
+    )
     logits = masked(hidden)
     assert (logits[0] == 0).all() and logits[1, 1] == 0 and torch.isinf(logits[1]).sum() == 31
     # Tensor-parallel followers get no logits: nothing to mask.
-    assert with_grammar_bitmask(lambda h: None, output(["a"], np.full((1, 1), 2, np.int32)),
-                                ["a"], np.array([True]))(hidden) is None
+    assert (
+        with_grammar_bitmask(
+            lambda h: None, output(["a"], np.full((1, 1), 2, np.int32)), ["a"], np.array([True])
+        )(hidden)
+        is None
+    )

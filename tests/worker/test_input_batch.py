@@ -1,4 +1,5 @@
 """The persistent batch follows SchedulerOutputs incrementally."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,9 @@ def step(new=(), cached=None, scheduled=None, finished=(), preempted=()) -> Sche
 
 def test_add_update_append_and_drop():
     batch = InputBatch(max_num_reqs=2, max_model_len=32, block_size=4)
-    batch.update(step(new=[NewRequestData("a", [5, 6, 7, 8, 9], SP, [3, 4], 0), NewRequestData("b", [1], SP, [7], 0)]))
+    batch.update(
+        step(new=[NewRequestData("a", [5, 6, 7, 8, 9], SP, [3, 4], 0), NewRequestData("b", [1], SP, [7], 0)])
+    )
     row = batch.requests["a"].row
     assert batch.token_ids[row, :5].tolist() == [5, 6, 7, 8, 9]
     assert batch.block_table[row, :3].tolist() == [3, 4, 0]
@@ -66,8 +69,14 @@ def test_too_long_a_request_is_refused():
 
 def test_step_inputs_flatten_chunks_and_decodes():
     batch = InputBatch(max_num_reqs=4, max_model_len=32, block_size=4)
-    batch.update(step(new=[NewRequestData("p", list(range(100, 110)), SP, [5, 6, 7], 4),
-                           NewRequestData("d", [1, 2, 3], SP, [9], 0)]))
+    batch.update(
+        step(
+            new=[
+                NewRequestData("p", list(range(100, 110)), SP, [5, 6, 7], 4),
+                NewRequestData("d", [1, 2, 3], SP, [9], 0),
+            ]
+        )
+    )
     batch.append_token("d", 50)  # "d" was prefilled earlier and sampled 50
     batch.num_computed_tokens[batch.requests["d"].row] = 3
     inputs = prepare_step(batch, ["d", "p"], {"d": 1, "p": 5}, "cpu")

@@ -1,4 +1,5 @@
 """Our Llama-family model against Hugging Face transformers (the oracle)."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,9 +37,14 @@ def test_gguf_weights_are_bit_identical_to_the_oracle(smollm_config, hf_oracle):
     assert checkpoint.architecture == "llama" and not checkpoint.has_output_head
     ours = dict(checkpoint.iter_weights(num_heads=9, num_kv_heads=3))
     theirs = hf_oracle.state_dict()
-    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.7.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight",
-                 "model.layers.3.input_layernorm.weight", "model.norm.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.layers.3.input_layernorm.weight",
+        "model.norm.weight",
+    ]:
         assert torch.equal(ours[name], theirs[name]), name
     assert "lm_head.weight" not in ours  # tied embeddings
 
@@ -55,7 +61,9 @@ def test_logits_match_the_oracle(prompt, smollm_runner, hf_oracle, tokenizer, ru
 
 @pytest.fixture
 def compare_with_hf(make_engine_config, run_dense):
-    return lambda folder, token_ids, packed=False: _compare_with_hf(folder, token_ids, make_engine_config, run_dense, packed)
+    return lambda folder, token_ids, packed=False: _compare_with_hf(
+        folder, token_ids, make_engine_config, run_dense, packed
+    )
 
 
 def _compare_with_hf(folder, token_ids, make_engine_config, run_dense, packed):
@@ -67,7 +75,11 @@ def _compare_with_hf(folder, token_ids, make_engine_config, run_dense, packed):
         assert pack_linear_weights(model, torch.float32, torch.device("cpu"))
     ours = run_dense(model, token_ids)
     with torch.inference_mode():
-        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(torch.tensor([token_ids])).logits[0]
+        theirs = (
+            AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            .eval()(torch.tensor([token_ids]))
+            .logits[0]
+        )
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -90,8 +102,14 @@ def test_packed_weights_match(tmp_path, make_tiny_hf_model, compare_with_hf, mod
 
 
 def test_llama3_rope_scaling(tmp_path, make_tiny_hf_model, compare_with_hf):
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     folder = make_tiny_hf_model(tmp_path, "llama", rope_parameters=rope, attention_bias=True)
     compare_with_hf(folder, TOKENS * 3)
 

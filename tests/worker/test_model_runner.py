@@ -1,4 +1,5 @@
 """The model runner on the real default model, driven by hand-made SchedulerOutputs."""
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,45 @@ import torch
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
-PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 2752, 28, 657, 7160, 30, 1000, 2000, 3000, 400, 500,
-          600, 700, 13, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777, 888, 999]
+PROMPT = [
+    1,
+    504,
+    3458,
+    282,
+    4649,
+    314,
+    253,
+    1345,
+    2752,
+    28,
+    657,
+    7160,
+    30,
+    1000,
+    2000,
+    3000,
+    400,
+    500,
+    600,
+    700,
+    13,
+    33,
+    44,
+    55,
+    66,
+    77,
+    88,
+    99,
+    111,
+    222,
+    333,
+    444,
+    555,
+    666,
+    777,
+    888,
+    999,
+]
 
 
 class Scheduler:
@@ -40,15 +78,22 @@ class Scheduler:
             self.blocks[req_id], self.computed[req_id] = list(shared), computed
             self.tokens[req_id], self.outputs[req_id] = list(prompt) + list(outputs), list(outputs)
             self._allocate(req_id, computed + scheduled[req_id])
-            new_reqs.append(NewRequestData(req_id, list(prompt), params, list(self.blocks[req_id]), computed, list(outputs)))
+            new_reqs.append(
+                NewRequestData(
+                    req_id, list(prompt), params, list(self.blocks[req_id]), computed, list(outputs)
+                )
+            )
         for req_id, n in scheduled.items():
             if req_id in (new or {}):
                 continue
             cached.req_ids.append(req_id)
             cached.new_block_ids.append(self._allocate(req_id, self.computed[req_id] + n))
             cached.num_computed_tokens.append(self.computed[req_id])
-        out = self.runner.execute_model(SchedulerOutput(
-            new_reqs, cached, dict(scheduled), sum(scheduled.values()), list(finished), list(preempted)))
+        out = self.runner.execute_model(
+            SchedulerOutput(
+                new_reqs, cached, dict(scheduled), sum(scheduled.values()), list(finished), list(preempted)
+            )
+        )
         for req_id, n in scheduled.items():
             self.computed[req_id] += n
         for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
@@ -71,7 +116,10 @@ def sched(smollm_runner):
 
 def test_three_chunks_give_the_same_next_token_as_one(sched):
     n = len(PROMPT)
-    first = sched.step({"whole": n, "chunked": 10}, new={"whole": (PROMPT, GREEDY, 0, [], ()), "chunked": (PROMPT, GREEDY, 0, [], ())})
+    first = sched.step(
+        {"whole": n, "chunked": 10},
+        new={"whole": (PROMPT, GREEDY, 0, [], ()), "chunked": (PROMPT, GREEDY, 0, [], ())},
+    )
     assert first.req_ids == ["whole", "chunked"]
     assert first.sampled_token_ids[1] == []  # mid-prefill
     assert sched.step({"chunked": 17}).sampled_token_ids == [[]]
@@ -97,12 +145,16 @@ def test_prefix_cache_hit_reads_shared_blocks(sched):
 
 
 def test_preempted_request_recomputes_and_continues(sched):
-    sched.step({"steady": len(PROMPT), "victim": len(PROMPT)},
-               new={r: (PROMPT, GREEDY, 0, [], ()) for r in ("steady", "victim")})
+    sched.step(
+        {"steady": len(PROMPT), "victim": len(PROMPT)},
+        new={r: (PROMPT, GREEDY, 0, [], ()) for r in ("steady", "victim")},
+    )
     sched.decode(["steady", "victim"], 3)
     so_far = list(sched.outputs["victim"])
     resumed = (PROMPT, GREEDY, 0, [], so_far)
-    sched.step({"steady": 1, "victim": len(PROMPT) + len(so_far)}, new={"victim": resumed}, preempted=["victim"])
+    sched.step(
+        {"steady": 1, "victim": len(PROMPT) + len(so_far)}, new={"victim": resumed}, preempted=["victim"]
+    )
     sched.decode(["steady", "victim"], 3)
     assert sched.outputs["victim"] == sched.outputs["steady"]
 
@@ -127,7 +179,10 @@ def test_seeded_random_requests_repeat_across_batches(sched):
     sched.step({"s1": len(PROMPT)}, new={"s1": (PROMPT, seeded, 0, [], ())})
     sched.decode(["s1"], 4)
     other = SamplingParams(temperature=0.8, top_p=0.9)
-    sched.step({"s2": len(PROMPT), "noise": 5}, new={"s2": (PROMPT, seeded, 0, [], ()), "noise": (PROMPT[:5], other, 0, [], ())})
+    sched.step(
+        {"s2": len(PROMPT), "noise": 5},
+        new={"s2": (PROMPT, seeded, 0, [], ()), "noise": (PROMPT[:5], other, 0, [], ())},
+    )
     sched.decode(["noise", "s2"], 4)
     assert sched.outputs["s2"] == sched.outputs["s1"]
 
@@ -136,13 +191,17 @@ def test_decode_step_time_64_sequences(sched, smollm_runner):
     """Prints (does not assert) one decode step of 64 sequences with ~300 tokens of context."""
     rng = np.random.default_rng(0)
     context, n = 300, 64
-    new = {f"t{i}": (rng.integers(100, 40000, context).tolist(), GREEDY, context - 1, [], ()) for i in range(n)}
+    new = {
+        f"t{i}": (rng.integers(100, 40000, context).tolist(), GREEDY, context - 1, [], ()) for i in range(n)
+    }
     sched.step({r: 1 for r in new}, new=new)  # context is pretend-cached; only the timing matters
     times = []
     for _ in range(3):
         start = time.perf_counter()
         sched.decode(list(new), 1)
         times.append(time.perf_counter() - start)
-    print(f"\ndecode step, {n} sequences x ~{context} tokens of context, "
-          f"{torch.get_num_threads()} thread(s): {min(times) * 1000:.0f} ms (best of 3)")
+    print(
+        f"\ndecode step, {n} sequences x ~{context} tokens of context, "
+        f"{torch.get_num_threads()} thread(s): {min(times) * 1000:.0f} ms (best of 3)"
+    )
     assert all(len(sched.outputs[r]) == 4 for r in new)

@@ -1,6 +1,7 @@
 """MultiprocExecutor's mechanics with model-free workers: broadcast and replies,
 KV sizing over ranks, failures on any rank, worker death, and no orphans.
 (Real models under tensor parallelism: tests/test_tensor_parallel.py.)"""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ HANG_S = 30.0
 
 
 def step(*req_ids: str) -> SchedulerOutput:
-    return SchedulerOutput([], CachedRequestData(list(req_ids), [[]] * len(req_ids), [1] * len(req_ids)),
-                           {r: 1 for r in req_ids}, len(req_ids))
+    return SchedulerOutput(
+        [],
+        CachedRequestData(list(req_ids), [[]] * len(req_ids), [1] * len(req_ids)),
+        {r: 1 for r in req_ids},
+        len(req_ids),
+    )
 
 
 def assert_all_gone(pids: list[int], timeout_s: float = 5.0) -> None:
@@ -86,8 +91,11 @@ def test_a_start_up_error_is_raised_as_it_was_and_leaves_no_process():
     with pytest.raises(ValueError, match="rank 1 refuses to start"):
         MultiprocExecutor(fake_config(2, name="refuse-start-on-1"), worker_class=FAKE_WORKER)
     # multiprocessing's resource tracker (started by the first spawn) lives as long as this process.
-    after = {p.pid for p in psutil.Process().children(recursive=True)
-             if "resource_tracker" not in " ".join(p.cmdline())}
+    after = {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(p.cmdline())
+    }
     assert_all_gone(list(after - before))
 
 

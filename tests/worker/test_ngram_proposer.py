@@ -1,5 +1,6 @@
 """The n-gram proposer: the longest tail found earlier, its most recent occurrence,
 and what followed it (continued periodically when it runs into the tail)."""
+
 from __future__ import annotations
 
 import random
@@ -19,9 +20,9 @@ def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The rule spelled out as a plain scan (slow, obviously right)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        tail = tokens[length - n:]
+        tail = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):  # most recent first, excluding the tail itself
-            if tokens[start:start + n] == tail:
+            if tokens[start : start + n] == tail:
                 out, position = [], start + n
                 extended = list(tokens)
                 while len(out) < k:
@@ -73,7 +74,12 @@ def test_matches_the_plain_scan_on_random_sequences() -> None:
         min_n = rng.randrange(1, 4)
         max_n = rng.randrange(min_n, 6)
         k = rng.randrange(1, 6)
-        assert drafts(tokens, min_n, max_n, k) == reference(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+        assert drafts(tokens, min_n, max_n, k) == reference(tokens, min_n, max_n, k), (
+            tokens,
+            min_n,
+            max_n,
+            k,
+        )
 
 
 def test_proposer_caps_drafts_at_max_model_len() -> None:
@@ -85,11 +91,17 @@ def test_proposer_caps_drafts_at_max_model_len() -> None:
     assert NgramProposer(config, max_model_len=9).propose(tokens) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_speculative_tokens": 0, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"num_speculative_tokens": 0, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+            "num_speculative_tokens",
+        ),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+    ],
+)
 def test_config_refuses_bad_values(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)

@@ -1,4 +1,5 @@
 """The cpu backend's oneDNN-packed linear weights against F.linear on the same weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,7 +35,9 @@ def filled(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 def test_packed_layers_compute_what_they_computed(rows):
     layers = [
         filled(Linear(48, 40, bias=True, dtype=torch.float32), 0),
-        filled(ColumnParallelLinear(48, [RowSlice(0, 24), RowSlice(0, 8)], bias=False, dtype=torch.float32), 1),
+        filled(
+            ColumnParallelLinear(48, [RowSlice(0, 24), RowSlice(0, 8)], bias=False, dtype=torch.float32), 1
+        ),
         filled(RowParallelLinear(48, 40, bias=True, dtype=torch.float32, tp=ONE_RANK), 2),
     ]
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,5 @@
 """Paged attention (torch and cpu backends) against dense causal attention per sequence."""
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,10 @@ def dense_reference(seq: Seq) -> torch.Tensor:
 
 
 def run_step(
-    seqs: list[Seq], cache: torch.Tensor | None, max_decode_group_tokens: int | None = None, backend: str = "torch"
+    seqs: list[Seq],
+    cache: torch.Tensor | None,
+    max_decode_group_tokens: int | None = None,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Cache every sequence's context, then run one flattened step; returns [T, H, D].
     ``backend`` "cpu" sends the decodes to the compiled kernel."""
@@ -89,7 +93,9 @@ def run_step(
 def assert_matches_reference(seqs: list[Seq], out: torch.Tensor) -> None:
     start = 0
     for i, s in enumerate(seqs):
-        torch.testing.assert_close(out[start : start + s.new], dense_reference(s), atol=1e-5, rtol=1e-5, msg=f"sequence {i}")
+        torch.testing.assert_close(
+            out[start : start + s.new], dense_reference(s), atol=1e-5, rtol=1e-5, msg=f"sequence {i}"
+        )
         start += s.new
 
 
@@ -126,7 +132,35 @@ def test_many_decodes_of_very_different_lengths(max_group_tokens):
     """Enough decodes, spread widely, that they are split into several padded groups."""
     gen = torch.Generator().manual_seed(2)
     seqs, next_block = [], 1
-    for length in [1, 2, 3, 5, 8, 13, 21, 34, 55, 60, 61, 62, 40, 41, 42, 43, 44, 45, 46, 47, 3, 4, 5, 6, 7, 9, 10]:
+    for length in [
+        1,
+        2,
+        3,
+        5,
+        8,
+        13,
+        21,
+        34,
+        55,
+        60,
+        61,
+        62,
+        40,
+        41,
+        42,
+        43,
+        44,
+        45,
+        46,
+        47,
+        3,
+        4,
+        5,
+        6,
+        7,
+        9,
+        10,
+    ]:
         n_blocks = -(-(length + 1) // BS)
         blocks = list(range(next_block, next_block + n_blocks))
         next_block += n_blocks
@@ -155,11 +189,16 @@ def test_cpu_backend_takes_every_decode_in_one_kernel_call():
     seqs = []
     for context, new in [(1, 1), (3, 1), (4, 1), (17, 1), (0, 6), (40, 1), (7, 1), (8, 1)]:
         seqs.append(make_seq(gen, [pool.pop() for _ in range(-(-(context + new) // BS))], context, new))
-    cache = torch.full(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan"))  # unwritten slots must never be read
+    cache = torch.full(
+        kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan")
+    )  # unwritten slots must never be read
     meta = build_attention_metadata(
-        query_lens=np.array([s.new for s in seqs]), context_lens=np.array([s.context for s in seqs]),
-        block_table=np.zeros((len(seqs), 11), dtype=np.int32), slot_mapping=np.zeros(sum(s.new for s in seqs)),
-        block_size=BS, paged_decodes=True,
+        query_lens=np.array([s.new for s in seqs]),
+        context_lens=np.array([s.context for s in seqs]),
+        block_table=np.zeros((len(seqs), 11), dtype=np.int32),
+        slot_mapping=np.zeros(sum(s.new for s in seqs)),
+        block_size=BS,
+        paged_decodes=True,
     )
     assert meta.decode_groups == [] and len(meta.prefills) == 1
     assert meta.paged_decodes.seq_lens.tolist() == [s.context + 1 for s in seqs if s.new == 1]
@@ -174,8 +213,11 @@ def test_profiling_step_runs_without_a_cache():
 
 def test_forward_context_is_scoped_to_its_block():
     meta = build_attention_metadata(
-        query_lens=np.array([1]), context_lens=np.array([0]), block_table=np.zeros((1, 1), np.int32),
-        slot_mapping=np.zeros(1), block_size=BS,
+        query_lens=np.array([1]),
+        context_lens=np.array([0]),
+        block_table=np.zeros((1, 1), np.int32),
+        slot_mapping=np.zeros(1),
+        block_size=BS,
     )
     with set_forward_context(meta, None):
         assert get_forward_context().attn_metadata is meta

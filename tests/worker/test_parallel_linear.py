@@ -5,6 +5,7 @@ per rank (``torch.multiprocessing.spawn``), each rank checking its own
 outputs against the full layer computed from the same seeded weights. The
 layout arithmetic (which rows a rank keeps) is checked in-process.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -63,7 +64,9 @@ def seeded(*shape: int, seed: int) -> torch.Tensor:
 
 
 def check_qkv(tp: TensorParallelGroup, heads: int, kv_heads: int, d: int, hidden: int = 16) -> None:
-    q_w, k_w, v_w = (seeded(rows, hidden, seed=i) for i, rows in enumerate((heads * d, kv_heads * d, kv_heads * d)))
+    q_w, k_w, v_w = (
+        seeded(rows, hidden, seed=i) for i, rows in enumerate((heads * d, kv_heads * d, kv_heads * d))
+    )
     bias = [seeded(w.shape[0], seed=4 + i) for i, w in enumerate((q_w, k_w, v_w))]
     x = seeded(5, hidden, seed=7)
     layer = ColumnParallelLinear(hidden, qkv_slices(heads, kv_heads, d, tp), True, torch.float32)
@@ -104,7 +107,9 @@ def check_mlp(tp: TensorParallelGroup, hidden: int, intermediate: int, bias: boo
     assert tp.world_size == 1 or not down_source.read_everything()
     g, u = gate_up(x).split(slices[0].size, dim=-1)
     # The ranks' partial sums add up in another order than one matmul's.
-    torch.testing.assert_close(down_proj(F.silu(g) * u), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    torch.testing.assert_close(
+        down_proj(F.silu(g) * u), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max())
+    )
 
 
 def check_vocab(tp: TensorParallelGroup, vocab: int, dim: int = 8) -> None:
@@ -114,8 +119,10 @@ def check_vocab(tp: TensorParallelGroup, vocab: int, dim: int = 8) -> None:
     embedding.load_weight("weight", RecordingSource(table), None)
     assert torch.equal(embedding(ids), F.embedding(ids, table))  # exact: one non-zero row per token
     hidden = seeded(4, dim, seed=22)
-    for head in (ParallelLMHead(vocab, dim, torch.float32, tp, tied_to=embedding),
-                 ParallelLMHead(vocab, dim, torch.float32, tp)):
+    for head in (
+        ParallelLMHead(vocab, dim, torch.float32, tp, tied_to=embedding),
+        ParallelLMHead(vocab, dim, torch.float32, tp),
+    ):
         if head.weight is not embedding.weight:
             head.load_weight("weight", RecordingSource(table), None)
         logits = head.compute_logits(hidden)
@@ -151,7 +158,9 @@ def rank_main(rank: int, world_size: int, init_method: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_layers_match_unsharded_over_gloo(world_size):
-    torch.multiprocessing.spawn(rank_main, args=(world_size, free_tcp_init_method()), nprocs=world_size, join=True)
+    torch.multiprocessing.spawn(
+        rank_main, args=(world_size, free_tcp_init_method()), nprocs=world_size, join=True
+    )
 
 
 # ---- in-process: the layout, and the same checks with one rank
@@ -170,15 +179,29 @@ def test_kv_heads_split_or_replicate():
     # 3 KV heads over 3 ranks (the default model): one each.
     assert [kv_heads_of_rank(3, TensorParallelGroup(r, 3)) for r in range(3)] == [(1, 0), (1, 1), (1, 2)]
     # 2 KV heads over 4 ranks: each replicated on the two ranks whose queries read it.
-    assert [kv_heads_of_rank(2, TensorParallelGroup(r, 4)) for r in range(4)] == [(1, 0), (1, 0), (1, 1), (1, 1)]
-    assert qkv_slices(9, 3, 64, TensorParallelGroup(2, 3)) == [RowSlice(384, 192), RowSlice(128, 64), RowSlice(128, 64)]
+    assert [kv_heads_of_rank(2, TensorParallelGroup(r, 4)) for r in range(4)] == [
+        (1, 0),
+        (1, 0),
+        (1, 1),
+        (1, 1),
+    ]
+    assert qkv_slices(9, 3, 64, TensorParallelGroup(2, 3)) == [
+        RowSlice(384, 192),
+        RowSlice(128, 64),
+        RowSlice(128, 64),
+    ]
 
 
 def test_vocab_rows_pad_the_last_ranks():
     shards = [VocabShard.of_rank(49152, TensorParallelGroup(r, 3)) for r in range(3)]
     assert [(s.start, s.num_rows) for s in shards] == [(0, 16384), (16384, 16384), (32768, 16384)]
     shards = [VocabShard.of_rank(10, TensorParallelGroup(r, 4)) for r in range(4)]
-    assert [(s.rows_per_rank, s.start, s.num_rows) for s in shards] == [(3, 0, 3), (3, 3, 3), (3, 6, 3), (3, 9, 1)]
+    assert [(s.rows_per_rank, s.start, s.num_rows) for s in shards] == [
+        (3, 0, 3),
+        (3, 3, 3),
+        (3, 6, 3),
+        (3, 9, 1),
+    ]
 
 
 def test_heads_that_do_not_split_are_refused_clearly():
@@ -187,9 +210,13 @@ def test_heads_that_do_not_split_are_refused_clearly():
     with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible.*Sizes that fit: 1, 3"):
         check_tensor_parallel(smollm, 2)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        check_tensor_parallel({"num_attention_heads": 8, "num_key_value_heads": 3, "intermediate_size": 64}, 4)
+        check_tensor_parallel(
+            {"num_attention_heads": 8, "num_key_value_heads": 3, "intermediate_size": 64}, 4
+        )
     with pytest.raises(ValueError, match="intermediate_size"):
-        check_tensor_parallel({"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 30}, 4)
+        check_tensor_parallel(
+            {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 30}, 4
+        )
     with pytest.raises(ValueError, match="num_attention_heads"):
         qkv_slices(9, 3, 64, TensorParallelGroup(0, 2))
     with pytest.raises(ValueError, match="Speculative decoding"):

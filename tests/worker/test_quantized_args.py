@@ -1,4 +1,5 @@
 """``--quantization``: gguf (kept packed) by default for GGUF files on CPU, none to dequantize."""
+
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,7 @@ exactly (all formats); the layer's matmul differs from ``F.linear`` over
 those weights only in the order of fp32 sums, within 1e-5 of the largest
 output for these sizes (K = 512).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,16 +45,20 @@ def gguf_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
     for offset in _K_HALVES[fmt]:
         halves = rng.uniform(0.001, 0.01, blocks.shape[:2]).astype(np.float16)
-        blocks[..., offset:offset + 2] = halves[..., None].view(np.uint8)
+        blocks[..., offset : offset + 2] = halves[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 def reference(fmt: str, data: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(dequantize(data, GGMLQuantizationType[fmt]), dtype=np.float32))
+    return torch.from_numpy(
+        np.ascontiguousarray(dequantize(data, GGMLQuantizationType[fmt]), dtype=np.float32)
+    )
 
 
 def close_to(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max()))
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -93,7 +98,9 @@ def test_many_rows_go_through_chunks_of_dequantized_rows(monkeypatch):
 
 def test_bf16_activations_compute_in_fp32():
     data = gguf_blocks("Q4_1", 32, 256, seed=2)
-    layer = ColumnParallelLinear(256, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.bfloat16)
+    layer = ColumnParallelLinear(
+        256, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.bfloat16
+    )
     layer.load_weight("weight", repack("Q4_1", data, 256), 0)
     finalize_quantized(layer)
     x = torch.randn(3, 256).to(torch.bfloat16)
@@ -106,7 +113,9 @@ def test_fused_parts_of_mixed_formats():
     """Q4_K_M files mix formats inside one fused projection (q, k in Q4_K; v in Q6_K)."""
     fmts, sizes = ["Q4_K", "Q4_K", "Q6_K"], [64, 32, 32]
     datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
-    layer = ColumnParallelLinear(256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32)
+    layer = ColumnParallelLinear(
+        256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32
+    )
     for part, (fmt, data) in enumerate(zip(fmts, datas)):
         layer.load_weight("weight", repack(fmt, data, 256), part)
     finalize_quantized(layer)
@@ -124,7 +133,9 @@ def test_a_packed_weight_of_the_wrong_width_is_refused():
 
 def test_a_fused_layer_with_an_unpacked_part_runs_dense():
     q = gguf_blocks("Q8_0", 32, 64)
-    layer = ColumnParallelLinear(64, even_slices([32, 32], TensorParallelGroup(), ["a", "b"]), False, torch.float32)
+    layer = ColumnParallelLinear(
+        64, even_slices([32, 32], TensorParallelGroup(), ["a", "b"]), False, torch.float32
+    )
     layer.load_weight("weight", repack("Q8_0", q, 64), 0)
     dense = torch.randn(32, 64)
     layer.load_weight("weight", dense, 1)  # e.g. an F16 part, dequantized at load
@@ -157,7 +168,9 @@ def test_tensor_parallel_slices_of_packed_weights(world_size):
 
 
 def test_misaligned_tensor_parallel_columns_are_refused():
-    down = RowParallelLinear(96, 8, False, torch.float32, TensorParallelGroup(rank=0, world_size=2))  # 48 columns
+    down = RowParallelLinear(
+        96, 8, False, torch.float32, TensorParallelGroup(rank=0, world_size=2)
+    )  # 48 columns
     with pytest.raises(ValueError, match="--quantization none"):
         down.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 8, 96), 96), None)
 
@@ -180,7 +193,9 @@ def test_packed_embedding_and_tied_head(world_size):
         shard = embedding.shard
         local = head.linear(hidden, None)  # this rank's rows of the logits, padding rows zero
         assert local.shape == (2, shard.rows_per_rank)
-        close_to(local[:, : shard.num_rows], F.linear(hidden, table[shard.start : shard.start + shard.num_rows]))
+        close_to(
+            local[:, : shard.num_rows], F.linear(hidden, table[shard.start : shard.start + shard.num_rows])
+        )
         assert (local[:, shard.num_rows :] == 0).all()
         if world_size == 1:
             assert torch.equal(embedding(ids), F.embedding(ids, table))

@@ -6,6 +6,7 @@ dequantized model's top two tokens (the weights are the same numbers, so
 only the order of fp32 sums differs). Its resident weights must shrink by
 the factor the packed layouts predict, and the KV cache get what they free.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,24 @@ from tests.text_corpus import prompt_of_length
 
 NEW_TOKENS = 32
 # (length, offset) into the 1185-token corpus: short to long, different starting points.
-PROMPT_SHAPES = [(7, 0), (12, 40), (20, 90), (33, 150), (48, 220), (64, 300), (90, 400), (128, 520),
-                 (150, 700), (200, 860), (256, 900), (300, 100), (360, 600), (420, 250), (500, 680), (600, 500)]
+PROMPT_SHAPES = [
+    (7, 0),
+    (12, 40),
+    (20, 90),
+    (33, 150),
+    (48, 220),
+    (64, 300),
+    (90, 400),
+    (128, 520),
+    (150, 700),
+    (200, 860),
+    (256, 900),
+    (300, 100),
+    (360, 600),
+    (420, 250),
+    (500, 680),
+    (600, 500),
+]
 # Largest top-2 logprob gap (nats) of the dequantized model at a divergence: a near-tie.
 NEAR_TIE = 0.05
 # Bytes per parameter of the packed layouts (services/worker/gguf_repack.py).

@@ -5,6 +5,7 @@ drafts on small synthetic distributions in one batch, with a fixed seed, and
 bound the chi-square distance of every emitted position's distribution from
 the target (given the drafts before it were accepted).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,14 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
 
 
-def run(rows_logits: list[list[float]], drafts: list[int], params: SamplingParams, num_requests: int,
-        seed: int = 0, outputs: list[int] | None = None) -> list[list[int]]:
+def run(
+    rows_logits: list[list[float]],
+    drafts: list[int],
+    params: SamplingParams,
+    num_requests: int,
+    seed: int = 0,
+    outputs: list[int] | None = None,
+) -> list[list[int]]:
     """Verify the same drafts ``num_requests`` times in one batch; the emitted tokens of each."""
     state = CachedRequestState("r", 0, [1, 2, 3], params, list(outputs or []))
     inputs = per_position_inputs([state], [drafts]) * num_requests
@@ -56,14 +63,22 @@ def logits_of(probs: list[float]) -> list[float]:
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
 # Row argmaxes: 4, 2, 3, 1.
-GREEDY_ROWS = [[0.0, 0.1, 0.2, 0.3, 2.0], [0.0, 0.5, 3.0, 0.1, 0.2], [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 9.0, 0.0, 0.0, 0.0]]
+GREEDY_ROWS = [
+    [0.0, 0.1, 0.2, 0.3, 2.0],
+    [0.0, 0.5, 3.0, 0.1, 0.2],
+    [0.0, 0.0, 0.0, 1.0, 0.0],
+    [0.0, 9.0, 0.0, 0.0, 0.0],
+]
 
 
-@pytest.mark.parametrize("drafts, expected", [
-    ([4, 2, 3], [4, 2, 3, 1]),  # all accepted, then the bonus token
-    ([4, 2, 1], [4, 2, 3]),  # the third is wrong: the argmax replaces it
-    ([1, 2, 3], [4]),  # the first is wrong: nothing accepted
-])
+@pytest.mark.parametrize(
+    "drafts, expected",
+    [
+        ([4, 2, 3], [4, 2, 3, 1]),  # all accepted, then the bonus token
+        ([4, 2, 1], [4, 2, 3]),  # the third is wrong: the argmax replaces it
+        ([1, 2, 3], [4]),  # the first is wrong: nothing accepted
+    ],
+)
 def test_greedy_accepts_while_drafts_equal_the_argmax(drafts: list[int], expected: list[int]) -> None:
     assert run(GREEDY_ROWS, drafts, GREEDY, 1) == [expected]
 
@@ -154,8 +169,9 @@ def test_seeded_requests_repeat_and_still_follow_the_target() -> None:
     states = [CachedRequestState(f"r{s}", s, [1], p, []) for s, p in enumerate(seeded)]
 
     def once(generator_seed: int) -> list[list[int]]:
-        meta = build_sampling_metadata(per_position_inputs(states, [DRAFTS] * len(states)), vocab_size=5,
-                                       eos_token_id=EOS)
+        meta = build_sampling_metadata(
+            per_position_inputs(states, [DRAFTS] * len(states)), vocab_size=5, eos_token_id=EOS
+        )
         sampler = RejectionSampler(torch.Generator().manual_seed(generator_seed))
         return sampler(torch.tensor(logits).repeat(len(states), 1), meta, [DRAFTS] * len(states)).token_ids
 
@@ -187,11 +203,12 @@ def test_rows_of_requests_without_drafts_sample_like_the_sampler() -> None:
     params = SamplingParams(temperature=0.9, top_p=0.8, seed=42, max_tokens=10)
     inputs = [RequestSamplingInput(params, [1], [5, 6])]
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
-    plain = Sampler(seed=0)(logits, build_sampling_metadata(inputs, vocab_size=50, eos_token_id=EOS)).token_ids.tolist()
+    plain = Sampler(seed=0)(
+        logits, build_sampling_metadata(inputs, vocab_size=50, eos_token_id=EOS)
+    ).token_ids.tolist()
     meta = build_sampling_metadata(inputs, vocab_size=50, eos_token_id=EOS)
     spec = RejectionSampler(torch.Generator().manual_seed(0))(logits, meta, [[]]).token_ids
     assert spec == [plain]
-
 
 
 def test_token_filters_apply_to_every_verified_position() -> None:

@@ -1,4 +1,5 @@
 """The sampler: greedy, filters, penalties, min_tokens, seeds and logprobs."""
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,10 @@ def test_greedy_is_argmax():
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():
     logits = random_logits(4)
-    out = sample(logits, [req(temperature=0.0), req(temperature=1.0), req(temperature=0.0), req(temperature=2.0, seed=3)])
+    out = sample(
+        logits,
+        [req(temperature=0.0), req(temperature=1.0), req(temperature=0.0), req(temperature=2.0, seed=3)],
+    )
     assert out.token_ids[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
 
 
@@ -109,7 +113,9 @@ def test_unseeded_draws_follow_the_worker_seed():
 
 def test_repetition_penalty_covers_prompt_and_output():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
-    meta = build_sampling_metadata([req(prompt=[0, 1], output=[2], repetition_penalty=2.0)], vocab_size=5, eos_token_id=None)
+    meta = build_sampling_metadata(
+        [req(prompt=[0, 1], output=[2], repetition_penalty=2.0)], vocab_size=5, eos_token_id=None
+    )
     out = apply_penalties(logits, meta.penalties)
     torch.testing.assert_close(out, torch.tensor([[1.0, -4.0, 1.0, -2.0, 1.0]]))
 
@@ -117,7 +123,9 @@ def test_repetition_penalty_covers_prompt_and_output():
 def test_presence_and_frequency_penalties_cover_output_only():
     logits = torch.zeros(1, 6)
     meta = build_sampling_metadata(
-        [req(prompt=[4], output=[3, 3, 5], presence_penalty=1.0, frequency_penalty=0.5)], vocab_size=6, eos_token_id=None
+        [req(prompt=[4], output=[3, 3, 5], presence_penalty=1.0, frequency_penalty=0.5)],
+        vocab_size=6,
+        eos_token_id=None,
     )
     out = apply_penalties(logits, meta.penalties)
     torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 0.0, -2.0, 0.0, -1.5]]))
@@ -186,9 +194,11 @@ def test_bad_words_ban_the_token_that_would_complete_a_word():
     logits = torch.zeros(3, V)
     logits[:, 4], logits[:, 6] = 9.0, 8.0
     words = [[20, 4], [6]]  # a two-token word ending in 4; a one-token word 6
-    rows = [req(output=[1, 20], temperature=0.0, bad_words_token_ids=words),  # 4 would finish it
-            req(output=[20, 1], temperature=0.0, bad_words_token_ids=words),  # 4 is harmless here
-            req(output=[], temperature=0.0, bad_words_token_ids=[[4]])]
+    rows = [
+        req(output=[1, 20], temperature=0.0, bad_words_token_ids=words),  # 4 would finish it
+        req(output=[20, 1], temperature=0.0, bad_words_token_ids=words),  # 4 is harmless here
+        req(output=[], temperature=0.0, bad_words_token_ids=[[4]]),
+    ]
     # Row 0 may take neither 4 nor 6; row 1 may take 4; row 2 bans 4 at once.
     assert sample(logits, rows).token_ids.tolist()[1:] == [4, 6]
     assert sample(logits, rows).token_ids.tolist()[0] not in (4, 6)

@@ -1,4 +1,5 @@
 """The runner's speculative step: verification in chunks of whole requests."""
+
 from __future__ import annotations
 
 import msgspec
@@ -27,20 +28,33 @@ def test_chunks_hold_whole_requests_within_the_row_limit() -> None:
 
 def decoder(max_num_seqs: int) -> SpecDecoder:
     config = EngineConfig(
-        model=ModelConfig(model="x.gguf", tokenizer="x", served_model_name="x", dtype="float32",
-                          max_model_len=256, vocab_size=40, eos_token_id=0),
+        model=ModelConfig(
+            model="x.gguf",
+            tokenizer="x",
+            served_model_name="x",
+            dtype="float32",
+            max_model_len=256,
+            vocab_size=40,
+            eos_token_id=0,
+        ),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
     )
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
-    return SpecDecoder(msgspec.structs.replace(config, speculative=spec), torch.Generator().manual_seed(0),
-                       torch.device("cpu"))
+    return SpecDecoder(
+        msgspec.structs.replace(config, speculative=spec),
+        torch.Generator().manual_seed(0),
+        torch.device("cpu"),
+    )
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, logprobs=1),
-    SamplingParams(temperature=0.9, top_k=10, seed=11),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.9, top_k=10, seed=11),
+    ],
+)
 def test_chunked_verification_equals_one_pass(params: SamplingParams) -> None:
     states = [CachedRequestState(f"r{i}", i, [1, 2, 3], params, [4 + i]) for i in range(6)]
     drafts = [[5, 6, 7], [], [8], [9, 10], [11, 12, 13], [14]]

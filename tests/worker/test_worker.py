@@ -1,4 +1,5 @@
 """Worker KV sizing and the in-process executor, on a tiny random model."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ MiB = 1 << 20
 
 
 def tiny_config(make_engine_config, folder, **kwargs):
-    return make_engine_config(str(folder), str(folder), max_model_len=256, max_num_batched_tokens=256, **kwargs)
+    return make_engine_config(
+        str(folder), str(folder), max_model_len=256, max_num_batched_tokens=256, **kwargs
+    )
 
 
 def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_config, tiny_llama_dir):
@@ -19,7 +22,9 @@ def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_co
     worker.init_device()
     num_blocks = worker.determine_num_blocks()
     runner = worker.model_runner
-    assert runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2  # K/V x block x kv heads x head dim x fp32 x layers
+    assert (
+        runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2
+    )  # K/V x block x kv heads x head dim x fp32 x layers
     upper = (256 * MiB - runner.weights_bytes) // runner.kv_block_bytes
     # The profiled peak is a resident-set rise, so other tests in this process
     # move it (freed memory reused from earlier tests can make it 0); allow up
@@ -57,8 +62,11 @@ def test_uniproc_executor_runs_steps(make_engine_config, tiny_llama_dir):
     num_blocks = executor.determine_num_blocks()
     executor.initialize_cache(num_blocks)
     params = SamplingParams(temperature=0.0)
-    out = executor.execute_model(SchedulerOutput(
-        [NewRequestData("r", [3, 1, 4, 1, 5], params, [1], 0)], CachedRequestData(), {"r": 5}, 5))
+    out = executor.execute_model(
+        SchedulerOutput(
+            [NewRequestData("r", [3, 1, 4, 1, 5], params, [1], 0)], CachedRequestData(), {"r": 5}, 5
+        )
+    )
     assert out.req_ids == ["r"] and len(out.sampled_token_ids[0]) == 1
     out = executor.execute_model(SchedulerOutput([], CachedRequestData(["r"], [[]], [5]), {"r": 1}, 1))
     assert len(out.sampled_token_ids[0]) == 1

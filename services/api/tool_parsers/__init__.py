@@ -1,4 +1,5 @@
 """Tool-call parsers for ``tool_choice: "auto"``, picked by ``--tool-call-parser NAME``."""
+
 from __future__ import annotations
 
 from services.api.tool_parsers.base import ParsedCall, Segment, ToolParser
@@ -15,8 +16,9 @@ def tool_parser_class(name: str) -> type[ToolParser]:
     try:
         return TOOL_PARSERS[name]
     except KeyError:
-        raise ValueError(f"Unknown tool call parser {name!r}; choose one of "
-                         f"{', '.join(sorted(TOOL_PARSERS))}.") from None
+        raise ValueError(
+            f"Unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}."
+        ) from None
 
 
 __all__ = ["TOOL_PARSERS", "ParsedCall", "Segment", "ToolParser", "tool_parser_class"]

@@ -10,6 +10,7 @@ streamed one are the same function applied to the same text, so they agree
 by construction. A call that does not parse, names a function the request
 did not offer, or never closes stays plain text: never an error.
 """
+
 from __future__ import annotations
 
 import abc
@@ -38,8 +39,9 @@ class ToolParser(abc.ABC):
         """The segments of ``text[:settled]``, and ``settled``. With ``final``
         the text is complete and all of it is settled."""
 
-    def call_from(self, value: object,
-                  arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    def call_from(
+        self, value: object, arg_keys: tuple[str, ...] = ("arguments", "parameters")
+    ) -> ParsedCall | None:
         """The call a decoded JSON value describes, or None if it is not one of this request's tools."""
         if not isinstance(value, dict) or value.get("name") not in self.tool_names:
             return None

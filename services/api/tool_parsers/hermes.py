@@ -2,6 +2,7 @@
 
 Any number of call blocks, with text around them; the text is the reply's content.
 """
+
 from __future__ import annotations
 
 from services.api.tool_parsers.base import Segment, ToolParser, decode_json_at, partial_prefix_length
@@ -29,7 +30,7 @@ class HermesToolParser(ToolParser):
                     segments.append(text[start:])
                     return segments, len(text)
                 return segments, start
-            segments.append(self._call(text[start + len(START):stop]) or text[start:stop + len(END)])
+            segments.append(self._call(text[start + len(START) : stop]) or text[start : stop + len(END)])
             pos = stop + len(END)
 
     def _call(self, body: str):

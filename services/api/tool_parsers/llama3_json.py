@@ -4,6 +4,7 @@ optionally after ``<|python_tag|>``, several joined by ``;``.
 A reply that starts otherwise is plain content. Text that is not a call
 (a JSON object naming no offered tool, words after the calls) stays content.
 """
+
 from __future__ import annotations
 
 from services.api.tool_parsers.base import Segment, ToolParser, decode_json_at
@@ -21,7 +22,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def split(self, text: str, final: bool) -> tuple[list[Segment], int]:
         if self.in_calls:
-            if not final and "}" not in text[self.held:]:
+            if not final and "}" not in text[self.held :]:
                 return [], 0  # nothing new can end the object: spare decoding it again
             return self._calls(text, 0, final)
         pos = len(text) - len(text.lstrip())
@@ -45,7 +46,7 @@ class Llama3JsonToolParser(ToolParser):
             decoded = decode_json_at(text, pos)
             call = decoded and self.call_from(decoded[0])
             if decoded is not None and call is None:  # complete JSON, but not a call: content
-                segments.append(text[pos:decoded[1]])
+                segments.append(text[pos : decoded[1]])
                 pos = decoded[1]
                 continue
             if call is None:

@@ -3,6 +3,7 @@
 ``StructuredOutputManager`` is what the scheduler talks to; backends
 (xgrammar by default) sit behind ``backend.StructuredOutputBackend``.
 """
+
 from services.engine_core.structured_output.manager import StructuredOutputManager
 from services.engine_core.structured_output.request_state import StructuredOutputRequest
 

@@ -9,6 +9,7 @@ step, which tokens may come next.
 Masks are packed int32 rows: bit ``j`` of word ``w`` allows token
 ``32 * w + j``; a row of all ones (``-1``) allows everything.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -21,6 +21,7 @@ still queued never runs, and at most ``MAX_COMPILES_IN_FLIGHT`` distinct
 compiles are queued or running at once -- a request with a new constraint
 past that fails at once with a clear error instead of joining the queue.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -68,9 +69,12 @@ class _Totals:
 
 
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig,
-                 backend_factory: Callable[[], StructuredOutputBackend] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend_factory: Callable[[], StructuredOutputBackend] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.compile_timeout = config.structured_outputs.compile_timeout
         self.vocab_size = config.model.vocab_size
         self._backend_factory = backend_factory or (lambda: _xgrammar_backend(config))
@@ -103,8 +107,9 @@ class StructuredOutputManager:
         request.structured_output = StructuredOutputRequest(params, job)
         self.totals.num_requests += 1
 
-    def split_compiled(self, requests: Iterable[Request]
-                       ) -> tuple[list[Request], list[tuple[Request, str]], list[Request]]:
+    def split_compiled(
+        self, requests: Iterable[Request]
+    ) -> tuple[list[Request], list[tuple[Request, str]], list[Request]]:
         """Requests waiting for grammars -> (ready, failed with the reason, still compiling).
 
         A compile fails on a bad constraint, or once it has run longer than
@@ -119,7 +124,8 @@ class StructuredOutputManager:
                 failed.append((request, error))
             elif request.structured_output.job.future.done():
                 request.structured_output.grammar = self._backend.new_grammar(
-                    request.structured_output.job.future.result())
+                    request.structured_output.job.future.result()
+                )
                 ready.append(request)
             else:
                 pending.append(request)
@@ -149,20 +155,26 @@ class StructuredOutputManager:
         return f"Compiling the {so_request.params.kind} constraint failed: {type(exc).__name__}: {exc}"
 
     def _timeout_error(self, so_request: StructuredOutputRequest) -> str:
-        return (f"Compiling the {so_request.params.kind} constraint took longer than "
-                f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout).")
+        return (
+            f"Compiling the {so_request.params.kind} constraint took longer than "
+            f"{self.compile_timeout:g}s (--structured-outputs-compile-timeout)."
+        )
 
     def _submit(self, params: StructuredOutputsParams) -> CompileJob:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile")
+                max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile"
+            )
         job = CompileJob(submitted_at=self._clock())
         self._in_flight = [j for j in self._in_flight if not j.future.done()]
         if len(self._in_flight) >= self.max_compiles_in_flight:
             job.future = Future()
-            job.future.set_exception(ValueError(
-                f"{len(self._in_flight)} constraints are compiling already (at most "
-                f"{self.max_compiles_in_flight}); retry the {params.kind} constraint later."))
+            job.future.set_exception(
+                ValueError(
+                    f"{len(self._in_flight)} constraints are compiling already (at most "
+                    f"{self.max_compiles_in_flight}); retry the {params.kind} constraint later."
+                )
+            )
             return job
         job.future = self._executor.submit(self._compile, job, params)
         self._in_flight.append(job)
@@ -199,16 +211,24 @@ class StructuredOutputManager:
             if so_request is not None and so_request.grammar is not None and drafts:
                 request.spec_token_ids = so_request.grammar.validate_tokens(list(drafts))
 
-    def grammar_bitmask(self, requests: Iterable[Request], num_scheduled_tokens: dict[str, int],
-                        spec_tokens: dict[str, list[int]]) -> tuple[list[str], np.ndarray | None]:
+    def grammar_bitmask(
+        self,
+        requests: Iterable[Request],
+        num_scheduled_tokens: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+    ) -> tuple[list[str], np.ndarray | None]:
         """The masks of the constrained requests that sample this step.
 
         Call before ``num_computed_tokens`` advances. A request gets one row
         per position it samples: one per scheduled draft token, plus one.
         """
         start = time.perf_counter()
-        sampling = [r for r in requests if r.structured_output is not None
-                    and r.num_computed_tokens + num_scheduled_tokens[r.request_id] >= r.num_tokens]
+        sampling = [
+            r
+            for r in requests
+            if r.structured_output is not None
+            and r.num_computed_tokens + num_scheduled_tokens[r.request_id] >= r.num_tokens
+        ]
         if not sampling:
             return [], None
         num_rows = sum(1 + len(spec_tokens.get(r.request_id, ())) for r in sampling)
@@ -275,5 +295,4 @@ def _xgrammar_backend(config: EngineConfig) -> StructuredOutputBackend:
     from services.engine_core.structured_output.xgrammar_backend import XgrammarBackend
 
     eos = config.model.eos_token_id
-    return XgrammarBackend(config.model.tokenizer, config.model.vocab_size,
-                           [] if eos is None else [eos])
+    return XgrammarBackend(config.model.tokenizer, config.model.vocab_size, [] if eos is None else [eos])

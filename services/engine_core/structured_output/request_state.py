@@ -3,6 +3,7 @@
 Its own module so that ``engine_core/request.py`` can name the type without
 importing the manager, which imports ``Request``.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future

@@ -8,6 +8,7 @@ The vocabulary comes from the tokenizer files (``tokenizer.json``) through
 the ``tokenizers`` library, not transformers: xgrammar only needs each id's
 token string and how the tokenizer encodes bytes, which the same file says.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,14 +64,14 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    def __init__(self, tokenizer_dir: str | Path, vocab_size: int,
-                 stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         info = tokenizer_info(tokenizer_dir, vocab_size, stop_token_ids)
         # The manager caches compiled grammars itself (and shares in-flight
         # compiles); a second cache here would only hold memory.
         self._compiler = xgr.GrammarCompiler(
-            info, max_threads=max(1, (os.cpu_count() or 2) // 2), cache_enabled=False)
+            info, max_threads=max(1, (os.cpu_count() or 2) // 2), cache_enabled=False
+        )
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
@@ -107,8 +108,9 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def tokenizer_info(tokenizer_dir: str | Path, vocab_size: int,
-                   stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+def tokenizer_info(
+    tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
     """The vocabulary as xgrammar needs it, padded (or cut) to the model's
     ``vocab_size``: ids the tokenizer lacks stay empty and are never allowed."""
     tok = tokenizers.Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
@@ -120,9 +122,13 @@ def tokenizer_info(tokenizer_dir: str | Path, vocab_size: int,
     # it adds a prefix space: xgrammar reads both from the serialized tokenizer.
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
     stops = sorted({*stop_token_ids, *_file_eos_ids(tok, Path(tokenizer_dir))})
-    return xgr.TokenizerInfo(encoded, metadata["vocab_type"], vocab_size=vocab_size,
-                             stop_token_ids=stops or None,
-                             add_prefix_space=metadata["add_prefix_space"])
+    return xgr.TokenizerInfo(
+        encoded,
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stops or None,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
 
 
 def _file_eos_ids(tok: tokenizers.Tokenizer, tokenizer_dir: Path) -> list[int]:

@@ -1,5 +1,6 @@
 """The MLP's gate: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``, one kernel on the Triton
 backend, and one compiled kernel on CPU through ``SiluAndMul``."""
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,11 @@ class SiluAndMul(nn.Module):
         self._cpu_fused = cpu_fused.available()
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if (self._cpu_fused and gate_up.device.type == "cpu" and gate_up.dtype in cpu_fused.DTYPES
-                and current_backend() != "triton"):
+        if (
+            self._cpu_fused
+            and gate_up.device.type == "cpu"
+            and gate_up.dtype in cpu_fused.DTYPES
+            and current_backend() != "triton"
+        ):
             return cpu_fused.silu_and_mul(gate_up)
         return silu_and_mul(gate_up)

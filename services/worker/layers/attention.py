@@ -20,6 +20,7 @@ the block table, with no gather. On CUDA the forward context selects the
 Triton backend instead (``triton_attention.py``), with the same cache
 layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,13 +63,22 @@ class GatherWorkspace:
         """A tensor of ``shape`` with ``like``'s dtype and device; its contents are garbage."""
         numel = math.prod(shape)
         buffer = self._buffer
-        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
             buffer = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buffer[:numel].view(shape)
 
 
 def decode_attention(
-    query: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, scale: float, workspace: GatherWorkspace | None = None
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    workspace: GatherWorkspace | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over its cached keys: query [n, H, D] -> [n, H, D]."""
     n, num_heads, d = query.shape
@@ -104,7 +114,8 @@ def prefill_attention(
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]
         causal = seq.mask is None  # a window layer's long prompt brings its own mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seq.mask, is_causal=causal, scale=scale, enable_gqa=True)
+            q, k, v, attn_mask=seq.mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
         return out[0].transpose(0, 1)
     assert cache is not None, "context attention needs the KV cache"
     _, kvh, _, bs, d = cache.shape
@@ -119,13 +130,21 @@ class PagedAttention(nn.Module):
     """Attention of one layer over the paged KV cache (no weights)."""
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        workspace: GatherWorkspace | None = None, *,
-        sliding_window: int | None = None, scale: float | None = None,
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        workspace: GatherWorkspace | None = None,
+        *,
+        sliding_window: int | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads}).")
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})."
+            )
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -149,8 +168,10 @@ class PagedAttention(nn.Module):
         cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
         if self.sliding_window is not None:
             if context.backend == "triton":
-                raise ValueError("Sliding-window attention is not implemented in the triton backend; "
-                                 "use the torch backend (WEFT_ATTENTION_BACKEND=torch).")
+                raise ValueError(
+                    "Sliding-window attention is not implemented in the triton backend; "
+                    "use the torch backend (WEFT_ATTENTION_BACKEND=torch)."
+                )
             meta = window_metadata(meta, self.sliding_window)
         if context.backend == "triton":
             from services.worker.layers.triton_attention import triton_attention
@@ -167,12 +188,21 @@ class PagedAttention(nn.Module):
             # of each KV cache group; its later layers get the same metadata and caches of the same
             # shape. A window layer passes its window: the kernel reads no block before it.
             paged_decode_attention(
-                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out,
-                check=self.checks_decode_args, window=self.sliding_window or 0,
+                q,
+                cache,
+                d.token_idx,
+                d.seq_lens,
+                d.block_table,
+                self.scale,
+                out,
+                check=self.checks_decode_args,
+                window=self.sliding_window or 0,
             )
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"
-            out[group.token_idx] = decode_attention(q[group.token_idx], cache, group, self.scale, self.workspace)
+            out[group.token_idx] = decode_attention(
+                q[group.token_idx], cache, group, self.scale, self.workspace
+            )
         for seq in meta.prefills:
             s = slice(seq.start, seq.end)
             out[s] = prefill_attention(q[s], k[s], v[s], cache, seq, self.scale)

@@ -15,6 +15,7 @@ Requests split two ways:
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

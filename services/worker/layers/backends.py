@@ -12,6 +12,7 @@
 
 ``WEFT_ATTENTION_BACKEND`` forces one (``services.engine_args``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,13 +36,17 @@ def check_backend(backend: str, device: torch.device) -> str:
         )
     if backend == "cpu":
         if device.type != "cpu":
-            raise ValueError(f"The cpu backend runs on CPU devices (got {device.type}); on CUDA, use triton or torch.")
+            raise ValueError(
+                f"The cpu backend runs on CPU devices (got {device.type}); on CUDA, use triton or torch."
+            )
         from kernels.cpu_attention import KernelUnavailable, load
 
         try:
             load()
         except KernelUnavailable as exc:
-            logger.warning("%s Decode attention falls back to the torch backend (gather + SDPA, slower).", exc)
+            logger.warning(
+                "%s Decode attention falls back to the torch backend (gather + SDPA, slower).", exc
+            )
             return "torch"
     return backend
 

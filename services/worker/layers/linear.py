@@ -24,6 +24,7 @@ Weights kept quantized (GGUF, ``--quantization gguf``) arrive as
 ``packed_parts`` and runs them through ``quant`` once
 ``finalize_quantized`` has made it (``services.worker.layers.quantized_linear``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeigh
 
 def copy_weight(dest: torch.Tensor, source: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(source.shape):
-        raise ValueError(f"Checkpoint tensor of shape {tuple(source.shape)} does not fit {name} {tuple(dest.shape)}.")
+        raise ValueError(
+            f"Checkpoint tensor of shape {tuple(source.shape)} does not fit {name} {tuple(dest.shape)}."
+        )
     dest.copy_(source)
 
 
@@ -118,7 +121,9 @@ class Linear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -181,7 +186,9 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = [s.size for s in slices]
         out_features = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, sum(output_sizes)]."""
@@ -204,13 +211,24 @@ class RowParallelLinear(LinearBase):
     The bias is added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallelGroup, in_name: str = "in_features") -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        in_name: str = "in_features",
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.in_slice = even_slices([in_features], tp, [in_name])[0]
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_slice.size, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_slice.size, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / world_size] -> [T, out], the same on every rank."""

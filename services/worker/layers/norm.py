@@ -6,6 +6,7 @@ the Triton backend, and one compiled kernel on CPU (``kernels.cpu_fused``)
 which, like vLLM's ``fused_add_rms_norm``, writes both results over its
 inputs: callers use what is returned, never the tensors they passed.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ dequantization exactly; products and sums are fp32 whatever the model dtype,
 so a layer differs from ``F.linear`` over the dequantized weight only in the
 order of its sums.
 """
+
 from __future__ import annotations
 
 import logging
@@ -231,8 +232,10 @@ def finalize_quantized(model: nn.Module) -> None:
             continue
         module.quant = QuantizedWeight([parts[i] for i in sorted(parts)])
         if module.quant.shape != tuple(module.weight.shape):
-            raise ValueError(f"Checkpoint weights of shape {module.quant.shape} do not fit {name} "
-                             f"{tuple(module.weight.shape)}.")
+            raise ValueError(
+                f"Checkpoint weights of shape {module.quant.shape} do not fit {name} "
+                f"{tuple(module.weight.shape)}."
+            )
         quantized_by_param[id(module.weight)] = module.quant
     for module in model.modules():
         shared = getattr(module, "weight_is_shared", False) and module.weight is not None
@@ -270,8 +273,10 @@ class QuantizedReport:
             f"{fmt} {self.params[fmt] / 1e6:.1f}M params at {self.nbytes[fmt] / self.params[fmt]:.3f} B/param"
             for fmt in sorted(self.params)
         )
-        return (f"{self.total_bytes / 2**20:.1f} MiB packed for {self.total_params / 1e6:.1f}M parameters "
-                f"({self.total_bytes / max(1, self.total_params):.3f} B/param; {per_format})")
+        return (
+            f"{self.total_bytes / 2**20:.1f} MiB packed for {self.total_params / 1e6:.1f}M parameters "
+            f"({self.total_bytes / max(1, self.total_params):.3f} B/param; {per_format})"
+        )
 
 
 def quantized_report(model: nn.Module) -> QuantizedReport:

@@ -4,6 +4,7 @@ Supports the original RoPE ("default"), "linear" and "llama3" frequency
 scaling. The table is built with the same fp32 operations Hugging Face
 runs per forward, so positions rotate identically.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,9 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> tor
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    raise ValueError(
+        f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+    )
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

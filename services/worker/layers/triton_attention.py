@@ -13,6 +13,7 @@ the layers through the forward context. Norms, rotary and the
 MLP activation follow the same choice. Triton is imported only when this
 backend runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,5 +81,11 @@ def triton_attention(
         raise RuntimeError("The Triton attention backend reads K/V from the cache; this forward has none.")
     write_kv_cache(key, value, cache, meta.slot_mapping)
     return paged_attention(
-        query, cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, max_query_len=meta.max_query_len
+        query,
+        cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_table,
+        scale,
+        max_query_len=meta.max_query_len,
     )

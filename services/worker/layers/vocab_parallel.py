@@ -10,6 +10,7 @@ world_size)``; rows past the vocabulary (on the last ranks) are zero padding.
   gathered on the driver only, the rank that samples. With tied embeddings
   the head reads the embedding's own parameter, so the split is the same.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,13 +42,15 @@ class VocabShard:
 
     def new_weight(self, dim: int, dtype: torch.dtype) -> nn.Parameter:
         weight = torch.empty(self.rows_per_rank, dim, dtype=dtype)
-        weight[self.num_rows:].zero_()  # padding: never looked up, its logits cut off
+        weight[self.num_rows :].zero_()  # padding: never looked up, its logits cut off
         return nn.Parameter(weight, requires_grad=False)
 
     def load(self, weight: torch.Tensor, source, name: str) -> PackedWeight | None:
         """Copy this rank's rows of ``source`` into ``weight``; a packed source's rows are returned instead."""
         if source.shape[0] != self.vocab_size:
-            raise ValueError(f"Checkpoint tensor {name} has {source.shape[0]} rows, the vocabulary {self.vocab_size}.")
+            raise ValueError(
+                f"Checkpoint tensor {name} has {source.shape[0]} rows, the vocabulary {self.vocab_size}."
+            )
         if isinstance(source, PackedWeight):  # padding rows: zero weights, as above
             return source.narrow(0, self.start, self.num_rows).pad_rows(self.rows_per_rank)
         copy_weight(weight[: self.num_rows], source.narrow(0, self.start, self.num_rows), name)
@@ -86,8 +89,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(LinearBase):
     """hidden -> logits over the whole vocabulary, on the driver rank."""
 
-    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TensorParallelGroup,
-                 tied_to: VocabParallelEmbedding | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        tied_to: VocabParallelEmbedding | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.shard = VocabShard.of_rank(vocab_size, tp)

@@ -14,6 +14,7 @@ share of each layer: its query heads and the KV heads they read, its slice
 of the MLP, its rows of the vocabulary. Each layer cuts its slice out of a
 checkpoint tensor as it loads it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,7 +64,9 @@ class LlamaArgs:
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; the Llama family uses 'silu'.")
+            raise ValueError(
+                f"hidden_act {config['hidden_act']!r} is not supported; the Llama family uses 'silu'."
+            )
         heads = config["num_attention_heads"]
         is_qwen2 = config.get("model_type") == "qwen2"
         is_qwen3 = config.get("model_type") == "qwen3"
@@ -109,23 +112,31 @@ class LlamaAttention(nn.Module):
     """``args`` counts this rank's heads (see ``LlamaForCausalLM.args``)."""
 
     def __init__(
-        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
-        dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: LlamaArgs,
+        self,
+        args: LlamaArgs,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        checkpoint_args: LlamaArgs,
     ) -> None:
         super().__init__()
         d = args.head_dim
         self.q_size, self.kv_size = args.num_heads * d, args.num_kv_heads * d
         c = checkpoint_args
         self.qkv_proj = ColumnParallelLinear(
-            args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), args.qkv_bias, dtype)
+            args.hidden_size, qkv_slices(c.num_heads, c.num_kv_heads, d, tp), args.qkv_bias, dtype
+        )
         self.o_proj = RowParallelLinear(c.num_heads * d, args.hidden_size, args.o_bias, dtype, tp)
         self.rotary = rotary
         self.head_dim = d
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
-        self.attn = PagedAttention(layer_idx, args.num_heads, args.num_kv_heads, d, workspace,
-                                   sliding_window=args.sliding_window)
+        self.attn = PagedAttention(
+            layer_idx, args.num_heads, args.num_kv_heads, d, workspace, sliding_window=args.sliding_window
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T], x [T, hidden] -> [T, hidden]."""
@@ -146,7 +157,9 @@ class LlamaMLP(nn.Module):
         slices = even_slices([size, size], tp, ["intermediate_size"] * 2)
         self.intermediate_size = slices[0].size  # this rank's share
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, slices, args.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(size, args.hidden_size, args.mlp_bias, dtype, tp, "intermediate_size")
+        self.down_proj = RowParallelLinear(
+            size, args.hidden_size, args.mlp_bias, dtype, tp, "intermediate_size"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +168,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, args: LlamaArgs, layer_idx: int, rotary: RotaryEmbedding, workspace: GatherWorkspace,
-        dtype: torch.dtype, tp: TensorParallelGroup, checkpoint_args: LlamaArgs,
+        self,
+        args: LlamaArgs,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        checkpoint_args: LlamaArgs,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(args, layer_idx, rotary, workspace, dtype, tp, checkpoint_args)
@@ -172,7 +191,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype, tp: TensorParallelGroup,
+        self,
+        args: LlamaArgs,
+        max_model_len: int,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
         checkpoint_args: LlamaArgs,
     ) -> None:
         super().__init__()
@@ -207,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
     args_class = LlamaArgs  # what ``from_hf_config`` builds this class's arguments
 
     def __init__(
-        self, args: LlamaArgs, max_model_len: int, dtype: torch.dtype = torch.float32,
+        self,
+        args: LlamaArgs,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
@@ -243,7 +269,9 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         filled: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.checkpoint_args.tie_word_embeddings):
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.checkpoint_args.tie_word_embeddings
+            ):
                 continue  # derived from the config, or tied to the embedding
             target, shard = self._target(name)
             if target not in params:

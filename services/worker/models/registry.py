@@ -6,6 +6,7 @@ by ``services.model_files`` carries only a ``model_type``, so that is the
 fallback). Torch-free: the engine arguments check the model before any
 process starts; the classes are imported only when one is built.
 """
+
 from __future__ import annotations
 
 import importlib

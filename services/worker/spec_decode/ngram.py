@@ -14,6 +14,7 @@ going with period ``L - 1 - e`` (the distance between the occurrence and the
 tail), as the text would if it repeats; plain prompt lookup would propose
 fewer tokens there.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -20,6 +20,7 @@ Draws use the sampler's exponential race (argmax of p / Exp(1) noise). A
 seeded row takes its uniform and its noise from its own generator, seeded by
 (request seed, output index), so the result depends only on the request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,12 +43,17 @@ class RejectionSampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for unseeded random rows (the sampler's)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]) -> RejectionOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
+    ) -> RejectionOutput:
         """logits [N, V] with N = sum(len(d) + 1 for d in drafts), request by request."""
         device = logits.device
         first_row = _first_rows(drafts)
-        draft_rows = torch.tensor([first_row[i] + j for i, d in enumerate(drafts) for j in range(len(d))],
-                                  dtype=torch.long, device=device)
+        draft_rows = torch.tensor(
+            [first_row[i] + j for i, d in enumerate(drafts) for j in range(len(d))],
+            dtype=torch.long,
+            device=device,
+        )
         draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=device)
         draft_of_row = torch.full((logits.shape[0],), -1, dtype=torch.long, device=device)
         draft_of_row[draft_rows] = draft_ids  # [N], -1 on bonus rows
@@ -58,11 +64,15 @@ class RejectionSampler:
         accepted = emitted == draft_of_row  # [N]: greedy acceptance (never on bonus rows)
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)
-            accepted[rows], emitted[rows] = self._random_rows(adjusted[rows], rows.tolist(), draft_of_row[rows], meta)
+            accepted[rows], emitted[rows] = self._random_rows(
+                adjusted[rows], rows.tolist(), draft_of_row[rows], meta
+            )
 
         num_accepted = _accepted_prefix_lengths(accepted.tolist(), drafts, first_row)
         emitted_list = emitted.tolist()
-        token_ids = [d[:m] + [emitted_list[first_row[i] + m]] for i, (d, m) in enumerate(zip(drafts, num_accepted))]
+        token_ids = [
+            d[:m] + [emitted_list[first_row[i] + m]] for i, (d, m) in enumerate(zip(drafts, num_accepted))
+        ]
         logprobs = self._logprobs(raw_logprobs, token_ids, first_row, meta)
         return RejectionOutput(token_ids, logprobs)
 
@@ -116,8 +126,12 @@ class RejectionSampler:
         out: list[list[TokenLogprobs]] = [[] for _ in token_ids]
         if raw is None:
             return out
-        picks = [(i, first_row[i] + j, t) for i, tokens in enumerate(token_ids)
-                 if meta.num_logprobs[first_row[i]] is not None for j, t in enumerate(tokens)]
+        picks = [
+            (i, first_row[i] + j, t)
+            for i, tokens in enumerate(token_ids)
+            if meta.num_logprobs[first_row[i]] is not None
+            for j, t in enumerate(tokens)
+        ]
         if not picks:
             return out
         rows = torch.tensor([row for _, row, _ in picks], device=raw.device)
@@ -137,7 +151,9 @@ def _first_rows(drafts: list[list[int]]) -> list[int]:
     return starts
 
 
-def _accepted_prefix_lengths(accepted: list[bool], drafts: list[list[int]], first_row: list[int]) -> list[int]:
+def _accepted_prefix_lengths(
+    accepted: list[bool], drafts: list[list[int]], first_row: list[int]
+) -> list[int]:
     """Per request, how many drafts are accepted before the first rejection."""
     lengths = []
     for d, start in zip(drafts, first_row):

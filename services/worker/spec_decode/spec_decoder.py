@@ -7,6 +7,7 @@ at once. ``sample`` then takes the logits of each sampling request's last
 tokens in the batch. After every step, ``propose`` finds the drafts each
 request will verify next.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,7 +48,9 @@ class SpecDecoder:
             row = batch.requests[req_id].row
             start = int(batch.num_tokens[row])
             if start + len(drafts) > batch.max_model_len:
-                raise ValueError(f"Request {req_id}: {len(drafts)} drafts after {start} tokens pass max_model_len.")
+                raise ValueError(
+                    f"Request {req_id}: {len(drafts)} drafts after {start} tokens pass max_model_len."
+                )
             batch.token_ids[row, start : start + len(drafts)] = drafts
         return {req_id: len(drafts) for req_id, drafts in spec_tokens.items()}
 
@@ -92,8 +95,10 @@ class SpecDecoder:
         for first, end in request_chunks(drafts, self.max_chunk_rows):
             num_rows = sum(len(d) + 1 for d in drafts[first:end])
             meta = build_sampling_metadata(
-                per_position_inputs(states[first:end], drafts[first:end]), vocab_size=logits.shape[1],
-                eos_token_id=self.eos_token_id, device=self.device,
+                per_position_inputs(states[first:end], drafts[first:end]),
+                vocab_size=logits.shape[1],
+                eos_token_id=self.eos_token_id,
+                device=self.device,
             )
             out = self.rejection_sampler(logits[row : row + num_rows], meta, drafts[first:end])
             token_ids += out.token_ids
@@ -139,13 +144,18 @@ def request_chunks(drafts: list[list[int]], max_rows: int) -> list[tuple[int, in
     return chunks
 
 
-def per_position_inputs(states: list[CachedRequestState], drafts: list[list[int]]) -> list[RequestSamplingInput]:
+def per_position_inputs(
+    states: list[CachedRequestState], drafts: list[list[int]]
+) -> list[RequestSamplingInput]:
     """One sampling row per verified position: row ``j`` of a request sees the drafts
     before it as outputs, so penalties, min_tokens and per-output seeds apply as
     they would had those tokens been emitted one step at a time."""
     return [
-        RequestSamplingInput(state.sampling_params, state.prompt_token_ids,
-                             state.output_token_ids + d[:j] if j else state.output_token_ids)
+        RequestSamplingInput(
+            state.sampling_params,
+            state.prompt_token_ids,
+            state.output_token_ids + d[:j] if j else state.output_token_ids,
+        )
         for state, d in zip(states, drafts)
         for j in range(len(d) + 1)
     ]
