@@ -65,7 +65,7 @@ test-fast: install model
 	$(PY) -m pytest -q -m "not slow"
 
 # The rest: engines, servers and stacks (CI runs test-fast, then this).
-test-slow: install model
+test-slow: install model model-gemma3
 	$(PY) -m pytest -q -m slow
 
 lint: install

@@ -21,7 +21,9 @@ from tests.utils import REPO_ROOT
 SLOW = frozenset(
     {
         "tests/api/test_dp_client.py",
+        "tests/api/test_dp_client_links.py",
         "tests/api/test_dp_client_rejoin.py",
+        "tests/api/test_prefix_routing.py",
         "tests/api/test_structured_api.py",
         "tests/bench/test_bench_cli.py",
         "tests/bench/test_bench_serve.py",
@@ -32,16 +34,23 @@ SLOW = frozenset(
         "tests/bench/test_hf_baseline.py",
         "tests/bench/test_latency_and_datasets.py::test_end_to_end_latency",
         "tests/bench/test_latency_and_datasets.py::test_end_to_end_throughput_on_random_prompts",
+        "tests/engine_core/test_kv_events_publisher.py",
         "tests/engine_core/test_proc.py",
         "tests/engine_core/test_proc_hostile.py",
         "tests/engine_core/test_structured_output_xgrammar.py",
         "tests/kernels/test_e2e_triton.py",
         "tests/kv_transfer/test_offline.py",
+        "tests/kv_transfer/test_offline_forged.py",
         "tests/kv_transfer/test_pd_e2e.py",
+        "tests/test_api_params_e2e.py",
+        "tests/test_gemma3.py",
+        "tests/test_generation_config.py",
         "tests/test_hostile_http.py",
         "tests/test_llm.py",
+        "tests/test_management_e2e.py",
         "tests/test_reliability.py",
         "tests/test_serving.py",
+        "tests/test_sliding_window_engine.py",
         "tests/test_spec_decode.py",
         "tests/test_structured_outputs.py",
         "tests/test_tensor_parallel.py",
@@ -50,6 +59,7 @@ SLOW = frozenset(
         "tests/worker/test_model_runner.py",
         "tests/worker/test_multiproc_executor.py",
         "tests/worker/test_parallel_linear.py::test_sharded_layers_match_unsharded_over_gloo",
+        "tests/worker/test_quantized_model.py",
     }
 )
 
