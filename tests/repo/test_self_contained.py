@@ -10,10 +10,6 @@ from tests.utils import REPO_ROOT
 
 # A sibling folder of the checkout, as the development machines have one.
 OUTSIDE = re.compile(r"\.\." + r"/shared|/work" + r"/shared")
-# README.md is assembled from readme-parts/ when branches merge; until its two
-# old references are replaced there (readme-parts/repo.md says which), it is
-# checked by the coordinator, not here. Remove this once README.md is clean.
-NOT_YET_CHECKED = {"README.md"}
 
 
 def tracked_files() -> list[str]:
@@ -24,8 +20,6 @@ def tracked_files() -> list[str]:
 def test_no_tracked_file_refers_to_a_folder_beside_the_repository() -> None:
     offenders = []
     for name in tracked_files():
-        if name in NOT_YET_CHECKED:
-            continue
         path = REPO_ROOT / name
         if path.is_symlink() or not path.is_file():
             continue
