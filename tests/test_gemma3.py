@@ -33,7 +33,12 @@ NEW_TOKENS = 32
 # a long prefix with a shorter one (prefix-cache hits across window layers).
 PROMPT_SHAPES = [(10, 300), (37, 500), (700, 0), (120, 700), (250, 0), (75, 900), (600, 0), (560, 140)]
 # Small steps (chunked prefill) and a pool that holds the longest request but not all eight.
-ENGINE_ARGS = {"max_model_len": 1024, "max_num_batched_tokens": 128, "num_gpu_blocks_override": 300}
+ENGINE_ARGS = {
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 128,
+    "num_gpu_blocks_override": 300,
+    "quantization": "none",  # the oracle runs the dequantized GGUF; so does weft here
+}
 
 
 @pytest.fixture(scope="module")
