@@ -1,9 +1,8 @@
 """The compiled CPU decode-attention kernel (``csrc/cpu_paged_attention.cpp``).
 
-Built with the machine's C++ compiler through ``torch.utils.cpp_extension``
-by ``make install`` (``python -m kernels.cpu_attention``), else on first use
-(about 20 s; later processes load the cached build, and concurrent builders
-wait on one lock). ``load()`` raises
+Built by ``kernels.cpu_build`` at ``make install`` (``python -m
+kernels.cpu_attention``), else on first use (about 20 s; later processes
+load the cached build). ``load()`` raises
 ``KernelUnavailable`` with the reason when the build cannot happen (no
 compiler, no ninja); the worker then falls back to the torch path.
 
@@ -14,66 +13,22 @@ token per sequence.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import KernelUnavailable, build, target_isa
 from kernels.reference import check_query_and_cache
 
+__all__ = ["KernelUnavailable", "check_decode_args", "load", "paged_decode_attention", "target_isa"]
+
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here."""
 
 
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``."""
-    from torch.utils import cpp_extension
-
-    # The venv's ninja, when weft is run through .venv/bin/python without activating it.
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
-    if missing:
-        raise KernelUnavailable(f"building the CPU attention kernel needs {' and '.join(missing)} on PATH.")
-    isa, isa_flags = target_isa()
-    try:
-        cpp_extension.load(
-            name=f"weft_cpu_paged_attention_{isa}",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
-            # here; the library then uses the libgomp torch has already loaded.
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # compiler or linker errors come as several exception types
-        raise KernelUnavailable(f"building the CPU attention kernel failed: {exc}") from exc
-
-
-def target_isa() -> tuple[str, list[str]]:
-    """(name, compiler flags) of the instruction set the build targets.
-
-    AVX2 + FMA where the CPU has them, not ``-march=native``: a build (in a
-    Docker image, or a home directory shared between machines) may run on
-    another CPU than the one that built it. The kernel is bound by memory
-    traffic, and AVX-512 measured no faster here. Each target builds under
-    its own name, so builds for different CPUs do not replace each other.
-    """
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    if all(f in flags for f in ("avx2", "fma", "f16c")):
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel")
 
 
 def paged_decode_attention(

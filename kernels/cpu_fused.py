@@ -18,13 +18,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import KernelUnavailable, target_isa
+from kernels.cpu_build import KernelUnavailable, build, target_isa
 from kernels.reference import (
     check_fused_add_rms_norm_args,
     check_rotary_args,
@@ -64,26 +62,7 @@ def available() -> bool:
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernels and register ``torch.ops.weft_fused``."""
-    from torch.utils import cpp_extension
-
-    bin_dir = os.path.dirname(sys.executable)  # the venv's ninja, when the venv is not activated
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
-    if missing:
-        raise KernelUnavailable(f"building the fused CPU kernels needs {' and '.join(missing)} on PATH")
-    isa, isa_flags = target_isa()
-    try:
-        cpp_extension.load(
-            name=f"weft_cpu_fused_{isa}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # compiler or linker errors come as several exception types
-        raise KernelUnavailable(f"building the fused CPU kernels failed: {exc}") from exc
+    build("weft_cpu_fused", SOURCE, "the fused CPU kernels")
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -14,14 +14,11 @@ equal the gguf package's dequantization exactly; sums are fp32.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import KernelUnavailable, target_isa
+from kernels.cpu_build import KernelUnavailable, build, target_isa
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_quant_linear.cpp"
 
@@ -31,28 +28,7 @@ __all__ = ["KernelUnavailable", "dequantize_rows", "load", "quant_linear"]
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernels and register ``torch.ops.weft_quant``."""
-    from torch.utils import cpp_extension
-
-    bin_dir = os.path.dirname(sys.executable)  # the venv's ninja, when the venv is not activated
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
-    if missing:
-        raise KernelUnavailable(
-            f"building the CPU quantized-linear kernel needs {' and '.join(missing)} on PATH."
-        )
-    isa, isa_flags = target_isa()
-    try:
-        cpp_extension.load(
-            name=f"weft_cpu_quant_linear_{isa}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # compiler or linker errors come as several exception types
-        raise KernelUnavailable(f"building the CPU quantized-linear kernel failed: {exc}") from exc
+    build("weft_cpu_quant_linear", SOURCE, "the CPU quantized-linear kernel")
 
 
 def quant_linear(

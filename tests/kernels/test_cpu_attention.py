@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -195,7 +196,7 @@ def test_missing_tools_are_named(monkeypatch):
     cpu_attention.load.cache_clear()
     try:
         monkeypatch.setenv("PATH", "/nonexistent")
-        monkeypatch.setattr(cpu_attention.sys, "executable", "/nonexistent/python")
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python")
         with pytest.raises(cpu_attention.KernelUnavailable, match="needs ninja"):
             cpu_attention.load()
     finally:

@@ -1,0 +1,67 @@
+"""Building weft's C++ CPU kernels (``kernels/csrc/``) with the machine's compiler.
+
+One recipe for every kernel library: ``torch.utils.cpp_extension`` with
+ninja and the system C++ compiler, OpenMP, and AVX2 + FMA where the CPU has
+them. The build is cached by torch (later processes load it; concurrent
+builders wait on one lock). A build that cannot happen raises
+``KernelUnavailable`` with the reason, and the caller falls back to torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here."""
+
+
+def target_isa() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the instruction set the build targets.
+
+    AVX2 + FMA where the CPU has them, not ``-march=native``: a build (in a
+    Docker image, or a home directory shared between machines) may run on
+    another CPU than the one that built it. The kernels are bound by memory
+    traffic, and AVX-512 measured no faster here. Each target builds under
+    its own name, so builds for different CPUs do not replace each other.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    if all(f in flags for f in ("avx2", "fma", "f16c")):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def build(name: str, source: Path, what: str) -> None:
+    """Build (or load the cached build of) ``source`` as ``{name}_{isa}``, which registers
+    its ops with torch; ``what`` names it in the errors ("the CPU attention kernel")."""
+    from torch.utils import cpp_extension
+
+    # The venv's ninja, when weft is run through .venv/bin/python without activating it.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
+    if missing:
+        raise KernelUnavailable(f"building {what} needs {' and '.join(missing)} on PATH.")
+    isa, isa_flags = target_isa()
+    try:
+        cpp_extension.load(
+            name=f"{name}_{isa}",
+            sources=[str(source)],
+            # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
+            # here; the library then uses the libgomp torch has already loaded.
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler or linker errors come as several exception types
+        raise KernelUnavailable(f"building {what} failed: {exc}") from exc
