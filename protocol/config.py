@@ -1,6 +1,6 @@
 """One frozen config tree that every process receives whole.
 
-Built and validated once (``services.engine_args``) with every ``"auto"``
+Built and validated once (``services.config.engine_args``) with every ``"auto"``
 resolved; each field's description doubles as its CLI help.
 """
 

@@ -20,7 +20,7 @@ import time
 import msgspec
 import torch
 
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.worker.layers.linear import LinearBase, pack_linear_weights
 from services.worker.model_loader import load_model
 

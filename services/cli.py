@@ -9,7 +9,7 @@ import sys
 
 
 def _generate(argv: list[str]) -> int:
-    from services.cli_args import add_engine_args, engine_args_from
+    from services.config.cli_args import add_engine_args, engine_args_from
 
     parser = argparse.ArgumentParser(prog="weft generate", description="Complete one prompt offline.")
     parser.add_argument("--prompt", required=True, help="Text to complete.")

@@ -29,6 +29,16 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("WEFT_API_KEY", "API keys the /v1 routes accept, comma-separated, when no --api-key is given."),
+    EnvVar(
+        "WEFT_KV_TRANSFER_SECRET",
+        "The P/D proxy's shared secret, when no --kv-transfer-secret-file is given "
+        "(services/kv_transfer/trust.py).",
+    ),
+    EnvVar(
+        "WEFT_CPU_FUSED",
+        "0 turns the fused CPU element-wise kernels off (kernels/cpu_fused.py reads it itself: "
+        "kernels/ imports nothing from services/).",
+    ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
         "WEFT_WORKLOADS_DIR",

@@ -17,7 +17,7 @@ import msgspec
 from protocol import EngineCoreRequest, SamplingParams
 from services.api.output_processor import Logprob, RequestState
 from services.api.tokenizer import Tokenizer
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.engine_core.core import EngineCore
 from services.generation_config import with_extra_eos
 

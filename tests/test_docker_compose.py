@@ -151,7 +151,7 @@ async def test_engines_get_data_addresses_on_the_handshake_host():
     the data addresses it hands out must name a host engines can reach there,
     never a wildcard. ``localhost`` stands in for ``api`` here."""
     from services.api.dp_client import DPLBEngineClient
-    from services.engine_args import EngineArgs
+    from services.config.engine_args import EngineArgs
 
     config = EngineArgs(data_parallel_size=2).create_engine_config()
     client = DPLBEngineClient(config, "tcp://localhost:*", num_ranks=2)

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from protocol import SamplingParams
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.generation_config import (
     extra_eos_token_ids,
     read_generation_config,

@@ -7,9 +7,9 @@ import argparse
 import pytest
 
 from protocol import SpeculativeConfig
-from services.cli_args import add_engine_args, engine_args_from
-from services.engine_args import EngineArgs
-from services.speculative_args import resolve_speculative_config
+from services.config.cli_args import add_engine_args, engine_args_from
+from services.config.engine_args import EngineArgs
+from services.config.speculative_args import resolve_speculative_config
 
 
 def test_a_dict_becomes_the_config() -> None:

@@ -30,7 +30,7 @@ import pytest
 
 from protocol import SamplingParams
 from services import LLM, model_files
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.ports import free_port
 from services.worker.distributed import TensorParallelGroup
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM

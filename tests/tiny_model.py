@@ -10,7 +10,7 @@ from pathlib import Path
 
 from protocol import EngineConfig
 from services import model_files
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 
 _TOKENIZER_FILES = (
     "tokenizer.json",

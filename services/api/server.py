@@ -32,7 +32,7 @@ from services.api.limits import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServingLimits,
 )
-from services.cli_args import add_engine_args, engine_args_from
+from services.config.cli_args import add_engine_args, engine_args_from
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 from services.ports import free_port

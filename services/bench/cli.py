@@ -33,7 +33,7 @@ class Subcommand:
 
 
 def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.cli_args import add_engine_args
+    from services.config.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
     parser.add_argument(
@@ -63,7 +63,7 @@ def _add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from services.cli_args import engine_args_from
+    from services.config.cli_args import engine_args_from
 
     workload = load_dataset(args, parser)
     engine_args = engine_args_from(args)
@@ -154,7 +154,7 @@ def _table(workload: Workload, report: dict[str, Any]) -> str:
 
 
 def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.cli_args import add_engine_args
+    from services.config.cli_args import add_engine_args
 
     parser.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
     parser.add_argument("--output-len", type=int, default=128, help="Output tokens per request.")
@@ -170,7 +170,7 @@ def _add_latency_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from services.bench.latency import run_latency
-    from services.cli_args import engine_args_from
+    from services.config.cli_args import engine_args_from
 
     for name in ("input_len", "output_len", "batch_size", "num_iters"):
         if getattr(args, name) < 1:
@@ -210,7 +210,7 @@ def _run_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.cli_args import add_engine_args
+    from services.config.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
     parser.add_argument(
@@ -242,7 +242,7 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from services.bench.compare import format_compare, run_compare
-    from services.cli_args import engine_args_from
+    from services.config.cli_args import engine_args_from
 
     if min(args.hf_batch_sizes) < 1:
         parser.error("--hf-batch-sizes must be at least 1.")

@@ -211,7 +211,7 @@ def format_profile(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser) -> None:
-    from services.cli_args import add_engine_args
+    from services.config.cli_args import add_engine_args
 
     parser.add_argument(
         "--shapes",
@@ -241,7 +241,7 @@ def run(args, parser) -> int:
     import json
     from pathlib import Path
 
-    from services.cli_args import engine_args_from
+    from services.config.cli_args import engine_args_from
 
     engine_args = dataclasses.asdict(engine_args_from(args))
     if "prefill-2048" in args.shapes and (engine_args.get("max_num_batched_tokens") or 2048) < 2048:

@@ -24,7 +24,7 @@ import msgspec
 
 from services.bench.serve_client import ClientConfig, run_benchmark, send_one
 from services.bench.workload import Workload, WorkloadRequest
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.ports import free_port
 
 _STARTUP_DEADLINE_S = 300.0

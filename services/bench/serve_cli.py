@@ -33,7 +33,7 @@ SWEEPS = ("rates", "concurrencies")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.cli_args import add_engine_args
+    from services.config.cli_args import add_engine_args
 
     add_dataset_arguments(parser)
     parser.add_argument(
@@ -172,7 +172,7 @@ def _run_launched(
 ) -> int:
     from services.bench import throughput
     from services.bench.serve import run_serve
-    from services.cli_args import engine_args_from
+    from services.config.cli_args import engine_args_from
 
     concurrency = args.max_concurrency or 64
     engine_args = engine_args_from(args)

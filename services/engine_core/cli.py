@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     if args.kv_transfer_config is not None:
-        from services.kv_transfer.config import resolve_kv_transfer_config
+        from services.config.kv_transfer_args import resolve_kv_transfer_config
 
         try:
             resolve_kv_transfer_config(args.kv_transfer_config)

@@ -28,7 +28,7 @@ from protocol.kv_events import (
     seq_bytes,
     seq_from,
 )
-from services.json_arg import parse_json_object
+from services.config.json_arg import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ class ZmqEventPublisher:
             self.endpoint,
             self.replay_endpoint or "off",
         )
+
+    @property
+    def num_sent(self) -> int:
+        """Batches sent so far (each also kept for replay, while the buffer holds it)."""
+        return self._next_seq
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events as a batch; a full queue drops it (counted, logged)."""

@@ -49,9 +49,9 @@ from protocol.curve import CLIENT, CurveKeys, load_keys
 from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_deltas, without_deltas
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
+from services.config.kv_transfer_args import with_default_keys_dir, with_kv_transfer_config
 from services.engine_core.drain import Drain
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
-from services.kv_transfer.config import with_default_keys_dir, with_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from protocol import EngineConfig, SchedulerOutput
 from protocol.kv_transfer import KVBlockTransfer, KVConnectorMetadata, KVTransferParams
+from services.config.kv_transfer_args import connector_options
 from services.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from services.kv_transfer.block_store import BlockStore
-from services.kv_transfer.config import connector_options
 from services.kv_transfer.keys import mac_key
 from services.kv_transfer.namespace import block_namespace
 

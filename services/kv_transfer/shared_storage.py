@@ -29,9 +29,9 @@ from pathlib import Path
 
 from protocol.kv_transfer import KVBlock
 from protocol.zmq_sockets import DEFAULT_MAX_MSG_SIZE
+from services.config.kv_transfer_args import SharedStorageOptions
 from services.kv_transfer.block_connector import BlockConnector
 from services.kv_transfer.block_store import BlockStore
-from services.kv_transfer.config import SharedStorageOptions
 
 _POLL_S = 0.01  # how often a load re-checks for files a producer is still writing
 # The largest block file read: a block as large as the wire allows, plus its header.

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.kv_transfer import KVBlockTransfer
+from services.config.kv_transfer_args import DEFAULT_TIMEOUT_S
 from services.kv_transfer.block_store import BlockStore, is_intact
-from services.kv_transfer.config import DEFAULT_TIMEOUT_S
 from services.kv_transfer.kv_blocks import PagedKVBlocks
 
 logger = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CurveKeys
 from protocol.kv_transfer import KVBlock, KVGet, KVPut, KVServiceReply, KVServiceStats, KVStatsRequest
 from protocol.zmq_sockets import make_socket, recv, send, tcp_address
+from services.config.kv_transfer_args import ZmqOptions
 from services.kv_transfer.block_connector import BlockConnector
 from services.kv_transfer.block_store import BlockStore
-from services.kv_transfer.config import ZmqOptions
 from services.kv_transfer.keys import engine_curve_keys
 
 logger = logging.getLogger(__name__)

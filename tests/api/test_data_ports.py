@@ -6,7 +6,7 @@ import pytest
 
 from services.api.dp_client import DPLBEngineClient
 from services.api.server import build_parser, data_ports
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.ports import free_port
 
 

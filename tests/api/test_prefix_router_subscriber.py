@@ -54,6 +54,9 @@ async def test_a_late_subscriber_builds_its_view_from_replay_then_follows_live(c
     for i in range(5):
         publisher.publish(_stored(i))
     publisher.publish([BlockRemoved([bytes([2]) * 32])])
+    # Joining before the publisher thread sent them all would leave the rest to the next
+    # batch's gap check; here the subscriber joins after all six, as a late one does.
+    await wait_until(lambda: publisher.num_sent == 6, 10, "the publisher to send six batches")
     view = RankCacheView()
     subscriber = RankSubscriber(ctx, config, 1, view)
     task = asyncio.create_task(subscriber.run())

@@ -12,7 +12,7 @@ import pytest
 from services.api.server import build_parser as serve_parser
 from services.bench import cli
 from services.bench.serve import serve_argv
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 
 
 def test_end_to_end_serve_bench_on_smoke8(

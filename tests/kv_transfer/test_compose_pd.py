@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from services.api.server import build_parser as serve_parser
-from services.kv_transfer.config import resolve_kv_transfer_config
+from services.config.kv_transfer_args import resolve_kv_transfer_config
 from services.kv_transfer.proxy import build_parser as proxy_parser
 from services.kv_transfer.service import build_parser as service_parser
 from tests.utils import compose_command

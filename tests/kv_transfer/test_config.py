@@ -6,16 +6,16 @@ import json
 
 import pytest
 
-from services.cli_args import add_engine_args, engine_args_from
-from services.engine_args import EngineArgs
-from services.engine_core.cli import engine_args
-from services.engine_core.cli import parse_args as engine_core_args
-from services.kv_transfer.config import (
+from services.config.cli_args import add_engine_args, engine_args_from
+from services.config.engine_args import EngineArgs
+from services.config.kv_transfer_args import (
     SharedStorageOptions,
     connector_options,
     resolve_kv_transfer_config,
     with_kv_transfer_config,
 )
+from services.engine_core.cli import engine_args
+from services.engine_core.cli import parse_args as engine_core_args
 
 ZMQ = {"kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": 15000}
 
@@ -104,7 +104,7 @@ def test_an_engine_core_override_replaces_the_apis_choice():
 
 
 def test_the_curve_keys_folder_secures_the_kv_transfer_unless_it_names_its_own():
-    from services.kv_transfer.config import with_default_keys_dir
+    from services.config.kv_transfer_args import with_default_keys_dir
 
     config = EngineArgs(kv_transfer_config=ZMQ).create_engine_config()
     secured = with_default_keys_dir(config, "/keys")

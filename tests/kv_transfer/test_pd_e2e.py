@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from protocol import SamplingParams
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request
 from services.kv_transfer.block_connector import block_namespace

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol import ModelConfig
-from services.cli_args import add_engine_args, engine_args_from
+from services.config.cli_args import add_engine_args, engine_args_from
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.model_loader import load_model

@@ -121,7 +121,7 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 
 def test_an_unsupported_checkpoint_is_refused_before_anything_starts(tmp_path):
-    from services.engine_args import EngineArgs
+    from services.config.engine_args import EngineArgs
 
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="Unsupported model.*Supported architectures: LlamaForCausalLM"):

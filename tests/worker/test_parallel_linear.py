@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.parallel_args import check_tensor_parallel
+from services.config.parallel_args import check_tensor_parallel
 from services.worker.distributed import (
     TensorParallelGroup,
     destroy_tensor_parallel,

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from services.cli_args import add_engine_args, engine_args_from
-from services.engine_args import EngineArgs, resolve_quantization
+from services.config.cli_args import add_engine_args, engine_args_from
+from services.config.engine_args import EngineArgs, resolve_quantization
 
 
 def quantization_of(**kwargs) -> str:

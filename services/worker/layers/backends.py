@@ -10,7 +10,7 @@
 - ``triton``: Triton kernels for attention, cache writes, norms, rotary and
   the MLP activation (``triton_attention.py``); the default on CUDA.
 
-``WEFT_ATTENTION_BACKEND`` forces one (``services.engine_args``).
+``WEFT_ATTENTION_BACKEND`` forces one (``services.config.engine_args``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from msgspec import Meta
 
 from protocol import EngineConfig
 from protocol.kv_transfer import KV_CONNECTORS, KVTransferConfig
-from services.json_arg import parse_json_object
+from services.config.json_arg import parse_json_object
 
 # How long one transfer may wait: a reply from the kv_transfer service, or
 # blocks that a producer has not finished writing yet.

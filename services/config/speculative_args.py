@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from protocol import SpeculativeConfig
-from services.json_arg import parse_json_object
+from services.config.json_arg import parse_json_object
 
 # vLLM's default when neither prompt_lookup bound is given.
 _DEFAULT_LOOKUP = 5

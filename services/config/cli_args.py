@@ -11,7 +11,7 @@ import dataclasses
 import typing
 
 from protocol import config as config_module
-from services.engine_args import EngineArgs
+from services.config.engine_args import EngineArgs
 
 _EXTRA_HELP = {
     "model": "GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct).",

@@ -23,11 +23,11 @@ from protocol import (
 )
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
+from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
+from services.config.parallel_args import check_tensor_parallel
+from services.config.speculative_args import resolve_speculative_config
 from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
-from services.kv_transfer.config import check_engine_supports, resolve_kv_transfer_config
-from services.parallel_args import check_tensor_parallel
-from services.speculative_args import resolve_speculative_config
 from services.worker.models.registry import architecture_of, layer_sliding_windows
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
