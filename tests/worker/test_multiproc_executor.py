@@ -149,4 +149,5 @@ def test_workers_die_with_their_engine_core(tmp_path):
     finally:
         owner.kill()
         owner.wait()
+        owner.stdout.close()
     assert_all_gone(pids)
