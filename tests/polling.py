@@ -8,6 +8,7 @@ until the deadline passes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,13 +31,17 @@ def wait_for(
 async def wait_until(
     check: Callable[[], Any], timeout_s: float, what: str = "the condition", interval_s: float = 0.05
 ) -> Any:
-    """``wait_for`` for a test running on the event loop."""
+    """``wait_for`` for a test running on the event loop; ``check`` may be a coroutine function."""
     deadline = time.monotonic() + timeout_s
-    while not (result := check()):
+    while not (result := await _maybe_await(check())):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(interval_s)
     return result
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
 
 
 def wait_healthy(

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from services.stack import Stack
+from tests.polling import wait_until
 from tests.test_monitoring import dashboard_metric_names, served_sample_names
 
 KEY = "mgmt-key"
@@ -140,10 +141,7 @@ async def _wait_load(http, n: int) -> dict:
         load = (await http.get("/load")).json()
         return load["server_load"] == n
 
-    deadline = asyncio.get_running_loop().time() + 30
-    while not await poll():
-        assert asyncio.get_running_loop().time() < deadline, f"/load stayed at {load}"
-        await asyncio.sleep(0.05)  # polling another process, with a deadline
+    await wait_until(poll, 30, f"/load to reach {n}")
     return load
 
 
