@@ -17,6 +17,7 @@ from protocol.kv_events import (
 )
 from protocol.zmq_sockets import ipc_address
 from services.engine_core.kv_events import ZmqEventPublisher, resolve_kv_events_config
+from tests.polling import wait_for
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -69,6 +70,8 @@ def test_replay_answers_from_seq_n_out_of_the_last_buffer_steps_batches(publishe
     for i in range(5):
         publisher.publish(_removed(i))
     publisher.publish([])  # a step without events sends nothing
+    # publish() only queues: the replay is asked for once the publisher thread has sent all five.
+    wait_for(lambda: publisher.num_sent == 5, timeout_s=10, what="five batches sent")
     got = _replay(ctx, publisher.replay_endpoint, [b"", (3).to_bytes(8, "big")])
     assert [seq for seq, _ in got] == [3, 4]
     assert got[0][1].events == _removed(3) and got[0][1].data_parallel_rank == 0
@@ -85,6 +88,7 @@ def test_a_malformed_replay_request_is_ignored_and_the_publisher_keeps_serving(p
     bad.connect(publisher.replay_endpoint)
     bad.send_multipart([b"", b"not eight bytes"])
     publisher.publish([AllBlocksCleared()])
+    wait_for(lambda: publisher.num_sent == 1, timeout_s=10, what="the batch sent")
     got = _replay(ctx, publisher.replay_endpoint, [b"", (0).to_bytes(8, "big")])
     assert [b.events for _, b in got] == [[AllBlocksCleared()]]
     assert not bad.poll(100), "a malformed request got an answer"
