@@ -105,3 +105,19 @@ def test_speculation_times_the_proposer(tiny, shapes):
     (shape,) = report["shapes"]
     assert "spec: propose" in shape["phases_ms"]
     assert shape["tokens_per_step"] == pytest.approx(1 + shape["spec_accepted"] / shape["steps"])
+
+
+def test_repeat_prompts_repeat_one_span():
+    """The repeat-1 shape's prompt is one 32-token span over and over: an n-gram proposer finds
+    a match for any suffix of it; the decode shapes' prompts are random tokens."""
+    from types import SimpleNamespace
+
+    llm = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(vocab_size=1000)))
+    (repeat,) = profile_bench._requests(llm, "repeat-1", 8, "t", seed=0)
+    prompt = repeat.prompt_token_ids
+    assert len(prompt) == profile_bench.SHAPES["repeat-1"][1]
+    span = profile_bench._REPEAT_SPAN
+    assert prompt == (prompt[:span] * (len(prompt) // span + 1))[: len(prompt)]
+    assert len(set(prompt[:span])) > span // 2  # the span itself is random tokens
+    (plain,) = profile_bench._requests(llm, "decode-1", 8, "t", seed=0)
+    assert plain.prompt_token_ids[:span] != plain.prompt_token_ids[span : 2 * span]
