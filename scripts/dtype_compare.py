@@ -15,7 +15,7 @@ import time
 
 from services import LLM, SamplingParams
 from services.bench import step_phases
-from services.bench.profile import start_shape
+from services.bench.step_shapes import start_shape
 from services.bench.workload import load_workload, resolve_dataset
 
 DTYPES = ("float32", "bfloat16")

@@ -18,6 +18,9 @@ import statistics
 import time
 from typing import Any
 
+from services.bench import step_shapes
+from services.bench.step_shapes import is_decode, start_shape
+
 # Self-CPU op name -> group; an op not named here is matched by the prefixes below, else "other".
 _GROUPS = {
     "mkldnn::_linear_pointwise": "linear",
@@ -49,20 +52,6 @@ _GROUPS = {
 }
 _PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
 
-SHAPES = {  # name -> (sequences, prompt tokens, steps profiled)
-    "decode-64": (64, 128, 8),
-    "prefill-2048": (1, 2048, 1),
-    "decode-1": (1, 128, 32),
-    # Batch-1 decode of a prompt that repeats one 32-token span: the model goes on
-    # copying it, so n-gram speculation (--speculative-config) has drafts to verify.
-    "repeat-1": (1, 128, 32),
-}
-_REPEAT_SPAN = 32
-
-
-def is_decode(shape: str) -> bool:
-    return not shape.startswith("prefill")
-
 
 def group_of(op_name: str) -> str:
     if op_name in _GROUPS:
@@ -89,33 +78,6 @@ def breakdown(events) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return by_time, sorted(ops, key=lambda o: -o["self_ms"])
 
 
-def _requests(llm, name: str, max_tokens: int, tag: str, seed: int):
-    import numpy as np
-
-    from protocol import EngineCoreRequest, SamplingParams
-
-    num_seqs, prompt_len, _ = SHAPES[name]
-    rng = np.random.default_rng(seed)  # a seed per phase: no prefix-cache hits across phases
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    vocab = llm.config.model.vocab_size
-
-    def prompt() -> list[int]:
-        if not name.startswith("repeat"):
-            return rng.integers(0, vocab, prompt_len).tolist()
-        return np.resize(rng.integers(0, vocab, _REPEAT_SPAN), prompt_len).tolist()
-
-    return [
-        EngineCoreRequest(
-            request_id=f"{tag}-{i}",
-            prompt_token_ids=prompt(),
-            sampling_params=params,
-            arrival_time=time.time(),
-            eos_token_id=None,
-        )
-        for i in range(num_seqs)
-    ]
-
-
 def _timed_steps(engine, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -125,22 +87,10 @@ def _timed_steps(engine, n: int) -> list[float]:
     return times
 
 
-def start_shape(llm, name: str, tag: str, seed: int, max_tokens: int) -> list[str]:
-    """Add the shape's requests; for a decode shape, step until all are prefilled."""
-    requests = _requests(llm, name, max_tokens, f"{name}-{tag}", seed)
-    for request in requests:
-        llm.engine.add_request(request)
-    if is_decode(name):  # the measured steps are then pure decode
-        seen: set[str] = set()
-        while len(seen) < len(requests):
-            seen.update(o.request_id for o in llm.engine.step().outputs)
-    return [r.request_id for r in requests]
-
-
 def time_shape(llms: list, name: str, rounds: int) -> list[float]:
     """Median step ms of each engine, their steps interleaved (A, B, A, B, ...) so that a change
     in the machine's load between rounds touches both alike."""
-    _, _, steps = SHAPES[name]
+    _, _, steps = step_shapes.SHAPES[name]
     decode = is_decode(name)
     times: list[list[float]] = [[] for _ in llms]
     live = [start_shape(llm, name, "timed", 1, rounds * steps + 8) for llm in llms] if decode else None
@@ -160,7 +110,7 @@ def profile_shape(llm, name: str) -> dict[str, Any]:
     """The profiled breakdown of ``steps`` steps of one shape."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, _, steps = SHAPES[name]
+    _, _, steps = step_shapes.SHAPES[name]
     ids = start_shape(llm, name, "profiled", 2, steps + 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _timed_steps(llm.engine, steps)
@@ -230,7 +180,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--shapes",
         nargs="+",
-        choices=list(SHAPES),
+        choices=list(step_shapes.SHAPES),
         default=["decode-64", "prefill-2048", "decode-1"],
         help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode "
         "(default), batch-1 decode of a prompt that repeats itself (for speculation).",

@@ -20,6 +20,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from services.bench import step_shapes
+from services.bench.step_shapes import is_decode, start_shape
+
 # Phase name -> (path of the owner object from the engine, attribute), outermost first.
 # Nested phases are subtracted from the phase that calls them, so each reports its own time.
 _PHASES = (
@@ -179,7 +182,7 @@ def format_phases(label: str, result: dict[str, Any]) -> str:
 
 
 def run_step_phases(shapes: list[str], rounds: int = 3, **engine_args: Any) -> dict[str, Any]:
-    """The phase breakdown of each shape (``profile.SHAPES``) in one fresh engine."""
+    """The phase breakdown of each shape (``step_shapes.SHAPES``) in one fresh engine."""
     from services import LLM
 
     llm = LLM(**engine_args)
@@ -193,11 +196,9 @@ def run_step_phases(shapes: list[str], rounds: int = 3, **engine_args: Any) -> d
 def measure_shapes(llm, shapes: list[str], rounds: int) -> list[dict[str, Any]]:
     """Decode shapes time ``rounds`` x their step count on the same running requests,
     after a short warm-up; a prefill shape times one step per round, on fresh prompts."""
-    from services.bench.profile import SHAPES, is_decode, start_shape
-
     results = []
     for name in shapes:
-        steps = SHAPES[name][2]
+        steps = step_shapes.SHAPES[name][2]
         if is_decode(name):
             # Room for every step to emit its drafts too: no request finishes while timed.
             max_tokens = _MAX_TOKENS_PER_STEP * (rounds + 1) * steps + 64
@@ -206,12 +207,12 @@ def measure_shapes(llm, shapes: list[str], rounds: int) -> list[dict[str, Any]]:
             result = measure_steps(llm.engine, rounds * steps)
             llm.engine.abort_requests(ids)
         else:
-            result = _prefill_phases(llm, name, rounds, start_shape)
+            result = _prefill_phases(llm, name, rounds)
         results.append({"shape": name, **result})
     return results
 
 
-def _prefill_phases(llm, name: str, rounds: int, start_shape) -> dict[str, Any]:
+def _prefill_phases(llm, name: str, rounds: int) -> dict[str, Any]:
     runs = []
     for r in range(rounds + 1):  # the first is a warm-up
         ids = start_shape(llm, name, f"phases{r}", 20 + r, 2)

@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from services.bench import profile as profile_bench
-from services.bench import step_phases
+from services.bench import step_phases, step_shapes
 from tests.tiny_model import build_tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -56,7 +55,7 @@ def llm(tiny):
 @pytest.fixture
 def shapes(monkeypatch):
     monkeypatch.setattr(
-        profile_bench,
+        step_shapes,
         "SHAPES",
         {"decode-4": (4, 16, 3), "prefill-64": (1, 64, 1), "repeat-1": (1, 64, 4)},
     )
@@ -113,11 +112,11 @@ def test_repeat_prompts_repeat_one_span():
     from types import SimpleNamespace
 
     llm = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(vocab_size=1000)))
-    (repeat,) = profile_bench._requests(llm, "repeat-1", 8, "t", seed=0)
+    (repeat,) = step_shapes.requests_for(llm, "repeat-1", 8, "t", seed=0)
     prompt = repeat.prompt_token_ids
-    assert len(prompt) == profile_bench.SHAPES["repeat-1"][1]
-    span = profile_bench._REPEAT_SPAN
+    assert len(prompt) == step_shapes.SHAPES["repeat-1"][1]
+    span = step_shapes._REPEAT_SPAN
     assert prompt == (prompt[:span] * (len(prompt) // span + 1))[: len(prompt)]
     assert len(set(prompt[:span])) > span // 2  # the span itself is random tokens
-    (plain,) = profile_bench._requests(llm, "decode-1", 8, "t", seed=0)
+    (plain,) = step_shapes.requests_for(llm, "decode-1", 8, "t", seed=0)
     assert plain.prompt_token_ids[:span] != plain.prompt_token_ids[span : 2 * span]
