@@ -23,18 +23,19 @@ from typing import Any
 from services.bench import step_shapes
 from services.bench.step_shapes import is_decode, start_shape
 
-# Phase name -> (path of the owner object from the engine, attribute), outermost first.
+# (phase, the owner's path from the engine, attribute, kind): a "method" is replaced on its
+# instance; a "callable" attribute (an object called for its ``__call__``) by a timed proxy.
 # Nested phases are subtracted from the phase that calls them, so each reports its own time.
 _PHASES = (
-    ("schedule", "scheduler", "schedule"),
-    ("update_from_output", "scheduler", "update_from_output"),
-    ("execute_model", "runner", "execute_model"),
-    ("input_batch.update", "runner.input_batch", "update"),
-    ("forward", "runner", "_forward"),
-    ("logits", "runner.model", "compute_logits"),
-    ("sampler", "runner", "sampler"),
-    ("spec: propose", "runner.spec_decoder", "propose"),
-    ("spec: verify", "runner.spec_decoder.rejection_sampler", "__call__"),
+    ("schedule", "scheduler", "schedule", "method"),
+    ("update_from_output", "scheduler", "update_from_output", "method"),
+    ("execute_model", "runner", "execute_model", "method"),
+    ("input_batch.update", "runner.input_batch", "update", "method"),
+    ("forward", "runner", "_forward", "method"),
+    ("logits", "runner.model", "compute_logits", "method"),
+    ("sampler", "runner", "sampler", "callable"),
+    ("spec: propose", "runner.spec_decoder", "propose", "method"),
+    ("spec: verify", "runner.spec_decoder", "rejection_sampler", "callable"),
 )
 # Module-level functions the runner calls by name: (phase, module, function).
 _FUNCTIONS = (
@@ -68,12 +69,12 @@ class PhaseClock:
 
         return timed
 
-    def reset(self) -> None:
-        self.self_s.clear()
-
 
 def _resolve(engine, path: str):
-    obj = {"scheduler": engine.scheduler, "runner": engine.executor.worker.model_runner}[path.split(".")[0]]
+    worker = getattr(engine.executor, "worker", None)
+    if worker is None:
+        raise ValueError("--step-phases times an in-process worker: it needs tensor_parallel_size 1.")
+    obj = {"scheduler": engine.scheduler, "runner": worker.model_runner}[path.split(".")[0]]
     for part in path.split(".")[1:]:
         obj = getattr(obj, part, None)
         if obj is None:
@@ -103,21 +104,16 @@ def instrumented(engine) -> Iterator[PhaseClock]:
     clock = PhaseClock()
     undo: list[Callable[[], None]] = []
     try:
-        for name, path, attr in _PHASES:
+        for name, path, attr, kind in _PHASES:
             owner = _resolve(engine, path)
             if owner is None:
                 continue
-            if attr == "__call__":
-                parent_path, _, child = path.rpartition(".")
-                parent = _resolve(engine, parent_path)
-                setattr(parent, child, _CallProxy(owner, clock.wrap(name, owner.__call__)))
-                undo.append(lambda p=parent, c=child, o=owner: setattr(p, c, o))
-            elif attr == "sampler":
-                sampler = owner.sampler
-                owner.sampler = _CallProxy(sampler, clock.wrap(name, sampler.__call__))
-                undo.append(lambda o=owner, s=sampler: setattr(o, "sampler", s))
+            original = getattr(owner, attr)
+            if kind == "callable":
+                setattr(owner, attr, _CallProxy(original, clock.wrap(name, original.__call__)))
+                undo.append(lambda o=owner, a=attr, v=original: setattr(o, a, v))
             else:
-                setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
+                setattr(owner, attr, clock.wrap(name, original))
                 undo.append(lambda o=owner, a=attr: delattr(o, a))
         for name, module_name, function in _FUNCTIONS:
             module = importlib.import_module(module_name)
