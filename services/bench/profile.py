@@ -18,6 +18,9 @@ import statistics
 import time
 from typing import Any
 
+from services.bench import step_shapes
+from services.bench.step_shapes import is_decode, start_shape
+
 # Self-CPU op name -> group; an op not named here is matched by the prefixes below, else "other".
 _GROUPS = {
     "mkldnn::_linear_pointwise": "linear",
@@ -49,12 +52,6 @@ _GROUPS = {
 }
 _PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
 
-SHAPES = {  # name -> (sequences, prompt tokens, steps profiled)
-    "decode-64": (64, 128, 8),
-    "prefill-2048": (1, 2048, 1),
-    "decode-1": (1, 128, 32),
-}
-
 
 def group_of(op_name: str) -> str:
     if op_name in _GROUPS:
@@ -81,26 +78,6 @@ def breakdown(events) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return by_time, sorted(ops, key=lambda o: -o["self_ms"])
 
 
-def _requests(llm, num_seqs: int, prompt_len: int, max_tokens: int, tag: str, seed: int):
-    import numpy as np
-
-    from protocol import EngineCoreRequest, SamplingParams
-
-    rng = np.random.default_rng(seed)  # a seed per phase: no prefix-cache hits across phases
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    vocab = llm.config.model.vocab_size
-    return [
-        EngineCoreRequest(
-            request_id=f"{tag}-{i}",
-            prompt_token_ids=rng.integers(0, vocab, prompt_len).tolist(),
-            sampling_params=params,
-            arrival_time=time.time(),
-            eos_token_id=None,
-        )
-        for i in range(num_seqs)
-    ]
-
-
 def _timed_steps(engine, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -110,30 +87,17 @@ def _timed_steps(engine, n: int) -> list[float]:
     return times
 
 
-def _start(llm, name: str, tag: str, seed: int, max_tokens: int) -> list[str]:
-    """Add the shape's requests; for a decode shape, step until all are prefilled."""
-    num_seqs, prompt_len, _ = SHAPES[name]
-    requests = _requests(llm, num_seqs, prompt_len, max_tokens, f"{name}-{tag}", seed)
-    for request in requests:
-        llm.engine.add_request(request)
-    if name.startswith("decode"):  # the measured steps are then pure decode
-        seen: set[str] = set()
-        while len(seen) < num_seqs:
-            seen.update(o.request_id for o in llm.engine.step().outputs)
-    return [r.request_id for r in requests]
-
-
 def time_shape(llms: list, name: str, rounds: int) -> list[float]:
     """Median step ms of each engine, their steps interleaved (A, B, A, B, ...) so that a change
     in the machine's load between rounds touches both alike."""
-    _, _, steps = SHAPES[name]
-    decode = name.startswith("decode")
+    _, _, steps = step_shapes.SHAPES[name]
+    decode = is_decode(name)
     times: list[list[float]] = [[] for _ in llms]
-    live = [_start(llm, name, "timed", 1, rounds * steps + 8) for llm in llms] if decode else None
+    live = [start_shape(llm, name, "timed", 1, rounds * steps + 8) for llm in llms] if decode else None
     for r in range(rounds):
         for i, llm in enumerate(llms):
             if not decode:  # a fresh prompt each round: no prefix-cache hits
-                ids = _start(llm, name, f"timed{r}", 10 + r, 2)
+                ids = start_shape(llm, name, f"timed{r}", 10 + r, 2)
             times[i] += _timed_steps(llm.engine, steps)
             if not decode:
                 llm.engine.abort_requests(ids)
@@ -146,8 +110,8 @@ def profile_shape(llm, name: str) -> dict[str, Any]:
     """The profiled breakdown of ``steps`` steps of one shape."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, _, steps = SHAPES[name]
-    ids = _start(llm, name, "profiled", 2, steps + 8)
+    _, _, steps = step_shapes.SHAPES[name]
+    ids = start_shape(llm, name, "profiled", 2, steps + 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _timed_steps(llm.engine, steps)
     llm.engine.abort_requests(ids)
@@ -216,9 +180,16 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--shapes",
         nargs="+",
-        choices=list(SHAPES),
-        default=list(SHAPES),
-        help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode.",
+        choices=list(step_shapes.SHAPES),
+        default=["decode-64", "prefill-2048", "decode-1"],
+        help="Which steps to profile: 64-sequence decode, 2,048-token prefill, batch-1 decode "
+        "(default), batch-1 decode of a prompt that repeats itself (for speculation).",
+    )
+    parser.add_argument(
+        "--step-phases",
+        action="store_true",
+        help="Instead of torch.profiler: the wall time of each phase of the whole engine step "
+        "(schedule, input prep, forward, logits, sampler, output processing) and the step/forward ratio.",
     )
     parser.add_argument(
         "--fused",
@@ -248,8 +219,14 @@ def run(args, parser) -> int:
         parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1.")
-    report = run_profile(args.shapes, args.fused, args.rounds, **engine_args)
-    print(format_profile(report))
+    if args.step_phases:
+        from services.bench import step_phases
+
+        report = step_phases.run_step_phases(args.shapes, args.rounds, **engine_args)
+        print(step_phases.format_report(report))
+    else:
+        report = run_profile(args.shapes, args.fused, args.rounds, **engine_args)
+        print(format_profile(report))
     if args.output_json is not None:
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.bench import cli, throughput
+from services.bench import cli, spec_decode, throughput
 from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
@@ -59,13 +59,14 @@ def test_runs_without_then_with_speculation_and_reports_the_speedup(
         str(out),
     ]
     assert cli.main(argv) == 0
-    assert seen == [(None, 1), (SPEC, 1)]  # the same arguments, speculation off first
+    # The same arguments, speculation off first, alternating.
+    assert seen == [(None, 1), (SPEC, 1)] * spec_decode.ROUNDS
     report = json.loads(out.read_text())
     assert report["speedup_output_tokens_per_s"] == pytest.approx(2.5)
     assert report["speedup_output_tokens_per_cpu_s"] == pytest.approx(2.0)
     assert report["spec_decode"]["acceptance_rate"] == 0.5
     table = capsys.readouterr().out
-    assert "speed-up 2.50x (wall clock), 2.00x (CPU time)" in table
+    assert "speed-up 2.50x (wall clock; per round 2.50x, 2.50x), 2.00x (CPU time)" in table
     assert "acceptance rate 50.0%, mean accepted length 3.00" in table
 
 
@@ -87,3 +88,35 @@ def test_bad_speculative_arguments_exit_with_a_reason(
         cli.main(["throughput", "--dataset", str(workloads_dir / "smoke-8.json"), *argv])
     assert exit_info.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def test_alternating_runs_are_summed_and_their_drafts_pooled() -> None:
+    """Rates over the summed runs; acceptance from the pooled draft counts, per position weighted by drafts."""
+
+    def result(elapsed: float, stats: dict[str, Any] | None) -> BenchResult:
+        return BenchResult(
+            "weft", 2, 10, 40, elapsed, {"max_num_seqs": 1, "spec_decode": stats}, cpu_s=elapsed
+        )
+
+    first = {"num_speculative_tokens": 2, "num_drafts": 10, "num_draft_tokens": 20, "num_accepted_tokens": 10}
+    second = {
+        "num_speculative_tokens": 2,
+        "num_drafts": 30,
+        "num_draft_tokens": 60,
+        "num_accepted_tokens": 50,
+    }
+    first |= {"acceptance_rate": 0.5, "mean_accepted_length": 2.0, "per_position_acceptance_rate": [0.6, 0.4]}
+    second |= {
+        "acceptance_rate": 50 / 60,
+        "mean_accepted_length": 80 / 30,
+        "per_position_acceptance_rate": [1.0, 2 / 3],
+    }
+    summed = spec_decode._summed([result(1.0, first), result(3.0, second)])
+    assert (summed.output_tokens, summed.elapsed_s, summed.cpu_s, summed.num_requests) == (80, 4.0, 4.0, 4)
+    stats = summed.details["spec_decode"]
+    assert (stats["num_drafts"], stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (40, 80, 60)
+    assert stats["acceptance_rate"] == pytest.approx(0.75)
+    assert stats["mean_accepted_length"] == pytest.approx(2.5)
+    # Accepted at position 0: 6 + 30 of 40 drafts; at position 1: 4 + 20.
+    assert stats["per_position_acceptance_rate"] == pytest.approx([36 / 40, 24 / 40])
+    assert spec_decode._summed([result(1.0, None), result(2.0, None)]).details["spec_decode"] is None

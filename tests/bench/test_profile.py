@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kernels import cpu_fused
 from services.bench import profile as profile_bench
+from services.bench import step_shapes
 from tests.tiny_model import build_tiny_llama
 
 needs_compiler = pytest.mark.skipif(
@@ -47,7 +48,7 @@ def test_unknown_ops_fall_in_other():
 def test_fused_off_then_on_in_one_process(tmp_path, monkeypatch):
     """The off run does RMSNorm as torch ops; the on run calls the fused kernels instead, per layer."""
     model = build_tiny_llama(tmp_path / "tiny")
-    monkeypatch.setattr(profile_bench, "SHAPES", {"decode-4": (4, 16, 2), "prefill-64": (1, 64, 1)})
+    monkeypatch.setattr(step_shapes, "SHAPES", {"decode-4": (4, 16, 2), "prefill-64": (1, 64, 1)})
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "1")
     try:
         report = profile_bench.run_profile(
