@@ -17,6 +17,7 @@ from protocol.kv_events import (
 )
 from protocol.zmq_sockets import ipc_address
 from services.engine_core.kv_events import ZmqEventPublisher, resolve_kv_events_config
+from tests.polling import wait_for
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -61,6 +62,11 @@ def _replay(ctx, address: str, request: list[bytes]) -> list[tuple[int, KVEventB
         sock.close(0)
 
 
+def _sent(publisher: ZmqEventPublisher, n: int) -> None:
+    # publish() only queues: the publisher thread may serve a replay before it sends the rest.
+    wait_for(lambda: publisher.num_sent == n, 10, f"{n} batches sent", interval_s=0.01)
+
+
 def _removed(i: int) -> list:
     return [BlockRemoved([bytes([i]) * 32], "CPU")]
 
@@ -69,6 +75,7 @@ def test_replay_answers_from_seq_n_out_of_the_last_buffer_steps_batches(publishe
     for i in range(5):
         publisher.publish(_removed(i))
     publisher.publish([])  # a step without events sends nothing
+    _sent(publisher, 5)
     got = _replay(ctx, publisher.replay_endpoint, [b"", (3).to_bytes(8, "big")])
     assert [seq for seq, _ in got] == [3, 4]
     assert got[0][1].events == _removed(3) and got[0][1].data_parallel_rank == 0
@@ -85,6 +92,7 @@ def test_a_malformed_replay_request_is_ignored_and_the_publisher_keeps_serving(p
     bad.connect(publisher.replay_endpoint)
     bad.send_multipart([b"", b"not eight bytes"])
     publisher.publish([AllBlocksCleared()])
+    _sent(publisher, 1)
     got = _replay(ctx, publisher.replay_endpoint, [b"", (0).to_bytes(8, "big")])
     assert [b.events for _, b in got] == [[AllBlocksCleared()]]
     assert not bad.poll(100), "a malformed request got an answer"
