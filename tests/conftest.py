@@ -77,5 +77,18 @@ def default_model() -> model_files.ModelFiles:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model():
+    """Transformers' model of the default GGUF, dequantized to fp32: the oracle.
+
+    Loaded once per session (transformers dequantizes the GGUF in Python:
+    seconds to tens of seconds on this machine). Tests only run it, never
+    change it.
+    """
+    from services.bench.hf_baseline import load_hf_model
+
+    return load_hf_model(None, "float32")
+
+
+@pytest.fixture(scope="session")
 def workloads_dir() -> Path:
     return REPO_ROOT / "benchmarks" / "workloads"
