@@ -9,12 +9,14 @@ carries ``@pytest.mark.slow``. ``make test`` runs both tiers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services import model_files
-from tests.utils import REPO_ROOT
+from services.stack import Stack
+from tests.utils import REPO_ROOT, gguf_parsed_once
 
 # Modules (or single tests, ``path::name``) that start processes (engine cores,
 # servers, stacks, worker processes) or load the real model: seconds to minutes each.
@@ -78,5 +80,52 @@ def default_model() -> model_files.ModelFiles:
 
 
 @pytest.fixture(scope="session")
+def hf_default_model():
+    """Transformers' model of the default GGUF, dequantized to fp32: the oracle.
+
+    Loaded once per session (transformers reads the GGUF in Python: seconds
+    to tens of seconds on this machine). Tests only run it, never change it.
+    """
+    from services.bench.hf_baseline import load_hf_model
+
+    with gguf_parsed_once():
+        return load_hf_model(None, "float32")
+
+
+@pytest.fixture(scope="session")
 def workloads_dir() -> Path:
     return REPO_ROOT / "benchmarks" / "workloads"
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory) -> Iterator[Stack]:
+    """One ``weft serve`` on the default model (fp32, one engine core, 1024-token
+    sequences, 512-token steps, auto tool choice with the hermes parser), shared by
+    the modules that only send it requests: tool calling, structured outputs over
+    HTTP, request parameters. A request without tools never meets the tool parser.
+    Tests that pause, reset, damage or stop a server start their own.
+    """
+    stack = Stack(
+        [
+            "--model",
+            str(model_files.resolve(None).weights),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--max-num-batched-tokens",
+            "512",
+            "--num-threads",
+            "1",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ],
+        tmp_path_factory.mktemp("default-server"),
+        startup_timeout_s=240,
+    )
+    try:
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.kill()

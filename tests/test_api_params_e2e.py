@@ -1,6 +1,6 @@
 """Request parameters end to end: ``weft serve`` on the real default model, the official client.
 
-One stack for the module (one local engine core). Outputs are greedy, so a
+The session's shared server (``default_server``: one local engine core). Outputs are greedy, so a
 first request learns what the model says and the next ones check how a
 parameter changes it, as vLLM documents: a stop token's or EOS's text is
 left out of ``text`` (its id still counted) unless
@@ -19,42 +19,14 @@ import pytest
 
 from services.api.tokenizer import Tokenizer
 from services.model_files import resolve
-from services.stack import Stack
 
 MODEL = resolve(None)
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = Stack(
-        [
-            "--model",
-            str(MODEL.weights),
-            "--data-parallel-size",
-            "1",
-            "--dtype",
-            "float32",
-            "--max-num-batched-tokens",
-            "512",
-            "--max-model-len",
-            "512",
-            "--num-threads",
-            "1",
-        ],
-        tmp_path_factory.mktemp("logs"),
-        startup_timeout_s=240,
-    )
-    try:
-        stack.wait_healthy()
-        yield stack
-    finally:
-        stack.kill()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(default_server):
+    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

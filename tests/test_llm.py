@@ -16,7 +16,7 @@ from protocol import SamplingParams
 from services import LLM
 from tests.text_corpus import prompt_of_length
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 # (length, offset) into the corpus: prompts 3, 4 and 6 start at offset 0,
 # so they share long prefixes (many full blocks) with each other.
 PROMPT_SHAPES = [(10, 300), (37, 500), (120, 700), (600, 0), (250, 0), (75, 900), (400, 0), (180, 1000)]
@@ -35,17 +35,12 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(default_model, prompts, tokenizer) -> list[list[int]]:
+def oracle(hf_default_model, prompts, tokenizer) -> list[list[int]]:
     """Greedy continuations from transformers, cut after the first EOS."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model.weights.parent, gguf_file=default_model.weights.name, dtype=torch.float32
-    )
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(
+            out = hf_default_model.generate(
                 torch.tensor([ids]),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
@@ -55,7 +50,6 @@ def oracle(default_model, prompts, tokenizer) -> list[list[int]]:
             if tokenizer.eos_token_id in new:
                 new = new[: new.index(tokenizer.eos_token_id) + 1]
             results.append(new)
-    del model
     return results
 
 
@@ -96,7 +90,9 @@ def assert_matches_oracle(outputs, oracle) -> None:
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = make_llm()
+    # A fixed pool of 600 blocks (one 8192-token sequence fits) instead of profiling
+    # a 2048-token step: sizing the cache is tested in tests/worker/test_worker.py.
+    engine = make_llm(num_gpu_blocks_override=600)
     yield engine
     engine.shutdown()
 

@@ -51,6 +51,9 @@ def stack(tmp_path_factory):
             "1",
             "--data-parallel-size",
             "1",
+            # A fixed pool instead of profiling a 2048-token step at start-up.
+            "--num-gpu-blocks-override",
+            "128",
         ],
         tmp_path_factory.mktemp("logs"),
     )

@@ -312,7 +312,15 @@ def test_greedy_text_equals_offline_generate(client):
         client.completions.create(model=MODEL.name, prompt=p, max_tokens=16, temperature=0).choices[0].text
         for p in PROMPTS
     ]
-    llm = LLM(str(MODEL.weights), dtype="float32", max_num_batched_tokens=512, num_threads=1)
+    # The servers' engine arguments; a fixed pool (the pool's size changes no greedy token)
+    # instead of profiling one.
+    llm = LLM(
+        str(MODEL.weights),
+        dtype="float32",
+        max_num_batched_tokens=512,
+        num_threads=1,
+        num_gpu_blocks_override=600,
+    )
     try:
         offline = [
             llm.generate(p, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text

@@ -68,9 +68,14 @@ num ::= [1-9] [0-9]{0,2}
 """
 
 
+# A fixed pool (16 sequences of 1024 tokens) instead of profiling a 2048-token step:
+# sizing the cache is tested in tests/worker/test_worker.py.
+ENGINE = dict(dtype="float32", max_model_len=1024, num_threads=1, num_gpu_blocks_override=1025)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(dtype="float32", max_model_len=1024, num_threads=1)
+    engine = LLM(**ENGINE)
     yield engine
     engine.shutdown()
 
@@ -259,7 +264,7 @@ def test_a_bad_or_slow_grammar_fails_only_its_own_request(llm):
 
 def test_constrained_outputs_validate_with_speculative_decoding():
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = LLM(dtype="float32", max_model_len=1024, num_threads=1, speculative_config=spec)
+    llm = LLM(**ENGINE, speculative_config=spec)
     try:
         schema = {
             "type": "object",

@@ -10,18 +10,12 @@ back as the same content streamed or whole.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import jsonschema
 import openai
 import pytest
 
 from services.model_files import resolve
-from tests.polling import wait_healthy
 
 MODEL = resolve(None)
 WEATHER = {
@@ -53,63 +47,10 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``weft serve`` with one local engine core, auto tool choice on (hermes)."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("weft-serve-tools") / "serve.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--model",
-        str(MODEL.weights),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--max-num-batched-tokens",
-        "512",
-        "--num-threads",
-        "1",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def alive() -> None:
-            assert proc.poll() is None, f"weft serve exited:\n{log_path.read_text()[-3000:]}"
-
-        wait_healthy(url, 240.0, alive, lambda: log_path.read_text()[-3000:])
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def server(default_server) -> str:
+    """The session's ``weft serve``: one local engine core, auto tool choice on (hermes)."""
+    return default_server.url
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
 """Helpers several test modules share (waiting on processes: ``tests/polling.py``).
 
 Each lives here once: the repository's root, a free port, a ZMQ context for
-tests, and the Docker Compose binary that validates ``docker-compose.yml``.
+tests, the Docker Compose binary that validates ``docker-compose.yml``, and
+one parse of a GGUF for transformers' loads of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import subprocess
@@ -15,7 +17,7 @@ import zmq
 
 from services.ports import free_port
 
-__all__ = ["REPO_ROOT", "KeepingContext", "compose_command", "free_port"]
+__all__ = ["REPO_ROOT", "KeepingContext", "compose_command", "free_port", "gguf_parsed_once"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,3 +69,30 @@ def _answers(command: list[str]) -> bool:
         return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While open, each GGUF file is parsed once however often it is opened.
+
+    transformers opens a GGUF twice when it loads a model from one (for the
+    config, then for the weights), and each ``GGUFReader`` walks every
+    metadata field in Python: the tokenizer's 49k (SmolLM2) to 262k (Gemma 3)
+    strings. That walk, not the dequantization, is most of the load. The
+    reader is only read from, so the second open can be the first reader.
+    """
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

@@ -86,13 +86,13 @@ def _unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """One GGUF file, opened once (parsing its metadata takes seconds)."""
+    """One GGUF file, opened once; its metadata arrays (the tokenizer's) are skipped."""
 
     def __init__(self, path: Path | str) -> None:
-        from gguf import GGUFReader
+        from services.worker.gguf_reader import TensorsReader
 
         self.path = Path(path)
-        self._reader = GGUFReader(self.path)
+        self._reader = TensorsReader(self.path)
         field = self._reader.fields["general.architecture"]
         self.architecture = bytes(field.parts[field.data[0]]).decode()
 

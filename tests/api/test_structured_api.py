@@ -8,11 +8,7 @@ the default model (outputs that validate, and the metrics).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import httpx
 import jsonschema
@@ -21,9 +17,7 @@ import pytest
 
 from protocol import StructuredOutputsParams
 from services.model_files import resolve
-from services.ports import free_port
 from tests.api.fake_engine_client import MODEL_NAME, make_app, openai_client
-from tests.polling import wait_healthy
 
 SCHEMA = {
     "type": "object",
@@ -145,56 +139,9 @@ async def test_a_compile_failure_in_the_engine_is_a_400_with_its_message():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``weft serve`` with one local engine core on the default model."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("weft-serve") / "serve.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--model",
-        str(resolve(None).weights),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--max-num-batched-tokens",
-        "512",
-        "--num-threads",
-        "1",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log_path)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path, deadline_s: float = 240.0) -> None:
-    def alive() -> None:
-        assert proc.poll() is None, f"weft serve exited:\n{log_path.read_text()[-3000:]}"
-
-    wait_healthy(url, deadline_s, alive, lambda: log_path.read_text()[-3000:])
+def server(default_server) -> str:
+    """The session's ``weft serve`` (one local engine core on the default model)."""
+    return default_server.url
 
 
 @pytest.fixture

@@ -8,12 +8,26 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import cli
+from services.bench import cli, hf_baseline
 from services.bench.compare import run_hf_continuous, spread_subset
 from services.bench.workload import load_workload
 
 
-def test_end_to_end_compare(tmp_path: Path, workloads_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_end_to_end_compare(
+    tmp_path: Path,
+    workloads_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    hf_default_model,
+) -> None:
+    loaded = []
+
+    def load_hf_model(model, dtype, device="cpu"):
+        # The session's copy of what load_hf_model(None, "float32") returns: one load per session.
+        loaded.append((model, dtype, device))
+        return hf_default_model
+
+    monkeypatch.setattr(hf_baseline, "load_hf_model", load_hf_model)
     out = tmp_path / "compare.json"
     argv = [
         "compare",
@@ -55,6 +69,7 @@ def test_end_to_end_compare(tmp_path: Path, workloads_dir: Path, capsys: pytest.
     assert e["step_cpu_s"] > 0 and e["forward_cpu_s"] > 0
     assert e["step_over_forward_cpu"] == pytest.approx(e["step_cpu_s"] / e["forward_cpu_s"])
     assert "step/forward" in capsys.readouterr().out
+    assert loaded == [(None, "float32", "cpu")]  # the HF side ran the default model in fp32
 
 
 def test_batch_one_subset_is_spread_over_the_workload(workloads_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """The HF baseline on the real default model (GGUF dequantized, fp32).
 
-Loading the model takes ~15 s, so one module-wide model serves every test
-and the runs are the first requests of smoke-8 (a few tokens each).
+Loading the model takes ~15 s, so the session's model (``hf_default_model``,
+which ``load_hf_model`` loaded) serves every test, and the runs are the first
+requests of smoke-8 (a few tokens each).
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from services.bench.hf_baseline import generate_batch, load_hf_model, run_hf_baseline
+from services.bench.hf_baseline import generate_batch, run_hf_baseline
 from services.bench.workload import Workload, load_workload
 
 
 @pytest.fixture(scope="module")
-def hf_model() -> Any:
-    return load_hf_model(None, "float32")
+def hf_model(hf_default_model) -> Any:
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

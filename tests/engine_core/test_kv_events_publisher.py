@@ -62,6 +62,11 @@ def _replay(ctx, address: str, request: list[bytes]) -> list[tuple[int, KVEventB
         sock.close(0)
 
 
+def _sent(publisher: ZmqEventPublisher, n: int) -> None:
+    # publish() only queues: the publisher thread may serve a replay before it sends the rest.
+    wait_for(lambda: publisher.num_sent == n, 10, f"{n} batches sent", interval_s=0.01)
+
+
 def _removed(i: int) -> list:
     return [BlockRemoved([bytes([i]) * 32], "CPU")]
 
@@ -70,8 +75,7 @@ def test_replay_answers_from_seq_n_out_of_the_last_buffer_steps_batches(publishe
     for i in range(5):
         publisher.publish(_removed(i))
     publisher.publish([])  # a step without events sends nothing
-    # publish() only queues: the replay is asked for once the publisher thread has sent all five.
-    wait_for(lambda: publisher.num_sent == 5, timeout_s=10, what="five batches sent")
+    _sent(publisher, 5)
     got = _replay(ctx, publisher.replay_endpoint, [b"", (3).to_bytes(8, "big")])
     assert [seq for seq, _ in got] == [3, 4]
     assert got[0][1].events == _removed(3) and got[0][1].data_parallel_rank == 0
@@ -88,7 +92,7 @@ def test_a_malformed_replay_request_is_ignored_and_the_publisher_keeps_serving(p
     bad.connect(publisher.replay_endpoint)
     bad.send_multipart([b"", b"not eight bytes"])
     publisher.publish([AllBlocksCleared()])
-    wait_for(lambda: publisher.num_sent == 1, timeout_s=10, what="the batch sent")
+    _sent(publisher, 1)
     got = _replay(ctx, publisher.replay_endpoint, [b"", (0).to_bytes(8, "big")])
     assert [b.events for _, b in got] == [[AllBlocksCleared()]]
     assert not bad.poll(100), "a malformed request got an answer"

@@ -17,12 +17,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_oracle(smollm_config):
-    from transformers import AutoModelForCausalLM
-
-    path = smollm_config.model.model
-    folder, name = path.rsplit("/", 1)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+def hf_oracle(hf_default_model):
+    return hf_default_model  # transformers on the same GGUF (smollm_config's), loaded once per session
 
 
 @pytest.fixture(scope="module")
