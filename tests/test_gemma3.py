@@ -15,6 +15,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -24,6 +25,7 @@ import torch
 from protocol import SamplingParams
 from services import LLM
 from services.model_files import models_dir, resolve
+from services.ports import free_port
 from tests.polling import wait_healthy
 from tests.text_corpus import prompt_of_length
 from tests.utils import gguf_parsed_once
@@ -59,29 +61,57 @@ def prompts(files) -> list[list[int]]:
     return [[bos] + prompt_of_length(tokenizer, n - 1, offset) for n, offset in PROMPT_SHAPES]
 
 
+class GreedyOracle:
+    """transformers' judgement of a greedy continuation, from one forward pass over prompt + tokens.
+
+    Greedy decoding is deterministic: a continuation is transformers' own greedy output exactly
+    when each of its tokens is the argmax of transformers' logits given the prompt and the tokens
+    before it, and it stops where transformers would (EOS, or the length limit). So one forward
+    pass scores the whole continuation; ``generate`` would spend one more pass per token.
+    """
+
+    def __init__(self, model, eos: int) -> None:
+        self.model, self.eos = model, eos
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+
+    def expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
+        """transformers' greedy tokens as far as ``tokens`` agrees with them, then its first
+        disagreeing token: equal to ``tokens`` exactly when the continuation is its greedy one."""
+        key = (tuple(prompt), tuple(tokens))
+        if key not in self._cache:
+            self._cache[key] = self._expected(prompt, tokens)
+        return self._cache[key]
+
+    def _expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
+        assert tokens, "an empty continuation"
+        ids = torch.tensor([prompt + tokens[:-1]])
+        with torch.inference_mode():
+            logits = self.model(ids, logits_to_keep=len(tokens)).logits[0]
+        argmax = logits.argmax(dim=-1).tolist()
+        expected = []
+        for mine, theirs in zip(tokens, argmax):
+            expected.append(theirs)
+            if mine != theirs or theirs == self.eos:
+                break
+        return expected
+
+
 @pytest.fixture(scope="module")
-def oracle(files, prompts) -> list[list[int]]:
-    """Greedy continuations from transformers, cut after the first EOS."""
+def oracle(files) -> GreedyOracle:
     from transformers import AutoModelForCausalLM
 
     with gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
     model.eval()
-    eos = files.hf_config()["eos_token_id"]
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-            new = out[0, len(ids) :].tolist()
-            results.append(new[: new.index(eos) + 1] if eos in new else new)
+    yield GreedyOracle(model, files.hf_config()["eos_token_id"])
     del model
-    return results
+
+
+def assert_greedy(oracle: GreedyOracle, prompt: list[int], tokens: list[int], what: str) -> None:
+    expected = oracle.expected(prompt, tokens)
+    assert tokens == expected, f"{what} diverged from transformers' greedy tokens"
+    stopped = tokens[-1] == oracle.eos
+    assert stopped or len(tokens) == NEW_TOKENS, f"{what} stopped early without EOS"
 
 
 @contextlib.contextmanager
@@ -100,28 +130,52 @@ def recorded_steps(llm: LLM):
         executor.execute_model = original
 
 
-def test_offline_greedy_matches_transformers(files, prompts, oracle):
+@dataclass
+class OfflineRun:
+    warm: list[int]  # the first request's tokens, alone in the engine
+    tokens: list[list[int]]  # then all the prompts together, in order
+    cached: list[int]  # each one's prefix-cache hit
+    steps: list  # the scheduler outputs of the second generate
+    num_groups: int
+    all_blocks_free: bool
+
+
+@pytest.fixture(scope="module")
+def offline(prompts) -> OfflineRun:
+    """One engine run: the 700-token prompt alone (it fills the prefix cache), then all of them."""
     llm = LLM(model=str(GGUF), dtype="float32", **ENGINE_ARGS)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-        warm = llm.generate([{"prompt_token_ids": prompts[2]}], greedy, use_tqdm=False)  # caches 700 tokens
-        assert warm[0].outputs[0].token_ids == oracle[2]
+        warm = llm.generate([{"prompt_token_ids": prompts[2]}], greedy, use_tqdm=False)
         with recorded_steps(llm) as steps:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        for i, (out, expected) in enumerate(zip(outputs, oracle)):
-            assert out.outputs[0].token_ids == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
-        assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
-        assert max(o.num_cached_tokens for o in outputs) >= 240  # a prefix hit on the warm request
-        assert any(n > 1 and n < len(prompts[6]) for s in steps for n in s.num_scheduled_tokens.values())
         kv = llm.engine.scheduler.kv_cache_manager
-        assert kv.num_groups == 6 and kv.all_blocks_free()
+        return OfflineRun(
+            warm=list(warm[0].outputs[0].token_ids),
+            tokens=[list(o.outputs[0].token_ids) for o in outputs],
+            cached=[o.num_cached_tokens for o in outputs],
+            steps=steps,
+            num_groups=kv.num_groups,
+            all_blocks_free=kv.all_blocks_free(),
+        )
     finally:
         llm.shutdown()
 
 
+def test_offline_greedy_matches_transformers(prompts, oracle, offline):
+    assert_greedy(oracle, prompts[2], offline.warm, "the warm-up request")
+    for i, tokens in enumerate(offline.tokens):
+        assert_greedy(oracle, prompts[i], tokens, f"prompt {i} ({PROMPT_SHAPES[i]})")
+    steps = offline.steps
+    assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
+    assert max(offline.cached) >= 240  # a prefix hit on the warm request
+    assert any(n > 1 and n < len(prompts[6]) for s in steps for n in s.num_scheduled_tokens.values())
+    assert offline.num_groups == 6 and offline.all_blocks_free
+
+
 @pytest.fixture(scope="module")
 def server(files, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     args = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_ARGS.items()]
     log_path = tmp_path_factory.mktemp("gemma3-serve") / "serve.log"
 
@@ -167,15 +221,9 @@ def _check_running(proc: subprocess.Popen, tail) -> None:
     assert proc.poll() is None, f"weft serve exited ({proc.returncode}):\n{tail()}"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_served_greedy_matches_transformers(server, files, prompts, oracle):
+def test_served_greedy_matches_transformers(server, files, prompts, oracle, offline):
+    """Over HTTP the text is the decoded greedy tokens, which the offline run produced and
+    transformers confirms (the API returns text, not ids)."""
     from services.api.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(files.hf_dir)
@@ -186,9 +234,11 @@ def test_served_greedy_matches_transformers(server, files, prompts, oracle):
     assert len(completion.choices) == len(SERVED)
     for choice in completion.choices:
         i = SERVED[choice.index]
-        expected = tokenizer.backend.decode(oracle[i], skip_special_tokens=True)
-        assert choice.text == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
-    assert completion.usage.completion_tokens == sum(len(oracle[i]) for i in SERVED)
+        tokens = offline.tokens[i]
+        assert_greedy(oracle, prompts[i], tokens, f"prompt {i} ({PROMPT_SHAPES[i]})")
+        expected = tokenizer.backend.decode(tokens, skip_special_tokens=True)
+        assert choice.text == expected, f"served prompt {i} ({PROMPT_SHAPES[i]}) diverged"
+    assert completion.usage.completion_tokens == sum(len(offline.tokens[i]) for i in SERVED)
 
 
 def test_chat_without_a_template_is_a_clear_400(server, files):
