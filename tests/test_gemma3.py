@@ -28,7 +28,7 @@ from services.model_files import models_dir, resolve
 from services.ports import free_port
 from tests.polling import wait_healthy
 from tests.text_corpus import prompt_of_length
-from tests.utils import gguf_parsed_once
+from tests.utils import GreedyOracle, gguf_parsed_once
 
 GGUF = models_dir() / "gemma-3-270m-q4_k_m.gguf"
 NEW_TOKENS = 16
@@ -61,41 +61,6 @@ def prompts(files) -> list[list[int]]:
     return [[bos] + prompt_of_length(tokenizer, n - 1, offset) for n, offset in PROMPT_SHAPES]
 
 
-class GreedyOracle:
-    """transformers' judgement of a greedy continuation, from one forward pass over prompt + tokens.
-
-    Greedy decoding is deterministic: a continuation is transformers' own greedy output exactly
-    when each of its tokens is the argmax of transformers' logits given the prompt and the tokens
-    before it, and it stops where transformers would (EOS, or the length limit). So one forward
-    pass scores the whole continuation; ``generate`` would spend one more pass per token.
-    """
-
-    def __init__(self, model, eos: int) -> None:
-        self.model, self.eos = model, eos
-        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-
-    def expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
-        """transformers' greedy tokens as far as ``tokens`` agrees with them, then its first
-        disagreeing token: equal to ``tokens`` exactly when the continuation is its greedy one."""
-        key = (tuple(prompt), tuple(tokens))
-        if key not in self._cache:
-            self._cache[key] = self._expected(prompt, tokens)
-        return self._cache[key]
-
-    def _expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
-        assert tokens, "an empty continuation"
-        ids = torch.tensor([prompt + tokens[:-1]])
-        with torch.inference_mode():
-            logits = self.model(ids, logits_to_keep=len(tokens)).logits[0]
-        argmax = logits.argmax(dim=-1).tolist()
-        expected = []
-        for mine, theirs in zip(tokens, argmax):
-            expected.append(theirs)
-            if mine != theirs or theirs == self.eos:
-                break
-        return expected
-
-
 @pytest.fixture(scope="module")
 def oracle(files) -> GreedyOracle:
     from transformers import AutoModelForCausalLM
@@ -105,13 +70,6 @@ def oracle(files) -> GreedyOracle:
     model.eval()
     yield GreedyOracle(model, files.hf_config()["eos_token_id"])
     del model
-
-
-def assert_greedy(oracle: GreedyOracle, prompt: list[int], tokens: list[int], what: str) -> None:
-    expected = oracle.expected(prompt, tokens)
-    assert tokens == expected, f"{what} diverged from transformers' greedy tokens"
-    stopped = tokens[-1] == oracle.eos
-    assert stopped or len(tokens) == NEW_TOKENS, f"{what} stopped early without EOS"
 
 
 @contextlib.contextmanager
@@ -163,9 +121,9 @@ def offline(prompts) -> OfflineRun:
 
 
 def test_offline_greedy_matches_transformers(prompts, oracle, offline):
-    assert_greedy(oracle, prompts[2], offline.warm, "the warm-up request")
+    oracle.check(prompts[2], offline.warm, NEW_TOKENS, "the warm-up request")
     for i, tokens in enumerate(offline.tokens):
-        assert_greedy(oracle, prompts[i], tokens, f"prompt {i} ({PROMPT_SHAPES[i]})")
+        oracle.check(prompts[i], tokens, NEW_TOKENS, f"prompt {i} ({PROMPT_SHAPES[i]})")
     steps = offline.steps
     assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
     assert max(offline.cached) >= 240  # a prefix hit on the warm request
@@ -235,7 +193,7 @@ def test_served_greedy_matches_transformers(server, files, prompts, oracle, offl
     for choice in completion.choices:
         i = SERVED[choice.index]
         tokens = offline.tokens[i]
-        assert_greedy(oracle, prompts[i], tokens, f"prompt {i} ({PROMPT_SHAPES[i]})")
+        oracle.check(prompts[i], tokens, NEW_TOKENS, f"prompt {i} ({PROMPT_SHAPES[i]})")
         expected = tokenizer.backend.decode(tokens, skip_special_tokens=True)
         assert choice.text == expected, f"served prompt {i} ({PROMPT_SHAPES[i]}) diverged"
     assert completion.usage.completion_tokens == sum(len(offline.tokens[i]) for i in SERVED)

@@ -1,8 +1,9 @@
 """The offline engine end to end, on the real default model in fp32.
 
-Transformers' ``generate`` on the same GGUF checkpoint is the oracle:
-greedy outputs must match it token for token, with chunked prefill,
-prefix caching and preemption all in play.
+Transformers on the same GGUF checkpoint is the oracle: greedy outputs must
+be its greedy tokens, token for token (``tests.utils.GreedyOracle`` checks a
+continuation with one forward pass), with chunked prefill, prefix caching and
+preemption all in play.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 from protocol import SamplingParams
 from services import LLM
 from tests.text_corpus import prompt_of_length
+from tests.utils import GreedyOracle
 
 NEW_TOKENS = 32
 # (length, offset) into the corpus: prompts 3, 4 and 6 start at offset 0,
@@ -35,22 +36,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(hf_default_model, prompts, tokenizer) -> list[list[int]]:
-    """Greedy continuations from transformers, cut after the first EOS."""
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = hf_default_model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-            new = out[0, len(ids) :].tolist()
-            if tokenizer.eos_token_id in new:
-                new = new[: new.index(tokenizer.eos_token_id) + 1]
-            results.append(new)
-    return results
+def oracle(hf_default_model, tokenizer) -> GreedyOracle:
+    return GreedyOracle(hf_default_model, tokenizer.eos_token_id)
 
 
 def make_llm(**kwargs) -> LLM:
@@ -83,9 +70,9 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
-def assert_matches_oracle(outputs, oracle) -> None:
-    for i, (out, expected) in enumerate(zip(outputs, oracle)):
-        assert out.outputs[0].token_ids == expected, f"prompt {i} ({PROMPT_SHAPES[i]}) diverged"
+def assert_matches_oracle(outputs, prompts, oracle) -> None:
+    for i, (out, prompt) in enumerate(zip(outputs, prompts)):
+        oracle.check(prompt, list(out.outputs[0].token_ids), NEW_TOKENS, f"prompt {i} ({PROMPT_SHAPES[i]})")
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +86,9 @@ def llm():
 
 def test_greedy_matches_transformers_with_prefix_caching(llm, prompts, oracle):
     warm = llm.generate([prompts[6]], greedy(), use_tqdm=False)  # caches a 400-token prefix
-    assert warm[0].outputs[0].token_ids == oracle[6]
+    oracle.check(prompts[6], list(warm[0].outputs[0].token_ids), NEW_TOKENS, "the warm-up request")
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert_matches_oracle(outputs, oracle)
+    assert_matches_oracle(outputs, prompts, oracle)
     assert outputs[3].num_cached_tokens >= 384 and outputs[4].num_cached_tokens >= 240
     assert_no_leaks(llm)
 
@@ -110,7 +97,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
     llm = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
     with recorded_steps(llm) as steps:
         outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert_matches_oracle(outputs, oracle)
+    assert_matches_oracle(outputs, prompts, oracle)
     longest = outputs[3].request_id + "-0"
     prefill_chunks = [
         s.num_scheduled_tokens[longest] for s in steps if s.num_scheduled_tokens.get(longest, 0) > 1
@@ -125,7 +112,7 @@ def test_greedy_matches_transformers_under_preemption(prompts, oracle):
     llm = make_llm(max_model_len=700, num_gpu_blocks_override=48)
     with recorded_steps(llm) as steps:
         outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert_matches_oracle(outputs, oracle)
+    assert_matches_oracle(outputs, prompts, oracle)
     assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
     assert_no_leaks(llm)
     llm.shutdown()

@@ -96,3 +96,45 @@ def gguf_parsed_once():
         yield
     finally:
         gguf.GGUFReader = original
+
+
+class GreedyOracle:
+    """transformers' judgement of a greedy continuation, from one forward pass over prompt + tokens.
+
+    Greedy decoding is deterministic: a continuation is transformers' own greedy output exactly
+    when each of its tokens is the argmax of transformers' logits given the prompt and the tokens
+    before it, and it stops where transformers would (EOS, or the length limit). So one forward
+    pass scores the whole continuation; ``generate`` would spend one more pass per token.
+    """
+
+    def __init__(self, model, eos: int) -> None:
+        self.model, self.eos = model, eos
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+
+    def expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
+        """transformers' greedy tokens as far as ``tokens`` agrees with them, then its first
+        disagreeing token: equal to ``tokens`` exactly when the continuation is its greedy one."""
+        key = (tuple(prompt), tuple(tokens))
+        if key not in self._cache:
+            self._cache[key] = self._expected(prompt, tokens)
+        return self._cache[key]
+
+    def _expected(self, prompt: list[int], tokens: list[int]) -> list[int]:
+        import torch
+
+        assert tokens, "an empty continuation"
+        ids = torch.tensor([prompt + tokens[:-1]])
+        with torch.inference_mode():
+            logits = self.model(ids, logits_to_keep=len(tokens)).logits[0]
+        argmax = logits.argmax(dim=-1).tolist()
+        expected = []
+        for mine, theirs in zip(tokens, argmax):
+            expected.append(theirs)
+            if mine != theirs or theirs == self.eos:
+                break
+        return expected
+
+    def check(self, prompt: list[int], tokens: list[int], max_tokens: int, what: str) -> None:
+        """``tokens`` is transformers' greedy continuation of ``prompt`` under ``max_tokens``."""
+        assert tokens == self.expected(prompt, tokens), f"{what} diverged from transformers' greedy tokens"
+        assert tokens[-1] == self.eos or len(tokens) == max_tokens, f"{what} stopped early without EOS"
