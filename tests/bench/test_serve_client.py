@@ -4,9 +4,11 @@ the client, its report, goodput, failures, chat streams without usage, and a swe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,54 @@ def test_concurrency_sweep_writes_a_plot(tmp_path: Path, stub: tuple[str, list])
     assert [run["max_concurrency"] for run in report["runs"]] == [1, 3]
     assert all(run["completed"] == 3 and run["total_output_tokens"] == 9 for run in report["runs"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_without_base_url_runs_every_point_through_one_launched_server(
+    tmp_path: Path,
+    stub: tuple[str, list],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url, bodies = stub
+    launches = []
+
+    @contextlib.contextmanager
+    def stand_in(engine_args, model_name, workload):  # the stub plays the `weft serve` started here
+        launches.append((engine_args, model_name, len(workload.requests)))
+        yield types.SimpleNamespace(url=url)
+
+    monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
+    out = tmp_path / "sweep.json"
+    argv = [
+        "serve",
+        "--dataset",
+        _workload(tmp_path / "w.json", [2, 2, 2, 2]),
+        "--sweep",
+        "concurrencies",
+        "1",
+        "4",
+        "--max-num-partial-prefills",
+        "4",
+        "--plot",
+        str(tmp_path / "sweep.png"),
+        "--quiet",
+        "--result-json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    ((engine_args, model_name, num_requests),) = launches  # one server for the whole sweep
+    assert engine_args.max_num_partial_prefills == 4 and num_requests == 4
+    assert all(body["model"] == model_name for body in bodies) and len(bodies) == 8
+    report = json.loads(out.read_text())
+    assert report["engine_args"]["max_num_partial_prefills"] == 4
+    assert [p["value"] for p in report["points"]] == [1, 4]
+    for point, run in zip(report["points"], report["runs"]):
+        assert point["output_tok_s"] == run["output_throughput"] == 8 / run["duration_s"]
+        assert (
+            point["ttft_p99_ms"] == run["ttft_ms"]["p99"] and point["itl_p50_ms"] == run["itl_ms"]["median"]
+        )
+    table = capsys.readouterr().out
+    assert "concurrency  out tok/s" in table
 
 
 @pytest.mark.parametrize(
