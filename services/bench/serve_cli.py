@@ -148,16 +148,44 @@ def _parse_sweep(items: list[str] | None) -> tuple[str, list[float]] | None:
     return items[0], values
 
 
+def reset_prefix_cache(base_url: str) -> bool:
+    """POST /reset_prefix_cache (weft's and vLLM's route); False where the server refuses or lacks it."""
+    import httpx
+
+    try:
+        return httpx.post(base_url + "/reset_prefix_cache", timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _run_sweep(
-    config: ClientConfig, workload: Any, slos: dict[str, float], kind: str, values: list[float], plot: Path
+    config: ClientConfig,
+    workload: Any,
+    slos: dict[str, float],
+    kind: str,
+    values: list[float],
+    plot: Path,
+    require_reset: bool = False,
 ) -> dict[str, Any]:
     runs = []
     for value in values:
+        # The points share one server: without a reset, the prompts a point sent
+        # would be prefix hits for the next one, whose TTFT would then be a cache read.
+        reset = reset_prefix_cache(config.base_url)
+        if not reset and require_reset:
+            raise RuntimeError(f"{config.base_url} did not reset its prefix cache before a sweep point.")
+        if not reset:
+            print(
+                f"warning: {config.base_url}/reset_prefix_cache failed: this point may hit the "
+                "prefixes the previous ones cached.",
+                file=sys.stderr,
+            )
         if kind == "rates":
             point = dataclasses.replace(config, request_rate=value)
         else:
             point = dataclasses.replace(config, max_concurrency=int(value))
         run = asyncio.run(run_benchmark(point, workload, slos))
+        run["prefix_cache_reset"] = reset
         run["swept_value"] = (
             "inf" if math.isinf(value) else (int(value) if kind == "concurrencies" else value)
         )
@@ -197,7 +225,14 @@ def _run_launched_sweep(
             seed=args.seed,
             quiet=args.quiet,
         )
-        report = _run_sweep(config, workload, slos, *sweep, plot=args.plot or Path("bench-serve-sweep.png"))
+        report = _run_sweep(
+            config,
+            workload,
+            slos,
+            *sweep,
+            plot=args.plot or Path("bench-serve-sweep.png"),
+            require_reset=True,  # weft serve has the route: a refusal is a fault
+        )
     report["engine_args"] = {
         f.name: getattr(engine_args, f.name)
         for f in dataclasses.fields(engine_args)
