@@ -96,6 +96,23 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduling_policy: Annotated[
         Literal["fcfs", "priority"], Meta(description="fcfs, or priority (lower value runs first).")
     ] = "fcfs"
+    max_num_partial_prefills: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Prompts a step may leave partway through their prefill. Above 1, long prompts "
+            "(see max_long_partial_prefills) are passed over for shorter ones queued behind them.",
+        ),
+    ] = 1
+    max_long_partial_prefills: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="With max_num_partial_prefills above 1: how many of a step's prefills may be long "
+            "(more than long_prefill_token_threshold tokens left; the threshold defaults to 4% of "
+            "max_model_len then).",
+        ),
+    ] = 1
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

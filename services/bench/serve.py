@@ -11,12 +11,14 @@ separate process and not counted).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,20 +131,11 @@ def run_serve(
     """Start ``weft serve``, warm it up with one request, stream the workload
     through ``serve_client`` (all at once, ``concurrency`` in flight), stop it.
     Returns the run's totals and the client's full metrics report."""
-    port = free_port()
-    server = ServerProcess(serve_argv(engine_args, port), port)
-    config = ClientConfig(base_url=server.url, model=model_name, max_concurrency=concurrency, quiet=quiet)
-    try:
-        server.wait_healthy()
-        warm = msgspec.structs.replace(workload.requests[0], max_tokens=4)
-        record = asyncio.run(_warm_up(config, warm))
-        if not record.ok:
-            raise RuntimeError(f"weft serve failed its warm-up request: {record.error}")
+    with launched_server(engine_args, model_name, workload) as server:
+        config = ClientConfig(base_url=server.url, model=model_name, max_concurrency=concurrency, quiet=quiet)
         cpu_before = _cpu_seconds(server.proc.pid)
         report = asyncio.run(run_benchmark(config, workload, slos))
         cpu = _cpu_seconds(server.proc.pid) - cpu_before
-    finally:
-        server.stop()
     result = ServeResult(
         num_requests=report["completed"],
         output_tokens=report["total_output_tokens"],
@@ -150,6 +143,23 @@ def run_serve(
         api_cpu_s=cpu,
     )
     return result, report
+
+
+@contextlib.contextmanager
+def launched_server(engine_args: EngineArgs, model_name: str, workload: Workload) -> Iterator[ServerProcess]:
+    """A healthy ``weft serve`` for ``engine_args``, warmed up by one short request
+    of the workload, stopped on the way out."""
+    port = free_port()
+    server = ServerProcess(serve_argv(engine_args, port), port)
+    try:
+        server.wait_healthy()
+        warm = msgspec.structs.replace(workload.requests[0], max_tokens=4)
+        record = asyncio.run(_warm_up(ClientConfig(base_url=server.url, model=model_name), warm))
+        if not record.ok:
+            raise RuntimeError(f"weft serve failed its warm-up request: {record.error}")
+        yield server
+    finally:
+        server.stop()
 
 
 async def _warm_up(config: ClientConfig, request: WorkloadRequest) -> Any:

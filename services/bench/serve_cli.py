@@ -3,7 +3,8 @@
 With ``--base-url``: the streaming client against that server, whatever it
 is (weft, vLLM, a stub), with optional ``--sweep`` and plot. Without it: a
 ``weft serve`` started here with the engine arguments, compared with the
-offline engine on the same workload (``serve.run_serve``).
+offline engine on the same workload (``serve.run_serve``); or, with
+``--sweep``, that server alone swept over the values (a latency-throughput curve).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.bench.serve_client import (
     run_benchmark,
     served_model,
 )
+from services.bench.sweep import sweep_point, sweep_table
 
 SWEEPS = ("rates", "concurrencies")
 
@@ -67,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="KIND VALUE",
-        help="rates R1 R2 ... or concurrencies C1 C2 ...: one run per value, and a plot.",
+        help="rates R1 R2 ... or concurrencies C1 C2 ...: one run per value, a table and a plot "
+        "(without --base-url: through one `weft serve` started with the engine arguments).",
     )
     parser.add_argument("--plot", type=Path, default=None, help="Throughput-vs-latency PNG of a --sweep.")
     parser.add_argument(
@@ -94,9 +97,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sweep = _parse_sweep(args.sweep)
     except ValueError as e:
         parser.error(str(e))
-    if args.base_url is None and sweep is not None:
-        parser.error("--sweep needs --base-url (start the server you want to sweep).")
     workload = load_dataset(args, parser)
+    if args.base_url is None and sweep is not None:
+        return _run_launched_sweep(args, parser, workload, slos, sweep)
     if args.base_url is None:
         return _run_launched(args, parser, workload, slos)
     base_url = args.base_url.rstrip("/")
@@ -145,16 +148,44 @@ def _parse_sweep(items: list[str] | None) -> tuple[str, list[float]] | None:
     return items[0], values
 
 
+def reset_prefix_cache(base_url: str) -> bool:
+    """POST /reset_prefix_cache (weft's and vLLM's route); False where the server refuses or lacks it."""
+    import httpx
+
+    try:
+        return httpx.post(base_url + "/reset_prefix_cache", timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _run_sweep(
-    config: ClientConfig, workload: Any, slos: dict[str, float], kind: str, values: list[float], plot: Path
+    config: ClientConfig,
+    workload: Any,
+    slos: dict[str, float],
+    kind: str,
+    values: list[float],
+    plot: Path,
+    require_reset: bool = False,
 ) -> dict[str, Any]:
     runs = []
     for value in values:
+        # The points share one server: without a reset, the prompts a point sent
+        # would be prefix hits for the next one, whose TTFT would then be a cache read.
+        reset = reset_prefix_cache(config.base_url)
+        if not reset and require_reset:
+            raise RuntimeError(f"{config.base_url} did not reset its prefix cache before a sweep point.")
+        if not reset:
+            print(
+                f"warning: {config.base_url}/reset_prefix_cache failed: this point may hit the "
+                "prefixes the previous ones cached.",
+                file=sys.stderr,
+            )
         if kind == "rates":
             point = dataclasses.replace(config, request_rate=value)
         else:
             point = dataclasses.replace(config, max_concurrency=int(value))
         run = asyncio.run(run_benchmark(point, workload, slos))
+        run["prefix_cache_reset"] = reset
         run["swept_value"] = (
             "inf" if math.isinf(value) else (int(value) if kind == "concurrencies" else value)
         )
@@ -162,9 +193,54 @@ def _run_sweep(
         print(
             f"--- {kind[:-1] if kind == 'rates' else 'concurrency'} {run['swept_value']} ---\n{format_report(run)}"
         )
+    points = [sweep_point(run) for run in runs]
+    print(sweep_table(kind, points))
     plot_sweep(runs, kind, str(plot))
     print(f"plot: {plot}")
-    return {"dataset": workload.name, "sweep": kind, "plot": str(plot), "runs": runs}
+    return {"dataset": workload.name, "sweep": kind, "plot": str(plot), "points": points, "runs": runs}
+
+
+def _run_launched_sweep(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    workload: Any,
+    slos: dict[str, float],
+    sweep: tuple[str, list[float]],
+) -> int:
+    from services.bench.serve import launched_server
+    from services.config.cli_args import engine_args_from
+
+    engine_args = engine_args_from(args)
+    try:
+        model_name = engine_args.create_engine_config().model.served_model_name
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    with launched_server(engine_args, model_name, workload) as server:
+        config = ClientConfig(
+            base_url=server.url,
+            model=model_name,
+            endpoint=args.endpoint,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            quiet=args.quiet,
+        )
+        report = _run_sweep(
+            config,
+            workload,
+            slos,
+            *sweep,
+            plot=args.plot or Path("bench-serve-sweep.png"),
+            require_reset=True,  # weft serve has the route: a refusal is a fault
+        )
+    report["engine_args"] = {
+        f.name: getattr(engine_args, f.name)
+        for f in dataclasses.fields(engine_args)
+        if getattr(engine_args, f.name) != f.default
+    }
+    if args.output_json is not None:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
 
 
 def _run_launched(

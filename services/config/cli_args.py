@@ -24,6 +24,11 @@ _EXTRA_HELP = {
     "max_model_len": "Longest prompt + output in tokens (default: the model's).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most requests running at once (default 128).",
+    "max_num_partial_prefills": "Prompts a step may leave partway through their prefill (default 1). Above 1, "
+    "at most --max-long-partial-prefills of a step's prefills are long ones, so shorter prompts queued "
+    "behind a long one start first.",
+    "max_long_partial_prefills": "Long prefills (over --long-prefill-token-threshold tokens left; default "
+    "4%% of --max-model-len) a step may carry when --max-num-partial-prefills is above 1 (default 1).",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
     "or none (dequantize to --dtype at load).",

@@ -63,6 +63,8 @@ class EngineArgs:
     kv_events_config: dict | str | None = None  # a dict, or its JSON on the command line
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -109,7 +111,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
-            scheduler=self._scheduler_config(),
+            scheduler=self._scheduler_config(self._max_model_len(hf_config)),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
@@ -151,7 +153,7 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _scheduler_config(self) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
@@ -163,10 +165,32 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens or 2048,
             max_num_seqs=self.max_num_seqs or 128,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
         )
+
+    def _long_prefill_token_threshold(self, max_model_len: int) -> int:
+        """Check the partial-prefill limits; as vLLM, several of them need a
+        threshold to tell long prompts from short ones: 4% of max_model_len unless given."""
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be at least 0, got {self.long_prefill_token_threshold}."
+            )
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(
+                f"max_num_partial_prefills must be at least 1, got {self.max_num_partial_prefills}."
+            )
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(
+                "max_long_partial_prefills must be between 1 and max_num_partial_prefills "
+                f"({self.max_num_partial_prefills}), got {self.max_long_partial_prefills}."
+            )
+        if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0:
+            return max(1, max_model_len * 4 // 100)
+        return self.long_prefill_token_threshold
 
 
 def _first(value):

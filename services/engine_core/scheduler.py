@@ -31,6 +31,7 @@ from protocol.kv_transfer import KVTransferParams
 from services.engine_core.block_pool import KVCacheBlock
 from services.engine_core.kv_cache_manager import KVCacheManager, group_windows
 from services.engine_core.kv_transfer_scheduling import KVTransferScheduling
+from services.engine_core.partial_prefills import PartialPrefillLimits, PrefillCount
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import create_request_queue
@@ -50,6 +51,7 @@ class _StepPlan:
     new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # KV cache groups 1..
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
+    prefills: PrefillCount | None = None  # partial and long prefills so far
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], is_new: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -102,6 +104,11 @@ class Scheduler:
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.policy = sched.scheduling_policy
+        self.prefill_limits = PartialPrefillLimits(
+            sched.max_num_partial_prefills,
+            sched.max_long_partial_prefills,
+            sched.long_prefill_token_threshold,
+        )
         self.max_model_len = config.model.max_model_len
         self.num_blocks = num_blocks
 
@@ -184,7 +191,10 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=0 if self.paused else self.max_num_batched_tokens)
+        plan = _StepPlan(
+            budget=0 if self.paused else self.max_num_batched_tokens,
+            prefills=PrefillCount(self.prefill_limits),
+        )
         self._admit_compiled_grammars()
         self.structured_output_manager.filter_drafts(self.running)
         self._schedule_running(plan)
@@ -233,6 +243,7 @@ class Scheduler:
                     return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             plan.add(request, num_new, new_blocks, is_new=False)
+            plan.prefills.add(request.num_tokens - request.num_computed_tokens, num_new)
             if num_drafts:
                 drafts = self.spec_decode.scheduled_drafts(request, num_new)
                 if drafts:
@@ -240,6 +251,15 @@ class Scheduler:
             index += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        # Held back by the partial-prefill limits: back at the front, in order, when the pass ends.
+        passed_over: list[Request] = []
+        try:
+            self._admit_waiting(plan, passed_over)
+        finally:
+            for request in reversed(passed_over):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, plan: _StepPlan, passed_over: list[Request]) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             # A request back from a remote KV load already holds its blocks.
@@ -253,16 +273,23 @@ class Scheduler:
                 self.waiting.pop()  # it waits for its KV off the queue
                 continue
             num_computed = request.num_computed_tokens + num_hit_tokens
-            num_new = self._clamp_chunk(request.num_tokens - num_computed)
+            num_left = request.num_tokens - num_computed
+            num_new = self._clamp_chunk(num_left)
             if not self.enable_chunked_prefill and num_new > plan.budget:
                 break  # wait for a step with room, keeping arrival order
             num_new = self._clamp_to_budget(num_new, num_computed, plan)
+            if not plan.prefills.admits(num_left, num_new):
+                passed_over.append(self.waiting.pop())
+                if len(passed_over) >= self.max_num_seqs:
+                    break  # a bounded look past the queue's head per step
+                continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.pop()
             self._admit(request, num_computed)
             plan.add(request, num_new, new_blocks, is_new=True)
+            plan.prefills.add(num_left, num_new)
 
     def _clamp_chunk(self, num_new: int) -> int:
         if self.long_prefill_token_threshold > 0:

@@ -63,10 +63,15 @@ def test_end_to_end_serve_bench_on_smoke8(
 
 def test_serve_argv_round_trips_through_weft_serve_parser() -> None:
     engine_args = EngineArgs(
-        dtype="float32", max_num_batched_tokens=512, enable_prefix_caching=False, data_parallel_size=4
+        dtype="float32",
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+        data_parallel_size=4,
+        max_num_partial_prefills=4,
     )
     args = serve_parser().parse_args(serve_argv(engine_args, port=1234))
     assert (args.port, args.dtype, args.max_num_batched_tokens) == (1234, "float32", 512)
+    assert (args.max_num_partial_prefills, args.max_long_partial_prefills) == (4, 1)
     assert args.enable_prefix_caching is False
     assert args.data_parallel_size == 1  # the bench compares one rank with the offline engine
 

@@ -4,9 +4,11 @@ the client, its report, goodput, failures, chat streams without usage, and a swe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,14 @@ def _stub_app(bodies: list[dict[str, Any]]) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        bodies.append({"reset_prefix_cache": True})
+        return JSONResponse({"reset": True})
+
     return Starlette(
         routes=[
             Route("/v1/models", models),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/v1/completions", complete, methods=["POST"]),
             Route("/v1/chat/completions", complete, methods=["POST"]),
         ]
@@ -185,10 +192,80 @@ def test_concurrency_sweep_writes_a_plot(tmp_path: Path, stub: tuple[str, list])
     ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
+    assert [run["prefix_cache_reset"] for run in report["runs"]] == [True, True]
     assert [run["swept_value"] for run in report["runs"]] == [1, 3]
     assert [run["max_concurrency"] for run in report["runs"]] == [1, 3]
     assert all(run["completed"] == 3 and run["total_output_tokens"] == 9 for run in report["runs"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_without_base_url_runs_every_point_through_one_launched_server(
+    tmp_path: Path,
+    stub: tuple[str, list],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url, bodies = stub
+    launches = []
+
+    @contextlib.contextmanager
+    def stand_in(engine_args, model_name, workload):  # the stub plays the `weft serve` started here
+        launches.append((engine_args, model_name, len(workload.requests)))
+        yield types.SimpleNamespace(url=url)
+
+    monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
+    out = tmp_path / "sweep.json"
+    argv = [
+        "serve",
+        "--dataset",
+        _workload(tmp_path / "w.json", [2, 2, 2, 2]),
+        "--sweep",
+        "concurrencies",
+        "1",
+        "4",
+        "--max-num-partial-prefills",
+        "4",
+        "--plot",
+        str(tmp_path / "sweep.png"),
+        "--quiet",
+        "--result-json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    ((engine_args, model_name, num_requests),) = launches  # one server for the whole sweep
+    assert engine_args.max_num_partial_prefills == 4 and num_requests == 4
+    # Before each point the cache is reset, so no point reads the prompts of the previous one.
+    resets = [i for i, body in enumerate(bodies) if "reset_prefix_cache" in body]
+    assert resets == [0, 5]
+    requests = [body for body in bodies if "model" in body]
+    assert all(body["model"] == model_name for body in requests) and len(requests) == 8
+    report = json.loads(out.read_text())
+    assert report["engine_args"]["max_num_partial_prefills"] == 4
+    assert [p["value"] for p in report["points"]] == [1, 4]
+    for point, run in zip(report["points"], report["runs"]):
+        assert point["output_tok_s"] == run["output_throughput"] == 8 / run["duration_s"]
+        assert (
+            point["ttft_p99_ms"] == run["ttft_ms"]["p99"] and point["itl_p50_ms"] == run["itl_ms"]["median"]
+        )
+    table = capsys.readouterr().out
+    assert "concurrency  out tok/s" in table
+
+
+def test_a_launched_sweep_stops_when_the_cache_is_not_reset(
+    tmp_path: Path, stub: tuple[str, list], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, bodies = stub
+
+    @contextlib.contextmanager
+    def stand_in(engine_args, model_name, workload):
+        yield types.SimpleNamespace(url=url)
+
+    monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
+    monkeypatch.setattr("services.bench.serve_cli.reset_prefix_cache", lambda base_url: False)
+    argv = ["serve", "--dataset", _workload(tmp_path / "w.json", [2]), "--sweep", "concurrencies", "1"]
+    with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
+        cli.main([*argv, "--quiet", "--plot", str(tmp_path / "p.png")])
+    assert bodies == []  # no point ran on a warm cache
 
 
 @pytest.mark.parametrize(

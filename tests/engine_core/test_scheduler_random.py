@@ -37,6 +37,7 @@ config_spec = st.fixed_dictionaries(
         "max_num_batched_tokens": st.integers(8, 128),
         "max_num_seqs": st.integers(1, 6),
         "long_prefill_token_threshold": st.sampled_from([0, 8, 24]),
+        "max_num_partial_prefills": st.sampled_from([1, 2, 3]),
         "caching": st.booleans(),
     }
 )

@@ -1,0 +1,121 @@
+"""Concurrent partial prefills: which prompts start in which step under
+max_num_partial_prefills / max_long_partial_prefills / long_prefill_token_threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config.engine_args import EngineArgs
+from tests.engine_core.fakes import FakeWorker, add, make_scheduler, run_to_completion, step
+
+
+def scheduled(so) -> dict[str, int]:
+    return dict(so.num_scheduled_tokens)
+
+
+def limited(**kwargs):
+    kwargs.setdefault("max_num_batched_tokens", 128)
+    kwargs.setdefault("long_prefill_token_threshold", 32)
+    return make_scheduler(**kwargs), FakeWorker(16)
+
+
+def test_short_prompts_start_ahead_of_a_long_one_held_back():
+    s, w = limited(max_num_partial_prefills=4, max_long_partial_prefills=1)
+    add(s, "long1", 100)
+    add(s, "long2", 100)
+    add(s, "short1", 20)
+    add(s, "short2", 20)
+    so, _ = step(s, w)
+    # long2 would be a second long prefill: short1 and short2 behind it go first.
+    assert scheduled(so) == {"long1": 32, "short1": 20, "short2": 20}
+    assert [r.request_id for r in s.waiting] == ["long2"]
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long1": 32, "short1": 1, "short2": 1}
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long1": 32, "short1": 1, "short2": 1}  # 36 left: still long
+    so, _ = step(s, w)
+    # long1 has 4 tokens left, no longer long: long2 may start.
+    assert scheduled(so) == {"long1": 4, "short1": 1, "short2": 1, "long2": 32}
+    outputs = run_to_completion(s, w)
+    assert set(outputs) == {"long1", "long2", "short1", "short2"}
+
+
+def test_the_default_keeps_queue_order():
+    s, w = limited()  # max_num_partial_prefills = 1: the limits are off
+    add(s, "long1", 100)
+    add(s, "long2", 100)
+    add(s, "short1", 20)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long1": 32, "long2": 32, "short1": 20}
+    run_to_completion(s, w)
+
+
+def test_partial_limit_holds_back_prompts_the_step_would_leave_unfinished():
+    s, w = limited(max_num_partial_prefills=2, max_long_partial_prefills=2, long_prefill_token_threshold=16)
+    for name in ("a", "b", "c"):
+        add(s, name, 30)
+    add(s, "tiny", 10)
+    so, _ = step(s, w)
+    # a and b are the two partial prefills; c would be a third; tiny finishes in this step.
+    assert scheduled(so) == {"a": 16, "b": 16, "tiny": 10}
+    assert [r.request_id for r in s.waiting] == ["c"]
+    so, _ = step(s, w)
+    # a and b finish (14 left, under the threshold): c may start as a partial prefill.
+    assert scheduled(so) == {"a": 14, "b": 14, "tiny": 1, "c": 16}
+    run_to_completion(s, w)
+
+
+def test_a_prompt_cut_by_the_budget_counts_as_partial():
+    s, w = limited(
+        max_num_batched_tokens=40,
+        max_num_partial_prefills=2,
+        max_long_partial_prefills=2,
+        long_prefill_token_threshold=16,
+    )
+    add(s, "a", 30)
+    add(s, "b", 30)
+    add(s, "c", 12)  # short, but only 8 tokens of budget are left for it: a third partial prefill
+    add(s, "d", 5)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"a": 16, "b": 16, "d": 5}
+    so, _ = step(s, w)
+    # a and b finish, so c may be cut by the budget now.
+    assert scheduled(so) == {"a": 14, "b": 14, "d": 1, "c": 11}
+    run_to_completion(s, w)
+
+
+def test_passed_over_prompts_keep_their_order_under_priority():
+    s, w = limited(max_num_partial_prefills=2, max_long_partial_prefills=1, scheduling_policy="priority")
+    add(s, "long_a", 100, priority=0)
+    add(s, "long_b", 90, priority=1)
+    add(s, "long_c", 80, priority=2)
+    add(s, "short", 10, priority=3)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long_a": 32, "short": 10}
+    assert [r.request_id for r in s.waiting] == ["long_b", "long_c"]
+    run_to_completion(s, w)
+
+
+def _config(**kwargs):
+    return EngineArgs(**kwargs).create_engine_config().scheduler
+
+
+def test_the_threshold_defaults_to_four_percent_of_max_model_len_when_the_limits_are_on():
+    assert _config(max_num_partial_prefills=2, max_model_len=2000).long_prefill_token_threshold == 80
+    assert _config(max_model_len=2000).long_prefill_token_threshold == 0
+    given = _config(max_num_partial_prefills=2, max_model_len=2000, long_prefill_token_threshold=50)
+    assert given.long_prefill_token_threshold == 50
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
+        ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 3}, "max_long_partial_prefills"),
+        ({"max_long_partial_prefills": 0}, "max_long_partial_prefills"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+    ],
+)
+def test_bad_limits_are_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        _config(**kwargs)
