@@ -31,6 +31,9 @@ def build_params(args: argparse.Namespace):
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.model_alias = {args.alias}
+    if not args.cache_prompt:  # no reuse of a slot's previous prompt, no host-RAM prompt cache
+        params.cache_prompt = False
+        params.cache_ram_mib = 0
     return params
 
 
@@ -42,6 +45,12 @@ def main() -> None:
     parser.add_argument("--ctx-per-slot", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--alias", default="llamacpp", help="The model name the server answers to.")
+    parser.add_argument(
+        "--no-cache-prompt",
+        dest="cache_prompt",
+        action="store_false",
+        help="Prefill every prompt in full (as weft and vLLM do without prefix caching).",
+    )
     args = parser.parse_args()
 
     import xllamacpp

@@ -377,6 +377,17 @@ def cap_output(workload: Workload, max_tokens: int | None) -> Workload:
     )
 
 
+# A served run streams the same prompts at each concurrency after a warm-up on the first one:
+# with prompt caching on, every level after the first would read its prompts' KV from the cache
+# (weft and vLLM keep prefix blocks, llama.cpp's slots and host-RAM cache keep prompts), and the
+# TTFTs would measure cache hits, not prefill. So each server runs with it off.
+NO_PROMPT_CACHE = {
+    "weft": ["--no-enable-prefix-caching"],
+    "vllm": ["--no-enable-prefix-caching"],
+    "llamacpp": ["--no-cache-prompt"],
+}
+
+
 def weft_system(model: str | None, dtype: str) -> System:
     model_args = ["--model", model] if model else []
 
@@ -410,6 +421,7 @@ def weft_system(model: str | None, dtype: str) -> System:
             dtype,
             "--data-parallel-size",
             "1",
+            *NO_PROMPT_CACHE["weft"],
             *model_args,
         ]
 
@@ -467,6 +479,7 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
             dtype,
             "--served-model-name",
             "vllm",
+            *NO_PROMPT_CACHE["vllm"],
         ]
 
     return System("vllm", offline, serve, served_model="vllm", env=variables)
@@ -496,6 +509,7 @@ def llamacpp_system(gguf: Path, parallel: int, ctx_per_slot: int, log=print) -> 
             str(ctx_per_slot),
             "--alias",
             "llamacpp",
+            *NO_PROMPT_CACHE["llamacpp"],
         ]
 
     return System("llamacpp", serve_argv=serve, served_model="llamacpp")  # a server only: no offline API

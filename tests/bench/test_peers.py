@@ -154,6 +154,8 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     assert argv[1:4] == ["-m", "services.bench.cli", "throughput"]
     assert ["--dataset", "w.json"] == argv[4:6] and "--model" in argv and "float32" in argv
     assert "--port" in weft.serve_argv(9000) and "9000" in weft.serve_argv(9000)
+    # Served runs repeat prompts across concurrencies: no server may answer them from a cache.
+    assert "--no-enable-prefix-caching" in weft.serve_argv(9000)
 
     monkeypatch.setattr(peer_envs, "ensure", lambda env, log=print: env.python)
     monkeypatch.setattr(peer_envs, "hf_checkpoint", lambda gguf, dtype="float32": tmp_path / "ckpt")
@@ -166,13 +168,14 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     ]
     assert serve[serve.index("--model") + 1] == str(tmp_path / "ckpt") and "9001" in serve
     assert vllm.offline_argv(Path("w.json"), Path("o.json"))[1].endswith("benchmarks/peers/vllm_offline.py")
+    assert "--no-enable-prefix-caching" in serve
 
     llama = peers.llamacpp_system(Path("m.gguf"), parallel=64, ctx_per_slot=700)
     assert llama.offline_argv is None  # llama.cpp is compared served only
     argv = llama.serve_argv(9002)
     assert argv[1].endswith("benchmarks/peers/llamacpp_server.py")
     assert argv[argv.index("--parallel") + 1] == "64" and argv[argv.index("--model") + 1] == "m.gguf"
-    assert argv[argv.index("--ctx-per-slot") + 1] == "700"
+    assert argv[argv.index("--ctx-per-slot") + 1] == "700" and "--no-cache-prompt" in argv
 
 
 def test_a_failed_install_is_a_setup_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
