@@ -17,6 +17,7 @@ test spends its time on faults, not on matrix products), in this order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 
@@ -31,8 +32,8 @@ MODEL = "tiny-llama"
 SHUTDOWN_TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@contextlib.contextmanager
+def running_stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
     stack = Stack(
         [
@@ -61,6 +62,27 @@ def stack(tmp_path_factory):
         yield stack
     finally:
         stack.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory):
+    with running_stack(tmp_path_factory) as stack:
+        yield stack
+
+
+@pytest.fixture
+def stack(shared_stack):
+    """The module's stack, with both ranks ready: a test that killed an engine core waits in
+    its own body for the restart, and this makes sure of it whatever ran before."""
+    shared_stack.wait_healthy(timeout_s=90)
+    return shared_stack
+
+
+@pytest.fixture
+def own_stack(tmp_path_factory):
+    """A stack of the test's own, for a test that stops it."""
+    with running_stack(tmp_path_factory) as stack:
+        yield stack
 
 
 async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Event | None = None) -> dict:
@@ -129,8 +151,9 @@ def test_sigterm_on_an_engine_core_finishes_its_streams(stack):
     assert health["ready"] == [0, 1]
 
 
-def test_sigterm_on_the_api_during_32_streams(stack):
-    """Last: it stops the stack."""
+def test_sigterm_on_the_api_during_32_streams(own_stack):
+    """It stops the stack: its own."""
+    stack = own_stack
 
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=40)

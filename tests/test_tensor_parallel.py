@@ -252,13 +252,21 @@ class ServeTP3:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served_stack(tmp_path_factory):
     stack = ServeTP3(tmp_path_factory.mktemp("serve-tp3") / "serve.log")
     try:
         stack.wait_healthy()
         yield stack
     finally:
         stack.kill()
+
+
+@pytest.fixture
+def served(served_stack):
+    """The module's server, ready: after a test killed a worker, the API restarts the engine core
+    (with new workers), and the next test waits for that here, whichever order they run in."""
+    served_stack.wait_healthy()
+    return served_stack
 
 
 def test_weft_serve_tp3_answers_the_openai_client(served, tp1_outputs):
@@ -293,7 +301,7 @@ def _stream(url: str, events: list) -> None:
 
 
 def test_sigkill_of_a_non_driver_worker_ends_the_engine_core_cleanly(served):
-    """Runs last: it leaves the stack without an engine."""
+    """It leaves the engine core dead; the API starts a new one (the fixture waits for it)."""
     engine, workers = served.engine_core(), served.workers()
     everything = [engine, *engine.children(recursive=True)]  # the workers, and multiprocessing's helper
     events: list[str] = []
