@@ -39,6 +39,17 @@ VARIABLES: tuple[EnvVar, ...] = (
         "0 turns the fused CPU element-wise kernels off (kernels/cpu_fused.py reads it itself: "
         "kernels/ imports nothing from services/).",
     ),
+    EnvVar(
+        "WEFT_QUANT_ISA",
+        "Force one build of the quantized-linear kernel: avx512vnni, avx2 or generic (default: the fastest "
+        "the CPU runs; kernels/cpu_quant_linear.py reads it itself).",
+    ),
+    EnvVar(
+        "WEFT_QUANT_ACTIVATIONS",
+        "fp32 (default) or int8: the activations of the quantized matmul under 32 rows (decode) kept fp32, "
+        "or rounded to int8 for integer dot products, faster but off the greedy-parity tests "
+        "(services/worker/layers/quantized_linear.py).",
+    ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
         "WEFT_WORKLOADS_DIR",

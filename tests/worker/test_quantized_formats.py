@@ -210,7 +210,7 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
     from kernels import cpu_quant_linear
     from services.worker.layers import quantized_linear
 
-    def unavailable():
+    def unavailable(isa=None):
         raise cpu_quant_linear.KernelUnavailable("no compiler here")
 
     monkeypatch.setattr(cpu_quant_linear, "load", unavailable)
@@ -223,3 +223,36 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
     with caplog.at_level("WARNING"):
         close_to(layer(x), F.linear(x, reference("Q5_0", data)))
     assert "no compiler here" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_activations_are_opt_in_and_only_under_i8_max_rows(monkeypatch, fmt):
+    """WEFT_QUANT_ACTIVATIONS=int8: decode-sized inputs run the int8-activation kernel (its
+    twin's numbers), larger ones stay fp32; unset, every size is fp32."""
+    from kernels.reference import quant_linear_i8_ref
+    from services.worker.layers import quantized_linear
+
+    data = gguf_blocks(fmt, 96, 512, seed=8)
+    layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack(fmt, data, 512), 0)
+    finalize_quantized(layer)
+    (part,) = layer.quant.parts
+    few, many = torch.randn(7, 512), torch.randn(quantized_linear.I8_MAX_ROWS, 512)
+    for activations, expected_few in (
+        ("int8", quant_linear_i8_ref(few, part.qweight, part.scales, part.mins, part.group_size)),
+        ("", F.linear(few, reference(fmt, data))),
+    ):
+        monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
+        monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
+        close_to(layer(few), expected_few)
+        close_to(layer(many), F.linear(many, reference(fmt, data)))
+
+
+def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int8, fp32, got 'int4'"):
+        quantized_linear.activations_from_env()
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quantized_linear.choose_kernel(None, "bf16")

@@ -13,9 +13,13 @@ input columns only on group boundaries (else a ValueError says to run with
 ``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
 
 Numerics: the weights the kernel rebuilds equal the gguf package's
-dequantization exactly; products and sums are fp32 whatever the model dtype,
+dequantization exactly. Products and sums are fp32 whatever the model dtype,
 so a layer differs from ``F.linear`` over the dequantized weight only in the
-order of its sums.
+order of its sums. ``WEFT_QUANT_ACTIVATIONS=int8`` (opt-in) rounds the
+activations to int8 per weight group under ``I8_MAX_ROWS`` rows (decode), as
+llama.cpp does, so each group is one integer dot product: about twice as fast
+at batch 1, but the default model's greedy tokens then leave the dequantized
+model's at gaps the parity test does not allow, so it is not the default.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from services import env
 
 logger = logging.getLogger(__name__)
 
@@ -119,21 +124,41 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 # the GEMM path by 1.57x at 2048 rows.
 GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
+# Under this many rows of x the matmul reads the weights once and is bound by the
+# bytes it reads and the instructions per weight: int8 activations make it one
+# integer dot per 32 weights. From here on the fp32 kernel (batched decode, prefill).
+I8_MAX_ROWS = 32
+ACTIVATIONS = ("int8", "fp32")
+
+
+def activations_from_env() -> str:
+    """``WEFT_QUANT_ACTIVATIONS`` (int8 or fp32; default fp32)."""
+    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "fp32").strip().lower()
+    if value not in ACTIVATIONS:
+        raise ValueError(f"WEFT_QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}, got {value!r}.")
+    return value
 
 
 class _Kernel:
-    """The compiled kernel, or the torch twin with the reason logged once when it cannot be built."""
+    """The compiled kernel, or the torch twin with the reason logged once when it cannot be built.
+
+    ``isa`` (None: the kernel module's default) and ``activations`` pick the build and the
+    decode path; ``choose_kernel`` sets them (the benchmarks compare one with another)."""
 
     def __init__(self) -> None:
         self._compiled: bool | None = None
         self._scratch = torch.empty(0)
+        self.isa: str | None = None
+        self.activations: str | None = None  # None: read from the environment on first use
 
     def compiled(self) -> bool:
         if self._compiled is None:
             from kernels import cpu_quant_linear
 
+            if self.activations is None:
+                self.activations = activations_from_env()
             try:
-                cpu_quant_linear.load()
+                cpu_quant_linear.load(self.isa)
                 self._compiled = True
             except cpu_quant_linear.KernelUnavailable as exc:
                 logger.warning("Quantized linear layers use the slower torch twin: %s", exc)
@@ -144,10 +169,12 @@ class _Kernel:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
-        from kernels.cpu_quant_linear import dequantize_rows, quant_linear
+        from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8
 
+        if x.shape[0] < I8_MAX_ROWS and self.activations == "int8":
+            return quant_linear_i8(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         if x.shape[0] < GEMM_MIN_ROWS:
-            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size)
+            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         n, k = w.shape
         chunk = max(1, min(n, _CHUNK_BYTES // (4 * k)))
         if self._scratch.numel() < chunk * k:
@@ -156,12 +183,22 @@ class _Kernel:
         for start in range(0, n, chunk):
             count = min(chunk, n - start)
             rows = self._scratch[: count * k].view(count, k)
-            dequantize_rows(w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows)
+            dequantize_rows(
+                w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows, isa=self.isa
+            )
             outs.append(x @ rows.T)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 _KERNEL = _Kernel()
+
+
+def choose_kernel(isa: str | None, activations: str) -> None:
+    """Run this process's quantized layers on build ``isa`` (None: the default) with
+    ``activations`` (int8 or fp32) under ``I8_MAX_ROWS`` rows."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
+    _KERNEL.isa, _KERNEL.activations, _KERNEL._compiled = isa, activations, None
 
 
 class QuantizedWeight:
