@@ -11,9 +11,10 @@ another); ``load(isa)`` a given one. It raises ``KernelUnavailable`` with the
 reason when the build cannot happen; callers then use the torch twins in
 ``kernels.reference`` (``quant_linear_ref``, ``dequantize_packed_ref``).
 
-Two matmuls: ``quant_linear`` (fp32 activations; sums in another order than
-the twin's) and ``quant_linear_i8`` (activations rounded to int8 per weight
-group, integer dot products; twin ``quant_linear_i8_ref``). Layouts and
+Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
+than the twin's), ``quant_linear_i16`` and ``quant_linear_i8`` (activations
+rounded to int16 or int8 per weight group, integer dot products; twin
+``quant_linear_i8_ref``). Layouts and
 numerics are described in the C++ source.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "dequantize_rows",
     "load",
     "quant_linear",
+    "quant_linear_i16",
     "quant_linear_i8",
     "supported_isas",
 ]
@@ -118,6 +120,21 @@ def quant_linear_i8(
     """As ``quant_linear``, with each row of x rounded to int8 per group of ``group_size`` first."""
     out = _output(x, qweight, out)
     load(isa).quant_linear_i8(x, qweight, scales, mins, group_size, out)
+    return out
+
+
+def quant_linear_i16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """As ``quant_linear``, with each row of x rounded to int16 per group of ``group_size`` first."""
+    out = _output(x, qweight, out)
+    load(isa).quant_linear_i16(x, qweight, scales, mins, group_size, out)
     return out
 
 

@@ -46,9 +46,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
-        "fp32 (default) or int8: the activations of the quantized matmul under 32 rows (decode) kept fp32, "
-        "or rounded to int8 for integer dot products, faster but off the greedy-parity tests "
-        "(services/worker/layers/quantized_linear.py).",
+        "int16 (default), int8 or fp32: the activations of the quantized matmul under 32 rows (decode) "
+        "rounded to int16 or int8 for integer dot products (int8: fastest, but off the greedy-parity "
+        "tests), or kept fp32 (services/worker/layers/quantized_linear.py).",
     ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(

@@ -18,6 +18,10 @@
 // call, packed, in registers; nothing is stored. Numerics: x is rounded to
 // int8 (an error of up to amax / 254 per element); the rest is exact integer
 // arithmetic and fp32 sums in another order than the twin's.
+// quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
+// weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
+// vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
+// and close enough to it that the default model keeps its greedy tokens.
 // quant_linear (fp32 activations): a weight row dequantized in registers, or a
 // tile of kTileRows rows into an L1 buffer for more rows of x; differs from a
 // float matmul over the dequantized weight only in the order of the sums.
@@ -332,9 +336,12 @@ struct ActInt8 {
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
 };
 
-// x[0..n) -> q[0..n) int8; returns the scale. The scale is NaN where the group holds a
-// NaN or an infinity, so that reaches the output as the fp32 path would carry it.
-float quantize_group(const float* x, int64_t n, int8_t* q, float* sum_out) {
+// x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale.
+// The scale is NaN where the group holds a NaN or an infinity, so that reaches the output
+// as the fp32 path would carry it.
+template <typename T>
+float quantize_group(const float* x, int64_t n, T* q, float* sum_out) {
+  constexpr float kMax = sizeof(T) == 1 ? 127.f : 32767.f;
   float amax = 0.f, sum = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     amax = std::max(amax, std::fabs(x[j]));
@@ -345,10 +352,10 @@ float quantize_group(const float* x, int64_t n, int8_t* q, float* sum_out) {
     std::fill(q, q + n, 0);
     return std::nanf("");
   }
-  const float d = amax / 127.f;
+  const float d = amax / kMax;
   const float inv = d > 0.f ? 1.f / d : 0.f;
   // nearbyint rounds half to even in the default rounding mode, like torch.round in the twin.
-  for (int64_t j = 0; j < n; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+  for (int64_t j = 0; j < n; ++j) q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
   return d;
 }
 
@@ -608,6 +615,157 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   });
 }
 
+// ---- int16 activations (quant_linear_i16) ----
+//
+// x rounded to int16 per weight group (scale amax / 32767: 258 times finer than int8), the
+// weights widened to int16 in registers, pairs multiplied and added in int32 (VNNI vpdpwssd,
+// or AVX2 vpmaddwd), one fp32 FMA per group; the int4 min term folded as in the int8 path.
+
+struct ActInt16 {
+  int64_t group = 0, groups = 0;
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> scales;  // [M, K / group]
+  std::vector<float> sums;    // [M, K / 32] (int4)
+};
+
+ActInt16 quantize_activations_i16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group) {
+  ActInt16 a;
+  a.group = group;
+  a.groups = K / group;
+  a.q.assign(M * K, 0);
+  a.scales.assign(M * a.groups, 0.f);
+  a.sums.assign(M * a.groups, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < a.groups; ++g) {
+      a.scales[m * a.groups + g] =
+          quantize_group(x + m * ldx + g * group, group, a.q.data() + m * K + g * group, &a.sums[m * a.groups + g]);
+    }
+  }
+  return a;
+}
+
+#ifdef WEFT_AVX2
+// 8 int32 lanes of pairwise products of int16 w and x, added to acc.
+inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
+#ifdef WEFT_VNNI
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+template <int R, bool kInt4, int G>
+void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[R][2];
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  const float* sw = w.scales + n * w.groups;
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  auto step = [&](int64_t g, int slot) {
+    __m256i w0, w1;
+    if constexpr (kInt4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    } else {
+      const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xg = a.q.data() + (m0 + r) * w.K + g * G;
+      __m256i dot = dot_s16(_mm256_setzero_si256(), w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+      if constexpr (G == 32) dot = dot_s16(dot, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
+      const __m256 scale = _mm256_set1_ps(sw[g] * a.scales[(m0 + r) * a.groups + g]);
+      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= w.groups; g += 2) {
+    step(g, 0);
+    step(g + 1, 1);
+  }
+  if (g < w.groups) step(g, 0);
+  for (int r = 0; r < R; ++r) {
+    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
+    out[r * ldo] = total;
+  }
+}
+
+template <bool kInt4, int G>
+void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t M, float* op, int64_t ldo) {
+  const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
+  prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
+  prefetch_bytes(w.scales + ahead * w.groups, w.groups * 4);
+  if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, w.groups * 4);
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
+  switch (M - m) {
+    case 3: dot_row_i16<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 2: dot_row_i16<2, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 1: dot_row_i16<1, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    default: break;
+  }
+}
+#endif
+
+void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m, float* out) {
+  const float* sw = w.scales + n * w.groups;
+  const int16_t* xq = a.q.data() + m * w.K;
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  float total = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < w.group; ++j) {
+      int32_t wq;
+      if (w.mins != nullptr) {
+        const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
+        wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
+      }
+      dot += wq * xq[g * w.group + j];
+    }
+    total += (sw[g] * a.scales[m * a.groups + g]) * static_cast<float>(dot);
+  }
+  if (w.mins != nullptr) total += min_term(w.mins + n * w.groups, a.sums.data() + m * w.groups, w.groups);
+  *out = total;
+}
+
+// out [M, N] = x [M, K] @ W^T with x rounded to int16 per weight group.
+void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear_i16: x must be fp32 [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i16: group_size must be 16 or 32");
+  const int64_t N = qweight.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.stride(1) == 1,
+              "quant_linear_i16: out must be fp32 [M, N] with contiguous rows");
+  if (M == 0 || N == 0) return;
+  const ActInt16 a = quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+#ifdef WEFT_AVX2
+      if (w.mins != nullptr) {
+        rows_i16<true, 32>(w, n, a, M, op, ldo);
+      } else if (group_size == 32) {
+        rows_i16<false, 32>(w, n, a, M, op, ldo);
+      } else {
+        rows_i16<false, 16>(w, n, a, M, op, ldo);
+      }
+#else
+      for (int64_t m = 0; m < M; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
+#endif
+    }
+  });
+}
+
 // Which instruction set this build's quant_linear_i8 runs on.
 std::string isa() {
 #if defined(WEFT_VNNI)
@@ -626,8 +784,11 @@ WEFT_TORCH_LIBRARY(QUANT_LIBRARY_NS, m) {
   m.def(
       "dequantize_rows(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int start, Tensor(a!) out) -> ()");
   m.def("quant_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+  m.def(
+      "quant_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
   m.impl("quant_linear_i8", c10::DispatchKey::CPU, &quant_linear_i8);
+  m.impl("quant_linear_i16", c10::DispatchKey::CPU, &quant_linear_i16);
   m.impl("dequantize_rows", c10::DispatchKey::CPU, &dequantize_rows);
 }

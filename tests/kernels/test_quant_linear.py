@@ -2,10 +2,10 @@
 
 The rebuilt weights must equal the twin's exactly (the same fp32 products);
 the matmul may differ only by the order of fp32 sums: within 1e-5 of the
-largest output for K = 576. With int8 activations (``quant_linear_i8``) the
-rounding of x is the twin's bit for bit, so the same holds against
-``quant_linear_i8_ref``; against the fp32 twin the error stays within what
-rounding x to int8 allows. Every build the CPU runs (AVX-512 VNNI, AVX2,
+largest output for K = 576. With int8 or int16 activations
+(``quant_linear_i8``, ``quant_linear_i16``) the rounding of x is the twin's
+bit for bit, so the same holds against ``quant_linear_i8_ref``; against the
+fp32 twin the error stays within what rounding x allows. Every build the CPU runs (AVX-512 VNNI, AVX2,
 generic) is run by name.
 """
 
@@ -127,29 +127,41 @@ def test_weft_quant_isa_forces_a_build(monkeypatch):
 I8_SHAPES = [("int8", 32, 576), ("int8", 16, 592), ("int4", 32, 576), ("int4", 32, 608)]
 
 
+# The integer-activation kernels and the integer type each rounds x to.
+INT_KERNELS = {
+    "int8": (cpu_quant_linear.quant_linear_i8, torch.int8),
+    "int16": (cpu_quant_linear.quant_linear_i16, torch.int16),
+}
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,group,k", I8_SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 31])
-def test_quant_linear_i8_matches_its_twin(isa, layout, group, k, rows):
+def test_integer_activation_kernels_match_their_twin(bits, isa, layout, group, k, rows):
+    kernel, dtype = INT_KERNELS[bits]
     q, s, m = random_packed(layout, 203, k, group, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
-    expected = quant_linear_i8_ref(x, q, s, m, group)
-    actual = cpu_quant_linear.quant_linear_i8(x, q, s, m, group, isa=isa)
+    expected = quant_linear_i8_ref(x, q, s, m, group, dtype)
+    actual = kernel(x, q, s, m, group, isa=isa)
     torch.testing.assert_close(
         actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
 
 
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("layout,group,k", I8_SHAPES)
-def test_int8_activations_err_only_by_the_rounding_of_x(layout, group, k):
-    """|y_i8 - y_fp32| <= sum_j |w_j| * d_j / 2, d_j the int8 step of x's group of j."""
+def test_integer_activations_err_only_by_the_rounding_of_x(bits, layout, group, k):
+    """|y - y_fp32| <= sum_j |w_j| * d_j / 2, d_j the step of x's group of j (plus fp32 sums)."""
+    kernel, dtype = INT_KERNELS[bits]
     q, s, m = random_packed(layout, 64, k, group, seed=5)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(6)) * 3
     w = dequantize_packed_ref(q, s, m, group)
-    _, steps = quantize_rows_i8_ref(x, group)
+    _, steps = quantize_rows_i8_ref(x, group, dtype)
     bound = (steps.repeat_interleave(group, dim=1) / 2) @ w.abs().T
-    error = (cpu_quant_linear.quant_linear_i8(x, q, s, m, group) - quant_linear_ref(x, q, s, m, group)).abs()
-    assert (error <= bound * 1.001 + 1e-4).all()
+    expected = quant_linear_ref(x, q, s, m, group)
+    error = (kernel(x, q, s, m, group) - expected).abs()
+    assert (error <= bound * 1.001 + SUM_ORDER_TOLERANCE * float(expected.abs().max())).all()
     assert error.max() > 0  # x really is rounded
 
 
@@ -163,46 +175,53 @@ def test_activations_round_half_to_even_with_a_scale_of_amax_over_127():
     assert xq[0, 0, :4].tolist() == [127, 2, 4, -2] and d.item() == 1.0
 
 
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
-def test_int8_weights_of_minus_128_and_extreme_activations(isa):
+def test_int8_weights_of_minus_128_and_extreme_activations(bits, isa):
     """-128 weights against activations of both signs: no saturation in the integer dots."""
     q = torch.full((3, 64), -128, dtype=torch.int8)
     q[1, ::2] = 127
     x = torch.tensor([[1.0, -1.0] * 32, [-5.0] * 64])
     s = torch.full((3, 2), 0.5)
     expected = quant_linear_ref(x, q, s, None, 32)
-    torch.testing.assert_close(cpu_quant_linear.quant_linear_i8(x, q, s, None, 32, isa=isa), expected)
+    torch.testing.assert_close(INT_KERNELS[bits][0](x, q, s, None, 32, isa=isa), expected)
 
 
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_nan_in_x_reaches_only_its_row(isa):
+def test_a_nan_in_x_reaches_only_its_row(bits, isa):
+    kernel, dtype = INT_KERNELS[bits]
     q, s, m = random_packed("int4", 16, 64, 32)
     x = torch.randn(3, 64)
     x[1, 40] = float("nan")
-    out = cpu_quant_linear.quant_linear_i8(x, q, s, m, 32, isa=isa)
+    out = kernel(x, q, s, m, 32, isa=isa)
     assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
-    assert quant_linear_i8_ref(x, q, s, m, 32)[1].isnan().all()
+    assert quant_linear_i8_ref(x, q, s, m, 32, dtype)[1].isnan().all()
 
 
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
-def test_quant_linear_i8_takes_strided_rows_of_x_and_out(isa):
+def test_integer_activation_kernels_take_strided_rows_of_x_and_out(bits, isa):
+    kernel, dtype = INT_KERNELS[bits]
     q, s, m = random_packed("int4", 16, 64, 32)
     x = torch.randn(5, 128)[:, 64:]  # rows 128 floats apart
     out = torch.full((5, 40), -7.0)
-    cpu_quant_linear.quant_linear_i8(x, q, s, m, 32, out=out[:, 8:24], isa=isa)
-    expected = quant_linear_i8_ref(x, q, s, m, 32)
+    kernel(x, q, s, m, 32, out=out[:, 8:24], isa=isa)
+    expected = quant_linear_i8_ref(x, q, s, m, 32, dtype)
     torch.testing.assert_close(out[:, 8:24], expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     assert (out[:, :8] == -7).all() and (out[:, 24:] == -7).all()
 
 
-def test_quant_linear_i8_refuses_bad_arguments():
+@pytest.mark.parametrize("bits", INT_KERNELS)
+def test_integer_activation_kernels_refuse_bad_arguments(bits):
+    kernel, name = INT_KERNELS[bits][0], f"quant_linear_i{bits[3:]}"
     q, s, m = random_packed("int8", 8, 128, 64)
-    with pytest.raises(RuntimeError, match="group_size must be 16 or 32"):
-        cpu_quant_linear.quant_linear_i8(torch.randn(2, 128), q, s, None, 64)
+    with pytest.raises(RuntimeError, match=f"{name}: group_size must be 16 or 32"):
+        kernel(torch.randn(2, 128), q, s, None, 64)
     q, s, m = random_packed("int4", 8, 64, 32)
-    with pytest.raises(RuntimeError, match="x must be fp32"):
-        cpu_quant_linear.quant_linear_i8(torch.randn(2, 64, dtype=torch.bfloat16), q, s, m, 32)
+    with pytest.raises(RuntimeError, match=f"{name}: x must be fp32"):
+        kernel(torch.randn(2, 64, dtype=torch.bfloat16), q, s, m, 32)
     with pytest.raises(RuntimeError, match="qweight shape"):
-        cpu_quant_linear.quant_linear_i8(torch.randn(2, 96), q, s, m, 32)
-    with pytest.raises(RuntimeError, match="out must be fp32"):
-        cpu_quant_linear.quant_linear_i8(torch.randn(2, 64), q, s, m, 32, out=torch.empty(3, 8))
+        kernel(torch.randn(2, 96), q, s, m, 32)
+    with pytest.raises(RuntimeError, match=f"{name}: out must be fp32"):
+        kernel(torch.randn(2, 64), q, s, m, 32, out=torch.empty(3, 8))

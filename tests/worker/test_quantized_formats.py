@@ -7,7 +7,10 @@ scales (every bit pattern of the quants is then exercised).
 Tolerances, per format: the repacked weights equal gguf's dequantization
 exactly (all formats); the layer's matmul differs from ``F.linear`` over
 those weights only in the order of fp32 sums, within 1e-5 of the largest
-output for these sizes (K = 512).
+output for these sizes (K = 512). These tests run the fp32 activations
+(``WEFT_QUANT_ACTIVATIONS=fp32``) so that bound holds at every row count; the
+default int16 decode path is checked against its twin per format in
+``test_activations_setting_picks_the_decode_kernel_under_i8_max_rows``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 SUM_ORDER_TOLERANCE = 1e-5
 # Byte offsets of the fp16 scales in the K formats' super-blocks (gguf's layout).
 _K_HALVES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(autouse=True)
+def fp32_activations(monkeypatch):
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "fp32")
+    monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
 
 
 def gguf_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -226,9 +237,9 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_int8_activations_are_opt_in_and_only_under_i8_max_rows(monkeypatch, fmt):
-    """WEFT_QUANT_ACTIVATIONS=int8: decode-sized inputs run the int8-activation kernel (its
-    twin's numbers), larger ones stay fp32; unset, every size is fp32."""
+def test_activations_setting_picks_the_decode_kernel_under_i8_max_rows(monkeypatch, fmt):
+    """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 (default) or int8 kernel (their
+    twin's numbers) or fp32; from I8_MAX_ROWS rows on every setting is fp32."""
     from kernels.reference import quant_linear_i8_ref
     from services.worker.layers import quantized_linear
 
@@ -238,9 +249,11 @@ def test_int8_activations_are_opt_in_and_only_under_i8_max_rows(monkeypatch, fmt
     finalize_quantized(layer)
     (part,) = layer.quant.parts
     few, many = torch.randn(7, 512), torch.randn(quantized_linear.I8_MAX_ROWS, 512)
+    packed = (part.qweight, part.scales, part.mins, part.group_size)
     for activations, expected_few in (
-        ("int8", quant_linear_i8_ref(few, part.qweight, part.scales, part.mins, part.group_size)),
-        ("", F.linear(few, reference(fmt, data))),
+        ("int8", quant_linear_i8_ref(few, *packed)),
+        ("", quant_linear_i8_ref(few, *packed, torch.int16)),
+        ("fp32", F.linear(few, reference(fmt, data))),
     ):
         monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
         monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
@@ -252,7 +265,7 @@ def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):
     from services.worker.layers import quantized_linear
 
     monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int8, fp32, got 'int4'"):
+    with pytest.raises(ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int16, int8, fp32, got 'int4'"):
         quantized_linear.activations_from_env()
     with pytest.raises(ValueError, match="activations must be one of"):
         quantized_linear.choose_kernel(None, "bf16")

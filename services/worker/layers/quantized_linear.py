@@ -13,13 +13,16 @@ input columns only on group boundaries (else a ValueError says to run with
 ``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
 
 Numerics: the weights the kernel rebuilds equal the gguf package's
-dequantization exactly. Products and sums are fp32 whatever the model dtype,
-so a layer differs from ``F.linear`` over the dequantized weight only in the
-order of its sums. ``WEFT_QUANT_ACTIVATIONS=int8`` (opt-in) rounds the
-activations to int8 per weight group under ``I8_MAX_ROWS`` rows (decode), as
-llama.cpp does, so each group is one integer dot product: about twice as fast
-at batch 1, but the default model's greedy tokens then leave the dequantized
-model's at gaps the parity test does not allow, so it is not the default.
+dequantization exactly. Under ``I8_MAX_ROWS`` rows of x (decode) the
+activations are rounded to int16 per weight group (``WEFT_QUANT_ACTIVATIONS``
+int16, the default) and each group is an integer dot product: an error of at
+most amax / 65534 per element of x, under which the default model keeps the
+dequantized model's greedy tokens (tests/worker/test_quantized_model.py).
+``int8`` rounds them to int8 as llama.cpp does: faster again, but the greedy
+tokens then leave the dequantized model's at top-2 gaps the parity test does
+not allow, so it is opt-in. ``fp32``, and every call from ``I8_MAX_ROWS`` rows
+on: products and sums in fp32 whatever the model dtype, so a layer differs
+from ``F.linear`` over the dequantized weight only in the order of its sums.
 """
 
 from __future__ import annotations
@@ -125,15 +128,15 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
 # Under this many rows of x the matmul reads the weights once and is bound by the
-# bytes it reads and the instructions per weight: int8 activations make it one
-# integer dot per 32 weights. From here on the fp32 kernel (batched decode, prefill).
+# bytes it reads and the instructions per weight: integer activations make it a few
+# integer dots per 32 weights. From here on the fp32 kernel (batched decode, prefill).
 I8_MAX_ROWS = 32
-ACTIVATIONS = ("int8", "fp32")
+ACTIVATIONS = ("int16", "int8", "fp32")
 
 
 def activations_from_env() -> str:
-    """``WEFT_QUANT_ACTIVATIONS`` (int8 or fp32; default fp32)."""
-    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "fp32").strip().lower()
+    """``WEFT_QUANT_ACTIVATIONS`` (int16, int8 or fp32; default int16)."""
+    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "int16").strip().lower()
     if value not in ACTIVATIONS:
         raise ValueError(f"WEFT_QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}, got {value!r}.")
     return value
@@ -169,10 +172,11 @@ class _Kernel:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
-        from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8
+        from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8, quant_linear_i16
 
-        if x.shape[0] < I8_MAX_ROWS and self.activations == "int8":
-            return quant_linear_i8(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
+        if x.shape[0] < I8_MAX_ROWS and self.activations != "fp32":
+            kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
+            return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         if x.shape[0] < GEMM_MIN_ROWS:
             return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         n, k = w.shape
