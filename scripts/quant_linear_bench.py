@@ -9,11 +9,12 @@ inputs and prints the best of ``--repeats`` times of each variant:
 - ``old``: the quantized model on the AVX2 build with fp32 activations (the
   kernel before int8 activations),
 - ``new``: the default build (AVX-512 VNNI where the CPU has it) with the
-  default activations (int8 under 32 rows),
+  default activations (int16 under 32 rows),
+- ``int8``: the default build with int8 activations (opt-in),
 - ``dense``: the dequantized model through the oneDNN-packed fp32 weights the
   CPU worker uses.
 
-The quantized variants alternate (old, new, old, new, ...) over ``--rounds``
+The quantized variants alternate (old, new, int8, old, ...) over ``--rounds``
 so a load change on a shared machine hits both. Alongside, the bytes of
 weights each read per step over that time, and the machine's read bandwidth
 measured here with the same number of threads (a sum over a buffer much
@@ -81,7 +82,8 @@ def time_step(inputs, repeats: int) -> float:
     return best
 
 
-VARIANTS = {"old": ("avx2", "fp32"), "new": (None, None)}  # (isa, activations); None: the default
+# (isa, activations); None: the default
+VARIANTS = {"old": ("avx2", "fp32"), "new": (None, None), "int8": (None, "int8")}
 
 
 def report(label: str, seconds: float, nbytes: int, bandwidth: float) -> None:
@@ -111,7 +113,9 @@ def bench(models, rows: int, threads: int, args) -> None:
         time_step(dense, 1)
         best["dense"] = time_step(dense, args.repeats)
         report("dense", best["dense"], weight_bytes(dense), bandwidth)
-    print(f"  old / new time: {best['old'] / best['new']:.2f}x")
+    print(
+        f"  old / new time: {best['old'] / best['new']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x"
+    )
 
 
 def main() -> None:

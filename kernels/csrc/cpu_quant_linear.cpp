@@ -654,13 +654,18 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+// Groups whose scale products (weight's times x's) are computed ahead, 8 at a time, so the
+// inner loop broadcasts each from memory instead of multiplying scalars.
+constexpr int64_t kScaleChunk = 64;
+
 template <int R, bool kInt4, int G>
 void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
   const float* sw = w.scales + n * w.groups;
   const uint8_t* q = w.qweight + n * w.row_bytes;
-  auto step = [&](int64_t g, int slot) {
+  alignas(32) float prod[R][kScaleChunk];
+  auto step = [&](int64_t g, int64_t c0, int slot) {
     __m256i w0, w1;
     if constexpr (kInt4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
@@ -676,16 +681,26 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
       const int16_t* xg = a.q.data() + (m0 + r) * w.K + g * G;
       __m256i dot = dot_s16(_mm256_setzero_si256(), w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
       if constexpr (G == 32) dot = dot_s16(dot, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
-      const __m256 scale = _mm256_set1_ps(sw[g] * a.scales[(m0 + r) * a.groups + g]);
-      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
+      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
     }
   };
-  int64_t g = 0;
-  for (; g + 2 <= w.groups; g += 2) {
-    step(g, 0);
-    step(g + 1, 1);
+  for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
+    const int64_t cn = std::min(kScaleChunk, w.groups - c0);
+    for (int r = 0; r < R; ++r) {
+      const float* xs = a.scales.data() + (m0 + r) * a.groups + c0;
+      int64_t j = 0;
+      for (; j + 8 <= cn; j += 8) {
+        _mm256_store_ps(prod[r] + j, _mm256_mul_ps(_mm256_loadu_ps(sw + c0 + j), _mm256_loadu_ps(xs + j)));
+      }
+      for (; j < cn; ++j) prod[r][j] = sw[c0 + j] * xs[j];
+    }
+    int64_t g = c0;
+    for (; g + 2 <= c0 + cn; g += 2) {
+      step(g, c0, 0);
+      step(g + 1, c0, 1);
+    }
+    if (g < c0 + cn) step(g, c0, 0);
   }
-  if (g < w.groups) step(g, 0);
   for (int r = 0; r < R; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
     if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
