@@ -10,7 +10,7 @@ those weights only in the order of fp32 sums, within 1e-5 of the largest
 output for these sizes (K = 512). These tests run the fp32 activations
 (``WEFT_QUANT_ACTIVATIONS=fp32``) so that bound holds at every row count; the
 default int16 decode path is checked against its twin per format in
-``test_activations_setting_picks_the_decode_kernel_under_i8_max_rows``.
+``test_activations_setting_picks_the_decode_kernel_under_the_row_threshold``.
 """
 
 from __future__ import annotations
@@ -237,9 +237,9 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_activations_setting_picks_the_decode_kernel_under_i8_max_rows(monkeypatch, fmt):
+def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(monkeypatch, fmt):
     """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 (default) or int8 kernel (their
-    twin's numbers) or fp32; from I8_MAX_ROWS rows on every setting is fp32."""
+    twin's numbers) or fp32; from INT_ACTIVATION_MAX_ROWS rows on every setting is fp32."""
     from kernels.reference import quant_linear_i8_ref
     from services.worker.layers import quantized_linear
 
@@ -248,7 +248,7 @@ def test_activations_setting_picks_the_decode_kernel_under_i8_max_rows(monkeypat
     layer.load_weight("weight", repack(fmt, data, 512), 0)
     finalize_quantized(layer)
     (part,) = layer.quant.parts
-    few, many = torch.randn(7, 512), torch.randn(quantized_linear.I8_MAX_ROWS, 512)
+    few, many = torch.randn(7, 512), torch.randn(quantized_linear.INT_ACTIVATION_MAX_ROWS, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
     for activations, expected_few in (
         ("int8", quant_linear_i8_ref(few, *packed)),
@@ -265,7 +265,9 @@ def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):
     from services.worker.layers import quantized_linear
 
     monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int16, int8, fp32, got 'int4'"):
+    with pytest.raises(
+        ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int16, int8, fp32, got 'int4'"
+    ):
         quantized_linear.activations_from_env()
     with pytest.raises(ValueError, match="activations must be one of"):
         quantized_linear.choose_kernel(None, "bf16")

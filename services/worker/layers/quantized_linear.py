@@ -13,16 +13,18 @@ input columns only on group boundaries (else a ValueError says to run with
 ``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
 
 Numerics: the weights the kernel rebuilds equal the gguf package's
-dequantization exactly. Under ``I8_MAX_ROWS`` rows of x (decode) the
-activations are rounded to int16 per weight group (``WEFT_QUANT_ACTIVATIONS``
-int16, the default) and each group is an integer dot product: an error of at
-most amax / 65534 per element of x, under which the default model keeps the
-dequantized model's greedy tokens (tests/worker/test_quantized_model.py).
-``int8`` rounds them to int8 as llama.cpp does: faster again, but the greedy
-tokens then leave the dequantized model's at top-2 gaps the parity test does
-not allow, so it is opt-in. ``fp32``, and every call from ``I8_MAX_ROWS`` rows
-on: products and sums in fp32 whatever the model dtype, so a layer differs
-from ``F.linear`` over the dequantized weight only in the order of its sums.
+dequantization exactly. Under ``INT_ACTIVATION_MAX_ROWS`` rows of x (decode)
+the activations are rounded to int16 per weight group
+(``WEFT_QUANT_ACTIVATIONS`` int16, the default) and each group is an integer
+dot product: an error of at most amax / 65534 per element of x, under which
+the default model keeps the dequantized model's greedy tokens
+(tests/worker/test_quantized_model.py). ``int8`` rounds them to int8 as
+llama.cpp does: faster again, but the greedy tokens then leave the
+dequantized model's at top-2 gaps the parity test does not allow, so it is
+opt-in. With ``fp32``, and from ``INT_ACTIVATION_MAX_ROWS`` rows on, products
+and sums are fp32 whatever the model dtype, so a layer differs from
+``F.linear`` over the dequantized weight only in the order of its sums.
+Without a compiler the torch twin of the fp32 path runs at every size.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
 # Under this many rows of x the matmul reads the weights once and is bound by the
 # bytes it reads and the instructions per weight: integer activations make it a few
 # integer dots per 32 weights. From here on the fp32 kernel (batched decode, prefill).
-I8_MAX_ROWS = 32
+INT_ACTIVATION_MAX_ROWS = 32
 ACTIVATIONS = ("int16", "int8", "fp32")
 
 
@@ -174,7 +176,7 @@ class _Kernel:
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8, quant_linear_i16
 
-        if x.shape[0] < I8_MAX_ROWS and self.activations != "fp32":
+        if x.shape[0] < INT_ACTIVATION_MAX_ROWS and self.activations != "fp32":
             kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
             return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         if x.shape[0] < GEMM_MIN_ROWS:
@@ -199,7 +201,7 @@ _KERNEL = _Kernel()
 
 def choose_kernel(isa: str | None, activations: str) -> None:
     """Run this process's quantized layers on build ``isa`` (None: the default) with
-    ``activations`` (int8 or fp32) under ``I8_MAX_ROWS`` rows."""
+    ``activations`` (int16, int8 or fp32) under ``INT_ACTIVATION_MAX_ROWS`` rows."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
     _KERNEL.isa, _KERNEL.activations, _KERNEL._compiled = isa, activations, None
