@@ -72,9 +72,23 @@ def default_isa() -> str:
 
 @functools.cache
 def load(isa: str | None = None):
-    """Build (or load the cached build of) the kernels for ``isa`` (default: ``default_isa()``)
-    and return their op namespace, ``torch.ops.weft_quant_<isa>``."""
-    isa = isa or default_isa()
+    """Build (or load the cached build of) the kernels for ``isa`` and return their op
+    namespace, ``torch.ops.weft_quant_<isa>``. Without ``isa``: the one ``WEFT_QUANT_ISA``
+    names, else the fastest supported build that builds here (an older compiler may lack
+    the AVX-512 flags; the next build is then tried, and every reason is in the error)."""
+    if isa is not None:
+        return _load_build(isa)
+    candidates = [default_isa()] if os.environ.get(ENV_ISA, "").strip() else supported_isas()
+    reasons = []
+    for name in candidates:
+        try:
+            return _load_build(name)
+        except KernelUnavailable as exc:
+            reasons.append(str(exc))
+    raise KernelUnavailable("; ".join(reasons))
+
+
+def _load_build(isa: str):
     if isa not in supported_isas():
         raise KernelUnavailable(f"this CPU cannot run the {isa} build of the quantized-linear kernel.")
     target, _ = ISAS[isa]
@@ -156,8 +170,17 @@ def dequantize_rows(
     return out
 
 
-if (
-    __name__ == "__main__"
-):  # build ahead of first use (make install, the Docker image): every build the CPU runs
+def _build_all() -> int:
+    """Every build the CPU runs (make install, the Docker image); fails only if none builds."""
+    built = 0
     for name in supported_isas():
-        print(f"built and loaded the CPU quantized-linear kernel ({load(name).isa()})")
+        try:
+            print(f"built and loaded the CPU quantized-linear kernel ({load(name).isa()})")
+            built += 1
+        except KernelUnavailable as exc:
+            print(f"not built: {exc}")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_build_all())

@@ -122,6 +122,23 @@ def test_weft_quant_isa_forces_a_build(monkeypatch):
         cpu_quant_linear.default_isa()
 
 
+def test_a_build_that_fails_gives_way_to_the_next(monkeypatch):
+    real_build = cpu_quant_linear.build
+
+    def no_avx512(name, source, what, isa=None, defines=()):
+        if isa[0] == "avx512vnni":
+            raise cpu_quant_linear.KernelUnavailable("this compiler has no -mavx512vnni")
+        return real_build(name, source, what, isa=isa, defines=defines)
+
+    monkeypatch.setattr(cpu_quant_linear, "build", no_avx512)
+    monkeypatch.delenv(cpu_quant_linear.ENV_ISA, raising=False)
+    monkeypatch.setattr(cpu_quant_linear, "supported_isas", lambda: ["avx512vnni", "avx2", "generic"])
+    assert cpu_quant_linear.load.__wrapped__().isa() == "avx2"  # past the cache
+    monkeypatch.setenv(cpu_quant_linear.ENV_ISA, "avx512vnni")  # forced: no fallback
+    with pytest.raises(cpu_quant_linear.KernelUnavailable, match="no -mavx512vnni"):
+        cpu_quant_linear.load.__wrapped__()
+
+
 # (layout, group, K): int4 K with an even and an odd number of 32-blocks (the kernel pairs
 # blocks); int8 by 16 with K a multiple of 16 but not 32 (a half block at the end).
 I8_SHAPES = [("int8", 32, 576), ("int8", 16, 592), ("int4", 32, 576), ("int4", 32, 608)]
