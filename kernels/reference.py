@@ -220,8 +220,8 @@ def quant_linear_i8_ref(
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.quant_linear_i8`` (``_i16`` with ``dtype`` int16):
     ``x [M, K] @ W^T`` with x rounded to ``dtype`` per weight group; per group an exact
-    integer dot times the two scales, plus for int4 the min times the fp32 sum of x over
-    the group."""
+    integer dot times the two scales, plus for int4 the min times the sum of the rounded x
+    over the group: W times x rounded, exactly, up to the order of fp32 sums."""
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
     if mins is None:
         wq = qweight.unflatten(1, (-1, group_size))
@@ -232,8 +232,15 @@ def quant_linear_i8_ref(
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
     y = (dots * (xs[:, None, :] * scales[None])).sum(-1)
     if mins is not None:
-        y = y + x.float().unflatten(1, (-1, group_size)).sum(-1) @ mins.T
+        y = y + (xs * xq.sum(-1).float()) @ mins.T
     return y
+
+
+def round_activations_ref(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K]`` rounded to the ``dtype`` grid of ``quantize_rows_i8_ref``, back in fp32
+    (``q * d``): what the integer-activation kernels multiply W by, for the fp32 kernels."""
+    q, d = quantize_rows_i8_ref(x, group_size, dtype)
+    return (q.float() * d[..., None]).flatten(1)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -14,7 +14,7 @@
 // every group is one integer dot product of 32 int8 pairs (VNNI vpdpbusd, or
 // AVX2 maddubs + madd) and one fp32 FMA by the two scales. The int4 min term is
 // folded: sum_j x_j (q_j s + m) = s * sum_j x_j q_j + m * sum_j x_j, with the
-// fp32 group sums of x computed once per call. The weights are read once per
+// group sums of the rounded x computed once per call. The weights are read once per
 // call, packed, in registers; nothing is stored. Numerics: x is rounded to
 // int8 (an error of up to amax / 254 per element); the rest is exact integer
 // arithmetic and fp32 sums in another order than the twin's.
@@ -336,7 +336,10 @@ struct ActInt8 {
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
 };
 
-// x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale.
+// x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
+// and in *sum_out the sum of the rounded group (d * sum q), so that the int4 min term too
+// is that of the rounded x: the result is W times x rounded, up to the order of fp32 sums,
+// which the fp32 kernels reproduce from 32 rows on (services/worker/layers/quantized_linear.py).
 // The scale is NaN where the group holds a NaN or an infinity, so that reaches the output
 // as the fp32 path would carry it.
 template <typename T>
@@ -347,15 +350,20 @@ float quantize_group(const float* x, int64_t n, T* q, float* sum_out) {
     amax = std::max(amax, std::fabs(x[j]));
     sum += x[j];
   }
-  *sum_out = sum;
   if (!std::isfinite(sum)) {
     std::fill(q, q + n, 0);
+    *sum_out = std::nanf("");
     return std::nanf("");
   }
   const float d = amax / kMax;
   const float inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t qsum = 0;
   // nearbyint rounds half to even in the default rounding mode, like torch.round in the twin.
-  for (int64_t j = 0; j < n; ++j) q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
+  for (int64_t j = 0; j < n; ++j) {
+    q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
+    qsum += q[j];
+  }
+  *sum_out = d * static_cast<float>(qsum);
   return d;
 }
 

@@ -239,8 +239,9 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(monkeypatch, fmt):
     """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 (default) or int8 kernel (their
-    twin's numbers) or fp32; from INT_ACTIVATION_MAX_ROWS rows on every setting is fp32."""
-    from kernels.reference import quant_linear_i8_ref
+    twin's numbers) or fp32; from INT_ACTIVATION_MAX_ROWS rows on the fp32 kernels run on x
+    rounded alike, so a row's result does not depend on the rows beside it."""
+    from kernels.reference import quant_linear_i8_ref, round_activations_ref
     from services.worker.layers import quantized_linear
 
     data = gguf_blocks(fmt, 96, 512, seed=8)
@@ -250,15 +251,18 @@ def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(mon
     (part,) = layer.quant.parts
     few, many = torch.randn(7, 512), torch.randn(quantized_linear.INT_ACTIVATION_MAX_ROWS, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
-    for activations, expected_few in (
-        ("int8", quant_linear_i8_ref(few, *packed)),
-        ("", quant_linear_i8_ref(few, *packed, torch.int16)),
-        ("fp32", F.linear(few, reference(fmt, data))),
-    ):
+    dense = reference(fmt, data)
+    for activations, dtype in (("int8", torch.int8), ("", torch.int16), ("fp32", None)):
         monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
         monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
-        close_to(layer(few), expected_few)
-        close_to(layer(many), F.linear(many, reference(fmt, data)))
+        if dtype is None:
+            close_to(layer(few), F.linear(few, dense))
+            close_to(layer(many), F.linear(many, dense))
+            continue
+        close_to(layer(few), quant_linear_i8_ref(few, *packed, dtype))
+        close_to(layer(many), F.linear(round_activations_ref(many, part.group_size, dtype), dense))
+        # The few rows inside a batch of many give what they gave alone.
+        close_to(layer(torch.cat((few, many)))[: len(few)], layer(few))
 
 
 def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):

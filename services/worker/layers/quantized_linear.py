@@ -21,9 +21,12 @@ the default model keeps the dequantized model's greedy tokens
 (tests/worker/test_quantized_model.py). ``int8`` rounds them to int8 as
 llama.cpp does: faster again, but the greedy tokens then leave the
 dequantized model's at top-2 gaps the parity test does not allow, so it is
-opt-in. With ``fp32``, and from ``INT_ACTIVATION_MAX_ROWS`` rows on, products
-and sums are fp32 whatever the model dtype, so a layer differs from
-``F.linear`` over the dequantized weight only in the order of its sums.
+opt-in. From ``INT_ACTIVATION_MAX_ROWS`` rows on (prefill, batched decode)
+x is rounded the same way in torch and the fp32 kernels run on it, so a
+row's result does not depend on the batch it is in beyond the order of fp32
+sums. With ``fp32`` products and sums are fp32 whatever the model dtype, so
+a layer differs from ``F.linear`` over the dequantized weight only in the
+order of its sums.
 Without a compiler the torch twin of the fp32 path runs at every size.
 """
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from kernels.reference import dequantize_packed_ref, quant_linear_ref, round_activations_ref
 from services import env
 
 logger = logging.getLogger(__name__)
@@ -131,7 +134,7 @@ GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
 # Under this many rows of x the matmul reads the weights once and is bound by the
 # bytes it reads and the instructions per weight: integer activations make it a few
-# integer dots per 32 weights. From here on the fp32 kernel (batched decode, prefill).
+# integer dots per 32 weights. From here on the fp32 kernels, on x rounded alike.
 INT_ACTIVATION_MAX_ROWS = 32
 ACTIVATIONS = ("int16", "int8", "fp32")
 
@@ -176,9 +179,14 @@ class _Kernel:
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8, quant_linear_i16
 
-        if x.shape[0] < INT_ACTIVATION_MAX_ROWS and self.activations != "fp32":
-            kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
-            return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
+        if self.activations != "fp32":
+            if x.shape[0] < INT_ACTIVATION_MAX_ROWS:
+                kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
+                return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
+            # The same rounding of x before the fp32 kernels, so a row's result does not
+            # depend on how many rows share its step (speculative verify, chunked prefill).
+            dtype = torch.int8 if self.activations == "int8" else torch.int16
+            x = round_activations_ref(x, w.group_size, dtype)
         if x.shape[0] < GEMM_MIN_ROWS:
             return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         n, k = w.shape
