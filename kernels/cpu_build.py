@@ -4,8 +4,9 @@ One recipe for every kernel library: ``torch.utils.cpp_extension`` with
 ninja and the system C++ compiler, OpenMP, and AVX2 + FMA where the CPU has
 them (a library may ask for another target, as the quantized matmul does for
 AVX-512 VNNI: each target builds under its own name). The build is cached by
-torch (later processes load it; concurrent builders wait on one lock). A build that cannot happen raises
-``KernelUnavailable`` with the reason, and the caller falls back to torch.
+torch (later processes load it; concurrent builders wait on one lock). A
+build that cannot happen raises ``KernelUnavailable`` with the reason, and
+the caller falls back to torch.
 """
 
 from __future__ import annotations
