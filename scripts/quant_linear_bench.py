@@ -8,13 +8,13 @@ inputs and prints the best of ``--repeats`` times of each variant:
 
 - ``old``: the quantized model on the AVX2 build with fp32 activations (the
   kernel before int8 activations),
-- ``new``: the default build (AVX-512 VNNI where the CPU has it) with the
-  default activations (int16 under 32 rows),
+- ``int16``: the default build (AVX-512 VNNI where the CPU has it) with
+  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, opt-in),
 - ``int8``: the default build with int8 activations (opt-in),
 - ``dense``: the dequantized model through the oneDNN-packed fp32 weights the
   CPU worker uses.
 
-The quantized variants alternate (old, new, int8, old, ...) over ``--rounds``
+The quantized variants alternate (old, int16, int8, old, ...) over ``--rounds``
 so a load change on a shared machine hits both. Alongside, the bytes of
 weights each read per step over that time, and the machine's read bandwidth
 measured here with the same number of threads (a sum over a buffer much
@@ -83,7 +83,7 @@ def time_step(inputs, repeats: int) -> float:
 
 
 # (isa, activations); None: the default
-VARIANTS = {"old": ("avx2", "fp32"), "new": (None, None), "int8": (None, "int8")}
+VARIANTS = {"old": ("avx2", "fp32"), "int16": (None, "int16"), "int8": (None, "int8")}
 
 
 def report(label: str, seconds: float, nbytes: int, bandwidth: float) -> None:

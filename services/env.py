@@ -46,9 +46,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
-        "int16 (default), int8 or fp32: the activations of the quantized matmul under 32 rows (decode) "
-        "rounded to int16 or int8 for integer dot products (int8: fastest, but off the greedy-parity "
-        "tests), or kept fp32 (services/worker/layers/quantized_linear.py).",
+        "fp32 (default), int16 or int8: the activations of the quantized matmul kept fp32, or rounded "
+        "to int16 or int8 per weight group, which makes the decode matmul integer dot products (faster; "
+        "int8 is off the greedy-parity tests, int16 off the spec-decode logprob test) "
+        "(services/worker/layers/quantized_linear.py).",
     ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
