@@ -2,9 +2,11 @@
 
 One recipe for every kernel library: ``torch.utils.cpp_extension`` with
 ninja and the system C++ compiler, OpenMP, and AVX2 + FMA where the CPU has
-them. The build is cached by torch (later processes load it; concurrent
-builders wait on one lock). A build that cannot happen raises
-``KernelUnavailable`` with the reason, and the caller falls back to torch.
+them (a library may ask for another target, as the quantized matmul does for
+AVX-512 VNNI: each target builds under its own name). The build is cached by
+torch (later processes load it; concurrent builders wait on one lock). A
+build that cannot happen raises ``KernelUnavailable`` with the reason, and
+the caller falls back to torch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,23 @@ CSRC = Path(__file__).parent / "csrc"
 
 class KernelUnavailable(RuntimeError):
     """The kernel could not be built or loaded here."""
+
+
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+# AVX-512 with VNNI for the kernels that use integer dot products (vpdpbusd on 256-bit
+# vectors needs AVX512VL); the AVX2 flags come along for the code they share.
+AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
+AVX512_VNNI = (
+    "avx512vnni",
+    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+)
 
 
 def target_isa() -> tuple[str, list[str]]:
@@ -39,9 +58,16 @@ def target_isa() -> tuple[str, list[str]]:
     return "generic", []
 
 
-def build(name: str, source: Path, what: str) -> None:
+def build(
+    name: str,
+    source: Path,
+    what: str,
+    isa: tuple[str, list[str]] | None = None,
+    defines: tuple[str, ...] = (),
+) -> None:
     """Build (or load the cached build of) ``source`` as ``{name}_{isa}``, which registers
-    its ops with torch; ``what`` names it in the errors ("the CPU attention kernel")."""
+    its ops with torch; ``what`` names it in the errors ("the CPU attention kernel").
+    ``isa`` (name, flags) replaces ``target_isa()``; ``defines`` go to the compiler as ``-D``."""
     from torch.utils import cpp_extension
 
     # The venv's ninja, when weft is run through .venv/bin/python without activating it.
@@ -51,14 +77,14 @@ def build(name: str, source: Path, what: str) -> None:
     missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
     if missing:
         raise KernelUnavailable(f"building {what} needs {' and '.join(missing)} on PATH.")
-    isa, isa_flags = target_isa()
+    isa, isa_flags = isa or target_isa()
     try:
         cpp_extension.load(
             name=f"{name}_{isa}",
             sources=[str(source)],
             # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
             # here; the library then uses the libgomp torch has already loaded.
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags],
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags, *(f"-D{d}" for d in defines)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -2,33 +2,109 @@
 
 Built like the CPU attention kernel (``kernels.cpu_attention``): with the
 machine's compiler through ``torch.utils.cpp_extension`` by ``make install``
-(``python -m kernels.cpu_quant_linear``), else on first use, for AVX2 + FMA
-where the CPU has them. ``load()`` raises ``KernelUnavailable`` with the
+(``python -m kernels.cpu_quant_linear``), else on first use. One build per
+instruction set, each named after it and registering its ops under its own
+namespace (``torch.ops.weft_quant_<isa>``): ``avx512vnni`` (AVX-512 with
+VNNI), ``avx2`` (AVX2 + FMA) and ``generic``. ``load()`` takes the best the
+CPU runs, or the one ``WEFT_QUANT_ISA`` names (to measure one against
+another); ``load(isa)`` a given one. It raises ``KernelUnavailable`` with the
 reason when the build cannot happen; callers then use the torch twins in
 ``kernels.reference`` (``quant_linear_ref``, ``dequantize_packed_ref``).
 
-Layouts and numerics are described in the C++ source: the weights rebuilt
-equal the gguf package's dequantization exactly; sums are fp32.
+Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
+than the twin's), ``quant_linear_i16`` and ``quant_linear_i8`` (activations
+rounded to int16 or int8 per weight group, integer dot products; twin
+``quant_linear_i8_ref``). Layouts and
+numerics are described in the C++ source.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import KernelUnavailable, build, target_isa
+from kernels.cpu_build import AVX512_VNNI, AVX512_VNNI_FLAGS, KernelUnavailable, build, cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_quant_linear.cpp"
+ENV_ISA = "WEFT_QUANT_ISA"  # forces one build (avx512vnni, avx2 or generic); read only by default_isa()
 
-__all__ = ["KernelUnavailable", "dequantize_rows", "load", "quant_linear"]
+# Fastest first: (name, compiler flags), and the CPU flags each needs.
+ISAS: dict[str, tuple[tuple[str, list[str]], tuple[str, ...]]] = {
+    "avx512vnni": (AVX512_VNNI, AVX512_VNNI_FLAGS),
+    "avx2": (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("avx2", "fma", "f16c")),
+    "generic": (("generic", []), ()),
+}
+
+__all__ = [
+    "KernelUnavailable",
+    "default_isa",
+    "dequantize_rows",
+    "load",
+    "quant_linear",
+    "quant_linear_i16",
+    "quant_linear_i8",
+    "supported_isas",
+]
+
+
+def supported_isas() -> list[str]:
+    """The builds this CPU can run, fastest first."""
+    flags = cpu_flags()
+    return [name for name, (_, needs) in ISAS.items() if all(f in flags for f in needs)]
+
+
+def default_isa() -> str:
+    """``WEFT_QUANT_ISA`` when set, else the fastest supported build. An unknown name is a
+    ValueError; one the CPU cannot run, ``KernelUnavailable``."""
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    supported = supported_isas()
+    if not forced:
+        return supported[0]
+    if forced not in ISAS:
+        raise ValueError(f"{ENV_ISA}={forced!r} is not one of {', '.join(ISAS)}.")
+    if forced not in supported:
+        raise KernelUnavailable(f"{ENV_ISA}={forced}: this CPU lacks {', '.join(ISAS[forced][1])}.")
+    return forced
 
 
 @functools.cache
-def load() -> None:
-    """Build (or load the cached build of) the kernels and register ``torch.ops.weft_quant``."""
-    build("weft_cpu_quant_linear", SOURCE, "the CPU quantized-linear kernel")
+def load(isa: str | None = None):
+    """Build (or load the cached build of) the kernels for ``isa`` and return their op
+    namespace, ``torch.ops.weft_quant_<isa>``. Without ``isa``: the one ``WEFT_QUANT_ISA``
+    names, else the fastest supported build that builds here (an older compiler may lack
+    the AVX-512 flags; the next build is then tried, and every reason is in the error)."""
+    if isa is not None:
+        return _load_build(isa)
+    candidates = [default_isa()] if os.environ.get(ENV_ISA, "").strip() else supported_isas()
+    reasons = []
+    for name in candidates:
+        try:
+            return _load_build(name)
+        except KernelUnavailable as exc:
+            reasons.append(str(exc))
+    raise KernelUnavailable("; ".join(reasons))
+
+
+def _load_build(isa: str):
+    if isa not in supported_isas():
+        raise KernelUnavailable(f"this CPU cannot run the {isa} build of the quantized-linear kernel.")
+    target, _ = ISAS[isa]
+    namespace = f"weft_quant_{isa}"
+    build(
+        "weft_cpu_quant_linear",
+        SOURCE,
+        f"the CPU quantized-linear kernel ({isa})",
+        isa=target,
+        defines=(f"QUANT_LIBRARY_NS={namespace}",),
+    )
+    return getattr(torch.ops, namespace)
+
+
+def _output(x: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32) if out is None else out
 
 
 def quant_linear(
@@ -38,12 +114,41 @@ def quant_linear(
     mins: torch.Tensor | None,
     group_size: int,
     out: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int8 when ``mins`` is None, else int4)."""
-    load()
-    if out is None:
-        out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
-    torch.ops.weft_quant.quant_linear(x, qweight, scales, mins, group_size, out)
+    out = _output(x, qweight, out)
+    load(isa).quant_linear(x, qweight, scales, mins, group_size, out)
+    return out
+
+
+def quant_linear_i8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """As ``quant_linear``, with each row of x rounded to int8 per group of ``group_size`` first."""
+    out = _output(x, qweight, out)
+    load(isa).quant_linear_i8(x, qweight, scales, mins, group_size, out)
+    return out
+
+
+def quant_linear_i16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """As ``quant_linear``, with each row of x rounded to int16 per group of ``group_size`` first."""
+    out = _output(x, qweight, out)
+    load(isa).quant_linear_i16(x, qweight, scales, mins, group_size, out)
     return out
 
 
@@ -56,15 +161,26 @@ def dequantize_rows(
     count: int,
     in_features: int,
     out: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """Rows ``[start, start + count)`` of the packed W as fp32 ``[count, in_features]``."""
-    load()
     if out is None:
         out = torch.empty(count, in_features, dtype=torch.float32)
-    torch.ops.weft_quant.dequantize_rows(qweight, scales, mins, group_size, start, out)
+    load(isa).dequantize_rows(qweight, scales, mins, group_size, start, out)
     return out
 
 
-if __name__ == "__main__":  # build ahead of first use (make install, the Docker image)
-    load()
-    print(f"built and loaded the CPU quantized-linear kernel ({target_isa()[0]})")
+def _build_all() -> int:
+    """Every build the CPU runs (make install, the Docker image); fails only if none builds."""
+    built = 0
+    for name in supported_isas():
+        try:
+            print(f"built and loaded the CPU quantized-linear kernel ({load(name).isa()})")
+            built += 1
+        except KernelUnavailable as exc:
+            print(f"not built: {exc}")
+    return 0 if built else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_build_all())

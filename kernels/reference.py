@@ -195,6 +195,54 @@ def quant_linear_ref(
     return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T
 
 
+def quantize_rows_i8_ref(
+    x: torch.Tensor, group_size: int, dtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x [M, K]`` rounded to int8 (or int16) per group of ``group_size``, as
+    ``quant_linear_i8`` (``_i16``) does: scale ``d = amax / 127`` (``/ 32767``),
+    ``q = round(x * (1 / d))`` half to even, in fp32. A group holding a NaN or an infinity
+    gets a NaN scale (and zeros). Returns ``q [M, groups, group_size]`` and ``d [M, groups]``."""
+    groups = x.float().unflatten(1, (-1, group_size))
+    d = groups.abs().amax(-1) / torch.iinfo(dtype).max
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    finite = groups.sum(-1).isfinite()
+    q = torch.where(finite[..., None], torch.round(groups * inv[..., None]), 0).to(dtype)
+    return q, torch.where(finite, d, torch.nan)
+
+
+def quant_linear_i8_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.int8,
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_quant_linear.quant_linear_i8`` (``_i16`` with ``dtype`` int16):
+    ``x [M, K] @ W^T`` with x rounded to ``dtype`` per weight group; per group an exact
+    integer dot times the two scales, plus for int4 the min times the sum of the rounded x
+    over the group: W times x rounded, exactly, up to the order of fp32 sums."""
+    xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
+    if mins is None:
+        wq = qweight.unflatten(1, (-1, group_size))
+    else:
+        grouped = qweight.unflatten(1, (-1, group_size // 2))
+        wq = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
+    # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
+    dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
+    y = (dots * (xs[:, None, :] * scales[None])).sum(-1)
+    if mins is not None:
+        y = y + (xs * xq.sum(-1).float()) @ mins.T
+    return y
+
+
+def round_activations_ref(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K]`` rounded to the ``dtype`` grid of ``quantize_rows_i8_ref``, back in fp32
+    (``q * d``): what the integer-activation kernels multiply W by, for the fp32 kernels."""
+    q, d = quantize_rows_i8_ref(x, group_size, dtype)
+    return (q.float() * d[..., None]).flatten(1)
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise ValueError(f"{name} must be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}.")

@@ -1,15 +1,25 @@
 """Time every weight matmul of one forward of the default model, kept quantized vs dequantized.
 
-    python scripts/quant_linear_bench.py --rows 1 64 --threads 1
+    python scripts/quant_linear_bench.py --rows 1 64 --threads 1 2
 
-For each row count (1: a batch-1 decode step; 64: a decode step of 64
-requests), runs each linear layer and the LM head once on random inputs,
-the quantized model through ``QuantizedWeight`` and the dequantized one
-through the oneDNN-packed fp32 weights the CPU worker uses, and prints the
-best of ``--repeats`` times. Alongside, the bytes of weights each read per
-step over that time, and the machine's read bandwidth measured here (a sum
-over a buffer much larger than the caches), so the batch-1 figure can be put
-as a fraction of the weight-read bound.
+For each thread count and row count (1: a batch-1 decode step; 64: a decode
+step of 64 requests), runs each linear layer and the LM head once on random
+inputs and prints the best of ``--repeats`` times of each variant:
+
+- ``old``: the quantized model on the AVX2 build with fp32 activations (the
+  kernel before int8 activations),
+- ``int16``: the default build (AVX-512 VNNI where the CPU has it) with
+  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, opt-in),
+- ``int8``: the default build with int8 activations (opt-in),
+- ``dense``: the dequantized model through the oneDNN-packed fp32 weights the
+  CPU worker uses.
+
+The quantized variants alternate (old, int16, int8, old, ...) over ``--rounds``
+so a load change on a shared machine hits both. Alongside, the bytes of
+weights each read per step over that time, and the machine's read bandwidth
+measured here with the same number of threads (a sum over a buffer much
+larger than the caches), so each figure is also a fraction of the
+weight-read bound.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 
 from services.config.engine_args import EngineArgs
 from services.worker.layers.linear import LinearBase, pack_linear_weights
+from services.worker.layers.quantized_linear import activations_from_env, choose_kernel
 from services.worker.model_loader import load_model
 
 
@@ -71,34 +82,62 @@ def time_step(inputs, repeats: int) -> float:
     return best
 
 
+# (isa, activations); None: the default
+VARIANTS = {"old": ("avx2", "fp32"), "int16": (None, "int16"), "int8": (None, "int8")}
+
+
+def report(label: str, seconds: float, nbytes: int, bandwidth: float) -> None:
+    bound = nbytes / bandwidth
+    print(
+        f"  {label:5s} {seconds * 1e3:8.2f} ms for {nbytes / 1e6:6.1f} MB of weights "
+        f"({nbytes / seconds / 1e9:5.1f} GB/s, {bound / seconds:4.0%} of the read bound {bound * 1e3:.2f} ms)"
+    )
+
+
+def bench(models, rows: int, threads: int, args) -> None:
+    torch.set_num_threads(threads)
+    bandwidth = read_bandwidth()
+    print(f"threads {threads}, rows {rows}: read bandwidth (sum over 1 GiB) {bandwidth / 1e9:.1f} GB/s")
+    quantized = layer_inputs(models["gguf"], rows)
+    best = {name: float("inf") for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, (isa, activations) in VARIANTS.items():
+            choose_kernel(isa, activations or activations_from_env())
+            time_step(quantized, 1)  # warm-up (and the first build's load)
+            best[name] = min(best[name], time_step(quantized, args.repeats))
+    choose_kernel(None, activations_from_env())
+    for name, seconds in best.items():
+        report(name, seconds, weight_bytes(quantized), bandwidth)
+    if not args.no_dense:
+        dense = layer_inputs(models["none"], rows)
+        time_step(dense, 1)
+        best["dense"] = time_step(dense, args.repeats)
+        report("dense", best["dense"], weight_bytes(dense), bandwidth)
+    print(
+        f"  old / new time: {best['old'] / best['new']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="old/new alternations")
+    parser.add_argument("--no-dense", action="store_true", help="skip the dequantized fp32 model")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     config = EngineArgs(device="cpu", dtype="float32").create_engine_config().model
     models = {}
     for quantization in ("gguf", "none"):
+        if quantization == "none" and args.no_dense:
+            continue
         model = load_model(msgspec.structs.replace(config, quantization=quantization))
         if quantization == "none":
             pack_linear_weights(model, torch.float32, torch.device("cpu"))
         models[quantization] = model
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth (sum over 1 GiB, {args.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s")
-    for rows in args.rows:
-        times = {}
-        for name, model in models.items():
-            inputs = layer_inputs(model, rows)
-            time_step(inputs, 1)  # warm-up
-            times[name] = time_step(inputs, args.repeats)
-            nbytes = weight_bytes(inputs)
-            print(
-                f"rows {rows:4d}  {name:4s}: {times[name] * 1e3:7.2f} ms for {nbytes / 1e6:6.1f} MB of weights "
-                f"({nbytes / times[name] / 1e9:5.1f} GB/s; the read bound is {nbytes / bandwidth * 1e3:.2f} ms)"
-            )
-        print(f"rows {rows:4d}  dequantized / quantized time: {times['none'] / times['gguf']:.2f}x")
+    for threads in args.threads:
+        for rows in args.rows:
+            bench(models, rows, threads, args)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,18 @@ VARIABLES: tuple[EnvVar, ...] = (
         "0 turns the fused CPU element-wise kernels off (kernels/cpu_fused.py reads it itself: "
         "kernels/ imports nothing from services/).",
     ),
+    EnvVar(
+        "WEFT_QUANT_ISA",
+        "Force one build of the quantized-linear kernel: avx512vnni, avx2 or generic (default: the fastest "
+        "the CPU runs; kernels/cpu_quant_linear.py reads it itself).",
+    ),
+    EnvVar(
+        "WEFT_QUANT_ACTIVATIONS",
+        "fp32 (default), int16 or int8: the activations of the quantized matmul kept fp32, or rounded "
+        "to int16 or int8 per weight group, which makes the decode matmul integer dot products (faster; "
+        "int8 is off the greedy-parity tests, int16 off the spec-decode logprob test) "
+        "(services/worker/layers/quantized_linear.py).",
+    ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
         "WEFT_WORKLOADS_DIR",

@@ -7,19 +7,32 @@
 //         w = q * s + m, q in [0, 16); in each group of 32, byte j holds
 //         element j in its low nibble and element j + 16 in its high one.
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
-// this code rebuilds equal the gguf package's dequantization bit for bit;
-// results differ from a float matmul only in the order of the sums.
+// this code rebuilds equal the gguf package's dequantization bit for bit.
 //
-// quant_linear (few rows of x, the decode case): a tile of kTileRows weight
-// rows is dequantized into a buffer that stays in L1, then every row of x is
-// dotted with it, two rows of x at a time. The weights are read from memory
-// once per call, packed, which is what makes batch-1 decode faster than over
-// fp32 weights: it is bound by the bytes of weights read.
+// quant_linear_i8 (few rows of x, the decode case, as llama.cpp does it): each
+// row of x is rounded to int8 per group of G (one fp32 scale, amax / 127), then
+// every group is one integer dot product of 32 int8 pairs (VNNI vpdpbusd, or
+// AVX2 maddubs + madd) and one fp32 FMA by the two scales. The int4 min term is
+// folded: sum_j x_j (q_j s + m) = s * sum_j x_j q_j + m * sum_j x_j, with the
+// group sums of the rounded x computed once per call. The weights are read once per
+// call, packed, in registers; nothing is stored. Numerics: x is rounded to
+// int8 (an error of up to amax / 254 per element); the rest is exact integer
+// arithmetic and fp32 sums in another order than the twin's.
+// quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
+// weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
+// vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
+// and close enough to it that the default model keeps its greedy tokens.
+// quant_linear (fp32 activations): a weight row dequantized in registers, or a
+// tile of kTileRows rows into an L1 buffer for more rows of x; differs from a
+// float matmul over the dequantized weight only in the order of the sums.
 // dequantize_rows (many rows of x): the caller turns a chunk of rows back
 // into fp32 and runs a float GEMM on it.
 //
-// Built for AVX2 + FMA (kernels/cpu_quant_linear.py); the scalar loops are
-// the other targets' path and the tails'.
+// Built once per instruction set (kernels/cpu_quant_linear.py): AVX-512 with
+// VNNI (integer dots on 256-bit vectors, the width of one group), AVX2 + FMA,
+// and generic (the scalar loops, which are also the tails'). Each build
+// registers its ops under its own namespace (QUANT_LIBRARY_NS), so a process can
+// load several and tests can compare them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,10 +42,22 @@
 #include <cstdint>
 #include <vector>
 
+#include <cmath>
+#include <string>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define WEFT_AVX2 1
 #endif
+#if defined(WEFT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define WEFT_VNNI 1
+#endif
+
+#ifndef QUANT_LIBRARY_NS
+#define QUANT_LIBRARY_NS weft_quant
+#endif
+// An indirection so QUANT_LIBRARY_NS is expanded before TORCH_LIBRARY pastes it into names.
+#define WEFT_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 namespace {
 
@@ -89,6 +114,7 @@ struct Packed {
   int64_t groups;     // groups per row
   int64_t group;
   int64_t K;
+  int64_t N;  // rows
 
   void dequant_row(int64_t n, float* out) const {
     const float* s = scales + n * groups;
@@ -169,7 +195,7 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
                 "quant_linear: mins must be fp32 and shaped like scales");
   }
   return Packed{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr<float>(),
-                int4 ? mins->data_ptr<float>() : nullptr, groups, group_size, K};
+                int4 ? mins->data_ptr<float>() : nullptr, groups, group_size, K, N};
 }
 
 #ifdef WEFT_AVX2
@@ -286,12 +312,506 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
   });
 }
 
+// ---- int8 activations (quant_linear_i8) ----
+
+constexpr int64_t kBlock = 32;  // elements per integer dot: one 256-bit vector of int8
+
+// Rows of x rounded to int8, per group of `group` (the weight's: 16 or 32) with one fp32
+// scale amax / 127, zero-padded to whole blocks of 32. For the int4 layout also a copy in
+// the order its bytes unpack to two blocks at a time (see dot_row_i8): per pair of blocks
+// b, b + 1, elements 0-15 of b, 0-15 of b + 1, 16-31 of b, 16-31 of b + 1, with the scales
+// spread over the lanes their integer dots land in.
+struct ActInt8 {
+  int64_t blocks = 0;  // blocks of 32 per row, K rounded up
+  int64_t group = 0;
+  std::vector<int8_t> q;       // [M, blocks * 32]
+  std::vector<float> scales;   // [M, blocks * 32 / group], 0 past K
+  std::vector<float> sums;     // [M, K / 32]: fp32 sums of x per 32, for the int4 min term
+  std::vector<int8_t> paired;  // int4 only: [M, blocks / 2 * 64]
+  std::vector<float> lanes;    // int4 only: [M, blocks / 2 * 8], lanes 0-3 block b's scale, 4-7 b + 1's
+  int64_t row_scales() const { return blocks * kBlock / group; }
+  const int8_t* qrow(int64_t m) const { return q.data() + m * blocks * kBlock; }
+  const float* srow(int64_t m) const { return scales.data() + m * row_scales(); }
+  const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
+  const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
+};
+
+// x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
+// and in *sum_out the sum of the rounded group (d * sum q), so that the int4 min term too
+// is that of the rounded x: the result is W times x rounded, up to the order of fp32 sums,
+// which the fp32 kernels reproduce from 32 rows on (services/worker/layers/quantized_linear.py).
+// The scale is NaN where the group holds a NaN or an infinity, so that reaches the output
+// as the fp32 path would carry it.
+template <typename T>
+float quantize_group(const float* x, int64_t n, T* q, float* sum_out) {
+  constexpr float kMax = sizeof(T) == 1 ? 127.f : 32767.f;
+  float amax = 0.f, sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    amax = std::max(amax, std::fabs(x[j]));
+    sum += x[j];
+  }
+  if (!std::isfinite(sum)) {
+    std::fill(q, q + n, 0);
+    *sum_out = std::nanf("");
+    return std::nanf("");
+  }
+  const float d = amax / kMax;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t qsum = 0;
+  // nearbyint rounds half to even in the default rounding mode, like torch.round in the twin.
+  for (int64_t j = 0; j < n; ++j) {
+    q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
+    qsum += q[j];
+  }
+  *sum_out = d * static_cast<float>(qsum);
+  return d;
+}
+
+// Fills a.paired and a.lanes from a.q and a.scales (int4: one scale per block).
+void pair_blocks(ActInt8& a, int64_t M) {
+  const int64_t pairs = a.blocks / 2, half = kBlock / 2;
+  a.paired.assign(M * pairs * 2 * kBlock, 0);
+  a.lanes.assign(M * pairs * 8, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* q = a.qrow(m);
+    const float* s = a.srow(m);
+    int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
+    float* lanes = a.lanes.data() + m * pairs * 8;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* b0 = q + 2 * p * kBlock;
+      const int8_t* b1 = b0 + kBlock;
+      int8_t* o = out + p * 2 * kBlock;
+      std::copy(b0, b0 + half, o);
+      std::copy(b1, b1 + half, o + half);
+      std::copy(b0 + half, b0 + kBlock, o + 2 * half);
+      std::copy(b1 + half, b1 + kBlock, o + 3 * half);
+      std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
+      std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+    }
+  }
+}
+
+ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums) {
+  ActInt8 a;
+  a.blocks = (K + kBlock - 1) / kBlock;
+  a.group = group;
+  a.q.assign(M * a.blocks * kBlock, 0);
+  a.scales.assign(M * a.row_scales(), 0.f);
+  if (sums) a.sums.assign(M * (K / kBlock), 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = a.q.data() + m * a.blocks * kBlock;
+    float* s = a.scales.data() + m * a.row_scales();
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum;
+      s[g] = quantize_group(x + m * ldx + g * group, group, q + g * group, &sum);
+      if (sums) a.sums[m * (K / kBlock) + g] = sum;  // int4: group == 32
+    }
+  }
+  if (sums) pair_blocks(a, M);
+  return a;
+}
+
+// The int4 min term of row n: sum over groups of m[g] * (sum of x over group g).
+float min_term(const float* mins, const float* xsums, int64_t groups) {
+  int64_t g = 0;
+  float total = 0.f;
+#ifdef WEFT_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(xsums + g), acc);
+  total = hsum(acc);
+#endif
+  for (; g < groups; ++g) total += mins[g] * xsums[g];
+  return total;
+}
+
+#ifdef WEFT_AVX2
+// 8 int32 lanes, lane i the sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed):
+// lanes 0-3 cover elements 0-15 of the block, lanes 4-7 elements 16-31.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef WEFT_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // Pairs of products fit int16 here: |u| <= 128 and |s| <= 127 (x is rounded into [-127, 127]).
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// dot_u8s8(u0, s0) + dot_u8s8(u1, s1), for u below 16 (the int4 weights).
+inline __m256i dot2_u8s8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#ifdef WEFT_VNNI
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+  // Each maddubs pair is at most 2 * 15 * 127, so the sum of two fits int16.
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+// The 32 4-bit weights of a group as bytes, in element order (low nibbles are 0-15).
+inline __m256i int4_block(const uint8_t* qg) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+}
+
+// lanes 0-3 = lo, 4-7 = hi: the scales of the two groups of 16 a block spans.
+inline __m256 halves(float lo, float hi) {
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lo)), _mm_set1_ps(hi), 1);
+}
+
+// out[r * ldo] = dot(x[m0 + r], W[n]) for R rows of x: per block of 32, one integer dot and
+// one FMA by the product of the weight's and x's scales; two accumulators per row of x hide
+// the FMA latency. G is the weight's group (int4: 32).
+template <int R, bool kInt4, int G>
+void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[R][2];
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  const float* sw = w.scales + n * w.groups;
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  const int64_t whole = w.K / kBlock;  // blocks of 32 inside K; one half block may follow (int8, G 16)
+  auto step = [&](int64_t b, int slot, bool half) {
+    __m256i u, sgn;
+    if constexpr (kInt4) {
+      u = int4_block(q + b * (kBlock / 2));
+    } else {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+      sgn = half ? _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
+                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+      u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+    }
+    __m256 ws;
+    if constexpr (G == 16) ws = halves(sw[2 * b], half ? 0.f : sw[2 * b + 1]);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
+      const __m256i dot = kInt4 ? dot_u8s8(u, xv) : dot_u8s8(u, _mm256_sign_epi8(xv, sgn));
+      const float* xs = a.srow(m0 + r);
+      __m256 scale;
+      if constexpr (G == 16) {
+        scale = _mm256_mul_ps(ws, halves(xs[2 * b], xs[2 * b + 1]));
+      } else {
+        scale = _mm256_set1_ps(sw[b] * xs[b]);
+      }
+      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
+    }
+  };
+  int64_t b = 0;
+  if constexpr (kInt4) {
+    // Two blocks per step: their 32 bytes unpack to the low nibbles of both (elements 0-15
+    // of each) and the high ones (16-31), which a.paired holds x in the order of.
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    auto pair_step = [&](int64_t p, int slot) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * kBlock));
+      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sw + 2 * p)));
+      const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xp = a.paired_row(m0 + r) + p * 2 * kBlock;
+        const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kBlock)));
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(a.lanes_row(m0 + r) + p * 8));
+        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
+      }
+    };
+    const int64_t pairs = whole / 2;
+    int64_t p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+      pair_step(p, 0);
+      pair_step(p + 1, 1);
+    }
+    if (p < pairs) pair_step(p, 0);
+    b = 2 * pairs;
+  }
+  for (; b + 2 <= whole; b += 2) {
+    step(b, 0, false);
+    step(b + 1, 1, false);
+  }
+  if (b < whole) step(b++, 0, false);
+  if (b < a.blocks) step(b, 1, true);
+  for (int r = 0; r < R; ++r) {
+    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
+    out[r * ldo] = total;
+  }
+}
+#endif
+
+// The same sums in plain loops (targets without AVX2).
+void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, float* out) {
+  const float* sw = w.scales + n * w.groups;
+  const float* xs = a.srow(m);
+  const int8_t* xq = a.qrow(m);
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  float total = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < w.group; ++j) {
+      int32_t wq;
+      if (w.mins != nullptr) {
+        const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
+        wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
+      }
+      dot += wq * xq[g * w.group + j];
+    }
+    total += (sw[g] * xs[g]) * static_cast<float>(dot);
+  }
+  if (w.mins != nullptr) total += min_term(w.mins + n * w.groups, a.sums.data() + m * w.groups, w.groups);
+  *out = total;
+}
+
+#ifdef WEFT_AVX2
+// Rows of W this far ahead are prefetched: the hardware prefetcher alone left the
+// decode matmul well under the read bandwidth on small layers.
+constexpr int64_t kPrefetchRows = 8;
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+template <bool kInt4, int G>
+void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t M, float* op, int64_t ldo) {
+  const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
+  prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
+  prefetch_bytes(w.scales + ahead * w.groups, w.groups * 4);
+  if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, w.groups * 4);
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_row_i8<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
+  switch (M - m) {
+    case 3: dot_row_i8<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 2: dot_row_i8<2, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 1: dot_row_i8<1, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    default: break;
+  }
+}
+#endif
+
+// out [M, N] = x [M, K] @ W^T with x rounded to int8 per weight group (see the top of the file).
+void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear_i8: x must be fp32 [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i8: group_size must be 16 or 32");
+  const int64_t N = qweight.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.stride(1) == 1,
+              "quant_linear_i8: out must be fp32 [M, N] with contiguous rows");
+  if (M == 0 || N == 0) return;
+  const ActInt8 a = quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.mins != nullptr);
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+#ifdef WEFT_AVX2
+      if (w.mins != nullptr) {
+        rows_i8<true, 32>(w, n, a, M, op, ldo);
+      } else if (group_size == 32) {
+        rows_i8<false, 32>(w, n, a, M, op, ldo);
+      } else {
+        rows_i8<false, 16>(w, n, a, M, op, ldo);
+      }
+#else
+      for (int64_t m = 0; m < M; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
+#endif
+    }
+  });
+}
+
+// ---- int16 activations (quant_linear_i16) ----
+//
+// x rounded to int16 per weight group (scale amax / 32767: 258 times finer than int8), the
+// weights widened to int16 in registers, pairs multiplied and added in int32 (VNNI vpdpwssd,
+// or AVX2 vpmaddwd), one fp32 FMA per group; the int4 min term folded as in the int8 path.
+
+struct ActInt16 {
+  int64_t group = 0, groups = 0;
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> scales;  // [M, K / group]
+  std::vector<float> sums;    // [M, K / 32] (int4)
+};
+
+ActInt16 quantize_activations_i16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group) {
+  ActInt16 a;
+  a.group = group;
+  a.groups = K / group;
+  a.q.assign(M * K, 0);
+  a.scales.assign(M * a.groups, 0.f);
+  a.sums.assign(M * a.groups, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < a.groups; ++g) {
+      a.scales[m * a.groups + g] =
+          quantize_group(x + m * ldx + g * group, group, a.q.data() + m * K + g * group, &a.sums[m * a.groups + g]);
+    }
+  }
+  return a;
+}
+
+#ifdef WEFT_AVX2
+// 8 int32 lanes of pairwise products of int16 w and x, added to acc.
+inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
+#ifdef WEFT_VNNI
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+// Groups whose scale products (weight's times x's) are computed ahead, 8 at a time, so the
+// inner loop broadcasts each from memory instead of multiplying scalars.
+constexpr int64_t kScaleChunk = 64;
+
+template <int R, bool kInt4, int G>
+void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[R][2];
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  const float* sw = w.scales + n * w.groups;
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  alignas(32) float prod[R][kScaleChunk];
+  auto step = [&](int64_t g, int64_t c0, int slot) {
+    __m256i w0, w1;
+    if constexpr (kInt4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    } else {
+      const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xg = a.q.data() + (m0 + r) * w.K + g * G;
+      __m256i dot = dot_s16(_mm256_setzero_si256(), w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+      if constexpr (G == 32) dot = dot_s16(dot, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
+      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
+    }
+  };
+  for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
+    const int64_t cn = std::min(kScaleChunk, w.groups - c0);
+    for (int r = 0; r < R; ++r) {
+      const float* xs = a.scales.data() + (m0 + r) * a.groups + c0;
+      int64_t j = 0;
+      for (; j + 8 <= cn; j += 8) {
+        _mm256_store_ps(prod[r] + j, _mm256_mul_ps(_mm256_loadu_ps(sw + c0 + j), _mm256_loadu_ps(xs + j)));
+      }
+      for (; j < cn; ++j) prod[r][j] = sw[c0 + j] * xs[j];
+    }
+    int64_t g = c0;
+    for (; g + 2 <= c0 + cn; g += 2) {
+      step(g, c0, 0);
+      step(g + 1, c0, 1);
+    }
+    if (g < c0 + cn) step(g, c0, 0);
+  }
+  for (int r = 0; r < R; ++r) {
+    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
+    out[r * ldo] = total;
+  }
+}
+
+template <bool kInt4, int G>
+void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t M, float* op, int64_t ldo) {
+  const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
+  prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
+  prefetch_bytes(w.scales + ahead * w.groups, w.groups * 4);
+  if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, w.groups * 4);
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
+  switch (M - m) {
+    case 3: dot_row_i16<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 2: dot_row_i16<2, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 1: dot_row_i16<1, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    default: break;
+  }
+}
+#endif
+
+void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m, float* out) {
+  const float* sw = w.scales + n * w.groups;
+  const int16_t* xq = a.q.data() + m * w.K;
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  float total = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < w.group; ++j) {
+      int32_t wq;
+      if (w.mins != nullptr) {
+        const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
+        wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
+      }
+      dot += wq * xq[g * w.group + j];
+    }
+    total += (sw[g] * a.scales[m * a.groups + g]) * static_cast<float>(dot);
+  }
+  if (w.mins != nullptr) total += min_term(w.mins + n * w.groups, a.sums.data() + m * w.groups, w.groups);
+  *out = total;
+}
+
+// out [M, N] = x [M, K] @ W^T with x rounded to int16 per weight group.
+void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear_i16: x must be fp32 [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i16: group_size must be 16 or 32");
+  const int64_t N = qweight.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.stride(1) == 1,
+              "quant_linear_i16: out must be fp32 [M, N] with contiguous rows");
+  if (M == 0 || N == 0) return;
+  const ActInt16 a = quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+#ifdef WEFT_AVX2
+      if (w.mins != nullptr) {
+        rows_i16<true, 32>(w, n, a, M, op, ldo);
+      } else if (group_size == 32) {
+        rows_i16<false, 32>(w, n, a, M, op, ldo);
+      } else {
+        rows_i16<false, 16>(w, n, a, M, op, ldo);
+      }
+#else
+      for (int64_t m = 0; m < M; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
+#endif
+    }
+  });
+}
+
+// Which instruction set this build's quant_linear_i8 runs on.
+std::string isa() {
+#if defined(WEFT_VNNI)
+  return "avx512vnni";
+#elif defined(WEFT_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace
 
-TORCH_LIBRARY(weft_quant, m) {
+WEFT_TORCH_LIBRARY(QUANT_LIBRARY_NS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
   m.def(
       "dequantize_rows(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int start, Tensor(a!) out) -> ()");
+  m.def("quant_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+  m.def(
+      "quant_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+  m.def("isa() -> str", &isa);
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
+  m.impl("quant_linear_i8", c10::DispatchKey::CPU, &quant_linear_i8);
+  m.impl("quant_linear_i16", c10::DispatchKey::CPU, &quant_linear_i16);
   m.impl("dequantize_rows", c10::DispatchKey::CPU, &dequantize_rows);
 }

@@ -2,7 +2,11 @@
 
 The rebuilt weights must equal the twin's exactly (the same fp32 products);
 the matmul may differ only by the order of fp32 sums: within 1e-5 of the
-largest output for K = 576.
+largest output for K = 576. With int8 or int16 activations
+(``quant_linear_i8``, ``quant_linear_i16``) the rounding of x is the twin's
+bit for bit, so the same holds against ``quant_linear_i8_ref``; against the
+fp32 twin the error stays within what rounding x allows. Every build the CPU runs (AVX-512 VNNI, AVX2,
+generic) is run by name.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ import pytest
 import torch
 
 from kernels import cpu_quant_linear
-from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from kernels.reference import (
+    dequantize_packed_ref,
+    quant_linear_i8_ref,
+    quant_linear_ref,
+    quantize_rows_i8_ref,
+)
 
 SUM_ORDER_TOLERANCE = 1e-5  # relative to the largest |output|
 
@@ -26,10 +35,14 @@ def random_packed(layout: str, n: int, k: int, group: int, seed: int = 0):
     return q, scales, torch.randn(n, k // group, generator=g) * 0.1
 
 
+ISAS = cpu_quant_linear.supported_isas()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built_kernel():
     try:
-        cpu_quant_linear.load()
+        for isa in ISAS:
+            cpu_quant_linear.load(isa)
     except cpu_quant_linear.KernelUnavailable as exc:  # the torch twins are then what runs
         pytest.fail(f"the kernel must build on the test machine: {exc}")
 
@@ -37,14 +50,15 @@ def built_kernel():
 LAYOUTS = [("int8", 32), ("int8", 16), ("int4", 32)]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,group", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
-def test_quant_linear_matches_the_twin(layout, group, rows):
+def test_quant_linear_matches_the_twin(isa, layout, group, rows):
     n, k = 203, 576  # n not a multiple of the kernel's 4-row tiles
     q, s, m = random_packed(layout, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     expected = quant_linear_ref(x, q, s, m, group)
-    actual = cpu_quant_linear.quant_linear(x, q, s, m, group)
+    actual = cpu_quant_linear.quant_linear(x, q, s, m, group, isa=isa)
     torch.testing.assert_close(
         actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
@@ -90,3 +104,141 @@ def test_bad_arguments_are_refused():
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q.view(torch.int8), s, m, 32)
     with pytest.raises(RuntimeError, match="rows out of range"):
         cpu_quant_linear.dequantize_rows(q, s, m, 32, start=4, count=8, in_features=64)
+
+
+def test_every_build_the_cpu_runs_is_the_one_named():
+    assert ISAS[-1] == "generic" and len(set(ISAS)) == len(ISAS)
+    for isa in ISAS:
+        assert cpu_quant_linear.load(isa).isa() == isa
+
+
+def test_weft_quant_isa_forces_a_build(monkeypatch):
+    monkeypatch.setenv(cpu_quant_linear.ENV_ISA, "generic")
+    assert cpu_quant_linear.default_isa() == "generic"
+    monkeypatch.setenv(cpu_quant_linear.ENV_ISA, "")
+    assert cpu_quant_linear.default_isa() == ISAS[0]
+    monkeypatch.setenv(cpu_quant_linear.ENV_ISA, "sse9")
+    with pytest.raises(ValueError, match="WEFT_QUANT_ISA='sse9' is not one of avx512vnni, avx2, generic"):
+        cpu_quant_linear.default_isa()
+
+
+def test_a_build_that_fails_gives_way_to_the_next(monkeypatch):
+    real_build = cpu_quant_linear.build
+
+    def no_avx512(name, source, what, isa=None, defines=()):
+        if isa[0] == "avx512vnni":
+            raise cpu_quant_linear.KernelUnavailable("this compiler has no -mavx512vnni")
+        return real_build(name, source, what, isa=isa, defines=defines)
+
+    monkeypatch.setattr(cpu_quant_linear, "build", no_avx512)
+    monkeypatch.delenv(cpu_quant_linear.ENV_ISA, raising=False)
+    monkeypatch.setattr(cpu_quant_linear, "supported_isas", lambda: ["avx512vnni", "avx2", "generic"])
+    assert cpu_quant_linear.load.__wrapped__().isa() == "avx2"  # past the cache
+    monkeypatch.setenv(cpu_quant_linear.ENV_ISA, "avx512vnni")  # forced: no fallback
+    with pytest.raises(cpu_quant_linear.KernelUnavailable, match="no -mavx512vnni"):
+        cpu_quant_linear.load.__wrapped__()
+
+
+# (layout, group, K): int4 K with an even and an odd number of 32-blocks (the kernel pairs
+# blocks); int8 by 16 with K a multiple of 16 but not 32 (a half block at the end).
+I8_SHAPES = [("int8", 32, 576), ("int8", 16, 592), ("int4", 32, 576), ("int4", 32, 608)]
+
+
+# The integer-activation kernels and the integer type each rounds x to.
+INT_KERNELS = {
+    "int8": (cpu_quant_linear.quant_linear_i8, torch.int8),
+    "int16": (cpu_quant_linear.quant_linear_i16, torch.int16),
+}
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 31])
+def test_integer_activation_kernels_match_their_twin(bits, isa, layout, group, k, rows):
+    kernel, dtype = INT_KERNELS[bits]
+    q, s, m = random_packed(layout, 203, k, group, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
+    expected = quant_linear_i8_ref(x, q, s, m, group, dtype)
+    actual = kernel(x, q, s, m, group, isa=isa)
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+def test_integer_activations_err_only_by_the_rounding_of_x(bits, layout, group, k):
+    """|y - y_fp32| <= sum_j |w_j| * d_j / 2, d_j the step of x's group of j (plus fp32 sums)."""
+    kernel, dtype = INT_KERNELS[bits]
+    q, s, m = random_packed(layout, 64, k, group, seed=5)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(6)) * 3
+    w = dequantize_packed_ref(q, s, m, group)
+    _, steps = quantize_rows_i8_ref(x, group, dtype)
+    bound = (steps.repeat_interleave(group, dim=1) / 2) @ w.abs().T
+    expected = quant_linear_ref(x, q, s, m, group)
+    error = (kernel(x, q, s, m, group) - expected).abs()
+    assert (error <= bound * 1.001 + SUM_ORDER_TOLERANCE * float(expected.abs().max())).all()
+    assert error.max() > 0  # x really is rounded
+
+
+def test_activations_round_half_to_even_with_a_scale_of_amax_over_127():
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])  # amax 127: the step is exactly 1
+    q = torch.eye(32, dtype=torch.int8)[:4]  # row i picks element i
+    out = cpu_quant_linear.quant_linear_i8(x, q, torch.ones(4, 1), None, 32)
+    assert out.flatten().tolist() == [127.0, 2.0, 4.0, -2.0]
+    xq, d = quantize_rows_i8_ref(x, 32)
+    assert xq[0, 0, :4].tolist() == [127, 2, 4, -2] and d.item() == 1.0
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_weights_of_minus_128_and_extreme_activations(bits, isa):
+    """-128 weights against activations of both signs: no saturation in the integer dots."""
+    q = torch.full((3, 64), -128, dtype=torch.int8)
+    q[1, ::2] = 127
+    x = torch.tensor([[1.0, -1.0] * 32, [-5.0] * 64])
+    s = torch.full((3, 2), 0.5)
+    expected = quant_linear_ref(x, q, s, None, 32)
+    torch.testing.assert_close(INT_KERNELS[bits][0](x, q, s, None, 32, isa=isa), expected)
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_nan_in_x_reaches_only_its_row(bits, isa):
+    kernel, dtype = INT_KERNELS[bits]
+    q, s, m = random_packed("int4", 16, 64, 32)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("nan")
+    out = kernel(x, q, s, m, 32, isa=isa)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    assert quant_linear_i8_ref(x, q, s, m, 32, dtype)[1].isnan().all()
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_integer_activation_kernels_take_strided_rows_of_x_and_out(bits, isa):
+    kernel, dtype = INT_KERNELS[bits]
+    q, s, m = random_packed("int4", 16, 64, 32)
+    x = torch.randn(5, 128)[:, 64:]  # rows 128 floats apart
+    out = torch.full((5, 40), -7.0)
+    kernel(x, q, s, m, 32, out=out[:, 8:24], isa=isa)
+    expected = quant_linear_i8_ref(x, q, s, m, 32, dtype)
+    torch.testing.assert_close(out[:, 8:24], expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    assert (out[:, :8] == -7).all() and (out[:, 24:] == -7).all()
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+def test_integer_activation_kernels_refuse_bad_arguments(bits):
+    kernel, name = INT_KERNELS[bits][0], f"quant_linear_i{bits[3:]}"
+    q, s, m = random_packed("int8", 8, 128, 64)
+    with pytest.raises(RuntimeError, match=f"{name}: group_size must be 16 or 32"):
+        kernel(torch.randn(2, 128), q, s, None, 64)
+    q, s, m = random_packed("int4", 8, 64, 32)
+    with pytest.raises(RuntimeError, match=f"{name}: x must be fp32"):
+        kernel(torch.randn(2, 64, dtype=torch.bfloat16), q, s, m, 32)
+    with pytest.raises(RuntimeError, match="qweight shape"):
+        kernel(torch.randn(2, 96), q, s, m, 32)
+    with pytest.raises(RuntimeError, match=f"{name}: out must be fp32"):
+        kernel(torch.randn(2, 64), q, s, m, 32, out=torch.empty(3, 8))

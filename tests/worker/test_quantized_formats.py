@@ -7,7 +7,10 @@ scales (every bit pattern of the quants is then exercised).
 Tolerances, per format: the repacked weights equal gguf's dequantization
 exactly (all formats); the layer's matmul differs from ``F.linear`` over
 those weights only in the order of fp32 sums, within 1e-5 of the largest
-output for these sizes (K = 512).
+output for these sizes (K = 512). These tests run the fp32 activations
+(``WEFT_QUANT_ACTIVATIONS=fp32``, the default, set explicitly) so that bound
+holds at every row count; the opt-in integer paths are checked per format in
+``test_activations_setting_picks_the_decode_kernel_under_the_row_threshold``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 SUM_ORDER_TOLERANCE = 1e-5
 # Byte offsets of the fp16 scales in the K formats' super-blocks (gguf's layout).
 _K_HALVES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(autouse=True)
+def fp32_activations(monkeypatch):
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "fp32")
+    monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
 
 
 def gguf_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -210,7 +221,7 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
     from kernels import cpu_quant_linear
     from services.worker.layers import quantized_linear
 
-    def unavailable():
+    def unavailable(isa=None):
         raise cpu_quant_linear.KernelUnavailable("no compiler here")
 
     monkeypatch.setattr(cpu_quant_linear, "load", unavailable)
@@ -223,3 +234,44 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
     with caplog.at_level("WARNING"):
         close_to(layer(x), F.linear(x, reference("Q5_0", data)))
     assert "no compiler here" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(monkeypatch, fmt):
+    """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 or int8 kernel (their twin's
+    numbers) or, unset, fp32; from INT_ACTIVATION_MAX_ROWS rows on the fp32 kernels run on x
+    rounded alike, so a row's result does not depend on the rows beside it."""
+    from kernels.reference import quant_linear_i8_ref, round_activations_ref
+    from services.worker.layers import quantized_linear
+
+    data = gguf_blocks(fmt, 96, 512, seed=8)
+    layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), False, torch.float32)
+    layer.load_weight("weight", repack(fmt, data, 512), 0)
+    finalize_quantized(layer)
+    (part,) = layer.quant.parts
+    few, many = torch.randn(7, 512), torch.randn(quantized_linear.INT_ACTIVATION_MAX_ROWS, 512)
+    packed = (part.qweight, part.scales, part.mins, part.group_size)
+    dense = reference(fmt, data)
+    for activations, dtype in (("int8", torch.int8), ("int16", torch.int16), ("", None)):
+        monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
+        monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
+        if dtype is None:
+            close_to(layer(few), F.linear(few, dense))
+            close_to(layer(many), F.linear(many, dense))
+            continue
+        close_to(layer(few), quant_linear_i8_ref(few, *packed, dtype))
+        close_to(layer(many), F.linear(round_activations_ref(many, part.group_size, dtype), dense))
+        # The few rows inside a batch of many give what they gave alone.
+        close_to(layer(torch.cat((few, many)))[: len(few)], layer(few))
+
+
+def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(
+        ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int16, int8, fp32, got 'int4'"
+    ):
+        quantized_linear.activations_from_env()
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quantized_linear.choose_kernel(None, "bf16")

@@ -13,9 +13,23 @@ input columns only on group boundaries (else a ValueError says to run with
 ``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
 
 Numerics: the weights the kernel rebuilds equal the gguf package's
-dequantization exactly; products and sums are fp32 whatever the model dtype,
-so a layer differs from ``F.linear`` over the dequantized weight only in the
-order of its sums.
+dequantization exactly. By default (``WEFT_QUANT_ACTIVATIONS=fp32``) products
+and sums are fp32 whatever the model dtype, so a layer differs from
+``F.linear`` over the dequantized weight only in the order of its sums.
+``int16`` and ``int8`` (opt-in) round x per weight group to that integer
+grid; under ``INT_ACTIVATION_MAX_ROWS`` rows (decode) each group is then an
+integer dot product, from there on (prefill, batched decode) the fp32
+kernels run on the rounded x, so a row's result does not depend on the batch
+it is in beyond the order of fp32 sums. int16 (an error of at most
+amax / 65534 per element of x) keeps the default model's greedy tokens
+(tests/worker/test_quantized_model.py, tests/test_llm.py) but moves the
+logprobs of speculative decoding away from plain decoding's by 1.3e-3, over
+the 1e-3 tests/test_spec_decode.py allows (fp32: 1e-5: their attention
+differs by ~1e-6, which rounding turns into whole steps near rounding
+boundaries, layer after layer); int8 (as llama.cpp)
+leaves the greedy tokens at top-2 gaps the parity test does not allow. So
+neither is the default.
+Without a compiler the torch twin of the fp32 path runs at every size.
 """
 
 from __future__ import annotations
@@ -26,7 +40,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from kernels.reference import dequantize_packed_ref, quant_linear_ref, round_activations_ref
+from services import env
 
 logger = logging.getLogger(__name__)
 
@@ -119,21 +134,41 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 # the GEMM path by 1.57x at 2048 rows.
 GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
+# Under this many rows of x the matmul reads the weights once and is bound by the
+# bytes it reads and the instructions per weight: integer activations make it a few
+# integer dots per 32 weights. From here on the fp32 kernels, on x rounded alike.
+INT_ACTIVATION_MAX_ROWS = 32
+ACTIVATIONS = ("int16", "int8", "fp32")
+
+
+def activations_from_env() -> str:
+    """``WEFT_QUANT_ACTIVATIONS`` (int16, int8 or fp32; default fp32)."""
+    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "fp32").strip().lower()
+    if value not in ACTIVATIONS:
+        raise ValueError(f"WEFT_QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}, got {value!r}.")
+    return value
 
 
 class _Kernel:
-    """The compiled kernel, or the torch twin with the reason logged once when it cannot be built."""
+    """The compiled kernel, or the torch twin with the reason logged once when it cannot be built.
+
+    ``isa`` (None: the kernel module's default) and ``activations`` pick the build and the
+    decode path; ``choose_kernel`` sets them (the benchmarks compare one with another)."""
 
     def __init__(self) -> None:
         self._compiled: bool | None = None
         self._scratch = torch.empty(0)
+        self.isa: str | None = None
+        self.activations: str | None = None  # None: read from the environment on first use
 
     def compiled(self) -> bool:
         if self._compiled is None:
             from kernels import cpu_quant_linear
 
+            if self.activations is None:
+                self.activations = activations_from_env()
             try:
-                cpu_quant_linear.load()
+                cpu_quant_linear.load(self.isa)
                 self._compiled = True
             except cpu_quant_linear.KernelUnavailable as exc:
                 logger.warning("Quantized linear layers use the slower torch twin: %s", exc)
@@ -144,10 +179,18 @@ class _Kernel:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
-        from kernels.cpu_quant_linear import dequantize_rows, quant_linear
+        from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8, quant_linear_i16
 
+        if self.activations != "fp32":
+            if x.shape[0] < INT_ACTIVATION_MAX_ROWS:
+                kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
+                return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
+            # The same rounding of x before the fp32 kernels, so a row's result does not
+            # depend on how many rows share its step (speculative verify, chunked prefill).
+            dtype = torch.int8 if self.activations == "int8" else torch.int16
+            x = round_activations_ref(x, w.group_size, dtype)
         if x.shape[0] < GEMM_MIN_ROWS:
-            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size)
+            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         n, k = w.shape
         chunk = max(1, min(n, _CHUNK_BYTES // (4 * k)))
         if self._scratch.numel() < chunk * k:
@@ -156,12 +199,22 @@ class _Kernel:
         for start in range(0, n, chunk):
             count = min(chunk, n - start)
             rows = self._scratch[: count * k].view(count, k)
-            dequantize_rows(w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows)
+            dequantize_rows(
+                w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows, isa=self.isa
+            )
             outs.append(x @ rows.T)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 _KERNEL = _Kernel()
+
+
+def choose_kernel(isa: str | None, activations: str) -> None:
+    """Run this process's quantized layers on build ``isa`` (None: the default) with
+    ``activations`` (int16, int8 or fp32) under ``INT_ACTIVATION_MAX_ROWS`` rows."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
+    _KERNEL.isa, _KERNEL.activations, _KERNEL._compiled = isa, activations, None
 
 
 class QuantizedWeight:
