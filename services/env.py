@@ -46,9 +46,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
-        "fp32 (default), int16 or int8: the activations of the quantized matmul kept fp32, or rounded "
-        "to int16 or int8 per weight group, which makes the decode matmul integer dot products (faster; "
-        "int8 is off the greedy-parity tests, int16 off the spec-decode logprob test) "
+        "int16 (default), int8 or fp32: the activations of the quantized matmul rounded to int16 or int8 "
+        "per weight group, which makes the decode matmul integer dot products (int8 is fastest but off "
+        "the greedy-parity tests), or kept fp32 (exact up to the order of sums) "
         "(services/worker/layers/quantized_linear.py).",
     ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),

@@ -178,7 +178,16 @@ def test_stop_strings_cut_the_accepted_run(spec: LLM, prompts, reference) -> Non
     assert_no_leaks(spec)
 
 
+# A verify step's attention differs from a decode step's by ~1e-6; with the packed weights'
+# activations rounded to int16 (the default) that can move a value across a rounding step,
+# which reaches the logprobs as ~1e-3. Wrong positions or tokens would be off by far more.
+LOGPROB_TOLERANCE = {"fp32": 1e-3, "int16": 3e-3, "int8": 3e-2}
+
+
 def test_logprobs_of_accepted_tokens_match(plain: LLM, spec: LLM, prompts) -> None:
+    from services.worker.layers.quantized_linear import activations_from_env
+
+    tolerance = LOGPROB_TOLERANCE[activations_from_env()]
     params = greedy(max_tokens=16, logprobs=2)
     want = plain.generate(prompts[:3], params, use_tqdm=False)
     got = spec.generate(prompts[:3], params, use_tqdm=False)
@@ -188,7 +197,7 @@ def test_logprobs_of_accepted_tokens_match(plain: LLM, spec: LLM, prompts) -> No
         for g_entry, w_entry in zip(g.logprobs, w.logprobs):
             assert g_entry.keys() == w_entry.keys()
             for token, logprob in w_entry.items():
-                assert g_entry[token].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+                assert g_entry[token].logprob == pytest.approx(logprob.logprob, abs=tolerance)
                 assert g_entry[token].rank == logprob.rank
 
 

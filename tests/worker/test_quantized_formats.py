@@ -239,7 +239,7 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(monkeypatch, fmt):
     """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 or int8 kernel (their twin's
-    numbers) or, unset, fp32; from INT_ACTIVATION_MAX_ROWS rows on the fp32 kernels run on x
+    numbers; unset means int16) or fp32; from INT_ACTIVATION_MAX_ROWS rows on the fp32 kernels run on x
     rounded alike, so a row's result does not depend on the rows beside it."""
     from kernels.reference import quant_linear_i8_ref, round_activations_ref
     from services.worker.layers import quantized_linear
@@ -252,7 +252,12 @@ def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(mon
     few, many = torch.randn(7, 512), torch.randn(quantized_linear.INT_ACTIVATION_MAX_ROWS, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
     dense = reference(fmt, data)
-    for activations, dtype in (("int8", torch.int8), ("int16", torch.int16), ("", None)):
+    for activations, dtype in (
+        ("int8", torch.int8),
+        ("int16", torch.int16),
+        ("", torch.int16),
+        ("fp32", None),
+    ):
         monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
         monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
         if dtype is None:

@@ -13,22 +13,21 @@ input columns only on group boundaries (else a ValueError says to run with
 ``quant`` (a ``QuantizedWeight``) and drops the dense parameter.
 
 Numerics: the weights the kernel rebuilds equal the gguf package's
-dequantization exactly. By default (``WEFT_QUANT_ACTIVATIONS=fp32``) products
-and sums are fp32 whatever the model dtype, so a layer differs from
-``F.linear`` over the dequantized weight only in the order of its sums.
-``int16`` and ``int8`` (opt-in) round x per weight group to that integer
-grid; under ``INT_ACTIVATION_MAX_ROWS`` rows (decode) each group is then an
-integer dot product, from there on (prefill, batched decode) the fp32
-kernels run on the rounded x, so a row's result does not depend on the batch
-it is in beyond the order of fp32 sums. int16 (an error of at most
-amax / 65534 per element of x) keeps the default model's greedy tokens
-(tests/worker/test_quantized_model.py, tests/test_llm.py) but moves the
-logprobs of speculative decoding away from plain decoding's by 1.3e-3, over
-the 1e-3 tests/test_spec_decode.py allows (fp32: 1e-5: their attention
+dequantization exactly. Activations (``WEFT_QUANT_ACTIVATIONS``): by default
+(``int16``) x is rounded per weight group to int16 (an error of at most
+amax / 65534 per element: about 2e-5 of a layer's largest output, far under
+bf16's rounding); under ``INT_ACTIVATION_MAX_ROWS`` rows (decode) each group
+is then an integer dot product, from there on (prefill, batched decode) the
+fp32 kernels run on the rounded x, so a row's result does not depend on the
+batch it is in beyond the order of fp32 sums. It keeps the default model's
+greedy tokens (tests/worker/test_quantized_model.py, tests/test_llm.py) and
+speculative decoding token-identical to plain decoding; their logprobs differ
+by about 1.3e-3 (fp32: 1e-5: attention in a verify step and in a decode step
 differs by ~1e-6, which rounding turns into whole steps near rounding
-boundaries, layer after layer); int8 (as llama.cpp)
-leaves the greedy tokens at top-2 gaps the parity test does not allow. So
-neither is the default.
+boundaries). ``fp32`` keeps x as is (a layer then differs from ``F.linear``
+over the dequantized weight only in the order of its sums); ``int8`` (as
+llama.cpp, fastest) leaves the greedy tokens at top-2 gaps the parity test
+does not allow, so it is opt-in.
 Without a compiler the torch twin of the fp32 path runs at every size.
 """
 
@@ -142,8 +141,8 @@ ACTIVATIONS = ("int16", "int8", "fp32")
 
 
 def activations_from_env() -> str:
-    """``WEFT_QUANT_ACTIVATIONS`` (int16, int8 or fp32; default fp32)."""
-    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "fp32").strip().lower()
+    """``WEFT_QUANT_ACTIVATIONS`` (int16, int8 or fp32; default int16)."""
+    value = (env.get("WEFT_QUANT_ACTIVATIONS") or "int16").strip().lower()
     if value not in ACTIVATIONS:
         raise ValueError(f"WEFT_QUANT_ACTIVATIONS must be one of {', '.join(ACTIVATIONS)}, got {value!r}.")
     return value
