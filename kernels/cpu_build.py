@@ -58,6 +58,23 @@ def target_isa() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def stable_source(source: Path, build_name: str, build_root: str) -> Path:
+    """A copy of ``source`` at a path that depends only on the build, not on where the checkout is.
+
+    The build's ninja file names its source by path, so the same file in another clone (a CI
+    clone, a git worktree) would rebuild the library and replace the other's; built from this copy,
+    every checkout with the same source text shares one build. The copy is rewritten only when
+    the text differs (an untouched file keeps its time stamp, so ninja builds nothing)."""
+    text = source.read_bytes()
+    copy = Path(build_root) / "sources" / build_name / source.name
+    if not copy.exists() or copy.read_bytes() != text:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        scratch = copy.with_name(f".{copy.name}.{os.getpid()}")
+        scratch.write_bytes(text)
+        os.replace(scratch, copy)  # atomic: a concurrent build reads the old text or the new
+    return copy
+
+
 def build(
     name: str,
     source: Path,
@@ -81,7 +98,7 @@ def build(
     try:
         cpp_extension.load(
             name=f"{name}_{isa}",
-            sources=[str(source)],
+            sources=[str(stable_source(source, f"{name}_{isa}", cpp_extension.get_default_build_root()))],
             # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
             # here; the library then uses the libgomp torch has already loaded.
             extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *isa_flags, *(f"-D{d}" for d in defines)],
