@@ -55,7 +55,7 @@ $(GEMMA3_HF)/config.json: $(GEMMA3)
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
-# Every test (about 11 minutes on 2 cores; CI runs the same tests as test-fast + test-slow).
+# Every test (about 10 minutes on 2 cores; CI runs the same tests as test-fast + test-slow).
 test: install model model-gemma3
 	$(PY) -m pytest -q
 
