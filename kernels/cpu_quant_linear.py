@@ -107,6 +107,11 @@ def _output(x: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None) ->
     return torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32) if out is None else out
 
 
+# The ops by activation setting: fp32, or each row of x rounded per group of ``group_size``
+# to int8 or int16 first (then integer dot products).
+_OPS = {"fp32": "quant_linear", "int8": "quant_linear_i8", "int16": "quant_linear_i16"}
+
+
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -115,41 +120,16 @@ def quant_linear(
     group_size: int,
     out: torch.Tensor | None = None,
     isa: str | None = None,
+    activations: str = "fp32",
 ) -> torch.Tensor:
     """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int8 when ``mins`` is None, else int4)."""
     out = _output(x, qweight, out)
-    load(isa).quant_linear(x, qweight, scales, mins, group_size, out)
+    getattr(load(isa), _OPS[activations])(x, qweight, scales, mins, group_size, out)
     return out
 
 
-def quant_linear_i8(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor | None,
-    group_size: int,
-    out: torch.Tensor | None = None,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """As ``quant_linear``, with each row of x rounded to int8 per group of ``group_size`` first."""
-    out = _output(x, qweight, out)
-    load(isa).quant_linear_i8(x, qweight, scales, mins, group_size, out)
-    return out
-
-
-def quant_linear_i16(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor | None,
-    group_size: int,
-    out: torch.Tensor | None = None,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """As ``quant_linear``, with each row of x rounded to int16 per group of ``group_size`` first."""
-    out = _output(x, qweight, out)
-    load(isa).quant_linear_i16(x, qweight, scales, mins, group_size, out)
-    return out
+quant_linear_i8 = functools.partial(quant_linear, activations="int8")
+quant_linear_i16 = functools.partial(quant_linear, activations="int16")
 
 
 def dequantize_rows(

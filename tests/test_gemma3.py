@@ -11,7 +11,6 @@ must still match transformers' token for token.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from services.model_files import models_dir, resolve
 from services.ports import free_port
 from tests.polling import wait_healthy
 from tests.text_corpus import prompt_of_length
-from tests.utils import GreedyOracle, gguf_parsed_once
+from tests.utils import GreedyOracle, gguf_parsed_once, recorded_steps
 
 GGUF = models_dir() / "gemma-3-270m-q4_k_m.gguf"
 NEW_TOKENS = 16
@@ -70,22 +69,6 @@ def oracle(files) -> GreedyOracle:
     model.eval()
     yield GreedyOracle(model, files.hf_config()["eos_token_id"])
     del model
-
-
-@contextlib.contextmanager
-def recorded_steps(llm: LLM):
-    executor = llm.engine.executor
-    original, steps = executor.execute_model, []
-
-    def record(scheduler_output):
-        steps.append(scheduler_output)
-        return original(scheduler_output)
-
-    executor.execute_model = record
-    try:
-        yield steps
-    finally:
-        executor.execute_model = original
 
 
 @dataclass

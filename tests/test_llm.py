@@ -8,14 +8,12 @@ preemption all in play.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from protocol import SamplingParams
 from services import LLM
 from tests.text_corpus import prompt_of_length
-from tests.utils import GreedyOracle
+from tests.utils import GreedyOracle, recorded_steps
 
 NEW_TOKENS = 32
 # (length, offset) into the corpus: prompts 3, 4 and 6 start at offset 0,
@@ -42,23 +40,6 @@ def oracle(hf_default_model, tokenizer) -> GreedyOracle:
 
 def make_llm(**kwargs) -> LLM:
     return LLM(dtype="float32", **kwargs)
-
-
-@contextlib.contextmanager
-def recorded_steps(llm: LLM):
-    """Collect every SchedulerOutput the engine executes."""
-    executor = llm.engine.executor
-    original, steps = executor.execute_model, []
-
-    def record(scheduler_output):
-        steps.append(scheduler_output)
-        return original(scheduler_output)
-
-    executor.execute_model = record
-    try:
-        yield steps
-    finally:
-        executor.execute_model = original
 
 
 def assert_no_leaks(llm: LLM) -> None:

@@ -138,3 +138,20 @@ class GreedyOracle:
         """``tokens`` is transformers' greedy continuation of ``prompt`` under ``max_tokens``."""
         assert tokens == self.expected(prompt, tokens), f"{what} diverged from transformers' greedy tokens"
         assert tokens[-1] == self.eos or len(tokens) == max_tokens, f"{what} stopped early without EOS"
+
+
+@contextlib.contextmanager
+def recorded_steps(llm):
+    """Collect every SchedulerOutput an in-process ``LLM``'s engine executes."""
+    executor = llm.engine.executor
+    original, steps = executor.execute_model, []
+
+    def record(scheduler_output):
+        steps.append(scheduler_output)
+        return original(scheduler_output)
+
+    executor.execute_model = record
+    try:
+        yield steps
+    finally:
+        executor.execute_model = original
