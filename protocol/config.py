@@ -113,6 +113,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "max_model_len then).",
         ),
     ] = 1
+    async_scheduling: Annotated[
+        bool,
+        Meta(
+            description="Schedule step N+1 while step N runs (vLLM's --async-scheduling): scheduling and "
+            "output processing leave the forward's critical path; stops and aborts apply one step late.",
+        ),
+    ] = False
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -26,6 +26,7 @@ from services import env, model_files
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.parallel_args import check_tensor_parallel
 from services.config.speculative_args import resolve_speculative_config
+from services.engine_core.async_scheduling import check_async_scheduling
 from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.worker.models.registry import architecture_of, layer_sliding_windows
@@ -65,6 +66,7 @@ class EngineArgs:
     quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    async_scheduling: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -88,7 +90,7 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, files.is_gguf, device, self.load_format)
         eos_token_id = _first(hf_config.get("eos_token_id"))
         generation = read_generation_config(self.generation_config, files.hf_dir)
-        return EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(
                 model=str(files.weights),
                 tokenizer=self.tokenizer or str(files.hf_dir),
@@ -128,6 +130,8 @@ class EngineArgs:
             kv_transfer=self._kv_transfer_config(windows),
             kv_events=resolve_kv_events_config(self.kv_events_config),
         )
+        check_async_scheduling(config)
+        return config
 
     def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
@@ -170,6 +174,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
+            async_scheduling=self.async_scheduling,
         )
 
     def _long_prefill_token_threshold(self, max_model_len: int) -> int:

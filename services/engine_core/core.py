@@ -1,6 +1,8 @@
 """EngineCore: one data-parallel rank's scheduler, KV cache and executor.
 
-``step()`` is the whole engine: schedule -> execute -> update_from_output.
+``step()`` is the whole engine: schedule -> execute -> update_from_output
+(with async scheduling, the next step is scheduled while one executes:
+``async_scheduling.py``).
 The offline ``LLM`` calls it in a loop in-process; the engine-core process
 (serving) calls it from its busy loop between socket reads.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from protocol import EngineConfig, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from services.engine_core.async_scheduling import StepPipeline, check_async_scheduling, reaches_workers
 from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
@@ -23,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        check_async_scheduling(config)
         if executor_class is None:
             executor_class = executor_class_for(config)  # worker processes when tensor parallel
         self.config = config
@@ -45,6 +49,10 @@ class EngineCore:
         self.engine_index = config.parallel.data_parallel_rank
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
         self.kv_event_publisher = self._start_kv_events(config)
+        # Async scheduling: steps run on a thread of their own, one scheduled ahead.
+        self.pipeline = (
+            StepPipeline(self.executor.execute_model) if config.scheduler.async_scheduling else None
+        )
 
     def _start_kv_events(self, config: EngineConfig):
         if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
@@ -72,11 +80,12 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or (async scheduling) a step in flight whose output is not collected."""
+        return self.scheduler.has_unfinished_requests() or bool(self.pipeline)
 
     def has_work(self) -> bool:
-        """A step would make progress: requests wait and scheduling is not paused."""
-        return self.has_unfinished_requests() and not self.scheduler.paused
+        """A step would make progress: requests wait and scheduling is not paused, or a step is in flight."""
+        return (self.scheduler.has_unfinished_requests() and not self.scheduler.paused) or bool(self.pipeline)
 
     # ---- utility calls (the API's management endpoints)
 
@@ -94,7 +103,7 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
-        outputs = self._step()
+        outputs = self._step() if self.pipeline is None else self._async_step()
         self.publish_kv_events()  # once per step, after update_from_output (and after idle resets)
         return outputs
 
@@ -110,7 +119,31 @@ class EngineCore:
             runner_output = ModelRunnerOutput()
         else:
             runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._batch(self.scheduler.update_from_output(scheduler_output, runner_output))
+
+    def _async_step(self) -> EngineCoreOutputs:
+        """Keep two steps in flight, then collect the oldest: step N+1 is scheduled while N runs."""
+        outputs: list[EngineCoreOutput] = []
+        scheduler = self.scheduler
+        while not self.pipeline.full and scheduler.has_unfinished_requests() and not scheduler.paused:
+            scheduler_output = scheduler.schedule()
+            if not reaches_workers(scheduler_output):
+                # Nothing runs; requests that failed outside a step (grammars) still report.
+                outputs += scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
+                break
+            scheduled = {
+                request_id: scheduler.requests[request_id]
+                for request_id in scheduler_output.num_scheduled_tokens
+            }
+            self.pipeline.submit(scheduler_output, scheduled)
+        if not self.pipeline and not outputs:
+            return EngineCoreOutputs(engine_index=self.engine_index, scheduler_stats=scheduler.make_stats())
+        if self.pipeline:
+            step, runner_output = self.pipeline.pop_oldest()
+            outputs += scheduler.update_from_output(step.scheduler_output, runner_output, step.requests)
+        return self._batch(outputs)
+
+    def _batch(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         stats = self.scheduler.make_stats()
         self.stats_logger.observe(stats, sum(len(o.new_token_ids) for o in outputs))
         batch = EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats)
@@ -121,6 +154,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         self.executor.shutdown()
         self.scheduler.structured_output_manager.shutdown()
 

@@ -91,6 +91,9 @@ class Request:
         # Draft tokens (speculative decoding) to verify at the next step; their
         # KV is scheduled but they are not tokens of the request until accepted.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled by steps in flight, not known yet
+        # (the worker feeds them as the next step's inputs).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

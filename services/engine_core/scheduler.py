@@ -6,6 +6,10 @@ then to WAITING ones, so that every request's ``num_computed_tokens``
 catches up with its ``num_tokens``. When the KV pool runs dry, running
 requests are preempted by recompute: their blocks are freed and they wait
 again at the front of the queue.
+
+With async scheduling (``async_scheduling.py``) a request is scheduled again
+while its previous step runs: the token that step samples is an output
+placeholder until its output comes back.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class Scheduler:
         self._iteration_sum = 0
         # Paused (the API's /pause): schedule() hands out nothing; requests keep their place.
         self.paused = False
+        self.async_scheduling = sched.async_scheduling
 
     # ----------------------------------------------------------- requests in
 
@@ -208,7 +213,12 @@ class Scheduler:
         # Advance now, so the next schedule() sees these tokens as computed
         # even before their outputs come back.
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if self.async_scheduling and request.num_computed_tokens >= (
+                request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # it samples: the token is known after the step
         self.finished_req_ids = {}
         self._step_counter += 1
         self._count_iteration_tokens(output.total_num_scheduled_tokens)
@@ -225,7 +235,15 @@ class Scheduler:
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
             num_drafts = self.spec_decode.num_schedulable_drafts(request)
-            num_new = request.num_tokens + num_drafts - request.num_computed_tokens
+            if request.num_output_placeholders and self._waits_for_its_token(request):
+                index += 1
+                continue
+            num_new = (
+                request.num_tokens
+                + request.num_output_placeholders
+                + num_drafts
+                - request.num_computed_tokens
+            )
             num_new = self._clamp_to_budget(self._clamp_chunk(num_new), request.num_computed_tokens, plan)
             if num_new == 0:
                 # Its sampled token is not back yet; others may still run.
@@ -290,6 +308,18 @@ class Scheduler:
             self._admit(request, num_computed)
             plan.add(request, num_new, new_blocks, is_new=True)
             plan.prefills.add(num_left, num_new)
+
+    def _waits_for_its_token(self, request: Request) -> bool:
+        """Async scheduling: a request with a step in flight is not scheduled ahead when
+        its grammar's next mask needs that step's token, or when that token ends it by length
+        (its next token would only be thrown away)."""
+        if request.structured_output is not None:
+            return True
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        )
 
     def _clamp_chunk(self, num_new: int) -> int:
         if self.long_prefill_token_threshold > 0:
@@ -411,17 +441,26 @@ class Scheduler:
     # ----------------------------------------------------------- outputs back
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        scheduled_requests: dict[str, Request] | None = None,
     ) -> list[EngineCoreOutput]:
+        """Apply a step's sampled tokens. ``scheduled_requests`` (async scheduling): the
+        Request objects that step ran, so a later request reusing a finished id is left alone."""
         index_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        first_positions = _first_positions(scheduler_output)
         outputs, self._error_outputs = self._error_outputs, []
         for request in self.kv_transfer.update_from_output(model_runner_output):
             self.waiting.requeue(request)  # its remote KV load ended
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted after it was scheduled
-            first_position = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[request_id]
+            if request is None or request.is_finished:
+                continue  # aborted after it was scheduled (or, async, stopped by the step before)
+            if scheduled_requests is not None and scheduled_requests.get(request_id) is not request:
+                continue
+            # Async scheduling: a request preempted while this step ran still takes its token.
+            first_position = first_positions[request_id]
             self.spec_decode.apply_output(
                 request,
                 scheduler_output.scheduled_spec_decode_tokens.get(request_id, []),
@@ -441,6 +480,8 @@ class Scheduler:
         runner_output: ModelRunnerOutput,
     ) -> EngineCoreOutput | None:
         sampled = runner_output.sampled_token_ids[index] if index is not None else []
+        if sampled and request.num_output_placeholders:
+            request.num_output_placeholders -= 1
         new_token_ids = []
         for token_id in sampled:
             request.append_output_token_ids(token_id)
@@ -463,7 +504,10 @@ class Scheduler:
             error_is_internal=request.error_is_internal,
         )
         if request.is_finished:
-            self.running.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            else:  # async scheduling: preempted while its last step ran
+                self.waiting.remove_requests([request])
             output.kv_transfer_params = self._free_request(request)
         return output
 
@@ -529,3 +573,11 @@ class Scheduler:
             iteration_tokens_counts=iteration_counts,
             iteration_tokens_sum=iteration_sum,
         )
+
+
+def _first_positions(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's first position in the step (its computed tokens when scheduled)."""
+    positions = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    positions.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return positions
