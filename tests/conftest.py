@@ -46,6 +46,7 @@ SLOW = frozenset(
         "tests/kv_transfer/test_offline_forged.py",
         "tests/kv_transfer/test_pd_e2e.py",
         "tests/test_api_params_e2e.py",
+        "tests/test_async_scheduling_llm.py",
         "tests/test_gemma3.py",
         "tests/test_generation_config.py",
         "tests/test_hostile_http.py",

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from services.engine_core.request import Request
+from services.worker.executor import Executor
 
 # Steps in flight: the one running and the one scheduled behind it.
 PIPELINE_DEPTH = 2
@@ -62,8 +63,8 @@ class ScheduledStep:
 class StepPipeline:
     """Runs the executor's steps in order on one thread; the engine collects them oldest first."""
 
-    def __init__(self, execute_model) -> None:
-        self._execute_model = execute_model
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
         self._in_flight: deque[ScheduledStep] = deque()
 
@@ -75,7 +76,7 @@ class StepPipeline:
         return len(self._in_flight) >= PIPELINE_DEPTH
 
     def submit(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        result = self._thread.submit(self._execute_model, scheduler_output)
+        result = self._thread.submit(self._executor.execute_model, scheduler_output)
         self._in_flight.append(ScheduledStep(scheduler_output, requests, result))
 
     def pop_oldest(self) -> tuple[ScheduledStep, ModelRunnerOutput]:

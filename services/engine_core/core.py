@@ -50,9 +50,7 @@ class EngineCore:
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
         self.kv_event_publisher = self._start_kv_events(config)
         # Async scheduling: steps run on a thread of their own, one scheduled ahead.
-        self.pipeline = (
-            StepPipeline(self.executor.execute_model) if config.scheduler.async_scheduling else None
-        )
+        self.pipeline = StepPipeline(self.executor) if config.scheduler.async_scheduling else None
 
     def _start_kv_events(self, config: EngineConfig):
         if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
@@ -113,9 +111,10 @@ class EngineCore:
                 engine_index=self.engine_index, scheduler_stats=self.scheduler.make_stats()
             )
         scheduler_output = self.scheduler.schedule()
-        # An empty step still reaches the workers while KV transfers are in
-        # flight (the plan is set): they report the transfers that finished.
-        if scheduler_output.is_empty and scheduler_output.kv_connector_metadata is None:
+        # A step with no tokens still reaches the workers when it drops requests
+        # (finished, preempted), or while KV transfers are in flight (the plan
+        # is set): they report the transfers that finished.
+        if not reaches_workers(scheduler_output) and scheduler_output.kv_connector_metadata is None:
             runner_output = ModelRunnerOutput()
         else:
             runner_output = self.executor.execute_model(scheduler_output)

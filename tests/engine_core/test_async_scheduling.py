@@ -14,7 +14,7 @@ import zlib
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol import (
@@ -194,6 +194,24 @@ def test_preemption_under_a_small_cache_keeps_the_streams():
     assert all(tokens_of(o) == [1000 + k for k in range(30)] for o in ahead.values())
 
 
+def test_a_request_preempted_while_its_last_token_runs_finishes_from_the_queue():
+    def workload(engine):
+        add(engine, "a", 14, max_tokens=30)
+        add(engine, "b", 15, max_tokens=3)
+        return run(engine)
+
+    sync = workload(make_engine(False, num_blocks=4, max_model_len=48))
+    engine = make_engine(True, num_blocks=4, max_model_len=48)  # 3 usable blocks
+    ahead = workload(engine)
+    assert {r: tokens_of(o) for r, o in ahead.items()} == {r: tokens_of(o) for r, o in sync.items()}
+    assert tokens_of(ahead["b"]) == [1000, 1001, 1002] and finishes(ahead["b"]) == [FinishReason.LENGTH]
+    steps = engine.executor.steps
+    preempted_at = next(i for i, so in enumerate(steps) if "b" in so.preempted_req_ids)
+    # "a" needed b's block while b's last token was in flight; b ended in the queue, never re-admitted.
+    assert not any(new.req_id == "b" for so in steps[preempted_at:] for new in so.scheduled_new_reqs)
+    assert not engine.scheduler.waiting
+
+
 def test_chunked_prefill_with_prompt_logprobs_reports_each_position_once():
     def workload(engine):
         add(engine, "r", 50, max_tokens=3, prompt_logprobs=0, logprobs=0)
@@ -284,8 +302,24 @@ config_spec = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None)
+def _spec(own: int, max_tokens: int, shared: int = 0) -> dict:
+    return {"shared": shared, "own": own, "max_tokens": max_tokens, "eos_at": None, "abort_at": None}
+
+
+@settings(max_examples=150, deadline=None)
 @given(config=config_spec, specs=st.lists(request_spec, min_size=1, max_size=6))
+# A step that only preempts (no tokens) must still reach the worker, in both loops.
+@example(
+    config={
+        "num_blocks": 7,
+        "max_num_batched_tokens": 26,
+        "max_num_seqs": 3,
+        "long_prefill_token_threshold": 0,
+        "caching": False,
+        "scheduling_policy": "priority",
+    },
+    specs=[_spec(1, 1), _spec(1, 1), _spec(1, 3), _spec(4, 14), _spec(12, 14, shared=9), _spec(7, 12)],
+)
 def test_random_workloads_give_the_synchronous_streams(config, specs):
     num_blocks = config.pop("num_blocks")
 

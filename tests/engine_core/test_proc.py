@@ -2,7 +2,8 @@
 
 The test plays the API's part with the same helpers and messages the real
 client uses, so it sees exactly what crosses the wire: the handshake, the
-ready frame, outputs and heartbeats, error outputs, and the goodbye.
+ready frame, outputs and heartbeats, error outputs, and the goodbye. Every
+test runs against an engine with and without async scheduling.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def make_request(request_id: str, max_tokens: int = 5, prompt_len: int = 8) -> E
     )
 
 
-@pytest.fixture(scope="module")
-def started(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def started(tmp_path_factory, request):
     """(fake api, engine process, ready message); the process is always killed."""
     config = tiny_engine_config(build_tiny_llama(tmp_path_factory.mktemp("tiny")), NUM_BLOCKS)
+    scheduler = msgspec.structs.replace(config.scheduler, async_scheduling=request.param)
+    config = msgspec.structs.replace(config, scheduler=scheduler)
     api = FakeApi()
     proc = subprocess.Popen(
         [

@@ -1,0 +1,70 @@
+"""Async scheduling on the real default model: the offline ``LLM`` with and without
+``async_scheduling`` gives the same greedy tokens, in fp32 and bf16, with chunked
+prefill, preemption under a small KV cache, stop strings (an abort from the front
+end, applied a step late), stop token ids, EOS and max_tokens all in play.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol import SamplingParams
+from services import LLM
+from tests.text_corpus import prompt_of_length
+from tests.utils import recorded_steps
+
+# (length, offset) into the corpus; two share a long prefix.
+PROMPT_SHAPES = [(9, 300), (40, 500), (150, 700), (300, 0), (220, 0), (70, 900)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from services.api.tokenizer import Tokenizer
+
+    return Tokenizer(default_model.hf_dir)
+
+
+def workload(tokenizer) -> tuple[list, list[SamplingParams]]:
+    prompts = [{"prompt_token_ids": prompt_of_length(tokenizer, n, offset)} for n, offset in PROMPT_SHAPES]
+    prompts.append("Count with me: one, two, three, four, five, six,")
+    prompts.append("The capital of France is")
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (40, 1, 24, 33, 16, 48)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=30, stop=[" ten"]))
+    params.append(SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[tokenizer.encode(".")[0]]))
+    return prompts, params
+
+
+def run(tokenizer, async_scheduling: bool, dtype: str):
+    # 28 usable blocks: each request fits, all of them at once do not (preemption);
+    # a 96-token budget splits the longer prompts into chunks.
+    llm = LLM(
+        dtype=dtype,
+        max_model_len=448,
+        num_gpu_blocks_override=29,
+        max_num_batched_tokens=96,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        prompts, params = workload(tokenizer)
+        with recorded_steps(llm) as steps:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.kv_cache_manager.all_blocks_free()
+    finally:
+        llm.shutdown()
+    return [o.outputs[0] for o in outputs], steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_outputs_are_token_identical_with_and_without_async_scheduling(tokenizer, dtype):
+    sync, _ = run(tokenizer, False, dtype)
+    ahead, steps = run(tokenizer, True, dtype)
+    for i, (a, s) in enumerate(zip(ahead, sync)):
+        assert list(a.token_ids) == list(s.token_ids), f"request {i}"
+        assert (a.finish_reason, a.stop_reason, a.text) == (s.finish_reason, s.stop_reason, s.text), i
+    assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
+    assert max(s.total_num_scheduled_tokens for s in steps) <= 96
+    # The stop string cut the text; nothing after it reached the output.
+    count = ahead[6]
+    assert count.finish_reason == "stop" and count.stop_reason == " ten" and " ten" not in count.text
+    assert len(ahead[1].token_ids) == 1 and ahead[1].finish_reason == "length"
