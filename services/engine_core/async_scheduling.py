@@ -24,10 +24,13 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from services.engine_core.request import Request
-from services.worker.executor import Executor
+
+if TYPE_CHECKING:  # the API process builds configs with this module: it stays free of the worker side
+    from services.worker.executor import Executor
 
 # Steps in flight: the one running and the one scheduled behind it.
 PIPELINE_DEPTH = 2
@@ -85,9 +88,9 @@ class StepPipeline:
         return step, step.result.result()
 
     def shutdown(self) -> None:
-        """Let the steps in flight finish (the workers must not be torn down under them)."""
+        """Wait for the running step (the workers must not be torn down under it); drop the queued one."""
         self._in_flight.clear()
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown(wait=True, cancel_futures=True)
 
 
 def reaches_workers(scheduler_output: SchedulerOutput) -> bool:

@@ -278,7 +278,8 @@ def test_steps_run_on_the_forward_thread_and_shutdown_joins_it():
     add(engine, "r", 4, max_tokens=3)
     run(engine)
     assert names and all(name.startswith("engine-forward") for name in names)
-    assert engine.pipeline._thread._shutdown
+    with pytest.raises(RuntimeError, match="shutdown"):  # the forward thread is gone
+        engine.pipeline.submit(engine.executor.steps[0], {})
 
 
 request_spec = st.fixed_dictionaries(
