@@ -1,7 +1,8 @@
 """Async scheduling on the real default model: the offline ``LLM`` with and without
 ``async_scheduling`` gives the same greedy tokens, in fp32 and bf16, with chunked
 prefill, preemption under a small KV cache, stop strings (an abort from the front
-end, applied a step late), stop token ids, EOS and max_tokens all in play.
+end, applied a step late), stop token ids, EOS and max_tokens all in play; and
+with tensor-parallel worker processes.
 """
 
 from __future__ import annotations
@@ -68,3 +69,26 @@ def test_greedy_outputs_are_token_identical_with_and_without_async_scheduling(to
     count = ahead[6]
     assert count.finish_reason == "stop" and count.stop_reason == " ten" and " ten" not in count.text
     assert len(ahead[1].token_ids) == 1 and ahead[1].finish_reason == "length"
+
+
+def test_tensor_parallel_worker_processes_give_the_same_tokens():
+    # The model's 9 heads and 3 KV heads split over 3 ranks; the steps reach the worker
+    # processes from the engine's forward thread.
+    prompts = ["The capital of France is", "Count with me: one, two, three,", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    tokens = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            tensor_parallel_size=3,
+            async_scheduling=async_scheduling,
+            num_gpu_blocks_override=64,
+            max_model_len=512,
+        )
+        try:
+            tokens[async_scheduling] = [
+                list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+        finally:
+            llm.shutdown()
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 12 for t in tokens[True])
