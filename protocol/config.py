@@ -74,6 +74,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 0
 
 
+# The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).
+CPU_DEFAULT_BUDGET = 2 << 30
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
     enable_prefix_caching: Annotated[

@@ -34,8 +34,8 @@ _EXTRA_HELP = {
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
     "or none (dequantize to --dtype at load).",
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
-    "weight in --dtype, fewer rows the packed kernels; 0 keeps no copy (default auto: 8 for models of up "
-    "to 1B linear weights, else 0).",
+    "weight in --dtype, fewer rows the packed kernels; 0 keeps no copy (default auto: 8 where the copy "
+    "takes at most half of the memory budget, --kv-cache-memory; else 0).",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '

@@ -6,9 +6,10 @@ bound by arithmetic instead, and oneDNN's GEMM on dense weights (bf16 dot
 products where the CPU has them) is 2-4x faster than the packed kernels
 (README, "Dense copy for batched steps"). So a layer keeps both: the packed
 weight for steps of fewer than ``dense_min_rows`` rows, the dense copy from
-there on. The copy costs its memory, so "auto" keeps it only for models
-small enough that the copy is cheap next to the RAM of any machine that runs
-them; a larger model runs packed at every batch size unless asked.
+there on. The copy costs its memory, out of the same budget as the KV cache,
+so "auto" keeps it only where it takes at most half of that budget (the
+default model: 0.27 GB in bf16 of the 2 GiB CPU default); a larger model runs
+packed at every batch size unless asked.
 Torch-free: the API process builds the config too.
 """
 
@@ -18,9 +19,8 @@ from __future__ import annotations
 # every layer of the default model (bf16: 23 ms against 39 ms for all its
 # matmuls; fp32: 35 ms against 39 ms; 2 threads).
 DEFAULT_DENSE_MIN_ROWS = 8
-# "auto" keeps a copy for models with at most this many weights in their linear
-# layers (a 2 GiB copy in bf16).
-AUTO_MAX_LINEAR_PARAMS = 1_000_000_000
+# "auto" keeps a copy of at most this share of the worker's memory budget.
+AUTO_MAX_BUDGET_SHARE = 0.5
 
 
 def linear_param_count(hf_config: dict) -> int:
@@ -35,11 +35,14 @@ def linear_param_count(hf_config: dict) -> int:
     return hf_config["num_hidden_layers"] * (attention + mlp) + hf_config["vocab_size"] * hidden
 
 
-def resolve_dense_min_rows(value: int | None, quantization: str, hf_config: dict) -> int:
+def resolve_dense_min_rows(
+    value: int | None, quantization: str, hf_config: dict, budget_bytes: int, dtype_bytes: int
+) -> int:
     """Rows from which a kept-quantized layer runs its dense copy; 0: no copy.
 
-    ``value`` None is "auto": ``DEFAULT_DENSE_MIN_ROWS`` for a model of at most
-    ``AUTO_MAX_LINEAR_PARAMS`` linear weights kept quantized, else 0."""
+    ``value`` None is "auto": ``DEFAULT_DENSE_MIN_ROWS`` where the copy, in
+    ``dtype_bytes`` per weight, takes at most ``AUTO_MAX_BUDGET_SHARE`` of
+    ``budget_bytes`` (the worker's memory budget), else 0."""
     if value is not None and value < 0:
         raise ValueError(f"dense_min_rows must be 0 (no dense copy) or a row count >= 1, got {value}.")
     if quantization != "gguf":
@@ -51,4 +54,5 @@ def resolve_dense_min_rows(value: int | None, quantization: str, hf_config: dict
         return 0
     if value is not None:
         return value
-    return DEFAULT_DENSE_MIN_ROWS if linear_param_count(hf_config) <= AUTO_MAX_LINEAR_PARAMS else 0
+    copy_bytes = linear_param_count(hf_config) * dtype_bytes
+    return DEFAULT_DENSE_MIN_ROWS if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0

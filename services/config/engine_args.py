@@ -21,6 +21,7 @@ from protocol import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
 from services.config.dense_copy import resolve_dense_min_rows
@@ -31,6 +32,7 @@ from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.worker.models.registry import architecture_of, layer_sliding_windows
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -88,7 +90,7 @@ class EngineArgs:
         )
         device = resolve_device(self.device)
         quantization = resolve_quantization(self.quantization, files.is_gguf, device, self.load_format)
-        dense_min_rows = resolve_dense_min_rows(self.dense_min_rows, quantization, hf_config)
+        dense_min_rows = self._dense_min_rows(quantization, device, hf_config)
         eos_token_id = _first(hf_config.get("eos_token_id"))
         generation = read_generation_config(self.generation_config, files.hf_dir)
         return EngineConfig(
@@ -146,6 +148,14 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
         )
         return config
+
+    def _dense_min_rows(self, quantization: str, device: str, hf_config: dict) -> int:
+        """The dense copy's row threshold, sized (under auto) in the dtype it would then run in."""
+        copy_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
+        budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
+        return resolve_dense_min_rows(
+            self.dense_min_rows, quantization, hf_config, budget, _DTYPE_BYTES[copy_dtype]
+        )
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048

@@ -15,7 +15,6 @@ import torch
 
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
-    AUTO_MAX_LINEAR_PARAMS,
     DEFAULT_DENSE_MIN_ROWS,
     linear_param_count,
     resolve_dense_min_rows,
@@ -48,10 +47,16 @@ def test_auto_keeps_a_copy_for_the_default_model_only_when_kept_quantized():
     assert config_of(dtype="float32", quantization="none").dense_min_rows == 0  # dense already
 
 
-def test_auto_leaves_a_large_model_packed():
-    assert linear_param_count(LLAMA_8B) > AUTO_MAX_LINEAR_PARAMS
-    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B) == 0
-    assert resolve_dense_min_rows(16, "gguf", LLAMA_8B) == 16  # asked for: kept
+def test_auto_keeps_a_copy_only_in_half_the_memory_budget():
+    gib = 1 << 30
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * gib, 2) == 0  # 14 GB of bf16
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 32 * gib, 2) == DEFAULT_DENSE_MIN_ROWS
+    assert resolve_dense_min_rows(16, "gguf", LLAMA_8B, 2 * gib, 2) == 16  # asked for: kept
+    params = linear_param_count(LLAMA_8B)
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4, 4) == DEFAULT_DENSE_MIN_ROWS
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4 - 1, 4) == 0
+    # The default model's fp32 copy (0.54 GB) fits half of the default 2 GiB, but not of 1 GiB.
+    assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
 
 
 def test_bad_values_are_refused_clearly():
