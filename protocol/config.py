@@ -27,7 +27,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     served_model_name: Annotated[str, Meta(description="Model name reported by the API.")]
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],
-        Meta(description="Weights and activations dtype (auto: bf16 on GPUs and AMX CPUs, else fp32)."),
+        Meta(
+            description="Weights and activations dtype (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 where batched steps run dense weights; else fp32)."
+        ),
     ]
     max_model_len: Annotated[int, Meta(ge=1, description="Longest prompt + output, in tokens.")]
     seed: Annotated[int, Meta(description="Seed for the random sampling of unseeded requests.")] = 0
@@ -63,6 +65,17 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load."
         ),
     ] = "none"
+    dense_min_rows: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="With weights kept quantized: steps of at least this many rows run a dense copy of each weight in dtype (oneDNN GEMM), fewer rows the packed kernels; 0 keeps no dense copy (saves its memory).",
+        ),
+    ] = 0
+
+
+# The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).
+CPU_DEFAULT_BUDGET = 2 << 30
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,12 +32,16 @@ def test_auto_follows_the_flags_on_cpu(monkeypatch, fast, expected):
     assert engine_args.resolve_dtype("bf16", "cpu") == "bfloat16"
 
 
-def test_weights_kept_quantized_stay_fp32_on_cpu(monkeypatch):
-    """Their kernel computes in fp32 either way: bf16 activations would only add conversions."""
+def test_weights_kept_quantized_follow_their_dense_copy_on_cpu(monkeypatch):
+    """With a dense copy, batched steps run dense GEMMs, which bf16 makes faster; without one the
+    packed kernel computes in fp32 either way, so bf16 activations would only add conversions."""
     monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: True)
     assert engine_args.resolve_dtype("auto", "cpu", "gguf") == "float32"
+    assert engine_args.resolve_dtype("auto", "cpu", "gguf", dense_copy=True) == "bfloat16"
     assert engine_args.resolve_dtype("auto", "cpu", "none") == "bfloat16"
     assert engine_args.resolve_dtype("bfloat16", "cpu", "gguf") == "bfloat16"
+    monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: False)
+    assert engine_args.resolve_dtype("auto", "cpu", "gguf", dense_copy=True) == "float32"
 
 
 def test_auto_is_bf16_on_cuda(monkeypatch):

@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="An HF checkpoint folder.")
     parser.add_argument("--workload", required=True, help="A weft workload JSON file.")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--output-json", required=True)
     args = parser.parse_args()

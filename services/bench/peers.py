@@ -539,7 +539,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="Cap every request's output length.")
     parser.add_argument("--model", default=None, help="weft's model (default: the default GGUF).")
     parser.add_argument(
-        "--dtype", default="float32", help="The dtype weft and vLLM run in (the same weights)."
+        "--dtype",
+        default="auto",
+        help="The dtype weft and vLLM run in (default auto: each one's own choice, bf16 for both on a CPU "
+        "with AVX-512 bf16 or AMX; float32 compares the two at the checkpoint's precision).",
     )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE.")
     parser.add_argument("--port", type=int, default=18471, help="Port the servers listen on, one at a time.")

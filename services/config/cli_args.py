@@ -19,7 +19,8 @@ _EXTRA_HELP = {
     "served_model_name": "Model name(s) the API serves: responses report the first, requests may name any "
     "(default: the model file's name).",
     "device": "cpu, cuda or auto.",
-    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs and AMX CPUs, else fp32).",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 "
+    "where batched steps run dense weights; else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
     "max_model_len": "Longest prompt + output in tokens (default: the model's).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
@@ -32,6 +33,9 @@ _EXTRA_HELP = {
     "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
     "or none (dequantize to --dtype at load).",
+    "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
+    "weight in --dtype, fewer rows the packed kernels; 0 keeps no copy (default auto: 8 where the copy "
+    "takes at most half of the memory budget, --kv-cache-memory; else 0).",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '

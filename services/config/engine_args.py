@@ -21,8 +21,10 @@ from protocol import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
+from services.config.dense_copy import resolve_dense_min_rows
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.parallel_args import check_tensor_parallel
 from services.config.speculative_args import resolve_speculative_config
@@ -31,6 +33,7 @@ from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.worker.models.registry import architecture_of, layer_sliding_windows
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -66,6 +69,7 @@ class EngineArgs:
     quantization: str | None = None  # None: gguf for a GGUF file on CPU, else none
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    dense_min_rows: int | None = None  # None: auto (services/config/dense_copy.py)
     async_scheduling: bool = False
 
     @classmethod
@@ -88,6 +92,7 @@ class EngineArgs:
         )
         device = resolve_device(self.device)
         quantization = resolve_quantization(self.quantization, files.is_gguf, device, self.load_format)
+        dense_min_rows = self._dense_min_rows(quantization, device, hf_config)
         eos_token_id = _first(hf_config.get("eos_token_id"))
         generation = read_generation_config(self.generation_config, files.hf_dir)
         config = EngineConfig(
@@ -95,7 +100,7 @@ class EngineArgs:
                 model=str(files.weights),
                 tokenizer=self.tokenizer or str(files.hf_dir),
                 served_model_name=_first(self.served_model_name) or files.name,
-                dtype=resolve_dtype(self.dtype, device, quantization),
+                dtype=resolve_dtype(self.dtype, device, quantization, dense_copy=dense_min_rows > 0),
                 max_model_len=self._max_model_len(hf_config),
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
@@ -105,6 +110,7 @@ class EngineArgs:
                 generation_defaults=sampling_defaults(generation),
                 extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
                 quantization=quantization,
+                dense_min_rows=dense_min_rows,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -146,6 +152,14 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
         )
         return config
+
+    def _dense_min_rows(self, quantization: str, device: str, hf_config: dict) -> int:
+        """The dense copy's row threshold, sized (under auto) in the dtype it would then run in."""
+        copy_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
+        budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
+        return resolve_dense_min_rows(
+            self.dense_min_rows, quantization, hf_config, budget, _DTYPE_BYTES[copy_dtype]
+        )
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048
@@ -257,10 +271,12 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: str, quantization: str = "none") -> str:
-    """``auto``: bf16 on CUDA, and on a CPU with bf16 math for dense weights. Weights kept
-    quantized on CPU stay fp32: their kernel computes in fp32 whatever the activations are,
-    so bf16 would only add conversions and round the residual stream (measured: no faster)."""
+def resolve_dtype(dtype: str, device: str, quantization: str = "none", dense_copy: bool = False) -> str:
+    """``auto``: bf16 on CUDA, and on a CPU with bf16 math wherever batched steps run dense
+    weights (dequantized, or the dense copy of weights kept quantized). Weights kept
+    quantized with no dense copy stay fp32: their kernel computes in fp32 whatever the
+    activations are, so bf16 would only add conversions and round the residual stream
+    (measured: no faster)."""
     if dtype not in ("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}.")
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
@@ -268,4 +284,5 @@ def resolve_dtype(dtype: str, device: str, quantization: str = "none") -> str:
         return dtype
     if device == "cuda":
         return "bfloat16"
-    return "bfloat16" if quantization == "none" and cpu_has_fast_bf16() else "float32"
+    dense = quantization == "none" or dense_copy
+    return "bfloat16" if dense and cpu_has_fast_bf16() else "float32"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-CPU_DEFAULT_BUDGET = 2 << 30  # bytes, when cache.kv_cache_memory is None
+from protocol.config import CPU_DEFAULT_BUDGET
 
 
 def total_budget(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:

@@ -13,8 +13,9 @@ import logging
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from protocol.config import CPU_DEFAULT_BUDGET
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
-from services.worker.memory_profiling import CPU_DEFAULT_BUDGET, peak_increase, total_budget
+from services.worker.memory_profiling import peak_increase, total_budget
 from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -62,7 +62,11 @@ class Memory:
 def generate(quantization: str, prompts, logprobs: int | None):
     # 512-token steps: the cache is still sized by profiling (the last test compares the two
     # pools), but the profiled step is a quarter of the default 2048 tokens.
-    llm = LLM(dtype="float32", quantization=quantization, max_num_seqs=16, max_num_batched_tokens=512)
+    # No dense copy: every step runs the packed kernels, which is what this module checks.
+    dense = {"dense_min_rows": 0} if quantization == "gguf" else {}
+    llm = LLM(
+        dtype="float32", quantization=quantization, max_num_seqs=16, max_num_batched_tokens=512, **dense
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=logprobs, ignore_eos=True)
         outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -70,9 +70,12 @@ class LinearBase(nn.Module):
     packed_weight: torch.Tensor | None = None
     packed_bytes: int = 0  # what the packed copy stands for, for the memory budget
     quant: QuantizedWeight | None = None  # the weight kept quantized, when it is
+    # With ``quant``: from this many rows of x on, the dense copy in ``weight`` (or
+    # ``packed_weight``) runs instead; 0: there is no copy.
+    dense_min_rows: int = 0
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:
+        if self.quant is not None and not 0 < self.dense_min_rows <= x.numel() // x.shape[-1]:
             return self.quant.linear(x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
@@ -105,8 +108,10 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
     if not can_pack(dtype, device):
         return False
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.packed_weight is None and module.quant is None:
-            module.pack_weight(keep_weight=getattr(module, "weight_is_shared", False))
+        if isinstance(module, LinearBase) and module.packed_weight is None and module.weight is not None:
+            # A kept-quantized layer's dense copy is its own, even where a tied head's packed weight is shared.
+            shared = getattr(module, "weight_is_shared", False) and module.quant is None
+            module.pack_weight(keep_weight=shared)
     return True
 
 

@@ -265,12 +265,15 @@ def _merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
     return [run[0] if len(run) == 1 else cat_rows(run) for run in runs]
 
 
-def finalize_quantized(model: nn.Module) -> None:
+def finalize_quantized(model: nn.Module, dense_min_rows: int = 0) -> None:
     """Turn every layer's loaded ``packed_parts`` into its ``quant`` and free its dense weight.
 
     A layer whose parts did not all come packed (a fused projection with one
     part in a format without a packed layout) is dequantized into its dense
     weight instead. A tied LM head shares its embedding's packed weight.
+    With ``dense_min_rows`` > 0 each linear layer also keeps the dequantized
+    weight, in its own dtype, as its dense copy for steps of that many rows on
+    (``services/config/dense_copy.py``); embeddings look rows up in the packed one.
     """
     quantized_by_param: dict[int, QuantizedWeight] = {}
     for name, module in model.named_modules():
@@ -294,7 +297,13 @@ def finalize_quantized(model: nn.Module) -> None:
         if shared and id(module.weight) in quantized_by_param:
             module.quant = quantized_by_param[id(module.weight)]
     for module in model.modules():
-        if getattr(module, "quant", None) is not None:
+        if getattr(module, "quant", None) is None:
+            continue
+        if dense_min_rows and hasattr(module, "dense_min_rows"):  # a linear layer
+            dtype = module.weight.dtype
+            module.weight = nn.Parameter(module.quant.dequantize().to(dtype), requires_grad=False)
+            module.dense_min_rows = dense_min_rows
+        else:
             module.weight = None
 
 

@@ -1,0 +1,134 @@
+"""Weights kept quantized with a dense copy for batched steps (``dense_min_rows``).
+
+Steps of fewer rows than ``dense_min_rows`` run the packed kernels; from there
+on each linear layer runs its dense copy (oneDNN's GEMM in the model's dtype),
+which holds exactly the dequantized weight. "auto" keeps a copy for small
+models only, and the choice is validated at config time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from services.config.cli_args import add_engine_args, engine_args_from
+from services.config.dense_copy import (
+    DEFAULT_DENSE_MIN_ROWS,
+    linear_param_count,
+    resolve_dense_min_rows,
+)
+from services.config.engine_args import EngineArgs
+from services.model_files import resolve
+from services.worker.layers.linear import LinearBase, pack_linear_weights
+from services.worker.layers.quantized_linear import quantized_report
+from services.worker.model_loader import load_model
+
+# Llama-3-8B's shapes: 7.0e9 weights in its linear layers, far over the auto limit.
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    vocab_size=128256,
+)
+
+
+def config_of(**kwargs):
+    return EngineArgs(device="cpu", **kwargs).create_engine_config().model
+
+
+def test_auto_keeps_a_copy_for_the_default_model_only_when_kept_quantized():
+    assert config_of(dtype="float32").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
+    assert config_of(dtype="float32", dense_min_rows=0).dense_min_rows == 0
+    assert config_of(dtype="float32", dense_min_rows=32).dense_min_rows == 32
+    assert config_of(dtype="float32", quantization="none").dense_min_rows == 0  # dense already
+
+
+def test_auto_keeps_a_copy_only_in_half_the_memory_budget():
+    gib = 1 << 30
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * gib, 2) == 0  # 14 GB of bf16
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 32 * gib, 2) == DEFAULT_DENSE_MIN_ROWS
+    assert resolve_dense_min_rows(16, "gguf", LLAMA_8B, 2 * gib, 2) == 16  # asked for: kept
+    params = linear_param_count(LLAMA_8B)
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4, 4) == DEFAULT_DENSE_MIN_ROWS
+    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4 - 1, 4) == 0
+    # The default model's fp32 copy (0.54 GB) fits half of the default 2 GiB, but not of 1 GiB.
+    assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
+
+
+def test_bad_values_are_refused_clearly():
+    with pytest.raises(ValueError, match="dense_min_rows must be 0"):
+        config_of(dense_min_rows=-1)
+    with pytest.raises(ValueError, match="every weight is dense already"):
+        config_of(quantization="none", dense_min_rows=8)
+
+
+def test_the_flag_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(
+        parser.parse_args(["--dense-min-rows", "0", "--device", "cpu", "--dtype", "fp32"])
+    )
+    assert args.create_engine_config().model.dense_min_rows == 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The default model kept quantized with a copy from 8 rows, packed for oneDNN as the CPU worker does."""
+    torch.set_num_threads(1)
+    config = config_of(dtype="float32", dense_min_rows=8)
+    loaded = load_model(config)
+    pack_linear_weights(loaded, torch.float32, torch.device("cpu"))
+    return loaded
+
+
+def linear_layers(model) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def test_the_param_count_is_the_models_own():
+    """The estimate "auto" decides on counts exactly the weights the layers hold (the head once)."""
+    files = resolve(None)
+    loaded = load_model(config_of(dtype="float32", dense_min_rows=0))
+    assert linear_param_count(files.hf_config()) == quantized_report(loaded).total_params
+
+
+@torch.inference_mode()
+def test_fewer_rows_run_packed_more_run_the_dense_copy(model):
+    for layer in linear_layers(model)[:8] + [model.lm_head]:
+        assert layer.quant is not None and layer.packed_weight is not None
+        k = layer.quant.shape[1]
+        for rows in (1, 7):
+            x = torch.randn(rows, k)
+            assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
+        for rows in (8, 64):
+            x = torch.randn(rows, k)
+            dense = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+            assert torch.equal(layer.linear(x, None), dense)
+            # The copy is the dequantized weight: the two paths agree up to the order of fp32 sums
+            # and the packed path's int16 rounding of x.
+            torch.testing.assert_close(dense, layer.quant.linear(x, None), atol=2e-3, rtol=2e-3)
+
+
+def test_the_copy_is_counted_and_the_embedding_stays_packed(model):
+    """The tied head's copy is its own: the embedding still looks rows up in the packed weight."""
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert embedding.weight is None and embedding.quant is head.quant
+    dense_bytes = sum(m.packed_bytes for m in linear_layers(model))
+    assert dense_bytes == 4 * quantized_report(model).total_params  # one fp32 copy of every weight
+    ids = torch.tensor([0, 5, 49151])
+    torch.testing.assert_close(embedding(ids), head.quant.dequantize()[ids])
+
+
+@torch.inference_mode()
+def test_a_bf16_model_keeps_a_bf16_copy():
+    loaded = load_model(config_of(dtype="bfloat16", dense_min_rows=4))
+    layer = linear_layers(loaded)[0]
+    assert layer.weight.dtype == torch.bfloat16
+    x = torch.randn(4, layer.quant.shape[1], dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        layer.linear(x, None).float(), x.float() @ layer.quant.dequantize().T, atol=0.05, rtol=0.05
+    )
