@@ -114,7 +114,7 @@ def bench(models, rows: int, threads: int, args) -> None:
         best["dense"] = time_step(dense, args.repeats)
         report("dense", best["dense"], weight_bytes(dense), bandwidth)
     print(
-        f"  old / new time: {best['old'] / best['new']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x"
+        f"  old / int16 time: {best['old'] / best['int16']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x"
     )
 
 
