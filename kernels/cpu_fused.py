@@ -10,7 +10,10 @@ measure what they gain).
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
 ``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``); each
-wrapper here checks its arguments the way its twin does.
+wrapper here refuses bad arguments with its twin's messages. The norm and
+SiLU wrappers run those Python checks only once the kernel has refused the
+arguments (its checks guard every byte it touches): at one decode row the
+Python checks cost about as much as the kernel itself, 91 times a step.
 """
 
 from __future__ import annotations
@@ -65,28 +68,40 @@ def load() -> None:
     build("weft_cpu_fused", SOURCE, "the fused CPU kernels")
 
 
+def _refused(check, error: Exception) -> None:
+    """The kernel refused its arguments: raise ``check``'s clear ValueError, else the kernel's error."""
+    check()
+    raise error
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: ``residual = x + residual``, then ``x = norm(residual) * weight`` (``[T, N]`` each)."""
-    check_fused_add_rms_norm_args(x, weight, residual, cpu=True)
     load()
-    torch.ops.weft_fused.fused_add_rms_norm(x, residual, weight, float(eps))
+    try:
+        torch.ops.weft_fused.fused_add_rms_norm(x, residual, weight, float(eps))
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_fused_add_rms_norm_args(x, weight, residual, cpu=True), exc)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, N]`` -> a new ``norm(x) * weight``."""
-    check_fused_add_rms_norm_args(x, weight, None, cpu=True)
     load()
-    out = torch.empty(x.shape, dtype=x.dtype)
-    torch.ops.weft_fused.rms_norm(out, x, weight, float(eps))
+    try:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        torch.ops.weft_fused.rms_norm(out, x, weight, float(eps))
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_fused_add_rms_norm_args(x, weight, None, cpu=True), exc)
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2I]`` (gate columns first) -> a new ``silu(gate) * up`` ``[T, I]``."""
-    check_silu_and_mul_args(x, cpu=True)
     load()
-    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-    torch.ops.weft_fused.silu_and_mul(out, x)
+    try:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        torch.ops.weft_fused.silu_and_mul(out, x)
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_silu_and_mul_args(x, cpu=True), exc)
     return out
 
 

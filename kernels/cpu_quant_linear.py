@@ -46,6 +46,7 @@ __all__ = [
     "quant_linear",
     "quant_linear_i16",
     "quant_linear_i8",
+    "set_single_row_blocks",
     "supported_isas",
 ]
 
@@ -130,6 +131,12 @@ def quant_linear(
 
 quant_linear_i8 = functools.partial(quant_linear, activations="int8")
 quant_linear_i16 = functools.partial(quant_linear, activations="int16")
+
+
+def set_single_row_blocks(on: bool, isa: str | None = None) -> None:
+    """Whether ``quant_linear_i16`` at one row of x takes four weight rows at a time (the default)
+    or row by row (the loop before it): process-wide, so a benchmark can compare the two."""
+    load(isa).set_single_row_blocks(on)
 
 
 def dequantize_rows(

@@ -9,12 +9,14 @@ inputs and prints the best of ``--repeats`` times of each variant:
 - ``old``: the quantized model on the AVX2 build with fp32 activations (the
   kernel before int8 activations),
 - ``int16``: the default build (AVX-512 VNNI where the CPU has it) with
-  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, opt-in),
+  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, the default),
+- ``i16rw``: the same, one row of x taken against W row by row (the loop
+  before batch-1 steps took four weight rows at a time),
 - ``int8``: the default build with int8 activations (opt-in),
 - ``dense``: the dequantized model through the oneDNN-packed fp32 weights the
   CPU worker uses.
 
-The quantized variants alternate (old, int16, int8, old, ...) over ``--rounds``
+The quantized variants alternate (old, int16, i16rw, int8, old, ...) over ``--rounds``
 so a load change on a shared machine hits both. Alongside, the bytes of
 weights each read per step over that time, and the machine's read bandwidth
 measured here with the same number of threads (a sum over a buffer much
@@ -30,6 +32,7 @@ import time
 import msgspec
 import torch
 
+from kernels.cpu_quant_linear import set_single_row_blocks
 from services.config.engine_args import EngineArgs
 from services.worker.layers.linear import LinearBase, pack_linear_weights
 from services.worker.layers.quantized_linear import activations_from_env, choose_kernel
@@ -82,8 +85,13 @@ def time_step(inputs, repeats: int) -> float:
     return best
 
 
-# (isa, activations); None: the default
-VARIANTS = {"old": ("avx2", "fp32"), "int16": (None, "int16"), "int8": (None, "int8")}
+# (isa, activations, batch-1 row blocks); None: the default
+VARIANTS = {
+    "old": ("avx2", "fp32", True),
+    "int16": (None, "int16", True),
+    "i16rw": (None, "int16", False),
+    "int8": (None, "int8", True),
+}
 
 
 def report(label: str, seconds: float, nbytes: int, bandwidth: float) -> None:
@@ -101,11 +109,13 @@ def bench(models, rows: int, threads: int, args) -> None:
     quantized = layer_inputs(models["gguf"], rows)
     best = {name: float("inf") for name in VARIANTS}
     for _ in range(args.rounds):
-        for name, (isa, activations) in VARIANTS.items():
-            choose_kernel(isa, activations or activations_from_env())
+        for name, (isa, activations, row_blocks) in VARIANTS.items():
+            choose_kernel(isa, activations)
+            set_single_row_blocks(row_blocks, isa)
             time_step(quantized, 1)  # warm-up (and the first build's load)
             best[name] = min(best[name], time_step(quantized, args.repeats))
     choose_kernel(None, activations_from_env())
+    set_single_row_blocks(True)
     for name, seconds in best.items():
         report(name, seconds, weight_bytes(quantized), bandwidth)
     if not args.no_dense:
@@ -114,7 +124,8 @@ def bench(models, rows: int, threads: int, args) -> None:
         best["dense"] = time_step(dense, args.repeats)
         report("dense", best["dense"], weight_bytes(dense), bandwidth)
     print(
-        f"  old / new time: {best['old'] / best['new']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x"
+        f"  old / int16 time: {best['old'] / best['int16']:.2f}x; old / int8: {best['old'] / best['int8']:.2f}x; "
+        f"i16rw / int16: {best['i16rw'] / best['int16']:.2f}x"
     )
 
 

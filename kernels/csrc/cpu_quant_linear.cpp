@@ -21,7 +21,8 @@
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
 // vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
-// and close enough to it that the default model keeps its greedy tokens.
+// and close enough to it that the default model keeps its greedy tokens. One row of x (batch-1
+// decode) takes four weight rows at a time: x loaded once for the four, eight FMA chains.
 // quant_linear (fp32 activations): a weight row dequantized in registers, or a
 // tile of kTileRows rows into an L1 buffer for more rows of x; differs from a
 // float matmul over the dequantized weight only in the order of the sums.
@@ -665,6 +666,8 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 // Groups whose scale products (weight's times x's) are computed ahead, 8 at a time, so the
 // inner loop broadcasts each from memory instead of multiplying scalars.
 constexpr int64_t kScaleChunk = 64;
+// Weight rows a batch-1 step takes at a time (dot_rows_single_i16).
+constexpr int kSingleRows = 4;
 
 template <int R, bool kInt4, int G>
 void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
@@ -716,6 +719,75 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
   }
 }
 
+// One row of x (a batch-1 decode step) against the P weight rows from n: the same sums as
+// dot_row_i16<1> for each, with each x group loaded once for all P and 2P independent FMA
+// chains instead of two, which at K = 576 (18 groups a row) leaves the core more to overlap.
+template <int P, bool kInt4, int G>
+void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* out) {
+  __m256 acc[P][2];
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  alignas(32) float prod[P][kScaleChunk];
+  auto step = [&](int64_t g, int64_t c0, int slot) {
+    const int16_t* xg = a.q.data() + g * G;
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
+    __m256i x1 = x0;
+    if constexpr (G == 32) x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16));
+    for (int r = 0; r < P; ++r) {
+      const uint8_t* q = w.qweight + (n + r) * w.row_bytes;
+      __m256i w0, w1;
+      if constexpr (kInt4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+      } else {
+        const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+        if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+      }
+      __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0);
+      if constexpr (G == 32) dot = dot_s16(dot, w1, x1);
+      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
+    }
+  };
+  for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
+    const int64_t cn = std::min(kScaleChunk, w.groups - c0);
+    const float* xs = a.scales.data() + c0;
+    for (int r = 0; r < P; ++r) {
+      const float* sw = w.scales + (n + r) * w.groups + c0;
+      int64_t j = 0;
+      for (; j + 8 <= cn; j += 8) {
+        _mm256_store_ps(prod[r] + j, _mm256_mul_ps(_mm256_loadu_ps(sw + j), _mm256_loadu_ps(xs + j)));
+      }
+      for (; j < cn; ++j) prod[r][j] = sw[j] * xs[j];
+    }
+    int64_t g = c0;
+    for (; g + 2 <= c0 + cn; g += 2) {
+      step(g, c0, 0);
+      step(g + 1, c0, 1);
+    }
+    if (g < c0 + cn) step(g, c0, 0);
+  }
+  for (int r = 0; r < P; ++r) {
+    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if constexpr (kInt4) total += min_term(w.mins + (n + r) * w.groups, a.sums.data(), w.groups);
+    out[n + r] = total;
+  }
+}
+
+// Rows [n, end) of W against the one row of x, kSingleRows weight rows at a time.
+template <bool kInt4, int G>
+void rows_i16_single(const Packed& w, int64_t n, int64_t end, const ActInt16& a, float* op) {
+  for (; n + kSingleRows <= end; n += kSingleRows) {
+    const int64_t ahead = std::min(n + kPrefetchRows, w.N - kSingleRows);
+    prefetch_bytes(w.qweight + ahead * w.row_bytes, kSingleRows * w.row_bytes);
+    prefetch_bytes(w.scales + ahead * w.groups, kSingleRows * w.groups * 4);
+    if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, kSingleRows * w.groups * 4);
+    dot_rows_single_i16<kSingleRows, kInt4, G>(w, n, a, op);
+  }
+  for (; n < end; ++n) dot_row_i16<1, kInt4, G>(w, n, a, 0, op + n, 1);
+}
+
 template <bool kInt4, int G>
 void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t M, float* op, int64_t ldo) {
   const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
@@ -756,6 +828,13 @@ void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m
   *out = total;
 }
 
+// Whether one row of x takes kSingleRows weight rows at a time (dot_rows_single_i16); off, the
+// row-by-row loop every M takes, kept so benchmarks can compare the two in one process
+// (set_single_row_blocks). Process-wide, for measurements only.
+bool single_row_blocks = true;
+
+void set_single_row_blocks(bool on) { single_row_blocks = on; }
+
 // out [M, N] = x [M, K] @ W^T with x rounded to int16 per weight group.
 void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
@@ -773,6 +852,18 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#ifdef WEFT_AVX2
+    if (M == 1 && single_row_blocks) {
+      if (w.mins != nullptr) {
+        rows_i16_single<true, 32>(w, begin, end, a, op);
+      } else if (group_size == 32) {
+        rows_i16_single<false, 32>(w, begin, end, a, op);
+      } else {
+        rows_i16_single<false, 16>(w, begin, end, a, op);
+      }
+      return;
+    }
+#endif
     for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
       if (w.mins != nullptr) {
@@ -810,6 +901,7 @@ WEFT_TORCH_LIBRARY(QUANT_LIBRARY_NS, m) {
   m.def(
       "quant_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
+  m.def("set_single_row_blocks(bool on) -> ()", &set_single_row_blocks);
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
   m.impl("quant_linear_i8", c10::DispatchKey::CPU, &quant_linear_i8);
   m.impl("quant_linear_i16", c10::DispatchKey::CPU, &quant_linear_i16);

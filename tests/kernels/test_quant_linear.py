@@ -166,6 +166,25 @@ def test_integer_activation_kernels_match_their_twin(bits, isa, layout, group, k
     )
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+@pytest.mark.parametrize("n", [3, 4, 203])  # under one block of four weight rows, one, and a tail
+def test_int16_batch1_row_blocks_match_the_row_by_row_loop_and_the_twin(isa, layout, group, k, n):
+    q, s, m = random_packed(layout, n, k, group, seed=n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    expected = quant_linear_i8_ref(x, q, s, m, group, torch.int16)
+    try:
+        cpu_quant_linear.set_single_row_blocks(False, isa)
+        row_by_row = cpu_quant_linear.quant_linear_i16(x, q, s, m, group, isa=isa)
+    finally:
+        cpu_quant_linear.set_single_row_blocks(True, isa)
+    blocked = cpu_quant_linear.quant_linear_i16(x, q, s, m, group, isa=isa)
+    assert torch.equal(blocked, row_by_row)  # each row's sums in the same order
+    torch.testing.assert_close(
+        blocked, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
 @pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("layout,group,k", I8_SHAPES)
 def test_integer_activations_err_only_by_the_rounding_of_x(bits, layout, group, k):

@@ -157,6 +157,7 @@ class _Kernel:
     def __init__(self) -> None:
         self._compiled: bool | None = None
         self._scratch = torch.empty(0)
+        self._decode_op = None  # the integer-activation op, resolved once: a decode step makes 121 calls
         self.isa: str | None = None
         self.activations: str | None = None  # None: read from the environment on first use
 
@@ -166,24 +167,30 @@ class _Kernel:
 
             if self.activations is None:
                 self.activations = activations_from_env()
+            self._decode_op = None
             try:
-                cpu_quant_linear.load(self.isa)
+                ops = cpu_quant_linear.load(self.isa)
                 self._compiled = True
             except cpu_quant_linear.KernelUnavailable as exc:
                 logger.warning("Quantized linear layers use the slower torch twin: %s", exc)
                 self._compiled = False
+            else:
+                op = {"int8": "quant_linear_i8", "int16": "quant_linear_i16"}.get(self.activations)
+                self._decode_op = None if op is None else getattr(ops, op).default
         return self._compiled
 
     def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
-        from kernels.cpu_quant_linear import dequantize_rows, quant_linear, quant_linear_i8, quant_linear_i16
+        if self._decode_op is not None and x.shape[0] < INT_ACTIVATION_MAX_ROWS:
+            # The op straight, without the wrapper's look-ups: at one row they cost a tenth of the call.
+            out = torch.empty(x.shape[0], w.qweight.shape[0])
+            self._decode_op(x, w.qweight, w.scales, w.mins, w.group_size, out)
+            return out
+        from kernels.cpu_quant_linear import dequantize_rows, quant_linear
 
         if self.activations != "fp32":
-            if x.shape[0] < INT_ACTIVATION_MAX_ROWS:
-                kernel = quant_linear_i8 if self.activations == "int8" else quant_linear_i16
-                return kernel(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
             # The same rounding of x before the fp32 kernels, so a row's result does not
             # depend on how many rows share its step (speculative verify, chunked prefill).
             dtype = torch.int8 if self.activations == "int8" else torch.int16

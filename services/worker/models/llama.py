@@ -183,10 +183,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(x))
-        normed, x = self.post_attention_layernorm(attn, residual=x)  # x += attn, fused with the norm
-        return x + self.mlp(normed)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is ``x + residual`` (``residual`` None: ``x`` alone, the first
+        layer). Returns this layer's MLP output and the stream before it, unsummed: the next
+        norm adds them in its fused kernel (as vLLM's layers do), one pass fewer a layer."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm(x, residual=residual)
+        attn = self.self_attn(positions, normed)
+        normed, residual = self.post_attention_layernorm(attn, residual=residual)  # residual += attn
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -210,10 +219,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
 
 
 # (fused parameter suffix, checkpoint suffix, shard index) for fused weights.
