@@ -12,7 +12,7 @@ import torch
 
 from services.worker.forward_context import get_forward_context, set_forward_context
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
-from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.attention_metadata import PAGED_PREFILL_MAX_QUERY, build_attention_metadata
 
 H, KVH, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -200,8 +200,32 @@ def test_cpu_backend_takes_every_decode_in_one_kernel_call():
         block_size=BS,
         paged_decodes=True,
     )
-    assert meta.decode_groups == [] and len(meta.prefills) == 1
+    assert meta.decode_groups == [] and meta.prefills == []  # a short prefill goes to the prefill kernel
+    assert meta.paged_prefills.query_lens.tolist() == [6]
     assert meta.paged_decodes.seq_lens.tolist() == [s.context + 1 for s in seqs if s.new == 1]
+    assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
+
+
+@needs_compiler
+def test_cpu_backend_sends_short_prefills_to_the_kernel_and_long_ones_to_sdpa():
+    """A verify-sized chunk over context and a short prompt go to the paged prefill kernel; a
+    prefill longer than PAGED_PREFILL_MAX_QUERY stays on SDPA. Both match dense attention."""
+    gen = torch.Generator().manual_seed(5)
+    long_new = PAGED_PREFILL_MAX_QUERY + 3
+    shapes = [(37, 5), (0, 9), (0, long_new), (6, long_new), (12, 1)]
+    pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    seqs = [make_seq(gen, [pool.pop() for _ in range(-(-(c + n) // BS))], c, n) for c, n in shapes]
+    meta = build_attention_metadata(
+        query_lens=np.array([s.new for s in seqs]),
+        context_lens=np.array([s.context for s in seqs]),
+        block_table=np.zeros((len(seqs), 20), dtype=np.int32),
+        slot_mapping=np.zeros(sum(s.new for s in seqs)),
+        block_size=BS,
+        paged_decodes=True,
+    )
+    assert meta.paged_prefills.query_lens.tolist() == [5, 9]
+    assert [p.end - p.start for p in meta.prefills] == [long_new, long_new]
+    cache = torch.full(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan"))
     assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
 
 
