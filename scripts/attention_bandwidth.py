@@ -6,9 +6,9 @@ Measures, interleaved round by round (baseline, new, baseline, new, ...):
 - decode attention (``paged_decode_attention``) at batch 1 and 64, SmolLM2-135M's heads (9 query,
   3 KV, head size 64), keys in blocks scattered over the cache: the new kernel against the one
   at ``--baseline`` (a git revision, built from its source under its own op namespace);
-- a ``--prefill``-token prefill (and a chunk of it after a cached context): the paged prefill
-  kernel against the torch path it replaces (``prefill_attention``: the context copied out of
-  the cache, then SDPA).
+- prefills of some new tokens after a cached context (``--prefill``): the paged prefill kernel
+  against the torch path (``prefill_attention``: the context copied out of the cache, then
+  SDPA), which the engine keeps for prefills of more than ``PAGED_PREFILL_MAX_QUERY`` tokens.
 
 Effective bandwidth = the K/V bytes the attention must read (each cached key and value once)
 / time; the fraction is of the read bandwidth measured in the same round.
@@ -66,11 +66,14 @@ def read_bandwidth(buffer: torch.Tensor, repeats: int) -> float:
     return buffer.numel() * buffer.element_size() / best_seconds(lambda: buffer.sum(), repeats)
 
 
-def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator):
-    """``batch`` decodes of ``context`` keys each, their blocks in random places of one cache."""
+def decode_case(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator, shuffled: bool = True):
+    """``batch`` decodes of ``context`` keys each, their blocks in random places of one cache
+    (``shuffled``), or each sequence's blocks one after another, as a fresh block pool hands
+    out a prompt's blocks."""
     per_seq = -(-context // BS)
     num_blocks = batch * per_seq + 1
-    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32).view(batch, per_seq)
+    order = torch.randperm(num_blocks - 1, generator=gen) if shuffled else torch.arange(num_blocks - 1)
+    table = (order + 1).to(torch.int32).view(batch, per_seq)
     cache = torch.randn(2, KVH, num_blocks, BS, D, generator=gen).to(dtype)
     query = torch.randn(batch, H, D, generator=gen).to(dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
@@ -124,10 +127,12 @@ def run(args) -> None:
     cpu_attention.load()
     base = load_baseline(args.baseline)
     buffer = torch.ones(1 << 28)  # 1 GiB of fp32
-    decodes = {f"decode b={b} ctx={c}": decode_case(b, c, dtype, gen) for b, c in args.decode}
-    prefills = {
-        f"prefill {t} after {c}": prefill_case(t, c, dtype, gen) for t, c in ((args.prefill, 0), (512, 1536))
+    decodes = {
+        f"decode b={b} ctx={c}{' shuffled' if shuffled else ''}": decode_case(b, c, dtype, gen, shuffled)
+        for b, c in args.decode
+        for shuffled in (False, True)
     }
+    prefills = {f"prefill {t} after {c}": prefill_case(t, c, dtype, gen) for t, c in args.prefill}
     rows: dict[str, list] = {}
     for _ in range(args.rounds):
         bandwidth = read_bandwidth(buffer, args.repeats)
@@ -187,7 +192,12 @@ def main() -> None:
         default=parse_pairs("1x256,1x2048,64x256,64x2048"),
         help="BATCHxCONTEXT,...",
     )
-    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument(
+        "--prefill",
+        type=parse_pairs,
+        default=parse_pairs("2048x0,512x1536,64x1984,5x2000"),
+        help="NEWxCONTEXT,...: new tokens after cached ones",
+    )
     parser.add_argument("--threads", type=int, default=0)
     run(parser.parse_args())
 

@@ -126,7 +126,10 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
 // block's rows (a few cache lines per row) so that the misses overlap the
 // arithmetic instead of queueing all at once. The key pass runs ahead into the
 // first value blocks, so the value pass starts with them in cache.
-constexpr int64_t kPrefetchBlocks = 16;
+#ifndef WEFT_PREFETCH_BLOCKS
+#define WEFT_PREFETCH_BLOCKS 4
+#endif
+constexpr int64_t kPrefetchBlocks = WEFT_PREFETCH_BLOCKS;
 
 template <typename scalar_t>
 struct Prefetcher {
