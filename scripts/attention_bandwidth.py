@@ -19,6 +19,7 @@ Usage: ``python scripts/attention_bandwidth.py [--rounds 5] [--dtype float32|bfl
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import tempfile
@@ -134,6 +135,7 @@ def run(args) -> None:
     }
     prefills = {f"prefill {t} after {c}": prefill_case(t, c, dtype, gen) for t, c in args.prefill}
     rows: dict[str, list] = {}
+    load_before = os.getloadavg()[0]
     for _ in range(args.rounds):
         bandwidth = read_bandwidth(buffer, args.repeats)
         rows.setdefault("read bandwidth", []).append((bandwidth, bandwidth))
@@ -141,7 +143,7 @@ def run(args) -> None:
             old = best_seconds(decode_runner(base, kernel_args), args.repeats)
             new = best_seconds(decode_runner("weft_cpu", kernel_args), args.repeats)
             rows.setdefault(name, []).append(
-                (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new)
+                (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new, None, kv_bytes)
             )
         for name, (new_args, old_args, kv_bytes, flops) in prefills.items():
             old = best_seconds(lambda a=old_args: prefill_attention(*a), max(1, args.repeats // 4))
@@ -149,29 +151,33 @@ def run(args) -> None:
                 lambda a=new_args: torch.ops.weft_cpu.paged_prefill_attention(*a), max(1, args.repeats // 4)
             )
             rows.setdefault(name, []).append(
-                (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new, flops)
+                (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new, flops, kv_bytes)
             )
-    print(report(rows, args))
+    print(report(rows, args, (load_before, os.getloadavg()[0])))
 
 
-def report(rows: dict[str, list], args) -> str:
+def report(rows: dict[str, list], args, load: tuple[float, float]) -> str:
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
+    bandwidth = statistics.median(r[0] for r in rows["read bandwidth"]) / 1e9
     lines = [
-        f"threads {torch.get_num_threads()}, dtype {args.dtype}, baseline {args.baseline}, {args.rounds} rounds",
+        f"threads {torch.get_num_threads()}, dtype {args.dtype}, baseline {args.baseline}, {args.rounds} rounds, "
+        f"load average {load[0]:.1f} -> {load[1]:.1f}",
         f"CPU flags: {flags}",
-        f"read bandwidth (median of rounds): {statistics.median(r[0] for r in rows['read bandwidth']) / 1e9:.1f} GB/s",
+        f"read bandwidth (median of rounds): {bandwidth:.1f} GB/s",
+        "old: decodes, the kernel at the baseline revision; prefills, copy + SDPA (kept for long prefills)",
         "",
-        "| case | old ms | new ms | new/old speed | old % of read bw | new % of read bw | new GFLOP/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| case | K/V MiB | old ms | new ms | new/old speed | old % of read bw | new % of read bw | new GFLOP/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, samples in rows.items():
         if name == "read bandwidth":
             continue
-        old_frac, new_frac = (statistics.median(s[i] for s in samples) for i in (0, 1))
-        old, new = (statistics.median(s[i] for s in samples) for i in (2, 3))
-        gflops = f"{samples[0][4] / new / 1e9:.1f}" if len(samples[0]) > 4 else "-"
+        old_frac, new_frac, old, new = (statistics.median(s[i] for s in samples) for i in range(4))
+        flops, kv_bytes = samples[0][4], samples[0][5]
+        gflops = "-" if flops is None else f"{flops / new / 1e9:.1f}"
         lines.append(
-            f"| {name} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x | {old_frac:.0%} | {new_frac:.0%} | {gflops} |"
+            f"| {name} | {kv_bytes / 2**20:.1f} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.2f}x "
+            f"| {old_frac:.0%} | {new_frac:.0%} | {gflops} |"
         )
     return "\n".join(lines)
 
