@@ -122,18 +122,19 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// Software prefetch kPrefetchBlocks blocks ahead, spread over the current
-// block's rows (a few cache lines per row) so that the misses overlap the
-// arithmetic instead of queueing all at once. The key pass runs ahead into the
-// first value blocks, so the value pass starts with them in cache. 16 blocks
-// (64 KiB of fp32 keys at head size 64): with blocks shuffled over the cache,
-// every block is a TLB miss, and more of them in flight beat a shorter
-// distance here (5.4-7.5 against 4.0-5.6 GB/s, runs alternated; equal in pool
-// order). WEFT_PREFETCH_BLOCKS overrides it, for such measurements.
-#ifndef WEFT_PREFETCH_BLOCKS
-#define WEFT_PREFETCH_BLOCKS 16
+// Software prefetch about kPrefetchBytes ahead (a number of blocks, two at
+// least), spread over the current block's rows (a few cache lines per row) so
+// that the misses overlap the arithmetic instead of queueing all at once. The
+// key pass runs ahead into the first value blocks, so the value pass starts
+// with them in cache. 64 KiB (16 blocks of fp32 keys at head size 64): with
+// blocks shuffled over the cache every block is a TLB miss, and more of them
+// in flight beat a shorter distance here (5.4-7.5 against 4.0-5.6 GB/s at 16
+// KiB, runs alternated; equal in pool order). WEFT_PREFETCH_KIB overrides it,
+// for such measurements.
+#ifndef WEFT_PREFETCH_KIB
+#define WEFT_PREFETCH_KIB 64
 #endif
-constexpr int64_t kPrefetchBlocks = WEFT_PREFETCH_BLOCKS;
+constexpr int64_t kPrefetchBytes = WEFT_PREFETCH_KIB * 1024;
 
 template <typename scalar_t>
 struct Prefetcher {
@@ -141,20 +142,22 @@ struct Prefetcher {
   const scalar_t* values;
   const int32_t* blocks;
   int64_t b_first, b_last, block_elems;
+  int64_t distance = std::max<int64_t>(2, kPrefetchBytes / (block_elems * static_cast<int64_t>(sizeof(scalar_t))));
 
-  // Lines of the block kPrefetchBlocks ahead of b in the key pass (then of
-  // the first value blocks): row `row` of `rows` asks for its share.
+  // Lines of the block `distance` ahead of b in the key pass (then of the
+  // first value blocks): row `row` of `rows` asks for its share.
   void key_block_of(int64_t b, int64_t row, int64_t rows) const {
-    const int64_t ahead = b + kPrefetchBlocks;
+    const int64_t ahead = b + distance;
+    const int64_t value_ahead = ahead - b_last - 1 + b_first;
     const scalar_t* base;
     if (ahead <= b_last) base = keys + static_cast<int64_t>(blocks[ahead]) * block_elems;
-    else if (ahead - b_last - 1 + b_first <= b_last) base = values + static_cast<int64_t>(blocks[ahead - b_last - 1 + b_first]) * block_elems;
+    else if (value_ahead <= b_last) base = values + static_cast<int64_t>(blocks[value_ahead]) * block_elems;
     else return;
     share(base, row, rows);
   }
 
   void value_block(int64_t b) const {
-    const int64_t ahead = b + kPrefetchBlocks;
+    const int64_t ahead = b + distance;
     if (ahead <= b_last) prefetch_block(values + static_cast<int64_t>(blocks[ahead]) * block_elems, block_elems);
   }
 
@@ -240,6 +243,36 @@ inline void weighted_rows(const float* p, const scalar_t* v, int64_t rows, int64
   }
 }
 
+// weighted_rows for NG query heads at once: each value row is loaded (and, in
+// bf16, widened) once for all of them, their accumulators in registers. Head
+// g's weights are p[g * p_stride + t].
+template <int NG, int kC, typename scalar_t>
+inline void weighted_rows_heads(const float* p, int64_t p_stride, const scalar_t* v, int64_t rows, float* acc) {
+  constexpr int64_t D = kC * kW;
+  vf a[NG][kC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < kC; ++c) a[g][c] = loadu(acc + g * D + c * kW);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int c = 0; c < kC; ++c) {
+      const vf x = load8(v + t * D + c * kW);
+      for (int g = 0; g < NG; ++g) a[g][c] += p[g * p_stride + t] * x;
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < kC; ++c) storeu(acc + g * D + c * kW, a[g][c]);
+}
+
+// The value pass over one block's rows for all G heads: three heads at a time
+// where their accumulators fit in registers (head size 64), else one by one.
+template <int kC, typename scalar_t>
+inline void weighted_block(const float* p, int64_t p_stride, const scalar_t* v, int64_t rows, int64_t G, int64_t D,
+                           float* acc) {
+  int64_t g = 0;
+  if constexpr (kC > 0 && kC <= 8)
+    for (; g + 3 <= G; g += 3) weighted_rows_heads<3, kC>(p + g * p_stride, p_stride, v, rows, acc + g * D);
+  for (; g < G; ++g) weighted_rows<kC>(p + g * p_stride, v, rows, D, acc + g * D);
+}
+
 // One item: keys [lo, hi) of one (decode, KV head), for its G query heads.
 // Two passes over the item's blocks: scores from the keys, then the values
 // weighted; each block's rows stay in L1 while every query head reads them.
@@ -285,8 +318,7 @@ void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* k
     const scalar_t* vb = values + static_cast<int64_t>(blocks[b]) * block_elems;
     ahead.value_block(b);
     const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
-    for (int64_t g = 0; g < G; ++g)
-      weighted_rows<kC>(s + g * L + (t0 - lo), vb + (t0 - b * block_size) * D, t1 - t0, D, part.acc + g * D);
+    weighted_block<kC>(s + (t0 - lo), L, vb + (t0 - b * block_size) * D, t1 - t0, G, D, part.acc);
   }
 }
 
