@@ -129,12 +129,12 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
 // with them in cache. 64 KiB (16 blocks of fp32 keys at head size 64): with
 // blocks shuffled over the cache every block is a TLB miss, and more of them
 // in flight beat a shorter distance here (5.4-7.5 against 4.0-5.6 GB/s at 16
-// KiB, runs alternated; equal in pool order). WEFT_PREFETCH_KIB overrides it,
+// KiB, runs alternated; equal in pool order). ATTENTION_PREFETCH_KIB overrides it,
 // for such measurements.
-#ifndef WEFT_PREFETCH_KIB
-#define WEFT_PREFETCH_KIB 64
+#ifndef ATTENTION_PREFETCH_KIB
+#define ATTENTION_PREFETCH_KIB 64
 #endif
-constexpr int64_t kPrefetchBytes = WEFT_PREFETCH_KIB * 1024;
+constexpr int64_t kPrefetchBytes = ATTENTION_PREFETCH_KIB * 1024;
 
 template <typename scalar_t>
 struct Prefetcher {
