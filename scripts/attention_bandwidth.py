@@ -6,6 +6,8 @@ Measures, interleaved round by round (baseline, new, baseline, new, ...):
 - decode attention (``paged_decode_attention``) at batch 1 and 64, SmolLM2-135M's heads (9 query,
   3 KV, head size 64), keys in blocks scattered over the cache: the new kernel against the one
   at ``--baseline`` (a git revision, built from its source under its own op namespace);
+- the same decode at batch 1 as a model step meets it (``--layered``): 30 layers' caches, and
+  4 MiB read between two calls, as the linear layers do, so each call starts out of cache;
 - prefills of some new tokens after a cached context (``--prefill``): the paged prefill kernel
   against the torch path (``prefill_attention``: the context copied out of the cache, then
   SDPA), which the engine keeps for prefills of more than ``PAGED_PREFILL_MAX_QUERY`` tokens.
@@ -87,6 +89,28 @@ def decode_runner(namespace: str, args):
     return lambda: op(*args)
 
 
+def layered_decode(base: str, context: int, dtype: torch.dtype, gen: torch.Generator, repeats: int):
+    """Batch-1 decode as a model step meets it: 30 layers, each its own cache, and 4 MiB of
+    "weights" read between two calls (the linear layers), so that each call starts with its
+    blocks out of cache and TLB. Returns seconds per call, old and new."""
+    (query, _, token_idx, lens, table, scale, out), _ = decode_case(1, context, dtype, gen, shuffled=False)
+    caches = [torch.randn(2, KVH, 4000, BS, D, generator=gen).to(dtype) for _ in range(30)]
+    table = table + 100
+    weights = torch.randn(30, 1 << 20, generator=gen)
+
+    def step(namespace: str) -> float:
+        op, total = getattr(torch.ops, namespace).paged_decode_attention, 0.0
+        for layer, cache in enumerate(caches):
+            weights[layer].sum()
+            start = time.perf_counter()
+            op(query, cache, token_idx, lens, table, scale, out, 0)
+            total += time.perf_counter() - start
+        return total / len(caches)
+
+    old = min(step(base) for _ in range(repeats))
+    return old, min(step("weft_cpu") for _ in range(repeats))
+
+
 def prefill_case(tokens: int, context: int, dtype: torch.dtype, gen: torch.Generator):
     """One sequence: ``tokens`` new tokens after ``context`` cached ones, all in the cache."""
     total = context + tokens
@@ -143,6 +167,12 @@ def run(args) -> None:
             old = best_seconds(decode_runner(base, kernel_args), args.repeats)
             new = best_seconds(decode_runner("weft_cpu", kernel_args), args.repeats)
             rows.setdefault(name, []).append(
+                (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new, None, kv_bytes)
+            )
+        for context in args.layered:
+            old, new = layered_decode(base, context, dtype, gen, max(1, args.repeats // 4))
+            kv_bytes = 2 * context * KVH * D * dtype.itemsize
+            rows.setdefault(f"decode b=1 ctx={context}, 30 layers", []).append(
                 (kv_bytes / old / bandwidth, kv_bytes / new / bandwidth, old, new, None, kv_bytes)
             )
         for name, (new_args, old_args, kv_bytes, flops) in prefills.items():
@@ -204,6 +234,12 @@ def main() -> None:
         type=parse_pairs,
         default=parse_pairs("2048x0,512x1536,64x1984,5x2000"),
         help="NEWxCONTEXT,...: new tokens after cached ones",
+    )
+    parser.add_argument(
+        "--layered",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[160, 1024],
+        help="contexts of the batch-1 decode run as a model step (30 layers' caches, reads between calls)",
     )
     parser.add_argument("--threads", type=int, default=0)
     run(parser.parse_args())

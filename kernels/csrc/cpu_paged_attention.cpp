@@ -156,6 +156,16 @@ struct Prefetcher {
     share(base, row, rows);
   }
 
+  // Before the first block: the blocks the key pass reaches before its
+  // prefetches run `distance` ahead get one line each. Each is a page of its
+  // own, likely out of the TLB after the layers between two attention calls:
+  // asking for them together overlaps those misses instead of meeting them one
+  // by one.
+  void start() const {
+    for (int64_t b = b_first; b <= std::min(b_last, b_first + distance - 1); ++b)
+      __builtin_prefetch(keys + static_cast<int64_t>(blocks[b]) * block_elems, 0, 3);
+  }
+
   void value_block(int64_t b) const {
     const int64_t ahead = b + distance;
     if (ahead <= b_last) prefetch_block(values + static_cast<int64_t>(blocks[ahead]) * block_elems, block_elems);
@@ -289,6 +299,7 @@ void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* k
   const int64_t b_first = lo / block_size, b_last = (hi - 1) / block_size;
 
   Prefetcher<scalar_t> ahead{keys, values, blocks, b_first, b_last, block_elems};
+  ahead.start();
   for (int64_t b = b_first; b <= b_last; ++b) {
     const scalar_t* kb = keys + static_cast<int64_t>(blocks[b]) * block_elems;
     const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
