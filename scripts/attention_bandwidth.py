@@ -10,7 +10,7 @@ Measures, interleaved round by round (baseline, new, baseline, new, ...):
   4 MiB read between two calls, as the linear layers do, so each call starts out of cache;
 - prefills of some new tokens after a cached context (``--prefill``): the paged prefill kernel
   against the torch path (``prefill_attention``: the context copied out of the cache, then
-  SDPA), which the engine keeps for prefills of more than ``PAGED_PREFILL_MAX_QUERY`` tokens.
+  SDPA), which the engine keeps for prefills of more than ``PAGED_PREFILL_MAX_PAIRS`` pairs.
 
 Effective bandwidth = the K/V bytes the attention must read (each cached key and value once)
 / time; the fraction is of the read bandwidth measured in the same round.
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill",
         type=parse_pairs,
-        default=parse_pairs("2048x0,512x1536,64x1984,5x2000"),
+        default=parse_pairs("2048x0,512x1536,64x1984,16x2000,5x2000,64x0,16x0"),
         help="NEWxCONTEXT,...: new tokens after cached ones",
     )
     parser.add_argument(

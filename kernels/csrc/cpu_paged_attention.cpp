@@ -353,7 +353,7 @@ struct DecodePlan {
 // every thread busy; otherwise keys are cut into partitions of equal size,
 // about kItemsPerThread per thread in all, none under kMinPartitionTokens.
 constexpr int64_t kItemsPerThread = 8;
-constexpr int64_t kMinPartitionTokens = 64;
+constexpr int64_t kMinPartitionTokens = 256;
 
 DecodePlan plan_decodes(const int64_t* rows, const int32_t* lens, const int32_t* table, int64_t n, int64_t max_blocks,
                         int64_t num_tokens, int64_t KVH, int64_t num_cache_blocks, int64_t block_size,

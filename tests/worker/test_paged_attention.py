@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from services.worker.forward_context import get_forward_context, set_forward_context
+from services.worker.layers import attention_metadata
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
-from services.worker.layers.attention_metadata import PAGED_PREFILL_MAX_QUERY, build_attention_metadata
+from services.worker.layers.attention_metadata import build_attention_metadata
 
 H, KVH, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -207,12 +208,13 @@ def test_cpu_backend_takes_every_decode_in_one_kernel_call():
 
 
 @needs_compiler
-def test_cpu_backend_sends_short_prefills_to_the_kernel_and_long_ones_to_sdpa():
-    """A verify-sized chunk over context and a short prompt go to the paged prefill kernel; a
-    prefill longer than PAGED_PREFILL_MAX_QUERY stays on SDPA. Both match dense attention."""
+def test_cpu_backend_sends_small_prefills_to_the_kernel_and_large_ones_to_sdpa(monkeypatch):
+    """Prefills of at most PAGED_PREFILL_MAX_PAIRS (query, key) pairs (a verify-sized chunk over
+    context, a short prompt) go to the paged prefill kernel; larger ones stay on SDPA. Both match
+    dense attention."""
+    monkeypatch.setattr(attention_metadata, "PAGED_PREFILL_MAX_PAIRS", 200)
     gen = torch.Generator().manual_seed(5)
-    long_new = PAGED_PREFILL_MAX_QUERY + 3
-    shapes = [(37, 5), (0, 9), (0, long_new), (6, long_new), (12, 1)]
+    shapes = [(30, 5), (0, 9), (0, 15), (6, 12), (12, 1)]  # pairs 175, 81, 225, 216; a decode
     pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
     seqs = [make_seq(gen, [pool.pop() for _ in range(-(-(c + n) // BS))], c, n) for c, n in shapes]
     meta = build_attention_metadata(
@@ -224,7 +226,7 @@ def test_cpu_backend_sends_short_prefills_to_the_kernel_and_long_ones_to_sdpa():
         paged_decodes=True,
     )
     assert meta.paged_prefills.query_lens.tolist() == [5, 9]
-    assert [p.end - p.start for p in meta.prefills] == [long_new, long_new]
+    assert [p.end - p.start for p in meta.prefills] == [15, 12]
     cache = torch.full(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan"))
     assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
 

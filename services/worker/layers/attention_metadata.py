@@ -14,9 +14,9 @@ Requests split two ways:
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit). With the
-  compiled CPU kernels, those of at most ``PAGED_PREFILL_MAX_QUERY`` new
-  tokens (speculative verify steps, short prompts and chunks) instead go to
-  one call per layer that reads the context in place (``paged_prefills``).
+  compiled CPU kernels, the small ones (``PAGED_PREFILL_MAX_PAIRS``:
+  speculative verify steps, short prompts) instead go to one call per
+  layer that reads the context in place (``paged_prefills``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ import torch
 _MIN_DECODE_GROUP = 8
 _MIN_FILL = 0.75
 
-# Prefills of up to this many new tokens go to the paged CPU kernel. Few query rows
-# over a long context are bound by reading the context, which the kernel does in place
-# where the SDPA path first copies it (a 5-token verify step over 2,000 cached tokens:
-# 3x faster); many rows are bound by arithmetic, where SDPA's GEMM tiles beat the
-# kernel's (2,048 new tokens: SDPA 1.5x faster). They break even at about 64
-# (``scripts/attention_bandwidth.py``).
-PAGED_PREFILL_MAX_QUERY = 64
+# Prefills of at most this many (query, key) pairs — new tokens x (context + new tokens) —
+# go to the paged CPU kernel; larger ones to copy + SDPA. Small ones are bound by
+# per-call costs and by reading the context, which the kernel does in place where the SDPA
+# path first copies it (16 fresh tokens: 2.8x; 8 tokens over 2,000 cached, a verify step:
+# 1.05x); larger ones by arithmetic, where SDPA's GEMM tiles beat the kernel's (16 tokens
+# over 2,000 cached: 0.78x; 2,048 fresh: 0.68x). ``scripts/attention_bandwidth.py``, quiet
+# machine (load average 1).
+PAGED_PREFILL_MAX_PAIRS = 16384
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def build_attention_metadata(
     padded length), and so the size of the gather buffer; a sequence longer
     than the cap still gets a group of its own. ``paged_decodes`` describes
     the decodes for the CPU kernel instead of grouping them, and the prefills
-    of at most ``PAGED_PREFILL_MAX_QUERY`` new tokens for its prefill kernel.
+    of at most ``PAGED_PREFILL_MAX_PAIRS`` (query, key) pairs for its prefill kernel.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -126,9 +127,8 @@ def build_attention_metadata(
             for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
         ]
     prefill_idx = np.flatnonzero(~is_decode)
-    short = (
-        prefill_idx[query_lens[prefill_idx] <= PAGED_PREFILL_MAX_QUERY] if paged_decodes else prefill_idx[:0]
-    )
+    pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
+    short = prefill_idx[pairs <= PAGED_PREFILL_MAX_PAIRS] if paged_decodes else prefill_idx[:0]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
         for i in np.setdiff1d(prefill_idx, short)
