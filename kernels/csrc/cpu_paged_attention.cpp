@@ -351,7 +351,9 @@ struct DecodePlan {
 
 // Partitions per (decode, KV head): one when there are enough pairs to keep
 // every thread busy; otherwise keys are cut into partitions of equal size,
-// about kItemsPerThread per thread in all, none under kMinPartitionTokens.
+// about kItemsPerThread per thread in all, none under kMinPartitionTokens
+// (shorter ones cost more in set-up and reduce than they gave: a batch-1 call
+// of 160 keys, out of cache, took 1.1x the unpartitioned time with 64-key ones).
 constexpr int64_t kItemsPerThread = 8;
 constexpr int64_t kMinPartitionTokens = 256;
 
@@ -544,7 +546,9 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 // ---------------------------------------------------------------- prefill
 
-// A tile of query tokens times G heads is at most kMaxRows query rows.
+// A tile of query tokens times G heads is at most kMaxRows query rows: the
+// more rows share a block's transposed keys, the less the transpose costs
+// (32 -> 96 rows: 0.46x -> 0.7x of SDPA's speed on a 2,048-token prefill).
 constexpr int64_t kMaxRows = 96;
 
 struct PrefillItem {
