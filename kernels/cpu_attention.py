@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (``csrc/cpu_paged_attention.cpp``).
+"""The compiled CPU paged-attention kernels, decode and prefill (``csrc/cpu_paged_attention.cpp``).
 
 Built by ``kernels.cpu_build`` at ``make install`` (``python -m
 kernels.cpu_attention``), else on first use (about 20 s; later processes
@@ -6,8 +6,8 @@ load the cached build). ``load()`` raises
 ``KernelUnavailable`` with the reason when the build cannot happen (no
 compiler, no ninja); the worker then falls back to the torch path.
 
-Its torch twin is ``kernels.reference.paged_attention_ref`` with one query
-token per sequence.
+Their torch twin is ``kernels.reference.paged_attention_ref`` (decodes: one
+query token per sequence).
 """
 
 from __future__ import annotations
@@ -17,10 +17,18 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import KernelUnavailable, build, target_isa
+from kernels.cpu_build import KernelUnavailable, build, target_isa, wide_isa
 from kernels.reference import check_query_and_cache
 
-__all__ = ["KernelUnavailable", "check_decode_args", "load", "paged_decode_attention", "target_isa"]
+__all__ = [
+    "KernelUnavailable",
+    "check_decode_args",
+    "check_prefill_args",
+    "load",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "target_isa",
+]
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 
@@ -28,7 +36,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``."""
-    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel")
+    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=wide_isa())
 
 
 def paged_decode_attention(
@@ -52,15 +60,14 @@ def paged_decode_attention(
     ``block_table`` int32 ``[n, max_blocks]``. Rows of ``out`` not in
     ``token_idx`` are left as they are.
 
-    ``check=False`` skips the argument checks, for callers that built the
-    arguments themselves and checked them once (an attention layer runs the
-    kernel once per layer on the same step metadata).
+    ``check=False`` skips the Python checks of shapes and dtypes, for callers that built
+    the arguments themselves and checked them once (an attention layer runs the kernel once
+    per layer on the same step metadata); the kernel checks the index values on every call.
     """
     if check:
         check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out)
+    _check_window(window)
     load()
-    if window < 0:
-        raise ValueError(f"window must be 0 (full attention) or positive, got {window}.")
     torch.ops.weft_cpu.paged_decode_attention(
         query, kv_cache, token_idx, seq_lens, block_table, float(scale), out, int(window)
     )
@@ -74,19 +81,12 @@ def check_decode_args(
     block_table: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """A ValueError naming the first argument the kernel cannot take; it reads
-    memory through all of them, so they are checked in full, bounds included."""
+    """A ValueError naming the first argument the kernel cannot take, from shapes and dtypes
+    alone (no tensor op: a few microseconds). The kernel itself checks the values it reads
+    memory through (token_idx, seq_lens, the block ids in use) on every call, with the
+    same ValueErrors."""
     check_query_and_cache(query, kv_cache)
-    num_tokens = query.shape[0]
-    _, _, num_blocks, block_size, _ = kv_cache.shape
-    if out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError(
-            f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}."
-        )
-    if any(t.device.type != "cpu" for t in (query, kv_cache, token_idx, seq_lens, block_table, out)):
-        raise ValueError("the CPU attention kernel takes CPU tensors only.")
-    if out.stride(-1) != 1 or not kv_cache.is_contiguous():
-        raise ValueError("out must be contiguous in the head dimension, and kv_cache contiguous.")
+    _check_out_and_device(query, kv_cache, out, (token_idx, seq_lens, block_table))
     n = token_idx.shape[0]
     if token_idx.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise ValueError(
@@ -103,22 +103,95 @@ def check_decode_args(
             f"token_idx and seq_lens must be [n] and block_table [n, max_blocks]; got {tuple(token_idx.shape)}, "
             f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}."
         )
-    if n == 0:
-        return
-    if int(token_idx.min()) < 0 or int(token_idx.max()) >= num_tokens:
-        raise ValueError(f"token_idx must lie in [0, {num_tokens}).")
-    lens_min, lens_max = int(seq_lens.min()), int(seq_lens.max())
-    if lens_min < 1 or lens_max > block_table.shape[1] * block_size:
+
+
+def _check_out_and_device(
+    query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, indices: tuple[torch.Tensor, ...]
+) -> None:
+    if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(
-            f"seq_lens must lie in [1, {block_table.shape[1] * block_size}] (block_table columns x block size), "
-            f"got [{lens_min}, {lens_max}]."
+            f"out must match query ({tuple(query.shape)} {query.dtype}), got {tuple(out.shape)} {out.dtype}."
         )
-    used = torch.arange(block_table.shape[1]) < ((seq_lens + block_size - 1) // block_size)[:, None]
-    ids = block_table[used]
-    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
-        raise ValueError(f"block_table entries in use must lie in [0, {num_blocks}).")
+    if any(t.device.type != "cpu" for t in (query, kv_cache, out, *indices)):
+        raise ValueError("the CPU attention kernel takes CPU tensors only.")
+    if out.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("out must be contiguous in the head dimension, and kv_cache contiguous.")
+    if not all(t.is_contiguous() for t in indices):
+        raise ValueError("the index tensors (lengths, starts, block_table) must be contiguous.")
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    check: bool = True,
+    window: int = 0,
+) -> None:
+    """Prefills and prefill chunks, keys and values read in place from the cache (their new
+    tokens' K/V already written there): the ``query_lens[i]`` rows of ``query`` from
+    ``query_start[i]`` are positions ``context_lens[i]`` onwards of sequence ``i``, and
+    each attends to every key of the sequence up to its own position (the last ``window``
+    of them when ``window > 0``; blocks wholly before that are not read).
+
+    ``query`` and ``out`` are ``[T, H, D]``; ``kv_cache`` is ``[2, KVH, num_blocks,
+    block_size, D]``; ``query_start`` int64 ``[R]``; ``query_lens`` and ``context_lens``
+    int32 ``[R]``; ``block_table`` int32 ``[R, max_blocks]``. Other rows of ``out`` are
+    left as they are. Its torch twin is ``kernels.reference.paged_attention_ref``.
+    ``check`` as for ``paged_decode_attention``: the kernel checks the index values itself.
+    """
+    if check:
+        check_prefill_args(query, kv_cache, query_start, query_lens, context_lens, block_table, out)
+    _check_window(window)
+    load()
+    torch.ops.weft_cpu.paged_prefill_attention(
+        query, kv_cache, query_start, query_lens, context_lens, block_table, float(scale), out, int(window)
+    )
+
+
+def check_prefill_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``check_decode_args`` for ``paged_prefill_attention``: shapes and dtypes, no tensor op."""
+    check_query_and_cache(query, kv_cache)
+    _check_out_and_device(query, kv_cache, out, (query_start, query_lens, context_lens, block_table))
+    r = query_start.shape[0]
+    if (
+        query_start.dtype != torch.int64
+        or query_lens.dtype != torch.int32
+        or context_lens.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"query_start must be int64, query_lens and context_lens int32; got {query_start.dtype}, "
+            f"{query_lens.dtype} and {context_lens.dtype}."
+        )
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != r:
+        raise ValueError(
+            f"block_table must be int32 [{r}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}."
+        )
+    if query_lens.shape != (r,) or context_lens.shape != (r,):
+        raise ValueError(
+            f"query_start, query_lens and context_lens must all be [R]; got {tuple(query_start.shape)}, "
+            f"{tuple(query_lens.shape)} and {tuple(context_lens.shape)}."
+        )
+
+
+def _check_window(window: int) -> None:
+    if window < 0:
+        raise ValueError(f"window must be 0 (full attention) or positive, got {window}.")
 
 
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)
     load()
-    print(f"built and loaded the CPU attention kernel ({target_isa()[0]})")
+    print(f"built and loaded the CPU attention kernels ({wide_isa()[0]})")

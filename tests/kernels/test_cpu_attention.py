@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import cpu_attention
 from kernels.reference import paged_attention_ref
@@ -201,3 +202,29 @@ def test_missing_tools_are_named(monkeypatch):
             cpu_attention.load()
     finally:
         cpu_attention.load.cache_clear()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_python_checks_run_no_tensor_op():
+    """They read shapes, dtypes and strides only (each tensor op costs microseconds of dispatch);
+    the values the kernel reads memory through are checked in the kernel."""
+    good, _ = bad_inputs()
+    with _CountOps() as counted:
+        cpu_attention.check_decode_args(
+            good["query"],
+            good["kv_cache"],
+            good["token_idx"],
+            good["seq_lens"],
+            good["block_table"],
+            good["out"],
+        )
+    assert counted.ops == []

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.worker.forward_context import get_forward_context, set_forward_context
+from services.worker.layers import attention_metadata
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import build_attention_metadata
 
@@ -200,8 +201,33 @@ def test_cpu_backend_takes_every_decode_in_one_kernel_call():
         block_size=BS,
         paged_decodes=True,
     )
-    assert meta.decode_groups == [] and len(meta.prefills) == 1
+    assert meta.decode_groups == [] and meta.prefills == []  # a short prefill goes to the prefill kernel
+    assert meta.paged_prefills.query_lens.tolist() == [6]
     assert meta.paged_decodes.seq_lens.tolist() == [s.context + 1 for s in seqs if s.new == 1]
+    assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
+
+
+@needs_compiler
+def test_cpu_backend_sends_small_prefills_to_the_kernel_and_large_ones_to_sdpa(monkeypatch):
+    """Prefills of at most PAGED_PREFILL_MAX_PAIRS (query, key) pairs (a verify-sized chunk over
+    context, a short prompt) go to the paged prefill kernel; larger ones stay on SDPA. Both match
+    dense attention."""
+    monkeypatch.setattr(attention_metadata, "PAGED_PREFILL_MAX_PAIRS", 200)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(30, 5), (0, 9), (0, 15), (6, 12), (12, 1)]  # pairs 175, 81, 225, 216; a decode
+    pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    seqs = [make_seq(gen, [pool.pop() for _ in range(-(-(c + n) // BS))], c, n) for c, n in shapes]
+    meta = build_attention_metadata(
+        query_lens=np.array([s.new for s in seqs]),
+        context_lens=np.array([s.context for s in seqs]),
+        block_table=np.zeros((len(seqs), 20), dtype=np.int32),
+        slot_mapping=np.zeros(sum(s.new for s in seqs)),
+        block_size=BS,
+        paged_decodes=True,
+    )
+    assert meta.paged_prefills.query_lens.tolist() == [5, 9]
+    assert [p.end - p.start for p in meta.prefills] == [15, 12]
+    cache = torch.full(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), float("nan"))
     assert_matches_reference(seqs, run_step(seqs, cache, backend="cpu"))
 
 

@@ -14,9 +14,9 @@ time on CPU.
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA),
 the same grouping Hugging Face's ``repeat_kv`` makes.
 
-On CPU, decodes go to a compiled kernel (``kernels/cpu_attention.py``,
-the "cpu" backend) when it could be built: it reads K/V in place through
-the block table, with no gather. On CUDA the forward context selects the
+On CPU, decodes and short prefills go to compiled kernels
+(``kernels/cpu_attention.py``, the "cpu" backend) when they could be built:
+they read K/V in place through the block table, with no gather. On CUDA the forward context selects the
 Triton backend instead (``triton_attention.py``), with the same cache
 layout.
 """
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_attention import paged_decode_attention
+from kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
 from services.worker.layers.sliding_window import window_metadata
@@ -181,23 +181,9 @@ class PagedAttention(nn.Module):
         if cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        if meta.paged_decodes is not None:
-            assert cache is not None, "decodes need the KV cache"
-            d = meta.paged_decodes
-            # The kernel reads memory through these indices: checked in full by the first layer
-            # of each KV cache group; its later layers get the same metadata and caches of the same
-            # shape. A window layer passes its window: the kernel reads no block before it.
-            paged_decode_attention(
-                q,
-                cache,
-                d.token_idx,
-                d.seq_lens,
-                d.block_table,
-                self.scale,
-                out,
-                check=self.checks_decode_args,
-                window=self.sliding_window or 0,
-            )
+        if meta.paged_decodes is not None or meta.paged_prefills is not None:
+            assert cache is not None, "the CPU kernels read the KV cache"
+            self._run_cpu_kernels(q, cache, meta, out)
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"
             out[group.token_idx] = decode_attention(
@@ -207,3 +193,22 @@ class PagedAttention(nn.Module):
             s = slice(seq.start, seq.end)
             out[s] = prefill_attention(q[s], k[s], v[s], cache, seq, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _run_cpu_kernels(self, q: torch.Tensor, cache: torch.Tensor, meta, out: torch.Tensor) -> None:
+        """The step's decodes and short prefills, K/V read in place (the new ones written already).
+
+        The kernels check the index values they read memory through on every call; the shapes
+        and dtypes are checked by the first layer of each KV cache group only, since its later
+        layers get the same metadata and caches of the same shape. A window layer passes its
+        window: the kernels read no block before it."""
+        window = self.sliding_window or 0
+        if (d := meta.paged_decodes) is not None:
+            paged_decode_attention(
+                q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out,
+                check=self.checks_decode_args, window=window,
+            )  # fmt: skip
+        if (p := meta.paged_prefills) is not None:
+            paged_prefill_attention(
+                q, cache, p.query_start, p.query_lens, p.context_lens, p.block_table, self.scale, out,
+                check=self.checks_decode_args, window=window,
+            )  # fmt: skip

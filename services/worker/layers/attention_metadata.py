@@ -13,7 +13,10 @@ Requests split two ways:
   length to keep the padding small when lengths vary.
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
-  (a later chunk of a chunked prefill, or a prefix-cache hit).
+  (a later chunk of a chunked prefill, or a prefix-cache hit). With the
+  compiled CPU kernels, the small ones (``PAGED_PREFILL_MAX_PAIRS``:
+  speculative verify steps, short prompts) instead go to one call per
+  layer that reads the context in place (``paged_prefills``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ import torch
 _MIN_DECODE_GROUP = 8
 _MIN_FILL = 0.75
 
+# Prefills of at most this many (query, key) pairs — new tokens x (context + new tokens) —
+# go to the paged CPU kernel; larger ones to copy + SDPA. Small ones are bound by
+# per-call costs and by reading the context, which the kernel does in place where the SDPA
+# path first copies it (16 fresh tokens: 2.8x; 8 tokens over 2,000 cached, a verify step:
+# 1.05x); larger ones by arithmetic, where SDPA's GEMM tiles beat the kernel's (16 tokens
+# over 2,000 cached: 0.78x; 2,048 fresh: 0.68x). ``scripts/attention_bandwidth.py``, quiet
+# machine (load average 1).
+PAGED_PREFILL_MAX_PAIRS = 16384
+
 
 @dataclass(frozen=True)
 class DecodeGroup:
@@ -47,6 +59,16 @@ class PagedDecodes:
     token_idx: torch.Tensor  # [n] long: positions in the flat batch
     seq_lens: torch.Tensor  # [n] int32: keys per decode, its new token's included
     block_table: torch.Tensor  # [n, max_blocks] int32, rows padded with block 0
+
+
+@dataclass(frozen=True)
+class PagedPrefills:
+    """Prefills for ``kernels.cpu_attention.paged_prefill_attention``."""
+
+    query_start: torch.Tensor  # [R] long: first new token of each in the flat batch
+    query_lens: torch.Tensor  # [R] int32: its new tokens
+    context_lens: torch.Tensor  # [R] int32: tokens cached before this step
+    block_table: torch.Tensor  # [R, max_blocks] int32, rows padded with block 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,7 @@ class AttentionMetadata:
     paged_decodes: PagedDecodes | None = None  # instead of decode_groups, with the CPU kernel
     # The sliding-window views of this step by window size (``sliding_window.py``), built on first use.
     windows: dict = field(default_factory=dict, compare=False, repr=False)
+    paged_prefills: PagedPrefills | None = None  # short prefills, not in prefills, with the CPU kernel
 
 
 def build_attention_metadata(
@@ -86,7 +109,8 @@ def build_attention_metadata(
     ``max_decode_group_tokens`` caps one decode group's padded keys (rows x
     padded length), and so the size of the gather buffer; a sequence longer
     than the cap still gets a group of its own. ``paged_decodes`` describes
-    the decodes for the CPU kernel instead of grouping them.
+    the decodes for the CPU kernel instead of grouping them, and the prefills
+    of at most ``PAGED_PREFILL_MAX_PAIRS`` (query, key) pairs for its prefill kernel.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -102,9 +126,12 @@ def build_attention_metadata(
             _decode_group(rows, query_start, seq_lens, block_table, block_size, device)
             for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
         ]
+    prefill_idx = np.flatnonzero(~is_decode)
+    pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
+    short = prefill_idx[pairs <= PAGED_PREFILL_MAX_PAIRS] if paged_decodes else prefill_idx[:0]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
-        for i in np.flatnonzero(~is_decode)
+        for i in np.setdiff1d(prefill_idx, short)
     ]
     return AttentionMetadata(
         num_tokens=int(query_start[-1]),
@@ -113,6 +140,9 @@ def build_attention_metadata(
         decode_groups=groups,
         prefills=prefills,
         paged_decodes=paged,
+        paged_prefills=_paged_prefills(
+            short, query_start, query_lens, context_lens, block_table, block_size, device
+        ),
     )
 
 
@@ -156,6 +186,20 @@ def _paged_decodes(rows, query_start, seq_lens, block_table, block_size, device)
     return PagedDecodes(
         token_idx=torch.from_numpy(query_start[rows]).to(device),
         seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        block_table=torch.from_numpy(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)).to(device),
+    )
+
+
+def _paged_prefills(
+    rows, query_start, query_lens, context_lens, block_table, block_size, device
+) -> PagedPrefills | None:
+    if rows.size == 0:
+        return None
+    nb = int(-(-(context_lens[rows] + query_lens[rows]).max() // block_size))
+    return PagedPrefills(
+        query_start=torch.from_numpy(query_start[rows]).to(device),
+        query_lens=torch.from_numpy(query_lens[rows].astype(np.int32)).to(device),
+        context_lens=torch.from_numpy(context_lens[rows].astype(np.int32)).to(device),
         block_table=torch.from_numpy(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)).to(device),
     )
 
