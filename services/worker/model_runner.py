@@ -16,6 +16,7 @@ import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_placement
+from services.worker.cpu_threads import StepThreads
 from services.worker.cuda_graphs import maybe_capture_decode_graphs
 from services.worker.distributed import get_tp_group
 from services.worker.forward_context import set_forward_context
@@ -55,6 +56,7 @@ class ModelRunner:
         self.sampler = Sampler(config.model.seed, self.device)
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
+        self.step_threads = StepThreads(config.device.num_threads) if self.device.type == "cpu" else None
         self.spec_decoder = (
             SpecDecoder(config, self.sampler.generator, self.device)
             if config.speculative is not None
@@ -167,6 +169,8 @@ class ModelRunner:
         self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
+        if self.step_threads is not None:
+            self.step_threads.enter_step(scheduler_output.total_num_scheduled_tokens)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         num_drafts = self.spec_decoder.write_drafts(self.input_batch, spec_tokens) if spec_tokens else None
         step = prepare_step(
