@@ -38,10 +38,13 @@ CHATS = [
 
 def make_llm(**kwargs) -> LLM:
     torch.set_num_threads(1)
-    # A 48-token budget chunks every prompt here; prefix caching is on by default.
+    # A 48-token budget chunks every prompt here; prefix caching is on by default. No dense
+    # weight copy in either engine (a speculative engine keeps none under auto; the plain one
+    # would, and then its batched steps would run another kernel than the verify steps).
     return LLM(
         dtype="float32",
         num_threads=1,
+        dense_min_rows=0,
         max_num_batched_tokens=48,
         max_model_len=1024,
         num_gpu_blocks_override=400,

@@ -36,13 +36,22 @@ def linear_param_count(hf_config: dict) -> int:
 
 
 def resolve_dense_min_rows(
-    value: int | None, quantization: str, hf_config: dict, budget_bytes: int, dtype_bytes: int
+    value: int | None,
+    quantization: str,
+    hf_config: dict,
+    budget_bytes: int,
+    dtype_bytes: int,
+    speculative: bool = False,
 ) -> int:
     """Rows from which a kept-quantized layer runs its dense copy; 0: no copy.
 
     ``value`` None is "auto": ``DEFAULT_DENSE_MIN_ROWS`` where the copy, in
     ``dtype_bytes`` per weight, takes at most ``AUTO_MAX_BUDGET_SHARE`` of
-    ``budget_bytes`` (the worker's memory budget), else 0."""
+    ``budget_bytes`` (the worker's memory budget), else 0. With speculative
+    decoding auto is 0: a verify step has K + 1 rows per request where plain
+    decoding has one, so with a copy the two would run different kernels and
+    greedy outputs could part at near-ties; packed at every size they are
+    token-identical (tests/test_spec_decode.py). An explicit value is kept."""
     if value is not None and value < 0:
         raise ValueError(f"dense_min_rows must be 0 (no dense copy) or a row count >= 1, got {value}.")
     if quantization != "gguf":
@@ -54,5 +63,7 @@ def resolve_dense_min_rows(
         return 0
     if value is not None:
         return value
+    if speculative:
+        return 0
     copy_bytes = linear_param_count(hf_config) * dtype_bytes
     return DEFAULT_DENSE_MIN_ROWS if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0

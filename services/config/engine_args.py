@@ -158,7 +158,12 @@ class EngineArgs:
         copy_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
         budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
         return resolve_dense_min_rows(
-            self.dense_min_rows, quantization, hf_config, budget, _DTYPE_BYTES[copy_dtype]
+            self.dense_min_rows,
+            quantization,
+            hf_config,
+            budget,
+            _DTYPE_BYTES[copy_dtype],
+            speculative=self.speculative_config is not None,
         )
 
     def _max_model_len(self, hf_config: dict) -> int:

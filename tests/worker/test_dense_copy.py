@@ -59,6 +59,13 @@ def test_auto_keeps_a_copy_only_in_half_the_memory_budget():
     assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
 
 
+def test_auto_keeps_no_copy_under_speculative_decoding():
+    """Verify steps (K + 1 rows a request) and plain decode steps must run the same kernels."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    assert config_of(dtype="float32", speculative_config=spec).dense_min_rows == 0
+    assert config_of(dtype="float32", speculative_config=spec, dense_min_rows=8).dense_min_rows == 8
+
+
 def test_bad_values_are_refused_clearly():
     with pytest.raises(ValueError, match="dense_min_rows must be 0"):
         config_of(dense_min_rows=-1)
