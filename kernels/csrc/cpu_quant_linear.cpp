@@ -669,6 +669,28 @@ constexpr int64_t kScaleChunk = 64;
 // Weight rows a batch-1 step takes at a time (dot_rows_single_i16).
 constexpr int kSingleRows = 4;
 
+// Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups).
+template <bool kInt4, int G>
+inline void widen_group_i16(const uint8_t* q, int64_t g, __m256i& w0, __m256i& w1) {
+  if constexpr (kInt4) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  } else {
+    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+    if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
+  }
+}
+
+// prod[j] = weight scale j x activation scale j for the cn groups of one scale chunk.
+inline void scale_products(float* prod, const float* sw, const float* xs, int64_t cn) {
+  int64_t j = 0;
+  for (; j + 8 <= cn; j += 8) _mm256_store_ps(prod + j, _mm256_mul_ps(_mm256_loadu_ps(sw + j), _mm256_loadu_ps(xs + j)));
+  for (; j < cn; ++j) prod[j] = sw[j] * xs[j];
+}
+
 template <int R, bool kInt4, int G>
 void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
@@ -678,16 +700,7 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
   alignas(32) float prod[R][kScaleChunk];
   auto step = [&](int64_t g, int64_t c0, int slot) {
     __m256i w0, w1;
-    if constexpr (kInt4) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    } else {
-      const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
-      if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
-    }
+    widen_group_i16<kInt4, G>(q, g, w0, w1);
     for (int r = 0; r < R; ++r) {
       const int16_t* xg = a.q.data() + (m0 + r) * w.K + g * G;
       __m256i dot = dot_s16(_mm256_setzero_si256(), w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
@@ -697,14 +710,7 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
   };
   for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
     const int64_t cn = std::min(kScaleChunk, w.groups - c0);
-    for (int r = 0; r < R; ++r) {
-      const float* xs = a.scales.data() + (m0 + r) * a.groups + c0;
-      int64_t j = 0;
-      for (; j + 8 <= cn; j += 8) {
-        _mm256_store_ps(prod[r] + j, _mm256_mul_ps(_mm256_loadu_ps(sw + c0 + j), _mm256_loadu_ps(xs + j)));
-      }
-      for (; j < cn; ++j) prod[r][j] = sw[c0 + j] * xs[j];
-    }
+    for (int r = 0; r < R; ++r) scale_products(prod[r], sw + c0, a.scales.data() + (m0 + r) * a.groups + c0, cn);
     int64_t g = c0;
     for (; g + 2 <= c0 + cn; g += 2) {
       step(g, c0, 0);
@@ -735,16 +741,7 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
     for (int r = 0; r < P; ++r) {
       const uint8_t* q = w.qweight + (n + r) * w.row_bytes;
       __m256i w0, w1;
-      if constexpr (kInt4) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-      } else {
-        const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * G;
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
-        if constexpr (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
-      }
+      widen_group_i16<kInt4, G>(q, g, w0, w1);
       __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0);
       if constexpr (G == 32) dot = dot_s16(dot, w1, x1);
       acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
@@ -753,14 +750,7 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
     const int64_t cn = std::min(kScaleChunk, w.groups - c0);
     const float* xs = a.scales.data() + c0;
-    for (int r = 0; r < P; ++r) {
-      const float* sw = w.scales + (n + r) * w.groups + c0;
-      int64_t j = 0;
-      for (; j + 8 <= cn; j += 8) {
-        _mm256_store_ps(prod[r] + j, _mm256_mul_ps(_mm256_loadu_ps(sw + j), _mm256_loadu_ps(xs + j)));
-      }
-      for (; j < cn; ++j) prod[r][j] = sw[j] * xs[j];
-    }
+    for (int r = 0; r < P; ++r) scale_products(prod[r], w.scales + (n + r) * w.groups + c0, xs, cn);
     int64_t g = c0;
     for (; g + 2 <= c0 + cn; g += 2) {
       step(g, c0, 0);

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from services.bench.datasets import random_workload
+from services.bench.latency import add_greedy_batch
 
 
 class ExecuteClock:
@@ -46,22 +47,7 @@ class ExecuteClock:
 
 def one_batch(llm: Any, clock: ExecuteClock, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     """Decode ms per step and execute_model ms per step, both after the batch's last first token."""
-    from protocol.engine import EngineCoreRequest
-    from protocol.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    counts: dict[str, int] = {}
-    for i, prompt in enumerate(prompts):
-        request_id = f"async-bench-{time.monotonic_ns()}-{i}"
-        counts[request_id] = 0
-        llm.engine.add_request(
-            EngineCoreRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                arrival_time=time.time(),
-            )
-        )
+    counts = add_greedy_batch(llm, prompts, output_len, "async-bench")
     decode_start = None
     executed_at_start = 0.0
     while llm.engine.has_unfinished_requests():

@@ -62,17 +62,16 @@ def run_latency(
     }
 
 
-def _one_batch(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, float | None, float]:
-    """(seconds to the batch's last first token, decode seconds per token or
-    None for one-token outputs, seconds for the whole batch)."""
+def add_greedy_batch(llm: Any, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, int]:
+    """Add ``prompts`` to the engine as greedy requests of exactly ``output_len`` tokens;
+    returns a zeroed token count per request id (for the caller's step loop)."""
     from protocol.engine import EngineCoreRequest
     from protocol.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     counts: dict[str, int] = {}
-    start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        request_id = f"latency-{time.monotonic_ns()}-{i}"
+        request_id = f"{tag}-{time.monotonic_ns()}-{i}"
         counts[request_id] = 0
         llm.engine.add_request(
             EngineCoreRequest(
@@ -82,6 +81,14 @@ def _one_batch(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[flo
                 arrival_time=time.time(),
             )
         )
+    return counts
+
+
+def _one_batch(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, float | None, float]:
+    """(seconds to the batch's last first token, decode seconds per token or
+    None for one-token outputs, seconds for the whole batch)."""
+    start = time.perf_counter()
+    counts = add_greedy_batch(llm, prompts, output_len, "latency")
     first_done = None
     while llm.engine.has_unfinished_requests():
         for output in llm.engine.step().outputs:
