@@ -88,6 +88,23 @@ def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
     llm.shutdown()
 
 
+def test_prompt_logprobs_of_a_chunked_prefill_match_one_chunk(llm, prompts):
+    """Each chunk scores the token after each of its own: none may be dropped at a chunk edge."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    prompt = prompts[3]  # 600 tokens: five chunks of at most 128
+    chunked = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
+    (split,) = chunked.generate([prompt], params, use_tqdm=False)
+    chunked.shutdown()
+    (whole,) = llm.generate([prompt], params, use_tqdm=False)
+    for out in (split, whole):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert all(prompt[p] in entry for p, entry in enumerate(out.prompt_logprobs) if p)
+    for p in range(1, len(prompt)):
+        got, want = split.prompt_logprobs[p][prompt[p]], whole.prompt_logprobs[p][prompt[p]]
+        assert got.logprob == pytest.approx(want.logprob, abs=2e-3), p
+    assert_no_leaks(llm)
+
+
 def test_greedy_matches_transformers_under_preemption(prompts, oracle):
     # 44 usable blocks hold one 700-token request, but not all eight at once.
     llm = make_llm(max_model_len=700, num_gpu_blocks_override=48)

@@ -525,14 +525,18 @@ class Scheduler:
     ) -> list[TokenLogprobs | None] | None:
         """This step's prompt logprobs, less positions already sent.
 
+        A chunk of tokens from ``first_position`` on scores the token after
+        each of its own (a prompt's first chunk leads with None for position
+        0), so its entries start at position ``first_position + 1``, or 0.
         A request preempted after some prefill recomputes its prompt from
         position 0; the front end must not see those positions twice.
         """
         entries = runner_output.prompt_logprobs.get(request.request_id)
         if not entries:
             return None
-        skip = max(request.num_prompt_logprobs_sent - first_position, 0)
-        end = first_position + len(entries)
+        start = first_position + 1 if first_position else 0
+        skip = max(request.num_prompt_logprobs_sent - start, 0)
+        end = start + len(entries)
         request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, end)
         return entries[skip:] or None
 

@@ -158,9 +158,12 @@ class FakeWorker:
     def _prompt_logprobs(state: _WorkerRequest, num_tokens: int):
         if state.params.prompt_logprobs is None:
             return None
+        # As the real runner: a chunk scores the token after each of its own, and a
+        # prompt's first chunk leads with None for position 0.
         start = state.num_computed
-        end = min(start + num_tokens, state.num_prompt)
-        return [None if p == 0 else fake_logprob(state.tokens[p], p) for p in range(start, end)]
+        end = min(start + num_tokens, state.num_prompt - 1)
+        first = [None] if start == 0 else []
+        return first + [fake_logprob(state.tokens[p], p) for p in range(start + 1, end + 1)]
 
     def _slot(self, state: _WorkerRequest, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]

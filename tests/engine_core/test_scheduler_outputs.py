@@ -119,7 +119,8 @@ def test_mid_prefill_requests_report_only_prompt_logprobs():
     _, outputs = step(s, w)
     ((only,),) = [outputs]
     assert only.request_id == "p" and only.new_token_ids == []
-    assert len(only.new_prompt_logprobs) == 16 and only.new_prompt_logprobs[0] is None
+    # 16 tokens score the 17th too: None for position 0, then positions 1..16.
+    assert len(only.new_prompt_logprobs) == 17 and only.new_prompt_logprobs[0] is None
     assert only.finish_reason is None
     all_outputs = run_to_completion(s, w)
     entries = [e for o in [only, *all_outputs["p"]] for e in (o.new_prompt_logprobs or [])]
