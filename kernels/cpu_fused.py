@@ -1,5 +1,7 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
-with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16.
+with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16;
+and the two passes around an int8 GEMM (rows rounded to int8, the int32 result
+scaled back).
 
 Built like the decode-attention kernel (``kernels.cpu_attention``): by
 ``python -m kernels.cpu_fused`` ahead of time, else on first use, cached by
@@ -9,7 +11,8 @@ build cannot happen, or when ``WEFT_CPU_FUSED=0`` turns them off (to
 measure what they gain).
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``); each
+``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``,
+``quantize_rows_int8_ref``, ``scale_int32_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
 arguments (its checks guard every byte it touches): at one decode row the
@@ -28,7 +31,9 @@ import torch
 from kernels.cpu_build import KernelUnavailable, build, target_isa
 from kernels.reference import (
     check_fused_add_rms_norm_args,
+    check_quantize_rows_int8_args,
     check_rotary_args,
+    check_scale_int32_args,
     check_silu_and_mul_args,
 )
 
@@ -124,6 +129,35 @@ def rotary_embedding(
         check_rotary_args(positions, query, key, cos, sin, head_dim, cpu=True)
     load()
     torch.ops.weft_fused.rotary_neox(positions.long(), query, key, cos, sin, head_dim)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> (``q [T, K]`` int8, ``scale [T]`` fp32): each row rounded to ``scale * q``."""
+    load()
+    try:
+        q = torch.empty(x.shape, dtype=torch.int8)
+        scale = torch.empty(x.shape[0], dtype=torch.float32)
+        torch.ops.weft_fused.quantize_rows_int8(q, scale, x)
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_quantize_rows_int8_args(x), exc)
+    return q, scale
+
+
+def scale_int32(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``acc [T, N]`` int32 -> a new ``acc * row_scale[:, None] * col_scale (+ bias)`` in ``dtype``."""
+    load()
+    try:
+        out = torch.empty(acc.shape, dtype=dtype)
+        torch.ops.weft_fused.scale_int32(out, acc, row_scale, col_scale, bias)
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_scale_int32_args(acc, row_scale, col_scale, bias, dtype), exc)
+    return out
 
 
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)

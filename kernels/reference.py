@@ -236,6 +236,55 @@ def quant_linear_i8_ref(
     return y
 
 
+def quantize_rows_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.cpu_fused.quantize_rows_int8``: each row of ``x [T, K]`` one group of
+    ``quantize_rows_i8_ref``; returns ``q [T, K]`` int8 and ``scale [T]`` fp32."""
+    q, d = quantize_rows_i8_ref(x, x.shape[1])
+    return q.flatten(1), d.flatten()
+
+
+def scale_int32_ref(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Twin of ``kernels.cpu_fused.scale_int32``: ``acc * row_scale[:, None] * col_scale (+ bias)``
+    in fp32, in that order, rounded to ``dtype``."""
+    y = acc.float() * row_scale[:, None] * col_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+def check_quantize_rows_int8_args(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got {list(x.shape)}.")
+    _check_float("x", x, cpu=True)
+    _check_rows("x", x, tuple(x.shape), x.dtype)
+
+
+def check_scale_int32_args(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> None:
+    if acc.dim() != 2 or acc.dtype != torch.int32 or not acc.is_contiguous():
+        raise ValueError(f"acc must be a contiguous [T, N] int32 tensor, got {list(acc.shape)} {acc.dtype}.")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the output dtype must be torch.float32 or torch.bfloat16, got {dtype}.")
+    rows, n = acc.shape
+    _check_rows("row_scale", row_scale, (rows,), torch.float32)
+    _check_rows("col_scale", col_scale, (n,), torch.float32)
+    if bias is not None:
+        _check_rows("bias", bias, (n,), dtype)
+    if any(t.device.type != "cpu" for t in (acc, row_scale, col_scale)):
+        raise ValueError("the fused CPU kernels take CPU tensors only.")
+
+
 def round_activations_ref(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """``x [M, K]`` rounded to the ``dtype`` grid of ``quantize_rows_i8_ref``, back in fp32
     (``q * d``): what the integer-activation kernels multiply W by, for the fp32 kernels."""

@@ -72,6 +72,12 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="With weights kept quantized: steps of at least this many rows run a dense copy of each weight in dtype (oneDNN GEMM), fewer rows the packed kernels; 0 keeps no dense copy (saves its memory).",
         ),
     ] = 0
+    dense_copy_dtype: Annotated[
+        Literal["model", "int8"],
+        Meta(
+            description="The dense copy's dtype: model (dtype; oneDNN GEMM) or int8 (weights and each step's activations rounded to int8 per row; integer GEMM).",
+        ),
+    ] = "model"
 
 
 # The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).

@@ -51,6 +51,7 @@ SLOW = frozenset(
         "tests/test_generation_config.py",
         "tests/test_hostile_http.py",
         "tests/test_llm.py",
+        "tests/test_int8_dense_copy_llm.py",
         "tests/test_management_e2e.py",
         "tests/test_reliability.py",
         "tests/test_serving.py",

@@ -6,6 +6,9 @@
 //   rms_norm            out = norm(x) * weight
 //   silu_and_mul        out = silu(gate) * up for x = [gate | up]
 //   rotary_neox         query and key rotated in place, neox style
+//   quantize_rows_int8  scale = amax(row) / 127, q = round(x / scale)
+//   scale_int32         out = acc * row_scale * col_scale (+ bias): an integer
+//                       GEMM's int32 result back to the activation dtype
 //
 // Rows may be strided (a row stride, the last dimension contiguous): q, k and
 // v are views of one projection. Arithmetic is fp32 whatever the dtype, with
@@ -26,6 +29,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -184,6 +189,88 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
   });
 }
 
+// Max of |row[0, n)| in fp32, kLanes partial maxima; NaN where the row holds a NaN
+// or an infinity (v - v is 0 for every finite v, NaN otherwise).
+template <typename T>
+inline float abs_max(const T* row, int64_t n) {
+  float lanes[kLanes] = {0.0f};
+  float poison[kLanes] = {0.0f};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      float v = to_float(row[j + l]);
+      lanes[l] = std::max(lanes[l], std::fabs(v));
+      poison[l] += v - v;
+    }
+  }
+  float best = 0.0f, bad = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    best = std::max(best, lanes[l]);
+    bad += poison[l];
+  }
+  for (; j < n; ++j) {
+    float v = to_float(row[j]);
+    best = std::max(best, std::fabs(v));
+    bad += v - v;
+  }
+  return bad == 0.0f ? best : std::numeric_limits<float>::quiet_NaN();
+}
+
+template <typename T>
+void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t sx = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = xp + i * sx;
+      int8_t* qr = qp + i * n;
+      const float d = abs_max(xr, n) / 127.0f;
+      sp[i] = d;
+      if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
+        std::memset(qr, 0, n);
+        continue;
+      }
+      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        // nearbyint: ties to even, as torch.round; it vectorizes (no errno), and no add follows
+        // the product for the compiler to fuse into an FMA, which would round differently.
+        qr[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(to_float(xr[j]) * inv)));
+      }
+    }
+  });
+}
+
+template <typename T>
+void scale_int32_impl(at::Tensor& out, const at::Tensor& acc, const at::Tensor& row_scale,
+                      const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  const int64_t so = out.stride(0);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* rs = row_scale.data_ptr<float>();
+  const float* cs = col_scale.data_ptr<float>();
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    // With a bias the products go through a buffer first: written in one expression, the
+    // compiler may fuse product and add into one FMA, which rounds differently from the twin.
+    std::vector<float> products(bp == nullptr ? 0 : n);
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* ar = ap + i * n;
+      T* o = op + i * so;
+      const float r = rs[i];
+      if (bp == nullptr) {
+        for (int64_t j = 0; j < n; ++j) o[j] = from_float<T>(static_cast<float>(ar[j]) * r * cs[j]);
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) products[j] = static_cast<float>(ar[j]) * r * cs[j];
+      for (int64_t j = 0; j < n; ++j) o[j] = from_float<T>(products[j] + to_float(bp[j]));
+    }
+  });
+}
+
 // The Python wrappers (kernels/cpu_fused.py) check shapes, dtypes and bounds
 // with clear messages; these checks guard the memory this code touches.
 void check_rows(const at::Tensor& t, int64_t rows, int64_t n, at::ScalarType dtype, const char* what) {
@@ -247,6 +334,42 @@ void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, 
   else rotary_impl<c10::BFloat16>(positions, query, key, cos, sin, head_dim);
 }
 
+void quantize_rows_int8(at::Tensor q, at::Tensor scale, const at::Tensor& x) {
+  check_dtype(x.scalar_type(), "quantize_rows_int8");
+  TORCH_CHECK(x.dim() == 2, "quantize_rows_int8: x [rows, n] expected");
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_rows(x, rows, n, x.scalar_type(), "quantize_rows_int8 x");
+  TORCH_CHECK(q.is_contiguous(), "quantize_rows_int8: q must be contiguous");
+  check_rows(q, rows, n, at::kChar, "quantize_rows_int8 q (int8)");
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.numel() == rows &&
+                  scale.scalar_type() == at::kFloat,
+              "quantize_rows_int8: scale [rows] float32, contiguous");
+  if (x.scalar_type() == at::kFloat) quantize_rows_int8_impl<float>(q, scale, x);
+  else quantize_rows_int8_impl<c10::BFloat16>(q, scale, x);
+}
+
+void scale_int32(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
+                 const c10::optional<at::Tensor>& bias) {
+  check_dtype(out.scalar_type(), "scale_int32");
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous(), "scale_int32: acc [rows, n] contiguous expected");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  check_rows(acc, rows, n, at::kInt, "scale_int32 acc (int32)");
+  check_rows(out, rows, n, out.scalar_type(), "scale_int32 out");
+  TORCH_CHECK(row_scale.device().is_cpu() && row_scale.is_contiguous() && row_scale.numel() == rows &&
+                  row_scale.scalar_type() == at::kFloat,
+              "scale_int32: row_scale [rows] float32, contiguous");
+  TORCH_CHECK(col_scale.device().is_cpu() && col_scale.is_contiguous() && col_scale.numel() == n &&
+                  col_scale.scalar_type() == at::kFloat,
+              "scale_int32: col_scale [n] float32, contiguous");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->numel() == n &&
+                    bias->scalar_type() == out.scalar_type(),
+                "scale_int32: bias [n] of the output dtype, contiguous");
+  }
+  if (out.scalar_type() == at::kFloat) scale_int32_impl<float>(out, acc, row_scale, col_scale, bias);
+  else scale_int32_impl<c10::BFloat16>(out, acc, row_scale, col_scale, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weft_fused, m) {
@@ -254,8 +377,12 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
+  m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x) -> ()");
+  m.def("scale_int32(Tensor(a!) out, Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> ()");
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
+  m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
+  m.impl("scale_int32", c10::DispatchKey::CPU, &scale_int32);
 }

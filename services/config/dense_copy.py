@@ -10,6 +10,10 @@ there on. The copy costs its memory, out of the same budget as the KV cache,
 so "auto" keeps it only where it takes at most half of that budget (the
 default model: 0.27 GB in bf16 of the 2 GiB CPU default); a larger model runs
 packed at every batch size unless asked.
+
+``--dense-copy-dtype int8`` keeps the copy in int8 instead (one byte a weight,
+activations rounded to int8 per row, integer GEMMs:
+``services.worker.layers.int8_linear``); "auto" keeps it in the model dtype.
 Torch-free: the API process builds the config too.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 DEFAULT_DENSE_MIN_ROWS = 8
 # "auto" keeps a copy of at most this share of the worker's memory budget.
 AUTO_MAX_BUDGET_SHARE = 0.5
+DENSE_COPY_DTYPES = ("auto", "int8")
 
 
 def linear_param_count(hf_config: dict) -> int:
@@ -67,3 +72,22 @@ def resolve_dense_min_rows(
         return 0
     copy_bytes = linear_param_count(hf_config) * dtype_bytes
     return DEFAULT_DENSE_MIN_ROWS if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0
+
+
+def check_dense_copy_dtype(value: str) -> str:
+    if value not in DENSE_COPY_DTYPES:
+        raise ValueError(f"dense_copy_dtype must be one of {', '.join(DENSE_COPY_DTYPES)}; got {value!r}.")
+    return value
+
+
+def check_int8_copy_kept(dense_min_rows: int, quantization: str, speculative: bool) -> None:
+    """``dense_copy_dtype`` int8 names the copy's dtype: refuse it where no copy is kept."""
+    if dense_min_rows > 0:
+        return
+    if quantization != "gguf":
+        reason = f"with quantization {quantization!r} there is no packed weight to copy"
+    elif speculative:
+        reason = "with speculative decoding auto keeps no copy; give --dense-min-rows explicitly"
+    else:
+        reason = "no copy is kept (--dense-min-rows 0, or the copy does not fit half the memory budget)"
+    raise ValueError(f"dense_copy_dtype int8 applies to the dense copy of weights kept quantized: {reason}.")

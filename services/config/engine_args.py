@@ -24,7 +24,7 @@ from protocol import (
 from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
-from services.config.dense_copy import resolve_dense_min_rows
+from services.config.dense_copy import check_dense_copy_dtype, check_int8_copy_kept, resolve_dense_min_rows
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.parallel_args import check_tensor_parallel
 from services.config.speculative_args import resolve_speculative_config
@@ -71,6 +71,7 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     dense_min_rows: int | None = None  # None: auto (services/config/dense_copy.py)
     async_scheduling: bool = False
+    dense_copy_dtype: str = "auto"  # auto: the model dtype; int8 (services/config/dense_copy.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -111,6 +112,7 @@ class EngineArgs:
                 extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
                 quantization=quantization,
                 dense_min_rows=dense_min_rows,
+                dense_copy_dtype="int8" if self._int8_copy(dense_min_rows, quantization) else "model",
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -155,16 +157,25 @@ class EngineArgs:
 
     def _dense_min_rows(self, quantization: str, device: str, hf_config: dict) -> int:
         """The dense copy's row threshold, sized (under auto) in the dtype it would then run in."""
-        copy_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
+        if check_dense_copy_dtype(self.dense_copy_dtype) == "int8":
+            copy_bytes = 1
+        else:
+            copy_bytes = _DTYPE_BYTES[resolve_dtype(self.dtype, device, quantization, dense_copy=True)]
         budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
         return resolve_dense_min_rows(
             self.dense_min_rows,
             quantization,
             hf_config,
             budget,
-            _DTYPE_BYTES[copy_dtype],
+            copy_bytes,
             speculative=self.speculative_config is not None,
         )
+
+    def _int8_copy(self, dense_min_rows: int, quantization: str) -> bool:
+        if self.dense_copy_dtype != "int8":
+            return False
+        check_int8_copy_kept(dense_min_rows, quantization, speculative=self.speculative_config is not None)
+        return True
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048

@@ -68,7 +68,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     else:
         model.load_weights(weights)
     if config.quantization == "gguf":
-        finalize_quantized(model, config.dense_min_rows)
+        finalize_quantized(model, config.dense_min_rows, dense_int8=config.dense_copy_dtype == "int8")
         logger.info("GGUF weights kept quantized: %s", quantized_report(model).describe())
     return model.eval()
 

@@ -13,6 +13,7 @@ import argparse
 import pytest
 import torch
 
+from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
     DEFAULT_DENSE_MIN_ROWS,
@@ -21,7 +22,7 @@ from services.config.dense_copy import (
 )
 from services.config.engine_args import EngineArgs
 from services.model_files import resolve
-from services.worker.layers.linear import LinearBase, pack_linear_weights
+from services.worker.layers.linear import LinearBase, pack_linear_weights, packed_weights_bytes
 from services.worker.layers.quantized_linear import quantized_report
 from services.worker.model_loader import load_model
 
@@ -139,3 +140,78 @@ def test_a_bf16_model_keeps_a_bf16_copy():
     torch.testing.assert_close(
         layer.linear(x, None).float(), x.float() @ layer.quant.dequantize().T, atol=0.05, rtol=0.05
     )
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+
+
+def test_an_int8_copy_is_sized_at_one_byte_a_weight():
+    assert config_of(dtype="float32").dense_copy_dtype == "model"
+    assert config_of(dtype="float32", dense_copy_dtype="int8").dense_copy_dtype == "int8"
+    # 1 GiB: half of it holds no fp32 copy of the default model (0.54 GB), but an int8 one (0.13 GB).
+    gib = 1 << 30
+    assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
+    int8 = config_of(dtype="float32", kv_cache_memory=gib, dense_copy_dtype="int8")
+    assert int8.dense_min_rows == DEFAULT_DENSE_MIN_ROWS and int8.dense_copy_dtype == "int8"
+    assert config_of(dtype="float32", speculative_config=SPEC, dense_min_rows=8, dense_copy_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dense_copy_dtype="fp8"), "dense_copy_dtype must be one of auto, int8"),
+        (dict(dense_copy_dtype="int8", quantization="none"), "no packed weight to copy"),
+        (dict(dense_copy_dtype="int8", dense_min_rows=0), "no copy is kept"),
+        (dict(dense_copy_dtype="int8", speculative_config=SPEC), "give --dense-min-rows explicitly"),
+    ],
+)
+def test_an_int8_copy_where_none_is_kept_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config_of(dtype="float32", **kwargs)
+
+
+def test_the_int8_flag_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--dense-copy-dtype", "int8", "--device", "cpu"]))
+    assert args.create_engine_config().model.dense_copy_dtype == "int8"
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    torch.set_num_threads(1)
+    loaded = load_model(config_of(dtype="float32", dense_min_rows=8, dense_copy_dtype="int8"))
+    pack_linear_weights(loaded, torch.float32, torch.device("cpu"))
+    return loaded
+
+
+def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """The int8 copy's computation from the twins: W and x rounded per row, an exact integer product."""
+    qw, sw = quantize_rows_int8_ref(layer.quant.dequantize())
+    qx, sx = quantize_rows_int8_ref(x)
+    return scale_int32_ref(torch._int_mm(qx, qw.t()), sx, sw, None, x.dtype)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_8_rows_the_int8_copy_runs(int8_model, dtype):
+    for layer in linear_layers(int8_model)[:8] + [int8_model.lm_head]:
+        assert layer.weight is None and layer.packed_weight is None and layer.int8 is not None
+        k = layer.quant.shape[1]
+        x = torch.randn(7, k).to(dtype)
+        assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
+        for rows in (8, 64):
+            x = torch.randn(rows, k).to(dtype)
+            got = layer.linear(x, None)
+            assert got.dtype == dtype and torch.equal(got, int8_twin(layer, x))
+            # Both roundings together: about 1% of the product (x's step, amax / 127, is about
+            # 3% of a Gaussian row's spread; its rounding error a third of that).
+            want = x.float() @ layer.quant.dequantize().T
+            assert float((got.float() - want).norm() / want.norm()) < 0.03
+
+
+def test_the_int8_copy_is_counted(int8_model):
+    report = quantized_report(int8_model)
+    layers = linear_layers(int8_model)
+    rows = sum(layer.quant.shape[0] for layer in layers)
+    assert packed_weights_bytes(int8_model) == report.total_params + 4 * rows  # int8 weights + fp32 scales

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TensorParallelGroup, divide
+from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeight
 
 
@@ -71,12 +72,15 @@ class LinearBase(nn.Module):
     packed_bytes: int = 0  # what the packed copy stands for, for the memory budget
     quant: QuantizedWeight | None = None  # the weight kept quantized, when it is
     # With ``quant``: from this many rows of x on, the dense copy in ``weight`` (or
-    # ``packed_weight``) runs instead; 0: there is no copy.
+    # ``packed_weight``, or ``int8``) runs instead; 0: there is no copy.
     dense_min_rows: int = 0
+    int8: Int8Weight | None = None  # the dense copy in int8 (``--dense-copy-dtype int8``)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and not 0 < self.dense_min_rows <= x.numel() // x.shape[-1]:
             return self.quant.linear(x, bias)
+        if self.int8 is not None:
+            return self.int8.linear(x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -116,8 +120,9 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, device: torch.devi
 
 
 def packed_weights_bytes(model: nn.Module) -> int:
-    """Bytes of the weights that packing moved out of ``model.parameters()``."""
-    return sum(m.packed_bytes for m in model.modules() if isinstance(m, LinearBase))
+    """Bytes of the weights that packing, or an int8 dense copy, holds outside ``model.parameters()``."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    return sum(m.packed_bytes + (m.int8.nbytes if m.int8 is not None else 0) for m in layers)
 
 
 class Linear(LinearBase):

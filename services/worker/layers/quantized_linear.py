@@ -41,6 +41,7 @@ from torch import nn
 
 from kernels.reference import dequantize_packed_ref, quant_linear_ref, round_activations_ref
 from services import env
+from services.worker.layers.int8_linear import Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def _merge_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
     return [run[0] if len(run) == 1 else cat_rows(run) for run in runs]
 
 
-def finalize_quantized(model: nn.Module, dense_min_rows: int = 0) -> None:
+def finalize_quantized(model: nn.Module, dense_min_rows: int = 0, dense_int8: bool = False) -> None:
     """Turn every layer's loaded ``packed_parts`` into its ``quant`` and free its dense weight.
 
     A layer whose parts did not all come packed (a fused projection with one
@@ -281,6 +282,7 @@ def finalize_quantized(model: nn.Module, dense_min_rows: int = 0) -> None:
     With ``dense_min_rows`` > 0 each linear layer also keeps the dequantized
     weight, in its own dtype, as its dense copy for steps of that many rows on
     (``services/config/dense_copy.py``); embeddings look rows up in the packed one.
+    ``dense_int8`` makes that copy int8 (``services.worker.layers.int8_linear``).
     """
     quantized_by_param: dict[int, QuantizedWeight] = {}
     for name, module in model.named_modules():
@@ -307,9 +309,13 @@ def finalize_quantized(model: nn.Module, dense_min_rows: int = 0) -> None:
         if getattr(module, "quant", None) is None:
             continue
         if dense_min_rows and hasattr(module, "dense_min_rows"):  # a linear layer
+            module.dense_min_rows = dense_min_rows
+            if dense_int8:
+                module.int8 = Int8Weight(module.quant.dequantize())
+                module.weight = None
+                continue
             dtype = module.weight.dtype
             module.weight = nn.Parameter(module.quant.dequantize().to(dtype), requires_grad=False)
-            module.dense_min_rows = dense_min_rows
         else:
             module.weight = None
 

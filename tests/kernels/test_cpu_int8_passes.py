@@ -1,0 +1,115 @@
+"""The two passes around an int8 GEMM (``kernels.cpu_fused``): rows rounded to int8, and the
+int32 product scaled back, against their torch twins, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_fused
+from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the CPU kernels with"
+)
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 301])
+@pytest.mark.parametrize("cols", [576, 77])  # SmolLM2's width, and one no vector width divides
+@pytest.mark.parametrize("strided", [False, True])
+def test_quantize_rows_matches_twin(generator, dtype, rows, cols, strided):
+    wide = (torch.randn(rows, cols + 16, generator=generator) * 4).to(dtype)
+    x = wide[:, 8 : 8 + cols] if strided else wide[:, :cols].contiguous()
+    q, scale = cpu_fused.quantize_rows_int8(x)
+    q_ref, scale_ref = quantize_rows_int8_ref(x)
+    assert q.dtype == torch.int8 and q.is_contiguous() and scale.dtype == torch.float32
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    assert int(q.abs().amax(1).min()) == 127  # each row's largest element takes the whole range
+    # The rounding error of an element is at most half a step of its row (bf16 values can sit on
+    # the half step exactly; the margin is fp32 rounding of the check itself).
+    err = (q.float() * scale[:, None] - x.float()).abs()
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-4)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_and_non_finite_rows(dtype):
+    x = torch.ones(4, 40, dtype=dtype)
+    x[0] = 0
+    x[1, 3] = float("nan")
+    x[2, 39] = float("inf")  # the last element: past the vector loop's lanes
+    q, scale = cpu_fused.quantize_rows_int8(x)
+    q_ref, scale_ref = quantize_rows_int8_ref(x)
+    assert torch.equal(q, q_ref) and torch.equal(scale.nan_to_num(-1), scale_ref.nan_to_num(-1))
+    assert scale[0] == 0 and not q[0].any()
+    assert scale[1].isnan() and scale[2].isnan() and not q[1:3].any()  # NaN out, not garbage
+    assert scale[3] == pytest.approx(1 / 127) and bool((q[3] == 127).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (64, 1536), (301, 45)])
+def test_scale_int32_matches_twin(generator, dtype, with_bias, shape):
+    rows, n = shape
+    acc = torch.randint(-(2**26), 2**26, shape, dtype=torch.int32, generator=generator)
+    row_scale = torch.rand(rows, generator=generator) * 1e-3
+    col_scale = torch.rand(n, generator=generator) * 1e-2
+    bias = torch.randn(n, generator=generator).to(dtype) if with_bias else None
+    out = cpu_fused.scale_int32(acc, row_scale, col_scale, bias, dtype)
+    assert out.dtype == dtype and torch.equal(out, scale_int32_ref(acc, row_scale, col_scale, bias, dtype))
+
+
+def test_the_passes_around_an_integer_gemm_approximate_the_float_product(generator):
+    x = torch.randn(16, 576, generator=generator)
+    w = torch.randn(100, 576, generator=generator) * 0.05
+    qx, sx = cpu_fused.quantize_rows_int8(x)
+    qw, sw = quantize_rows_int8_ref(w)
+    out = cpu_fused.scale_int32(torch._int_mm(qx, qw.t()), sx, sw, None, torch.float32)
+    want = x @ w.T
+    assert float((out - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: cpu_fused.quantize_rows_int8(torch.ones(3, 4, 5)), r"x must be \[T, K\]"),
+        (lambda: cpu_fused.quantize_rows_int8(torch.ones(3, 4, dtype=torch.float16)), "x must be one of"),
+        (lambda: cpu_fused.quantize_rows_int8(torch.ones(4, 3).t()), "contiguous in its last dimension"),
+        (
+            lambda: cpu_fused.scale_int32(
+                torch.ones(2, 3), torch.ones(2), torch.ones(3), None, torch.float32
+            ),
+            "acc must be a contiguous",
+        ),
+        (
+            lambda: cpu_fused.scale_int32(
+                torch.ones(2, 3, dtype=torch.int32), torch.ones(3), torch.ones(3), None, torch.float32
+            ),
+            r"row_scale must be \[2\]",
+        ),
+        (
+            lambda: cpu_fused.scale_int32(
+                torch.ones(2, 3, dtype=torch.int32),
+                torch.ones(2),
+                torch.ones(3),
+                torch.ones(3),
+                torch.bfloat16,
+            ),
+            r"bias must be \[3\] torch.bfloat16",
+        ),
+        (
+            lambda: cpu_fused.scale_int32(
+                torch.ones(2, 3, dtype=torch.int32), torch.ones(2), torch.ones(3), None, torch.float16
+            ),
+            "output dtype must be",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_clearly(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
