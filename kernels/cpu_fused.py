@@ -131,15 +131,17 @@ def rotary_embedding(
     torch.ops.weft_fused.rotary_neox(positions.long(), query, key, cos, sin, head_dim)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, K]`` -> (``q [T, K]`` int8, ``scale [T]`` fp32): each row rounded to ``scale * q``."""
+def quantize_rows_int8(x: torch.Tensor, hadamard_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> (``q [T, K]`` int8, ``scale [T]`` fp32): each row rounded to ``scale * q``,
+    after the Walsh-Hadamard rotation of ``kernels.reference.hadamard_rows_ref`` where
+    ``hadamard_block`` (4, 16 or 64) is not 0."""
     load()
     try:
         q = torch.empty(x.shape, dtype=torch.int8)
         scale = torch.empty(x.shape[0], dtype=torch.float32)
-        torch.ops.weft_fused.quantize_rows_int8(q, scale, x)
+        torch.ops.weft_fused.quantize_rows_int8(q, scale, x, hadamard_block)
     except (RuntimeError, IndexError) as exc:
-        _refused(lambda: check_quantize_rows_int8_args(x), exc)
+        _refused(lambda: check_quantize_rows_int8_args(x, hadamard_block), exc)
     return q, scale
 
 

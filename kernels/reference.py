@@ -9,6 +9,8 @@ the same inputs with the same messages.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -236,9 +238,33 @@ def quant_linear_i8_ref(
     return y
 
 
-def quantize_rows_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``kernels.cpu_fused.quantize_rows_int8``: each row of ``x [T, K]`` one group of
+HADAMARD_BLOCKS = (4, 16, 64)  # powers of 4: 1 / sqrt(block) is a power of two, exact
+
+
+def hadamard_rows_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each row of ``x [T, K]`` (in fp32) times an orthonormal Walsh-Hadamard matrix over
+    strided blocks: block ``b`` holds elements ``b, b + K / block, b + 2 K / block, ...``.
+    Rotating x and W alike leaves ``x W^T`` unchanged and spreads an outlier column over
+    ``block`` columns, so rounding each row to int8 loses far less (README, "int8 dense copy").
+    The butterflies run in the compiled kernel's order: the two agree bit for bit."""
+    rows, k = x.shape
+    runs = k // block
+    y = x.float().reshape(rows, block, runs)
+    h = 1
+    while h < block:
+        pairs = y.view(rows, block // (2 * h), 2, h, runs)
+        a, c = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + c, a - c), dim=2).view(rows, block, runs)
+        h *= 2
+    return (y * (1.0 / math.sqrt(block))).view(rows, k)
+
+
+def quantize_rows_int8_ref(x: torch.Tensor, hadamard_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.cpu_fused.quantize_rows_int8``: each row of ``x [T, K]`` (rotated by
+    ``hadamard_rows_ref`` where ``hadamard_block`` is not 0) one group of
     ``quantize_rows_i8_ref``; returns ``q [T, K]`` int8 and ``scale [T]`` fp32."""
+    if hadamard_block:
+        x = hadamard_rows_ref(x, hadamard_block)
     q, d = quantize_rows_i8_ref(x, x.shape[1])
     return q.flatten(1), d.flatten()
 
@@ -258,9 +284,14 @@ def scale_int32_ref(
     return y.to(dtype)
 
 
-def check_quantize_rows_int8_args(x: torch.Tensor) -> None:
+def check_quantize_rows_int8_args(x: torch.Tensor, hadamard_block: int = 0) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, K], got {list(x.shape)}.")
+    if hadamard_block and (hadamard_block not in HADAMARD_BLOCKS or x.shape[1] % hadamard_block):
+        raise ValueError(
+            f"hadamard_block must be 0 or one of {HADAMARD_BLOCKS} dividing K = {x.shape[1]}, "
+            f"got {hadamard_block}."
+        )
     _check_float("x", x, cpu=True)
     _check_rows("x", x, tuple(x.shape), x.dtype)
 

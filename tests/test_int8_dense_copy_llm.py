@@ -41,7 +41,7 @@ def test_int8_copy_costs_little_likelihood(prompts):
             nll[copy] = mean_nll(llm, prompts)
         finally:
             llm.shutdown()
-    # Measured: 3.570 (bf16 copy) and 3.617 (int8) nats a token here; 0.042 apart on the
-    # repository's own text (README "int8 dense copy"). A wrong scale costs whole nats.
+    # Measured: 3.570 (bf16 copy) and 3.578 (int8) nats a token here, 3.617 without the
+    # Hadamard rotation (README "int8 dense copy"). A wrong scale costs whole nats.
     assert nll["auto"] < 5.0
-    assert abs(nll["int8"] - nll["auto"]) < 0.1, nll
+    assert abs(nll["int8"] - nll["auto"]) < 0.03, nll

@@ -6,7 +6,8 @@
 //   rms_norm            out = norm(x) * weight
 //   silu_and_mul        out = silu(gate) * up for x = [gate | up]
 //   rotary_neox         query and key rotated in place, neox style
-//   quantize_rows_int8  scale = amax(row) / 127, q = round(x / scale)
+//   quantize_rows_int8  scale = amax(row) / 127, q = round(x / scale), optionally after
+//                       an orthonormal Walsh-Hadamard rotation of the row
 //   scale_int32         out = acc * row_scale * col_scale (+ bias): an integer
 //                       GEMM's int32 result back to the activation dtype
 //
@@ -216,18 +217,46 @@ inline float abs_max(const T* row, int64_t n) {
   return bad == 0.0f ? best : std::numeric_limits<float>::quiet_NaN();
 }
 
+// In place: a Walsh-Hadamard transform over each strided block of row[0, blocks * block): block
+// b holds elements b, b + blocks, b + 2 * blocks, ... Butterflies pair runs of `blocks`
+// contiguous floats, so every stage is a plain vector loop. Scaled by 1 / sqrt(block), a
+// power of two for the block sizes allowed (4^k): the transform is orthonormal and exact
+// to rounding. The twin (kernels.reference.hadamard_rows_ref) does the same adds in the same order.
+inline void hadamard_strided(float* row, int64_t block, int64_t blocks, float norm) {
+  for (int64_t h = 1; h < block; h *= 2) {
+    for (int64_t p = 0; p < block; p += 2 * h) {
+      for (int64_t r = p; r < p + h; ++r) {
+        float* a = row + r * blocks;
+        float* c = row + (r + h) * blocks;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float u = a[b], v = c[b];
+          a[b] = u + v;
+          c[b] = u - v;
+        }
+      }
+    }
+  }
+  const int64_t n = block * blocks;
+  for (int64_t j = 0; j < n; ++j) row[j] *= norm;
+}
+
 template <typename T>
-void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x) {
+void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x, int64_t block) {
   const int64_t rows = x.size(0), n = x.size(1);
   const int64_t sx = x.stride(0);
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
+  const float norm = block > 1 ? 1.0f / std::sqrt(static_cast<float>(block)) : 1.0f;
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(n);
+    float* row = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
       const T* xr = xp + i * sx;
       int8_t* qr = qp + i * n;
-      const float d = abs_max(xr, n) / 127.0f;
+      for (int64_t j = 0; j < n; ++j) row[j] = to_float(xr[j]);
+      if (block > 1) hadamard_strided(row, block, n / block, norm);
+      const float d = abs_max(row, n) / 127.0f;
       sp[i] = d;
       if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
         std::memset(qr, 0, n);
@@ -237,7 +266,7 @@ void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor&
       for (int64_t j = 0; j < n; ++j) {
         // nearbyint: ties to even, as torch.round; it vectorizes (no errno), and no add follows
         // the product for the compiler to fuse into an FMA, which would round differently.
-        qr[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(to_float(xr[j]) * inv)));
+        qr[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(row[j] * inv)));
       }
     }
   });
@@ -334,18 +363,21 @@ void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, 
   else rotary_impl<c10::BFloat16>(positions, query, key, cos, sin, head_dim);
 }
 
-void quantize_rows_int8(at::Tensor q, at::Tensor scale, const at::Tensor& x) {
+void quantize_rows_int8(at::Tensor q, at::Tensor scale, const at::Tensor& x, int64_t hadamard_block) {
   check_dtype(x.scalar_type(), "quantize_rows_int8");
   TORCH_CHECK(x.dim() == 2, "quantize_rows_int8: x [rows, n] expected");
   const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(hadamard_block == 0 || ((hadamard_block == 4 || hadamard_block == 16 || hadamard_block == 64) &&
+                                      n % hadamard_block == 0),
+              "quantize_rows_int8: hadamard_block must be 0, or 4, 16 or 64 dividing the row");
   check_rows(x, rows, n, x.scalar_type(), "quantize_rows_int8 x");
   TORCH_CHECK(q.is_contiguous(), "quantize_rows_int8: q must be contiguous");
   check_rows(q, rows, n, at::kChar, "quantize_rows_int8 q (int8)");
   TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.numel() == rows &&
                   scale.scalar_type() == at::kFloat,
               "quantize_rows_int8: scale [rows] float32, contiguous");
-  if (x.scalar_type() == at::kFloat) quantize_rows_int8_impl<float>(q, scale, x);
-  else quantize_rows_int8_impl<c10::BFloat16>(q, scale, x);
+  if (x.scalar_type() == at::kFloat) quantize_rows_int8_impl<float>(q, scale, x, hadamard_block);
+  else quantize_rows_int8_impl<c10::BFloat16>(q, scale, x, hadamard_block);
 }
 
 void scale_int32(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
@@ -377,7 +409,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
-  m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x) -> ()");
+  m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x, int hadamard_block) -> ()");
   m.def("scale_int32(Tensor(a!) out, Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> ()");
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_fused
-from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
+from kernels.reference import hadamard_rows_ref, quantize_rows_int8_ref, scale_int32_ref
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the CPU kernels with"
@@ -52,6 +52,44 @@ def test_zero_and_non_finite_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols, block", [(576, 64), (1536, 64), (80, 16), (12, 4)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rotated_rows_match_twin(generator, dtype, cols, block, strided):
+    wide = (torch.randn(37, cols + 16, generator=generator) * 4).to(dtype)
+    x = wide[:, 8 : 8 + cols] if strided else wide[:, :cols].contiguous()
+    q, scale = cpu_fused.quantize_rows_int8(x, block)
+    q_ref, scale_ref = quantize_rows_int8_ref(x, block)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+def test_the_rotation_is_orthonormal_and_spreads_an_outlier(generator):
+    x = torch.randn(6, 576, generator=generator, dtype=torch.float64)
+    w = torch.randn(9, 576, generator=generator, dtype=torch.float64)
+    rotated = hadamard_rows_ref(x, 64).double() @ hadamard_rows_ref(w, 64).double().T
+    torch.testing.assert_close(rotated, x @ w.T, atol=1e-4, rtol=1e-5)
+    spike = torch.zeros(1, 576)
+    spike[0, 100] = 64.0
+    spread = hadamard_rows_ref(spike, 64)
+    assert int((spread != 0).sum()) == 64 and float(spread.abs().max()) == 8.0  # 64 / sqrt(64)
+
+
+def test_rotation_shrinks_the_rounding_error_of_outlier_rows(generator):
+    """Activations with a few large columns, as LLM activations have: the rotated rows round to
+    int8 with a far smaller error in the product."""
+    x = torch.randn(64, 576, generator=generator)
+    x[:, [7, 300]] *= 40.0
+    w = torch.randn(128, 576, generator=generator) * 0.05
+    want = x @ w.T
+    errors = {}
+    for block in (0, 64):
+        qx, sx = cpu_fused.quantize_rows_int8(x, block)
+        qw, sw = quantize_rows_int8_ref(w, block)
+        out = cpu_fused.scale_int32(torch._int_mm(qx, qw.t()), sx, sw, None, torch.float32)
+        errors[block] = float((out - want).norm() / want.norm())
+    assert errors[64] < errors[0] / 2, errors
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (64, 1536), (301, 45)])
 def test_scale_int32_matches_twin(generator, dtype, with_bias, shape):
@@ -80,6 +118,8 @@ def test_the_passes_around_an_integer_gemm_approximate_the_float_product(generat
         (lambda: cpu_fused.quantize_rows_int8(torch.ones(3, 4, 5)), r"x must be \[T, K\]"),
         (lambda: cpu_fused.quantize_rows_int8(torch.ones(3, 4, dtype=torch.float16)), "x must be one of"),
         (lambda: cpu_fused.quantize_rows_int8(torch.ones(4, 3).t()), "contiguous in its last dimension"),
+        (lambda: cpu_fused.quantize_rows_int8(torch.ones(4, 48), 32), "hadamard_block must be 0 or one of"),
+        (lambda: cpu_fused.quantize_rows_int8(torch.ones(4, 48), 64), "dividing K = 48"),
         (
             lambda: cpu_fused.scale_int32(
                 torch.ones(2, 3), torch.ones(2), torch.ones(3), None, torch.float32

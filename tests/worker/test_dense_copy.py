@@ -186,9 +186,11 @@ def int8_model():
 
 
 def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    """The int8 copy's computation from the twins: W and x rounded per row, an exact integer product."""
-    qw, sw = quantize_rows_int8_ref(layer.quant.dequantize())
-    qx, sx = quantize_rows_int8_ref(x)
+    """The int8 copy's computation from the twins: W and x rotated and rounded per row, an exact
+    integer product."""
+    assert layer.int8.hadamard_block == 64  # every width of the default model is a multiple of 64
+    qw, sw = quantize_rows_int8_ref(layer.quant.dequantize(), 64)
+    qx, sx = quantize_rows_int8_ref(x, 64)
     return scale_int32_ref(torch._int_mm(qx, qw.t()), sx, sw, None, x.dtype)
 
 
