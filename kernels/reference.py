@@ -249,14 +249,15 @@ def hadamard_rows_ref(x: torch.Tensor, block: int) -> torch.Tensor:
     The butterflies run in the compiled kernel's order: the two agree bit for bit."""
     rows, k = x.shape
     runs = k // block
-    y = x.float().reshape(rows, block, runs)
+    # 1 / sqrt(block) is a power of two: scaling first is exact, as the kernel does it.
+    y = (x.float() * (1.0 / math.sqrt(block))).reshape(rows, block, runs)
     h = 1
     while h < block:
         pairs = y.view(rows, block // (2 * h), 2, h, runs)
         a, c = pairs[:, :, 0], pairs[:, :, 1]
         y = torch.stack((a + c, a - c), dim=2).view(rows, block, runs)
         h *= 2
-    return (y * (1.0 / math.sqrt(block))).view(rows, k)
+    return y.view(rows, k)
 
 
 def quantize_rows_int8_ref(x: torch.Tensor, hadamard_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,16 +1,18 @@
-"""Every weight matmul of one forward of the default model at M rows: packed kernels vs the dense copy.
+"""Every weight matmul of one forward of the default model at M rows: packed kernels vs the dense copies.
 
     python scripts/dense_rows_bench.py --rows 1 4 8 16 64 256 --threads 2
 
 For each row count, runs each linear layer and the LM head once on random
-inputs, three ways, alternated over ``--rounds`` (packed, bf16, fp32, packed,
-...) so a load change on a shared machine hits all three, and prints the best
-time of each:
+inputs, four ways, alternated over ``--rounds`` (packed, bf16, fp32, int8,
+packed, ...) so a load change on a shared machine hits all of them, and prints
+the best time of each:
 
 - ``packed``: the weights kept quantized, through the packed kernels (the
   path of steps under ``--dense-min-rows`` rows),
 - ``bf16`` / ``fp32``: the dense copy in that dtype, packed for oneDNN as the
-  CPU worker packs it (the path from ``--dense-min-rows`` rows on).
+  CPU worker packs it (the path from ``--dense-min-rows`` rows on),
+- ``int8``: the int8 copy (``--dense-copy-dtype int8``) on bf16 activations:
+  rows rotated and rounded, ``torch._int_mm``, scaled back.
 
 The row count from which the dense copy wins on every layer is what
 ``services/config/dense_copy.DEFAULT_DENSE_MIN_ROWS`` is set from.
@@ -24,6 +26,7 @@ import time
 import torch
 
 from services.config.engine_args import EngineArgs
+from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.linear import LinearBase
 from services.worker.model_loader import load_model
 
@@ -45,18 +48,28 @@ def dense_copies(layers, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.ops.mkldnn._reorder_linear_weight(q.dequantize().to(dtype), 64) for q in layers]
 
 
+def matmuls(layers, name: str) -> tuple[list, torch.dtype]:
+    """One ``x -> x W^T`` per layer for path ``name``, and the dtype of its x."""
+    if name == "packed":
+        return [lambda x, q=q: q.linear(x, None) for q in layers], torch.float32
+    if name == "int8":
+        copies = [Int8Weight(q.dequantize()) for q in layers]
+        return [lambda x, w=w: w.linear(x, None) for w in copies], torch.bfloat16
+    copies = dense_copies(layers, DTYPES[name])
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    return [lambda x, c=c: pointwise(x, c, None, "none", [], "") for c in copies], DTYPES[name]
+
+
 @torch.inference_mode()
-def time_forward(layers, copies, rows: int, dtype: torch.dtype | None, repeats: int) -> float:
-    """Best of ``repeats`` over all layers; ``copies`` None runs the packed kernels."""
-    xs = [torch.randn(rows, q.shape[1], dtype=dtype or torch.float32) for q in layers]
+def time_forward(layers, path: tuple[list, torch.dtype], rows: int, repeats: int) -> float:
+    """Best of ``repeats`` over all layers."""
+    calls, dtype = path
+    xs = [torch.randn(rows, q.shape[1], dtype=dtype) for q in layers]
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for i, q in enumerate(layers):
-            if copies is None:
-                q.linear(xs[i], None)
-            else:
-                torch.ops.mkldnn._linear_pointwise(xs[i], copies[i], None, "none", [], "")
+        for call, x in zip(calls, xs):
+            call(x)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -70,19 +83,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = kept_quantized_layers()
-    copies = {name: dense_copies(layers, dtype) for name, dtype in DTYPES.items()}
+    paths = {name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8")}
     print(f"{len(layers)} weight matrices, {args.threads} threads; ms for all of them, best of each")
-    print(f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9}  packed/bf16  packed/fp32")
+    print(f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9}  packed/bf16  bf16/int8")
     for rows in args.rows:
-        best = {"packed": float("inf")} | {name: float("inf") for name in DTYPES}
+        best = dict.fromkeys(paths, float("inf"))
         for _ in range(args.rounds):
-            best["packed"] = min(best["packed"], time_forward(layers, None, rows, None, args.repeats))
-            for name, dtype in DTYPES.items():
-                best[name] = min(best[name], time_forward(layers, copies[name], rows, dtype, args.repeats))
+            for name, path in paths.items():
+                best[name] = min(best[name], time_forward(layers, path, rows, args.repeats))
         ms = {k: v * 1e3 for k, v in best.items()}
         print(
-            f"{rows:6d} {ms['packed']:9.1f} {ms['bf16']:9.1f} {ms['fp32']:9.1f}"
-            f"  {ms['packed'] / ms['bf16']:10.2f}x {ms['packed'] / ms['fp32']:10.2f}x"
+            f"{rows:6d} {ms['packed']:9.1f} {ms['bf16']:9.1f} {ms['fp32']:9.1f} {ms['int8']:9.1f}"
+            f"  {ms['packed'] / ms['bf16']:10.2f}x {ms['bf16'] / ms['int8']:10.2f}x"
         )
 
 

@@ -31,7 +31,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -217,12 +222,50 @@ inline float abs_max(const T* row, int64_t n) {
   return bad == 0.0f ? best : std::numeric_limits<float>::quiet_NaN();
 }
 
+// row[0, n) = src[0, n) in fp32, times `norm` (a power of two: exact).
+template <typename T>
+inline void widen_row(float* row, const T* src, int64_t n, float norm) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256 s = _mm256_set1_ps(norm);
+    for (; j + 8 <= n; j += 8) {
+      __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+      __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      _mm256_storeu_ps(row + j, _mm256_mul_ps(v, s));
+    }
+  }
+#endif
+  for (; j < n; ++j) row[j] = to_float(src[j]) * norm;
+}
+
+// q[0, n) = round(row[0, n) * inv), ties to even (as torch.round), |values| <= 127.
+inline void round_row(int8_t* q, const float* row, int64_t n, float inv) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  // cvtps rounds in the default mode, to nearest even; the packs saturate (nothing to
+  // saturate here) and interleave 128-bit lanes, which the permute puts back in order.
+  const __m256 s = _mm256_set1_ps(inv);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; j + 32 <= n; j += 32) {
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + j), s));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + j + 8), s));
+    __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + j + 16), s));
+    __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + j + 24), s));
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+#endif
+  // nearbyint: no add follows the product for the compiler to fuse into an FMA.
+  for (; j < n; ++j) q[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(row[j] * inv)));
+}
+
 // In place: a Walsh-Hadamard transform over each strided block of row[0, blocks * block): block
 // b holds elements b, b + blocks, b + 2 * blocks, ... Butterflies pair runs of `blocks`
-// contiguous floats, so every stage is a plain vector loop. Scaled by 1 / sqrt(block), a
-// power of two for the block sizes allowed (4^k): the transform is orthonormal and exact
-// to rounding. The twin (kernels.reference.hadamard_rows_ref) does the same adds in the same order.
-inline void hadamard_strided(float* row, int64_t block, int64_t blocks, float norm) {
+// contiguous floats, so every stage is a plain vector loop. The row comes scaled by
+// 1 / sqrt(block) already (widen_row): the transform is orthonormal. The twin
+// (kernels.reference.hadamard_rows_ref) does the same adds in the same order.
+inline void hadamard_strided(float* row, int64_t block, int64_t blocks) {
   for (int64_t h = 1; h < block; h *= 2) {
     for (int64_t p = 0; p < block; p += 2 * h) {
       for (int64_t r = p; r < p + h; ++r) {
@@ -236,8 +279,6 @@ inline void hadamard_strided(float* row, int64_t block, int64_t blocks, float no
       }
     }
   }
-  const int64_t n = block * blocks;
-  for (int64_t j = 0; j < n; ++j) row[j] *= norm;
 }
 
 template <typename T>
@@ -247,27 +288,22 @@ void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor&
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
+  // 1 / sqrt(block): a power of two for the block sizes allowed (4^k).
   const float norm = block > 1 ? 1.0f / std::sqrt(static_cast<float>(block)) : 1.0f;
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(n);
     float* row = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
-      const T* xr = xp + i * sx;
       int8_t* qr = qp + i * n;
-      for (int64_t j = 0; j < n; ++j) row[j] = to_float(xr[j]);
-      if (block > 1) hadamard_strided(row, block, n / block, norm);
+      widen_row(row, xp + i * sx, n, norm);
+      if (block > 1) hadamard_strided(row, block, n / block);
       const float d = abs_max(row, n) / 127.0f;
       sp[i] = d;
       if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
         std::memset(qr, 0, n);
         continue;
       }
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        // nearbyint: ties to even, as torch.round; it vectorizes (no errno), and no add follows
-        // the product for the compiler to fuse into an FMA, which would round differently.
-        qr[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(row[j] * inv)));
-      }
+      round_row(qr, row, n, d > 0.0f ? 1.0f / d : 0.0f);
     }
   });
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -252,6 +253,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"workload {report['workload']}: {report['num_requests']} requests, "
             f"{report['rounds']} round(s) interleaved; medians over rounds; load before: {report['load']}"
         ),
+        *([f"weft engine flags: {' '.join(report['weft_args'])}"] if report.get("weft_args") else []),
         (
             f"{'system':<10}{'run':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
             f"{'ITL p50':>11}{'ITL p99':>11}{'weft/this':>11}"
@@ -388,8 +390,10 @@ NO_PROMPT_CACHE = {
 }
 
 
-def weft_system(model: str | None, dtype: str) -> System:
+def weft_system(model: str | None, dtype: str, extra_args: tuple[str, ...] = ()) -> System:
+    """``extra_args``: more engine flags for both of weft's runs (``--weft-args``)."""
     model_args = ["--model", model] if model else []
+    model_args += list(extra_args)
 
     def offline(workload_file: Path, out: Path) -> list[str]:
         return [
@@ -544,6 +548,12 @@ def add_arguments(parser) -> None:
         help="The dtype weft and vLLM run in (default auto: each one's own choice, bf16 for both on a CPU "
         "with AVX-512 bf16 or AMX; float32 compares the two at the checkpoint's precision).",
     )
+    parser.add_argument(
+        "--weft-args",
+        default="",
+        help="More engine flags for weft's offline and served runs, as one string "
+        "(e.g. \"--dense-copy-dtype int8\"); recorded in the report.",
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE.")
     parser.add_argument("--port", type=int, default=18471, help="Port the servers listen on, one at a time.")
     parser.add_argument(
@@ -589,6 +599,7 @@ def run(args, parser) -> int:
 
     options = _options(args, parser)
     try:
+        weft_args = tuple(shlex.split(args.weft_args))
         workload = cap_output(load_any(args.dataset, None, options["num_prompts"]), options["max_tokens"])
         gguf = model_files.resolve(args.model).weights
     except (ValueError, FileNotFoundError) as e:
@@ -597,7 +608,7 @@ def run(args, parser) -> int:
     workload_file = args.output_dir / "workload.json"
     workload_file.write_bytes(msgspec.json.encode(workload))
     builders = {
-        "weft": lambda: weft_system(args.model, args.dtype),
+        "weft": lambda: weft_system(args.model, args.dtype, weft_args),
         "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib),
         "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload)),
     }
@@ -613,6 +624,7 @@ def run(args, parser) -> int:
         args.port,
     )
     report["dtype"] = args.dtype
+    report["weft_args"] = list(weft_args)
     print(format_table(report))
     (args.output_dir / "peers.json").write_text(json.dumps(report, indent=2) + "\n")
     if report["summary"]:

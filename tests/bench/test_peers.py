@@ -156,6 +156,9 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "--port" in weft.serve_argv(9000) and "9000" in weft.serve_argv(9000)
     # Served runs repeat prompts across concurrencies: no server may answer them from a cache.
     assert "--no-enable-prefix-caching" in weft.serve_argv(9000)
+    int8 = peers.weft_system(None, "auto", ("--dense-copy-dtype", "int8"))
+    for argv in (int8.offline_argv(Path("w.json"), Path("o.json")), int8.serve_argv(9000)):
+        assert argv[argv.index("--dense-copy-dtype") + 1] == "int8" and "--model" not in argv
 
     monkeypatch.setattr(peer_envs, "ensure", lambda env, log=print: env.python)
     monkeypatch.setattr(peer_envs, "hf_checkpoint", lambda gguf, dtype="float32": tmp_path / "ckpt")
@@ -259,6 +262,9 @@ def test_a_whole_run_with_stand_ins(tmp_path: Path) -> None:
     assert report["summary"]["llamacpp"]["serve c=4"]["output_tokens"] == 18  # all 4 requests in one wave
     table = peers.format_table(report)
     assert table.startswith("CPU: ") and "3.00x" in table and "failed: offline:" in table
+    assert "weft engine flags" not in table
+    flagged = peers.format_table(report | {"weft_args": ["--dense-copy-dtype", "int8"]})
+    assert "weft engine flags: --dense-copy-dtype int8" in flagged
     peers.plot(report, tmp_path / "peers.png")
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
     json.dumps(report)  # the report is what goes to the JSON file
