@@ -552,7 +552,7 @@ def add_arguments(parser) -> None:
         "--weft-args",
         default="",
         help="More engine flags for weft's offline and served runs, as one string "
-        "(e.g. \"--dense-copy-dtype int8\"); recorded in the report.",
+        '(e.g. "--dense-copy-dtype int8"); recorded in the report.',
     )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE.")
     parser.add_argument("--port", type=int, default=18471, help="Port the servers listen on, one at a time.")
