@@ -50,7 +50,7 @@ _GROUPS = {
     "aten::embedding": "copies (copy_/to/index)",
     "aten::index_select": "copies (copy_/to/index)",
 }
-_PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
+_PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"), ("weft_quant_", "linear"))
 
 
 def group_of(op_name: str) -> str:
@@ -192,6 +192,13 @@ def add_arguments(parser) -> None:
         "(schedule, input prep, forward, logits, sampler, output processing) and the step/forward ratio.",
     )
     parser.add_argument(
+        "--workload",
+        default=None,
+        help="Instead of the fixed shapes: run this workload (a file, or a name in benchmarks/workloads, "
+        "e.g. offline-64) through LLM.generate, its steps split into prefill and decode steps: phase "
+        "times, step/forward, and the profiled op groups of each kind.",
+    )
+    parser.add_argument(
         "--fused",
         choices=["on", "off", "both"],
         default="both",
@@ -219,7 +226,13 @@ def run(args, parser) -> int:
         parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1.")
-    if args.step_phases:
+    if args.workload is not None:
+        from services.bench import workload_profile
+        from services.bench.workload import load_workload, resolve_dataset
+
+        report = workload_profile.run_workload_profile(load_workload(resolve_dataset(args.workload)), **engine_args)
+        print(workload_profile.format_workload_profile(report))
+    elif args.step_phases:
         from services.bench import step_phases
 
         report = step_phases.run_step_phases(args.shapes, args.rounds, **engine_args)
