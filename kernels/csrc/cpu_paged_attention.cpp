@@ -669,13 +669,15 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
     const int64_t tokens = std::min(chunk, last_key + 1 - base);
     load_chunk(keys, values, blocks, base, tokens, block_size, D, kb, kt, vf32);
     block_scores(qf, rows, D, kt, kb, s);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = context + j0 + r / G;
+    // A token's G rows see the same keys: their value pass reads each value row once for all.
+    for (int64_t j = 0; j < j1 - j0; ++j) {
+      const int64_t pos = context + j0 + j;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
       const int64_t hi = std::min(tokens, pos + 1 - base);
-      float* sr = s + r * kb;
-      if (!online_softmax_row(sr, kb, lo, hi, m[r], l[r], acc + r * D, D)) continue;
-      weighted_rows<kC>(sr + lo, vf32 + lo * D, hi - lo, D, acc + r * D);
+      if (lo >= hi) continue;
+      const int64_t r0 = j * G;
+      for (int64_t r = r0; r < r0 + G; ++r) online_softmax_row(s + r * kb, kb, lo, hi, m[r], l[r], acc + r * D, D);
+      weighted_block<kC>(s + r0 * kb + lo, kb, vf32 + lo * D, hi - lo, G, D, acc + r0 * D);
     }
   }
   for (int64_t j = j0; j < j1; ++j)

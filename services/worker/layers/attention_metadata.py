@@ -14,9 +14,9 @@ Requests split two ways:
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit). With the
-  compiled CPU kernels, the small ones (``PAGED_PREFILL_MAX_PAIRS``:
-  speculative verify steps, short prompts) instead go to one call per
-  layer that reads the context in place (``paged_prefills``).
+  compiled CPU kernels, all but the largest (``PAGED_PREFILL_MAX_PAIRS``)
+  instead go to one call per layer that reads the context in place
+  (``paged_prefills``).
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ _MIN_DECODE_GROUP = 8
 _MIN_FILL = 0.75
 
 # Prefills of at most this many (query, key) pairs — new tokens x (context + new tokens) —
-# go to the paged CPU kernel; larger ones to copy + SDPA. Small ones are bound by
-# per-call costs and by reading the context, which the kernel does in place where the SDPA
-# path first copies it (16 fresh tokens: 2.8x; 8 tokens over 2,000 cached, a verify step:
-# 1.05x); larger ones by arithmetic, where SDPA's GEMM tiles beat the kernel's (16 tokens
-# over 2,000 cached: 0.78x; 2,048 fresh: 0.68x). ``scripts/attention_bandwidth.py``, quiet
-# machine (load average 1).
-PAGED_PREFILL_MAX_PAIRS = 16384
+# go to the paged CPU kernel; larger ones to SDPA (a prompt with no context: the step's own
+# K/V, causal; a chunk after cached context: the context copied out first). The kernel reads
+# the context in place and takes every prefill of the step in one call that balances its
+# tiles over the threads; it takes keys a chunk of whole cache blocks (about 64) at a time,
+# and a token's query heads share each value row. Against SDPA (bf16, one thread; fp32
+# alike): 1.5-1.6x on fresh prompts of 128-512 tokens, 1.3x at 1,024, 1.1x for 8-1,024
+# new tokens over 512-2,000 cached; parity on a fresh 2,048-token prompt, hence the cap
+# (a 1,024-token chunk after 1,024 cached is the largest it takes).
+PAGED_PREFILL_MAX_PAIRS = 1 << 21
 
 
 @dataclass(frozen=True)
