@@ -230,7 +230,9 @@ def run(args, parser) -> int:
         from services.bench import workload_profile
         from services.bench.workload import load_workload, resolve_dataset
 
-        report = workload_profile.run_workload_profile(load_workload(resolve_dataset(args.workload)), **engine_args)
+        report = workload_profile.run_workload_profile(
+            load_workload(resolve_dataset(args.workload)), **engine_args
+        )
         print(workload_profile.format_workload_profile(report))
     elif args.step_phases:
         from services.bench import step_phases

@@ -48,7 +48,9 @@ class StepLog:
         self._pending: dict[str, Any] | None = None
         schedule, step = engine.scheduler.schedule, engine.step
         # What ``close`` puts back: an instance attribute set by another wrapper stays.
-        self._saved = [(o, a, o.__dict__.get(a)) for o, a in ((engine.scheduler, "schedule"), (engine, "step"))]
+        self._saved = [
+            (o, a, o.__dict__.get(a)) for o, a in ((engine.scheduler, "schedule"), (engine, "step"))
+        ]
 
         def noted_schedule(*args, **kwargs):
             out = schedule(*args, **kwargs)
@@ -151,23 +153,29 @@ def profiled_pass(llm, workload: Workload) -> dict[str, Any]:
 
 
 def group_by_step_kind(events, kinds: list[str]) -> dict[str, Any]:
-    """Self CPU ms and calls per (kind, group) from profiler ``events``: the i-th step event
-    that ran a forward is ``kinds[i]``; steps without one, and ops outside steps, go to "idle"."""
+    """Self CPU ms and calls per kind of step, by op group (``groups``) and by op (``top_ops``,
+    the largest 10), from profiler ``events``: the i-th step event that ran an op is
+    ``kinds[i]``; ops outside steps are counted as "idle"."""
     steps = sorted((e for e in events if e.name == _STEP_EVENT), key=lambda e: e.time_range.start)
     # Steps that scheduled nothing ran no op below the step event itself: drop them.
     busy = [e for e in steps if e.cpu_children]
     if len(busy) != len(kinds):
         raise RuntimeError(f"{len(busy)} profiled steps ran ops, but {len(kinds)} steps were logged.")
     kind_of = {id(e): k for e, k in zip(busy, kinds)}
-    table: dict[str, dict[str, list[float]]] = {}
+    groups: dict[str, dict[str, list[float]]] = {}
+    ops: dict[str, dict[str, list[float]]] = {}
     for e in events:
         if e.name == _STEP_EVENT or e.self_cpu_time_total <= 0:
             continue
         kind = kind_of.get(id(_top_step(e)), "idle")
-        cell = table.setdefault(kind, {}).setdefault(group_of(e.name), [0.0, 0])
-        cell[0] += e.self_cpu_time_total / 1e3
-        cell[1] += 1
-    return {kind: _ranked(groups) for kind, groups in table.items()}
+        for table, key in ((groups, group_of(e.name)), (ops, e.name)):
+            cell = table.setdefault(kind, {}).setdefault(key, [0.0, 0])
+            cell[0] += e.self_cpu_time_total / 1e3
+            cell[1] += 1
+    return {
+        "groups": {kind: _ranked(g, "group") for kind, g in groups.items()},
+        "top_ops": {kind: _ranked(o, "op")[:10] for kind, o in ops.items()},
+    }
 
 
 def _top_step(event):
@@ -176,9 +184,9 @@ def _top_step(event):
     return event
 
 
-def _ranked(groups: dict[str, list[float]]) -> list[dict[str, Any]]:
-    total = sum(ms for ms, _ in groups.values()) or 1.0
-    rows = [{"group": g, "self_ms": ms, "calls": n, "share": ms / total} for g, (ms, n) in groups.items()]
+def _ranked(cells: dict[str, list[float]], name: str) -> list[dict[str, Any]]:
+    total = sum(ms for ms, _ in cells.values()) or 1.0
+    rows = [{name: key, "self_ms": ms, "calls": n, "share": ms / total} for key, (ms, n) in cells.items()]
     return sorted(rows, key=lambda r: -r["self_ms"])
 
 
@@ -211,12 +219,18 @@ def format_workload_profile(report: dict[str, Any]) -> str:
             f"({k['wall_s'] / p['generate_s']:.1%} of generate), {k['wall_s'] * 1e3 / k['steps']:.1f} ms/step, "
             f"step/forward {k['wall_s'] / k['forward_s']:.3f}"
         )
-        lines.append("  phases (s): " + ", ".join(f"{n} {s:.2f}" for n, s in k["phases_s"].items() if s >= 0.005))
-        groups = report["ops"].get(kind, [])
+        lines.append(
+            "  phases (s): " + ", ".join(f"{n} {s:.2f}" for n, s in k["phases_s"].items() if s >= 0.005)
+        )
+        groups = report["ops"]["groups"].get(kind, [])
         lines.append(f"  {'op group (profiled)':<40}{'self ms/step':>13}{'share':>8}{'calls/step':>11}")
         for g in groups:
             lines.append(
                 f"  {g['group']:<40}{g['self_ms'] / k['steps']:>13.2f}{g['share']:>8.1%}"
                 f"{g['calls'] / k['steps']:>11.0f}"
             )
+        top = report["ops"]["top_ops"].get(kind, [])[:6]
+        lines.append(
+            "  top ops (ms/step): " + ", ".join(f"{o['op']} {o['self_ms'] / k['steps']:.2f}" for o in top)
+        )
     return "\n".join(lines)
