@@ -13,7 +13,11 @@ import torch
 
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
-from services.worker.layers.attention_metadata import PAGED_PREFILL_MAX_PAIRS, build_attention_metadata
+from services.worker.layers.attention_metadata import (
+    PAGED_CHUNK_MAX_PAIRS,
+    PAGED_PREFILL_MAX_PAIRS,
+    build_attention_metadata,
+)
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -34,14 +38,15 @@ def metadata(shapes, paged=True):
     )
 
 
-def test_prefills_up_to_the_pair_cap_go_to_the_kernel_larger_ones_to_sdpa():
-    # (context, new): pairs = new x (context + new)
-    shapes = [(0, 1024), (1024, 1024), (0, 300), (1024, 1025), (0, 2048), (40, 1)]
-    assert 1024 * 2048 == PAGED_PREFILL_MAX_PAIRS
+def test_prefills_up_to_the_pair_caps_go_to_the_kernel_larger_ones_to_sdpa():
+    # (context, new): pairs = new x (context + new); fresh prompts and chunks have their own caps.
+    shapes = [(0, 1024), (0, 1448), (0, 1449), (2000, 16), (1984, 64), (0, 2048), (240, 16), (40, 1)]
+    assert 1448 * 1448 <= PAGED_PREFILL_MAX_PAIRS < 1449 * 1449
+    assert 16 * 2016 <= PAGED_CHUNK_MAX_PAIRS < 64 * 2048
     meta = metadata(shapes)
-    assert meta.paged_prefills.query_lens.tolist() == [1024, 1024, 300]
-    assert meta.paged_prefills.context_lens.tolist() == [0, 1024, 0]
-    assert [(p.context_len, p.end - p.start) for p in meta.prefills] == [(1024, 1025), (0, 2048)]
+    assert meta.paged_prefills.query_lens.tolist() == [1024, 1448, 16, 16]
+    assert meta.paged_prefills.context_lens.tolist() == [0, 0, 2000, 240]
+    assert [(p.context_len, p.end - p.start) for p in meta.prefills] == [(0, 1449), (1984, 64), (0, 2048)]
     assert meta.paged_decodes.seq_lens.tolist() == [41]
     # The torch backend runs every prefill through SDPA.
     assert metadata(shapes, paged=False).paged_prefills is None
@@ -61,13 +66,14 @@ def dense(queries, keys, values, context):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_of_mid_length_prompts_matches_dense_attention(backend, dtype):
-    """Fresh prompts of 32-512 tokens as offline-64 brings them, a chunk over cached context and
-    decodes in one step: the kernel (cpu backend) and SDPA (torch) both give dense attention."""
+    """Fresh prompts of 32-512 tokens as offline-64 brings them, chunks over cached context and
+    decodes in one step: the kernels (cpu backend; its largest chunk on SDPA) and SDPA (torch)
+    both give dense attention."""
     gen = torch.Generator().manual_seed(4)
-    shapes = [(0, 512), (0, 37), (200, 1), (0, 300), (256, 130), (90, 1)]
+    shapes = [(0, 512), (0, 37), (200, 1), (0, 300), (256, 130), (90, 1), (600, 120)]  # the last: SDPA
     blocks = (torch.randperm(200, generator=gen) + 1).tolist()
     cache = torch.zeros(kv_cache_shape(201, BS, KVH, D), dtype=dtype)
-    table = np.zeros((len(shapes), 32), dtype=np.int32)
+    table = np.zeros((len(shapes), 64), dtype=np.int32)
     seqs, slot_mapping = [], []
     for i, (context, new) in enumerate(shapes):
         table[i, : -(-(context + new) // BS)] = [blocks.pop() for _ in range(-(-(context + new) // BS))]
@@ -85,6 +91,8 @@ def test_a_step_of_mid_length_prompts_matches_dense_attention(backend, dtype):
         block_size=BS,
         paged_decodes=backend == "cpu",
     )
+    if backend == "cpu":
+        assert [p.end - p.start for p in meta.prefills] == [120]
     q = torch.cat([s[3] for s in seqs]).reshape(-1, H * D)
     k = torch.cat([s[1][s[0] :] for s in seqs]).reshape(-1, KVH * D)
     v = torch.cat([s[2][s[0] :] for s in seqs]).reshape(-1, KVH * D)
