@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from services.bench.profile import group_of
+from services.bench.op_groups import group_of
 from services.bench.step_phases import instrumented
 from services.bench.workload import Workload
 

@@ -76,3 +76,26 @@ def test_a_tiny_workload_splits_into_one_prefill_step_and_its_decode_steps(tmp_p
     assert "linear" in {g["group"] for g in report["ops"]["groups"]["decode"]}
     text = workload_profile.format_workload_profile(report)
     assert "prefill steps: 1," in text and "decode steps: 5," in text
+
+
+@needs_compiler
+def test_weft_bench_profile_takes_a_workload_file(tmp_path, capsys):
+    import argparse
+    import json
+
+    import msgspec
+
+    from services.bench import profile as profile_bench
+
+    model = build_tiny_llama(tmp_path / "tiny")
+    requests = [WorkloadRequest(prompt="", prompt_token_ids=list(range(200, 240)), max_tokens=3)]
+    path = tmp_path / "one.json"
+    path.write_bytes(msgspec.json.encode(Workload(name="one", requests=requests)))
+    parser = argparse.ArgumentParser()
+    profile_bench.add_arguments(parser)
+    argv = ["--workload", str(path), "--model", str(model), "--dtype", "float32", "--max-model-len", "256"]
+    args = parser.parse_args([*argv, "--output-json", str(tmp_path / "out.json")])
+    assert profile_bench.run(args, parser) == 0
+    assert "prefill steps: 1, 40 tokens" in capsys.readouterr().out
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["phases"]["kinds"]["decode"]["steps"] == 2
