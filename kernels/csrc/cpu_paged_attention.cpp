@@ -25,8 +25,9 @@
 //
 // Prefill work: an item is a tile of consecutive query tokens of one
 // (sequence, KV head), i.e. tile x G query rows, run flash-attention style
-// (online softmax) block by block; each block's keys are transposed once
-// into fp32 so that a row's scores over the block are vector FMAs.
+// (online softmax) over chunks of whole cache blocks (about 64 keys); each
+// chunk's keys are transposed once into fp32 so that a row's scores over the
+// chunk are vector FMAs.
 //
 // Arithmetic is fp32 whatever the cache dtype. Index bounds are checked here,
 // on every call (the checks cost microseconds): the kernel reads memory
@@ -557,29 +558,35 @@ struct PrefillItem {
   int64_t cost;    // keys the tile reads: claimed longest first
 };
 
-// Row r = (token j0 + r / G, head g = r % G). S[r, :] = Q[r, :] . Kt for a
-// block of keys transposed to Kt [D, kb] (kb = kNB * kW keys): four rows at a
-// time share each loaded chunk of Kt, 4 x kNB independent FMA chains.
+// Keys are taken a chunk of whole cache blocks at a time, about kChunkKeys of
+// them: each chunk costs per query row a max, a rescale of the accumulator
+// and a call; over 16-key blocks those cost as much as the dot products.
+constexpr int64_t kChunkKeys = 64;
+
+// Row r = (token j0 + r / G, head g = r % G). S[r, c0 + :kNB * kW] = Q[r, :] .
+// Kt[:, c0 + ...] for keys transposed to Kt [D, ld]: four rows at a time share
+// each loaded piece of Kt, 4 x kNB independent FMA chains.
 template <int kNB>
-inline void score_rows4(const float* q0, int64_t D, const float* kt, float* s) {
-  constexpr int64_t kb = kNB * kW;
+inline void score_rows4(const float* q0, int64_t D, const float* kt, int64_t ld, float* s) {
   vf a[4][kNB] = {};
   for (int64_t d = 0; d < D; ++d) {
     vf k[kNB];
-    for (int c = 0; c < kNB; ++c) k[c] = loadu(kt + d * kb + c * kW);
+    for (int c = 0; c < kNB; ++c) k[c] = loadu(kt + d * ld + c * kW);
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < kNB; ++c) a[r][c] += q0[r * D + d] * k[c];
   }
   for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < kNB; ++c) storeu(s + r * kb + c * kW, a[r][c]);
+    for (int c = 0; c < kNB; ++c) storeu(s + r * ld + c * kW, a[r][c]);
 }
 
+// S [rows, kb] = Q [rows, D] . Kt [D, kb], kb a multiple of kW: 32 keys (16
+// accumulators) per pass where they fit, the remainder 8 at a time.
 inline void block_scores(const float* qf, int64_t rows, int64_t D, const float* kt, int64_t kb, float* s) {
   int64_t r = 0;
-  if (kb == 2 * kW) {
-    for (; r + 4 <= rows; r += 4) score_rows4<2>(qf + r * D, D, kt, s + r * kb);
-  } else if (kb == kW) {
-    for (; r + 4 <= rows; r += 4) score_rows4<1>(qf + r * D, D, kt, s + r * kb);
+  for (; r + 4 <= rows; r += 4) {
+    int64_t c = 0;
+    for (; c + 4 * kW <= kb; c += 4 * kW) score_rows4<4>(qf + r * D, D, kt + c, kb, s + r * kb + c);
+    for (; c < kb; c += kW) score_rows4<1>(qf + r * D, D, kt + c, kb, s + r * kb + c);
   }
   for (; r < rows; ++r)
     for (int64_t c = 0; c < kb; c += kW) {
@@ -596,6 +603,7 @@ inline bool online_softmax_row(float* s, int64_t kb, int64_t vis_lo, int64_t vis
                                int64_t D) {
   if (vis_lo >= vis_hi) return false;
   float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
   for (int64_t t = vis_lo; t < vis_hi; ++t) mx = std::max(mx, s[t]);
   const float m_new = std::max(m, mx);
   const float alpha = exp_nonpositive(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
@@ -613,21 +621,39 @@ inline bool online_softmax_row(float* s, int64_t kb, int64_t vis_lo, int64_t vis
   return true;
 }
 
+// Converts the keys [base, base + tokens) of a sequence, a run of whole cache
+// blocks, to fp32: keys transposed into kt [D, kb], values into vf32 [kb, D].
+template <typename scalar_t>
+void load_chunk(const scalar_t* keys, const scalar_t* values, const int32_t* blocks, int64_t base, int64_t tokens,
+                int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
+  const int64_t block_elems = block_size * D;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t pos = base + t;
+    const int64_t row = static_cast<int64_t>(blocks[pos / block_size]) * block_elems + pos % block_size * D;
+    const scalar_t* kr = keys + row;
+    const scalar_t* vr = values + row;
+    for (int64_t d = 0; d < D; ++d) {
+      kt[d * kb + t] = static_cast<float>(kr[d]);
+      vf32[t * D + d] = static_cast<float>(vr[d]);
+    }
+  }
+}
+
 template <typename scalar_t, int kC>
 void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out, int64_t os0, int64_t os1,
                   const scalar_t* keys, const scalar_t* values, const int32_t* blocks, int64_t context, int64_t j0,
                   int64_t j1, int64_t block_size, int64_t D, int64_t G, float scale, int64_t window,
                   std::vector<float>& buf) {
   const int64_t rows = (j1 - j0) * G;
-  const int64_t kb = (block_size + kW - 1) / kW * kW;
-  const int64_t block_elems = block_size * D;
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;  // keys per chunk
+  const int64_t kb = (chunk + kW - 1) / kW * kW;
   buf.resize(rows * D * 2 + 2 * rows + D * kb + kb * D + rows * kb);
   float* qf = buf.data();       // [rows, D] scaled queries
   float* acc = qf + rows * D;   // [rows, D]
   float* m = acc + rows * D;    // [rows]
   float* l = m + rows;          // [rows]
-  float* kt = l + rows;         // [D, kb] the block's keys, transposed
-  float* vf32 = kt + D * kb;    // [kb, D] the block's values
+  float* kt = l + rows;         // [D, kb] the chunk's keys, transposed
+  float* vf32 = kt + D * kb;    // [kb, D] the chunk's values
   float* s = vf32 + kb * D;     // [rows, kb]
   for (int64_t j = j0; j < j1; ++j) load_rows(query + j * qs0, qs1, G, D, scale, qf + (j - j0) * G * D);
   std::fill(acc, acc + rows * D, 0.0f);
@@ -636,26 +662,22 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
   std::fill(kt, kt + D * kb, 0.0f);
 
   // Token j sits at position context + j and sees keys (pos - window, pos].
+  // Chunks start at a block boundary: blocks wholly before the window are never read.
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, context + j0 - window + 1) : 0;
   const int64_t last_key = context + j1 - 1;
-  for (int64_t b = first_key / block_size; b <= last_key / block_size; ++b) {
-    const scalar_t* kblock = keys + static_cast<int64_t>(blocks[b]) * block_elems;
-    const scalar_t* vblock = values + static_cast<int64_t>(blocks[b]) * block_elems;
-    const int64_t base = b * block_size;
-    const int64_t tokens = std::min(block_size, last_key + 1 - base);
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * kb + t] = static_cast<float>(kblock[t * D + d]);
-        vf32[t * D + d] = static_cast<float>(vblock[t * D + d]);
-      }
+  for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
+    const int64_t tokens = std::min(chunk, last_key + 1 - base);
+    load_chunk(keys, values, blocks, base, tokens, block_size, D, kb, kt, vf32);
     block_scores(qf, rows, D, kt, kb, s);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = context + j0 + r / G;
+    // A token's G rows see the same keys: their value pass reads each value row once for all.
+    for (int64_t j = 0; j < j1 - j0; ++j) {
+      const int64_t pos = context + j0 + j;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
       const int64_t hi = std::min(tokens, pos + 1 - base);
-      float* sr = s + r * kb;
-      if (!online_softmax_row(sr, kb, lo, hi, m[r], l[r], acc + r * D, D)) continue;
-      weighted_rows<kC>(sr + lo, vf32 + lo * D, hi - lo, D, acc + r * D);
+      if (lo >= hi) continue;
+      const int64_t r0 = j * G;
+      for (int64_t r = r0; r < r0 + G; ++r) online_softmax_row(s + r * kb, kb, lo, hi, m[r], l[r], acc + r * D, D);
+      weighted_block<kC>(s + r0 * kb + lo, kb, vf32 + lo * D, hi - lo, G, D, acc + r0 * D);
     }
   }
   for (int64_t j = j0; j < j1; ++j)

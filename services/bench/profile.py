@@ -19,44 +19,8 @@ import time
 from typing import Any
 
 from services.bench import step_shapes
+from services.bench.op_groups import group_of
 from services.bench.step_shapes import is_decode, start_shape
-
-# Self-CPU op name -> group; an op not named here is matched by the prefixes below, else "other".
-_GROUPS = {
-    "mkldnn::_linear_pointwise": "linear",
-    "aten::addmm": "linear",
-    "aten::mm": "linear",
-    "aten::linear": "linear",
-    "aten::matmul": "linear",
-    "weft_cpu::paged_decode_attention": "attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-    "aten::bmm": "attention",
-    "aten::_softmax": "attention",
-    "aten::mul": "elementwise: mul",
-    "aten::add": "elementwise: add",
-    "aten::add_": "elementwise: add",
-    "aten::pow": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::mean": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::rsqrt": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::sum": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::div": "elementwise: RMSNorm (pow/mean/rsqrt)",
-    "aten::silu": "elementwise: silu",
-    "aten::cat": "elementwise: cat/neg (rotary)",
-    "aten::neg": "elementwise: cat/neg (rotary)",
-    "aten::copy_": "copies (copy_/to/index)",
-    "aten::index": "copies (copy_/to/index)",
-    "aten::index_copy_": "copies (copy_/to/index)",
-    "aten::index_put_": "copies (copy_/to/index)",
-    "aten::embedding": "copies (copy_/to/index)",
-    "aten::index_select": "copies (copy_/to/index)",
-}
-_PREFIXES = (("weft_fused::", "fused CPU kernels"), ("weft_cpu::", "attention"))
-
-
-def group_of(op_name: str) -> str:
-    if op_name in _GROUPS:
-        return _GROUPS[op_name]
-    return next((group for prefix, group in _PREFIXES if op_name.startswith(prefix)), "other")
 
 
 def breakdown(events) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -192,6 +156,13 @@ def add_arguments(parser) -> None:
         "(schedule, input prep, forward, logits, sampler, output processing) and the step/forward ratio.",
     )
     parser.add_argument(
+        "--workload",
+        default=None,
+        help="Instead of the fixed shapes: run this workload (a file, or a name in benchmarks/workloads, "
+        "e.g. offline-64) through LLM.generate, its steps split into prefill and decode steps: phase "
+        "times, step/forward, and the profiled op groups of each kind.",
+    )
+    parser.add_argument(
         "--fused",
         choices=["on", "off", "both"],
         default="both",
@@ -219,7 +190,15 @@ def run(args, parser) -> int:
         parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1.")
-    if args.step_phases:
+    if args.workload is not None:
+        from services.bench import workload_profile
+        from services.bench.workload import load_workload, resolve_dataset
+
+        report = workload_profile.run_workload_profile(
+            load_workload(resolve_dataset(args.workload)), **engine_args
+        )
+        print(workload_profile.format_workload_profile(report))
+    elif args.step_phases:
         from services.bench import step_phases
 
         report = step_phases.run_step_phases(args.shapes, args.rounds, **engine_args)

@@ -213,6 +213,7 @@ def test_cpu_backend_sends_small_prefills_to_the_kernel_and_large_ones_to_sdpa(m
     context, a short prompt) go to the paged prefill kernel; larger ones stay on SDPA. Both match
     dense attention."""
     monkeypatch.setattr(attention_metadata, "PAGED_PREFILL_MAX_PAIRS", 200)
+    monkeypatch.setattr(attention_metadata, "PAGED_CHUNK_MAX_PAIRS", 200)
     gen = torch.Generator().manual_seed(5)
     shapes = [(30, 5), (0, 9), (0, 15), (6, 12), (12, 1)]  # pairs 175, 81, 225, 216; a decode
     pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()

@@ -14,9 +14,10 @@ time on CPU.
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA),
 the same grouping Hugging Face's ``repeat_kv`` makes.
 
-On CPU, decodes and short prefills go to compiled kernels
+On CPU, decodes and all but the largest prefills go to compiled kernels
 (``kernels/cpu_attention.py``, the "cpu" backend) when they could be built:
-they read K/V in place through the block table, with no gather. On CUDA the forward context selects the
+they read K/V in place through the block table, with no gather
+(``attention_metadata.py`` says which prefills). On CUDA the forward context selects the
 Triton backend instead (``triton_attention.py``), with the same cache
 layout.
 """

@@ -14,9 +14,10 @@ Requests split two ways:
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit). With the
-  compiled CPU kernels, the small ones (``PAGED_PREFILL_MAX_PAIRS``:
-  speculative verify steps, short prompts) instead go to one call per
-  layer that reads the context in place (``paged_prefills``).
+  compiled CPU kernels, all but the largest (``PAGED_PREFILL_MAX_PAIRS``
+  for fresh prompts, ``PAGED_CHUNK_MAX_PAIRS`` for chunks after cached
+  context) instead go to one call per layer that reads the context in
+  place (``paged_prefills``).
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ _MIN_DECODE_GROUP = 8
 _MIN_FILL = 0.75
 
 # Prefills of at most this many (query, key) pairs — new tokens x (context + new tokens) —
-# go to the paged CPU kernel; larger ones to copy + SDPA. Small ones are bound by
-# per-call costs and by reading the context, which the kernel does in place where the SDPA
-# path first copies it (16 fresh tokens: 2.8x; 8 tokens over 2,000 cached, a verify step:
-# 1.05x); larger ones by arithmetic, where SDPA's GEMM tiles beat the kernel's (16 tokens
-# over 2,000 cached: 0.78x; 2,048 fresh: 0.68x). ``scripts/attention_bandwidth.py``, quiet
-# machine (load average 1).
-PAGED_PREFILL_MAX_PAIRS = 16384
+# go to the paged CPU kernel; larger ones to SDPA (a prompt with no context: the step's own
+# K/V, causal; a chunk after cached context: the context copied out first). The kernel reads
+# the context in place and takes every such prefill of the step in one call that balances its
+# tiles over the threads; it takes keys a chunk of whole cache blocks (about 64) at a time,
+# and a token's query heads share each value row. Against SDPA, bf16, 2 threads, quiet
+# machine: fresh prompts of 128-512 tokens 1.55-1.64x, 1,024 1.12x, 2,048 0.97x (hence the
+# cap for fresh prompts: up to about 1,448 tokens); after cached context 16 new tokens over
+# 2,000 1.13x but 64 over 1,984 0.95x and 512 over 1,536 0.88-0.97x (hence the lower cap for
+# chunks: verify steps and short chunks).
+PAGED_PREFILL_MAX_PAIRS = 1 << 21
+PAGED_CHUNK_MAX_PAIRS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,8 @@ def build_attention_metadata(
     padded length), and so the size of the gather buffer; a sequence longer
     than the cap still gets a group of its own. ``paged_decodes`` describes
     the decodes for the CPU kernel instead of grouping them, and the prefills
-    of at most ``PAGED_PREFILL_MAX_PAIRS`` (query, key) pairs for its prefill kernel.
+    of at most ``PAGED_PREFILL_MAX_PAIRS`` (query, key) pairs (``PAGED_CHUNK_MAX_PAIRS`` after
+    cached context) for its prefill kernel.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -128,7 +134,8 @@ def build_attention_metadata(
         ]
     prefill_idx = np.flatnonzero(~is_decode)
     pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
-    short = prefill_idx[pairs <= PAGED_PREFILL_MAX_PAIRS] if paged_decodes else prefill_idx[:0]
+    cap = np.where(context_lens[prefill_idx] == 0, PAGED_PREFILL_MAX_PAIRS, PAGED_CHUNK_MAX_PAIRS)
+    short = prefill_idx[pairs <= cap] if paged_decodes else prefill_idx[:0]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
         for i in np.setdiff1d(prefill_idx, short)
