@@ -11,6 +11,10 @@ _GROUPS = {
     "aten::mm": "linear",
     "aten::linear": "linear",
     "aten::matmul": "linear",
+    # The int8 dense copy: its GEMM and the two passes around it.
+    "aten::_int_mm": "linear",
+    "weft_fused::quantize_rows_int8": "linear",
+    "weft_fused::scale_int32": "linear",
     "weft_cpu::paged_decode_attention": "attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::bmm": "attention",

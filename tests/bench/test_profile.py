@@ -42,6 +42,9 @@ def test_breakdown_groups_real_profiler_events():
 def test_unknown_ops_fall_in_other():
     assert profile_bench.group_of("aten::frobnicate") == "other"
     assert profile_bench.group_of("weft_fused::anything") == "fused CPU kernels"
+    # The int8 dense copy's passes are its matmul's, not element-wise kernels.
+    assert profile_bench.group_of("weft_fused::quantize_rows_int8") == "linear"
+    assert profile_bench.group_of("aten::_int_mm") == "linear"
 
 
 @needs_compiler
