@@ -157,10 +157,9 @@ class EngineArgs:
 
     def _dense_min_rows(self, quantization: str, device: str, hf_config: dict) -> int:
         """The dense copy's row threshold, sized (under auto) in the dtype it would then run in."""
+        copy_bytes = _DTYPE_BYTES[resolve_dtype(self.dtype, device, quantization, dense_copy=True)]
         if check_dense_copy_dtype(self.dense_copy_dtype) == "int8":
-            copy_bytes = 1
-        else:
-            copy_bytes = _DTYPE_BYTES[resolve_dtype(self.dtype, device, quantization, dense_copy=True)]
+            copy_bytes += 1  # the int8 copy comes beside the model dtype's
         budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
         return resolve_dense_min_rows(
             self.dense_min_rows,

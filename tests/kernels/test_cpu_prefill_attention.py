@@ -10,6 +10,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.reference import paged_attention_ref
+from tests.kernels.prefill_cases import prefill_case
 
 BS = 16
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -17,32 +18,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the CPU kernel with"
 )
-
-
-def prefill_case(gen, shapes, num_heads, num_kv_heads, head_dim, dtype, gap=2):
-    """Sequences of (context, new) tokens over blocks in random order; each sequence's query
-    rows sit in one flat batch with ``gap`` foreign rows before each (a decode's, say)."""
-    per_seq = [-(-(c + n) // BS) for c, n in shapes]
-    num_blocks = sum(per_seq) + 3
-    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(shapes), max(per_seq), dtype=torch.int32)
-    for i, nb in enumerate(per_seq):
-        table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
-    cache = torch.randn(2, num_kv_heads, num_blocks, BS, head_dim, generator=gen).to(dtype)
-    starts, row = [], 0
-    for _, n in shapes:
-        starts.append(row + gap)
-        row += gap + n
-    qkv = torch.randn(row, (num_heads + 2) * head_dim, generator=gen).to(dtype)
-    query = qkv[:, : num_heads * head_dim].view(row, num_heads, head_dim)  # a view, as the model's q
-    return (
-        query,
-        cache,
-        torch.tensor(starts),
-        torch.tensor([n for _, n in shapes], dtype=torch.int32),
-        torch.tensor([c for c, _ in shapes], dtype=torch.int32),
-        table,
-    )
 
 
 def twin(query, cache, starts, qlens, ctx, table, scale, window=0):

@@ -12,6 +12,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.reference import paged_attention_ref
+from tests.kernels.prefill_cases import prefill_case
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -22,26 +23,6 @@ pytestmark = pytest.mark.skipif(
 # Fresh prompts across chunk edges (64, 65) and many tiles (200, 300); chunks over context that
 # starts mid-chunk; a verify-sized step over a long context.
 SHAPES = [(0, 200), (0, 64), (0, 65), (130, 70), (1000, 3), (7, 129), (0, 300)]
-
-
-def case(gen, shapes, block_size, num_heads, num_kv_heads, head_dim, dtype):
-    """(query [T, H, D], cache, query_start, query_lens, context_lens, block_table): each
-    sequence's blocks in random order over the cache, one foreign row before each sequence."""
-    per_seq = [-(-(c + n) // block_size) for c, n in shapes]
-    num_blocks = sum(per_seq) + 1
-    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: never in a table
-    table = torch.zeros(len(shapes), max(per_seq), dtype=torch.int32)
-    for i, nb in enumerate(per_seq):
-        table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
-    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    starts, row = [], 0
-    for _, n in shapes:
-        starts.append(row + 1)
-        row += 1 + n
-    query = torch.randn(row, num_heads, head_dim, generator=gen).to(dtype)
-    qlens = torch.tensor([n for _, n in shapes], dtype=torch.int32)
-    ctx = torch.tensor([c for c, _ in shapes], dtype=torch.int32)
-    return query, cache, torch.tensor(starts), qlens, ctx, table
 
 
 def kernel_and_twin(query, cache, starts, qlens, ctx, table, window=0, twin_table=None):
@@ -74,7 +55,7 @@ def max_error(a, b) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunks_of_any_block_size_match_the_twin(block_size, heads, dtype):
     gen = torch.Generator().manual_seed(block_size)
-    args = case(gen, SHAPES, block_size, *heads, dtype)
+    args = prefill_case(gen, SHAPES, *heads, dtype, gap=1, block_size=block_size)
     out, rows, want = kernel_and_twin(*args)
     assert max_error(out[rows], want) <= TOLERANCE[dtype]
     others = torch.ones(out.shape[0], dtype=torch.bool)
@@ -89,7 +70,9 @@ def test_window_chunks_read_no_block_before_the_window(block_size, window, dtype
     started before the window's first block would read them."""
     gen = torch.Generator().manual_seed(window)
     shapes = [(300, 40), (0, 150), (222, 1), (90, 90)]
-    query, cache, starts, qlens, ctx, table = case(gen, shapes, block_size, 9, 3, 64, dtype)
+    query, cache, starts, qlens, ctx, table = prefill_case(
+        gen, shapes, 9, 3, 64, dtype, gap=1, block_size=block_size
+    )
     poisoned = table.clone()
     cache[:, :, 0] = float("nan")
     for i, (c, _) in enumerate(shapes):
@@ -104,7 +87,7 @@ def test_several_fresh_prompts_in_one_call_match_one_call_each(num_threads):
     """The engine sends every prefill of a step in one call: its tiles, claimed by the threads in
     any order, give what a call per prompt gives, bit for bit."""
     gen = torch.Generator().manual_seed(9)
-    query, cache, starts, qlens, ctx, table = case(gen, SHAPES, 16, 9, 3, 64, torch.bfloat16)
+    query, cache, starts, qlens, ctx, table = prefill_case(gen, SHAPES, 9, 3, 64, torch.bfloat16, gap=1)
     scale = 64**-0.5
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)

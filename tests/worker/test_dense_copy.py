@@ -17,6 +17,7 @@ from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
     DEFAULT_DENSE_MIN_ROWS,
+    INT8_MIN_ROWS,
     linear_param_count,
     resolve_dense_min_rows,
 )
@@ -145,14 +146,14 @@ def test_a_bf16_model_keeps_a_bf16_copy():
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
-def test_an_int8_copy_is_sized_at_one_byte_a_weight():
+def test_an_int8_copy_comes_beside_the_model_dtype_copy_at_one_more_byte_a_weight():
     assert config_of(dtype="float32").dense_copy_dtype == "model"
     assert config_of(dtype="float32", dense_copy_dtype="int8").dense_copy_dtype == "int8"
-    # 1 GiB: half of it holds no fp32 copy of the default model (0.54 GB), but an int8 one (0.13 GB).
-    gib = 1 << 30
-    assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
-    int8 = config_of(dtype="float32", kv_cache_memory=gib, dense_copy_dtype="int8")
-    assert int8.dense_min_rows == DEFAULT_DENSE_MIN_ROWS and int8.dense_copy_dtype == "int8"
+    # 0.7 GB: half of it holds the default model's bf16 copy (0.27 GB), not bf16 + int8 (0.40 GB).
+    budget = 700_000_000
+    assert config_of(dtype="bfloat16", kv_cache_memory=budget).dense_min_rows == DEFAULT_DENSE_MIN_ROWS
+    with pytest.raises(ValueError, match="no copy is kept"):
+        config_of(dtype="bfloat16", kv_cache_memory=budget, dense_copy_dtype="int8")
     assert config_of(dtype="float32", speculative_config=SPEC, dense_min_rows=8, dense_copy_dtype="int8")
 
 
@@ -196,13 +197,18 @@ def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_from_8_rows_the_int8_copy_runs(int8_model, dtype):
+def test_the_int8_copy_runs_from_int8_min_rows(int8_model, dtype):
     for layer in linear_layers(int8_model)[:8] + [int8_model.lm_head]:
-        assert layer.weight is None and layer.packed_weight is None and layer.int8 is not None
+        assert layer.packed_weight is not None and layer.int8 is not None
         k = layer.quant.shape[1]
         x = torch.randn(7, k).to(dtype)
         assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
-        for rows in (8, 64):
+        if dtype == torch.float32:  # the model dtype's copy, from 8 rows up to INT8_MIN_ROWS
+            for rows in (8, INT8_MIN_ROWS - 1):
+                x = torch.randn(rows, k)
+                dense = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+                assert torch.equal(layer.linear(x, None), dense)
+        for rows in (INT8_MIN_ROWS, INT8_MIN_ROWS + 37):
             x = torch.randn(rows, k).to(dtype)
             got = layer.linear(x, None)
             assert got.dtype == dtype and torch.equal(got, int8_twin(layer, x))
@@ -216,4 +222,5 @@ def test_the_int8_copy_is_counted(int8_model):
     report = quantized_report(int8_model)
     layers = linear_layers(int8_model)
     rows = sum(layer.quant.shape[0] for layer in layers)
-    assert packed_weights_bytes(int8_model) == report.total_params + 4 * rows  # int8 weights + fp32 scales
+    # The fp32 copy, and beside it the int8 weights with one fp32 scale a row.
+    assert packed_weights_bytes(int8_model) == 4 * report.total_params + report.total_params + 4 * rows

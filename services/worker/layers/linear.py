@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.config.dense_copy import INT8_MIN_ROWS
 from services.worker.distributed import TensorParallelGroup, divide
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeight
@@ -72,14 +73,16 @@ class LinearBase(nn.Module):
     packed_bytes: int = 0  # what the packed copy stands for, for the memory budget
     quant: QuantizedWeight | None = None  # the weight kept quantized, when it is
     # With ``quant``: from this many rows of x on, the dense copy in ``weight`` (or
-    # ``packed_weight``, or ``int8``) runs instead; 0: there is no copy.
+    # ``packed_weight``) runs instead; 0: there is no copy.
     dense_min_rows: int = 0
-    int8: Int8Weight | None = None  # the dense copy in int8 (``--dense-copy-dtype int8``)
+    # An int8 copy beside it (``--dense-copy-dtype int8``), for steps of INT8_MIN_ROWS rows on.
+    int8: Int8Weight | None = None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None and not 0 < self.dense_min_rows <= x.numel() // x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.quant is not None and not 0 < self.dense_min_rows <= rows:
             return self.quant.linear(x, bias)
-        if self.int8 is not None:
+        if self.int8 is not None and rows >= INT8_MIN_ROWS:
             return self.int8.linear(x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")

@@ -282,7 +282,7 @@ def finalize_quantized(model: nn.Module, dense_min_rows: int = 0, dense_int8: bo
     With ``dense_min_rows`` > 0 each linear layer also keeps the dequantized
     weight, in its own dtype, as its dense copy for steps of that many rows on
     (``services/config/dense_copy.py``); embeddings look rows up in the packed one.
-    ``dense_int8`` makes that copy int8 (``services.worker.layers.int8_linear``).
+    ``dense_int8`` adds an int8 copy beside it (``services.worker.layers.int8_linear``).
     """
     quantized_by_param: dict[int, QuantizedWeight] = {}
     for name, module in model.named_modules():
@@ -310,12 +310,10 @@ def finalize_quantized(model: nn.Module, dense_min_rows: int = 0, dense_int8: bo
             continue
         if dense_min_rows and hasattr(module, "dense_min_rows"):  # a linear layer
             module.dense_min_rows = dense_min_rows
+            dense = module.quant.dequantize()
             if dense_int8:
-                module.int8 = Int8Weight(module.quant.dequantize())
-                module.weight = None
-                continue
-            dtype = module.weight.dtype
-            module.weight = nn.Parameter(module.quant.dequantize().to(dtype), requires_grad=False)
+                module.int8 = Int8Weight(dense)
+            module.weight = nn.Parameter(dense.to(module.weight.dtype), requires_grad=False)
         else:
             module.weight = None
 
