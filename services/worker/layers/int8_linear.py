@@ -1,4 +1,5 @@
-"""An int8 dense copy of a weight, for batched steps on CPU (``--dense-copy-dtype int8``).
+"""An int8 dense copy of a weight, for steps of many rows on CPU (``--dense-copy-dtype int8``):
+kept beside the model dtype's copy, it runs from ``services.config.dense_copy.INT8_MIN_ROWS`` rows on.
 
 The weight ``[N, K]`` is rotated and then rounded per output row to int8 with
 one fp32 scale (``scale = amax(row) / 127``). At each call every row of x is
