@@ -43,7 +43,10 @@ class Int8Weight:
             raise ValueError("An int8 dense copy needs finite weights; this layer's hold a NaN or infinity.")
         self.qweight = q  # [N, K] int8
         self.scale = scale  # [N] fp32
-        self.compiled = cpu_fused.available()
+        # The compiled passes, or their twins where the kernels cannot be built.
+        compiled = cpu_fused.available()
+        self._quantize = cpu_fused.quantize_rows_int8 if compiled else quantize_rows_int8_ref
+        self._scale = cpu_fused.scale_int32 if compiled else scale_int32_ref
 
     @property
     def nbytes(self) -> int:
@@ -54,13 +57,6 @@ class Int8Weight:
         return self.qweight.shape[0]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.compiled:
-            q, row_scale = cpu_fused.quantize_rows_int8(rows, self.hadamard_block)
-            acc = torch._int_mm(q, self.qweight.t())
-            out = cpu_fused.scale_int32(acc, row_scale, self.scale, bias, x.dtype)
-        else:
-            q, row_scale = quantize_rows_int8_ref(rows, self.hadamard_block)
-            acc = torch._int_mm(q, self.qweight.t())
-            out = scale_int32_ref(acc, row_scale, self.scale, bias, x.dtype)
+        q, row_scale = self._quantize(x.reshape(-1, x.shape[-1]), self.hadamard_block)
+        out = self._scale(torch._int_mm(q, self.qweight.t()), row_scale, self.scale, bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
