@@ -85,7 +85,9 @@ CPU_DEFAULT_BUDGET = 2 << 30
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
+    block_size: Annotated[
+        int, Meta(ge=1, description="Tokens per KV cache block (default: 128 on CPU, 16 on CUDA).")
+    ] = 16
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share full KV blocks between requests with the same prefix.")
     ] = True
@@ -113,7 +115,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         bool, Meta(description="Split prefills that do not fit the step's budget.")
     ] = True
     scheduling_policy: Annotated[
-        Literal["fcfs", "priority"], Meta(description="fcfs, or priority (lower value runs first).")
+        Literal["fcfs", "priority", "shortest-first"],
+        Meta(
+            description="fcfs; priority (lower value runs first); or shortest-first (shorter prompts "
+            "first, each prompt token counted as 1 ms of waiting, so none is starved)."
+        ),
     ] = "fcfs"
     max_num_partial_prefills: Annotated[
         int,

@@ -33,6 +33,7 @@ from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 from services.worker.models.registry import architecture_of, layer_sliding_windows
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "shortest-first")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -187,9 +188,10 @@ class EngineArgs:
         return self.max_model_len
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}."
             )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)

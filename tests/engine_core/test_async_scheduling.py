@@ -298,7 +298,7 @@ config_spec = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 5),
         "long_prefill_token_threshold": st.sampled_from([0, 8]),
         "caching": st.booleans(),
-        "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority", "shortest-first"]),
     }
 )
 

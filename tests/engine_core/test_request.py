@@ -6,8 +6,10 @@ from protocol import EngineCoreRequest, FinishReason, SamplingParams
 from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import (
+    SECONDS_PER_PROMPT_TOKEN,
     FCFSRequestQueue,
     PriorityRequestQueue,
+    ShortestFirstRequestQueue,
     create_request_queue,
 )
 
@@ -126,3 +128,38 @@ def test_priority_requeue_keeps_arrival_order_within_a_priority():
     q.requeue(_req("second", 0, 2.0))
     q.requeue(_req("first", 0, 1.0))
     assert [r.request_id for r in q] == ["first", "second", "late"]
+
+
+def _prompt(request_id: str, num_tokens: int, arrival: float, priority: int = 0) -> Request:
+    return Request(request_id, [1] * num_tokens, SamplingParams(), arrival, priority=priority)
+
+
+def test_shortest_first_orders_a_burst_by_prompt_length():
+    q = create_request_queue("shortest-first")
+    assert isinstance(q, ShortestFirstRequestQueue)
+    # Arrived together (priority is not this policy's order): shortest first, ties by id.
+    for r in (_prompt("long", 500, 0.0), _prompt("mid", 100, 0.0, priority=-5), _prompt("b", 10, 0.0)):
+        q.add(r)
+    q.add(_prompt("a", 10, 0.0))
+    assert [r.request_id for r in q] == ["a", "b", "mid", "long"]
+    assert [q.pop().request_id for _ in range(4)] == ["a", "b", "mid", "long"]
+
+
+def test_shortest_first_head_start_is_bounded_by_the_longer_prompt():
+    q = create_request_queue("shortest-first")
+    seconds = SECONDS_PER_PROMPT_TOKEN
+    q.add(_prompt("long", 1000, 0.0))  # its key: 1000 tokens = 1 s after its arrival
+    # A 10-token prompt arriving 0.98 s later still goes first (its key 0.99 s) ...
+    q.add(_prompt("soon", 10, 1000 * seconds - 20 * seconds))
+    # ... one arriving 1 s later, however short, queues behind the long one.
+    q.add(_prompt("late", 1, 1000 * seconds))
+    assert [r.request_id for r in q] == ["soon", "long", "late"]
+
+
+def test_shortest_first_prepend_and_requeue_keep_the_request_key():
+    q = create_request_queue("shortest-first")
+    preempted, newer = _prompt("preempted", 50, 0.0), _prompt("newer", 50, 1.0)
+    q.add(newer)
+    q.prepend(preempted)
+    q.requeue(_prompt("grammar", 50, 0.5))
+    assert [r.request_id for r in q] == ["preempted", "grammar", "newer"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.config.engine_args import EngineArgs
-from tests.engine_core.fakes import FakeWorker, add, make_scheduler, run_to_completion, step
+from tests.engine_core.fakes import FakeWorker, add, make_request, make_scheduler, run_to_completion, step
 
 
 def scheduled(so) -> dict[str, int]:
@@ -119,3 +119,34 @@ def test_the_threshold_defaults_to_four_percent_of_max_model_len_when_the_limits
 def test_bad_limits_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         _config(**kwargs)
+
+
+def _burst(s, lengths: dict[str, int]) -> None:
+    """Requests that arrived together (the fakes space arrivals 1 s apart)."""
+    for name, length in lengths.items():
+        request = make_request(s, name, length)
+        request.arrival_time = 0.0
+        s.add_request(request)
+
+
+@pytest.mark.parametrize(
+    "policy, first_step",
+    [
+        # The budget (128) goes to the two short prompts, then the 60-token one, then a chunk of the long.
+        ("shortest-first", {"short_a": 20, "short_b": 20, "mid": 60, "long": 28}),
+        ("fcfs", {"long": 100, "mid": 28}),  # queue order: the long prompt takes most of the step
+    ],
+)
+def test_shortest_first_prefills_a_burst_shortest_prompt_first(policy, first_step):
+    s, w = make_scheduler(scheduling_policy=policy, max_num_batched_tokens=128), FakeWorker(16)
+    _burst(s, {"long": 100, "mid": 60, "short_a": 20, "short_b": 20})
+    so, _ = step(s, w)
+    assert scheduled(so) == first_step
+    outputs = run_to_completion(s, w)
+    assert set(outputs) == {"long", "mid", "short_a", "short_b"}
+
+
+def test_an_unknown_scheduling_policy_is_refused_naming_the_three():
+    with pytest.raises(ValueError, match="fcfs, priority, shortest-first"):
+        _config(scheduling_policy="sjf")
+    assert _config(scheduling_policy="shortest-first").scheduling_policy == "shortest-first"

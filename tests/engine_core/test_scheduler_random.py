@@ -32,7 +32,7 @@ request_spec = st.fixed_dictionaries(
 config_spec = st.fixed_dictionaries(
     {
         "num_blocks": st.integers(MAX_MODEL_LEN // BLOCK + 1, 16),
-        "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority", "shortest-first"]),
         "enable_chunked_prefill": st.booleans(),
         "max_num_batched_tokens": st.integers(8, 128),
         "max_num_seqs": st.integers(1, 6),
