@@ -46,7 +46,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    block_size: int | None = None  # None: 128 on CPU, 16 on CUDA (as vLLM)
+    block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -116,7 +116,7 @@ class EngineArgs:
                 dense_copy_dtype="int8" if self._int8_copy(dense_min_rows, quantization) else "model",
             ),
             cache=CacheConfig(
-                block_size=resolve_block_size(self.block_size, device),
+                block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -262,18 +262,6 @@ def resolve_attention_backend(device: str) -> str:
     if forced and forced not in ("torch", "cpu", "triton"):
         raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch', 'cpu' or 'triton', got {forced!r}.")
     return forced or ("triton" if device == "cuda" else "cpu")
-
-
-# vLLM's defaults: 16-token blocks on CUDA, 128 on CPU. On CPU the cache's
-# blocks of concurrent sequences interleave, and each block of a KV head is a
-# separate stretch of memory that costs a TLB miss (a nested page walk in a
-# VM): 128-token blocks read four pages at a time where 16-token blocks read
-# half of one. Offline-64 ran 1.14-1.19x faster with them (README).
-DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
-
-
-def resolve_block_size(block_size: int | None, device: str) -> int:
-    return DEFAULT_BLOCK_SIZE[device] if block_size is None else block_size
 
 
 def resolve_device(device: str) -> str:
