@@ -85,9 +85,7 @@ CPU_DEFAULT_BUDGET = 2 << 30
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    block_size: Annotated[
-        int, Meta(ge=1, description="Tokens per KV cache block (default: 128 on CPU, 16 on CUDA).")
-    ] = 16
+    block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share full KV blocks between requests with the same prefix.")
     ] = True
