@@ -260,24 +260,56 @@ inline void round_row(int8_t* q, const float* row, int64_t n, float inv) {
   for (; j < n; ++j) q[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(row[j] * inv)));
 }
 
+// Two butterfly stages at once (h, then 2h) over the runs at r, r + h, r + 2h, r + 3h: each
+// element gets the same two adds, in the same order, as stage by stage, with half the loads
+// and stores (the block sizes allowed, 4^k, have an even number of stages).
+inline void butterfly4_runs(float* __restrict a, float* __restrict b, float* __restrict c,
+                            float* __restrict d, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256 w = _mm256_loadu_ps(a + j), x = _mm256_loadu_ps(b + j);
+    const __m256 y = _mm256_loadu_ps(c + j), z = _mm256_loadu_ps(d + j);
+    const __m256 s0 = _mm256_add_ps(w, x), s1 = _mm256_sub_ps(w, x);
+    const __m256 s2 = _mm256_add_ps(y, z), s3 = _mm256_sub_ps(y, z);
+    _mm256_storeu_ps(a + j, _mm256_add_ps(s0, s2));
+    _mm256_storeu_ps(b + j, _mm256_add_ps(s1, s3));
+    _mm256_storeu_ps(c + j, _mm256_sub_ps(s0, s2));
+    _mm256_storeu_ps(d + j, _mm256_sub_ps(s1, s3));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float s0 = a[j] + b[j], s1 = a[j] - b[j], s2 = c[j] + d[j], s3 = c[j] - d[j];
+    a[j] = s0 + s2;
+    b[j] = s1 + s3;
+    c[j] = s0 - s2;
+    d[j] = s1 - s3;
+  }
+}
+
+template <int64_t kFixed>
+inline void hadamard_runs(float* row, int64_t block, int64_t runtime_blocks) {
+  const int64_t blocks = kFixed > 0 ? kFixed : runtime_blocks;
+  for (int64_t h = 1; h < block; h *= 4)
+    for (int64_t p = 0; p < block; p += 4 * h)
+      for (int64_t r = p; r < p + h; ++r)
+        butterfly4_runs(row + r * blocks, row + (r + h) * blocks, row + (r + 2 * h) * blocks,
+                        row + (r + 3 * h) * blocks, blocks);
+}
+
 // In place: a Walsh-Hadamard transform over each strided block of row[0, blocks * block): block
 // b holds elements b, b + blocks, b + 2 * blocks, ... Butterflies pair runs of `blocks`
-// contiguous floats, so every stage is a plain vector loop. The row comes scaled by
-// 1 / sqrt(block) already (widen_row): the transform is orthonormal. The twin
+// contiguous floats, so every stage is a plain vector loop; with the run length known when
+// compiled (the common hidden sizes) a run is straight-line vector code. The row comes scaled
+// by 1 / sqrt(block) already (widen_row): the transform is orthonormal. The twin
 // (kernels.reference.hadamard_rows_ref) does the same adds in the same order.
 inline void hadamard_strided(float* row, int64_t block, int64_t blocks) {
-  for (int64_t h = 1; h < block; h *= 2) {
-    for (int64_t p = 0; p < block; p += 2 * h) {
-      for (int64_t r = p; r < p + h; ++r) {
-        float* a = row + r * blocks;
-        float* c = row + (r + h) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float u = a[b], v = c[b];
-          a[b] = u + v;
-          c[b] = u - v;
-        }
-      }
-    }
+  switch (blocks) {
+    case 9: return hadamard_runs<9>(row, block, blocks);
+    case 10: return hadamard_runs<10>(row, block, blocks);
+    case 24: return hadamard_runs<24>(row, block, blocks);
+    case 32: return hadamard_runs<32>(row, block, blocks);
+    default: return hadamard_runs<0>(row, block, blocks);
   }
 }
 

@@ -29,9 +29,10 @@ DEFAULT_DENSE_MIN_ROWS = 8
 # "auto" keeps a copy of at most this share of the worker's memory budget.
 AUTO_MAX_BUDGET_SHARE = 0.5
 DENSE_COPY_DTYPES = ("auto", "int8")
-# From this many rows a step on, the int8 copy beat the bf16 one on the default model's matmuls
-# (1.18x at 256 rows, 1.29x at 2,048; 1.10x at 64 alone, none in a 64-sequence engine step).
-INT8_MIN_ROWS = 256
+# From this many rows a step on, the int8 copy beat the bf16 one on all the default model's
+# matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
+# 1.40x at 128, since the rounding pass's rotation runs two stages at a time).
+INT8_MIN_ROWS = 32
 
 
 def linear_param_count(hf_config: dict) -> int:

@@ -52,7 +52,11 @@ def test_zero_and_non_finite_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols, block", [(576, 64), (1536, 64), (80, 16), (12, 4)])
+# Runs of cols / block floats: 9, 24, 10 and 32 take the compiled-in run lengths, 17 (a vector
+# and a tail), 5 and 3 the general loop.
+@pytest.mark.parametrize(
+    "cols, block", [(576, 64), (1536, 64), (640, 64), (2048, 64), (1088, 64), (80, 16), (12, 4)]
+)
 @pytest.mark.parametrize("strided", [False, True])
 def test_rotated_rows_match_twin(generator, dtype, cols, block, strided):
     wide = (torch.randn(37, cols + 16, generator=generator) * 4).to(dtype)
