@@ -24,6 +24,16 @@ def test_fast_bf16_per_flag_set(flags, fast):
     assert engine_args.cpu_has_fast_bf16(flags) is fast
 
 
+@pytest.mark.parametrize(
+    "flags, pays",
+    [(AVX2_ONLY, False), (AVX512_NO_BF16, False), (AVX512_BF16, True), (AMX, False), (set(), False)],
+    ids=["avx2", "avx512-no-bf16", "avx512-bf16", "amx", "none"],
+)
+def test_the_int8_copy_pays_where_it_was_measured(flags, pays):
+    """AVX-512 VNNI with bf16 dot products and no AMX: the CPU the int8 copy was measured on."""
+    assert engine_args.cpu_int8_copy_pays(flags) is pays
+
+
 @pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_follows_the_flags_on_cpu(monkeypatch, fast, expected):
     monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: fast)

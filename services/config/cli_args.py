@@ -36,9 +36,11 @@ _EXTRA_HELP = {
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
     "weight in --dtype, fewer rows the packed kernels; 0 keeps no copy (default auto: 8 where the copy "
     "takes at most half of the memory budget, --kv-cache-memory; else 0).",
-    "dense_copy_dtype": "auto (the dense copy in --dtype) or int8 (an int8 copy beside it, one more byte a "
-    "weight, for steps of 256 rows and more: their activations rotated and rounded to int8 per row, then "
-    "integer GEMMs, 1.2-1.5x on AVX-512 VNNI, at a small cost in accuracy; default auto).",
+    "dense_copy_dtype": "model (the dense copy in --dtype alone), int8 (an int8 copy beside it, one more "
+    "byte a weight, for steps of 32 rows and more: their activations rotated and rounded to int8 per row, "
+    "then integer GEMMs, 1.1-1.4x on AVX-512 VNNI, at a small cost in accuracy), or auto (default: int8 "
+    "with a bf16 --dtype on a CPU with AVX-512 VNNI and bf16 and no AMX, one worker, where both copies "
+    "fit the memory rule; else model).",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '

@@ -15,8 +15,13 @@ packed at every batch size unless asked.
 rotated and rounded to int8 per row, integer GEMMs:
 ``services.worker.layers.int8_linear``) for steps of ``INT8_MIN_ROWS`` rows and
 more; below that the model dtype's copy stays faster (the rounding passes cost
-more than the integer GEMM saves), so both are kept. "auto": the model dtype's
-copy only.
+more than the integer GEMM saves), so both are kept. "auto": the int8 copy too
+where it was measured to pay — a bf16 model dtype on a CPU with AVX-512 VNNI and
+bf16 dot products and no AMX (``engine_args.cpu_int8_copy_pays``), one engine
+per model (no tensor parallelism: the shards' rows would round differently from
+one worker's), and both copies within the memory rule below — else the model
+dtype's copy alone. "model": the model dtype's copy alone (an fp32 or bf16 run
+whose batched steps match dequantized weights).
 Torch-free: the API process builds the config too.
 """
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 DEFAULT_DENSE_MIN_ROWS = 8
 # "auto" keeps a copy of at most this share of the worker's memory budget.
 AUTO_MAX_BUDGET_SHARE = 0.5
-DENSE_COPY_DTYPES = ("auto", "int8")
+DENSE_COPY_DTYPES = ("auto", "model", "int8")
 # From this many rows a step on, the int8 copy beat the bf16 one on all the default model's
 # matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
 # 1.40x at 128, since the rounding pass's rotation runs two stages at a time).

@@ -72,7 +72,7 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     dense_min_rows: int | None = None  # None: auto (services/config/dense_copy.py)
     async_scheduling: bool = False
-    dense_copy_dtype: str = "auto"  # auto: the model dtype; int8 (services/config/dense_copy.py)
+    dense_copy_dtype: str = "auto"  # auto | model | int8 (services/config/dense_copy.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -94,7 +94,7 @@ class EngineArgs:
         )
         device = resolve_device(self.device)
         quantization = resolve_quantization(self.quantization, files.is_gguf, device, self.load_format)
-        dense_min_rows = self._dense_min_rows(quantization, device, hf_config)
+        dense_min_rows, int8_copy = self._dense_copy(quantization, device, hf_config)
         eos_token_id = _first(hf_config.get("eos_token_id"))
         generation = read_generation_config(self.generation_config, files.hf_dir)
         config = EngineConfig(
@@ -113,7 +113,7 @@ class EngineArgs:
                 extra_eos_token_ids=extra_eos_token_ids(generation, eos_token_id),
                 quantization=quantization,
                 dense_min_rows=dense_min_rows,
-                dense_copy_dtype="int8" if self._int8_copy(dense_min_rows, quantization) else "model",
+                dense_copy_dtype="int8" if int8_copy else "model",
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -156,26 +156,35 @@ class EngineArgs:
         )
         return config
 
-    def _dense_min_rows(self, quantization: str, device: str, hf_config: dict) -> int:
-        """The dense copy's row threshold, sized (under auto) in the dtype it would then run in."""
-        copy_bytes = _DTYPE_BYTES[resolve_dtype(self.dtype, device, quantization, dense_copy=True)]
-        if check_dense_copy_dtype(self.dense_copy_dtype) == "int8":
-            copy_bytes += 1  # the int8 copy comes beside the model dtype's
-        budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
-        return resolve_dense_min_rows(
-            self.dense_min_rows,
-            quantization,
-            hf_config,
-            budget,
-            copy_bytes,
-            speculative=self.speculative_config is not None,
+    def _dense_copy(self, quantization: str, device: str, hf_config: dict) -> tuple[int, bool]:
+        """The dense copy's row threshold, sized (under auto) in the dtype it would then run in,
+        and whether an int8 copy comes beside it."""
+        choice = check_dense_copy_dtype(self.dense_copy_dtype)
+        model_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
+        speculative = self.speculative_config is not None
+        # auto: the int8 copy where it was measured to pay (services/config/dense_copy.py).
+        int8 = choice == "int8" or (
+            choice == "auto"
+            and quantization == "gguf"
+            and model_dtype == "bfloat16"
+            and self.tensor_parallel_size == 1
+            and cpu_int8_copy_pays()
         )
+        budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
 
-    def _int8_copy(self, dense_min_rows: int, quantization: str) -> bool:
-        if self.dense_copy_dtype != "int8":
-            return False
-        check_int8_copy_kept(dense_min_rows, quantization, speculative=self.speculative_config is not None)
-        return True
+        def rows(copy_bytes: int) -> int:
+            return resolve_dense_min_rows(
+                self.dense_min_rows, quantization, hf_config, budget, copy_bytes, speculative=speculative
+            )
+
+        # The int8 copy comes beside the model dtype's: one more byte a weight.
+        dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8)
+        if choice == "int8":
+            check_int8_copy_kept(dense_min_rows, quantization, speculative=speculative)
+        elif int8 and dense_min_rows == 0:
+            # auto: both copies do not fit (or none is kept): the model dtype's alone, if it fits.
+            int8, dense_min_rows = False, rows(_DTYPE_BYTES[model_dtype])
+        return dense_min_rows, int8 and dense_min_rows > 0
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048
@@ -278,14 +287,27 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
     bf16 dot products (``avx512_bf16``), where weft ran the default model dequantized 1.3-2x
     faster in bf16 (README). With AVX2 only, bf16 is converted in software: fp32 is faster.
     ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
-    if flags is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-        line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-        flags = set(line.partition(":")[2].split())
+    flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
+    """The int8 dense copy was measured faster than the bf16 one from 32 rows on (README, "int8
+    dense copy") on AVX-512 VNNI with bf16 dot products and no AMX. With AMX tiles oneDNN's bf16
+    GEMM is another kind of fast, not measured against it: auto keeps bf16 alone there.
+    ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}
+
+
+def cpu_flags() -> set[str]:
+    """The flags line of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def resolve_dtype(dtype: str, device: str, quantization: str = "none", dense_copy: bool = False) -> str:

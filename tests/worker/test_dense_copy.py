@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
+from services.config import engine_args
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
     DEFAULT_DENSE_MIN_ROWS,
@@ -157,10 +158,37 @@ def test_an_int8_copy_comes_beside_the_model_dtype_copy_at_one_more_byte_a_weigh
     assert config_of(dtype="float32", speculative_config=SPEC, dense_min_rows=8, dense_copy_dtype="int8")
 
 
+@pytest.fixture
+def int8_pays(monkeypatch):
+    """What auto decides on a CPU where the int8 copy pays (flags fed in, not this machine's)."""
+    monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
+
+
+def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
+    both = config_of(dtype="bfloat16")
+    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", DEFAULT_DENSE_MIN_ROWS)
+    assert config_of(dtype="bfloat16", dense_copy_dtype="model").dense_copy_dtype == "model"
+    # fp32 stays exact (HF parity); several workers would round their shards' rows differently.
+    assert config_of(dtype="float32").dense_copy_dtype == "model"
+    assert config_of(dtype="bfloat16", tensor_parallel_size=3).dense_copy_dtype == "model"
+    # Both copies do not fit half of 0.7 GB: the bf16 copy alone does, and stays.
+    alone = config_of(dtype="bfloat16", kv_cache_memory=700_000_000)
+    assert (alone.dense_copy_dtype, alone.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
+    # No copy kept (speculative decoding under auto, or none asked for): no int8 copy, no refusal.
+    assert config_of(dtype="bfloat16", speculative_config=SPEC).dense_copy_dtype == "model"
+    assert config_of(dtype="bfloat16", dense_min_rows=0).dense_copy_dtype == "model"
+
+
+def test_auto_keeps_the_model_dtype_copy_alone_where_int8_does_not_pay(monkeypatch):
+    monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
+    assert config_of(dtype="bfloat16").dense_copy_dtype == "model"
+    assert config_of(dtype="bfloat16", dense_copy_dtype="int8").dense_copy_dtype == "int8"  # asked for
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(dense_copy_dtype="fp8"), "dense_copy_dtype must be one of auto, int8"),
+        (dict(dense_copy_dtype="fp8"), "dense_copy_dtype must be one of auto, model, int8"),
         (dict(dense_copy_dtype="int8", quantization="none"), "no packed weight to copy"),
         (dict(dense_copy_dtype="int8", dense_min_rows=0), "no copy is kept"),
         (dict(dense_copy_dtype="int8", speculative_config=SPEC), "give --dense-min-rows explicitly"),
