@@ -16,22 +16,20 @@ AMX = AVX512_BF16 | {"amx_bf16", "amx_tile", "amx_int8"}  # Sapphire Rapids
 
 
 @pytest.mark.parametrize(
-    "flags, fast",
-    [(AVX2_ONLY, False), (AVX512_NO_BF16, False), (AVX512_BF16, True), (AMX, True), (set(), False)],
+    "flags, fast, int8_pays",
+    [
+        (AVX2_ONLY, False, False),
+        (AVX512_NO_BF16, False, False),
+        (AVX512_BF16, True, True),
+        (AMX, True, False),
+        (set(), False, False),
+    ],
     ids=["avx2", "avx512-no-bf16", "avx512-bf16", "amx", "none"],
 )
-def test_fast_bf16_per_flag_set(flags, fast):
+def test_fast_bf16_and_the_int8_copy_per_flag_set(flags, fast, int8_pays):
+    """The int8 copy pays where it was measured: AVX-512 VNNI with bf16 dot products, no AMX."""
     assert engine_args.cpu_has_fast_bf16(flags) is fast
-
-
-@pytest.mark.parametrize(
-    "flags, pays",
-    [(AVX2_ONLY, False), (AVX512_NO_BF16, False), (AVX512_BF16, True), (AMX, False), (set(), False)],
-    ids=["avx2", "avx512-no-bf16", "avx512-bf16", "amx", "none"],
-)
-def test_the_int8_copy_pays_where_it_was_measured(flags, pays):
-    """AVX-512 VNNI with bf16 dot products and no AMX: the CPU the int8 copy was measured on."""
-    assert engine_args.cpu_int8_copy_pays(flags) is pays
+    assert engine_args.cpu_int8_copy_pays(flags) is int8_pays
 
 
 @pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
