@@ -115,10 +115,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduling_policy: Annotated[
         Literal["fcfs", "priority", "shortest-first"],
         Meta(
-            description="fcfs; priority (lower value runs first); or shortest-first (shorter prompts "
-            "first, each prompt token counted as 1 ms of waiting, so none is starved)."
+            description="shortest-first (the default: shorter prompts first, each prompt token counted "
+            "as 1 ms of waiting, so none is starved); fcfs (arrival order); or priority (lower value "
+            "runs first)."
         ),
-    ] = "fcfs"
+    ] = "shortest-first"
     max_num_partial_prefills: Annotated[
         int,
         Meta(

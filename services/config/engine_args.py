@@ -55,7 +55,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "shortest-first"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     device: str = "auto"
