@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import KernelUnavailable, build, target_isa, wide_isa
+from kernels.cpu_build import KernelUnavailable, bf16_isa, build, target_isa
 from kernels.reference import check_query_and_cache
 
 __all__ = [
@@ -31,12 +31,16 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+# "0" keeps bf16 prefills on the fp32 path where the bf16 dot products are built in; read by the kernel
+# itself on every call (services/env.py declares it).
+ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
 
 
 @functools.cache
 def load() -> None:
-    """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``."""
-    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=wide_isa())
+    """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``: for the
+    CPU's ``bf16_isa()``, whose AVX512_BF16 variant runs bf16 prefills on bf16 dot products."""
+    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=bf16_isa())
 
 
 def paged_decode_attention(
@@ -194,4 +198,4 @@ def _check_window(window: int) -> None:
 
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)
     load()
-    print(f"built and loaded the CPU attention kernels ({wide_isa()[0]})")
+    print(f"built and loaded the CPU attention kernels ({bf16_isa()[0]})")

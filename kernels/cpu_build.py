@@ -72,6 +72,19 @@ def wide_isa() -> tuple[str, list[str]]:
     return target_isa()
 
 
+# AVX512 plus AVX512_BF16 (vdpbf16ps: bf16 pair dot products into fp32) for the attention kernel's
+# bf16 prefills; only kernels that guard their bf16 code with __AVX512BF16__ ask for it.
+AVX512_BF16_FLAGS = (*AVX512_FLAGS, "avx512_bf16")
+AVX512_BF16 = ("avx512bf16", [*AVX512[1], "-mavx512bf16"])
+
+
+def bf16_isa() -> tuple[str, list[str]]:
+    """``AVX512_BF16`` where the CPU has its flags, else ``wide_isa()``."""
+    if all(f in cpu_flags() for f in AVX512_BF16_FLAGS):
+        return AVX512_BF16
+    return wide_isa()
+
+
 def stable_source(source: Path, build_name: str, build_root: str) -> Path:
     """A copy of ``source`` at a path that depends only on the build, not on where the checkout is.
 
@@ -87,6 +100,15 @@ def stable_source(source: Path, build_name: str, build_root: str) -> Path:
         scratch.write_bytes(text)
         os.replace(scratch, copy)  # atomic: a concurrent build reads the old text or the new
     return copy
+
+
+def extensions_root() -> str:
+    """Where torch keeps the builds: ``TORCH_EXTENSIONS_DIR`` when set, as torch's own builds honour
+    it, so that a checkout given one of its own (to measure two versions of a kernel, or to build
+    a changed source beside the shared one) shares neither the builds nor their source copies."""
+    from torch.utils import cpp_extension
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def build(
@@ -112,7 +134,7 @@ def build(
     try:
         cpp_extension.load(
             name=f"{name}_{isa}",
-            sources=[str(stable_source(source, f"{name}_{isa}", cpp_extension.get_default_build_root()))],
+            sources=[str(stable_source(source, f"{name}_{isa}", extensions_root()))],
             # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
             # here; the library then uses the libgomp torch has already loaded.
             # -fno-trapping-math: nothing here reads floating-point exception flags, and with

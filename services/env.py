@@ -40,6 +40,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "kernels/ imports nothing from services/).",
     ),
     EnvVar(
+        "WEFT_ATTENTION_BF16_DOT",
+        "0 keeps bf16 prefills of the CPU attention kernel on its fp32 path where the CPU has AVX512_BF16 "
+        "(the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp; for tests and "
+        "measurements).",
+    ),
+    EnvVar(
         "WEFT_QUANT_ISA",
         "Force one build of the quantized-linear kernel: avx512vnni, avx2 or generic (default: the fastest "
         "the CPU runs; kernels/cpu_quant_linear.py reads it itself).",

@@ -29,7 +29,8 @@
 // chunk's keys are transposed once into fp32 so that a row's scores over the
 // chunk are vector FMAs.
 //
-// Arithmetic is fp32 whatever the cache dtype. Index bounds are checked here,
+// Arithmetic is fp32 whatever the cache dtype (but bf16 prefills on AVX512_BF16
+// CPUs: "prefill, bf16 dot products"). Index bounds are checked here,
 // on every call (the checks cost microseconds): the kernel reads memory
 // through them.
 
@@ -567,7 +568,7 @@ constexpr int64_t kChunkKeys = 64;
 // Kt[:, c0 + ...] for keys transposed to Kt [D, ld]: four rows at a time share
 // each loaded piece of Kt, 4 x kNB independent FMA chains.
 template <int kNB>
-inline void score_rows4(const float* q0, int64_t D, const float* kt, int64_t ld, float* s) {
+[[gnu::always_inline]] inline void score_rows4(const float* q0, int64_t D, const float* kt, int64_t ld, float* s) {
   vf a[4][kNB] = {};
   for (int64_t d = 0; d < D; ++d) {
     vf k[kNB];
@@ -580,8 +581,12 @@ inline void score_rows4(const float* q0, int64_t D, const float* kt, int64_t ld,
 }
 
 // S [rows, kb] = Q [rows, D] . Kt [D, kb], kb a multiple of kW: 32 keys (16
-// accumulators) per pass where they fit, the remainder 8 at a time.
-inline void block_scores(const float* qf, int64_t rows, int64_t D, const float* kt, int64_t kb, float* s) {
+// accumulators) per pass where they fit, the remainder 8 at a time. Forced
+// inline, with score_rows4: GCC stopped inlining them once the bf16 code below
+// grew the file, and the fp32 prefill took 1.15x the time (512 and 64-after-448
+// tokens, interleaved against the build without it).
+[[gnu::always_inline]] inline void block_scores(const float* qf, int64_t rows, int64_t D, const float* kt, int64_t kb,
+                                                float* s) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
     int64_t c = 0;
@@ -684,6 +689,325 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
     write_heads(acc + (j - j0) * G * D, l + (j - j0) * G, G, D, out + j * os0, os1);
 }
 
+// ------------------------------------------------- prefill, bf16 dot products
+//
+// bf16 caches on CPUs with AVX512_BF16: vdpbf16ps multiplies pairs of bf16
+// and adds both products to an fp32 lane, twice the multiply-adds of an fp32
+// FMA per instruction, and keys and values need no widening to fp32.
+//
+// Scores come out transposed, S^T [key, row], 16 query rows to a vector: the
+// tile's queries are packed once as pairs along D (qp[p][r] = Q[r][2p],
+// Q[r][2p+1] as one 32-bit word), and one vdpbf16ps of a key pair broadcast
+// straight from the cache block adds that pair's products to 16 rows' scores.
+// Keys are not copied at all, and the softmax runs down the columns: the max,
+// the exponentials and the sum are lane-wise over 16 rows at once, with no
+// horizontal reductions. The weights P are rounded to bf16 (as GPU flash
+// attention takes P in bf16) and kept as pairs along t, pw[t/2][r]; values are
+// packed per chunk as pairs along t too (vp[t/2][d] = V[t][d], V[t+1][d]), so
+// one vdpbf16ps of a row's weight pair broadcast adds two keys' weighted values
+// to 16 lanes of its accumulator. The query is used as it is in the cache's
+// dtype, the softmax scale multiplies the fp32 scores, and each row's sum of
+// weights is that of the rounded weights: the output is an exact weighted mean
+// of the values with bf16 weights.
+//
+// Other dtypes, head sizes other than 64, 128 or 256, CPUs without the flag,
+// and WEFT_ATTENTION_BF16_DOT=0 take the fp32 path above.
+
+}  // namespace
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define WEFT_PREFILL_BF16_DOT 1
+#endif
+
+#include <cstdlib>
+
+namespace {
+
+// WEFT_ATTENTION_BF16_DOT=0 (read on every call: a getenv) keeps bf16 prefills on the fp32 path, to
+// measure one against the other and to test the fallback on a CPU that has the bf16 instructions.
+inline bool bf16_dot_enabled() {
+  const char* v = std::getenv("WEFT_ATTENTION_BF16_DOT");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+#ifdef WEFT_PREFILL_BF16_DOT
+
+// Rows per block: scores, softmax and values run a block at a time, so that its scores and weights
+// stay in L1 and, on the diagonal chunk, each block skips the keys none of its rows sees.
+constexpr int64_t kBfBlockRows = 48;  // 3 vectors of 16 rows
+constexpr int kBfKeys = 8;            // keys per score pass: 8 keys x 3 row vectors = 24 accumulators
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }  // the same bits
+
+inline uint32_t pair_at(const uint16_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// exp_nonpositive on 16 lanes (the same polynomial); 2^n by vscalefps.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp(x) for the weights, which are rounded to bf16 (relative step 2^-9) right after: a degree-4
+// polynomial on |r| <= ln2 / 2 (Taylor, relative error 4e-5) and a one-step reduction, no clamp (x
+// is finite, and vscalefps takes 2^n to 0 for n below the range). 10 operations against 15: 4-5%
+// off a bf16 prefill (512 and 2,048 fresh tokens, one thread, interleaved).
+inline __m512 exp16_weight(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.69314718055994531f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The chunk's values [base, base + tokens) packed as vp [kb / 2, D] words: pairs of tokens, the
+// one past an odd `tokens` zero (its weight is 0, and 0 x a stale NaN would not be).
+template <int D>
+void pack_values_bf16(const uint16_t* values, const int32_t* blocks, int64_t base, int64_t tokens,
+                      int64_t block_size, uint32_t* vp) {
+  // Word i of a pair's 32 lanes: element i / 2 of the first row (i even) or of the second (i odd).
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i ilo = _mm512_load_si512(lo_idx);
+  const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+  for (int64_t t = 0; t < tokens; t += 2) {
+    const int64_t pos = base + t;
+    const uint16_t* a = values + static_cast<int64_t>(blocks[pos / block_size]) * block_size * D + pos % block_size * D;
+    const int64_t pos1 = pos + 1;
+    const uint16_t* b = t + 1 < tokens ? values + static_cast<int64_t>(blocks[pos1 / block_size]) * block_size * D +
+                                             pos1 % block_size * D
+                                       : nullptr;
+    uint32_t* dst = vp + t / 2 * D;
+    for (int d = 0; d < D; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d);
+      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, ilo, y));
+      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, ihi, y));
+    }
+  }
+}
+
+// S^T [kBfKeys keys, NRV x 16 rows] = scale x K . Q^T, key i's row at kr[i], the rows' query pairs
+// at qp [D / 2, q_ld]; key i's scores go to s + i * s_ld.
+template <int NRV, int D>
+inline void score_keys_bf16(const uint16_t* const* kr, const uint32_t* qp, int64_t q_ld, float scale, float* s,
+                            int64_t s_ld) {
+  __m512 a[kBfKeys][NRV];
+  for (int i = 0; i < kBfKeys; ++i)
+    for (int v = 0; v < NRV; ++v) a[i][v] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    __m512bh q[NRV];
+    for (int v = 0; v < NRV; ++v) q[v] = as_bh(_mm512_loadu_si512(qp + p * q_ld + v * 16));
+    for (int i = 0; i < kBfKeys; ++i) {
+      const __m512bh k = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair_at(kr[i] + 2 * p))));
+      for (int v = 0; v < NRV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], k, q[v]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < kBfKeys; ++i)
+    for (int v = 0; v < NRV; ++v) _mm512_storeu_ps(s + i * s_ld + v * 16, _mm512_mul_ps(a[i][v], sc));
+}
+
+// Online softmax of 16 rows (the lanes) over the chunk's key pairs [tp0, tp1): key t's scores at
+// s + t * s_ld, visible to a row when its position `pos` >= base + t > `low` (pos - window, or -1;
+// pos -1 for a padding row). The weights go to pw [tp, 16 rows] words as bf16 pairs (t, t + 1);
+// m, l and alpha (the factor the rows' accumulators take before this chunk's values) are updated.
+// kFull: every lane sees every key of the range (off the diagonal, no window edge): no masks.
+template <bool kFull>
+inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t tp1, int64_t base, const int32_t* pos,
+                              const int32_t* low, float* m, float* l, float* alpha, uint32_t* pw, int64_t pw_ld) {
+  // Word r of the weights: row r's weights for keys t (low half) and t + 1, from cvtne2ps's halves.
+  alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pv = _mm512_loadu_si512(pos), lv = _mm512_loadu_si512(low);
+  auto visible = [&](int64_t t) -> __mmask16 {
+    if constexpr (kFull) return 0xFFFF;
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(base + t));
+    return _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpgt_epi32_mask(k, lv);
+  };
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = ninf;
+  for (int64_t t = 2 * tp0; t < 2 * tp1; ++t)
+    mx = _mm512_mask_max_ps(mx, visible(t), mx, _mm512_loadu_ps(s + t * s_ld));
+  const __m512 m_old = _mm512_loadu_ps(m);
+  const __m512 m_new = _mm512_max_ps(m_old, mx);
+  // Rows that have seen no key yet keep m = -inf and take alpha 1 (exp of -inf - -inf is NaN); on a
+  // row's first chunk m_old = -inf gives alpha ~ 1e-38 against an accumulator of 0.
+  const __m512 al = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
+                                         exp16_nonpositive(_mm512_sub_ps(m_old, m_new)), _mm512_set1_ps(1.0f));
+  const __m512i idx = _mm512_load_si512(pair_idx);
+  const __m512i high = _mm512_set1_epi32(-65536);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t tp = tp0; tp < tp1; ++tp) {
+    __m512 p[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = 2 * tp + h;
+      const __mmask16 k = visible(t);
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t * s_ld), m_new);
+      if constexpr (kFull) p[h] = exp16_weight(x);
+      else p[h] = k ? _mm512_maskz_mov_ps(k, exp16_weight(x)) : _mm512_setzero_ps();
+    }
+    const __m512i w = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    _mm512_storeu_si512(pw + tp * pw_ld, w);
+    // The rounded weights, back in fp32 (a bf16 is the top half of an fp32).
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), al, sum));
+  _mm512_storeu_ps(m, m_new);
+  _mm512_storeu_ps(alpha, al);
+}
+
+// acc [NR rows, D] = alpha x acc + P . V over token pairs [tp0, tp1), columns [d0, d0 + ND x 16);
+// row r's weight pair for tp at pw[tp * pw_ld + r].
+template <int NR, int ND, int D>
+inline void value_rows_bf16(const uint32_t* pw, int64_t pw_ld, const uint32_t* vp, int64_t tp0, int64_t tp1,
+                            int64_t d0, const float* alpha, float* acc) {
+  __m512 a[NR][ND];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < ND; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + c * 16), al);
+  }
+  for (int64_t tp = tp0; tp < tp1; ++tp) {
+    __m512bh v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = as_bh(_mm512_loadu_si512(vp + tp * D + d0 + c * 16));
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh pp = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pw[tp * pw_ld + r])));
+      for (int c = 0; c < ND; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pp, v[c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + r * D + d0 + c * 16, a[r][c]);
+}
+
+// The value pass for n rows: 6 rows x 4 vectors of accumulators (head size 64), else 3 x 8.
+template <int D>
+inline void values_bf16(int64_t n, const uint32_t* pw, int64_t pw_ld, const uint32_t* vp, int64_t tp0, int64_t tp1,
+                        const float* alpha, float* acc) {
+  constexpr int ND = D == 64 ? 4 : 8;
+  constexpr int NR = 24 / ND;
+  for (int64_t r = 0; r < n; r += NR) {
+    const int64_t k = std::min<int64_t>(NR, n - r);
+    for (int64_t d0 = 0; d0 < D; d0 += ND * 16) {
+      const uint32_t* p = pw + r;
+      const float* al = alpha + r;
+      float* ac = acc + r * D;
+      switch (k) {
+        case 6: if constexpr (NR >= 6) value_rows_bf16<6, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+        case 5: if constexpr (NR >= 5) value_rows_bf16<5, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+        case 4: if constexpr (NR >= 4) value_rows_bf16<4, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+        case 3: value_rows_bf16<3, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+        case 2: value_rows_bf16<2, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+        default: value_rows_bf16<1, ND, D>(p, pw_ld, vp, tp0, tp1, d0, al, ac); break;
+      }
+    }
+  }
+}
+
+// prefill_item for bf16 with vdpbf16ps (the arguments are prefill_item's, the head size fixed).
+// Per chunk: pack its values once for the tile, then per block of kBfBlockRows rows: scores over
+// the keys some row of the block sees (on the diagonal chunk the later ones are skipped), the
+// softmax 16 rows at a time, and the value pass over the key pairs some row sees.
+template <int D>
+void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFloat16* out, int64_t os0,
+                       int64_t os1, const uint16_t* keys, const uint16_t* values, const int32_t* blocks,
+                       int64_t context, int64_t j0, int64_t j1, int64_t block_size, int64_t G, float scale,
+                       int64_t window, std::vector<float>& buf) {
+  const int64_t rows = (j1 - j0) * G;
+  const int64_t ld = (rows + 15) / 16 * 16;  // rows padded to whole vectors
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
+  const int64_t kb = (chunk + kBfKeys - 1) / kBfKeys * kBfKeys;  // score passes take kBfKeys keys
+  buf.resize(rows * D + 3 * ld + kb * kBfBlockRows);
+  float* acc = buf.data();    // [rows, D]
+  float* m = acc + rows * D;  // [ld]
+  float* l = m + ld;          // [ld]
+  float* alpha = l + ld;      // [ld]
+  float* s = alpha + ld;      // [kb, kBfBlockRows] one block's scores, transposed
+  thread_local std::vector<uint32_t> words;
+  words.resize(D / 2 * ld + kb / 2 * D + kb / 2 * kBfBlockRows);
+  uint32_t* qp = words.data();     // [D / 2, ld] the queries as bf16 pairs, transposed
+  uint32_t* vp = qp + D / 2 * ld;  // [kb / 2, D] the chunk's values
+  uint32_t* pw = vp + kb / 2 * D;  // [kb / 2, kBfBlockRows] one block's weights
+  thread_local std::vector<int32_t> limits;
+  limits.resize(2 * ld);
+  int32_t* pos = limits.data();  // [ld] each row's position, -1 for padding: it sees no key
+  int32_t* low = pos + ld;       // [ld] the key positions a row sees are above this
+  for (int64_t r = 0; r < ld; ++r) {
+    const int64_t p = r < rows ? context + j0 + r / G : -1;
+    pos[r] = static_cast<int32_t>(p);
+    low[r] = static_cast<int32_t>(window > 0 ? p - window : -1);
+  }
+  std::fill(qp, qp + D / 2 * ld, 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* q = query + (j0 + r / G) * qs0 + r % G * qs1;
+    for (int p = 0; p < D / 2; ++p) qp[p * ld + r] = pair_at(q + 2 * p);
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + ld, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + ld, 0.0f);
+
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, context + j0 - window + 1) : 0;
+  const int64_t last_key = context + j1 - 1;
+  for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
+    const int64_t tokens = std::min(chunk, last_key + 1 - base);
+    pack_values_bf16<D>(values, blocks, base, tokens, block_size, vp);
+    // Key t's row, the chunk's last one for t past it (a score pass takes kBfKeys keys; those
+    // scores are never read).
+    auto key_row = [&](int64_t t) {
+      const int64_t p = base + std::min(t, tokens - 1);
+      return keys + static_cast<int64_t>(blocks[p / block_size]) * block_size * D + p % block_size * D;
+    };
+    for (int64_t r0 = 0; r0 < rows; r0 += kBfBlockRows) {
+      const int64_t n = std::min(kBfBlockRows, rows - r0);
+      const int64_t nv = (n + 15) / 16;
+      // Rows are in token order: the first sees the lowest keys, the last the highest.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[r0] - window + 1 - base) : 0;
+      const int64_t hi = std::min(tokens, pos[r0 + n - 1] + 1 - base);
+      if (lo >= hi) continue;  // no row of the block sees this chunk: nothing changes
+      const int64_t k0 = lo / kBfKeys * kBfKeys, tp1 = (hi + 1) / 2;
+      for (int64_t t = k0; t < hi; t += kBfKeys) {
+        const uint16_t* kr[kBfKeys];
+        for (int i = 0; i < kBfKeys; ++i) kr[i] = key_row(t + i);
+        float* st = s + t * kBfBlockRows;
+        const uint32_t* q = qp + r0;
+        if (nv == 3) score_keys_bf16<3, D>(kr, q, ld, scale, st, kBfBlockRows);
+        else if (nv == 2) score_keys_bf16<2, D>(kr, q, ld, scale, st, kBfBlockRows);
+        else score_keys_bf16<1, D>(kr, q, ld, scale, st, kBfBlockRows);
+      }
+      for (int64_t v = 0; v < nv; ++v) {
+        const int64_t r = r0 + v * 16;
+        // The first row sees the fewest later keys, the last the fewest earlier ones.
+        const bool full = r + 16 <= rows && pos[r] >= base + 2 * tp1 - 1 && low[r + 15] < base + k0;
+        (full ? softmax_rows_bf16<true> : softmax_rows_bf16<false>)(s + v * 16, kBfBlockRows, k0 / 2, tp1, base,
+                                                                    pos + r, low + r, m + r, l + r, alpha + r,
+                                                                    pw + v * 16, kBfBlockRows);
+      }
+      values_bf16<D>(n, pw, kBfBlockRows, vp, k0 / 2, tp1, alpha + r0, acc + r0 * D);
+    }
+  }
+  for (int64_t j = j0; j < j1; ++j)
+    write_heads(acc + (j - j0) * G * D, l + (j - j0) * G, G, D, out + j * os0, os1);
+}
+
+#endif  // WEFT_PREFILL_BF16_DOT
+
 template <typename scalar_t, int kC>
 void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* starts, const int32_t* qlens,
                  const int32_t* ctx, const int32_t* table, int64_t R, int64_t max_blocks, double scale, at::Tensor& out,
@@ -705,9 +1029,24 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
   const scalar_t* q = query.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+  [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
   for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t k, std::vector<float>& buf) {
     const PrefillItem& it = items[k];
     const int64_t first_head = it.head * G * query.stride(1);
+#ifdef WEFT_PREFILL_BF16_DOT
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kC == 8 || kC == 16 || kC == 32)) {
+      if (bf16_dot) {  // the bits of the bf16s, as the intrinsics take them
+        const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
+        const uint16_t* c16 = reinterpret_cast<const uint16_t*>(cache);
+        prefill_item_bf16<kC * kW>(q16 + starts[it.seq] * query.stride(0) + first_head, query.stride(0),
+                                   query.stride(1), o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1),
+                                   out.stride(0), out.stride(1), c16 + it.head * head_blocks,
+                                   c16 + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, ctx[it.seq],
+                                   it.j0, it.j1, block_size, G, static_cast<float>(scale), window, buf);
+        return;
+      }
+    }
+#endif
     prefill_item<scalar_t, kC>(q + starts[it.seq] * query.stride(0) + first_head, query.stride(0), query.stride(1),
                                o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1), out.stride(0),
                                out.stride(1), cache + it.head * head_blocks, cache + (KVH + it.head) * head_blocks,

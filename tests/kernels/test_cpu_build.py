@@ -31,3 +31,16 @@ def test_changed_source_text_replaces_the_copy_and_builds_stay_apart(tmp_path):
     assert stable_source(source, "weft_k_avx2", str(root)).read_text() == "int f() { return 2; }\n"
     other = stable_source(source, "weft_k_generic", str(root))
     assert other != copy and other.parent.name == "weft_k_generic"
+
+
+def test_extensions_root_follows_torch_extensions_dir(monkeypatch, tmp_path):
+    """A checkout given its own TORCH_EXTENSIONS_DIR keeps its source copies there too: with them in
+    the shared root, two checkouts' texts under one build name would replace each other's."""
+    from torch.utils import cpp_extension
+
+    from kernels.cpu_build import extensions_root
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_root() == str(tmp_path)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert extensions_root() == cpp_extension.get_default_build_root()

@@ -177,3 +177,68 @@ def test_decode_partitions_match_the_twin(threads, num_threads, dtype):
         cpu_attention.paged_decode_attention(query, cache, starts, ctx + 1, table, 0.125, out, window=window)
         rows, want = twin(query, cache, starts, qlens, ctx, table, 0.125, window)
         assert max_error(out[rows], want) <= TOLERANCE[dtype], (lens, window)
+
+
+# bf16 prefills on CPUs with AVX512_BF16 take bf16 dot products (P rounded to bf16, as GPU flash
+# attention does); WEFT_ATTENTION_BF16_DOT=0 keeps them on the fp32 path every other CPU runs.
+# Shapes at the causal diagonal's edges: a 16-key group, a 64-key chunk, a 32-token tile of G = 3
+# (96 rows), a 6-row block, odd token counts (the last value pair half empty), contexts not a
+# multiple of a block or a chunk.
+BF16_SHAPES = [
+    (0, 1), (0, 2), (0, 3), (0, 16), (0, 31), (0, 33), (0, 64), (0, 65), (0, 97), (0, 200),
+    (15, 17), (16, 16), (47, 50), (63, 1), (64, 129), (300, 4), (1, 33), (5, 70),
+]  # fmt: skip
+BF16_HEADS = [(9, 3, 64), (6, 3, 64), (8, 2, 64), (4, 4, 128), (4, 1, 256), (8, 2, 40), (2, 1, 32)]
+
+
+@pytest.mark.parametrize("path", ["bf16-dot", "fp32"])
+@pytest.mark.parametrize("window", [0, 1, 20, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", BF16_HEADS)
+def test_bf16_prefill_paths_match_the_twin(monkeypatch, path, window, num_heads, num_kv_heads, head_dim):
+    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, "1" if path == "bf16-dot" else "0")
+    gen = torch.Generator().manual_seed(5)
+    query, cache, starts, qlens, ctx, table = prefill_case(
+        gen, BF16_SHAPES, num_heads, num_kv_heads, head_dim, torch.bfloat16
+    )
+    query.mul_(3.0)  # peakier softmaxes: later chunks rescale earlier ones
+    scale = head_dim**-0.5
+    out = run_kernel(query, cache, starts, qlens, ctx, table, scale, window)
+    rows, want = twin(query, cache, starts, qlens, ctx, table, scale, window)
+    # The existing bf16 tolerance, or one bf16 step of the value (2^-7 of it) where that is larger:
+    # the kernel's weights are bf16, so a result near a rounding midpoint may round the other way.
+    torch.testing.assert_close(out[rows].float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=2**-7)
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0)
+
+
+@pytest.mark.parametrize("block_size", [5, 8, 32, 128])
+def test_bf16_prefill_paths_match_the_twin_at_other_block_sizes(monkeypatch, block_size):
+    """Chunks of other sizes than 64 keys; an odd block size puts a value pair across two blocks."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(0, 1), (0, 37), (3, 70), (130, 9), (0, 130)]
+    args = prefill_case(gen, shapes, 9, 3, 64, torch.bfloat16, block_size=block_size)
+    for flag in ("1", "0"):
+        monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, flag)
+        for window in (0, 20):
+            out = run_kernel(*args, 0.125, window)
+            rows, want = twin(*args, 0.125, window)
+            torch.testing.assert_close(
+                out[rows].float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=2**-7
+            )
+
+
+def test_bf16_prefill_takes_the_bf16_dot_path_where_the_cpu_has_it(monkeypatch):
+    """The switch picks a different computation exactly where the build has the bf16 path (else the
+    bf16-dot cases above ran the fp32 path twice)."""
+    from kernels.cpu_build import bf16_isa, cpu_flags
+
+    gen = torch.Generator().manual_seed(6)
+    args = prefill_case(gen, [(0, 100), (40, 30)], 9, 3, 64, torch.bfloat16)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, flag)
+        outs.append(run_kernel(*args, 0.125))
+    has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+    assert (bf16_isa()[0] == "avx512bf16") == has_bf16
+    assert (not torch.equal(outs[0], outs[1])) == has_bf16

@@ -1,0 +1,170 @@
+"""The paged prefill kernel against its own source at a git revision, interleaved call by call.
+
+The baseline (``--baseline``, default ``main``) is built from that revision's
+``kernels/csrc/cpu_paged_attention.cpp`` with its ops in ``weft_cpu_base`` and the instruction
+set that revision's ``kernels/cpu_attention.py`` asked for (``wide_isa()``: AVX-512 without bf16,
+or AVX2); the new kernel is this checkout's, as ``kernels.cpu_attention`` builds it. Calls
+alternate (old, new, old, ...) so that load from other work hits both alike; the medians count,
+and the fastest calls are shown too (other work on the machine only ever adds time).
+
+Cases are NEW/CONTEXT (one prefill, SmolLM2-135M's heads: 9 query, 3 KV, head size 64, the
+blocks shuffled over the cache) or ``mixed:N`` (N fresh prompts of 32..512 tokens in one call, as
+a prefill step of the offline workload holds), or ``decode:B/CONTEXT`` (B decodes of the decode
+kernel, to see that it is unchanged).
+
+Usage: ``python scripts/prefill_kernel_vs_baseline.py [--baseline REV] 512/0 64/448 mixed:40``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_attention
+from kernels.cpu_build import bf16_isa, build, cpu_flags, wide_isa
+
+H, KVH, D, BS = 9, 3, 64, 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_baseline(rev: str, isa: tuple[str, list[str]]) -> None:
+    """Build the attention kernel at ``rev`` for ``isa`` with its ops in ``torch.ops.weft_cpu_base``."""
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/cpu_paged_attention.cpp"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    source = source.replace("TORCH_LIBRARY(weft_cpu,", "TORCH_LIBRARY(weft_cpu_base,")
+    path = Path(tempfile.mkdtemp()) / "cpu_paged_attention_base.cpp"
+    path.write_text(source)
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", rev], check=True, capture_output=True, text=True
+    )
+    build(
+        f"weft_prefill_base_{commit.stdout.strip()[:12]}",
+        path,
+        f"the attention kernel at {rev}",
+        isa=isa,
+    )
+
+
+def make_case(lens: list[tuple[int, int]], dtype: torch.dtype, gen: torch.Generator):
+    """The kernel's arguments for sequences of (new, context) tokens, blocks shuffled over one cache."""
+    per_seq = [-(-(n + c) // BS) for n, c in lens]
+    num_blocks = 2 * sum(per_seq) + 8
+    cache = torch.randn(2, KVH, num_blocks, BS, D, generator=gen).to(dtype)
+    pool = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        table[i, :nb] = pool[used : used + nb].to(torch.int32)
+        used += nb
+    new = [n for n, _ in lens]
+    query = torch.randn(sum(new), H, D, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(new).cumsum(0)[:-1].tolist()])
+    return (
+        query,
+        cache,
+        starts,
+        torch.tensor(new, dtype=torch.int32),
+        torch.tensor([c for _, c in lens], dtype=torch.int32),
+        table,
+        D**-0.5,
+    )
+
+
+def decode_args(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator):
+    """``paged_decode_attention``'s arguments for ``batch`` decodes after ``context`` keys each."""
+    query, cache, _, _, _, table, scale = make_case([(1, context)] * batch, dtype, gen)
+    lens = torch.full((batch,), context + 1, dtype=torch.int32)
+    return query, cache, torch.arange(batch), lens, table, scale
+
+
+def parse_case(text: str, gen: torch.Generator) -> list[tuple[int, int]]:
+    if text.startswith("mixed:"):
+        count = int(text.split(":")[1])
+        return [(int(n), 0) for n in torch.randint(32, 513, (count,), generator=gen)]
+    new, context = (int(x) for x in text.split("/"))
+    return [(new, context)]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", help="NEW/CONTEXT or mixed:N, e.g. 512/0 64/448 mixed:40")
+    parser.add_argument("--baseline", default="main", help="git revision of the old kernel")
+    parser.add_argument(
+        "--baseline-isa",
+        choices=("wide", "bf16"),
+        default="wide",
+        help="build the baseline as main does (wide_isa: no bf16 instructions) or with bf16_isa, "
+        "to compare two versions of the bf16 path",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=21, help="calls of each, alternated")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    base_isa = wide_isa() if args.baseline_isa == "wide" else bf16_isa()
+    load_baseline(args.baseline, base_isa)
+    cpu_attention.load()
+    old_op = torch.ops.weft_cpu_base.paged_prefill_attention
+    new_op = torch.ops.weft_cpu.paged_prefill_attention
+    print(
+        f"threads {args.threads}, {args.dtype}, baseline {args.baseline} ({base_isa[0]}) vs this checkout "
+        f"({bf16_isa()[0]}), {args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
+        f"avx512_bf16 {'yes' if 'avx512_bf16' in cpu_flags() else 'no'}"
+    )
+    print(
+        "| case | tokens | old ms | new ms | old/new | old min ms | new min ms | min old/new | new GFLOP/s | max diff |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for text in args.cases:
+        gen = torch.Generator().manual_seed(zlib.crc32(text.encode()))  # a case's data: its name alone
+        if text.startswith("decode:"):  # decode:BATCH/CONTEXT, the decode kernel (untouched here)
+            batch, context = (int(x) for x in text.split(":")[1].split("/"))
+            lens = [(1, context)] * batch
+            *kargs, scale = decode_args(batch, context, dtype, gen)
+            ops = (torch.ops.weft_cpu_base.paged_decode_attention, torch.ops.weft_cpu.paged_decode_attention)
+        else:
+            lens = parse_case(text, gen)
+            *kargs, scale = make_case(lens, dtype, gen)
+            ops = (old_op, new_op)
+        out_old, out_new = torch.empty_like(kargs[0]), torch.empty_like(kargs[0])
+        old = functools.partial(ops[0], *kargs, scale, out_old, 0)
+        new = functools.partial(ops[1], *kargs, scale, out_new, 0)
+        old(), new()  # warm-up
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(timed(old))
+            b.append(timed(new))
+        t_old, t_new = statistics.median(a), statistics.median(b)
+        f_old, f_new = min(a), min(b)
+        # 4 D flops per causal (query head, key) pair: a multiply-add each for the score and the value.
+        pairs = sum(n * c + n * (n + 1) // 2 for n, c in lens) * H
+        diff = (out_old.float() - out_new.float()).abs().max().item()
+        print(
+            f"| {text} | {sum(n for n, _ in lens)} | {t_old * 1e3:.3f} | {t_new * 1e3:.3f} | {t_old / t_new:.2f}x "
+            f"| {f_old * 1e3:.3f} | {f_new * 1e3:.3f} | {f_old / f_new:.2f}x | {4 * D * pairs / t_new / 1e9:.0f} "
+            f"| {diff:.3g} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
