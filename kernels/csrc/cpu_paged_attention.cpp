@@ -29,10 +29,12 @@
 // chunk's keys are transposed once into fp32 so that a row's scores over the
 // chunk are vector FMAs.
 //
-// Arithmetic is fp32 whatever the cache dtype (but bf16 prefills on AVX512_BF16
-// CPUs: "prefill, bf16 dot products"). Index bounds are checked here,
-// on every call (the checks cost microseconds): the kernel reads memory
-// through them.
+// Arithmetic is fp32 whatever the cache dtype, but for bf16 caches on
+// AVX512_BF16 CPUs (head sizes 64 and 128 for decodes, 64, 128 and 256 for
+// prefills): there both run on bf16 dot products ("decode, bf16 dot products",
+// "prefill, bf16 dot products"); WEFT_ATTENTION_BF16_DOT=0 keeps them on fp32.
+// Index bounds are checked here, on every call (the checks cost microseconds):
+// the kernel reads memory through them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +45,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -50,7 +53,23 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define WEFT_BF16_DOT 1
+#endif
+
 namespace {
+
+// WEFT_ATTENTION_BF16_DOT=0 (read on every call: a getenv) keeps bf16 attention on the fp32 path, to
+// measure one against the other and to test the fallback on a CPU that has the bf16 instructions.
+inline bool bf16_dot_enabled() {
+  const char* v = std::getenv("WEFT_ATTENTION_BF16_DOT");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+#ifdef WEFT_BF16_DOT
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }  // the same bits
+#endif
 
 // Eight floats as one GCC vector: AVX2 registers with -mavx2, pairs of SSE
 // ones otherwise, so there is one code path for every target.
@@ -335,6 +354,170 @@ void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* k
   }
 }
 
+#ifdef WEFT_BF16_DOT
+// ------------------------------------------------ decode, bf16 dot products
+//
+// With a bf16 cache on a CPU with AVX512_BF16, vdpbf16ps multiplies 32 bf16
+// pairs and adds them into 16 fp32 lanes in one instruction, so neither pass
+// widens a key or value element to fp32 first. The fp32 path above spends
+// about 60 instructions per key row on its score (widen, FMA, a horizontal sum
+// per head) and 40 on its value row; these spend about 17 and 12. Products are
+// exact in fp32 and sums are fp32, as above; what differs is that the value
+// pass rounds the softmax weights to bf16 (as GPU flash attention rounds P).
+
+// Scores of one query head against up to 16 key rows: row r's products summed
+// into one vector each, then 16 vectors reduced to one of 16 sums in four
+// rounds of shuffles and adds (45 instructions for 16 rows, against 16 full
+// horizontal sums). The rounds leave the sums in the lane order kSumLane; the
+// rows go in in that order, which is its own inverse, so they come out in order.
+constexpr int kSumLane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 sum16(__m512* v) {
+  __m512 w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(z[i], z[i + 2]), _mm512_unpackhi_ps(z[i], z[i + 2]));
+  const __m512d a = _mm512_castps_pd(u[0]), b = _mm512_castps_pd(u[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// s[t] = scale * q . k[t] for the m <= 16 rows at k (row stride kZ * 32).
+template <int kZ>
+inline void scores16_bf16(const __m512bh* q, const c10::BFloat16* k, int64_t m, float scale, float* s) {
+  __m512 v[16];
+  for (int slot = 0; slot < 16; ++slot) {
+    const int r = kSumLane[slot];
+    __m512 a = _mm512_setzero_ps();
+    if (r < m)
+      for (int z = 0; z < kZ; ++z) a = _mm512_dpbf16_ps(a, q[z], as_bh(_mm512_loadu_si512(k + r * kZ * 32 + z * 32)));
+    v[slot] = a;
+  }
+  const __m512 out = _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << m) - 1), out);
+}
+
+// acc[g] += sum over the n rows t of v of p[g][t] * v[t] for NG heads, two
+// rows at a time: their elements interleaved into bf16 pairs (within each
+// 128-bit lane, so the accumulators hold the head dimension in the order
+// unpack_order undoes) and one vdpbf16ps per head with the pair of weights.
+// pw[g] holds head g's weights in bf16, a zero after the last (odd n).
+template <int NG, int kZ>
+inline void weighted_pairs_bf16(const uint16_t* const* pw, const c10::BFloat16* v, int64_t n,
+                                __m512 (&acc)[NG][2 * kZ]) {
+  for (int64_t t = 0; t < n; t += 2) {
+    __m512bh p[NG];
+    for (int g = 0; g < NG; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, pw[g] + t, sizeof(pair));
+      p[g] = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair)));
+    }
+    for (int z = 0; z < kZ; ++z) {
+      const __m512i a = _mm512_loadu_si512(v + t * kZ * 32 + z * 32);
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * kZ * 32 + z * 32) : _mm512_setzero_si512();
+      const __m512bh lo = as_bh(_mm512_unpacklo_epi16(a, b)), hi = as_bh(_mm512_unpackhi_epi16(a, b));
+      for (int g = 0; g < NG; ++g) {
+        acc[g][2 * z] = _mm512_dpbf16_ps(acc[g][2 * z], lo, p[g]);
+        acc[g][2 * z + 1] = _mm512_dpbf16_ps(acc[g][2 * z + 1], hi, p[g]);
+      }
+    }
+  }
+}
+
+// The accumulators of one head back in head-dimension order: of each 32
+// elements, lane i of the first ("lo") vector holds element 8 * (i / 4) + i % 4,
+// of the second 8 * (i / 4) + 4 + i % 4.
+template <int kZ>
+inline void unpack_order(const __m512 (&acc)[2 * kZ], float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int z = 0; z < kZ; ++z) {
+    _mm512_storeu_ps(out + z * 32, _mm512_permutex2var_ps(acc[2 * z], first, acc[2 * z + 1]));
+    _mm512_storeu_ps(out + z * 32 + 16, _mm512_permutex2var_ps(acc[2 * z], second, acc[2 * z + 1]));
+  }
+}
+
+// The value pass of one item for heads [g0, g0 + NG).
+template <int NG, int kZ>
+void value_pass_bf16(const float* s, int64_t L, const c10::BFloat16* values, const int32_t* blocks, int64_t lo,
+                     int64_t hi, int64_t block_size, int64_t g0, const Prefetcher<c10::BFloat16>& ahead,
+                     std::vector<uint16_t>& pbuf, float* acc_out) {
+  constexpr int64_t D = kZ * 32;
+  __m512 acc[NG][2 * kZ];
+  for (int g = 0; g < NG; ++g)
+    for (int z = 0; z < 2 * kZ; ++z) acc[g][z] = _mm512_setzero_ps();
+  const int64_t stride = block_size + 2;  // a block's weights and a zero pad, per head
+  pbuf.assign(NG * stride, 0);
+  const uint16_t* pw[NG];
+  for (int g = 0; g < NG; ++g) pw[g] = pbuf.data() + g * stride;
+  for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+    ahead.value_block(b);
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size), n = t1 - t0;
+    for (int g = 0; g < NG; ++g) {
+      uint16_t* dst = pbuf.data() + g * stride;
+      const float* src = s + (g0 + g) * L + (t0 - lo);
+      for (int64_t i = 0; i < n; i += 16) {
+        const int64_t m = std::min<int64_t>(16, n - i);
+        const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+        _mm256_mask_storeu_epi16(dst + i, mask, reinterpret_cast<const __m256i&>(h));
+      }
+      dst[n] = 0;
+    }
+    const c10::BFloat16* vb = values + static_cast<int64_t>(blocks[b]) * block_size * D + (t0 - b * block_size) * D;
+    weighted_pairs_bf16<NG, kZ>(pw, vb, n, acc);
+  }
+  for (int g = 0; g < NG; ++g) unpack_order<kZ>(acc[g], acc_out + (g0 + g) * D);
+}
+
+// decode_item for a bf16 cache with head size kZ * 32: the same two passes and
+// the same partial result.
+template <int kZ>
+void decode_item_bf16(const c10::BFloat16* query, int64_t q_stride_head, const c10::BFloat16* keys,
+                      const c10::BFloat16* values, const int32_t* blocks, int64_t lo, int64_t hi, int64_t block_size,
+                      int64_t G, float scale, std::vector<float>& buf, PartialView part) {
+  constexpr int64_t D = kZ * 32;
+  const int64_t L = hi - lo;
+  buf.resize(G * L);
+  float* s = buf.data();  // [G, L] scores, then softmax numerators
+  const int64_t b_first = lo / block_size, b_last = (hi - 1) / block_size;
+  Prefetcher<c10::BFloat16> ahead{keys, values, blocks, b_first, b_last, block_size * D};
+  ahead.start();
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    ahead.key_block_of(b, 0, 1);
+    const c10::BFloat16* kb = keys + static_cast<int64_t>(blocks[b]) * block_size * D;
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    for (int64_t t = t0; t < t1; t += 16)
+      for (int64_t g = 0; g < G; ++g) {  // the rows stay in L1 while every head reads them
+        __m512bh q[kZ];
+        for (int z = 0; z < kZ; ++z) q[z] = as_bh(_mm512_loadu_si512(query + g * q_stride_head + z * 32));
+        scores16_bf16<kZ>(q, kb + (t - b * block_size) * D, std::min<int64_t>(16, t1 - t), scale,
+                          s + g * L + (t - lo));
+      }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - m);
+      sum += sg[t];
+    }
+    part.m[g] = m;
+    part.l[g] = sum;
+  }
+  thread_local std::vector<uint16_t> pbuf;
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) value_pass_bf16<3, kZ>(s, L, values, blocks, lo, hi, block_size, g, ahead, pbuf, part.acc);
+  for (; g < G; ++g) value_pass_bf16<1, kZ>(s, L, values, blocks, lo, hi, block_size, g, ahead, pbuf, part.acc);
+}
+#endif  // WEFT_BF16_DOT
+
 template <typename scalar_t>
 void write_heads(const float* acc, const float* l, int64_t G, int64_t D, scalar_t* out, int64_t o_stride_head) {
   for (int64_t g = 0; g < G; ++g) {
@@ -458,6 +641,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
                                        num_cache_blocks, block_size, window, at::get_num_threads());
   const int64_t stride = G * (D + 2);
   std::vector<float> partials(plan.num_partials * stride);
+  [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
   for_each_claimed(static_cast<int64_t>(plan.items.size()), [&](int64_t k, std::vector<float>& buf) {
     const DecodeItem& it = plan.items[k];
     const int64_t row = rows[it.seq];
@@ -470,9 +654,20 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
       own.resize(stride);
       part = {own.data(), own.data() + G, own.data() + 2 * G};
     }
-    decode_item<scalar_t, kC>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
-                              cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
-                              block_size, D, G, static_cast<float>(scale), buf, part);
+    bool dot = false;  // run on bf16 dot products (head sizes 64 and 128)
+#ifdef WEFT_BF16_DOT
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kC == 8 || kC == 16))
+      if (bf16_dot) {
+        decode_item_bf16<kC / 4>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
+                                 cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
+                                 block_size, G, static_cast<float>(scale), buf, part);
+        dot = true;
+      }
+#endif
+    if (!dot)
+      decode_item<scalar_t, kC>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
+                                cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
+                                block_size, D, G, static_cast<float>(scale), buf, part);
     if (it.partial < 0) write_heads(part.acc, part.l, G, D, o + row * os0 + it.head * G * os1, os1);
   });
   if (plan.num_partials == 0) return;
@@ -713,32 +908,12 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
 // Other dtypes, head sizes other than 64, 128 or 256, CPUs without the flag,
 // and WEFT_ATTENTION_BF16_DOT=0 take the fp32 path above.
 
-}  // namespace
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define WEFT_PREFILL_BF16_DOT 1
-#endif
-
-#include <cstdlib>
-
-namespace {
-
-// WEFT_ATTENTION_BF16_DOT=0 (read on every call: a getenv) keeps bf16 prefills on the fp32 path, to
-// measure one against the other and to test the fallback on a CPU that has the bf16 instructions.
-inline bool bf16_dot_enabled() {
-  const char* v = std::getenv("WEFT_ATTENTION_BF16_DOT");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
-#ifdef WEFT_PREFILL_BF16_DOT
+#ifdef WEFT_BF16_DOT
 
 // Rows per block: scores, softmax and values run a block at a time, so that its scores and weights
 // stay in L1 and, on the diagonal chunk, each block skips the keys none of its rows sees.
 constexpr int64_t kBfBlockRows = 48;  // 3 vectors of 16 rows
 constexpr int kBfKeys = 8;            // keys per score pass: 8 keys x 3 row vectors = 24 accumulators
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }  // the same bits
 
 inline uint32_t pair_at(const uint16_t* p) {
   uint32_t w;
@@ -1006,7 +1181,7 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
     write_heads(acc + (j - j0) * G * D, l + (j - j0) * G, G, D, out + j * os0, os1);
 }
 
-#endif  // WEFT_PREFILL_BF16_DOT
+#endif  // WEFT_BF16_DOT
 
 template <typename scalar_t, int kC>
 void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* starts, const int32_t* qlens,
@@ -1033,7 +1208,7 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
   for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t k, std::vector<float>& buf) {
     const PrefillItem& it = items[k];
     const int64_t first_head = it.head * G * query.stride(1);
-#ifdef WEFT_PREFILL_BF16_DOT
+#ifdef WEFT_BF16_DOT
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kC == 8 || kC == 16 || kC == 32)) {
       if (bf16_dot) {  // the bits of the bf16s, as the intrinsics take them
         const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);

@@ -133,6 +133,75 @@ def test_large_scores_keep_the_softmax_exact():
 
 
 @needs_compiler
+@pytest.mark.parametrize("path", ["bf16-dot", "fp32"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 64)])
+def test_bf16_decodes_read_no_row_past_their_length(
+    monkeypatch, path, block_size, num_heads, num_kv_heads, head_dim
+):
+    """bf16 caches on AVX512_BF16 CPUs take the bf16 dot products (``WEFT_ATTENTION_BF16_DOT=0``:
+    the fp32 path): key rows are scored 16 at a time and value rows weighted two at a time, so a
+    block's last rows (past a sequence's length) sit beside rows in use. Those rows hold NaN here:
+    one read would show. Blocks of 8 and 32 rows cut the groups of 16 differently; lengths are odd
+    and even, shorter and longer than 16."""
+    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, "1" if path == "bf16-dot" else "0")
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 95, 300]
+    n, per_seq = len(lens), [-(-length // block_size) for length in lens]
+    num_blocks = sum(per_seq) + 3
+    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(n, max(per_seq), dtype=torch.int32)
+    for i, nb in enumerate(per_seq):
+        table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)], dtype=torch.int32)
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen).bfloat16()
+    for i, length in enumerate(lens):
+        if length % block_size:
+            cache[:, :, table[i, per_seq[i] - 1], length % block_size :] = float("nan")
+    query = torch.randn(n, num_heads, head_dim, generator=gen).bfloat16()
+    seq_lens, token_idx, scale = torch.tensor(lens, dtype=torch.int32), torch.arange(n), head_dim**-0.5
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, scale, out)
+    assert torch.isfinite(out).all()
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    want = paged_attention_ref(query, cache, starts, seq_lens, table, scale, max_query_len=1)
+    # The bf16 tolerance, or one bf16 step of the value (2^-7 of it) where that is larger: the
+    # bf16-dot path rounds the softmax weights to bf16.
+    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=2**-7)
+
+
+@needs_compiler
+def test_bf16_decode_takes_the_bf16_dot_path_where_the_cpu_has_it(monkeypatch):
+    """The switch picks a different computation exactly where the build has the bf16 path (else
+    the bf16-dot cases above ran the fp32 path twice); partitioned (batch 1, long) and not."""
+    from kernels.cpu_build import cpu_flags
+
+    has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+    for lens in ([3000], [40, 3, 70, 17]):
+        gen = torch.Generator().manual_seed(8)
+        query, cache, token_idx, seq_lens, table = decode_case(gen, lens, 9, 3, 64, torch.bfloat16)
+        want = reference(query, cache, token_idx, seq_lens, table, 0.125)
+        outs = []
+        for flag in ("1", "0"):
+            monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, flag)
+            outs.append(torch.zeros(query.shape, dtype=torch.bfloat16))
+            cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, outs[-1])
+            torch.testing.assert_close(outs[-1].float(), want.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+        assert (not torch.equal(outs[0], outs[1])) == has_bf16
+
+
+@needs_compiler
+def test_bf16_large_scores_keep_the_softmax_exact():
+    gen = torch.Generator().manual_seed(2)
+    query, cache, token_idx, seq_lens, table = decode_case(gen, [200, 50, 3], 9, 3, 64, torch.bfloat16)
+    query.mul_(40.0)
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
+    want = reference(query, cache, token_idx, seq_lens, table, 0.125)
+    assert torch.isfinite(out).all()
+    assert (out.float() - want.float()).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+@needs_compiler
 def test_no_decodes_is_a_no_op():
     query, out = torch.randn(3, 4, 64), torch.zeros(3, 4, 64)
     cache = torch.randn(2, 2, 4, BS, 64)
