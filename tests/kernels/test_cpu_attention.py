@@ -81,11 +81,16 @@ def test_matches_the_torch_twin(num_heads, num_kv_heads, head_dim, dtype):
 @needs_compiler
 @pytest.mark.parametrize("window", [1, 16, 20, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sliding_window_matches_the_torch_twin_and_reads_no_block_before_it(window, dtype):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 1, 256), (9, 3, 64)])  # Gemma 3's, SmolLM2's
+def test_sliding_window_matches_the_torch_twin_and_reads_no_block_before_it(
+    window, dtype, num_heads, num_kv_heads, head_dim
+):
     gen = torch.Generator().manual_seed(4)
     lens = [1, 15, 16, 17, 33, 70, 300, 21]
-    query, cache, token_idx, seq_lens, table = decode_case(gen, lens, 8, 1, 256, dtype)  # Gemma 3's heads
-    scale = 256**-0.5
+    query, cache, token_idx, seq_lens, table = decode_case(
+        gen, lens, num_heads, num_kv_heads, head_dim, dtype
+    )
+    scale = head_dim**-0.5
     want = reference(query, cache, token_idx, seq_lens, table, scale, window)
     # Blocks wholly before each window point at a block of NaNs: reading one would show.
     poisoned = table.clone()
