@@ -304,6 +304,24 @@ inline void weighted_block(const float* p, int64_t p_stride, const scalar_t* v, 
   for (; g < G; ++g) weighted_rows<kC>(p + g * p_stride, v, rows, D, acc + g * D);
 }
 
+// One item's scores s [G, L] -> exp(s - max) in place, each head's max and sum into part.
+inline void softmax_numerators(float* s, int64_t L, int64_t G, PartialView part) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - m);
+      sum += sg[t];
+    }
+    part.m[g] = m;
+    part.l[g] = sum;
+  }
+}
+
 // One item: keys [lo, hi) of one (decode, KV head), for its G query heads.
 // Two passes over the item's blocks: scores from the keys, then the values
 // weighted; each block's rows stay in L1 while every query head reads them.
@@ -330,20 +348,7 @@ void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* k
     }
   }
 
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * L;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - m);
-      sum += sg[t];
-    }
-    part.m[g] = m;
-    part.l[g] = sum;
-  }
+  softmax_numerators(s, L, G, part);
 
   std::fill(part.acc, part.acc + G * D, 0.0f);
   for (int64_t b = b_first; b <= b_last; ++b) {
@@ -497,20 +502,7 @@ void decode_item_bf16(const c10::BFloat16* query, int64_t q_stride_head, const c
                           s + g * L + (t - lo));
       }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * L;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - m);
-      sum += sg[t];
-    }
-    part.m[g] = m;
-    part.l[g] = sum;
-  }
+  softmax_numerators(s, L, G, part);
   thread_local std::vector<uint16_t> pbuf;
   int64_t g = 0;
   for (; g + 3 <= G; g += 3) value_pass_bf16<3, kZ>(s, L, values, blocks, lo, hi, block_size, g, ahead, pbuf, part.acc);
