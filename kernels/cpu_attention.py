@@ -13,6 +13,7 @@ query token per sequence).
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -31,15 +32,23 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-# "0" keeps bf16 prefills on the fp32 path where the bf16 dot products are built in; read by the kernel
-# itself on every call (services/env.py declares it).
+# "0" keeps bf16 prefills and decodes on the fp32 path where the bf16 dot products are built in, "1"
+# (or unset) uses them; read by the kernel itself on every call (services/env.py declares it).
 ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
+
+
+def check_bf16_dot_env() -> None:
+    """Refuse a value of ``ENV_BF16_DOT`` other than 0 or 1 (the kernel refuses it too, per call)."""
+    value = os.environ.get(ENV_BF16_DOT)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"{ENV_BF16_DOT} must be 0 or 1, got {value!r}.")
 
 
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``: for the
-    CPU's ``bf16_isa()``, whose AVX512_BF16 variant runs bf16 prefills on bf16 dot products."""
+    CPU's ``bf16_isa()``, whose AVX512_BF16 variant runs bf16 attention on bf16 dot products."""
+    check_bf16_dot_env()
     build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=bf16_isa())
 
 

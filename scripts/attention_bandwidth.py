@@ -39,18 +39,26 @@ H, KVH, D, BS = 9, 3, 64, 16
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_baseline(rev: str) -> str:
-    """Build the decode kernel at git revision ``rev`` with its ops in ``weft_cpu_base``."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/cpu_paged_attention.cpp"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+def load_baseline(rev: str, isa: tuple[str, list[str]] | None = None) -> str:
+    """Build the attention kernel at git revision ``rev`` (for ``isa``; default: the build's default)
+    with its ops in ``torch.ops.weft_cpu_base``; returns that namespace."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True
+        ).stdout
+
+    source = git("show", f"{rev}:kernels/csrc/cpu_paged_attention.cpp")
     source = source.replace("TORCH_LIBRARY(weft_cpu,", "TORCH_LIBRARY(weft_cpu_base,")
     path = Path(tempfile.mkdtemp()) / "cpu_paged_attention_base.cpp"
     path.write_text(source)
-    build(f"weft_attention_base_{rev[:12]}", path, f"the decode kernel at {rev}")
+    commit = git("rev-parse", rev).strip()
+    build(
+        f"weft_attention_base_{commit[:12]}",
+        path,
+        f"the attention kernel at {rev}",
+        **({"isa": isa} if isa else {}),
+    )
     return "weft_cpu_base"
 
 

@@ -24,41 +24,16 @@ import argparse
 import functools
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 import zlib
-from pathlib import Path
 
 import torch
+from attention_bandwidth import load_baseline  # scripts/ is on the path of a script run
 
 from kernels import cpu_attention
-from kernels.cpu_build import bf16_isa, build, cpu_flags, wide_isa
+from kernels.cpu_build import bf16_isa, cpu_flags, wide_isa
 
 H, KVH, D, BS = 9, 3, 64, 16
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_baseline(rev: str, isa: tuple[str, list[str]]) -> None:
-    """Build the attention kernel at ``rev`` for ``isa`` with its ops in ``torch.ops.weft_cpu_base``."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/cpu_paged_attention.cpp"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    source = source.replace("TORCH_LIBRARY(weft_cpu,", "TORCH_LIBRARY(weft_cpu_base,")
-    path = Path(tempfile.mkdtemp()) / "cpu_paged_attention_base.cpp"
-    path.write_text(source)
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", rev], check=True, capture_output=True, text=True
-    )
-    build(
-        f"weft_prefill_base_{commit.stdout.strip()[:12]}",
-        path,
-        f"the attention kernel at {rev}",
-        isa=isa,
-    )
 
 
 def make_case(lens: list[tuple[int, int]], dtype: torch.dtype, gen: torch.Generator):

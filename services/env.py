@@ -41,7 +41,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_ATTENTION_BF16_DOT",
-        "0 keeps bf16 prefills of the CPU attention kernel on its fp32 path where the CPU has AVX512_BF16 "
+        "0 keeps bf16 prefills and decodes of the CPU attention kernel on its fp32 path where the CPU has AVX512_BF16 "
         "(the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp; for tests and "
         "measurements).",
     ),

@@ -64,7 +64,9 @@ namespace {
 // measure one against the other and to test the fallback on a CPU that has the bf16 instructions.
 inline bool bf16_dot_enabled() {
   const char* v = std::getenv("WEFT_ATTENTION_BF16_DOT");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v == nullptr || std::strcmp(v, "1") == 0) return true;
+  TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0, "WEFT_ATTENTION_BF16_DOT must be 0 or 1, got '", v, "'.");
+  return false;
 }
 
 #ifdef WEFT_BF16_DOT

@@ -9,7 +9,7 @@ import sys
 from services.api.engine_processes import LocalEngines, RestartBackoff, engine_command
 from tests.polling import wait_for
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+SLEEPER = [sys.executable, "-c", "import signal; signal.pause()"]  # alive until it is killed
 
 
 def test_backoff_doubles_for_quick_deaths_and_resets_after_a_long_life():

@@ -302,3 +302,18 @@ def test_the_python_checks_run_no_tensor_op():
             good["out"],
         )
     assert counted.ops == []
+
+
+@needs_compiler
+@pytest.mark.parametrize("value", ["off", "2", ""])
+def test_a_bad_bf16_dot_switch_is_refused_by_name(monkeypatch, value):
+    """Neither the load check nor the kernel reads an unknown value as on or off."""
+    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, value)
+    with pytest.raises(ValueError, match="WEFT_ATTENTION_BF16_DOT must be 0 or 1"):
+        cpu_attention.check_bf16_dot_env()
+    gen = torch.Generator().manual_seed(3)
+    query, cache, token_idx, seq_lens, table = decode_case(gen, [20, 5], 9, 3, 64, torch.bfloat16)
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="WEFT_ATTENTION_BF16_DOT must be 0 or 1"):
+        cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
+    assert torch.all(out == 0)  # nothing half-written
