@@ -243,19 +243,19 @@ HADAMARD_BLOCKS = (4, 16, 64)  # powers of 4: 1 / sqrt(block) is a power of two,
 
 def hadamard_rows_ref(x: torch.Tensor, block: int) -> torch.Tensor:
     """Each row of ``x [T, K]`` (in fp32) times an orthonormal Walsh-Hadamard matrix over
-    strided blocks: block ``b`` holds elements ``b, b + K / block, b + 2 K / block, ...``.
-    Rotating x and W alike leaves ``x W^T`` unchanged and spreads an outlier column over
-    ``block`` columns, so rounding each row to int8 loses far less (README, "int8 dense copy").
-    The butterflies run in the compiled kernel's order: the two agree bit for bit."""
+    each block of ``block`` consecutive columns. Rotating x and W alike leaves ``x W^T``
+    unchanged and spreads an outlier column over ``block`` columns, so rounding each row to
+    int8 loses far less (README, "int8 dense copy"). Stage h turns each pair of columns
+    (i, i + h), i with bit h clear, into (a + c, a - c), as the compiled kernel does: the two
+    agree bit for bit."""
     rows, k = x.shape
-    runs = k // block
     # 1 / sqrt(block) is a power of two: scaling first is exact, as the kernel does it.
-    y = (x.float() * (1.0 / math.sqrt(block))).reshape(rows, block, runs)
+    y = (x.float() * (1.0 / math.sqrt(block))).reshape(rows, k // block, block)
     h = 1
     while h < block:
-        pairs = y.view(rows, block // (2 * h), 2, h, runs)
-        a, c = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + c, a - c), dim=2).view(rows, block, runs)
+        pairs = y.view(rows, k // block, block // (2 * h), 2, h)
+        a, c = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        y = torch.stack((a + c, a - c), dim=3).view(rows, k // block, block)
         h *= 2
     return y.view(rows, k)
 

@@ -260,58 +260,155 @@ inline void round_row(int8_t* q, const float* row, int64_t n, float inv) {
   for (; j < n; ++j) q[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(row[j] * inv)));
 }
 
-// Two butterfly stages at once (h, then 2h) over the runs at r, r + h, r + 2h, r + 3h: each
-// element gets the same two adds, in the same order, as stage by stage, with half the loads
-// and stores (the block sizes allowed, 4^k, have an even number of stages).
-inline void butterfly4_runs(float* __restrict a, float* __restrict b, float* __restrict c,
-                            float* __restrict d, int64_t n) {
-  int64_t j = 0;
-#if defined(__AVX2__)
-  for (; j + 8 <= n; j += 8) {
-    const __m256 w = _mm256_loadu_ps(a + j), x = _mm256_loadu_ps(b + j);
-    const __m256 y = _mm256_loadu_ps(c + j), z = _mm256_loadu_ps(d + j);
-    const __m256 s0 = _mm256_add_ps(w, x), s1 = _mm256_sub_ps(w, x);
-    const __m256 s2 = _mm256_add_ps(y, z), s3 = _mm256_sub_ps(y, z);
-    _mm256_storeu_ps(a + j, _mm256_add_ps(s0, s2));
-    _mm256_storeu_ps(b + j, _mm256_add_ps(s1, s3));
-    _mm256_storeu_ps(c + j, _mm256_sub_ps(s0, s2));
-    _mm256_storeu_ps(d + j, _mm256_sub_ps(s1, s3));
+// The rotation: an orthonormal Walsh-Hadamard transform over each block of `block`
+// consecutive elements (4, 16 or 64), in place. Stage h (1, 2, 4, ...) replaces each pair
+// (a, c) = (row[i], row[i + h]), i with bit h clear, by (a + c, a - c); the row comes scaled by
+// 1 / sqrt(block) already (widen_row), so the transform is orthonormal. The twin
+// (kernels.reference.hadamard_rows_ref) does the same adds in the same order: bit for bit.
+inline void hadamard_blocks_scalar(float* row, int64_t n, int64_t block) {
+  for (int64_t base = 0; base < n; base += block)
+    for (int64_t h = 1; h < block; h *= 2)
+      for (int64_t g = base; g < base + block; g += 2 * h)
+        for (int64_t i = g; i < g + h; ++i) {
+          const float a = row[i], c = row[i + h];
+          row[i] = a + c;
+          row[i + h] = a - c;
+        }
+}
+
+// Stages h >= lanes of a block held in registers v[0, kN): across registers, pairs (r, r + h / lanes).
+template <typename V, int kN, typename Add, typename Sub>
+inline void stages_across(V (&v)[kN], Add add, Sub sub) {
+  for (int h = 1; h < kN; h *= 2)
+    for (int g = 0; g < kN; g += 2 * h)
+      for (int r = g; r < g + h; ++r) {
+        const V a = v[r], c = v[r + h];
+        v[r] = add(a, c);
+        v[r + h] = sub(a, c);
+      }
+}
+
+#if defined(__AVX512F__)
+// Stage h < 16 inside one 16-float vector: each lane adds its partner's value (lane i ^ h) to
+// its own times +1 (bit h clear: a + c) or -1 (set: a - c). The product by +-1 is exact, so
+// the fused add rounds once, as the twin's add or subtract does.
+template <int kH>
+inline __m512 stage_in_vector(__m512 v) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 high = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(kH));
+  const __m512 sign = _mm512_mask_blend_ps(high, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+  __m512 partner;
+  if constexpr (kH == 1) partner = _mm512_permute_ps(v, 0xB1);        // 1 0 3 2
+  else if constexpr (kH == 2) partner = _mm512_permute_ps(v, 0x4E);   // 2 3 0 1
+  else if constexpr (kH == 4) partner = _mm512_shuffle_f32x4(v, v, 0xB1);  // 128-bit lanes 1 0 3 2
+  else partner = _mm512_shuffle_f32x4(v, v, 0x4E);                    // 128-bit lanes 2 3 0 1
+  return _mm512_fmadd_ps(v, sign, partner);
+}
+
+inline __m512 rotate16(__m512 v) {
+  return stage_in_vector<8>(stage_in_vector<4>(stage_in_vector<2>(stage_in_vector<1>(v))));
+}
+
+// A 64-element block in four registers: stages 1-8 within each, 16 and 32 across them.
+inline void hadamard64(__m512 (&v)[4]) {
+  for (auto& r : v) r = rotate16(r);
+  stages_across(v, [](__m512 a, __m512 c) { return _mm512_add_ps(a, c); },
+                [](__m512 a, __m512 c) { return _mm512_sub_ps(a, c); });
+}
+
+template <typename T>
+inline __m512 load16_scaled(const T* src, __m512 norm) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), norm);
+  } else {
+    return _mm512_mul_ps(_mm512_loadu_ps(src), norm);
   }
+}
+
+// row[0, n) = the rotated src (n a multiple of 64) in one pass, each block in registers; returns
+// the row's amax, NaN where it holds a NaN or infinity (as abs_max).
+// The amax is an integer max over the magnitudes' bits: for floats of one sign the integer
+// order is theirs, with infinity above every finite value and NaN above infinity.
+template <typename T>
+inline float rotate64_row(float* row, const T* src, int64_t n, float norm) {
+  const __m512 s = _mm512_set1_ps(norm);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i best = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; j += 64) {
+    __m512 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = load16_scaled(src + j + 16 * k, s);
+    hadamard64(v);
+    for (int k = 0; k < 4; ++k) {
+      _mm512_storeu_ps(row + j + 16 * k, v[k]);
+      best = _mm512_max_epi32(best, _mm512_and_si512(_mm512_castps_si512(v[k]), magnitude));
+    }
+  }
+  const int32_t bits = _mm512_reduce_max_epi32(best);
+  if (bits >= 0x7f800000) return std::numeric_limits<float>::quiet_NaN();  // a NaN or infinity
+  float amax;
+  std::memcpy(&amax, &bits, sizeof(amax));
+  return amax;
+}
+
+// q[0, n) = round(row[0, n) * inv) for n a multiple of 16 (round_row, 16 at a time).
+inline void round_row16(int8_t* q, const float* row, int64_t n, float inv) {
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < n; j += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), s))));
+}
+#elif defined(__AVX2__)
+// The same with eight-float registers: stages 1-4 within each, 8-32 across eight of them.
+template <int kH>
+inline __m256 stage_in_vector(__m256 v) {
+  const __m256 sign = kH == 1   ? _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1)
+                      : kH == 2 ? _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1)
+                                : _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+  __m256 partner;
+  if constexpr (kH == 1) partner = _mm256_permute_ps(v, 0xB1);
+  else if constexpr (kH == 2) partner = _mm256_permute_ps(v, 0x4E);
+  else partner = _mm256_permute2f128_ps(v, v, 0x01);
+  return _mm256_fmadd_ps(v, sign, partner);
+}
+
+template <typename T>
+inline __m256 load8_scaled(const T* src, __m256 norm) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)), norm);
+  } else {
+    return _mm256_mul_ps(_mm256_loadu_ps(src), norm);
+  }
+}
+
+template <typename T>
+inline float rotate64_row(float* row, const T* src, int64_t n, float norm) {
+  const __m256 s = _mm256_set1_ps(norm), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 best = _mm256_setzero_ps(), poison = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 64) {
+    __m256 v[8];
+    for (int k = 0; k < 8; ++k) v[k] = stage_in_vector<4>(stage_in_vector<2>(stage_in_vector<1>(
+                                    load8_scaled(src + j + 8 * k, s))));
+    stages_across(v, [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); },
+                  [](__m256 a, __m256 c) { return _mm256_sub_ps(a, c); });
+    for (int k = 0; k < 8; ++k) {
+      _mm256_storeu_ps(row + j + 8 * k, v[k]);
+      best = _mm256_max_ps(best, _mm256_and_ps(v[k], magnitude));
+      poison = _mm256_add_ps(poison, _mm256_sub_ps(v[k], v[k]));
+    }
+  }
+  float lanes[8], bad[8];
+  _mm256_storeu_ps(lanes, best);
+  _mm256_storeu_ps(bad, poison);
+  float amax = 0.0f, sum = 0.0f;
+  for (int l = 0; l < 8; ++l) {
+    amax = std::max(amax, lanes[l]);
+    sum += bad[l];
+  }
+  return sum == 0.0f ? amax : std::numeric_limits<float>::quiet_NaN();
+}
 #endif
-  for (; j < n; ++j) {
-    const float s0 = a[j] + b[j], s1 = a[j] - b[j], s2 = c[j] + d[j], s3 = c[j] - d[j];
-    a[j] = s0 + s2;
-    b[j] = s1 + s3;
-    c[j] = s0 - s2;
-    d[j] = s1 - s3;
-  }
-}
-
-template <int64_t kFixed>
-inline void hadamard_runs(float* row, int64_t block, int64_t runtime_blocks) {
-  const int64_t blocks = kFixed > 0 ? kFixed : runtime_blocks;
-  for (int64_t h = 1; h < block; h *= 4)
-    for (int64_t p = 0; p < block; p += 4 * h)
-      for (int64_t r = p; r < p + h; ++r)
-        butterfly4_runs(row + r * blocks, row + (r + h) * blocks, row + (r + 2 * h) * blocks,
-                        row + (r + 3 * h) * blocks, blocks);
-}
-
-// In place: a Walsh-Hadamard transform over each strided block of row[0, blocks * block): block
-// b holds elements b, b + blocks, b + 2 * blocks, ... Butterflies pair runs of `blocks`
-// contiguous floats, so every stage is a plain vector loop; with the run length known when
-// compiled (the common hidden sizes) a run is straight-line vector code. The row comes scaled
-// by 1 / sqrt(block) already (widen_row): the transform is orthonormal. The twin
-// (kernels.reference.hadamard_rows_ref) does the same adds in the same order.
-inline void hadamard_strided(float* row, int64_t block, int64_t blocks) {
-  switch (blocks) {
-    case 9: return hadamard_runs<9>(row, block, blocks);
-    case 10: return hadamard_runs<10>(row, block, blocks);
-    case 24: return hadamard_runs<24>(row, block, blocks);
-    case 32: return hadamard_runs<32>(row, block, blocks);
-    default: return hadamard_runs<0>(row, block, blocks);
-  }
-}
 
 template <typename T>
 void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x, int64_t block) {
@@ -327,14 +424,29 @@ void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor&
     float* row = buffer.data();
     for (int64_t i = begin; i < end; ++i) {
       int8_t* qr = qp + i * n;
-      widen_row(row, xp + i * sx, n, norm);
-      if (block > 1) hadamard_strided(row, block, n / block);
-      const float d = abs_max(row, n) / 127.0f;
+      float amax;
+#if defined(__AVX2__)
+      if (block == 64) {
+        amax = rotate64_row(row, xp + i * sx, n, norm);
+      } else
+#endif
+      {
+        widen_row(row, xp + i * sx, n, norm);
+        if (block > 1) hadamard_blocks_scalar(row, n, block);
+        amax = abs_max(row, n);
+      }
+      const float d = amax / 127.0f;
       sp[i] = d;
       if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
         std::memset(qr, 0, n);
         continue;
       }
+#if defined(__AVX512F__)
+      if (block == 64) {
+        round_row16(qr, row, n, d > 0.0f ? 1.0f / d : 0.0f);
+        continue;
+      }
+#endif
       round_row(qr, row, n, d > 0.0f ? 1.0f / d : 0.0f);
     }
   });

@@ -52,8 +52,8 @@ def test_zero_and_non_finite_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# Runs of cols / block floats: 9, 24, 10 and 32 take the compiled-in run lengths, 17 (a vector
-# and a tail), 5 and 3 the general loop.
+# Blocks of 64 take the register path (AVX-512 or AVX2, whichever the build has), 16 and 4 the
+# plain loop; 1088 = 17 blocks.
 @pytest.mark.parametrize(
     "cols, block", [(576, 64), (1536, 64), (640, 64), (2048, 64), (1088, 64), (80, 16), (12, 4)]
 )
@@ -64,6 +64,18 @@ def test_rotated_rows_match_twin(generator, dtype, cols, block, strided):
     q, scale = cpu_fused.quantize_rows_int8(x, block)
     q_ref, scale_ref = quantize_rows_int8_ref(x, block)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+def test_the_rotation_is_the_block_diagonal_hadamard_matrix(generator):
+    """Blocks of 64 consecutive columns, each times Sylvester's Hadamard matrix / 8."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 64:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    x = torch.randn(5, 576, generator=generator)
+    want = x.double() @ torch.block_diag(*[h / 8] * 9)
+    torch.testing.assert_close(hadamard_rows_ref(x, 64).double(), want, atol=1e-5, rtol=1e-5)
+    q, scale = cpu_fused.quantize_rows_int8(x, 64)
+    torch.testing.assert_close(q.double() * scale[:, None].double(), want, atol=float(scale.max()), rtol=0)
 
 
 def test_the_rotation_is_orthonormal_and_spreads_an_outlier(generator):
