@@ -537,8 +537,12 @@ void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, 
                   cos.size(1) >= head_dim / 2,
               "rotary_neox: cos and sin [P, >= D / 2] float32 tables of one layout");
   if (tokens == 0) return;
-  const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < cos.size(0), "rotary_neox: positions must lie in [0, ", cos.size(0), ")");
+  // One plain loop: min() and max() as torch ops would cost four dispatches a layer.
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const uint64_t table_rows = static_cast<uint64_t>(cos.size(0));
+  bool inside = true;
+  for (int64_t t = 0; t < tokens; ++t) inside &= static_cast<uint64_t>(pos[t]) < table_rows;
+  TORCH_CHECK(inside, "rotary_neox: positions must lie in [0, ", cos.size(0), ")");
   if (query.scalar_type() == at::kFloat) rotary_impl<float>(positions, query, key, cos, sin, head_dim);
   else rotary_impl<c10::BFloat16>(positions, query, key, cos, sin, head_dim);
 }

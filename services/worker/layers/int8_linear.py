@@ -42,6 +42,7 @@ class Int8Weight:
         if not torch.isfinite(scale).all():
             raise ValueError("An int8 dense copy needs finite weights; this layer's hold a NaN or infinity.")
         self.qweight = q  # [N, K] int8
+        self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
         self.scale = scale  # [N] fp32
         # The compiled passes, or their twins where the kernels cannot be built.
         compiled = cpu_fused.available()
@@ -58,5 +59,5 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, row_scale = self._quantize(x.reshape(-1, x.shape[-1]), self.hadamard_block)
-        out = self._scale(torch._int_mm(q, self.qweight.t()), row_scale, self.scale, bias, x.dtype)
+        out = self._scale(torch._int_mm(q, self._qweight_t), row_scale, self.scale, bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
