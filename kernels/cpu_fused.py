@@ -12,7 +12,7 @@ measure what they gain).
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
 ``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``,
-``quantize_rows_int8_ref``, ``scale_int32_ref``); each
+``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
 arguments (its checks guard every byte it touches): at one decode row the
@@ -34,6 +34,7 @@ from kernels.reference import (
     check_quantize_rows_int8_args,
     check_rotary_args,
     check_scale_int32_args,
+    check_scale_silu_quantize_int8_args,
     check_silu_and_mul_args,
 )
 
@@ -164,6 +165,31 @@ def scale_int32(
     except (RuntimeError, IndexError) as exc:
         _refused(lambda: check_scale_int32_args(acc, row_scale, col_scale, bias, dtype), exc)
     return out
+
+
+def scale_silu_quantize_int8(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    hadamard_block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP between its int8 GEMMs in one pass: ``acc [T, 2I]`` (the gate/up product) ->
+    (``q [T, I]`` int8, ``scale [T]`` fp32) of ``silu(gate) * up``, each of gate, up and the
+    product rounded to ``dtype`` as ``scale_int32``, ``silu_and_mul`` and ``quantize_rows_int8``
+    one after the other round them (bit for bit)."""
+    load()
+    try:
+        q = torch.empty(acc.shape[0], acc.shape[1] // 2, dtype=torch.int8)
+        scale = torch.empty(acc.shape[0], dtype=torch.float32)
+        torch.ops.weft_fused.scale_silu_quantize_int8(
+            q, scale, acc, row_scale, col_scale, hadamard_block, dtype
+        )
+    except (RuntimeError, IndexError) as exc:
+        _refused(
+            lambda: check_scale_silu_quantize_int8_args(acc, row_scale, col_scale, hadamard_block, dtype), exc
+        )
+    return q, scale
 
 
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)

@@ -317,6 +317,36 @@ def check_scale_int32_args(
         raise ValueError("the fused CPU kernels take CPU tensors only.")
 
 
+def scale_silu_quantize_int8_ref(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    hadamard_block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.cpu_fused.scale_silu_quantize_int8``: the gate/up GEMM's int32 result
+    ``acc [T, 2I]`` scaled back to ``dtype``, ``silu(gate) * up``, rounded for the down GEMM."""
+    gate_up = scale_int32_ref(acc, row_scale, col_scale, None, dtype)
+    return quantize_rows_int8_ref(silu_and_mul_ref(gate_up), hadamard_block)
+
+
+def check_scale_silu_quantize_int8_args(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    hadamard_block: int,
+    dtype: torch.dtype,
+) -> None:
+    check_scale_int32_args(acc, row_scale, col_scale, None, dtype)
+    if acc.shape[1] % 2:
+        raise ValueError(f"acc must be [T, 2I] (gate, up), got {list(acc.shape)}.")
+    half = acc.shape[1] // 2
+    if hadamard_block and (hadamard_block not in HADAMARD_BLOCKS or half % hadamard_block):
+        raise ValueError(
+            f"hadamard_block must be 0 or one of {HADAMARD_BLOCKS} dividing I = {half}, got {hadamard_block}."
+        )
+
+
 def round_activations_ref(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """``x [M, K]`` rounded to the ``dtype`` grid of ``quantize_rows_i8_ref``, back in fp32
     (``q * d``): what the integer-activation kernels multiply W by, for the fp32 kernels."""

@@ -10,6 +10,8 @@
 //                       an orthonormal Walsh-Hadamard rotation of the row
 //   scale_int32         out = acc * row_scale * col_scale (+ bias): an integer
 //                       GEMM's int32 result back to the activation dtype
+//   scale_silu_quantize_int8  the three in one pass for the MLP: the gate/up GEMM's int32
+//                       result scaled back, silu(gate) * up, rounded for the down GEMM
 //
 // Rows may be strided (a row stride, the last dimension contiguous): q, k and
 // v are views of one projection. Arithmetic is fp32 whatever the dtype, with
@@ -140,6 +142,81 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes, its steps as FMAs.
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Up to 16 values (the first m) in fp32, zeros past them.
+inline __m512 load_some(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_some(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i half = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Rounded to bf16 as c10::BFloat16 rounds a float: to nearest even, a NaN to 0x7fc0.
+inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline void store_some(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_some(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+#endif
+
+// out[0, n) = silu(gate) * up, in fp32, rounded to T. SiLU-and-mul and the MLP's fused pass both
+// run this, so their results agree on every build.
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+#if defined(__AVX512F__)
+  // Written out: the compiler's vectorization of the loop below ran about 3 cycles an element.
+  const __m512 one = _mm512_set1_ps(1.0f), minus = _mm512_set1_ps(-1.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512 g = load_some(gate + j, m), u = load_some(up + j, m);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_approx16(_mm512_mul_ps(g, minus))));
+    store_some(out + j, _mm512_mul_ps(silu, u), m);
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = to_float(gate[j]);
+    out[j] = from_float<T>(g / (1.0f + exp_approx(-g)) * to_float(up[j]));
+  }
+#endif
+}
+
+// out[0, n) = acc * r * col[j] in fp32 ((acc * r) * col, as written), rounded to T.
+template <typename T>
+inline void scale_int32_row(const int32_t* acc, float r, const float* col, T* out, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + j));
+    store_some(out + j, _mm512_mul_ps(_mm512_mul_ps(a, rv), _mm512_maskz_loadu_ps(m, col + j)), m);
+  }
+#endif
+  for (; j < n; ++j) out[j] = from_float<T>(static_cast<float>(acc[j]) * r * col[j]);
+}
+
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = out.size(0), n = out.size(1);
@@ -147,15 +224,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* gate = xp + i * sx;
-      const T* up = gate + n;
-      T* o = op + i * so;
-      for (int64_t j = 0; j < n; ++j) {
-        float g = to_float(gate[j]);
-        o[j] = from_float<T>(g / (1.0f + exp_approx(-g)) * to_float(up[j]));
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) silu_mul_row(xp + i * sx, xp + i * sx + n, op + i * so, n);
   });
 }
 
@@ -410,6 +479,35 @@ inline float rotate64_row(float* row, const T* src, int64_t n, float norm) {
 }
 #endif
 
+// One row: src[0, n) rotated (block > 1) and rounded, its scale into *scale; row is n floats of
+// scratch. 1 / sqrt(block) is a power of two for the block sizes allowed (4^k): exact.
+template <typename T>
+inline void quantize_row(const T* src, int64_t n, int64_t block, float* row, int8_t* q, float* scale) {
+  const float norm = block > 1 ? 1.0f / std::sqrt(static_cast<float>(block)) : 1.0f;
+  float amax;
+#if defined(__AVX2__)
+  if (block == 64) {
+    amax = rotate64_row(row, src, n, norm);
+  } else
+#endif
+  {
+    widen_row(row, src, n, norm);
+    if (block > 1) hadamard_blocks_scalar(row, n, block);
+    amax = abs_max(row, n);
+  }
+  const float d = amax / 127.0f;
+  *scale = d;
+  if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
+    std::memset(q, 0, n);
+    return;
+  }
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+#if defined(__AVX512F__)
+  if (block == 64) return round_row16(q, row, n, inv);
+#endif
+  round_row(q, row, n, inv);
+}
+
 template <typename T>
 void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x, int64_t block) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -417,37 +515,35 @@ void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor&
   const T* xp = x.data_ptr<T>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
-  // 1 / sqrt(block): a power of two for the block sizes allowed (4^k).
-  const float norm = block > 1 ? 1.0f / std::sqrt(static_cast<float>(block)) : 1.0f;
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(n);
-    float* row = buffer.data();
+    for (int64_t i = begin; i < end; ++i) quantize_row(xp + i * sx, n, block, buffer.data(), qp + i * n, sp + i);
+  });
+}
+
+// The MLP between its two int8 GEMMs in one pass a row: the gate/up product's int32 row scaled
+// back (as scale_int32, rounded to T), silu(gate) * up (as silu_and_mul, rounded to T), then
+// rotated and rounded for the down projection (as quantize_rows_int8). The same arithmetic
+// as the three kernels one after the other, bit for bit, without writing the [rows, 2I] and
+// [rows, I] activations out and reading them back.
+template <typename T>
+void scale_silu_quantize_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& acc,
+                              const at::Tensor& row_scale, const at::Tensor& col_scale, int64_t block) {
+  const int64_t rows = acc.size(0), n = acc.size(1) / 2;
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* rs = row_scale.data_ptr<float>();
+  const float* cs = col_scale.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    std::vector<T> gate_up(2 * n), act(n);
+    std::vector<float> buffer(n);
     for (int64_t i = begin; i < end; ++i) {
-      int8_t* qr = qp + i * n;
-      float amax;
-#if defined(__AVX2__)
-      if (block == 64) {
-        amax = rotate64_row(row, xp + i * sx, n, norm);
-      } else
-#endif
-      {
-        widen_row(row, xp + i * sx, n, norm);
-        if (block > 1) hadamard_blocks_scalar(row, n, block);
-        amax = abs_max(row, n);
-      }
-      const float d = amax / 127.0f;
-      sp[i] = d;
-      if (!std::isfinite(d)) {  // NaN scale, zero integers: the product comes out NaN
-        std::memset(qr, 0, n);
-        continue;
-      }
-#if defined(__AVX512F__)
-      if (block == 64) {
-        round_row16(qr, row, n, d > 0.0f ? 1.0f / d : 0.0f);
-        continue;
-      }
-#endif
-      round_row(qr, row, n, d > 0.0f ? 1.0f / d : 0.0f);
+      const int32_t* ar = ap + i * 2 * n;
+      const float r = rs[i];
+      scale_int32_row(ar, r, cs, gate_up.data(), 2 * n);
+      silu_mul_row(gate_up.data(), gate_up.data() + n, act.data(), n);
+      quantize_row(act.data(), n, block, buffer.data(), qp + i * n, sp + i);
     }
   });
 }
@@ -471,7 +567,7 @@ void scale_int32_impl(at::Tensor& out, const at::Tensor& acc, const at::Tensor& 
       T* o = op + i * so;
       const float r = rs[i];
       if (bp == nullptr) {
-        for (int64_t j = 0; j < n; ++j) o[j] = from_float<T>(static_cast<float>(ar[j]) * r * cs[j]);
+        scale_int32_row(ar, r, cs, o, n);
         continue;
       }
       for (int64_t j = 0; j < n; ++j) products[j] = static_cast<float>(ar[j]) * r * cs[j];
@@ -586,6 +682,31 @@ void scale_int32(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_sc
   else scale_int32_impl<c10::BFloat16>(out, acc, row_scale, col_scale, bias);
 }
 
+void scale_silu_quantize_int8(at::Tensor q, at::Tensor scale, const at::Tensor& acc, const at::Tensor& row_scale,
+                              const at::Tensor& col_scale, int64_t hadamard_block, at::ScalarType dtype) {
+  check_dtype(dtype, "scale_silu_quantize_int8");
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.size(1) % 2 == 0,
+              "scale_silu_quantize_int8: acc [rows, 2n] contiguous expected");
+  const int64_t rows = acc.size(0), n = acc.size(1) / 2;
+  check_rows(acc, rows, 2 * n, at::kInt, "scale_silu_quantize_int8 acc (int32)");
+  TORCH_CHECK(hadamard_block == 0 || ((hadamard_block == 4 || hadamard_block == 16 || hadamard_block == 64) &&
+                                      n % hadamard_block == 0),
+              "scale_silu_quantize_int8: hadamard_block must be 0, or 4, 16 or 64 dividing n");
+  TORCH_CHECK(q.is_contiguous(), "scale_silu_quantize_int8: q must be contiguous");
+  check_rows(q, rows, n, at::kChar, "scale_silu_quantize_int8 q (int8)");
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.numel() == rows &&
+                  scale.scalar_type() == at::kFloat,
+              "scale_silu_quantize_int8: scale [rows] float32, contiguous");
+  TORCH_CHECK(row_scale.device().is_cpu() && row_scale.is_contiguous() && row_scale.numel() == rows &&
+                  row_scale.scalar_type() == at::kFloat,
+              "scale_silu_quantize_int8: row_scale [rows] float32, contiguous");
+  TORCH_CHECK(col_scale.device().is_cpu() && col_scale.is_contiguous() && col_scale.numel() == 2 * n &&
+                  col_scale.scalar_type() == at::kFloat,
+              "scale_silu_quantize_int8: col_scale [2n] float32, contiguous");
+  if (dtype == at::kFloat) scale_silu_quantize_impl<float>(q, scale, acc, row_scale, col_scale, hadamard_block);
+  else scale_silu_quantize_impl<c10::BFloat16>(q, scale, acc, row_scale, col_scale, hadamard_block);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weft_fused, m) {
@@ -595,10 +716,13 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x, int hadamard_block) -> ()");
   m.def("scale_int32(Tensor(a!) out, Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> ()");
+  m.def("scale_silu_quantize_int8(Tensor(a!) q, Tensor(b!) scale, Tensor acc, Tensor row_scale, Tensor col_scale, "
+        "int hadamard_block, ScalarType dtype) -> ()");
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.impl("scale_int32", c10::DispatchKey::CPU, &scale_int32);
+  m.impl("scale_silu_quantize_int8", c10::DispatchKey::CPU, &scale_silu_quantize_int8);
 }

@@ -1,5 +1,6 @@
 """The two passes around an int8 GEMM (``kernels.cpu_fused``): rows rounded to int8, and the
-int32 product scaled back, against their torch twins, bit for bit."""
+int32 product scaled back, against their torch twins, bit for bit; and the MLP's pass between its
+two GEMMs, against those passes and SiLU-and-mul one after the other."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 import torch
 
 from kernels import cpu_fused
-from kernels.reference import hadamard_rows_ref, quantize_rows_int8_ref, scale_int32_ref
+from kernels.reference import (
+    hadamard_rows_ref,
+    quantize_rows_int8_ref,
+    scale_int32_ref,
+    scale_silu_quantize_int8_ref,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the CPU kernels with"
@@ -118,6 +124,39 @@ def test_scale_int32_matches_twin(generator, dtype, with_bias, shape):
     assert out.dtype == dtype and torch.equal(out, scale_int32_ref(acc, row_scale, col_scale, bias, dtype))
 
 
+def gate_up_product(generator, rows: int, n: int):
+    """An int32 gate/up product [rows, 2n] with scales that make activations of a few units."""
+    acc = torch.randint(-(2**20), 2**20, (rows, 2 * n), dtype=torch.int32, generator=generator)
+    return (
+        acc,
+        torch.rand(rows, generator=generator) * 1e-3 + 1e-4,
+        torch.rand(2 * n, generator=generator) * 1e-2,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows, n, block", [(1, 1536, 64), (40, 1536, 64), (301, 64, 64), (7, 80, 16), (3, 12, 0)]
+)
+def test_the_mlp_pass_is_the_three_passes_in_one(generator, dtype, rows, n, block):
+    acc, row_scale, col_scale = gate_up_product(generator, rows, n)
+    q, scale = cpu_fused.scale_silu_quantize_int8(acc, row_scale, col_scale, block, dtype)
+    gate_up = cpu_fused.scale_int32(acc, row_scale, col_scale, None, dtype)
+    q_three, scale_three = cpu_fused.quantize_rows_int8(cpu_fused.silu_and_mul(gate_up), block)
+    assert torch.equal(q, q_three) and torch.equal(scale, scale_three)
+    # The twins' SiLU uses torch's exp, the kernels a polynomial: a rounding step apart at most.
+    q_ref, scale_ref = scale_silu_quantize_int8_ref(acc, row_scale, col_scale, block, dtype)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-2, atol=0)
+    assert int((q.int() - q_ref.int()).abs().max()) <= 1
+
+
+def test_the_mlp_pass_gives_nan_rows_for_non_finite_products(generator):
+    acc, row_scale, col_scale = gate_up_product(generator, 4, 64)
+    row_scale[2] = float("inf")
+    q, scale = cpu_fused.scale_silu_quantize_int8(acc, row_scale, col_scale, 64, torch.bfloat16)
+    assert scale[2].isnan() and not q[2].any() and scale[[0, 1, 3]].isfinite().all()
+
+
 def test_the_passes_around_an_integer_gemm_approximate_the_float_product(generator):
     x = torch.randn(16, 576, generator=generator)
     w = torch.randn(100, 576, generator=generator) * 0.05
@@ -163,6 +202,24 @@ def test_the_passes_around_an_integer_gemm_approximate_the_float_product(generat
                 torch.ones(2, 3, dtype=torch.int32), torch.ones(2), torch.ones(3), None, torch.float16
             ),
             "output dtype must be",
+        ),
+        (
+            lambda: cpu_fused.scale_silu_quantize_int8(
+                torch.ones(2, 5, dtype=torch.int32), torch.ones(2), torch.ones(5), 0, torch.float32
+            ),
+            r"acc must be \[T, 2I\]",
+        ),
+        (
+            lambda: cpu_fused.scale_silu_quantize_int8(
+                torch.ones(2, 96, dtype=torch.int32), torch.ones(2), torch.ones(96), 64, torch.float32
+            ),
+            "dividing I = 48",
+        ),
+        (
+            lambda: cpu_fused.scale_silu_quantize_int8(
+                torch.ones(2, 8, dtype=torch.int32), torch.ones(2), torch.ones(4), 0, torch.float32
+            ),
+            r"col_scale must be \[8\]",
         ),
     ],
 )

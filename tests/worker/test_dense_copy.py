@@ -246,6 +246,24 @@ def test_the_int8_copy_runs_from_int8_min_rows(int8_model, dtype):
             assert float((got.float() - want).norm() / want.norm()) < 0.03
 
 
+@torch.inference_mode()
+def test_an_mlp_on_both_int8_copies_runs_one_pass_between_them(int8_model, monkeypatch):
+    """From INT8_MIN_ROWS rows the MLP goes from the gate/up GEMM's int32 result to the down GEMM's
+    int8 input in one kernel, with the same output as the layers one after the other."""
+    from kernels import cpu_fused
+
+    mlp = int8_model.model.layers[0].mlp
+    calls = []
+    fused = cpu_fused.scale_silu_quantize_int8
+    monkeypatch.setattr(cpu_fused, "scale_silu_quantize_int8", lambda *a: calls.append(a) or fused(*a))
+    for rows in (INT8_MIN_ROWS - 1, INT8_MIN_ROWS, 300):
+        x = torch.randn(rows, mlp.gate_up_proj.quant.shape[1])
+        apart = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
+        calls.clear()
+        assert torch.equal(mlp(x), apart)
+        assert len(calls) == (rows >= INT8_MIN_ROWS)
+
+
 def test_the_int8_copy_is_counted(int8_model):
     report = quantized_report(int8_model)
     layers = linear_layers(int8_model)

@@ -57,7 +57,19 @@ class Int8Weight:
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def int32_product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the int32 GEMM result [rows, N], x's row scales [rows]) for x [..., K]."""
         q, row_scale = self._quantize(x.reshape(-1, x.shape[-1]), self.hadamard_block)
-        out = self._scale(torch._int_mm(q, self._qweight_t), row_scale, self.scale, bias, x.dtype)
+        return torch._int_mm(q, self._qweight_t), row_scale
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        acc, row_scale = self.int32_product(x)
+        out = self._scale(acc, row_scale, self.scale, bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def linear_rounded(
+        self, q: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``linear`` of an x already rotated and rounded for this weight (``q [rows, K]`` int8
+        with its row scales), in ``dtype``."""
+        return self._scale(torch._int_mm(q, self._qweight_t), row_scale, self.scale, bias, dtype)

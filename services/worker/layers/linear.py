@@ -78,12 +78,18 @@ class LinearBase(nn.Module):
     # An int8 copy beside it (``--dense-copy-dtype int8``), for steps of INT8_MIN_ROWS rows on.
     int8: Int8Weight | None = None
 
+    def int8_copy_for(self, rows: int) -> Int8Weight | None:
+        """The int8 copy when ``linear`` runs a step of ``rows`` rows on it, else None."""
+        if self.quant is not None and not 0 < self.dense_min_rows <= rows:
+            return None  # the packed kernels
+        return self.int8 if rows >= INT8_MIN_ROWS else None
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.quant is not None and not 0 < self.dense_min_rows <= rows:
             return self.quant.linear(x, bias)
-        if self.int8 is not None and rows >= INT8_MIN_ROWS:
-            return self.int8.linear(x, bias)
+        if (int8 := self.int8_copy_for(rows)) is not None:
+            return int8.linear(x, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
