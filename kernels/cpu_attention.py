@@ -27,6 +27,7 @@ __all__ = [
     "check_prefill_args",
     "load",
     "paged_decode_attention",
+    "bf16_dot_prefills",
     "paged_prefill_attention",
     "target_isa",
 ]
@@ -42,6 +43,17 @@ def check_bf16_dot_env() -> None:
     value = os.environ.get(ENV_BF16_DOT)
     if value is not None and value not in ("0", "1"):
         raise ValueError(f"{ENV_BF16_DOT} must be 0 or 1, got {value!r}.")
+
+
+def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs this cache dtype's prefills on bf16 dot products here: a bf16
+    cache, a head size it has them for, an AVX512_BF16 build, and the switch not 0."""
+    return (
+        dtype == torch.bfloat16
+        and head_dim in (64, 128, 256)
+        and bf16_isa()[0] == "avx512bf16"
+        and os.environ.get(ENV_BF16_DOT, "1") != "0"
+    )
 
 
 @functools.cache

@@ -10,7 +10,7 @@ Measures, interleaved round by round (baseline, new, baseline, new, ...):
   4 MiB read between two calls, as the linear layers do, so each call starts out of cache;
 - prefills of some new tokens after a cached context (``--prefill``): the paged prefill kernel
   against the torch path (``prefill_attention``: the context copied out of the cache, then
-  SDPA), which the engine keeps for prefills of more than ``PAGED_PREFILL_MAX_PAIRS`` pairs.
+  SDPA), which the engine keeps for fresh prompts past ``FP32_PREFILL_CAPS`` on the fp32 path.
 
 Effective bandwidth = the K/V bytes the attention must read (each cached key and value once)
 / time; the fraction is of the read bandwidth measured in the same round.

@@ -22,7 +22,12 @@ from services.worker.distributed import get_tp_group
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import PagedAttention, kv_cache_shape
-from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.attention_metadata import (
+    BF16_DOT_PREFILL_CAPS,
+    FP32_PREFILL_CAPS,
+    PrefillCaps,
+    build_attention_metadata,
+)
 from services.worker.layers.backends import check_backend
 from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
 from services.worker.layers.quantized_linear import quantized_report
@@ -74,6 +79,7 @@ class ModelRunner:
         self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (
             2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize
         )
+        self.prefill_caps = prefill_caps_for(self.attention_backend, self.dtype, a.head_dim)
 
     @property
     def weights_bytes(self) -> int:
@@ -181,6 +187,7 @@ class ModelRunner:
             self.max_decode_group_tokens,
             num_drafts,
             self.attention_backend,
+            self.prefill_caps,
         )
         hidden = self._forward(step)  # [T, H]
         # Structured outputs: the sampled positions' logits come masked by their grammars.
@@ -280,3 +287,14 @@ def place_layers_in_kv_groups(
     for layer_idx, (group, index) in layer_placement(groups).items():
         layers[layer_idx].kv_group = group
         layers[layer_idx].checks_decode_args = index == 0
+
+
+def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> PrefillCaps:
+    """Which prefills the cpu backend's kernel takes: all of them where it runs on bf16 dot
+    products, else all but fresh prompts over 2,048 tokens (``attention_metadata.py``)."""
+    if backend == "cpu":
+        from kernels.cpu_attention import bf16_dot_prefills
+
+        if bf16_dot_prefills(dtype, head_dim):
+            return BF16_DOT_PREFILL_CAPS
+    return FP32_PREFILL_CAPS

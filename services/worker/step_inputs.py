@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.worker.input_batch import InputBatch
-from services.worker.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, build_attention_metadata
 from services.worker.layers.triton_attention import TritonAttentionMetadata, build_triton_metadata
 
 
@@ -45,9 +45,11 @@ def prepare_step(
     max_decode_group_tokens: int | None = None,
     num_drafts: dict[str, int] | None = None,
     attention_backend: str = "torch",
+    prefill_caps: PrefillCaps | None = None,
 ) -> StepInputs:
     """``num_drafts``: draft tokens written after a request's known tokens, to verify.
-    ``attention_backend`` picks the metadata the layers get (``layers/backends.py``)."""
+    ``attention_backend`` picks the metadata the layers get (``layers/backends.py``);
+    ``prefill_caps`` which prefills the cpu backend's kernel takes (``attention_metadata.py``)."""
     rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
     query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
     context = batch.num_computed_tokens[rows]
@@ -83,6 +85,7 @@ def prepare_step(
             device=device,
             max_decode_group_tokens=max_decode_group_tokens,
             paged_decodes=attention_backend == "cpu",
+            prefill_caps=prefill_caps,
         )
 
     groups = tuple(metadata(table) for table in batch.block_tables)

@@ -209,11 +209,9 @@ def test_cpu_backend_takes_every_decode_in_one_kernel_call():
 
 @needs_compiler
 def test_cpu_backend_sends_small_prefills_to_the_kernel_and_large_ones_to_sdpa(monkeypatch):
-    """Prefills of at most PAGED_PREFILL_MAX_PAIRS (query, key) pairs (a verify-sized chunk over
-    context, a short prompt) go to the paged prefill kernel; larger ones stay on SDPA. Both match
-    dense attention."""
-    monkeypatch.setattr(attention_metadata, "PAGED_PREFILL_MAX_PAIRS", 200)
-    monkeypatch.setattr(attention_metadata, "PAGED_CHUNK_MAX_PAIRS", 200)
+    """Prefills within the caps, in (query, key) pairs (a verify-sized chunk over context, a short
+    prompt), go to the paged prefill kernel; larger ones stay on SDPA. Both match dense attention."""
+    monkeypatch.setattr(attention_metadata, "FP32_PREFILL_CAPS", attention_metadata.PrefillCaps(200, 200))
     gen = torch.Generator().manual_seed(5)
     shapes = [(30, 5), (0, 9), (0, 15), (6, 12), (12, 1)]  # pairs 175, 81, 225, 216; a decode
     pool = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()

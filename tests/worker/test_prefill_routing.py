@@ -14,10 +14,12 @@ import torch
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import (
-    PAGED_CHUNK_MAX_PAIRS,
-    PAGED_PREFILL_MAX_PAIRS,
+    BF16_DOT_PREFILL_CAPS,
+    FP32_PREFILL_CAPS,
+    PrefillCaps,
     build_attention_metadata,
 )
+from services.worker.model_runner import prefill_caps_for
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -26,30 +28,71 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-def metadata(shapes, paged=True):
+def metadata(shapes, paged=True, caps=None):
     query_lens = np.array([n for _, n in shapes])
     return build_attention_metadata(
         query_lens=query_lens,
         context_lens=np.array([c for c, _ in shapes]),
-        block_table=np.zeros((len(shapes), 256), dtype=np.int32),
+        block_table=np.zeros((len(shapes), 512), dtype=np.int32),
         slot_mapping=np.zeros(int(query_lens.sum())),
         block_size=BS,
         paged_decodes=paged,
+        prefill_caps=caps,
     )
 
 
-def test_prefills_up_to_the_pair_caps_go_to_the_kernel_larger_ones_to_sdpa():
-    # (context, new): pairs = new x (context + new); fresh prompts and chunks have their own caps.
-    shapes = [(0, 1024), (0, 1448), (0, 1449), (2000, 16), (1984, 64), (0, 2048), (240, 16), (40, 1)]
-    assert 1448 * 1448 <= PAGED_PREFILL_MAX_PAIRS < 1449 * 1449
-    assert 16 * 2016 <= PAGED_CHUNK_MAX_PAIRS < 64 * 2048
-    meta = metadata(shapes)
-    assert meta.paged_prefills.query_lens.tolist() == [1024, 1448, 16, 16]
-    assert meta.paged_prefills.context_lens.tolist() == [0, 0, 2000, 240]
-    assert [(p.context_len, p.end - p.start) for p in meta.prefills] == [(0, 1449), (1984, 64), (0, 2048)]
+# (context, new): pairs = new x (context + new).
+SHAPES = [
+    (0, 1024),
+    (0, 2048),
+    (0, 2049),
+    (2000, 16),
+    (1984, 64),
+    (2048, 2048),
+    (0, 4096),
+    (240, 16),
+    (40, 1),
+]
+
+
+def test_on_the_fp32_path_fresh_prompts_over_2048_tokens_go_to_sdpa_and_every_chunk_to_the_kernel():
+    assert FP32_PREFILL_CAPS.fresh == 2048 * 2048 and FP32_PREFILL_CAPS.chunk is None
+    meta = metadata(SHAPES)  # the default caps: the fp32 path's
+    assert meta.paged_prefills.query_lens.tolist() == [1024, 2048, 16, 64, 2048, 16]
+    assert meta.paged_prefills.context_lens.tolist() == [0, 0, 2000, 1984, 2048, 240]
+    assert [(p.context_len, p.end - p.start) for p in meta.prefills] == [(0, 2049), (0, 4096)]
     assert meta.paged_decodes.seq_lens.tolist() == [41]
     # The torch backend runs every prefill through SDPA.
-    assert metadata(shapes, paged=False).paged_prefills is None
+    assert metadata(SHAPES, paged=False).paged_prefills is None
+
+
+def test_on_bf16_dot_products_every_prefill_goes_to_the_kernel():
+    meta = metadata(SHAPES, caps=BF16_DOT_PREFILL_CAPS)
+    assert meta.prefills == [] and meta.paged_prefills.query_lens.tolist() == [
+        1024,
+        2048,
+        2049,
+        16,
+        64,
+        2048,
+        4096,
+        16,
+    ]
+
+
+def test_the_caps_follow_the_path_the_kernel_takes(monkeypatch):
+    from kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "bf16_isa", lambda: ("avx512bf16", []))
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
+    assert prefill_caps_for("cpu", torch.bfloat16, 96) is FP32_PREFILL_CAPS  # no bf16 dots for that head size
+    assert prefill_caps_for("cpu", torch.float32, 64) is FP32_PREFILL_CAPS
+    assert prefill_caps_for("torch", torch.bfloat16, 64) is FP32_PREFILL_CAPS  # unused there: no kernel
+    monkeypatch.setenv("WEFT_ATTENTION_BF16_DOT", "0")
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
+    monkeypatch.delenv("WEFT_ATTENTION_BF16_DOT")
+    monkeypatch.setattr(cpu_attention, "bf16_isa", lambda: ("avx512", []))
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
 
 
 def dense(queries, keys, values, context):
@@ -67,8 +110,8 @@ def dense(queries, keys, values, context):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_of_mid_length_prompts_matches_dense_attention(backend, dtype):
     """Fresh prompts of 32-512 tokens as offline-64 brings them, chunks over cached context and
-    decodes in one step: the kernels (cpu backend; its largest chunk on SDPA) and SDPA (torch)
-    both give dense attention."""
+    decodes in one step: the kernels (cpu backend; its largest chunk on SDPA, by a chunk cap set
+    for the test) and SDPA (torch) both give dense attention."""
     gen = torch.Generator().manual_seed(4)
     shapes = [(0, 512), (0, 37), (200, 1), (0, 300), (256, 130), (90, 1), (600, 120)]  # the last: SDPA
     blocks = (torch.randperm(200, generator=gen) + 1).tolist()
@@ -90,6 +133,7 @@ def test_a_step_of_mid_length_prompts_matches_dense_attention(backend, dtype):
         slot_mapping=torch.cat(slot_mapping).numpy(),
         block_size=BS,
         paged_decodes=backend == "cpu",
+        prefill_caps=PrefillCaps(fresh=None, chunk=64_000),  # 130 x 386 pairs in, 120 x 720 not
     )
     if backend == "cpu":
         assert [p.end - p.start for p in meta.prefills] == [120]

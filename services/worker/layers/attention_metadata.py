@@ -14,10 +14,10 @@ Requests split two ways:
 - prefills (several new tokens, or no context yet): one SDPA call each,
   causal within the new tokens, over cached context when there is some
   (a later chunk of a chunked prefill, or a prefix-cache hit). With the
-  compiled CPU kernels, all but the largest (``PAGED_PREFILL_MAX_PAIRS``
-  for fresh prompts, ``PAGED_CHUNK_MAX_PAIRS`` for chunks after cached
-  context) instead go to one call per layer that reads the context in
-  place (``paged_prefills``).
+  compiled CPU kernels, those within ``PrefillCaps`` (all of them on bf16
+  dot products; on the fp32 path all but fresh prompts over 2,048 tokens)
+  instead go to one call per layer that reads the context in place
+  (``paged_prefills``).
 """
 
 from __future__ import annotations
@@ -35,18 +35,27 @@ import torch
 _MIN_DECODE_GROUP = 8
 _MIN_FILL = 0.75
 
-# Prefills of at most this many (query, key) pairs — new tokens x (context + new tokens) —
-# go to the paged CPU kernel; larger ones to SDPA (a prompt with no context: the step's own
-# K/V, causal; a chunk after cached context: the context copied out first). The kernel reads
-# the context in place and takes every such prefill of the step in one call that balances its
-# tiles over the threads; it takes keys a chunk of whole cache blocks (about 64) at a time,
-# and a token's query heads share each value row. Against SDPA, bf16, 2 threads, quiet
-# machine: fresh prompts of 128-512 tokens 1.55-1.64x, 1,024 1.12x, 2,048 0.97x (hence the
-# cap for fresh prompts: up to about 1,448 tokens); after cached context 16 new tokens over
-# 2,000 1.13x but 64 over 1,984 0.95x and 512 over 1,536 0.88-0.97x (hence the lower cap for
-# chunks: verify steps and short chunks).
-PAGED_PREFILL_MAX_PAIRS = 1 << 21
-PAGED_CHUNK_MAX_PAIRS = 1 << 16
+
+@dataclass(frozen=True)
+class PrefillCaps:
+    """The largest prefills, in (query, key) pairs (new tokens x (context + new tokens)), that go
+    to the paged CPU kernel: a fresh prompt (no context) or a chunk after cached context; larger
+    ones go to SDPA (the step's own K/V, causal; or the context copied out first). None: no cap.
+    The kernel reads the context in place and takes every such prefill of the step in one call
+    that balances its tiles over the threads."""
+
+    fresh: int | None
+    chunk: int | None
+
+
+# The kernel against SDPA (``python scripts/prefill_kernel_vs_sdpa.py``, 2 threads, SmolLM2's heads,
+# 2026-12-02, README "Which prefills go to the kernel"). On bf16 dot products (a bf16 cache on an
+# AVX512_BF16 CPU): 2.7-5.3x on every shape measured, fresh prompts of 512-4,096 tokens and chunks
+# of 16-2,048 after 1,024-2,048 cached; so no cap. On the fp32 path (fp32, or bf16 elsewhere):
+# fresh prompts 1.64-1.82x at 512 tokens, 1.00-1.03x at 2,048, 0.92x at 4,096; chunks 1.15-1.62x
+# on every shape (up to 2,048 after 2,048); so fresh prompts up to 2,048 tokens and every chunk.
+FP32_PREFILL_CAPS = PrefillCaps(fresh=1 << 22, chunk=None)
+BF16_DOT_PREFILL_CAPS = PrefillCaps(fresh=None, chunk=None)
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,7 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     max_decode_group_tokens: int | None = None,
     paged_decodes: bool = False,
+    prefill_caps: PrefillCaps | None = None,
 ) -> AttentionMetadata:
     """``block_table`` is ``[R, max_blocks]``, rows padded with block 0 (the null block).
 
@@ -115,8 +125,7 @@ def build_attention_metadata(
     padded length), and so the size of the gather buffer; a sequence longer
     than the cap still gets a group of its own. ``paged_decodes`` describes
     the decodes for the CPU kernel instead of grouping them, and the prefills
-    of at most ``PAGED_PREFILL_MAX_PAIRS`` (query, key) pairs (``PAGED_CHUNK_MAX_PAIRS`` after
-    cached context) for its prefill kernel.
+    within ``prefill_caps`` (``FP32_PREFILL_CAPS`` when None) for its prefill kernel.
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -134,7 +143,10 @@ def build_attention_metadata(
         ]
     prefill_idx = np.flatnonzero(~is_decode)
     pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
-    cap = np.where(context_lens[prefill_idx] == 0, PAGED_PREFILL_MAX_PAIRS, PAGED_CHUNK_MAX_PAIRS)
+    caps = prefill_caps or FP32_PREFILL_CAPS
+    unbounded = np.iinfo(np.int64).max
+    fresh, chunk = (unbounded if c is None else c for c in (caps.fresh, caps.chunk))
+    cap = np.where(context_lens[prefill_idx] == 0, fresh, chunk)
     short = prefill_idx[pairs <= cap] if paged_decodes else prefill_idx[:0]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
