@@ -23,11 +23,11 @@ from kernels.reference import check_query_and_cache
 
 __all__ = [
     "KernelUnavailable",
+    "bf16_dot_prefills",
     "check_decode_args",
     "check_prefill_args",
     "load",
     "paged_decode_attention",
-    "bf16_dot_prefills",
     "paged_prefill_attention",
     "target_isa",
 ]

@@ -78,15 +78,17 @@ class LinearBase(nn.Module):
     # An int8 copy beside it (``--dense-copy-dtype int8``), for steps of INT8_MIN_ROWS rows on.
     int8: Int8Weight | None = None
 
+    def runs_packed(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs the weight kept quantized (the packed kernels)."""
+        return self.quant is not None and not 0 < self.dense_min_rows <= rows
+
     def int8_copy_for(self, rows: int) -> Int8Weight | None:
         """The int8 copy when ``linear`` runs a step of ``rows`` rows on it, else None."""
-        if self.quant is not None and not 0 < self.dense_min_rows <= rows:
-            return None  # the packed kernels
-        return self.int8 if rows >= INT8_MIN_ROWS else None
+        return None if self.runs_packed(rows) or rows < INT8_MIN_ROWS else self.int8
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.quant is not None and not 0 < self.dense_min_rows <= rows:
+        if self.runs_packed(rows):
             return self.quant.linear(x, bias)
         if (int8 := self.int8_copy_for(rows)) is not None:
             return int8.linear(x, bias)

@@ -162,13 +162,14 @@ class LlamaMLP(nn.Module):
             size, args.hidden_size, args.mlp_bias, dtype, tp, "intermediate_size"
         )
         self.act_fn = SiluAndMul()
-        self._fused_int8 = cpu_fused.available() and tp.world_size == 1
+        # The one-pass path between the int8 GEMMs: one worker, no gate/up bias, the kernels built.
+        self._fused_int8 = tp.world_size == 1 and not args.mlp_bias and cpu_fused.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         gate_up = self.gate_up_proj.int8_copy_for(rows) if self._fused_int8 else None
         down = self.down_proj.int8_copy_for(rows) if gate_up is not None else None
-        if down is not None and self.gate_up_proj.bias is None and x.dtype in cpu_fused.DTYPES:
+        if down is not None and x.dtype in cpu_fused.DTYPES:
             # Both on their int8 copies: from the first GEMM's int32 result to the second's
             # int8 input in one pass (the same numbers as the three passes it replaces).
             acc, row_scale = gate_up.int32_product(x)
