@@ -50,6 +50,7 @@ def run(tokenizer, async_scheduling: bool, dtype: str):
         num_threads=1,
         max_model_len=448,
         num_gpu_blocks_override=29,
+        block_size=16,
         max_num_batched_tokens=96,
         async_scheduling=async_scheduling,
     )
@@ -109,6 +110,7 @@ def test_tensor_parallel_worker_processes_give_the_same_tokens():
             tensor_parallel_size=3,
             async_scheduling=async_scheduling,
             num_gpu_blocks_override=64,
+            block_size=16,
             max_model_len=512,
         )
         try:

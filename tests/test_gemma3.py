@@ -41,6 +41,7 @@ ENGINE_ARGS = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 128,
     "num_gpu_blocks_override": 300,
+    "block_size": 16,
     "quantization": "none",  # the oracle runs the dequantized GGUF; so does weft here
 }
 

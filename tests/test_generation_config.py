@@ -116,6 +116,7 @@ def test_offline_generation_stops_at_an_extra_eos(tiny_model_dir):
         dtype="float32",
         device="cpu",
         num_gpu_blocks_override=64,
+        block_size=16,
         max_model_len=512,
         num_threads=1,
         generation_config="vllm",
@@ -141,6 +142,7 @@ def test_offline_generation_stops_at_an_extra_eos(tiny_model_dir):
         dtype="float32",
         device="cpu",
         num_gpu_blocks_override=64,
+        block_size=16,
         max_model_len=512,
         num_threads=1,
     )

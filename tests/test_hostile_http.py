@@ -51,6 +51,8 @@ def stack(tmp_path_factory):
             "1",
             "--num-gpu-blocks-override",
             "128",
+            "--block-size",
+            "16",
             "--max-model-len",
             "160",
             "--dtype",

@@ -35,7 +35,9 @@ def prompts(default_model) -> list[list[int]]:
 def test_int8_copy_costs_little_likelihood(prompts):
     nll = {}
     for copy in ("model", "int8"):
-        llm = LLM(dense_copy_dtype=copy, enable_prefix_caching=False, num_gpu_blocks_override=600)
+        llm = LLM(
+            dense_copy_dtype=copy, enable_prefix_caching=False, num_gpu_blocks_override=600, block_size=16
+        )
         try:
             assert llm.config.model.dense_copy_dtype == copy
             nll[copy] = mean_nll(llm, prompts)

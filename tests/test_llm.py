@@ -39,7 +39,8 @@ def oracle(hf_default_model, tokenizer) -> GreedyOracle:
 
 
 def make_llm(**kwargs) -> LLM:
-    return LLM(dtype="float32", **kwargs)
+    """The pools and shared prefixes of these tests are counted in 16-token blocks."""
+    return LLM(dtype="float32", block_size=16, **kwargs)
 
 
 def assert_no_leaks(llm: LLM) -> None:

@@ -54,6 +54,8 @@ def stack(tmp_path_factory):
             # A fixed pool instead of profiling a 2048-token step at start-up.
             "--num-gpu-blocks-override",
             "128",
+            "--block-size",
+            "16",
         ],
         tmp_path_factory.mktemp("logs"),
     )

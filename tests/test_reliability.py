@@ -45,6 +45,8 @@ def running_stack(tmp_path_factory):
             "2",
             "--num-gpu-blocks-override",
             "256",
+            "--block-size",
+            "16",
             "--max-model-len",
             "512",
             "--dtype",

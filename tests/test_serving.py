@@ -320,6 +320,7 @@ def test_greedy_text_equals_offline_generate(client):
         max_num_batched_tokens=512,
         num_threads=1,
         num_gpu_blocks_override=600,
+        block_size=16,
     )
     try:
         offline = [

@@ -79,6 +79,7 @@ def oracle(tiny_gemma, prompts):
 
 
 def run(folder, prompts, **engine_args):
+    engine_args.setdefault("block_size", 16)  # the pools and windows below are counted in 16-token blocks
     llm = LLM(
         model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_threads=1, **engine_args
     )

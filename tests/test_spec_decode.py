@@ -48,6 +48,7 @@ def make_llm(**kwargs) -> LLM:
         max_num_batched_tokens=48,
         max_model_len=1024,
         num_gpu_blocks_override=400,
+        block_size=16,
         **kwargs,
     )
 

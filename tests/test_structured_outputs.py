@@ -70,7 +70,7 @@ num ::= [1-9] [0-9]{0,2}
 
 # A fixed pool (16 sequences of 1024 tokens) instead of profiling a 2048-token step:
 # sizing the cache is tested in tests/worker/test_worker.py.
-ENGINE = dict(dtype="float32", max_model_len=1024, num_threads=1, num_gpu_blocks_override=1025)
+ENGINE = dict(dtype="float32", max_model_len=1024, num_threads=1, num_gpu_blocks_override=1025, block_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,9 @@ from tests.text_corpus import prompt_of_length
 DEFAULT = model_files.resolve(None)
 # Small, fixed KV cache (no profiling) and a 64-token step budget, so
 # 200-token prompts prefill in chunks.
-ENGINE = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=128, max_num_batched_tokens=64)
+ENGINE = dict(
+    dtype="float32", max_model_len=512, num_gpu_blocks_override=128, block_size=16, max_num_batched_tokens=64
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
@@ -217,6 +219,8 @@ class ServeTP3:
             "1024",
             "--num-gpu-blocks-override",
             "256",
+            "--block-size",
+            "16",
             "--max-num-batched-tokens",
             "256",
         ]

@@ -45,10 +45,11 @@ def build_tiny_llama(path: Path) -> Path:
 
 
 def tiny_engine_config(model_dir: Path, num_blocks: int = 64) -> EngineConfig:
-    """fp32 on CPU, one torch thread, exactly ``num_blocks`` KV blocks (no profiling)."""
+    """fp32 on CPU, one torch thread, exactly ``num_blocks`` KV blocks of 16 tokens (no profiling)."""
     return EngineArgs(
         model=str(model_dir),
         num_gpu_blocks_override=num_blocks,
+        block_size=16,
         max_model_len=512,
         dtype="float32",
         device="cpu",

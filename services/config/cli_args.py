@@ -25,6 +25,7 @@ _EXTRA_HELP = {
     "max_model_len": "Longest prompt + output in tokens (default: the model's).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most requests running at once (default 128).",
+    "block_size": "Tokens per KV cache block (default: 128 on CPU, as vLLM's CPU backend; 16 on CUDA).",
     "max_num_partial_prefills": "Prompts a step may leave partway through their prefill (default 1). Above 1, "
     "at most --max-long-partial-prefills of a step's prefills are long ones, so shorter prompts queued "
     "behind a long one start first.",

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason, SamplingParams
 from protocol.codec import Decoder, Encoder
 from protocol.curve import CLIENT, SERVER, CurveKeys, ZapAuthenticator, generate_keys, load_keys
-from protocol.engine import UtilityRequest
+from protocol.engine import UtilityMethod, UtilityRequest
 from protocol.handshake import (
     EngineDraining,
     EngineGoodbye,
@@ -109,6 +109,12 @@ class Api:
         deadline = time.monotonic() + timeout_s
         while not any(o.request_id == request_id for o in self.outputs().outputs):
             assert time.monotonic() < deadline, f"no output of {request_id} in {timeout_s}s"
+
+    def wait_for_utility_answer(self, call_id: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (answer := self.outputs().utility_output) is None or answer.call_id != call_id:
+            assert time.monotonic() < deadline, f"no answer to utility call {call_id} in {timeout_s}s"
+        assert answer.ok
 
     def stats_until(self, predicate, timeout_s: float = 10.0):
         deadline = time.monotonic() + timeout_s
@@ -414,6 +420,10 @@ def test_drain_timeout_stops_with_requests_unfinished(curved):
     api, proc = curved
     api.send(EngineCoreRequestType.ADD, make_request("too-long", max_tokens=400))
     api.wait_for_output_of("too-long")
+    # Paused, it holds the request through the drain whatever the machine's speed (on a fast one
+    # the tiny model would finish its 400 tokens inside the half second).
+    api.send(EngineCoreRequestType.UTILITY, UtilityRequest(1, UtilityMethod.PAUSE))
+    api.wait_for_utility_answer(1)
     proc.send_signal(signal.SIGTERM)
     assert isinstance(api.status(), EngineDraining)
     goodbye = api.status()

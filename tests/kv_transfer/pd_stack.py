@@ -35,6 +35,8 @@ ENGINE_ARGS = [
     "512",
     "--num-gpu-blocks-override",
     "128",
+    "--block-size",
+    "16",
     "--max-num-batched-tokens",
     "256",
     "--num-threads",

@@ -10,7 +10,9 @@ from protocol import SamplingParams
 from services.model_files import resolve
 from tests.text_corpus import prompt_of_length
 
-ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=256)
+ENGINE = dict(
+    dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, max_num_batched_tokens=256
+)
 
 
 def shared_storage(role: str, path) -> dict:

@@ -24,6 +24,7 @@ ENGINE = {
     "dtype": "float32",
     "max_model_len": 256,
     "num_gpu_blocks_override": 64,
+    "block_size": 16,
     "max_num_batched_tokens": 256,
 }
 BS = 16

@@ -42,7 +42,9 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 BS = 16
 MAX_TOKENS = 10
 # The engine arguments of the stack (pd_stack.ENGINE_ARGS), for the ordinary engine.
-ORDINARY = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=128, max_num_batched_tokens=256)
+ORDINARY = dict(
+    dtype="float32", max_model_len=512, num_gpu_blocks_override=128, block_size=16, max_num_batched_tokens=256
+)
 
 
 @pytest.fixture(scope="module")
