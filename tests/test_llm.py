@@ -75,6 +75,21 @@ def test_greedy_matches_transformers_with_prefix_caching(llm, prompts, oracle):
     assert_no_leaks(llm)
 
 
+def test_greedy_matches_transformers_with_prefix_caching_in_the_cpu_default_blocks(prompts, oracle):
+    """No block size asked: 128-token blocks on CPU, so hits come in multiples of 128 tokens."""
+    llm = LLM(dtype="float32", num_gpu_blocks_override=80)
+    try:
+        assert llm.config.cache.block_size == 128
+        llm.generate([prompts[6]], greedy(), use_tqdm=False)  # caches a 400-token prefix: three blocks
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert_matches_oracle(outputs, prompts, oracle)
+        assert (outputs[3].num_cached_tokens, outputs[4].num_cached_tokens) == (384, 128)
+        assert all(o.num_cached_tokens % 128 == 0 for o in outputs)
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
     llm = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
     with recorded_steps(llm) as steps:
