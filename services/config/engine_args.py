@@ -267,8 +267,8 @@ def resolve_quantization(quantization: str | None, is_gguf: bool, device: str, l
 # Tokens per KV block when none is asked for. On CPU, as vLLM's CPU backend: 128, so that a
 # decode reads each (block, KV head)'s keys as one 16 KiB run (bf16, head size 64) instead of
 # 2 KiB ones scattered over the cache; the compiled decode kernel ran 1.22x faster on offline-64's
-# decode steps at 128 than at 16, prefill attention 8% slower (README, "KV block size on CPU").
-# 16 elsewhere (the Triton kernels' tile, vLLM's GPU default).
+# decode steps at 128 than at 16, prefill attention 8% slower (README, "KV blocks of 128 tokens on
+# CPU"). 16 elsewhere, as vLLM on GPUs.
 CPU_BLOCK_SIZE = 128
 GPU_BLOCK_SIZE = 16
 

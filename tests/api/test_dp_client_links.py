@@ -126,7 +126,7 @@ class StandInEngine:
                 self.encoder,
                 EngineCoreOutputs(engine_index=RANK, scheduler_stats=SchedulerStats()),
             )
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(HEARTBEAT_S)  # an engine's heartbeat period, not a wait for anything
 
 
 def node_keys(folder, node: str) -> CurveKeys:
