@@ -7,7 +7,9 @@ load the cached build). ``load()`` raises
 compiler, no ninja); the worker then falls back to the torch path.
 
 Their torch twin is ``kernels.reference.paged_attention_ref`` (decodes: one
-query token per sequence).
+query token per sequence). Caches are of the query's dtype, or int8 with fp32
+scales per (token, KV head) (``write_kv_int8`` writes them; twins
+``write_kv_int8_ref`` and ``dequantize_kv_cache`` in ``kernels.reference``).
 """
 
 from __future__ import annotations
@@ -18,36 +20,48 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import KernelUnavailable, bf16_isa, build, target_isa
-from kernels.reference import check_query_and_cache
+from kernels.cpu_build import KernelUnavailable, bf16_isa, build, cpu_flags, target_isa
+from kernels.reference import check_kv_int8_write_args, check_query_and_cache
 
 __all__ = [
     "KernelUnavailable",
     "bf16_dot_prefills",
+    "int8_dot_queries",
+    "int8_fast_decodes",
     "check_decode_args",
     "check_prefill_args",
+    "check_write_kv_int8_args",
     "load",
     "paged_decode_attention",
     "paged_prefill_attention",
     "target_isa",
+    "write_kv_int8",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 # "0" keeps bf16 prefills and decodes on the fp32 path where the bf16 dot products are built in, "1"
 # (or unset) uses them; read by the kernel itself on every call (services/env.py declares it).
 ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
+# "0" keeps int8-cache decodes on the generic path where the AVX-512 one is built in (head sizes 64
+# and 128), "1" (or unset) uses it; read by the kernel on every call, as ENV_BF16_DOT.
+ENV_INT8_FAST = "WEFT_ATTENTION_INT8_FAST"
+
+
+def _check_switch(name: str) -> None:
+    value = os.environ.get(name)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
 
 
 def check_bf16_dot_env() -> None:
     """Refuse a value of ``ENV_BF16_DOT`` other than 0 or 1 (the kernel refuses it too, per call)."""
-    value = os.environ.get(ENV_BF16_DOT)
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"{ENV_BF16_DOT} must be 0 or 1, got {value!r}.")
+    _check_switch(ENV_BF16_DOT)
 
 
 def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel runs this cache dtype's prefills on bf16 dot products here: a bf16
-    cache, a head size it has them for, an AVX512_BF16 build, and the switch not 0."""
+    cache (or a bf16 query over an int8 cache: pass the query's dtype), a head size it has them
+    for, an AVX512_BF16 build, and the switch not 0."""
     return (
         dtype == torch.bfloat16
         and head_dim in (64, 128, 256)
@@ -56,11 +70,35 @@ def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
+def int8_fast_decodes(head_dim: int) -> bool:
+    """Whether decodes over an int8 cache run on the kernel's AVX-512 path here: head sizes 64 and
+    128, a build with AVX-512 (``bf16_isa()`` is one of its variants), and the switch not 0. Other
+    head sizes run the generic path, which reads int8 rows at about half the bf16 path's speed."""
+    return (
+        head_dim in (64, 128)
+        and bf16_isa()[0] in ("avx512", "avx512bf16")
+        and os.environ.get(ENV_INT8_FAST, "1") != "0"
+    )
+
+
+def int8_dot_queries(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decodes of this query dtype over an int8 cache run on int8 dot products here (the
+    query rounded to int8 per head, ``kernels.reference.round_query_int8_ref``): bf16 queries on the
+    fast path of an AVX512_BF16 build, on a CPU with AVX512_VNNI."""
+    return (
+        dtype == torch.bfloat16
+        and int8_fast_decodes(head_dim)
+        and bf16_isa()[0] == "avx512bf16"
+        and "avx512_vnni" in cpu_flags()
+    )
+
+
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``: for the
     CPU's ``bf16_isa()``, whose AVX512_BF16 variant runs bf16 attention on bf16 dot products."""
     check_bf16_dot_env()
+    _check_switch(ENV_INT8_FAST)
     build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=bf16_isa())
 
 
@@ -75,6 +113,7 @@ def paged_decode_attention(
     *,
     check: bool = True,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """``out[token_idx[i]]`` = attention of ``query[token_idx[i]]`` ([H, D]) over the first
     ``seq_lens[i]`` keys and values of the blocks in ``block_table[i]`` — the last ``window`` of
@@ -83,18 +122,20 @@ def paged_decode_attention(
     ``query`` and ``out`` are ``[T, H, D]``; ``kv_cache`` is ``[2, KVH, num_blocks,
     block_size, D]``; ``token_idx`` int64 ``[n]``, ``seq_lens`` int32 ``[n]``,
     ``block_table`` int32 ``[n, max_blocks]``. Rows of ``out`` not in
-    ``token_idx`` are left as they are.
+    ``token_idx`` are left as they are. An int8 ``kv_cache`` takes its ``kv_scales``
+    (float32 ``[2, KVH, num_blocks, block_size]``, as ``write_kv_int8`` writes them) and a
+    float32, bfloat16 or float16 query; a float cache shares the query's dtype, no scales.
 
     ``check=False`` skips the Python checks of shapes and dtypes, for callers that built
     the arguments themselves and checked them once (an attention layer runs the kernel once
     per layer on the same step metadata); the kernel checks the index values on every call.
     """
     if check:
-        check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out)
+        check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out, kv_scales)
     _check_window(window)
     load()
     torch.ops.weft_cpu.paged_decode_attention(
-        query, kv_cache, token_idx, seq_lens, block_table, float(scale), out, int(window)
+        query, kv_cache, token_idx, seq_lens, block_table, float(scale), out, int(window), kv_scales
     )
 
 
@@ -105,12 +146,13 @@ def check_decode_args(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     out: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """A ValueError naming the first argument the kernel cannot take, from shapes and dtypes
     alone (no tensor op: a few microseconds). The kernel itself checks the values it reads
     memory through (token_idx, seq_lens, the block ids in use) on every call, with the
     same ValueErrors."""
-    check_query_and_cache(query, kv_cache)
+    check_query_and_cache(query, kv_cache, kv_scales)
     _check_out_and_device(query, kv_cache, out, (token_idx, seq_lens, block_table))
     n = token_idx.shape[0]
     if token_idx.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
@@ -157,6 +199,7 @@ def paged_prefill_attention(
     *,
     check: bool = True,
     window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Prefills and prefill chunks, keys and values read in place from the cache (their new
     tokens' K/V already written there): the ``query_lens[i]`` rows of ``query`` from
@@ -168,14 +211,28 @@ def paged_prefill_attention(
     block_size, D]``; ``query_start`` int64 ``[R]``; ``query_lens`` and ``context_lens``
     int32 ``[R]``; ``block_table`` int32 ``[R, max_blocks]``. Other rows of ``out`` are
     left as they are. Its torch twin is ``kernels.reference.paged_attention_ref``.
-    ``check`` as for ``paged_decode_attention``: the kernel checks the index values itself.
+    ``check`` and ``kv_scales`` as for ``paged_decode_attention``: the kernel checks the index
+    values itself. Over an int8 cache, bf16 queries take the bf16 dot products where
+    ``bf16_dot_prefills`` says so (each chunk's keys and values, times their scales, rounded to
+    bf16 first), other queries the fp32 path (each chunk dequantized to fp32).
     """
     if check:
-        check_prefill_args(query, kv_cache, query_start, query_lens, context_lens, block_table, out)
+        check_prefill_args(
+            query, kv_cache, query_start, query_lens, context_lens, block_table, out, kv_scales
+        )
     _check_window(window)
     load()
     torch.ops.weft_cpu.paged_prefill_attention(
-        query, kv_cache, query_start, query_lens, context_lens, block_table, float(scale), out, int(window)
+        query,
+        kv_cache,
+        query_start,
+        query_lens,
+        context_lens,
+        block_table,
+        float(scale),
+        out,
+        int(window),
+        kv_scales,
     )
 
 
@@ -187,9 +244,10 @@ def check_prefill_args(
     context_lens: torch.Tensor,
     block_table: torch.Tensor,
     out: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """``check_decode_args`` for ``paged_prefill_attention``: shapes and dtypes, no tensor op."""
-    check_query_and_cache(query, kv_cache)
+    check_query_and_cache(query, kv_cache, kv_scales)
     _check_out_and_device(query, kv_cache, out, (query_start, query_lens, context_lens, block_table))
     r = query_start.shape[0]
     if (
@@ -210,6 +268,38 @@ def check_prefill_args(
             f"query_start, query_lens and context_lens must all be [R]; got {tuple(query_start.shape)}, "
             f"{tuple(query_lens.shape)} and {tuple(context_lens.shape)}."
         )
+
+
+def write_kv_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
+    """Token ``t``'s key and value (``[T, KVH, D]``, float32, bfloat16 or float16, contiguous in D)
+    rounded to int8 per (token, KV head) row into slot ``slot_mapping[t]`` (int64 ``[T]``) of the
+    int8 ``kv_cache [2, KVH, num_blocks, block_size, D]``, their fp32 scales into the same slot of
+    ``kv_scales [2, KVH, num_blocks, block_size]``; a negative slot skips the token. The rounding
+    is ``kernels.reference.quantize_kv_rows_ref``'s, bit for bit. The kernel checks the slots
+    against the cache on every call (ValueError); ``check=False`` skips the Python checks."""
+    if check:
+        check_write_kv_int8_args(key, value, kv_cache, kv_scales, slot_mapping)
+    load()
+    torch.ops.weft_cpu.write_kv_int8(key, value, kv_cache, kv_scales, slot_mapping)
+
+
+def check_write_kv_int8_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv_int8``'s shapes, dtypes and strides (no tensor op: a few microseconds)."""
+    check_kv_int8_write_args(key, value, kv_cache, kv_scales, slot_mapping, cpu=True)
 
 
 def _check_window(window: int) -> None:

@@ -39,8 +39,11 @@ def check_paged_attention_args(
         )
 
 
-def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    """Shapes, dtypes and layout every paged-attention kernel needs of its query and cache."""
+def check_query_and_cache(
+    query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None
+) -> None:
+    """Shapes, dtypes and layout every paged-attention kernel needs of its query and cache: a cache
+    of the query's float dtype, or (the CPU kernels') an int8 one with its ``kv_scales``."""
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"expected query [T, H, D] and kv_cache [2, KVH, num_blocks, block_size, D], "
@@ -53,10 +56,17 @@ def check_query_and_cache(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
             f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads}) "
             f"and head sizes must agree ({head_dim} vs {cache_dim})."
         )
-    if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
-        raise ValueError(
-            f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}."
-        )
+    if kv_cache.dtype == torch.int8:
+        check_kv_scales(kv_cache, kv_scales)
+        if query.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"query must be float32, bfloat16 or float16, got {query.dtype}.")
+    else:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales go with an int8 kv_cache only, not a {kv_cache.dtype} one.")
+        if query.dtype not in _FLOAT_DTYPES or kv_cache.dtype != query.dtype:
+            raise ValueError(
+                f"query and kv_cache must share a float dtype, got {query.dtype} and {kv_cache.dtype}."
+            )
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache must be contiguous in the head dimension.")
 
@@ -129,6 +139,131 @@ def write_kv_cache_ref(
     slots = slot_mapping[keep].long()
     rows[0, :, slots] = key[keep].transpose(0, 1).to(kv_cache.dtype)
     rows[1, :, slots] = value[keep].transpose(0, 1).to(kv_cache.dtype)
+
+
+def check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """An int8 ``kv_cache [2, KVH, num_blocks, block_size, D]``'s scales: float32
+    ``[2, KVH, num_blocks, block_size]``, contiguous, on the cache's device."""
+    want = list(kv_cache.shape[:4])
+    if kv_scales is None:
+        raise ValueError(f"an int8 kv_cache needs kv_scales, float32 {want}.")
+    if kv_scales.dtype != torch.float32 or list(kv_scales.shape) != want:
+        raise ValueError(f"kv_scales must be float32 {want}, got {kv_scales.dtype} {list(kv_scales.shape)}.")
+    if not kv_scales.is_contiguous() or kv_scales.device != kv_cache.device:
+        raise ValueError("kv_scales must be contiguous and on the kv_cache's device.")
+
+
+def check_kv_int8_write_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cpu: bool = False,
+) -> None:
+    """``write_kv_int8``'s arguments, from shapes, dtypes and strides alone (no tensor op): key and
+    value ``[T, KVH, D]`` of one float dtype, contiguous in D (views of a fused QKV output will
+    do), an int8 cache with its scales, ``slot_mapping`` int64 ``[T]``; ``cpu``: CPU tensors."""
+    if key.dim() != 3 or value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(
+            f"key and value must be [T, KVH, D] of one dtype, got {tuple(key.shape)} {key.dtype} and "
+            f"{tuple(value.shape)} {value.dtype}."
+        )
+    if key.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"key and value must be float32, bfloat16 or float16, got {key.dtype}.")
+    if kv_cache.dtype != torch.int8 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be int8 [2, KVH, num_blocks, block_size, D], got {kv_cache.dtype} "
+            f"{tuple(kv_cache.shape)}."
+        )
+    if kv_cache.shape[1] != key.shape[1] or kv_cache.shape[4] != key.shape[2]:
+        raise ValueError(
+            f"key and value [T, KVH, D] must match kv_cache's KV heads and head size: got "
+            f"{tuple(key.shape)} and {tuple(kv_cache.shape)}."
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous.")
+    check_kv_scales(kv_cache, kv_scales)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}."
+        )
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or not slot_mapping.is_contiguous():
+        raise ValueError("key and value must be contiguous in the head dimension, slot_mapping contiguous.")
+    if cpu and any(t.device.type != "cpu" for t in (key, value, kv_cache, kv_scales, slot_mapping)):
+        raise ValueError("write_kv_int8 takes CPU tensors only.")
+
+
+def quantize_kv_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of the int8 cache writes (``kernels.cpu_attention.write_kv_int8``), bit for bit: each
+    row of ``x [..., D]`` to int8 ``q [..., D]`` and a float32 ``scale [...]``, ``x ~ q * scale``.
+
+    In fp32, one correctly rounded operation a step: ``amax = max |x|``, ``scale = amax / 127``,
+    ``inv = min(127 / amax, FLT_MAX)`` (so a zero row's ``127 / 0`` is finite),
+    ``q = clamp(round_half_even(x * inv), -127, 127)``. A zero row gets scale 0 and zeros; a row
+    holding a NaN or an infinity a NaN scale and zeros."""
+    x = x.float()
+    amax = x.abs().amax(-1)  # NaN where a row holds one, inf where it holds an infinity
+    inv = (torch.full_like(amax, 127.0) / amax).clamp(max=torch.finfo(torch.float32).max)
+    q = torch.round(x * inv[..., None]).clamp(-127, 127)
+    finite = amax.isfinite()
+    q = torch.where(finite[..., None], q, 0).to(torch.int8)
+    return q, torch.where(finite, amax / 127, torch.nan)
+
+
+def round_query_int8_ref(query: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query as the int8-cache decode's int8 dot products see it (bf16 queries on a CPU with
+    AVX512_VNNI, ``kernels.cpu_attention.int8_dot_queries``): times ``scale`` in fp32, each head's row
+    rounded to int8 as ``quantize_kv_rows_ref`` rounds a cache row, then back to fp32 and divided by
+    ``scale`` again, so that ``paged_attention_ref`` over it computes the kernel's scores."""
+    q, row_scale = quantize_kv_rows_ref(query.float() * scale)
+    return q.float() * row_scale[..., None] / scale
+
+
+def write_kv_int8_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Twin of ``kernels.cpu_attention.write_kv_int8``: token ``t``'s key and value rows, rounded by
+    ``quantize_kv_rows_ref``, go to slot ``slot_mapping[t]`` of the int8 cache and their scales to
+    the same slot of ``kv_scales``; a negative slot skips the token."""
+    check_kv_int8_write_args(key, value, kv_cache, kv_scales, slot_mapping)
+    _, kvh, num_blocks, block_size, d = kv_cache.shape
+    if bool((slot_mapping >= num_blocks * block_size).any()):
+        raise ValueError(
+            f"slot_mapping entries must be below num_blocks x block_size = {num_blocks * block_size}."
+        )
+    rows = kv_cache.view(2, kvh, num_blocks * block_size, d)
+    row_scales = kv_scales.view(2, kvh, num_blocks * block_size)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for i, x in enumerate((key, value)):
+        q, scale = quantize_kv_rows_ref(x[keep])  # [n, KVH, D], [n, KVH]
+        rows[i, :, slots] = q.transpose(0, 1)
+        row_scales[i, :, slots] = scale.transpose(0, 1)
+
+
+def dequantize_kv_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows ``q [..., D]`` times their ``scales [...]`` in fp32, then cast to ``dtype``: an int8
+    cache's keys or values as the kernels read them (any gathered slice of a cache with the same
+    slice of its scales)."""
+    if q.dtype != torch.int8 or scales.dtype != torch.float32 or q.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"expected int8 rows [..., D] and float32 scales [...], got {q.dtype} {tuple(q.shape)} and "
+            f"{scales.dtype} {tuple(scales.shape)}."
+        )
+    return (q.float() * scales[..., None]).to(dtype)
+
+
+def dequantize_kv_cache(kv_cache: torch.Tensor, kv_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 ``kv_cache`` as a ``dtype`` one of the same shape, for ``paged_attention_ref``
+    (pass ``torch.float32`` to compare with the kernels, whose arithmetic is fp32)."""
+    check_kv_scales(kv_cache, kv_scales)
+    return dequantize_kv_rows(kv_cache, kv_scales, dtype)
 
 
 def rms_norm_ref(

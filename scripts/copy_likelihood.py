@@ -1,14 +1,18 @@
-"""What a dense copy's rounding costs: mean negative log likelihood of text, per setting.
+"""What a dense copy's (or the KV cache's) rounding costs: mean negative log likelihood of text, per setting.
 
     python scripts/copy_likelihood.py                       # fp32, bf16 copy, int8 copy
     python scripts/copy_likelihood.py --settings bf16 int8 --chars 6000 README.md docs/architecture.md
+    python scripts/copy_likelihood.py --settings bf16 int8-kv --greedy 128   # the int8 KV cache
 
 Each setting is one in-process engine (``LLM``) scoring the same texts with
 prompt logprobs (the log likelihood of each token given the ones before),
 all texts in one batched prefill, so every matmul runs the dense copy. The
 first ``--chars`` characters of each file are scored; the figure is the mean
 over all their tokens, in nats (lower is better), and its difference from the
-first setting.
+first setting. Prompt logprobs come from prefill steps only; ``--greedy N`` also continues the
+first 200 tokens of each text greedily for N tokens (decode steps, where the int8 KV cache's
+decode kernel runs) and counts, against the first setting, the tokens before the first one
+that differs.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ from pathlib import Path
 
 SETTINGS = {
     "fp32": {"dtype": "float32"},
-    # "model": the bf16 copy alone (dense_copy_dtype auto adds the int8 copy on some CPUs).
-    "bf16": {"dtype": "bfloat16", "dense_copy_dtype": "model"},
-    "int8": {"dense_copy_dtype": "int8"},
+    # "model": the bf16 copy alone (dense_copy_dtype auto adds the int8 copy on some CPUs), and the
+    # KV cache in bf16 (kv_cache_dtype auto makes it int8 on CPU).
+    "bf16": {"dtype": "bfloat16", "dense_copy_dtype": "model", "kv_cache_dtype": "model"},
+    "int8": {"dense_copy_dtype": "int8", "kv_cache_dtype": "model"},
+    "int8-kv": {"dtype": "bfloat16", "dense_copy_dtype": "model", "kv_cache_dtype": "int8"},
 }
 DEFAULT_FILES = ("README.md", "docs/architecture.md", "services/llm.py", "benchmarks/workloads/README.md")
 
 
-def mean_nll(settings: dict, texts: list[str]) -> tuple[float, int]:
+def mean_nll(settings: dict, texts: list[str], greedy: int = 0) -> tuple[float, int, list[list[int]]]:
+    """The mean NLL over the texts' tokens, their count, and (``greedy`` > 0) each text's greedy
+    continuation of its first 200 tokens."""
     from protocol import SamplingParams
     from services import LLM
 
@@ -34,14 +42,24 @@ def mean_nll(settings: dict, texts: list[str]) -> tuple[float, int]:
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         total, count = 0.0, 0
+        prompts = []
         for out in llm.generate(texts, params, use_tqdm=False):
+            prompts.append(out.prompt_token_ids[:200])
             for position, entry in enumerate(out.prompt_logprobs):
                 if entry is not None:
                     total -= entry[out.prompt_token_ids[position]].logprob
                     count += 1
+        continuations = []
+        if greedy:
+            params = SamplingParams(temperature=0.0, max_tokens=greedy, ignore_eos=True)
+            continuations = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
-    return total / count, count
+    return total / count, count, continuations
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> None:
@@ -49,15 +67,21 @@ def main() -> None:
     parser.add_argument("files", nargs="*", default=list(DEFAULT_FILES))
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=["fp32", "bf16", "int8"])
     parser.add_argument("--chars", type=int, default=6000, help="Characters scored from each file's start.")
+    parser.add_argument("--greedy", type=int, default=0, help="Greedy tokens to continue each text with.")
     args = parser.parse_args()
     texts = [Path(f).read_text()[: args.chars] for f in args.files]
-    first = None
+    first = first_tokens = None
     for name in args.settings:
-        nll, count = mean_nll(SETTINGS[name], texts)
-        first = nll if first is None else first
+        nll, count, tokens = mean_nll(SETTINGS[name], texts, args.greedy)
+        if first is None:
+            first, first_tokens = nll, tokens
+        agree = ""
+        if args.greedy:
+            prefixes = [agreeing_prefix(a, b) for a, b in zip(first_tokens, tokens)]
+            agree = f"; greedy: {prefixes} of {args.greedy} tokens the same as {args.settings[0]}'s"
         print(
-            f"{name:>5}: {nll:.4f} nats/token (perplexity {math.exp(nll):.2f}) over {count} tokens, "
-            f"{nll - first:+.4f} against {args.settings[0]}",
+            f"{name:>7}: {nll:.4f} nats/token (perplexity {math.exp(nll):.2f}) over {count} tokens, "
+            f"{nll - first:+.4f} against {args.settings[0]}{agree}",
             flush=True,
         )
 

@@ -46,6 +46,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "measurements).",
     ),
     EnvVar(
+        "WEFT_ATTENTION_INT8_FAST",
+        "0 keeps decodes over an int8 KV cache on the CPU attention kernel's generic path where its AVX-512 "
+        "path is built (read by the kernel on every call; for tests and measurements).",
+    ),
+    EnvVar(
         "WEFT_QUANT_ISA",
         "Force one build of the quantized-linear kernel: avx512vnni, avx2 or generic (default: the fastest "
         "the CPU runs; kernels/cpu_quant_linear.py reads it itself).",

@@ -10,7 +10,10 @@
 //
 // Layouts (those of services/worker/layers/attention.py):
 //   query, out  [T, H, D], head dimension contiguous
-//   kv_cache    [2, KVH, num_blocks, block_size, D], contiguous
+//   kv_cache    [2, KVH, num_blocks, block_size, D], contiguous: the query's
+//               dtype, or int8 with
+//   kv_scales   [2, KVH, num_blocks, block_size] fp32, contiguous: row x of
+//               the cache stands for x * its scale (write_kv_int8 writes both)
 //   block_table [n, max_blocks] int32
 //   window      > 0: a sliding-window layer; the token at position p sees
 //               keys (p - window, p] only, and blocks wholly before that are
@@ -29,6 +32,15 @@
 // chunk's keys are transposed once into fp32 so that a row's scores over the
 // chunk are vector FMAs.
 //
+// int8 caches (any query dtype) halve the bytes a decode reads from a bf16
+// one: key t's score is scale * kscale[t] * (q . k[t]) and value t weighs
+// p[t] * vscale[t], the softmax's sum taken over the p[t] themselves.
+// Decodes at head sizes 64 and 128 on AVX-512F builds widen the int8 rows in
+// 512-bit registers ("decode, int8 cache"; WEFT_ATTENTION_INT8_FAST=0 keeps
+// them on the generic path). Prefills of bf16 queries on AVX512_BF16 round
+// each chunk's keys and values (times their scales) to bf16 for the bf16 dot
+// products; others dequantize each chunk into the fp32 path's buffers.
+//
 // Arithmetic is fp32 whatever the cache dtype, but for bf16 caches on
 // AVX512_BF16 CPUs (head sizes 64 and 128 for decodes, 64, 128 and 256 for
 // prefills): there both run on bf16 dot products ("decode, bf16 dot products",
@@ -45,29 +57,40 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
+#include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define WEFT_AVX512 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define WEFT_BF16_DOT 1
 #endif
 
 namespace {
 
-// WEFT_ATTENTION_BF16_DOT=0 (read on every call: a getenv) keeps bf16 attention on the fp32 path, to
-// measure one against the other and to test the fallback on a CPU that has the bf16 instructions.
-inline bool bf16_dot_enabled() {
-  const char* v = std::getenv("WEFT_ATTENTION_BF16_DOT");
+// A 0/1 switch read on every call (a getenv), unset meaning 1.
+inline bool switch_on(const char* name) {
+  const char* v = std::getenv(name);
   if (v == nullptr || std::strcmp(v, "1") == 0) return true;
-  TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0, "WEFT_ATTENTION_BF16_DOT must be 0 or 1, got '", v, "'.");
+  TORCH_CHECK_VALUE(std::strcmp(v, "0") == 0, name, " must be 0 or 1, got '", v, "'.");
   return false;
 }
+
+// WEFT_ATTENTION_BF16_DOT=0 keeps bf16 attention on the fp32 path, WEFT_ATTENTION_INT8_FAST=0 int8-cache
+// decodes on the generic one: to measure one against the other and to test the generic path on a
+// CPU that has the instructions.
+inline bool bf16_dot_enabled() { return switch_on("WEFT_ATTENTION_BF16_DOT"); }
+inline bool int8_fast_enabled() { return switch_on("WEFT_ATTENTION_INT8_FAST"); }
 
 #ifdef WEFT_BF16_DOT
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }  // the same bits
@@ -104,6 +127,14 @@ inline vf load8(const c10::Half* p) {
   vf f;
   for (int i = 0; i < kW; ++i) f[i] = static_cast<float>(p[i]);
   return f;
+}
+
+typedef int8_t vb __attribute__((vector_size(8)));
+
+inline vf load8(const int8_t* p) {  // exact: every int8 is an fp32
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vf);
 }
 
 inline float hsum(vf v) {
@@ -159,12 +190,18 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
 #endif
 constexpr int64_t kPrefetchBytes = ATTENTION_PREFETCH_KIB * 1024;
 
+// The distance is in bytes, so int8 blocks (a quarter of fp32's) run four times as many blocks
+// ahead. An int8 cache's block scales (block_size floats for K, as many for V) are small runs of
+// their own, asked for with the block's keys so that both passes find them in cache.
 template <typename scalar_t>
 struct Prefetcher {
   const scalar_t* keys;
   const scalar_t* values;
   const int32_t* blocks;
   int64_t b_first, b_last, block_elems;
+  const float* key_scales = nullptr;  // an int8 cache's, else null
+  const float* value_scales = nullptr;
+  int64_t block_size = 0;
   int64_t distance = std::max<int64_t>(2, kPrefetchBytes / (block_elems * static_cast<int64_t>(sizeof(scalar_t))));
 
   // Lines of the block `distance` ahead of b in the key pass (then of the
@@ -177,6 +214,27 @@ struct Prefetcher {
     else if (value_ahead <= b_last) base = values + static_cast<int64_t>(blocks[value_ahead]) * block_elems;
     else return;
     share(base, row, rows);
+    if (key_scales != nullptr && row == 0 && ahead <= b_last) scales_of(ahead);
+  }
+
+  // One line each of the key and value blocks `distance` ahead of b, and their scales: the page
+  // walks and first misses start early, the hardware prefetcher streams the rest of each block.
+  // For the int8 decode path, whose compute leaves less slack: the whole-block prefetches cost it
+  // 1.12x the time (32 x 384 and 1 x 2,048 keys shuffled over 240 MiB; none at all measured the same
+  // as these lines).
+  void lines_of(int64_t b) const {
+    const int64_t ahead = b + distance;
+    if (ahead > b_last) return;
+    const int64_t at = static_cast<int64_t>(blocks[ahead]) * block_elems;
+    __builtin_prefetch(keys + at, 0, 3);
+    __builtin_prefetch(values + at, 0, 3);
+    if (key_scales != nullptr) scales_of(ahead);
+  }
+
+  void scales_of(int64_t b) const {
+    const int64_t at = static_cast<int64_t>(blocks[b]) * block_size;
+    prefetch_block(key_scales + at, block_size);
+    prefetch_block(value_scales + at, block_size);
   }
 
   // Before the first block: the blocks the key pass reaches before its
@@ -185,8 +243,13 @@ struct Prefetcher {
   // asking for them together overlaps those misses instead of meeting them one
   // by one.
   void start() const {
-    for (int64_t b = b_first; b <= std::min(b_last, b_first + distance - 1); ++b)
+    for (int64_t b = b_first; b <= std::min(b_last, b_first + distance - 1); ++b) {
       __builtin_prefetch(keys + static_cast<int64_t>(blocks[b]) * block_elems, 0, 3);
+      if (key_scales != nullptr) {  // the int8 paths: their values' first lines too
+        __builtin_prefetch(values + static_cast<int64_t>(blocks[b]) * block_elems, 0, 3);
+        scales_of(b);
+      }
+    }
   }
 
   void value_block(int64_t b) const {
@@ -324,13 +387,30 @@ inline void softmax_numerators(float* s, int64_t L, int64_t G, PartialView part)
   }
 }
 
+// s[g * stride + i] *= row_scale[i] for the n rows of G heads: an int8 cache's scales applied to
+// scores or softmax numerators.
+inline void scale_heads(float* s, int64_t stride, int64_t G, const float* row_scale, int64_t n) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) s[g * stride + i] *= row_scale[i];
+}
+
+// Where an int8 cache's scales sit: K's and V's, [num_blocks, block_size] each per KV head;
+// null for float caches.
+struct RowScales {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
 // One item: keys [lo, hi) of one (decode, KV head), for its G query heads.
 // Two passes over the item's blocks: scores from the keys, then the values
 // weighted; each block's rows stay in L1 while every query head reads them.
-template <typename scalar_t, int kC>
-void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* keys, const scalar_t* values,
-                 const int32_t* blocks, int64_t lo, int64_t hi, int64_t block_size, int64_t D, int64_t G,
-                 float scale, std::vector<float>& buf, PartialView part) {
+// An int8 cache (cache_t int8_t) scales each block's scores by the key scales,
+// and the softmax numerators, once their sum is taken, by the value scales.
+template <typename scalar_t, typename cache_t, int kC>
+void decode_item(const scalar_t* query, int64_t q_stride_head, const cache_t* keys, const cache_t* values,
+                 RowScales rs, const int32_t* blocks, int64_t lo, int64_t hi, int64_t block_size, int64_t D,
+                 int64_t G, float scale, std::vector<float>& buf, PartialView part) {
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   const int64_t L = hi - lo;
   const int64_t block_elems = block_size * D;
   buf.resize(G * D + G * L);
@@ -339,38 +419,43 @@ void decode_item(const scalar_t* query, int64_t q_stride_head, const scalar_t* k
   load_rows(query, q_stride_head, G, D, scale, qf);
   const int64_t b_first = lo / block_size, b_last = (hi - 1) / block_size;
 
-  Prefetcher<scalar_t> ahead{keys, values, blocks, b_first, b_last, block_elems};
+  Prefetcher<cache_t> ahead{keys, values, blocks, b_first, b_last, block_elems, rs.keys, rs.values, block_size};
   ahead.start();
   for (int64_t b = b_first; b <= b_last; ++b) {
-    const scalar_t* kb = keys + static_cast<int64_t>(blocks[b]) * block_elems;
+    const cache_t* kb = keys + static_cast<int64_t>(blocks[b]) * block_elems;
     const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
     for (int64_t t = t0; t < t1; ++t) {
       ahead.key_block_of(b, t - t0, t1 - t0);
       dot_all_heads<kC>(qf, G, D, kb + (t - b * block_size) * D, s + (t - lo), L);
     }
+    if constexpr (kInt8)
+      scale_heads(s + (t0 - lo), L, G, rs.keys + static_cast<int64_t>(blocks[b]) * block_size + t0 - b * block_size,
+                  t1 - t0);
   }
 
   softmax_numerators(s, L, G, part);
 
   std::fill(part.acc, part.acc + G * D, 0.0f);
   for (int64_t b = b_first; b <= b_last; ++b) {
-    const scalar_t* vb = values + static_cast<int64_t>(blocks[b]) * block_elems;
+    const cache_t* vb = values + static_cast<int64_t>(blocks[b]) * block_elems;
     ahead.value_block(b);
     const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    if constexpr (kInt8)
+      scale_heads(s + (t0 - lo), L, G,
+                  rs.values + static_cast<int64_t>(blocks[b]) * block_size + t0 - b * block_size, t1 - t0);
     weighted_block<kC>(s + (t0 - lo), L, vb + (t0 - b * block_size) * D, t1 - t0, G, D, part.acc);
   }
 }
 
-#ifdef WEFT_BF16_DOT
-// ------------------------------------------------ decode, bf16 dot products
+#ifdef WEFT_AVX512
+// ------------------------------------------------------ decode, int8 cache
 //
-// With a bf16 cache on a CPU with AVX512_BF16, vdpbf16ps multiplies 32 bf16
-// pairs and adds them into 16 fp32 lanes in one instruction, so neither pass
-// widens a key or value element to fp32 first. The fp32 path above spends
-// about 60 instructions per key row on its score (widen, FMA, a horizontal sum
-// per head) and 40 on its value row; these spend about 17 and 12. Products are
-// exact in fp32 and sums are fp32, as above; what differs is that the value
-// pass rounds the softmax weights to bf16 (as GPU flash attention rounds P).
+// An int8 cache on an AVX-512F build, head sizes 64 and 128: each 16 int8 of a
+// row widen to 16 exact fp32 in a register (vpmovsxbd, vcvtdq2ps) and meet the
+// fp32 query in one FMA, so no row is widened to memory; 16 key rows' scores
+// are reduced together (sum16) and scaled by a vector of 16 key scales, and
+// each value row is weighted by its softmax numerator times its value scale.
+// Sums are fp32 as on the generic path, in another order.
 
 // Scores of one query head against up to 16 key rows: row r's products summed
 // into one vector each, then 16 vectors reduced to one of 16 sums in four
@@ -390,6 +475,346 @@ inline __m512 sum16(__m512* v) {
   const __m512d a = _mm512_castps_pd(u[0]), b = _mm512_castps_pd(u[1]);
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
+
+// exp_nonpositive on 16 lanes (the same polynomial); 2^n by vscalefps.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_numerators 16 lanes at a time (with it, an int8 decode in cache took 1.07x the time: the
+// exponentials are a quarter of it). A NaN score stays NaN (exp16_nonpositive's clamp would make
+// it ~0), so a NaN key scale reaches the output.
+inline void softmax_numerators16(float* s, int64_t L, int64_t G, PartialView part) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < L; t += 16) {
+      const __mmask16 k = static_cast<__mmask16>(L - t >= 16 ? 0xFFFF : (1u << (L - t)) - 1);
+      mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sg + t));
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 16) {
+      const __mmask16 k = static_cast<__mmask16>(L - t >= 16 ? 0xFFFF : (1u << (L - t)) - 1);
+      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mv);
+      const __m512 e = _mm512_mask_mov_ps(exp16_nonpositive(x), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+      _mm512_mask_storeu_ps(sg + t, k, e);
+      sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    part.m[g] = m;
+    part.l[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// s[t] = ks[t] * (q . k[t]) for the m <= 16 int8 rows at k (row stride kZ * 16), q scaled already.
+// Each head widens the rows again: widening them once into an fp32 buffer for all heads measured
+// 1.05x the time (in cache and out, SmolLM2's G = 3).
+template <int kZ>
+inline void scores16_int8(const __m512* q, const int8_t* k, int64_t m, const float* ks, float* s) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+  __m512 v[16];
+  for (int slot = 0; slot < 16; ++slot) {
+    const int r = kSumLane[slot];
+    __m512 a = _mm512_setzero_ps();
+    if (r < m)
+      for (int z = 0; z < kZ; ++z) a = _mm512_fmadd_ps(q[z], widen16(k + r * kZ * 16 + z * 16), a);
+    v[slot] = a;
+  }
+  _mm512_mask_storeu_ps(s, mask, _mm512_mul_ps(sum16(v), _mm512_maskz_loadu_ps(mask, ks)));
+}
+
+// The value pass of one item for heads [g0, g0 + NG): each row widened once for them all, their
+// accumulators in registers. s holds the numerators times the value scales.
+template <int NG, int kZ>
+void value_pass_int8(const float* s, int64_t L, const int8_t* values, const int32_t* blocks, int64_t lo, int64_t hi,
+                     int64_t block_size, int64_t g0, float* acc_out) {
+  constexpr int64_t D = kZ * 16;
+  __m512 acc[NG][kZ];
+  for (int g = 0; g < NG; ++g)
+    for (int z = 0; z < kZ; ++z) acc[g][z] = _mm512_setzero_ps();
+  for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    const int8_t* vb = values + static_cast<int64_t>(blocks[b]) * block_size * D + (t0 - b * block_size) * D;
+    const float* p = s + g0 * L + (t0 - lo);
+    for (int64_t t = 0; t < t1 - t0; ++t) {
+      __m512 x[kZ];
+      for (int z = 0; z < kZ; ++z) x[z] = widen16(vb + t * D + z * 16);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * L + t]);
+        for (int z = 0; z < kZ; ++z) acc[g][z] = _mm512_fmadd_ps(w, x[z], acc[g][z]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int z = 0; z < kZ; ++z) _mm512_storeu_ps(acc_out + (g0 + g) * D + z * 16, acc[g][z]);
+}
+
+#ifdef WEFT_BF16_DOT
+// ---------------------------------------- decode, int8 cache, int8 dot products (bf16 queries)
+//
+// Widening each key row to fp32 once per query head is most of the int8 key pass (about 56
+// instructions a row at G = 3, head size 64). A bf16 query is already rounded, so here it is rounded
+// once more, to int8 per head (its fp32 scale, as the cache's rows are), and vpdpbusd multiplies
+// 64 bytes of it by 64 of a key row and sums them four at a time into 16 int32 lanes: about 16
+// instructions a row at G = 3. vpdpbusd takes one side unsigned, so the query goes in plus 128 and
+// 128 * sum(k) comes off (one more vpdpbusd a row, shared by the heads). Products and sums are exact
+// integers (at most 128 x 255 x 127 a lane); what this adds to a bf16 cache's arithmetic is the
+// query's rounding (kernels.reference.round_query_int8_ref, the twin).
+// The CPUs with AVX512_BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and 5) all have
+// AVX512_VNNI; a run-time check keeps the fp32 path where one does not.
+
+inline bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// sum16 in int32 lanes: the same shuffles, so the same kSumLane order.
+inline __m512i sum16_epi32(__m512i* v) {
+  __m512i w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_i32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_i32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[i], z[i + 2]), _mm512_unpackhi_epi32(z[i], z[i + 2]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(u[0], u[1]), _mm512_unpackhi_epi64(u[0], u[1]));
+}
+
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t D, int8_t* q, float* scale);  // "int8 cache writes"
+
+// Head g's scaled query qf [D] rounded as the cache's rows are, as D bytes of q + 128, and its
+// scale (NaN where the row holds a NaN or an infinity, so that its scores are NaN).
+template <int D>
+inline float round_query_int8(const float* qf, uint8_t* out) {
+  int8_t q[D];
+  float scale;
+  quantize_row(qf, D, q, &scale);
+  for (int d = 0; d < D; ++d) out[d] = static_cast<uint8_t>(q[d] + 128);
+  return scale;
+}
+
+// The key pass of one item: s[g * L + t - lo] = qs[g] * ks[t] * (q_g . k_t) for keys [lo, hi).
+template <int kY>
+__attribute__((target("avx512vnni"))) void key_pass_vnni(const uint8_t* qu, const float* qs, int64_t G,
+                                                        const int8_t* keys, const float* key_scales,
+                                                        const int32_t* blocks, int64_t lo, int64_t hi,
+                                                        int64_t block_size, float* s, int64_t L,
+                                                        const Prefetcher<int8_t>& ahead) {
+  constexpr int64_t D = kY * 64;
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+    ahead.lines_of(b);
+    const int64_t first = static_cast<int64_t>(blocks[b]) * block_size;
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    for (int64_t t = t0; t < t1; t += 16) {
+      const int64_t m = std::min<int64_t>(16, t1 - t);
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+      const int8_t* k = keys + (first + t - b * block_size) * D;
+      const __m512 ks = _mm512_maskz_loadu_ps(mask, key_scales + first + t - b * block_size);
+      __m512i v[16];
+      for (int slot = 0; slot < 16; ++slot) {
+        const int r = kSumLane[slot];
+        __m512i a = _mm512_setzero_si512();
+        if (r < m)
+          for (int y = 0; y < kY; ++y) a = _mm512_dpbusd_epi32(a, k128, _mm512_loadu_si512(k + r * D + y * 64));
+        v[slot] = a;
+      }
+      const __m512i bias = sum16_epi32(v);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i q[kY];
+        for (int y = 0; y < kY; ++y) q[y] = _mm512_loadu_si512(qu + g * D + y * 64);
+        for (int slot = 0; slot < 16; ++slot) {
+          const int r = kSumLane[slot];
+          __m512i a = _mm512_setzero_si512();
+          if (r < m)
+            for (int y = 0; y < kY; ++y) a = _mm512_dpbusd_epi32(a, q[y], _mm512_loadu_si512(k + r * D + y * 64));
+          v[slot] = a;
+        }
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum16_epi32(v), bias));
+        _mm512_mask_storeu_ps(s + g * L + (t - lo), mask, _mm512_mul_ps(dot, _mm512_mul_ps(ks, _mm512_set1_ps(qs[g]))));
+      }
+    }
+  }
+}
+
+// The value pass of one item for heads [g0, g0 + NG) on vpdpwssd (int16 pairs into int32): each run
+// of at most 128 rows has its weights (numerators times value scales, s) rounded to int16 against
+// their largest (scale w_max / 32767: 2^-16 of it at most, where the bf16 path rounds each weight
+// to 2^-9 of itself), two rows' int8 values are interleaved and widened to int16 pairs, and one
+// vpdpwssd per 32 elements and head adds both rows' products. At most 128 x 32767 x 127 per int32
+// lane, so no overflow; each run's sums go to fp32 accumulators times its scale. A NaN weight
+// makes the run's scale NaN, so NaN reaches the output. Lanes come out in unpack order (lane j of
+// chunk c holds element kValueLane(c, j)); the last step puts them back.
+template <int NG, int kY>
+__attribute__((target("avx512vnni"))) void value_pass_vnni(const float* s, int64_t L, const int8_t* values,
+                                                          const int32_t* blocks, int64_t lo, int64_t hi,
+                                                          int64_t block_size, int64_t g0, float* acc_out) {
+  constexpr int64_t D = kY * 64;
+  constexpr int kC = 4 * kY;  // int32 accumulators a head: 16 elements each
+  __m512 acc[NG][kC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_setzero_ps();
+  alignas(64) int16_t w16[NG][130];
+  for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    const int8_t* vb = values + static_cast<int64_t>(blocks[b]) * block_size * D + (t0 - b * block_size) * D;
+    for (int64_t r0 = 0; r0 < t1 - t0; r0 += 128) {
+      const int64_t n = std::min<int64_t>(128, t1 - t0 - r0);
+      float wscale[NG];
+      for (int g = 0; g < NG; ++g) {
+        const float* w = s + (g0 + g) * L + (t0 - lo) + r0;
+        __m512 mx = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+          const __m512 x = _mm512_maskz_loadu_ps(k, w + i);
+          nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+          mx = _mm512_max_ps(mx, x);
+        }
+        const float wmax = _mm512_reduce_max_ps(mx);
+        const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+        wscale[g] = nan ? std::numeric_limits<float>::quiet_NaN() : wmax / 32767.0f;
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, w + i), inv));
+          _mm256_mask_storeu_epi16(w16[g] + i, k, _mm512_cvtepi32_epi16(q));
+        }
+        w16[g][n] = 0;  // the partner of an odd run's last row
+      }
+      __m512i iacc[NG][kC];
+      for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < kC; ++c) iacc[g][c] = _mm512_setzero_si512();
+      const int8_t* v = vb + r0 * D;
+      for (int64_t t = 0; t < n; t += 2) {
+        __m512i p[NG];
+        for (int g = 0; g < NG; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, w16[g] + t, sizeof(pair));
+          p[g] = _mm512_set1_epi32(pair);
+        }
+        for (int y = 0; y < kY; ++y) {
+          const __m512i a = _mm512_loadu_si512(v + t * D + y * 64);
+          const __m512i b2 = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * D + y * 64) : _mm512_setzero_si512();
+          const __m512i lo8 = _mm512_unpacklo_epi8(a, b2), hi8 = _mm512_unpackhi_epi8(a, b2);
+          const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo8)),
+                                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo8, 1)),
+                                _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi8)),
+                                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi8, 1))};
+          for (int g = 0; g < NG; ++g)
+            for (int c = 0; c < 4; ++c) iacc[g][4 * y + c] = _mm512_dpwssd_epi32(iacc[g][4 * y + c], x[c], p[g]);
+        }
+      }
+      for (int g = 0; g < NG; ++g) {
+        const __m512 ws = _mm512_set1_ps(wscale[g]);
+        for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[g][c]), ws, acc[g][c]);
+      }
+    }
+  }
+  // Chunk 0 holds elements 0-7 and 16-23 of each 64, chunk 1 32-39 and 48-55, chunk 2 8-15 and
+  // 24-31, chunk 3 40-47 and 56-63 (vpunpck works within 128-bit lanes).
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int g = 0; g < NG; ++g) {
+    float* out = acc_out + (g0 + g) * D;
+    for (int y = 0; y < kY; ++y) {
+      const __m512* c = acc[g] + 4 * y;
+      _mm512_storeu_ps(out + y * 64, _mm512_permutex2var_ps(c[0], first, c[2]));
+      _mm512_storeu_ps(out + y * 64 + 16, _mm512_permutex2var_ps(c[0], second, c[2]));
+      _mm512_storeu_ps(out + y * 64 + 32, _mm512_permutex2var_ps(c[1], first, c[3]));
+      _mm512_storeu_ps(out + y * 64 + 48, _mm512_permutex2var_ps(c[1], second, c[3]));
+    }
+  }
+}
+#endif  // WEFT_BF16_DOT
+
+// decode_item for an int8 cache with head size kZ * 16: the same two passes and the same
+// partial result.
+template <int kZ, typename scalar_t>
+void decode_item_int8(const scalar_t* query, int64_t q_stride_head, const int8_t* keys, const int8_t* values,
+                      RowScales rs, const int32_t* blocks, int64_t lo, int64_t hi, int64_t block_size, int64_t G,
+                      float scale, std::vector<float>& buf, PartialView part) {
+  constexpr int64_t D = kZ * 16;
+  const int64_t L = hi - lo;
+  buf.resize(G * D + G * L);
+  float* qf = buf.data();  // [G, D] scaled queries
+  float* s = qf + G * D;   // [G, L] scores, then softmax numerators
+  load_rows(query, q_stride_head, G, D, scale, qf);
+  const int64_t b_first = lo / block_size, b_last = (hi - 1) / block_size;
+  Prefetcher<int8_t> ahead{keys, values, blocks, b_first, b_last, block_size * D, rs.keys, rs.values, block_size};
+  ahead.start();
+  bool keys_done = false;
+#ifdef WEFT_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+    if (has_vnni()) {
+      thread_local std::vector<uint8_t> qu;
+      thread_local std::vector<float> qs;
+      qu.resize(G * D);
+      qs.resize(G);
+      for (int64_t g = 0; g < G; ++g) qs[g] = round_query_int8<D>(qf + g * D, qu.data() + g * D);
+      key_pass_vnni<D / 64>(qu.data(), qs.data(), G, keys, rs.keys, blocks, lo, hi, block_size, s, L, ahead);
+      keys_done = true;
+    }
+#endif
+  for (int64_t b = b_first; !keys_done && b <= b_last; ++b) {
+    ahead.lines_of(b);
+    const int64_t first = static_cast<int64_t>(blocks[b]) * block_size;  // the block's first row
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    for (int64_t t = t0; t < t1; t += 16)
+      for (int64_t g = 0; g < G; ++g) {  // the rows stay in L1 while every head reads them
+        __m512 q[kZ];
+        for (int z = 0; z < kZ; ++z) q[z] = _mm512_loadu_ps(qf + g * D + z * 16);
+        const int64_t row = first + t - b * block_size;
+        scores16_int8<kZ>(q, keys + row * D, std::min<int64_t>(16, t1 - t), rs.keys + row, s + g * L + (t - lo));
+      }
+  }
+  softmax_numerators16(s, L, G, part);
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
+    scale_heads(s + (t0 - lo), L, G, rs.values + static_cast<int64_t>(blocks[b]) * block_size + t0 - b * block_size,
+                t1 - t0);
+  }
+  constexpr int kNG = kZ <= 4 ? 3 : 2;  // the accumulators that fit in 32 registers beside a row
+  int64_t g = 0;
+#ifdef WEFT_BF16_DOT
+  if (keys_done) {  // a bf16 query on a CPU with VNNI: the values on int16 pairs too
+    for (; g + kNG <= G; g += kNG) value_pass_vnni<kNG, D / 64>(s, L, values, blocks, lo, hi, block_size, g, part.acc);
+    for (; g < G; ++g) value_pass_vnni<1, D / 64>(s, L, values, blocks, lo, hi, block_size, g, part.acc);
+    return;
+  }
+#endif
+  for (; g + kNG <= G; g += kNG) value_pass_int8<kNG, kZ>(s, L, values, blocks, lo, hi, block_size, g, part.acc);
+  for (; g < G; ++g) value_pass_int8<1, kZ>(s, L, values, blocks, lo, hi, block_size, g, part.acc);
+}
+#endif  // WEFT_AVX512
+
+#ifdef WEFT_BF16_DOT
+// ------------------------------------------------ decode, bf16 dot products
+//
+// With a bf16 cache on a CPU with AVX512_BF16, vdpbf16ps multiplies 32 bf16
+// pairs and adds them into 16 fp32 lanes in one instruction, so neither pass
+// widens a key or value element to fp32 first. The fp32 path above spends
+// about 60 instructions per key row on its score (widen, FMA, a horizontal sum
+// per head) and 40 on its value row; these spend about 17 and 12. Products are
+// exact in fp32 and sums are fp32, as above; what differs is that the value
+// pass rounds the softmax weights to bf16 (as GPU flash attention rounds P).
 
 // s[t] = scale * q . k[t] for the m <= 16 rows at k (row stride kZ * 32).
 template <int kZ>
@@ -614,10 +1039,18 @@ void for_each_claimed(int64_t count, Fn&& fn) {
   });
 }
 
-template <typename scalar_t, int kC>
+// Where head h's key and value scales start (null for a float cache, whose kv_scales is absent).
+RowScales head_scales(const std::optional<at::Tensor>& kv_scales, int64_t h) {
+  if (!kv_scales) return {};
+  const int64_t KVH = kv_scales->size(1), per_head = kv_scales->size(2) * kv_scales->size(3);
+  const float* base = kv_scales->data_ptr<float>();
+  return {base + h * per_head, base + (KVH + h) * per_head};
+}
+
+template <typename scalar_t, typename cache_t, int kC>
 void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
                 const at::Tensor& seq_lens, const at::Tensor& block_table, double scale, at::Tensor& out,
-                int64_t window) {
+                int64_t window, const std::optional<at::Tensor>& kv_scales) {
   const int64_t n = token_idx.size(0);
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t KVH = kv_cache.size(1), num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
@@ -626,7 +1059,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
   const int64_t head_blocks = num_cache_blocks * block_size * D;  // elements per (K or V, KV head)
   const scalar_t* q = query.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+  const cache_t* cache = kv_cache.data_ptr<cache_t>();
   const int64_t* rows = token_idx.data_ptr<int64_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
@@ -636,9 +1069,11 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
   const int64_t stride = G * (D + 2);
   std::vector<float> partials(plan.num_partials * stride);
   [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
+  [[maybe_unused]] const bool int8_fast = std::is_same_v<cache_t, int8_t> && int8_fast_enabled();
   for_each_claimed(static_cast<int64_t>(plan.items.size()), [&](int64_t k, std::vector<float>& buf) {
     const DecodeItem& it = plan.items[k];
     const int64_t row = rows[it.seq];
+    const RowScales rs = head_scales(kv_scales, it.head);
     thread_local std::vector<float> own;  // a lone partition's result, before it is written out
     PartialView part;
     if (it.partial >= 0) {
@@ -648,9 +1083,19 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
       own.resize(stride);
       part = {own.data(), own.data() + G, own.data() + 2 * G};
     }
-    bool dot = false;  // run on bf16 dot products (head sizes 64 and 128)
+    bool dot = false;  // run on bf16 dot products or 512-bit int8 rows (head sizes 64 and 128)
+#ifdef WEFT_AVX512
+    if constexpr (std::is_same_v<cache_t, int8_t> && (kC == 8 || kC == 16))
+      if (int8_fast) {
+        decode_item_int8<kC / 2>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
+                                 cache + (KVH + it.head) * head_blocks, rs, table + it.seq * max_blocks, it.lo,
+                                 it.hi, block_size, G, static_cast<float>(scale), buf, part);
+        dot = true;
+      }
+#endif
 #ifdef WEFT_BF16_DOT
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kC == 8 || kC == 16))
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+                  (kC == 8 || kC == 16))
       if (bf16_dot) {
         decode_item_bf16<kC / 4>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
                                  cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
@@ -659,9 +1104,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
       }
 #endif
     if (!dot)
-      decode_item<scalar_t, kC>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
-                                cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
-                                block_size, D, G, static_cast<float>(scale), buf, part);
+      decode_item<scalar_t, cache_t, kC>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
+                                         cache + (KVH + it.head) * head_blocks, rs, table + it.seq * max_blocks, it.lo,
+                                         it.hi, block_size, D, G, static_cast<float>(scale), buf, part);
     if (it.partial < 0) write_heads(part.acc, part.l, G, D, o + row * os0 + it.head * G * os1, os1);
   });
   if (plan.num_partials == 0) return;
@@ -684,8 +1129,21 @@ void check_layouts(const char* op, const at::Tensor& query, const at::Tensor& kv
                     ": kv_cache contiguous, query and out contiguous in the head dimension expected");
   TORCH_CHECK_VALUE(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0, op,
                     ": query heads must be a multiple of KV heads, and head sizes agree");
-  TORCH_CHECK_VALUE(kv_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(), op,
-                    ": query, kv_cache and out must share one dtype");
+  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type(), op, ": query and out must share one dtype");
+  TORCH_CHECK_VALUE(kv_cache.scalar_type() == query.scalar_type() || kv_cache.scalar_type() == at::kChar, op,
+                    ": kv_cache must be int8 or share the query's dtype");
+}
+
+// kv_scales goes with an int8 cache and only with one: [2, KVH, num_blocks, block_size] fp32, contiguous.
+void check_scales(const char* op, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales) {
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(int8 == kv_scales.has_value(), op,
+                    int8 ? ": an int8 kv_cache needs kv_scales" : ": kv_scales go with an int8 kv_cache only");
+  if (!int8) return;
+  const at::Tensor& sc = *kv_scales;
+  TORCH_CHECK_VALUE(sc.scalar_type() == at::kFloat && sc.dim() == 4 && sc.is_contiguous() && sc.device().is_cpu() &&
+                        sc.sizes() == kv_cache.sizes().slice(0, 4),
+                    op, ": kv_scales must be a contiguous float32 CPU tensor [2, KVH, num_blocks, block_size]");
 }
 
 void check_index(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t dim) {
@@ -713,11 +1171,21 @@ void dispatch_dtype(const char* op, at::ScalarType dtype, Fn&& fn) {
   }
 }
 
+// Calls fn with a value of the query's dtype and one of the cache's (the same, or int8).
+template <typename Fn>
+void dispatch_query_and_cache(const char* op, const at::Tensor& query, const at::Tensor& kv_cache, Fn&& fn) {
+  dispatch_dtype(op, query.scalar_type(), [&](auto tag) {
+    if (kv_cache.scalar_type() == at::kChar) fn(tag, int8_t{});
+    else fn(tag, tag);
+  });
+}
+
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
                             const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                            at::Tensor out, int64_t window) {
+                            at::Tensor out, int64_t window, const std::optional<at::Tensor>& kv_scales) {
   const char* op = "paged_decode_attention";
   check_layouts(op, query, kv_cache, out);
+  check_scales(op, kv_cache, kv_scales);
   check_index(op, "token_idx", token_idx, at::kLong, 1);
   check_index(op, "seq_lens", seq_lens, at::kInt, 1);
   check_index(op, "block_table", block_table, at::kInt, 2);
@@ -726,11 +1194,12 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                     ": token_idx, seq_lens and block_table need one entry (row) per decode");
   TORCH_CHECK_VALUE(window >= 0, "window must be 0 (full attention) or positive, got ", window, ".");
   if (n == 0) return;
-  dispatch_dtype(op, query.scalar_type(), [&](auto tag) {
+  dispatch_query_and_cache(op, query, kv_cache, [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     dispatch_head_dim(query.size(2), [&](auto chunks) {
-      decode_all<scalar_t, decltype(chunks)::value>(query, kv_cache, token_idx, seq_lens, block_table, scale, out,
-                                                     window);
+      decode_all<scalar_t, cache_t, decltype(chunks)::value>(query, kv_cache, token_idx, seq_lens, block_table, scale,
+                                                              out, window, kv_scales);
     });
   });
 }
@@ -816,27 +1285,35 @@ inline bool online_softmax_row(float* s, int64_t kb, int64_t vis_lo, int64_t vis
 }
 
 // Converts the keys [base, base + tokens) of a sequence, a run of whole cache
-// blocks, to fp32: keys transposed into kt [D, kb], values into vf32 [kb, D].
-template <typename scalar_t>
-void load_chunk(const scalar_t* keys, const scalar_t* values, const int32_t* blocks, int64_t base, int64_t tokens,
-                int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
-  const int64_t block_elems = block_size * D;
+// blocks, to fp32: keys transposed into kt [D, kb], values into vf32 [kb, D];
+// an int8 cache's rows times their scales (the dequantized cache).
+template <typename cache_t>
+void load_chunk(const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t base,
+                int64_t tokens, int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t pos = base + t;
-    const int64_t row = static_cast<int64_t>(blocks[pos / block_size]) * block_elems + pos % block_size * D;
-    const scalar_t* kr = keys + row;
-    const scalar_t* vr = values + row;
-    for (int64_t d = 0; d < D; ++d) {
-      kt[d * kb + t] = static_cast<float>(kr[d]);
-      vf32[t * D + d] = static_cast<float>(vr[d]);
+    const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
+    const cache_t* kr = keys + slot * D;
+    const cache_t* vr = values + slot * D;
+    if constexpr (std::is_same_v<cache_t, int8_t>) {
+      const float ks = rs.keys[slot], vs = rs.values[slot];
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kb + t] = static_cast<float>(kr[d]) * ks;
+        vf32[t * D + d] = static_cast<float>(vr[d]) * vs;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kb + t] = static_cast<float>(kr[d]);
+        vf32[t * D + d] = static_cast<float>(vr[d]);
+      }
     }
   }
 }
 
-template <typename scalar_t, int kC>
+template <typename scalar_t, typename cache_t, int kC>
 void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out, int64_t os0, int64_t os1,
-                  const scalar_t* keys, const scalar_t* values, const int32_t* blocks, int64_t context, int64_t j0,
-                  int64_t j1, int64_t block_size, int64_t D, int64_t G, float scale, int64_t window,
+                  const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t context,
+                  int64_t j0, int64_t j1, int64_t block_size, int64_t D, int64_t G, float scale, int64_t window,
                   std::vector<float>& buf) {
   const int64_t rows = (j1 - j0) * G;
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;  // keys per chunk
@@ -861,7 +1338,7 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
   const int64_t last_key = context + j1 - 1;
   for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
     const int64_t tokens = std::min(chunk, last_key + 1 - base);
-    load_chunk(keys, values, blocks, base, tokens, block_size, D, kb, kt, vf32);
+    load_chunk(keys, values, rs, blocks, base, tokens, block_size, D, kb, kt, vf32);
     block_scores(qf, rows, D, kt, kb, s);
     // A token's G rows see the same keys: their value pass reads each value row once for all.
     for (int64_t j = 0; j < j1 - j0; ++j) {
@@ -913,23 +1390,6 @@ inline uint32_t pair_at(const uint16_t* p) {
   uint32_t w;
   std::memcpy(&w, p, sizeof(w));
   return w;
-}
-
-// exp_nonpositive on 16 lanes (the same polynomial); 2^n by vscalefps.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // exp(x) for the weights, which are rounded to bf16 (relative step 2^-9) right after: a degree-4
@@ -1090,7 +1550,34 @@ inline void values_bf16(int64_t n, const uint32_t* pw, int64_t pw_ld, const uint
   }
 }
 
-// prefill_item for bf16 with vdpbf16ps (the arguments are prefill_item's, the head size fixed).
+// An int8 cache's rows for the bf16 prefill (bf16 queries): each chunk's keys and values, times
+// their scales, are rounded to bf16 into rows of their own, then read as a bf16 cache's would be.
+// The rounding is a bf16 cache's (2^-9 of each value), on top of the weights' that this path
+// already makes. 1.0-1.05x a bf16 cache's time here; the fp32 path took 2.6-3.3x (48 x 40 and
+// 1 x 2,048 fresh tokens, scripts/int8_kv_bench.py).
+struct Int8Rows {
+  const int8_t* keys;
+  const int8_t* values;
+  RowScales rs;
+};
+
+// rows [tokens, D] (bf16 bits) = the int8 rows [base, base + tokens) of a sequence times their scales.
+template <int D>
+void stage_bf16(const int8_t* src, const float* row_scale, const int32_t* blocks, int64_t base, int64_t tokens,
+                int64_t block_size, uint16_t* rows) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t pos = base + t;
+    const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
+    const __m512 sc = _mm512_set1_ps(row_scale[slot]);
+    for (int d = 0; d < D; d += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(widen16(src + slot * D + d), sc));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + t * D + d), reinterpret_cast<const __m256i&>(h));
+    }
+  }
+}
+
+// prefill_item for bf16 with vdpbf16ps (the arguments are prefill_item's, the head size fixed;
+// for an int8 cache, keys and values are null and i8 says where its rows are).
 // Per chunk: pack its values once for the tile, then per block of kBfBlockRows rows: scores over
 // the keys some row of the block sees (on the diagonal chunk the later ones are skipped), the
 // softmax 16 rows at a time, and the value pass over the key pairs some row sees.
@@ -1098,7 +1585,7 @@ template <int D>
 void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFloat16* out, int64_t os0,
                        int64_t os1, const uint16_t* keys, const uint16_t* values, const int32_t* blocks,
                        int64_t context, int64_t j0, int64_t j1, int64_t block_size, int64_t G, float scale,
-                       int64_t window, std::vector<float>& buf) {
+                       int64_t window, std::vector<float>& buf, const Int8Rows* i8 = nullptr) {
   const int64_t rows = (j1 - j0) * G;
   const int64_t ld = (rows + 15) / 16 * 16;  // rows padded to whole vectors
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
@@ -1136,12 +1623,30 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
   const int64_t last_key = context + j1 - 1;
   for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
     const int64_t tokens = std::min(chunk, last_key + 1 - base);
-    pack_values_bf16<D>(values, blocks, base, tokens, block_size, vp);
+    // Where the chunk's rows are read: the cache's blocks, or an int8 cache's staged rows (one block
+    // of `chunk` rows, at 0).
+    const uint16_t* kc = keys;
+    const uint16_t* vc = values;
+    const int32_t* bl = blocks;
+    int64_t cb = base, cbs = block_size;
+    if (i8 != nullptr) {
+      thread_local std::vector<uint16_t> staged;
+      staged.resize(2 * chunk * D);
+      stage_bf16<D>(i8->keys, i8->rs.keys, blocks, base, tokens, block_size, staged.data());
+      stage_bf16<D>(i8->values, i8->rs.values, blocks, base, tokens, block_size, staged.data() + chunk * D);
+      static const int32_t kFirst = 0;
+      kc = staged.data();
+      vc = staged.data() + chunk * D;
+      bl = &kFirst;
+      cb = 0;
+      cbs = chunk;
+    }
+    pack_values_bf16<D>(vc, bl, cb, tokens, cbs, vp);
     // Key t's row, the chunk's last one for t past it (a score pass takes kBfKeys keys; those
     // scores are never read).
     auto key_row = [&](int64_t t) {
-      const int64_t p = base + std::min(t, tokens - 1);
-      return keys + static_cast<int64_t>(blocks[p / block_size]) * block_size * D + p % block_size * D;
+      const int64_t p = cb + std::min(t, tokens - 1);
+      return kc + static_cast<int64_t>(bl[p / cbs]) * cbs * D + p % cbs * D;
     };
     for (int64_t r0 = 0; r0 < rows; r0 += kBfBlockRows) {
       const int64_t n = std::min(kBfBlockRows, rows - r0);
@@ -1177,10 +1682,10 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
 
 #endif  // WEFT_BF16_DOT
 
-template <typename scalar_t, int kC>
+template <typename scalar_t, typename cache_t, int kC>
 void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* starts, const int32_t* qlens,
                  const int32_t* ctx, const int32_t* table, int64_t R, int64_t max_blocks, double scale, at::Tensor& out,
-                 int64_t window) {
+                 int64_t window, const std::optional<at::Tensor>& kv_scales) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t KVH = kv_cache.size(1), num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -1197,30 +1702,40 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
                    [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
   const scalar_t* q = query.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+  const cache_t* cache = kv_cache.data_ptr<cache_t>();
   [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
   for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t k, std::vector<float>& buf) {
     const PrefillItem& it = items[k];
     const int64_t first_head = it.head * G * query.stride(1);
 #ifdef WEFT_BF16_DOT
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kC == 8 || kC == 16 || kC == 32)) {
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
+                  (std::is_same_v<cache_t, c10::BFloat16> || std::is_same_v<cache_t, int8_t>) &&
+                  (kC == 8 || kC == 16 || kC == 32)) {
       if (bf16_dot) {  // the bits of the bf16s, as the intrinsics take them
         const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
-        const uint16_t* c16 = reinterpret_cast<const uint16_t*>(cache);
+        const uint16_t *k16 = nullptr, *v16 = nullptr;
+        Int8Rows i8{};
+        if constexpr (std::is_same_v<cache_t, int8_t>) {
+          i8 = {cache + it.head * head_blocks, cache + (KVH + it.head) * head_blocks, head_scales(kv_scales, it.head)};
+        } else {
+          k16 = reinterpret_cast<const uint16_t*>(cache + it.head * head_blocks);
+          v16 = reinterpret_cast<const uint16_t*>(cache + (KVH + it.head) * head_blocks);
+        }
         prefill_item_bf16<kC * kW>(q16 + starts[it.seq] * query.stride(0) + first_head, query.stride(0),
                                    query.stride(1), o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1),
-                                   out.stride(0), out.stride(1), c16 + it.head * head_blocks,
-                                   c16 + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, ctx[it.seq],
-                                   it.j0, it.j1, block_size, G, static_cast<float>(scale), window, buf);
+                                   out.stride(0), out.stride(1), k16, v16, table + it.seq * max_blocks, ctx[it.seq],
+                                   it.j0, it.j1, block_size, G, static_cast<float>(scale), window, buf,
+                                   std::is_same_v<cache_t, int8_t> ? &i8 : nullptr);
         return;
       }
     }
 #endif
-    prefill_item<scalar_t, kC>(q + starts[it.seq] * query.stride(0) + first_head, query.stride(0), query.stride(1),
-                               o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1), out.stride(0),
-                               out.stride(1), cache + it.head * head_blocks, cache + (KVH + it.head) * head_blocks,
-                               table + it.seq * max_blocks, ctx[it.seq], it.j0, it.j1, block_size, D, G,
-                               static_cast<float>(scale), window, buf);
+    prefill_item<scalar_t, cache_t, kC>(
+        q + starts[it.seq] * query.stride(0) + first_head, query.stride(0), query.stride(1),
+        o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1), out.stride(0), out.stride(1),
+        cache + it.head * head_blocks, cache + (KVH + it.head) * head_blocks, head_scales(kv_scales, it.head),
+        table + it.seq * max_blocks, ctx[it.seq], it.j0, it.j1, block_size, D, G, static_cast<float>(scale), window,
+        buf);
   });
 }
 
@@ -1245,9 +1760,11 @@ void check_prefills(const int64_t* starts, const int32_t* qlens, const int32_t* 
 
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& query_start,
                              const at::Tensor& query_lens, const at::Tensor& context_lens,
-                             const at::Tensor& block_table, double scale, at::Tensor out, int64_t window) {
+                             const at::Tensor& block_table, double scale, at::Tensor out, int64_t window,
+                             const std::optional<at::Tensor>& kv_scales) {
   const char* op = "paged_prefill_attention";
   check_layouts(op, query, kv_cache, out);
+  check_scales(op, kv_cache, kv_scales);
   check_index(op, "query_start", query_start, at::kLong, 1);
   check_index(op, "query_lens", query_lens, at::kInt, 1);
   check_index(op, "context_lens", context_lens, at::kInt, 1);
@@ -1263,11 +1780,131 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t max_blocks = block_table.size(1);
   check_prefills(starts, qlens, ctx, table, R, max_blocks, query.size(0), kv_cache.size(2), kv_cache.size(3), window);
-  dispatch_dtype(op, query.scalar_type(), [&](auto tag) {
+  dispatch_query_and_cache(op, query, kv_cache, [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     dispatch_head_dim(query.size(2), [&](auto chunks) {
-      prefill_all<scalar_t, decltype(chunks)::value>(query, kv_cache, starts, qlens, ctx, table, R, max_blocks, scale,
-                                                      out, window);
+      prefill_all<scalar_t, cache_t, decltype(chunks)::value>(query, kv_cache, starts, qlens, ctx, table, R,
+                                                               max_blocks, scale, out, window, kv_scales);
+    });
+  });
+}
+
+// ------------------------------------------------------------ int8 cache writes
+//
+// Each (token, KV head) row x of D values becomes D int8 and one fp32 scale,
+// in fp32 arithmetic, each step one correctly rounded operation:
+//   amax  = max |x|                     (exact)
+//   scale = amax / 127
+//   inv   = min(127 / amax, FLT_MAX)    (a zero row's 127 / 0 = inf, or a tiny
+//                                        amax's overflow, becomes finite)
+//   q     = clamp(nearbyint(x * inv), -127, 127)   (round half to even)
+// A zero row gets scale 0 and zeros; a row holding a NaN or an infinity gets a
+// NaN scale (and zeros), so that attention over it is NaN rather than finite
+// and wrong. kernels.reference.quantize_kv_rows_ref is the bit-exact twin.
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.0f, poison = 0.0f;  // poison: 0, or NaN when some x is not finite (x * 0)
+#pragma omp simd reduction(max : amax) reduction(+ : poison)
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = static_cast<float>(x[d]);
+    amax = std::max(amax, std::fabs(v));
+    poison += v * 0.0f;
+  }
+  if (poison != 0.0f) {
+    std::memset(q, 0, D);
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float inv = std::min(127.0f / amax, FLT_MAX);
+  for (int64_t d = 0; d < D; ++d)
+    q[d] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(x[d]) * inv), -127.0f, 127.0f));
+  *scale = amax / 127.0f;
+}
+
+#ifdef WEFT_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// quantize_row 16 lanes at a time, for D a multiple of 16: the same operations, so the same bits
+// (the max of |x| is exact in any order; vrndscaleps rounds half to even), in half quantize_row's
+// time (2,048 tokens x 3 KV heads x 64, one thread: 176 against 358 us).
+template <typename scalar_t>
+void quantize_row16(const scalar_t* x, int64_t D, int8_t* q, float* scale) {
+  __m512 amax = _mm512_setzero_ps(), poison = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = load16(x + d);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    poison = _mm512_add_ps(poison, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
+  if (_mm512_reduce_add_ps(poison) != 0.0f) {
+    std::memset(q, 0, D);
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float a = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(std::min(127.0f / a, FLT_MAX));
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + d), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+  *scale = a / 127.0f;
+}
+#endif
+
+void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, at::Tensor kv_scales,
+                   const at::Tensor& slot_mapping) {
+  const char* op = "write_kv_int8";
+  TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(), op,
+                    ": key and value must be [T, KVH, D] of one dtype");
+  TORCH_CHECK_VALUE(kv_cache.scalar_type() == at::kChar && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                        kv_cache.is_contiguous(),
+                    op, ": kv_cache must be a contiguous int8 tensor [2, KVH, num_blocks, block_size, D]");
+  TORCH_CHECK_VALUE(kv_cache.size(1) == key.size(1) && kv_cache.size(4) == key.size(2), op,
+                    ": key and value [T, KVH, D] must match kv_cache's KV heads and head size");
+  check_scales(op, kv_cache, kv_scales);
+  TORCH_CHECK_VALUE(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(), op,
+                    ": CPU tensors expected");
+  TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
+                    ": key and value must be contiguous in the head dimension");
+  check_index(op, "slot_mapping", slot_mapping, at::kLong, 1);
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == T, op, ": slot_mapping needs one entry per token");
+  const int64_t slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(slot[t] < slots, "slot_mapping entries must be below num_blocks x block_size = ", slots,
+                      " (negative: skip the token), got ", slot[t], ".");
+  int8_t* cache = kv_cache.data_ptr<int8_t>();
+  float* scales = kv_scales.data_ptr<float>();
+  dispatch_dtype(op, key.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    // About 16K elements per task: a decode step's few tokens stay on one thread.
+    const int64_t grain = std::max<int64_t>(1, 16384 / (KVH * D));
+    auto quantize = quantize_row<scalar_t>;
+#ifdef WEFT_AVX512
+    if (D % 16 == 0) quantize = quantize_row16<scalar_t>;
+#endif
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slot[t] < 0) continue;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t kr = h * slots + slot[t], vr = (KVH + h) * slots + slot[t];  // rows of [2 * KVH, slots]
+          quantize(k + t * key.stride(0) + h * key.stride(1), D, cache + kr * D, scales + kr);
+          quantize(v + t * value.stride(0) + h * value.stride(1), D, cache + vr * D, scales + vr);
+        }
+      }
     });
   });
 }
@@ -1277,10 +1914,15 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
 TORCH_LIBRARY(weft_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor token_idx, Tensor seq_lens, "
-      "Tensor block_table, float scale, Tensor(a!) out, int window=0) -> ()");
+      "Tensor block_table, float scale, Tensor(a!) out, int window=0, Tensor? kv_scales=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def(
       "paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor query_start, Tensor query_lens, "
-      "Tensor context_lens, Tensor block_table, float scale, Tensor(a!) out, int window=0) -> ()");
+      "Tensor context_lens, Tensor block_table, float scale, Tensor(a!) out, int window=0, Tensor? kv_scales=None) "
+      "-> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+  m.def(
+      "write_kv_int8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor(b!) kv_scales, Tensor slot_mapping) "
+      "-> ()");
+  m.impl("write_kv_int8", c10::DispatchKey::CPU, &write_kv_int8);
 }

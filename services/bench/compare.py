@@ -141,7 +141,11 @@ def replay_forward(runner: Any, executed: list[tuple[Any, Any]]) -> tuple[float,
             )
             start, cpu_start = time.perf_counter(), time.process_time()
             with set_forward_context(
-                step.attn_metadata, runner.kv_caches, runner.attention_backend, step.group_metadata
+                step.attn_metadata,
+                runner.kv_caches,
+                runner.attention_backend,
+                step.group_metadata,
+                kv_scales=runner.kv_scales,
             ):
                 hidden = runner.model(step.input_ids, step.positions)  # [T, H]
             if len(step.sample_token_index):

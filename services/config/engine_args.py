@@ -73,6 +73,7 @@ class EngineArgs:
     dense_min_rows: int | None = None  # None: auto (services/config/dense_copy.py)
     async_scheduling: bool = False
     dense_copy_dtype: str = "auto"  # auto | model | int8 (services/config/dense_copy.py)
+    kv_cache_dtype: str = "auto"  # auto | model | int8 (resolve_kv_cache_dtype)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -96,13 +97,14 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, files.is_gguf, device, self.load_format)
         dense_min_rows, int8_copy = self._dense_copy(quantization, device, hf_config)
         eos_token_id = _first(hf_config.get("eos_token_id"))
+        model_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=dense_min_rows > 0)
         generation = read_generation_config(self.generation_config, files.hf_dir)
         config = EngineConfig(
             model=ModelConfig(
                 model=str(files.weights),
                 tokenizer=self.tokenizer or str(files.hf_dir),
                 served_model_name=_first(self.served_model_name) or files.name,
-                dtype=resolve_dtype(self.dtype, device, quantization, dense_copy=dense_min_rows > 0),
+                dtype=model_dtype,
                 max_model_len=self._max_model_len(hf_config),
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
@@ -121,6 +123,9 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=resolve_kv_cache_dtype(
+                    self.kv_cache_dtype, device, model_dtype, kv_transfer=self.kv_transfer_config is not None
+                ),
             ),
             scheduler=self._scheduler_config(self._max_model_len(hf_config)),
             parallel=ParallelConfig(
@@ -275,6 +280,41 @@ GPU_BLOCK_SIZE = 16
 
 def default_block_size(device: str) -> int:
     return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
+
+
+KV_CACHE_DTYPES = ("auto", "model", "int8")
+
+
+def resolve_kv_cache_dtype(value: str, device: str, model_dtype: str, *, kv_transfer: bool) -> str:
+    """``CacheConfig.cache_dtype``: ``model`` or ``int8`` where this much already decides it, ``auto``
+    where the worker decides (it knows whether the compiled CPU kernels run, and the head size).
+
+    int8 stores each token's keys and values one byte an element with an fp32 scale per KV head
+    (README "int8 KV cache"). Only the compiled CPU kernels read it, and the KV-transfer path moves
+    float blocks only; ``auto`` picks it on CPU for bf16 models alone, so fp32 runs stay exact.
+    A dtype name equal to the model's is ``model`` (vLLM's ``--kv-cache-dtype bfloat16``)."""
+    if value == model_dtype or _DTYPE_ALIASES.get(value) == model_dtype:
+        return "model"
+    if value.startswith("fp8"):
+        raise ValueError(
+            f"kv_cache_dtype {value!r}: fp8 KV caches are not supported; int8 (per-token scales, CPU) or "
+            "auto is. An fp8 e4m3 cache without scales cost 0.017 nats a token here, int8 nothing measurable."
+        )
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} or the model dtype ({model_dtype}); "
+            f"got {value!r}."
+        )
+    if value == "int8" and device != "cpu":
+        raise ValueError("kv_cache_dtype int8 runs on CPU only (the compiled CPU attention kernels read it).")
+    if value == "int8" and kv_transfer:
+        raise ValueError(
+            "kv_cache_dtype int8 cannot be combined with kv_transfer_config: the KV-transfer path moves "
+            "float blocks only."
+        )
+    if value == "auto" and (device != "cpu" or kv_transfer or model_dtype != "bfloat16"):
+        return "model"
+    return value
 
 
 def resolve_attention_backend(device: str) -> str:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata | TritonAttentionMetadata
-    # One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim];
+    # One tensor per layer, [2, num_kv_heads, num_blocks, block_size, head_dim] (layers/attention.py);
     # None while profiling, before the cache exists.
     kv_caches: list[torch.Tensor] | None
     # Which kernels the layers run: "torch" ops or the "triton" kernels
@@ -34,6 +34,9 @@ class ForwardContext:
     # With several KV cache groups, each group's metadata (its block tables and slots); a layer
     # reads its group's (``PagedAttention.kv_group``). Empty: every layer reads attn_metadata.
     group_metadata: tuple = ()
+    # An int8 cache's scales, one fp32 tensor [2, num_kv_heads, num_blocks, block_size] per layer;
+    # None for a float cache.
+    kv_scales: list[torch.Tensor] | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("weft_forward_context", default=None)
@@ -45,8 +48,10 @@ def set_forward_context(
     kv_caches: list[torch.Tensor] | None,
     backend: str = "torch",
     group_metadata: tuple = (),
+    *,
+    kv_scales: list[torch.Tensor] | None = None,
 ) -> Iterator[ForwardContext]:
-    context = ForwardContext(attn_metadata, kv_caches, backend, group_metadata)
+    context = ForwardContext(attn_metadata, kv_caches, backend, group_metadata, kv_scales)
     token = _current.set(context)
     try:
         yield context

@@ -52,6 +52,9 @@ class ModelRunner:
         self.model = None
         self.max_decode_group_tokens: int | None = None  # set with the model
         self.kv_caches: list[torch.Tensor] | None = None
+        # With an int8 cache, each layer's fp32 scales [2, KVH, num_blocks, block_size] (else None).
+        self.kv_scales: list[torch.Tensor] | None = None
+        self.kv_int8 = False  # decided with the model (resolve_kv_int8)
         windows = config.model.layer_sliding_windows
         self.kv_groups = kv_cache_groups(windows, len(windows)) if windows else []
         num_groups = max(1, len(self.kv_groups))
@@ -79,6 +82,11 @@ class ModelRunner:
         self.max_decode_group_tokens = _DECODE_GATHER_BYTES // (
             2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize
         )
+        self.kv_int8 = resolve_kv_int8(
+            self.config.cache.cache_dtype, self.attention_backend, self.dtype, a.head_dim
+        )
+        # Over an int8 cache a bf16 query's prefills run on bf16 dot products too (each chunk's
+        # keys and values widened to bf16 first), so the caps follow the query's dtype.
         self.prefill_caps = prefill_caps_for(self.attention_backend, self.dtype, a.head_dim)
 
     @property
@@ -88,9 +96,11 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block over all layers: 2 (K and V) x block_size x kv_heads x head_dim x dtype x layers."""
+        """Bytes of one KV block over all layers: 2 (K and V) x block_size x kv_heads x head_dim x dtype x layers
+        (an int8 cache: one byte an element, and a 4-byte scale per token and KV head)."""
         a = self.model.args
-        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_token_head = a.head_dim + 4 if self.kv_int8 else a.head_dim * self.dtype.itemsize
+        per_layer = 2 * self.block_size * a.num_kv_heads * per_token_head
         return per_layer * self._layers_per_block
 
     @property
@@ -103,14 +113,23 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # Zeros, not empty: padded decode gathers read unwritten slots, and
         # garbage NaNs there would leak through the masked softmax (0 * NaN).
+        cache_dtype = torch.int8 if self.kv_int8 else self.dtype
         tensors = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers_per_block)
+            torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(self._layers_per_block)
         ]
+        scales = (
+            [torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) for _ in tensors]
+            if self.kv_int8
+            else None
+        )
         if self.kv_groups:  # layer j of every group shares tensor j (protocol.kv_cache_groups)
             placement = layer_placement(self.kv_groups)
             self.kv_caches = [tensors[placement[layer][1]] for layer in range(a.num_layers)]
+            if scales is not None:
+                scales = [scales[placement[layer][1]] for layer in range(a.num_layers)]
         else:
             self.kv_caches = tensors
+        self.kv_scales = scales
         self.cuda_graphs = maybe_capture_decode_graphs(
             self.model,
             self.kv_caches,
@@ -215,7 +234,9 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(step.attn_metadata):
             return self.cuda_graphs.replay(step.input_ids, step.positions, step.attn_metadata)
         groups = step.group_metadata
-        with set_forward_context(step.attn_metadata, self.kv_caches, self.attention_backend, groups):
+        with set_forward_context(
+            step.attn_metadata, self.kv_caches, self.attention_backend, groups, kv_scales=self.kv_scales
+        ):
             return self.model(step.input_ids, step.positions)
 
     def _sample(
@@ -287,6 +308,26 @@ def place_layers_in_kv_groups(
     for layer_idx, (group, index) in layer_placement(groups).items():
         layers[layer_idx].kv_group = group
         layers[layer_idx].checks_decode_args = index == 0
+
+
+def resolve_kv_int8(cache_dtype: str, backend: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this worker's KV cache is int8 (``CacheConfig.cache_dtype``; the engine arguments have
+    decided every case but ``auto`` on CPU for a bf16 model). Only the cpu backend's compiled kernels
+    write and read int8 caches; ``auto`` takes it where they have a fast int8 decode for the head
+    size, an explicit ``int8`` anywhere they run."""
+    if cache_dtype == "model":
+        return False
+    if backend != "cpu":
+        if cache_dtype == "int8":
+            raise ValueError(
+                f"kv_cache_dtype int8 needs the compiled CPU attention kernels; this worker runs the "
+                f"{backend} attention backend (the kernels could not be built, or WEFT_ATTENTION_BACKEND "
+                "forced another)."
+            )
+        return False
+    from kernels.cpu_attention import int8_fast_decodes
+
+    return cache_dtype == "int8" or (dtype == torch.bfloat16 and int8_fast_decodes(head_dim))
 
 
 def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> PrefillCaps:

@@ -67,8 +67,9 @@ class Worker:
         peak = peak_increase(runner.profile_run, self.device)
         num_blocks = kv_blocks_from_memory(budget, runner.weights_bytes, peak, runner.kv_block_bytes)
         logger.info(
-            "KV cache: %d blocks (budget %d B, weights %d B, profiled peak %d B, %d B per block)",
+            "KV cache: %d blocks of %s (budget %d B, weights %d B, profiled peak %d B, %d B per block)",
             num_blocks,
+            "int8 with per-token scales" if runner.kv_int8 else runner.dtype,
             budget,
             runner.weights_bytes,
             peak,

@@ -248,3 +248,52 @@ def test_forward_context_is_scoped_to_its_block():
         assert get_forward_context().attn_metadata is meta
     with pytest.raises(RuntimeError, match="forward context"):
         get_forward_context()
+
+
+@needs_compiler
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_an_int8_cache_through_either_backend(backend):
+    """The same mixed step over an int8 cache (``--kv-cache-dtype int8``): the layer writes the new
+    tokens with the compiled op, the cpu backend's kernels read the cache in place, the torch
+    backend's gathers dequantize; both equal dense attention over the rounded keys and values."""
+    from kernels.reference import quantize_kv_rows_ref, write_kv_int8_ref
+
+    gen = torch.Generator().manual_seed(5)
+    chunked = make_seq(gen, [5, 9, 3], context=6, new=3)
+    seqs = [
+        make_seq(gen, [11, 12, 13], context=9, new=1),
+        make_seq(gen, [1, 2], context=0, new=5),
+        chunked,
+        make_seq(gen, [20], context=2, new=1),
+    ]
+    cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, KVH, D), dtype=torch.int8)
+    scales = torch.zeros(cache.shape[:-1])
+    for s in seqs:
+        if s.context:
+            context = range(s.context)
+            write_kv_int8_ref(s.keys[: s.context], s.values[: s.context], cache, scales, slots(s, context))
+    max_blocks = max(len(s.blocks) for s in seqs)
+    table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        table[i, : len(s.blocks)] = s.blocks
+    meta = build_attention_metadata(
+        query_lens=np.array([s.new for s in seqs]),
+        context_lens=np.array([s.context for s in seqs]),
+        block_table=table,
+        slot_mapping=torch.cat([slots(s, range(s.context, s.context + s.new)) for s in seqs]).numpy(),
+        block_size=BS,
+        paged_decodes=backend == "cpu",  # and the prefills within the caps (all of these)
+    )
+    q = torch.cat([s.queries for s in seqs]).reshape(-1, H * D)
+    k = torch.cat([s.keys[s.context :] for s in seqs]).reshape(-1, KVH * D)
+    v = torch.cat([s.values[s.context :] for s in seqs]).reshape(-1, KVH * D)
+    layer = PagedAttention(layer_idx=0, num_heads=H, num_kv_heads=KVH, head_dim=D)
+    with set_forward_context(meta, [cache], backend, kv_scales=[scales]):
+        out = layer(q, k, v).view(-1, H, D)
+    for s in seqs:  # what the cache holds: each row rounded to int8 against its own scale
+        if backend == "torch" and s.context == 0:
+            continue  # the torch backend's fresh prompt attends over its own K/V, not the cache
+        for name in ("keys", "values"):
+            rows, row_scales = quantize_kv_rows_ref(getattr(s, name))
+            setattr(s, name, rows.float() * row_scales[..., None])
+    assert_matches_reference(seqs, out)

@@ -20,6 +20,11 @@ they read K/V in place through the block table, with no gather
 (``attention_metadata.py`` says which prefills). On CUDA the forward context selects the
 Triton backend instead (``triton_attention.py``), with the same cache
 layout.
+
+An int8 cache (``--kv-cache-dtype int8``) has the same layout in int8, and
+beside it one fp32 scale per token and KV head, ``[2, num_kv_heads,
+num_blocks, block_size]`` (the forward context's ``kv_scales``): the compiled
+kernels write and read it; the torch paths dequantize what they gather.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+from kernels.cpu_attention import paged_decode_attention, paged_prefill_attention, write_kv_int8
+from kernels.reference import dequantize_kv_rows
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
 from services.worker.layers.sliding_window import window_metadata
@@ -80,16 +86,20 @@ def decode_attention(
     group: DecodeGroup,
     scale: float,
     workspace: GatherWorkspace | None = None,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over its cached keys: query [n, H, D] -> [n, H, D]."""
     n, num_heads, d = query.shape
     _, kvh, num_blocks, bs, _ = cache.shape
     blocks = cache.view(2 * kvh, num_blocks, bs * d)
-    if workspace is None:
+    if workspace is None or scales is not None:
         kv = blocks.index_select(1, group.block_ids)  # [2 * KVH, n * nb, bs * D]
     else:
         kv = workspace.take((2 * kvh, group.block_ids.numel(), bs * d), cache)
         torch.index_select(blocks, 1, group.block_ids, out=kv)
+    if scales is not None:
+        row_scales = scales.view(2 * kvh, num_blocks, bs).index_select(1, group.block_ids)
+        kv = dequantize_kv_rows(kv.view(*row_scales.shape, d), row_scales, query.dtype)
     kv = kv.view(2, kvh, n, group.num_blocks * bs, d)  # [2, KVH, n, L, D]
     # Fold the query heads that share a KV head into SDPA's "query length".
     q = query.view(n, kvh, num_heads // kvh, d).transpose(0, 1)  # [KVH, n, G, D]
@@ -104,6 +114,7 @@ def prefill_attention(
     cache: torch.Tensor | None,
     seq: PrefillSeq,
     scale: float,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens [n, H, D] attend causally to the context + themselves -> [n, H, D].
 
@@ -122,6 +133,8 @@ def prefill_attention(
     _, kvh, _, bs, d = cache.shape
     seq_len = seq.context_len + query.shape[0]
     kv = cache[:, :, seq.block_ids]  # [2, KVH, nb, bs, D]
+    if scales is not None:
+        kv = dequantize_kv_rows(kv, scales[:, :, seq.block_ids], query.dtype)
     kv = kv.reshape(2, 1, kvh, -1, d)[..., :seq_len, :]  # [2, 1, KVH, S, D]
     out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seq.mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
@@ -167,6 +180,7 @@ class PagedAttention(nn.Module):
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
+        scales = None if context.kv_scales is None else context.kv_scales[self.layer_idx]
         if self.sliding_window is not None:
             if context.backend == "triton":
                 raise ValueError(
@@ -179,23 +193,27 @@ class PagedAttention(nn.Module):
 
             out = triton_attention(q, k, v, cache, meta, self.scale)
             return out.view(num_tokens, self.num_heads * self.head_dim)
-        if cache is not None:
+        if scales is not None:
+            write_kv_int8(k, v, cache, scales, meta.slot_mapping, check=self.checks_decode_args)
+        elif cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.paged_decodes is not None or meta.paged_prefills is not None:
             assert cache is not None, "the CPU kernels read the KV cache"
-            self._run_cpu_kernels(q, cache, meta, out)
+            self._run_cpu_kernels(q, cache, scales, meta, out)
         for group in meta.decode_groups:
             assert cache is not None, "decodes need the KV cache"
             out[group.token_idx] = decode_attention(
-                q[group.token_idx], cache, group, self.scale, self.workspace
+                q[group.token_idx], cache, group, self.scale, self.workspace, scales
             )
         for seq in meta.prefills:
             s = slice(seq.start, seq.end)
-            out[s] = prefill_attention(q[s], k[s], v[s], cache, seq, self.scale)
+            out[s] = prefill_attention(q[s], k[s], v[s], cache, seq, self.scale, scales)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _run_cpu_kernels(self, q: torch.Tensor, cache: torch.Tensor, meta, out: torch.Tensor) -> None:
+    def _run_cpu_kernels(
+        self, q: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, meta, out: torch.Tensor
+    ) -> None:
         """The step's decodes and short prefills, K/V read in place (the new ones written already).
 
         The kernels check the index values they read memory through on every call; the shapes
@@ -206,10 +224,10 @@ class PagedAttention(nn.Module):
         if (d := meta.paged_decodes) is not None:
             paged_decode_attention(
                 q, cache, d.token_idx, d.seq_lens, d.block_table, self.scale, out,
-                check=self.checks_decode_args, window=window,
+                check=self.checks_decode_args, window=window, kv_scales=scales,
             )  # fmt: skip
         if (p := meta.paged_prefills) is not None:
             paged_prefill_attention(
                 q, cache, p.query_start, p.query_lens, p.context_lens, p.block_table, self.scale, out,
-                check=self.checks_decode_args, window=window,
+                check=self.checks_decode_args, window=window, kv_scales=scales,
             )  # fmt: skip
