@@ -58,16 +58,19 @@ def test_what_cannot_run_is_refused_with_the_reason(value, device, kv_transfer, 
         resolve_kv_cache_dtype(value, device, "bfloat16", kv_transfer=kv_transfer)
 
 
-def test_the_worker_takes_int8_only_where_the_compiled_kernels_run():
-    assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 64) is True
+def test_auto_takes_int8_only_where_the_compiled_kernels_run_it_fast():
+    from kernels.cpu_attention import int8_fast_decodes
+
+    assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 64) is int8_fast_decodes(64)
+    assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 256) is False  # Gemma 3's: the generic path
     assert resolve_kv_int8("auto", "cpu", torch.float32, 64) is False
     assert resolve_kv_int8("auto", "torch", torch.bfloat16, 64) is False
-    assert resolve_kv_int8("int8", "cpu", torch.float32, 80) is True  # asked: the generic path runs it
     assert resolve_kv_int8("model", "cpu", torch.bfloat16, 64) is False
-    with pytest.raises(
-        ValueError, match="needs the compiled CPU attention kernels; this worker runs the torch"
-    ):
-        resolve_kv_int8("int8", "torch", torch.bfloat16, 64)
+    # Asked for: the generic path runs any head size, the torch backend its torch ops.
+    assert resolve_kv_int8("int8", "cpu", torch.float32, 80) is True
+    assert resolve_kv_int8("int8", "torch", torch.bfloat16, 64) is True
+    with pytest.raises(ValueError, match="runs on the CPU backends only"):
+        resolve_kv_int8("int8", "triton", torch.bfloat16, 64)
 
 
 @pytest.fixture(scope="module")

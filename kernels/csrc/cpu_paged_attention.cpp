@@ -36,8 +36,9 @@
 // one: key t's score is scale * kscale[t] * (q . k[t]) and value t weighs
 // p[t] * vscale[t], the softmax's sum taken over the p[t] themselves.
 // Decodes at head sizes 64 and 128 on AVX-512F builds widen the int8 rows in
-// 512-bit registers ("decode, int8 cache"; WEFT_ATTENTION_INT8_FAST=0 keeps
-// them on the generic path). Prefills of bf16 queries on AVX512_BF16 round
+// 512-bit registers ("decode, int8 cache"), or, for bf16 queries on AVX512_BF16
+// builds with VNNI, run on int8 dot products ("decode, int8 cache, int8 dot
+// products"); WEFT_ATTENTION_INT8_FAST=0 keeps them on the generic path. Prefills of bf16 queries on AVX512_BF16 round
 // each chunk's keys and values (times their scales) to bf16 for the bf16 dot
 // products; others dequantize each chunk into the fp32 path's buffers.
 //

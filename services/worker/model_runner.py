@@ -312,22 +312,20 @@ def place_layers_in_kv_groups(
 
 def resolve_kv_int8(cache_dtype: str, backend: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this worker's KV cache is int8 (``CacheConfig.cache_dtype``; the engine arguments have
-    decided every case but ``auto`` on CPU for a bf16 model). Only the cpu backend's compiled kernels
-    write and read int8 caches; ``auto`` takes it where they have a fast int8 decode for the head
-    size, an explicit ``int8`` anywhere they run."""
+    decided every case but ``auto`` on CPU for a bf16 model). ``auto`` takes it where the cpu
+    backend's compiled kernels have a fast int8 decode for the head size; an explicit ``int8`` runs
+    on either CPU backend (the torch one writes and gathers it with torch ops, slowly), not Triton."""
     if cache_dtype == "model":
         return False
-    if backend != "cpu":
+    if backend == "triton":
         if cache_dtype == "int8":
-            raise ValueError(
-                f"kv_cache_dtype int8 needs the compiled CPU attention kernels; this worker runs the "
-                f"{backend} attention backend (the kernels could not be built, or WEFT_ATTENTION_BACKEND "
-                "forced another)."
-            )
+            raise ValueError("kv_cache_dtype int8 runs on the CPU backends only, not on Triton's kernels.")
         return False
+    if cache_dtype == "int8":
+        return True
     from kernels.cpu_attention import int8_fast_decodes
 
-    return cache_dtype == "int8" or (dtype == torch.bfloat16 and int8_fast_decodes(head_dim))
+    return backend == "cpu" and dtype == torch.bfloat16 and int8_fast_decodes(head_dim)
 
 
 def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> PrefillCaps:

@@ -250,12 +250,12 @@ def test_forward_context_is_scoped_to_its_block():
         get_forward_context()
 
 
-@needs_compiler
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_compiler)])
 def test_an_int8_cache_through_either_backend(backend):
-    """The same mixed step over an int8 cache (``--kv-cache-dtype int8``): the layer writes the new
-    tokens with the compiled op, the cpu backend's kernels read the cache in place, the torch
-    backend's gathers dequantize; both equal dense attention over the rounded keys and values."""
+    """The same mixed step over an int8 cache (``--kv-cache-dtype int8``): the cpu backend writes the
+    new tokens with the compiled op and its kernels read the cache in place; the torch backend
+    writes with the twin's torch ops and its gathers dequantize. Both equal dense attention over
+    the rounded keys and values."""
     from kernels.reference import quantize_kv_rows_ref, write_kv_int8_ref
 
     gen = torch.Generator().manual_seed(5)

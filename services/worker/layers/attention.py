@@ -24,7 +24,8 @@ layout.
 An int8 cache (``--kv-cache-dtype int8``) has the same layout in int8, and
 beside it one fp32 scale per token and KV head, ``[2, num_kv_heads,
 num_blocks, block_size]`` (the forward context's ``kv_scales``): the compiled
-kernels write and read it; the torch paths dequantize what they gather.
+kernels write and read it; the torch backend writes it with the twin's torch
+ops and dequantizes what it gathers.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_attention import paged_decode_attention, paged_prefill_attention, write_kv_int8
-from kernels.reference import dequantize_kv_rows
+from kernels.reference import dequantize_kv_rows, write_kv_int8_ref
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
 from services.worker.layers.sliding_window import window_metadata
@@ -193,8 +194,10 @@ class PagedAttention(nn.Module):
 
             out = triton_attention(q, k, v, cache, meta, self.scale)
             return out.view(num_tokens, self.num_heads * self.head_dim)
-        if scales is not None:
+        if scales is not None and context.backend == "cpu":
             write_kv_int8(k, v, cache, scales, meta.slot_mapping, check=self.checks_decode_args)
+        elif scales is not None:  # the torch backend (no compiled kernels): the twin's torch ops
+            write_kv_int8_ref(k, v, cache, scales, meta.slot_mapping)
         elif cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
