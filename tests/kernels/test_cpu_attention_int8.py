@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import cpu_attention
 from kernels.cpu_build import AVX512_FLAGS, cpu_flags
@@ -20,6 +19,7 @@ from kernels.reference import (
     round_query_int8_ref,
     write_kv_int8_ref,
 )
+from tests.kernels.test_cpu_attention import _CountOps
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the CPU kernel with"
@@ -200,16 +200,6 @@ def test_write_bad_arguments_get_a_clear_error(case, check):
     with pytest.raises(ValueError, match=message if check or case == 0 else None):
         cpu_attention.write_kv_int8(**args, check=check)
     assert torch.equal(args["kv_cache"], before)  # nothing half-written
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_python_checks_run_no_tensor_op():
