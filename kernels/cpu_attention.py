@@ -291,15 +291,8 @@ def write_kv_int8(
     torch.ops.weft_cpu.write_kv_int8(key, value, kv_cache, kv_scales, slot_mapping)
 
 
-def check_write_kv_int8_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_scales: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """``write_kv_int8``'s shapes, dtypes and strides (no tensor op: a few microseconds)."""
-    check_kv_int8_write_args(key, value, kv_cache, kv_scales, slot_mapping, cpu=True)
+# ``write_kv_int8``'s shapes, dtypes, strides and devices (no tensor op: a few microseconds).
+check_write_kv_int8_args = functools.partial(check_kv_int8_write_args, cpu=True)
 
 
 def _check_window(window: int) -> None:

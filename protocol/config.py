@@ -104,7 +104,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_dtype: Annotated[
         Literal["auto", "model", "int8"],
         Meta(
-            description="What the KV cache stores: model (keys and values in dtype), int8 (one byte an element and an fp32 scale per token and KV head; the compiled CPU kernels only), or auto (int8 where the CPU kernels run a bf16 model at a head size they have a fast int8 path for; else model). Resolved by the worker, which knows the attention backend."
+            description="What the KV cache stores: model (keys and values in dtype), int8 (one byte an element and an fp32 scale per token and KV head; the CPU attention backends only), or auto (int8 where the compiled CPU kernels run a bf16 model's decodes over it on int8 dot products; else model). Resolved by the worker, which knows the attention backend."
         ),
     ] = "model"
 

@@ -58,10 +58,10 @@ def test_what_cannot_run_is_refused_with_the_reason(value, device, kv_transfer, 
         resolve_kv_cache_dtype(value, device, "bfloat16", kv_transfer=kv_transfer)
 
 
-def test_auto_takes_int8_only_where_the_compiled_kernels_run_it_fast():
-    from kernels.cpu_attention import int8_fast_decodes
+def test_auto_takes_int8_only_where_decodes_run_on_int8_dot_products():
+    from kernels.cpu_attention import int8_dot_queries
 
-    assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 64) is int8_fast_decodes(64)
+    assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 64) is int8_dot_queries(torch.bfloat16, 64)
     assert resolve_kv_int8("auto", "cpu", torch.bfloat16, 256) is False  # Gemma 3's: the generic path
     assert resolve_kv_int8("auto", "cpu", torch.float32, 64) is False
     assert resolve_kv_int8("auto", "torch", torch.bfloat16, 64) is False

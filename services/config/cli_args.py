@@ -43,9 +43,10 @@ _EXTRA_HELP = {
     "with a bf16 --dtype on a CPU with AVX-512 VNNI and bf16 and no AMX, one worker, where both copies "
     "fit the memory rule; else model).",
     "kv_cache_dtype": "What the KV cache stores: model (the model dtype), int8 (one byte an element and an "
-    "fp32 scale per token and KV head: half a bf16 cache's bytes, so twice the tokens in the same memory and "
-    "faster decode attention; CPU only), or auto (default: int8 on CPU for a bf16 model where the compiled "
-    "attention kernels have a fast int8 path for its head size; else model). fp8 is refused.",
+    "fp32 scale per token and KV head: 1.88x the tokens of a bf16 cache in the same memory, and faster "
+    "decode attention; CPU only), or auto (default: int8 on CPU for a bf16 model where the compiled "
+    "attention kernels run its decodes on int8 dot products: head sizes 64 and 128, AVX-512 bf16 and "
+    "VNNI; else model). fp8 is refused.",
     "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '

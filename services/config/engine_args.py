@@ -290,8 +290,8 @@ def resolve_kv_cache_dtype(value: str, device: str, model_dtype: str, *, kv_tran
     where the worker decides (it knows whether the compiled CPU kernels run, and the head size).
 
     int8 stores each token's keys and values one byte an element with an fp32 scale per KV head
-    (README "int8 KV cache"). Only the compiled CPU kernels read it, and the KV-transfer path moves
-    float blocks only; ``auto`` picks it on CPU for bf16 models alone, so fp32 runs stay exact.
+    (README "int8 KV cache"). Only the CPU attention backends read it, and the KV-transfer path
+    moves float blocks only; ``auto`` picks it on CPU for bf16 models alone, so fp32 runs stay exact.
     A dtype name equal to the model's is ``model`` (vLLM's ``--kv-cache-dtype bfloat16``)."""
     if value == model_dtype or _DTYPE_ALIASES.get(value) == model_dtype:
         return "model"
@@ -306,7 +306,7 @@ def resolve_kv_cache_dtype(value: str, device: str, model_dtype: str, *, kv_tran
             f"got {value!r}."
         )
     if value == "int8" and device != "cpu":
-        raise ValueError("kv_cache_dtype int8 runs on CPU only (the compiled CPU attention kernels read it).")
+        raise ValueError("kv_cache_dtype int8 runs on CPU only (the CPU attention backends read it).")
     if value == "int8" and kv_transfer:
         raise ValueError(
             "kv_cache_dtype int8 cannot be combined with kv_transfer_config: the KV-transfer path moves "

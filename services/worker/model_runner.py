@@ -313,8 +313,9 @@ def place_layers_in_kv_groups(
 def resolve_kv_int8(cache_dtype: str, backend: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this worker's KV cache is int8 (``CacheConfig.cache_dtype``; the engine arguments have
     decided every case but ``auto`` on CPU for a bf16 model). ``auto`` takes it where the cpu
-    backend's compiled kernels have a fast int8 decode for the head size; an explicit ``int8`` runs
-    on either CPU backend (the torch one writes and gathers it with torch ops, slowly), not Triton."""
+    backend's decodes over it run on int8 dot products (the path measured to pay: README "int8 KV
+    cache"); an explicit ``int8`` runs on either CPU backend (the torch one writes and gathers it
+    with torch ops, slowly), not Triton."""
     if cache_dtype == "model":
         return False
     if backend == "triton":
@@ -323,9 +324,9 @@ def resolve_kv_int8(cache_dtype: str, backend: str, dtype: torch.dtype, head_dim
         return False
     if cache_dtype == "int8":
         return True
-    from kernels.cpu_attention import int8_fast_decodes
+    from kernels.cpu_attention import int8_dot_queries
 
-    return backend == "cpu" and dtype == torch.bfloat16 and int8_fast_decodes(head_dim)
+    return backend == "cpu" and int8_dot_queries(dtype, head_dim)
 
 
 def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> PrefillCaps:
