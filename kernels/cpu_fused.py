@@ -157,7 +157,8 @@ def scale_int32(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``acc [T, N]`` int32 -> a new ``acc * row_scale[:, None] * col_scale (+ bias)`` in ``dtype``."""
+    """``acc [T, N]`` (an integer GEMM's int32, or float32 holding the integers) -> a new
+    ``acc * row_scale[:, None] * col_scale (+ bias)`` in ``dtype``."""
     load()
     try:
         out = torch.empty(acc.shape, dtype=dtype)

@@ -439,8 +439,11 @@ def check_scale_int32_args(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> None:
-    if acc.dim() != 2 or acc.dtype != torch.int32 or not acc.is_contiguous():
-        raise ValueError(f"acc must be a contiguous [T, N] int32 tensor, got {list(acc.shape)} {acc.dtype}.")
+    # int32 from torch._int_mm; float32 (the same integers) from oneDNN's int8 GEMM.
+    if acc.dim() != 2 or acc.dtype not in (torch.int32, torch.float32) or not acc.is_contiguous():
+        raise ValueError(
+            f"acc must be a contiguous [T, N] int32 or float32 tensor, got {list(acc.shape)} {acc.dtype}."
+        )
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the output dtype must be torch.float32 or torch.bfloat16, got {dtype}.")
     rows, n = acc.shape

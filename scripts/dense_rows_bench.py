@@ -12,7 +12,10 @@ the best time of each:
 - ``bf16`` / ``fp32``: the dense copy in that dtype, packed for oneDNN as the
   CPU worker packs it (the path from ``--dense-min-rows`` rows on),
 - ``int8``: the int8 copy (``--dense-copy-dtype int8``) on bf16 activations:
-  rows rotated and rounded, ``torch._int_mm``, scaled back.
+  rows rotated and rounded, the integer GEMM the CPU gets by default
+  (``int8_linear.default_int8_gemm``: oneDNN's int8 matmul on AMX int8 tiles,
+  ``torch._int_mm`` elsewhere), scaled back,
+- ``int8-mm``: the same with ``torch._int_mm`` whatever the CPU.
 
 The row count from which the dense copy wins on every layer is what
 ``services/config/dense_copy.DEFAULT_DENSE_MIN_ROWS`` is set from.
@@ -26,7 +29,7 @@ import time
 import torch
 
 from services.config.engine_args import EngineArgs
-from services.worker.layers.int8_linear import Int8Weight
+from services.worker.layers.int8_linear import Int8Weight, default_int8_gemm
 from services.worker.layers.linear import LinearBase
 from services.worker.model_loader import load_model
 
@@ -52,8 +55,9 @@ def matmuls(layers, name: str) -> tuple[list, torch.dtype]:
     """One ``x -> x W^T`` per layer for path ``name``, and the dtype of its x."""
     if name == "packed":
         return [lambda x, q=q: q.linear(x, None) for q in layers], torch.float32
-    if name == "int8":
-        copies = [Int8Weight(q.dequantize()) for q in layers]
+    if name in ("int8", "int8-mm"):
+        gemm = "int_mm" if name == "int8-mm" else None
+        copies = [Int8Weight(q.dequantize(), gemm=gemm) for q in layers]
         return [lambda x, w=w: w.linear(x, None) for w in copies], torch.bfloat16
     copies = dense_copies(layers, DTYPES[name])
     pointwise = torch.ops.mkldnn._linear_pointwise
@@ -83,9 +87,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = kept_quantized_layers()
-    paths = {name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8")}
+    paths = {name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8", "int8-mm")}
     print(f"{len(layers)} weight matrices, {args.threads} threads; ms for all of them, best of each")
-    print(f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9}  packed/bf16  bf16/int8")
+    print(f"int8: the {default_int8_gemm()} GEMM; int8-mm: torch._int_mm")
+    print(
+        f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9} {'int8-mm':>9}"
+        "  packed/bf16  bf16/int8"
+    )
     for rows in args.rows:
         best = dict.fromkeys(paths, float("inf"))
         for _ in range(args.rounds):
@@ -94,6 +102,7 @@ def main() -> None:
         ms = {k: v * 1e3 for k, v in best.items()}
         print(
             f"{rows:6d} {ms['packed']:9.1f} {ms['bf16']:9.1f} {ms['fp32']:9.1f} {ms['int8']:9.1f}"
+            f" {ms['int8-mm']:9.1f}"
             f"  {ms['packed'] / ms['bf16']:10.2f}x {ms['bf16'] / ms['int8']:10.2f}x"
         )
 

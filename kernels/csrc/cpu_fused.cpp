@@ -9,7 +9,8 @@
 //   quantize_rows_int8  scale = amax(row) / 127, q = round(x / scale), optionally after
 //                       an orthonormal Walsh-Hadamard rotation of the row
 //   scale_int32         out = acc * row_scale * col_scale (+ bias): an integer
-//                       GEMM's int32 result back to the activation dtype
+//                       GEMM's result back to the activation dtype (int32, or the
+//                       fp32 that oneDNN's int8 GEMM writes, integers all the same)
 //   scale_silu_quantize_int8  the three in one pass for the MLP: the gate/up GEMM's int32
 //                       result scaled back, silu(gate) * up, rounded for the down GEMM
 //
@@ -202,15 +203,24 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// Up to 16 accumulators as fp32: int32 converted (as static_cast<float> rounds), fp32 as is.
+inline __m512 load_acc(const int32_t* acc, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc));
+}
+inline __m512 load_acc(const float* acc, __mmask16 m) { return _mm512_maskz_loadu_ps(m, acc); }
+#endif
+
 // out[0, n) = acc * r * col[j] in fp32 ((acc * r) * col, as written), rounded to T.
-template <typename T>
-inline void scale_int32_row(const int32_t* acc, float r, const float* col, T* out, int64_t n) {
+// A: int32_t (torch._int_mm's result) or float (oneDNN's int8 GEMM's, the same integers).
+template <typename T, typename A>
+inline void scale_int32_row(const A* acc, float r, const float* col, T* out, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 rv = _mm512_set1_ps(r);
   for (; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + j));
+    const __m512 a = load_acc(acc + j, m);
     store_some(out + j, _mm512_mul_ps(_mm512_mul_ps(a, rv), _mm512_maskz_loadu_ps(m, col + j)), m);
   }
 #endif
@@ -526,11 +536,11 @@ void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor&
 // rotated and rounded for the down projection (as quantize_rows_int8). The same arithmetic
 // as the three kernels one after the other, bit for bit, without writing the [rows, 2I] and
 // [rows, I] activations out and reading them back.
-template <typename T>
+template <typename T, typename A>
 void scale_silu_quantize_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& acc,
                               const at::Tensor& row_scale, const at::Tensor& col_scale, int64_t block) {
   const int64_t rows = acc.size(0), n = acc.size(1) / 2;
-  const int32_t* ap = acc.data_ptr<int32_t>();
+  const A* ap = acc.data_ptr<A>();
   const float* rs = row_scale.data_ptr<float>();
   const float* cs = col_scale.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -539,7 +549,7 @@ void scale_silu_quantize_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor
     std::vector<T> gate_up(2 * n), act(n);
     std::vector<float> buffer(n);
     for (int64_t i = begin; i < end; ++i) {
-      const int32_t* ar = ap + i * 2 * n;
+      const A* ar = ap + i * 2 * n;
       const float r = rs[i];
       scale_int32_row(ar, r, cs, gate_up.data(), 2 * n);
       silu_mul_row(gate_up.data(), gate_up.data() + n, act.data(), n);
@@ -548,12 +558,12 @@ void scale_silu_quantize_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor
   });
 }
 
-template <typename T>
+template <typename T, typename A>
 void scale_int32_impl(at::Tensor& out, const at::Tensor& acc, const at::Tensor& row_scale,
                       const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = acc.size(0), n = acc.size(1);
   const int64_t so = out.stride(0);
-  const int32_t* ap = acc.data_ptr<int32_t>();
+  const A* ap = acc.data_ptr<A>();
   const float* rs = row_scale.data_ptr<float>();
   const float* cs = col_scale.data_ptr<float>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
@@ -563,7 +573,7 @@ void scale_int32_impl(at::Tensor& out, const at::Tensor& acc, const at::Tensor& 
     // compiler may fuse product and add into one FMA, which rounds differently from the twin.
     std::vector<float> products(bp == nullptr ? 0 : n);
     for (int64_t i = begin; i < end; ++i) {
-      const int32_t* ar = ap + i * n;
+      const A* ar = ap + i * n;
       T* o = op + i * so;
       const float r = rs[i];
       if (bp == nullptr) {
@@ -586,6 +596,13 @@ void check_rows(const at::Tensor& t, int64_t rows, int64_t n, at::ScalarType dty
 
 void check_dtype(at::ScalarType dtype, const char* what) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, what, ": float32 or bfloat16 expected");
+}
+
+// An integer GEMM's result: torch._int_mm's int32, or oneDNN's fp32 holding the same integers.
+at::ScalarType acc_dtype(const at::Tensor& acc, const char* what) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat, what,
+              ": acc must be int32 or float32");
+  return acc.scalar_type();
 }
 
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
@@ -665,7 +682,7 @@ void scale_int32(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_sc
   check_dtype(out.scalar_type(), "scale_int32");
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous(), "scale_int32: acc [rows, n] contiguous expected");
   const int64_t rows = acc.size(0), n = acc.size(1);
-  check_rows(acc, rows, n, at::kInt, "scale_int32 acc (int32)");
+  check_rows(acc, rows, n, acc_dtype(acc, "scale_int32"), "scale_int32 acc (int32 or float32)");
   check_rows(out, rows, n, out.scalar_type(), "scale_int32 out");
   TORCH_CHECK(row_scale.device().is_cpu() && row_scale.is_contiguous() && row_scale.numel() == rows &&
                   row_scale.scalar_type() == at::kFloat,
@@ -678,8 +695,14 @@ void scale_int32(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_sc
                     bias->scalar_type() == out.scalar_type(),
                 "scale_int32: bias [n] of the output dtype, contiguous");
   }
-  if (out.scalar_type() == at::kFloat) scale_int32_impl<float>(out, acc, row_scale, col_scale, bias);
-  else scale_int32_impl<c10::BFloat16>(out, acc, row_scale, col_scale, bias);
+  const bool integer = acc.scalar_type() == at::kInt;
+  if (out.scalar_type() == at::kFloat) {
+    if (integer) scale_int32_impl<float, int32_t>(out, acc, row_scale, col_scale, bias);
+    else scale_int32_impl<float, float>(out, acc, row_scale, col_scale, bias);
+  } else {
+    if (integer) scale_int32_impl<c10::BFloat16, int32_t>(out, acc, row_scale, col_scale, bias);
+    else scale_int32_impl<c10::BFloat16, float>(out, acc, row_scale, col_scale, bias);
+  }
 }
 
 void scale_silu_quantize_int8(at::Tensor q, at::Tensor scale, const at::Tensor& acc, const at::Tensor& row_scale,
@@ -688,7 +711,8 @@ void scale_silu_quantize_int8(at::Tensor q, at::Tensor scale, const at::Tensor& 
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.size(1) % 2 == 0,
               "scale_silu_quantize_int8: acc [rows, 2n] contiguous expected");
   const int64_t rows = acc.size(0), n = acc.size(1) / 2;
-  check_rows(acc, rows, 2 * n, at::kInt, "scale_silu_quantize_int8 acc (int32)");
+  check_rows(acc, rows, 2 * n, acc_dtype(acc, "scale_silu_quantize_int8"),
+             "scale_silu_quantize_int8 acc (int32 or float32)");
   TORCH_CHECK(hadamard_block == 0 || ((hadamard_block == 4 || hadamard_block == 16 || hadamard_block == 64) &&
                                       n % hadamard_block == 0),
               "scale_silu_quantize_int8: hadamard_block must be 0, or 4, 16 or 64 dividing n");
@@ -703,8 +727,14 @@ void scale_silu_quantize_int8(at::Tensor q, at::Tensor scale, const at::Tensor& 
   TORCH_CHECK(col_scale.device().is_cpu() && col_scale.is_contiguous() && col_scale.numel() == 2 * n &&
                   col_scale.scalar_type() == at::kFloat,
               "scale_silu_quantize_int8: col_scale [2n] float32, contiguous");
-  if (dtype == at::kFloat) scale_silu_quantize_impl<float>(q, scale, acc, row_scale, col_scale, hadamard_block);
-  else scale_silu_quantize_impl<c10::BFloat16>(q, scale, acc, row_scale, col_scale, hadamard_block);
+  const bool integer = acc.scalar_type() == at::kInt;
+  if (dtype == at::kFloat) {
+    if (integer) scale_silu_quantize_impl<float, int32_t>(q, scale, acc, row_scale, col_scale, hadamard_block);
+    else scale_silu_quantize_impl<float, float>(q, scale, acc, row_scale, col_scale, hadamard_block);
+  } else {
+    if (integer) scale_silu_quantize_impl<c10::BFloat16, int32_t>(q, scale, acc, row_scale, col_scale, hadamard_block);
+    else scale_silu_quantize_impl<c10::BFloat16, float>(q, scale, acc, row_scale, col_scale, hadamard_block);
+  }
 }
 
 }  // namespace

@@ -347,8 +347,9 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
 def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
     """The int8 dense copy was measured faster than the bf16 one from 32 rows on (README, "int8
     dense copy") on AVX-512 VNNI with bf16 dot products and no AMX. With AMX tiles oneDNN's bf16
-    GEMM beat the int8 copy at every row count measured (README, "On an AMX machine"): auto keeps
-    bf16 alone there.
+    GEMM beat the int8 copy at every row count measured (README, "On an AMX machine"), and on
+    oneDNN's int8 tiles it is level with bf16 at best over a forward (0.8-1.1x, offline-64 within
+    the host's noise): auto keeps bf16 alone there.
     ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
     flags = cpu_flags() if flags is None else flags
     return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}

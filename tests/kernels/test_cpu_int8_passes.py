@@ -124,6 +124,21 @@ def test_scale_int32_matches_twin(generator, dtype, with_bias, shape):
     assert out.dtype == dtype and torch.equal(out, scale_int32_ref(acc, row_scale, col_scale, bias, dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scale_int32_takes_the_integers_as_float32_too(generator, dtype, with_bias):
+    """oneDNN's int8 GEMM writes its integer products as float32: the same integers (as float32)
+    scale to the same bits as the int32 they come from, and match the twin."""
+    acc = torch.randint(-(2**26), 2**26, (67, 1536), dtype=torch.int32, generator=generator)
+    row_scale = torch.rand(67, generator=generator) * 1e-3
+    col_scale = torch.rand(1536, generator=generator) * 1e-2
+    bias = torch.randn(1536, generator=generator).to(dtype) if with_bias else None
+    from_int = cpu_fused.scale_int32(acc, row_scale, col_scale, bias, dtype)
+    from_float = cpu_fused.scale_int32(acc.float(), row_scale, col_scale, bias, dtype)
+    assert torch.equal(from_float, from_int)
+    assert torch.equal(from_float, scale_int32_ref(acc.float(), row_scale, col_scale, bias, dtype))
+
+
 def gate_up_product(generator, rows: int, n: int):
     """An int32 gate/up product [rows, 2n] with scales that make activations of a few units."""
     acc = torch.randint(-(2**20), 2**20, (rows, 2 * n), dtype=torch.int32, generator=generator)
@@ -148,6 +163,14 @@ def test_the_mlp_pass_is_the_three_passes_in_one(generator, dtype, rows, n, bloc
     q_ref, scale_ref = scale_silu_quantize_int8_ref(acc, row_scale, col_scale, block, dtype)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-2, atol=0)
     assert int((q.int() - q_ref.int()).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_mlp_pass_takes_the_integers_as_float32_too(generator, dtype):
+    acc, row_scale, col_scale = gate_up_product(generator, 40, 1536)
+    from_int = cpu_fused.scale_silu_quantize_int8(acc, row_scale, col_scale, 64, dtype)
+    from_float = cpu_fused.scale_silu_quantize_int8(acc.float(), row_scale, col_scale, 64, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(from_int, from_float))
 
 
 def test_the_mlp_pass_gives_nan_rows_for_non_finite_products(generator):
@@ -177,9 +200,9 @@ def test_the_passes_around_an_integer_gemm_approximate_the_float_product(generat
         (lambda: cpu_fused.quantize_rows_int8(torch.ones(4, 48), 64), "dividing K = 48"),
         (
             lambda: cpu_fused.scale_int32(
-                torch.ones(2, 3), torch.ones(2), torch.ones(3), None, torch.float32
+                torch.ones(2, 3, dtype=torch.float16), torch.ones(2), torch.ones(3), None, torch.float32
             ),
-            "acc must be a contiguous",
+            "acc must be a contiguous .* int32 or float32",
         ),
         (
             lambda: cpu_fused.scale_int32(

@@ -3,10 +3,14 @@ kept beside the model dtype's copy, it runs from ``services.config.dense_copy.IN
 
 The weight ``[N, K]`` is rotated and then rounded per output row to int8 with
 one fp32 scale (``scale = amax(row) / 127``). At each call every row of x is
-rotated and rounded the same way, the integer product runs as one int32 GEMM
-(``torch._int_mm``: AVX-512 VNNI or AVX2 integer dot products, about twice
-oneDNN's bf16 GEMM here, README "int8 dense copy"), and the int32 result is
-scaled back by the two scales into x's dtype. Both passes around the GEMM are
+rotated and rounded the same way, the integer product runs as one integer GEMM,
+and its result is scaled back by the two scales into x's dtype. The GEMM is
+``torch._int_mm`` (AVX-512 VNNI or AVX2 integer dot products, about twice
+oneDNN's bf16 GEMM there, README "int8 dense copy") or, where the CPU has AMX
+int8 tiles, oneDNN's int8 matmul on a prepacked weight
+(``torch.ops.onednn.qlinear_pointwise`` with unit scales: its fp32 result holds
+the same integers), 1.1-1.6x ``torch._int_mm`` there from 64 rows on (README,
+"On an AMX machine"); both give the same numbers. Both passes around the GEMM are
 compiled kernels (``kernels.cpu_fused``), with torch twins in
 ``kernels.reference`` where the kernels cannot be built.
 
@@ -26,6 +30,21 @@ import torch
 
 from kernels import cpu_fused
 from kernels.reference import HADAMARD_BLOCKS, quantize_rows_int8_ref, scale_int32_ref
+from services.config.engine_args import cpu_flags
+
+INT8_GEMMS = ("int_mm", "onednn")
+
+
+def default_int8_gemm(flags: set[str] | None = None) -> str:
+    """``onednn`` where the CPU has AMX int8 tiles and torch has oneDNN's int8 linear ops (there
+    ``torch._int_mm`` does not use the tiles and ran slower than the bf16 GEMM), else ``int_mm``."""
+    flags = cpu_flags() if flags is None else flags
+    return "onednn" if "amx_int8" in flags and _onednn_ops_present() else "int_mm"
+
+
+def _onednn_ops_present() -> bool:
+    onednn = getattr(torch.ops, "onednn", None)
+    return onednn is not None and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise")
 
 
 def hadamard_block_for(k: int) -> int:
@@ -34,16 +53,35 @@ def hadamard_block_for(k: int) -> int:
 
 
 class Int8Weight:
-    """``x W^T (+ b)`` with W and x rounded to int8 per row (see the module notes)."""
+    """``x W^T (+ b)`` with W and x rounded to int8 per row (see the module notes).
+    ``gemm``: ``int_mm`` or ``onednn`` (``default_int8_gemm()`` when None)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, gemm: str | None = None) -> None:
+        gemm = default_int8_gemm() if gemm is None else gemm
+        if gemm not in INT8_GEMMS:
+            raise ValueError(f"gemm must be one of {', '.join(INT8_GEMMS)}, got {gemm!r}.")
+        if gemm == "onednn" and not _onednn_ops_present():
+            raise ValueError(
+                "gemm 'onednn' needs torch's oneDNN int8 linear ops (torch.ops.onednn), absent here."
+            )
+        self.gemm = gemm
         self.hadamard_block = hadamard_block_for(weight.shape[1])
         q, scale = quantize_rows_int8_ref(weight.float(), self.hadamard_block)
         if not torch.isfinite(scale).all():
             raise ValueError("An int8 dense copy needs finite weights; this layer's hold a NaN or infinity.")
-        self.qweight = q  # [N, K] int8
-        self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
         self.scale = scale  # [N] fp32
+        self.out_features, self._in_features = q.shape
+        if gemm == "int_mm":
+            self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
+        else:
+            # The tiles' blocked layout, made once (the plain copy is not kept). Unit scales and
+            # zero points make the op's fp32 output each int32 product converted to fp32, the
+            # rounding the scaling kernels apply to torch._int_mm's int32 (exact below 2**24).
+            packed = torch.ops.onednn.qlinear_prepack(q, None)
+            unit_scale, zero_point = torch.ones(q.shape[0]), torch.zeros(q.shape[0], dtype=torch.long)
+            # Everything of the op's call after x and its scale and zero point: the weight, its
+            # scales and zero points, no bias, output scale 1 and zero point 0, fp32, no post-op.
+            self._onednn_args = (packed, unit_scale, zero_point, None, 1.0, 0, torch.float32, "none", [], "")
         # The compiled passes, or their twins where the kernels cannot be built.
         compiled = cpu_fused.available()
         self._quantize = cpu_fused.quantize_rows_int8 if compiled else quantize_rows_int8_ref
@@ -51,16 +89,19 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+        return self.out_features * self._in_features + self.scale.numel() * self.scale.element_size()
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
+    def integer_product(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``) or
+        float32 holding the same integers (``onednn``)."""
+        if self.gemm == "int_mm":
+            return torch._int_mm(q, self._qweight_t)
+        return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, *self._onednn_args)
 
     def int32_product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the int32 GEMM result [rows, N], x's row scales [rows]) for x [..., K]."""
+        """(the integer GEMM result [rows, N], x's row scales [rows]) for x [..., K]."""
         q, row_scale = self._quantize(x.reshape(-1, x.shape[-1]), self.hadamard_block)
-        return torch._int_mm(q, self._qweight_t), row_scale
+        return self.integer_product(q), row_scale
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         acc, row_scale = self.int32_product(x)
@@ -72,4 +113,4 @@ class Int8Weight:
     ) -> torch.Tensor:
         """``linear`` of an x already rotated and rounded for this weight (``q [rows, K]`` int8
         with its row scales), in ``dtype``."""
-        return self._scale(torch._int_mm(q, self._qweight_t), row_scale, self.scale, bias, dtype)
+        return self._scale(self.integer_product(q), row_scale, self.scale, bias, dtype)
