@@ -26,6 +26,8 @@ rows beside it. Off by default: the model dtype's copy keeps HF parity.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import cpu_fused
@@ -38,8 +40,15 @@ INT8_GEMMS = ("int_mm", "onednn")
 def default_int8_gemm(flags: set[str] | None = None) -> str:
     """``onednn`` where the CPU has AMX int8 tiles and torch has oneDNN's int8 linear ops (there
     ``torch._int_mm`` does not use the tiles and ran slower than the bf16 GEMM), else ``int_mm``."""
-    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return _this_machines_int8_gemm()
     return "onednn" if "amx_int8" in flags and _onednn_ops_present() else "int_mm"
+
+
+@functools.cache
+def _this_machines_int8_gemm() -> str:
+    """Once a process: a model's layers would otherwise read /proc/cpuinfo one by one."""
+    return default_int8_gemm(cpu_flags())
 
 
 def _onednn_ops_present() -> bool:
@@ -98,13 +107,14 @@ class Int8Weight:
             return torch._int_mm(q, self._qweight_t)
         return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, *self._onednn_args)
 
-    def int32_product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the integer GEMM result [rows, N], x's row scales [rows]) for x [..., K]."""
+    def rounded_product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., K] rotated and rounded, times the int8 weight: (``integer_product``'s result
+        [rows, N], x's row scales [rows])."""
         q, row_scale = self._quantize(x.reshape(-1, x.shape[-1]), self.hadamard_block)
         return self.integer_product(q), row_scale
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        acc, row_scale = self.int32_product(x)
+        acc, row_scale = self.rounded_product(x)
         out = self._scale(acc, row_scale, self.scale, bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -172,7 +172,7 @@ class LlamaMLP(nn.Module):
         if down is not None and x.dtype in cpu_fused.DTYPES:
             # Both on their int8 copies: from the first GEMM's int32 result to the second's
             # int8 input in one pass (the same numbers as the three passes it replaces).
-            acc, row_scale = gate_up.int32_product(x)
+            acc, row_scale = gate_up.rounded_product(x)
             q, scale = cpu_fused.scale_silu_quantize_int8(
                 acc, row_scale, gate_up.scale, down.hadamard_block, x.dtype
             )
