@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import KernelUnavailable, bf16_isa, build, cpu_flags, target_isa
+from kernels.cpu_build import KernelUnavailable, amx_isa, build, cpu_flags, target_isa
 from kernels.reference import check_kv_int8_write_args, check_query_and_cache
 
 __all__ = [
     "KernelUnavailable",
+    "amx_prefills",
     "bf16_dot_prefills",
     "int8_dot_queries",
     "int8_fast_decodes",
@@ -42,6 +43,9 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 # "0" keeps bf16 prefills and decodes on the fp32 path where the bf16 dot products are built in, "1"
 # (or unset) uses them; read by the kernel itself on every call (services/env.py declares it).
 ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
+# "0" keeps bf16 prefills on vdpbf16ps where the build has AMX tiles, "1" (or unset) runs their products
+# on tiles; read by the kernel on every call, as ENV_BF16_DOT.
+ENV_AMX = "WEFT_ATTENTION_AMX"
 # "0" keeps int8-cache decodes on the generic path where the AVX-512 one is built in (head sizes 64
 # and 128), "1" (or unset) uses it; read by the kernel on every call, as ENV_BF16_DOT.
 ENV_INT8_FAST = "WEFT_ATTENTION_INT8_FAST"
@@ -65,18 +69,32 @@ def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
     return (
         dtype == torch.bfloat16
         and head_dim in (64, 128, 256)
-        and bf16_isa()[0] == "avx512bf16"
+        and amx_isa()[0] in ("avx512bf16", "amxbf16")
         and os.environ.get(ENV_BF16_DOT, "1") != "0"
+    )
+
+
+def amx_prefills(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel runs this cache dtype's prefills on AMX tiles here: where it runs them on
+    bf16 dot products (``bf16_dot_prefills``), for head sizes of a multiple of 64 and block sizes of
+    a multiple of 16, an AMX build (the CPU has amx_tile and amx_bf16), and ``ENV_AMX`` not 0. (The
+    kernel also asks Linux for the tile state once; where that is refused it keeps vdpbf16ps.)"""
+    return (
+        bf16_dot_prefills(dtype, head_dim)
+        and head_dim % 64 == 0
+        and block_size % 16 == 0
+        and amx_isa()[0] == "amxbf16"
+        and os.environ.get(ENV_AMX, "1") != "0"
     )
 
 
 def int8_fast_decodes(head_dim: int) -> bool:
     """Whether decodes over an int8 cache run on the kernel's AVX-512 path here: head sizes 64 and
-    128, a build with AVX-512 (``bf16_isa()`` is one of its variants), and the switch not 0. Other
+    128, a build with AVX-512 (``amx_isa()`` is one of its variants), and the switch not 0. Other
     head sizes run the generic path, which reads int8 rows at about half the bf16 path's speed."""
     return (
         head_dim in (64, 128)
-        and bf16_isa()[0] in ("avx512", "avx512bf16")
+        and amx_isa()[0] in ("avx512", "avx512bf16", "amxbf16")
         and os.environ.get(ENV_INT8_FAST, "1") != "0"
     )
 
@@ -88,7 +106,7 @@ def int8_dot_queries(dtype: torch.dtype, head_dim: int) -> bool:
     return (
         dtype == torch.bfloat16
         and int8_fast_decodes(head_dim)
-        and bf16_isa()[0] == "avx512bf16"
+        and amx_isa()[0] in ("avx512bf16", "amxbf16")
         and "avx512_vnni" in cpu_flags()
     )
 
@@ -96,10 +114,12 @@ def int8_dot_queries(dtype: torch.dtype, head_dim: int) -> bool:
 @functools.cache
 def load() -> None:
     """Build (or load the cached build of) the kernel and register ``torch.ops.weft_cpu``: for the
-    CPU's ``bf16_isa()``, whose AVX512_BF16 variant runs bf16 attention on bf16 dot products."""
+    CPU's ``amx_isa()``, whose AVX512_BF16 variants run bf16 attention on bf16 dot products and
+    whose AMX one runs bf16 prefills on tiles."""
     check_bf16_dot_env()
     _check_switch(ENV_INT8_FAST)
-    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=bf16_isa())
+    _check_switch(ENV_AMX)
+    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=amx_isa())
 
 
 def paged_decode_attention(
@@ -302,4 +322,4 @@ def _check_window(window: int) -> None:
 
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)
     load()
-    print(f"built and loaded the CPU attention kernels ({bf16_isa()[0]})")
+    print(f"built and loaded the CPU attention kernels ({amx_isa()[0]})")

@@ -85,6 +85,19 @@ def bf16_isa() -> tuple[str, list[str]]:
     return wide_isa()
 
 
+# AVX512_BF16 plus AMX tiles with bf16 products (tdpbf16ps) for the attention kernel's bf16 prefills;
+# its code guards them with __AMX_TILE__ and __AMX_BF16__.
+AMX_BF16_FLAGS = (*AVX512_BF16_FLAGS, "amx_tile", "amx_bf16")
+AMX_BF16 = ("amxbf16", [*AVX512_BF16[1], "-mamx-tile", "-mamx-bf16"])
+
+
+def amx_isa() -> tuple[str, list[str]]:
+    """``AMX_BF16`` where the CPU has its flags, else ``bf16_isa()``."""
+    if all(f in cpu_flags() for f in AMX_BF16_FLAGS):
+        return AMX_BF16
+    return bf16_isa()
+
+
 def stable_source(source: Path, build_name: str, build_root: str) -> Path:
     """A copy of ``source`` at a path that depends only on the build, not on where the checkout is.
 

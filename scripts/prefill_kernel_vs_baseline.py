@@ -31,7 +31,7 @@ import torch
 from attention_bandwidth import load_baseline  # scripts/ is on the path of a script run
 
 from kernels import cpu_attention
-from kernels.cpu_build import bf16_isa, cpu_flags, wide_isa
+from kernels.cpu_build import amx_isa, bf16_isa, cpu_flags, wide_isa
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -147,8 +147,9 @@ def main() -> None:
     new_op = torch.ops.weft_cpu.paged_prefill_attention
     print(
         f"threads {args.threads}, {args.dtype}, baseline {args.baseline} ({base_isa[0]}) vs this checkout "
-        f"({bf16_isa()[0]}), {args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
-        f"avx512_bf16 {'yes' if 'avx512_bf16' in cpu_flags() else 'no'}"
+        f"({amx_isa()[0]}), {args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
+        f"avx512_bf16 {'yes' if 'avx512_bf16' in cpu_flags() else 'no'}, "
+        f"amx_bf16 {'yes' if 'amx_bf16' in cpu_flags() else 'no'}"
     )
     print(
         "| case | tokens | old ms | new ms | old/new | old min ms | new min ms | min old/new | new GFLOP/s | max diff |"

@@ -46,6 +46,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "measurements).",
     ),
     EnvVar(
+        "WEFT_ATTENTION_AMX",
+        "0 keeps bf16 prefills of the CPU attention kernel on AVX512_BF16 dot products where the CPU has AMX "
+        "tiles (read by the kernel on every call; for tests and measurements).",
+    ),
+    EnvVar(
         "WEFT_ATTENTION_INT8_FAST",
         "0 keeps decodes over an int8 KV cache on the CPU attention kernel's generic path where its AVX-512 "
         "path is built (read by the kernel on every call; for tests and measurements).",

@@ -76,6 +76,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define WEFT_BF16_DOT 1
 #endif
+#if defined(WEFT_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define WEFT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -91,6 +96,8 @@ inline bool switch_on(const char* name) {
 // decodes on the generic one: to measure one against the other and to test the generic path on a
 // CPU that has the instructions.
 inline bool bf16_dot_enabled() { return switch_on("WEFT_ATTENTION_BF16_DOT"); }
+// WEFT_ATTENTION_AMX=0 keeps bf16 prefills on vdpbf16ps where the build has AMX tiles.
+inline bool amx_enabled() { return switch_on("WEFT_ATTENTION_AMX"); }
 inline bool int8_fast_enabled() { return switch_on("WEFT_ATTENTION_INT8_FAST"); }
 
 #ifdef WEFT_BF16_DOT
@@ -1456,13 +1463,14 @@ inline void score_keys_bf16(const uint16_t* const* kr, const uint32_t* qp, int64
 }
 
 // Online softmax of 16 rows (the lanes) over the chunk's key pairs [tp0, tp1): key t's scores at
-// s + t * s_ld, visible to a row when its position `pos` >= base + t > `low` (pos - window, or -1;
+// s + t * s_ld, times s_scale, visible to a row when its position `pos` >= base + t > `low` (pos - window, or -1;
 // pos -1 for a padding row). The weights go to pw [tp, 16 rows] words as bf16 pairs (t, t + 1);
 // m, l and alpha (the factor the rows' accumulators take before this chunk's values) are updated.
 // kFull: every lane sees every key of the range (off the diagonal, no window edge): no masks.
 template <bool kFull>
 inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t tp1, int64_t base, const int32_t* pos,
-                              const int32_t* low, float* m, float* l, float* alpha, uint32_t* pw, int64_t pw_ld) {
+                              const int32_t* low, float* m, float* l, float* alpha, uint32_t* pw, int64_t pw_ld,
+                              float s_scale = 1.0f) {
   // Word r of the weights: row r's weights for keys t (low half) and t + 1, from cvtne2ps's halves.
   alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -1473,9 +1481,10 @@ inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t
     return _mm512_cmple_epi32_mask(k, pv) & _mm512_cmpgt_epi32_mask(k, lv);
   };
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 sc = _mm512_set1_ps(s_scale);
+  auto score = [&](int64_t t) { return _mm512_mul_ps(_mm512_loadu_ps(s + t * s_ld), sc); };
   __m512 mx = ninf;
-  for (int64_t t = 2 * tp0; t < 2 * tp1; ++t)
-    mx = _mm512_mask_max_ps(mx, visible(t), mx, _mm512_loadu_ps(s + t * s_ld));
+  for (int64_t t = 2 * tp0; t < 2 * tp1; ++t) mx = _mm512_mask_max_ps(mx, visible(t), mx, score(t));
   const __m512 m_old = _mm512_loadu_ps(m);
   const __m512 m_new = _mm512_max_ps(m_old, mx);
   // Rows that have seen no key yet keep m = -inf and take alpha 1 (exp of -inf - -inf is NaN); on a
@@ -1490,7 +1499,7 @@ inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t
     for (int h = 0; h < 2; ++h) {
       const int64_t t = 2 * tp + h;
       const __mmask16 k = visible(t);
-      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t * s_ld), m_new);
+      const __m512 x = _mm512_sub_ps(score(t), m_new);
       if constexpr (kFull) p[h] = exp16_weight(x);
       else p[h] = k ? _mm512_maskz_mov_ps(k, exp16_weight(x)) : _mm512_setzero_ps();
     }
@@ -1577,35 +1586,153 @@ void stage_bf16(const int8_t* src, const float* row_scale, const int32_t* blocks
   }
 }
 
-// prefill_item for bf16 with vdpbf16ps (the arguments are prefill_item's, the head size fixed;
-// for an int8 cache, keys and values are null and i8 says where its rows are).
-// Per chunk: pack its values once for the tile, then per block of kBfBlockRows rows: scores over
-// the keys some row of the block sees (on the diagonal chunk the later ones are skipped), the
-// softmax 16 rows at a time, and the value pass over the key pairs some row sees.
+#ifdef WEFT_AMX
+// ------------------------------------------------------- prefill, AMX tiles
+//
+// On CPUs with AMX (amx_tile, amx_bf16) the bf16 prefill's two products run on tiles: one
+// tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32, 8,192 multiply-adds
+// where a vdpbf16ps does 32. The vdpbf16ps path's layouts are nearly the tiles' already:
+// - scores S^T [16 keys, 16 rows] = K . Q^T: A is 16 key rows straight from a cache block (32 of
+//   their D per tile, row stride D; so the block size must be a multiple of 16, and a group of 16
+//   keys never crosses a block), B the queries' pairs qp [D / 2, ld] as they are;
+// - values O [16 rows, 16 of D] += P . V: A is the weights row-major, 16 rows x 32 keys (the
+//   softmax writes them as pairs per key, pw [t / 2, rows], so each 16 x 16 block of words is
+//   transposed once), B the chunk's values as pairs along t, vp [t / 2, D], as packed for vdpbf16ps.
+// The softmax, its masks and the rescaling between chunks stay the vdpbf16ps path's vector code;
+// scores are scaled in the softmax (the tiles give Q . K unscaled). Sums are fp32, in another order.
+// Linux hands a process the tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM); where
+// that fails the vdpbf16ps path runs.
+
+// Keys a value tile takes (its K: 16 pairs); a score tile takes 16.
+constexpr int64_t kAmxKeys = 32;
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Eight tiles of 16 rows x 64 bytes (palette 1). The configuration is per thread, and oneDNN's GEMMs
+// load their own on the same threads: every item loads it, and releases the tiles when done.
+inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// r[i], row i of a 16 x 16 matrix of 32-bit words, becomes its column i.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// S^T [16 keys, nv x 16 rows] = K . Q^T, unscaled: the keys' rows from k (row stride D), the rows'
+// query pairs at qp [D / 2, q_ld]; key i's scores go to s + i * s_ld. Tiles 0-2 hold the scores.
 template <int D>
-void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFloat16* out, int64_t os0,
-                       int64_t os1, const uint16_t* keys, const uint16_t* values, const int32_t* blocks,
-                       int64_t context, int64_t j0, int64_t j1, int64_t block_size, int64_t G, float scale,
-                       int64_t window, std::vector<float>& buf, const Int8Rows* i8 = nullptr) {
-  const int64_t rows = (j1 - j0) * G;
-  const int64_t ld = (rows + 15) / 16 * 16;  // rows padded to whole vectors
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
-  const int64_t kb = (chunk + kBfKeys - 1) / kBfKeys * kBfKeys;  // score passes take kBfKeys keys
-  buf.resize(rows * D + 3 * ld + kb * kBfBlockRows);
-  float* acc = buf.data();    // [rows, D]
-  float* m = acc + rows * D;  // [ld]
-  float* l = m + ld;          // [ld]
-  float* alpha = l + ld;      // [ld]
-  float* s = alpha + ld;      // [kb, kBfBlockRows] one block's scores, transposed
-  thread_local std::vector<uint32_t> words;
-  words.resize(D / 2 * ld + kb / 2 * D + kb / 2 * kBfBlockRows);
-  uint32_t* qp = words.data();     // [D / 2, ld] the queries as bf16 pairs, transposed
-  uint32_t* vp = qp + D / 2 * ld;  // [kb / 2, D] the chunk's values
-  uint32_t* pw = vp + kb / 2 * D;  // [kb / 2, kBfBlockRows] one block's weights
-  thread_local std::vector<int32_t> limits;
-  limits.resize(2 * ld);
-  int32_t* pos = limits.data();  // [ld] each row's position, -1 for padding: it sees no key
-  int32_t* low = pos + ld;       // [ld] the key positions a row sees are above this
+inline void score_tiles_amx(const uint16_t* k, const uint32_t* qp, int64_t q_ld, int64_t nv, float* s, int64_t s_ld) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int dd = 0; dd < D / 32; ++dd) {
+    _tile_loadd(3, k + dd * 32, D * 2);
+    const uint32_t* q = qp + dd * 16 * q_ld;
+    _tile_loadd(4, q, q_ld * 4);
+    _tile_dpbf16ps(0, 3, 4);
+    if (nv > 1) {
+      _tile_loadd(5, q + 16, q_ld * 4);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+    if (nv > 2) {
+      _tile_loadd(6, q + 32, q_ld * 4);
+      _tile_dpbf16ps(2, 3, 6);
+    }
+  }
+  _tile_stored(0, s, s_ld * 4);
+  if (nv > 1) _tile_stored(1, s + 16, s_ld * 4);
+  if (nv > 2) _tile_stored(2, s + 32, s_ld * 4);
+}
+
+// For each of nv vectors of 16 rows: acc [16 rows, D] = alpha x acc + P . V over the key pairs
+// [gp0, gp1) (whole tiles of 16 pairs), P the softmax's pw [pair, kBfBlockRows] (the pairs past the
+// last it wrote zeroed by the caller), transposed into pr [16 rows, pr_ld] first. Tiles 0-3 hold
+// four 16-column blocks of acc, 4 the weights, 5-7 the values.
+template <int D>
+void values_amx(int64_t nv, const uint32_t* pw, const uint32_t* vp, int64_t gp0, int64_t gp1, const float* alpha,
+                float* acc, uint32_t* pr, int64_t pr_ld) {
+  for (int64_t v = 0; v < nv; ++v) {
+    for (int64_t gp = gp0; gp < gp1; gp += 16) {
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_si512(pw + (gp + i) * kBfBlockRows + v * 16);
+      transpose16x16(x);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(pr + r * pr_ld + gp, x[r]);
+    }
+    float* a = acc + v * 16 * D;
+    for (int r = 0; r < 16; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[v * 16 + r]);
+      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(a + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(a + r * D + d), al));
+    }
+    for (int d0 = 0; d0 < D; d0 += 64) {
+      _tile_loadd(0, a + d0, D * 4);
+      _tile_loadd(1, a + d0 + 16, D * 4);
+      _tile_loadd(2, a + d0 + 32, D * 4);
+      _tile_loadd(3, a + d0 + 48, D * 4);
+      for (int64_t gp = gp0; gp < gp1; gp += 16) {
+        _tile_loadd(4, pr + gp, pr_ld * 4);
+        const uint32_t* b = vp + gp * D + d0;
+        _tile_loadd(5, b, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 16, D * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 32, D * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 48, D * 4);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, a + d0, D * 4);
+      _tile_stored(1, a + d0 + 16, D * 4);
+      _tile_stored(2, a + d0 + 32, D * 4);
+      _tile_stored(3, a + d0 + 48, D * 4);
+    }
+  }
+}
+
+#endif  // WEFT_AMX
+
+// A tile's rows for the bf16 paths: row r's position pos[r] and the floor low[r] its keys lie above
+// (pos - window, or -1), both -1 for the padding rows [rows, ld), which see no key; and the queries
+// as bf16 pairs along D, transposed, qp [D / 2, ld], the padding rows 0.
+template <int D>
+void tile_rows_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, int64_t context, int64_t j0, int64_t rows,
+                    int64_t ld, int64_t G, int64_t window, int32_t* pos, int32_t* low, uint32_t* qp) {
   for (int64_t r = 0; r < ld; ++r) {
     const int64_t p = r < rows ? context + j0 + r / G : -1;
     pos[r] = static_cast<int32_t>(p);
@@ -1616,9 +1743,53 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
     const uint16_t* q = query + (j0 + r / G) * qs0 + r % G * qs1;
     for (int p = 0; p < D / 2; ++p) qp[p * ld + r] = pair_at(q + 2 * p);
   }
-  std::fill(acc, acc + rows * D, 0.0f);
+}
+
+// prefill_item for bf16 with vdpbf16ps, or with AMX tiles (kAmx: a head size of a multiple of 64,
+// a block size of 16) (the arguments are prefill_item's, the head size fixed;
+// for an int8 cache, keys and values are null and i8 says where its rows are).
+// Per chunk: pack its values once for the tile, then per block of kBfBlockRows rows: scores over
+// the keys some row of the block sees (on the diagonal chunk the later ones are skipped), the
+// softmax 16 rows at a time, and the value pass over the key pairs some row sees.
+template <int D, bool kAmx = false>
+void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFloat16* out, int64_t os0,
+                       int64_t os1, const uint16_t* keys, const uint16_t* values, const int32_t* blocks,
+                       int64_t context, int64_t j0, int64_t j1, int64_t block_size, int64_t G, float scale,
+                       int64_t window, std::vector<float>& buf, const Int8Rows* i8 = nullptr) {
+  const int64_t rows = (j1 - j0) * G;
+  const int64_t ld = (rows + 15) / 16 * 16;  // rows padded to whole vectors
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
+  // Keys are taken kGroup at a time: kBfKeys a score pass, an AMX value tile kAmxKeys.
+#ifdef WEFT_AMX
+  constexpr int64_t kGroup = kAmx ? kAmxKeys : kBfKeys;
+#else
+  static_assert(!kAmx, "AMX tiles need an AMX build");
+  constexpr int64_t kGroup = kBfKeys;
+#endif
+  const int64_t kb = (chunk + kGroup - 1) / kGroup * kGroup;
+  buf.resize(ld * D + 3 * ld + kb * kBfBlockRows);
+  float* acc = buf.data();  // [ld, D] (tiles take whole vectors of 16 rows)
+  float* m = acc + ld * D;  // [ld]
+  float* l = m + ld;          // [ld]
+  float* alpha = l + ld;      // [ld]
+  float* s = alpha + ld;      // [kb, kBfBlockRows] one block's scores, transposed
+  thread_local std::vector<uint32_t> words;
+  words.resize(D / 2 * ld + kb / 2 * D + kb * kBfBlockRows);
+  uint32_t* qp = words.data();     // [D / 2, ld] the queries as bf16 pairs, transposed
+  uint32_t* vp = qp + D / 2 * ld;  // [kb / 2, D] the chunk's values
+  uint32_t* pw = vp + kb / 2 * D;  // [kb / 2, kBfBlockRows] one block's weights
+  [[maybe_unused]] uint32_t* pr = pw + kb / 2 * kBfBlockRows;  // [kBfBlockRows, kb / 2] AMX: pw transposed
+  thread_local std::vector<int32_t> limits;
+  limits.resize(2 * ld);
+  int32_t* pos = limits.data();  // [ld] each row's position, -1 for padding: it sees no key
+  int32_t* low = pos + ld;       // [ld] the key positions a row sees are above this
+  tile_rows_bf16<D>(query, qs0, qs1, context, j0, rows, ld, G, window, pos, low, qp);
+  std::fill(acc, acc + ld * D, 0.0f);
   std::fill(m, m + ld, -std::numeric_limits<float>::infinity());
   std::fill(l, l + ld, 0.0f);
+#ifdef WEFT_AMX
+  if constexpr (kAmx) configure_tiles();
+#endif
 
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, context + j0 - window + 1) : 0;
   const int64_t last_key = context + j1 - 1;
@@ -1643,6 +1814,8 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
       cbs = chunk;
     }
     pack_values_bf16<D>(vc, bl, cb, tokens, cbs, vp);
+    // Value tiles take whole groups of kAmxKeys: the pairs past the chunk's are zero.
+    if constexpr (kAmx) std::fill(vp + (tokens + 1) / 2 * D, vp + kb / 2 * D, 0u);
     // Key t's row, the chunk's last one for t past it (a score pass takes kBfKeys keys; those
     // scores are never read).
     auto key_row = [&](int64_t t) {
@@ -1656,15 +1829,25 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[r0] - window + 1 - base) : 0;
       const int64_t hi = std::min(tokens, pos[r0 + n - 1] + 1 - base);
       if (lo >= hi) continue;  // no row of the block sees this chunk: nothing changes
-      const int64_t k0 = lo / kBfKeys * kBfKeys, tp1 = (hi + 1) / 2;
-      for (int64_t t = k0; t < hi; t += kBfKeys) {
-        const uint16_t* kr[kBfKeys];
-        for (int i = 0; i < kBfKeys; ++i) kr[i] = key_row(t + i);
-        float* st = s + t * kBfBlockRows;
-        const uint32_t* q = qp + r0;
-        if (nv == 3) score_keys_bf16<3, D>(kr, q, ld, scale, st, kBfBlockRows);
-        else if (nv == 2) score_keys_bf16<2, D>(kr, q, ld, scale, st, kBfBlockRows);
-        else score_keys_bf16<1, D>(kr, q, ld, scale, st, kBfBlockRows);
+      const int64_t k0 = lo / kGroup * kGroup, tp1 = (hi + 1) / 2;
+#ifdef WEFT_AMX
+      if constexpr (kAmx) {
+        // 16 keys a tile, from one block (the block size is a multiple of 16); those past hi are
+        // later tokens or stale rows, and never read (every row's mask hides them).
+        for (int64_t t = k0; t < hi; t += 16)
+          score_tiles_amx<D>(key_row(t), qp + r0, ld, nv, s + t * kBfBlockRows, kBfBlockRows);
+      }
+#endif
+      if constexpr (!kAmx) {
+        for (int64_t t = k0; t < hi; t += kBfKeys) {
+          const uint16_t* kr[kBfKeys];
+          for (int i = 0; i < kBfKeys; ++i) kr[i] = key_row(t + i);
+          float* st = s + t * kBfBlockRows;
+          const uint32_t* q = qp + r0;
+          if (nv == 3) score_keys_bf16<3, D>(kr, q, ld, scale, st, kBfBlockRows);
+          else if (nv == 2) score_keys_bf16<2, D>(kr, q, ld, scale, st, kBfBlockRows);
+          else score_keys_bf16<1, D>(kr, q, ld, scale, st, kBfBlockRows);
+        }
       }
       for (int64_t v = 0; v < nv; ++v) {
         const int64_t r = r0 + v * 16;
@@ -1672,11 +1855,21 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
         const bool full = r + 16 <= rows && pos[r] >= base + 2 * tp1 - 1 && low[r + 15] < base + k0;
         (full ? softmax_rows_bf16<true> : softmax_rows_bf16<false>)(s + v * 16, kBfBlockRows, k0 / 2, tp1, base,
                                                                     pos + r, low + r, m + r, l + r, alpha + r,
-                                                                    pw + v * 16, kBfBlockRows);
+                                                                    pw + v * 16, kBfBlockRows, kAmx ? scale : 1.0f);
       }
-      values_bf16<D>(n, pw, kBfBlockRows, vp, k0 / 2, tp1, alpha + r0, acc + r0 * D);
+#ifdef WEFT_AMX
+      if constexpr (kAmx) {
+        const int64_t gp1 = (tp1 + 15) / 16 * 16;  // whole value tiles; k0 / 2 is a multiple of 16
+        std::fill(pw + tp1 * kBfBlockRows, pw + gp1 * kBfBlockRows, 0u);
+        values_amx<D>(nv, pw, vp, k0 / 2, gp1, alpha + r0, acc + r0 * D, pr, kb / 2);
+      }
+#endif
+      if constexpr (!kAmx) values_bf16<D>(n, pw, kBfBlockRows, vp, k0 / 2, tp1, alpha + r0, acc + r0 * D);
     }
   }
+#ifdef WEFT_AMX
+  if constexpr (kAmx) _tile_release();
+#endif
   for (int64_t j = j0; j < j1; ++j)
     write_heads(acc + (j - j0) * G * D, l + (j - j0) * G, G, D, out + j * os0, os1);
 }
@@ -1705,6 +1898,12 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
   scalar_t* o = out.data_ptr<scalar_t>();
   const cache_t* cache = kv_cache.data_ptr<cache_t>();
   [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
+  [[maybe_unused]] const bool amx_on = amx_enabled();  // read (and a bad value refused) on every build
+#ifdef WEFT_AMX
+  // AMX tiles read 16 keys from one block: block sizes of a multiple of 16 (an int8 cache's staged
+  // chunk is then one block of whole cache blocks), head sizes of a multiple of 64.
+  const bool amx = bf16_dot && amx_on && block_size % 16 == 0 && kC * kW % 64 == 0 && amx_permitted();
+#endif
   for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t k, std::vector<float>& buf) {
     const PrefillItem& it = items[k];
     const int64_t first_head = it.head * G * query.stride(1);
@@ -1722,7 +1921,13 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
           k16 = reinterpret_cast<const uint16_t*>(cache + it.head * head_blocks);
           v16 = reinterpret_cast<const uint16_t*>(cache + (KVH + it.head) * head_blocks);
         }
-        prefill_item_bf16<kC * kW>(q16 + starts[it.seq] * query.stride(0) + first_head, query.stride(0),
+        auto item = prefill_item_bf16<kC * kW>;
+#ifdef WEFT_AMX
+        if constexpr (kC * kW % 64 == 0) {
+          if (amx) item = prefill_item_bf16<kC * kW, true>;
+        }
+#endif
+        item(q16 + starts[it.seq] * query.stride(0) + first_head, query.stride(0),
                                    query.stride(1), o + starts[it.seq] * out.stride(0) + it.head * G * out.stride(1),
                                    out.stride(0), out.stride(1), k16, v16, table + it.seq * max_blocks, ctx[it.seq],
                                    it.j0, it.j1, block_size, G, static_cast<float>(scale), window, buf,

@@ -317,3 +317,21 @@ def test_a_bad_bf16_dot_switch_is_refused_by_name(monkeypatch, value):
     with pytest.raises(ValueError, match="WEFT_ATTENTION_BF16_DOT must be 0 or 1"):
         cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, out)
     assert torch.all(out == 0)  # nothing half-written
+
+
+@needs_compiler
+@pytest.mark.parametrize("value", ["off", "2"])
+def test_a_bad_amx_switch_is_refused_by_name(monkeypatch, value):
+    """The prefill kernel reads WEFT_ATTENTION_AMX on every call, whatever the CPU, and refuses a value
+    other than 0 or 1 before it writes anything."""
+    from tests.kernels.prefill_cases import prefill_case
+
+    cpu_attention.load()  # built and loaded with the switch unset
+    monkeypatch.setenv(cpu_attention.ENV_AMX, value)
+    query, cache, starts, qlens, ctx, table = prefill_case(
+        torch.Generator().manual_seed(4), [(0, 20)], 9, 3, 64, torch.bfloat16
+    )
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="WEFT_ATTENTION_AMX must be 0 or 1"):
+        cpu_attention.paged_prefill_attention(query, cache, starts, qlens, ctx, table, 0.125, out)
+    assert torch.all(out == 0)

@@ -392,15 +392,25 @@ def assert_prefill_matches(out, want, dtype, head_dim):
         assert_matches(out, want, dtype)
 
 
-# (query dtype, WEFT_ATTENTION_BF16_DOT): bf16 queries on bf16 dot products and on the fp32 path
-DTYPES = [(torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0"), (torch.float16, "1")]
+# (query dtype, WEFT_ATTENTION_BF16_DOT, WEFT_ATTENTION_AMX): bf16 queries on AMX tiles (where the CPU
+# has them; else vdpbf16ps again), on vdpbf16ps, and on the fp32 path
+DTYPES = [
+    (torch.float32, "1", "1"),
+    (torch.bfloat16, "1", "1"),
+    (torch.bfloat16, "1", "0"),
+    (torch.bfloat16, "0", "1"),
+    (torch.float16, "1", "1"),
+]
 
 
 @pytest.mark.parametrize("block_size", [5, 16, 128])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (4, 2, 80)])
-@pytest.mark.parametrize("dtype,bf16_dot", DTYPES)
-def test_prefill_matches_the_twin_on_the_dequantized_cache(monkeypatch, block_size, heads, dtype, bf16_dot):
+@pytest.mark.parametrize("dtype,bf16_dot,amx", DTYPES)
+def test_prefill_matches_the_twin_on_the_dequantized_cache(
+    monkeypatch, block_size, heads, dtype, bf16_dot, amx
+):
     monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, bf16_dot)
+    monkeypatch.setenv(cpu_attention.ENV_AMX, amx)
     gen = torch.Generator().manual_seed(block_size)
     out, rows, want = run_prefill(*prefill_case(gen, SHAPES, *heads, dtype, block_size))
     assert_prefill_matches(out[rows], want, dtype, heads[2])

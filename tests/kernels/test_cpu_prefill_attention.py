@@ -191,11 +191,22 @@ BF16_SHAPES = [
 BF16_HEADS = [(9, 3, 64), (6, 3, 64), (8, 2, 64), (4, 4, 128), (4, 1, 256), (8, 2, 40), (2, 1, 32)]
 
 
-@pytest.mark.parametrize("path", ["bf16-dot", "fp32"])
+# The bf16 prefill paths as (WEFT_ATTENTION_BF16_DOT, WEFT_ATTENTION_AMX): AMX tiles (where the CPU has
+# them, for head sizes of a multiple of 64 and block sizes of 16; else vdpbf16ps), vdpbf16ps, fp32.
+BF16_PATHS = {"amx": ("1", "1"), "bf16-dot": ("1", "0"), "fp32": ("0", "1")}
+
+
+def set_bf16_path(monkeypatch, path: str) -> None:
+    bf16_dot, amx = BF16_PATHS[path]
+    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, bf16_dot)
+    monkeypatch.setenv(cpu_attention.ENV_AMX, amx)
+
+
+@pytest.mark.parametrize("path", list(BF16_PATHS))
 @pytest.mark.parametrize("window", [0, 1, 20, 64])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", BF16_HEADS)
 def test_bf16_prefill_paths_match_the_twin(monkeypatch, path, window, num_heads, num_kv_heads, head_dim):
-    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, "1" if path == "bf16-dot" else "0")
+    set_bf16_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(5)
     query, cache, starts, qlens, ctx, table = prefill_case(
         gen, BF16_SHAPES, num_heads, num_kv_heads, head_dim, torch.bfloat16
@@ -214,12 +225,13 @@ def test_bf16_prefill_paths_match_the_twin(monkeypatch, path, window, num_heads,
 
 @pytest.mark.parametrize("block_size", [5, 8, 32, 128])
 def test_bf16_prefill_paths_match_the_twin_at_other_block_sizes(monkeypatch, block_size):
-    """Chunks of other sizes than 64 keys; an odd block size puts a value pair across two blocks."""
+    """Chunks of other sizes than 64 keys; an odd block size puts a value pair across two blocks (and
+    keeps AMX tiles off: a tile's 16 keys must come from one block)."""
     gen = torch.Generator().manual_seed(7)
     shapes = [(0, 1), (0, 37), (3, 70), (130, 9), (0, 130)]
     args = prefill_case(gen, shapes, 9, 3, 64, torch.bfloat16, block_size=block_size)
-    for flag in ("1", "0"):
-        monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, flag)
+    for path in BF16_PATHS:
+        set_bf16_path(monkeypatch, path)
         for window in (0, 20):
             out = run_kernel(*args, 0.125, window)
             rows, want = twin(*args, 0.125, window)
@@ -242,3 +254,23 @@ def test_bf16_prefill_takes_the_bf16_dot_path_where_the_cpu_has_it(monkeypatch):
     has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
     assert (bf16_isa()[0] == "avx512bf16") == has_bf16
     assert (not torch.equal(outs[0], outs[1])) == has_bf16
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (256, 16), (64, 8), (32, 16)])
+def test_bf16_prefill_takes_amx_tiles_where_the_cpu_has_them(monkeypatch, head_dim, block_size):
+    """The AMX switch picks a different computation exactly where amx_prefills says the kernel runs
+    tiles (else the amx cases above ran vdpbf16ps twice): a CPU with amx_tile and amx_bf16, head sizes
+    of a multiple of 64, block sizes of a multiple of 16."""
+    from kernels.cpu_build import cpu_flags
+
+    gen = torch.Generator().manual_seed(8)
+    args = prefill_case(gen, [(0, 100), (40, 30)], 8, 2, head_dim, torch.bfloat16, block_size=block_size)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(cpu_attention.ENV_AMX, flag)
+        outs.append(run_kernel(*args, head_dim**-0.5))
+    monkeypatch.setenv(cpu_attention.ENV_AMX, "1")
+    on = cpu_attention.amx_prefills(torch.bfloat16, head_dim, block_size)
+    has_amx = {"avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags()
+    assert on == (has_amx and head_dim % 64 == 0 and block_size % 16 == 0)
+    assert (not torch.equal(outs[0], outs[1])) == on
