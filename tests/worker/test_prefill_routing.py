@@ -83,7 +83,7 @@ def test_on_bf16_dot_products_every_prefill_goes_to_the_kernel():
 def test_the_caps_follow_the_path_the_kernel_takes(monkeypatch):
     from kernels import cpu_attention
 
-    monkeypatch.setattr(cpu_attention, "bf16_isa", lambda: ("avx512bf16", []))
+    monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx512bf16", []))
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
     assert prefill_caps_for("cpu", torch.bfloat16, 96) is FP32_PREFILL_CAPS  # no bf16 dots for that head size
     assert prefill_caps_for("cpu", torch.float32, 64) is FP32_PREFILL_CAPS
@@ -91,7 +91,9 @@ def test_the_caps_follow_the_path_the_kernel_takes(monkeypatch):
     monkeypatch.setenv("WEFT_ATTENTION_BF16_DOT", "0")
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
     monkeypatch.delenv("WEFT_ATTENTION_BF16_DOT")
-    monkeypatch.setattr(cpu_attention, "bf16_isa", lambda: ("avx512", []))
+    monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("amxbf16", []))  # AMX tiles: the bf16 path too
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
+    monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx512", []))
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
 
 
