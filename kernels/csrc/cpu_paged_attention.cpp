@@ -46,6 +46,8 @@
 // AVX512_BF16 CPUs (head sizes 64 and 128 for decodes, 64, 128 and 256 for
 // prefills): there both run on bf16 dot products ("decode, bf16 dot products",
 // "prefill, bf16 dot products"); WEFT_ATTENTION_BF16_DOT=0 keeps them on fp32.
+// On CPUs with AMX tiles those prefills run their two products on tiles ("prefill, AMX tiles";
+// block sizes of a multiple of 16, head sizes of 64); WEFT_ATTENTION_AMX=0 keeps vdpbf16ps.
 // Index bounds are checked here, on every call (the checks cost microseconds):
 // the kernel reads memory through them.
 
@@ -1463,11 +1465,12 @@ inline void score_keys_bf16(const uint16_t* const* kr, const uint32_t* qp, int64
 }
 
 // Online softmax of 16 rows (the lanes) over the chunk's key pairs [tp0, tp1): key t's scores at
-// s + t * s_ld, times s_scale, visible to a row when its position `pos` >= base + t > `low` (pos - window, or -1;
-// pos -1 for a padding row). The weights go to pw [tp, 16 rows] words as bf16 pairs (t, t + 1);
+// s + t * s_ld (kScaled: times s_scale, for scores the AMX tiles leave unscaled), visible to a row
+// when its position `pos` >= base + t > `low` (pos - window, or -1; pos -1 for a padding row). The
+// weights go to pw [tp, 16 rows] words as bf16 pairs (t, t + 1);
 // m, l and alpha (the factor the rows' accumulators take before this chunk's values) are updated.
 // kFull: every lane sees every key of the range (off the diagonal, no window edge): no masks.
-template <bool kFull>
+template <bool kFull, bool kScaled = false>
 inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t tp1, int64_t base, const int32_t* pos,
                               const int32_t* low, float* m, float* l, float* alpha, uint32_t* pw, int64_t pw_ld,
                               float s_scale = 1.0f) {
@@ -1482,7 +1485,10 @@ inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t
   };
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 sc = _mm512_set1_ps(s_scale);
-  auto score = [&](int64_t t) { return _mm512_mul_ps(_mm512_loadu_ps(s + t * s_ld), sc); };
+  auto score = [&](int64_t t) {
+    if constexpr (kScaled) return _mm512_mul_ps(_mm512_loadu_ps(s + t * s_ld), sc);
+    return _mm512_loadu_ps(s + t * s_ld);
+  };
   __m512 mx = ninf;
   for (int64_t t = 2 * tp0; t < 2 * tp1; ++t) mx = _mm512_mask_max_ps(mx, visible(t), mx, score(t));
   const __m512 m_old = _mm512_loadu_ps(m);
@@ -1853,9 +1859,9 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
         const int64_t r = r0 + v * 16;
         // The first row sees the fewest later keys, the last the fewest earlier ones.
         const bool full = r + 16 <= rows && pos[r] >= base + 2 * tp1 - 1 && low[r + 15] < base + k0;
-        (full ? softmax_rows_bf16<true> : softmax_rows_bf16<false>)(s + v * 16, kBfBlockRows, k0 / 2, tp1, base,
-                                                                    pos + r, low + r, m + r, l + r, alpha + r,
-                                                                    pw + v * 16, kBfBlockRows, kAmx ? scale : 1.0f);
+        auto softmax = full ? softmax_rows_bf16<true, kAmx> : softmax_rows_bf16<false, kAmx>;
+        softmax(s + v * 16, kBfBlockRows, k0 / 2, tp1, base, pos + r, low + r, m + r, l + r, alpha + r, pw + v * 16,
+                kBfBlockRows, scale);
       }
 #ifdef WEFT_AMX
       if constexpr (kAmx) {
