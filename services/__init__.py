@@ -11,12 +11,20 @@ import os
 from typing import Any
 
 # Engine processes share few cores (several per machine, next to the API).
-# With OpenMP's default spin-then-sleep policy, every multi-threaded torch op
-# stalls ~8 ms whenever another process holds a core; passive waiting cuts
-# that to tens of microseconds (measured: a 64-sequence decode step went from
-# ~9.7 s to ~0.64 s under load). libgomp reads this when torch is imported,
-# so it is set here, before any services.* module can import torch.
+# OpenMP's default wait policy spins a thread for about 300,000 iterations
+# after each parallel region before it sleeps: every multi-threaded torch op
+# then stalled ~8 ms whenever another process held a core (a 64-sequence
+# decode step took ~9.7 s under load, ~0.64 s without the spin). Passive waiting alone
+# (no spin) puts the other threads to sleep after every op instead, and waking
+# them costs ~60 us each time: 300 parallel ops a decode step, so a quarter of
+# a 64-sequence step (76 -> 50 ms with the short spin). So threads wait
+# passively after a short spin, GOMP_SPINCOUNT iterations (about 0.1 ms here):
+# long enough to bridge the gaps between a step's ops, short enough that an
+# idle engine frees its cores at once. libgomp reads both when torch is
+# imported, so they are set here, before any services.* module can import
+# torch; a value already in the environment is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _LAZY = {
     "LLM": ("services.llm", "LLM"),

@@ -70,7 +70,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "WEFT_CPU_ONE_THREAD_BELOW",
         "On CPU, steps of fewer than this many tokens run on one torch thread, others on --num-threads "
-        "(default 16; 0: every step on --num-threads) (services/worker/cpu_threads.py).",
+        "(default 0: every step on --num-threads) (services/worker/cpu_threads.py).",
     ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(

@@ -1,14 +1,17 @@
-"""How many torch threads a CPU step runs on: one for a step of a few tokens.
+"""How many torch threads a CPU step runs on: all of the worker's, unless asked otherwise.
 
-A step of a few tokens is about 200 parallel regions (matmuls, attention,
-norms) of a few microseconds of work each, and handing each to a second
-OpenMP thread costs about as much as the work. Measured on the 2-core
-machine with `weft bench latency --num-threads 1|2` (README, "Threads per
-step"): batch-1 decode 15.2 ms a token on one thread against 23.1 on two,
-batch 8 37.5 against 40.0, level at 16, and from there on two threads win
-(batch 64: 1.45x, a 64 x 32-token prefill 2.0x). So a step of fewer than
-``one_thread_max_tokens()`` tokens runs on one thread, any other on the
-worker's ``num_threads``.
+A step is about 200-300 parallel regions (matmuls, attention, norms), many
+of a few microseconds of work each. While OpenMP's threads slept after every
+region (``OMP_WAIT_POLICY=PASSIVE`` with no spin), waking the second thread
+cost about as much as that work, and a step of a few tokens ran faster on one
+thread (batch-1 decode 15.2 ms a token against 23.1 on two, 2026-12-01). With
+the short spin weft now sets (``services/__init__.py``: ``GOMP_SPINCOUNT``) the
+second thread stays awake between a step's regions, and two threads won at
+every batch size measured (`weft bench latency --num-threads 1|2`, README
+"Threads per step": batch 1 12.6 against 17.3 ms a token, batch 8 23.5
+against 39.3). So by default every step runs on the worker's ``num_threads``;
+``WEFT_CPU_ONE_THREAD_BELOW=N`` puts a step of fewer than N tokens on one
+thread (for a run with passive waiting and no spin, where it still pays).
 
 The count is set in the thread that runs the forward (OpenMP keeps it per
 thread; async scheduling runs the forward on a thread of its own).
@@ -20,11 +23,11 @@ import torch
 
 from services import env
 
-DEFAULT_FEW_TOKENS = 16
+DEFAULT_FEW_TOKENS = 0
 
 
 def few_tokens() -> int:
-    """``WEFT_CPU_ONE_THREAD_BELOW`` (tokens; 0: never one thread), default 16."""
+    """``WEFT_CPU_ONE_THREAD_BELOW`` (tokens; 0: never one thread), default 0."""
     raw = (env.get("WEFT_CPU_ONE_THREAD_BELOW") or "").strip()
     if not raw:
         return DEFAULT_FEW_TOKENS

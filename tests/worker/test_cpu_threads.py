@@ -1,4 +1,4 @@
-"""A CPU step of a few tokens runs on one torch thread, a larger one on the worker's count."""
+"""A CPU step runs on the worker's thread count, or on one thread below a threshold when one is set."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def test_entering_a_step_sets_torchs_count(restore_threads):
 
 def test_the_threshold_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("WEFT_CPU_ONE_THREAD_BELOW", raising=False)
-    assert few_tokens() == DEFAULT_FEW_TOKENS
-    monkeypatch.setenv("WEFT_CPU_ONE_THREAD_BELOW", "0")
-    assert few_tokens() == 0
-    assert StepThreads(num_threads=2).few == 0
+    assert few_tokens() == DEFAULT_FEW_TOKENS == 0  # every step on the worker's count
+    assert StepThreads(num_threads=2).threads_for(1) == 2
+    monkeypatch.setenv("WEFT_CPU_ONE_THREAD_BELOW", "16")
+    assert few_tokens() == 16
+    assert StepThreads(num_threads=2).threads_for(15) == 1
     for bad in ("-1", "many"):
         monkeypatch.setenv("WEFT_CPU_ONE_THREAD_BELOW", bad)
         with pytest.raises(ValueError, match="WEFT_CPU_ONE_THREAD_BELOW must be a token count"):
