@@ -70,29 +70,42 @@ def _chunk_text(chunk: dict[str, Any]) -> str | None:
 
 
 async def send_one(http: Any, config: ClientConfig, request: WorkloadRequest) -> RequestRecord:
-    """Stream one request; a failure is recorded, not raised."""
+    """Stream one request; a failure is recorded, not raised.
+
+    A kept-alive connection the server closed while it sat in the pool fails before any response
+    comes (httpx's RemoteProtocolError, "Server disconnected without sending a response": llama.cpp's
+    server does it now and then); such a request is sent once more on a new connection, its times
+    still counted from the first send. A failure after the response began is never retried."""
+    import httpx
+
     sent = time.perf_counter()
-    chunk_times: list[float] = []
-    usage_tokens = None
-    try:
-        async with http.stream(
-            "POST", config.base_url + config.endpoint, json=request_body(config, request)
-        ) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream failed: {chunk['error']}")
-                if _chunk_text(chunk) is not None:
-                    chunk_times.append(time.perf_counter())
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-        ended = time.perf_counter()
-    except Exception as e:  # noqa: BLE001 - any failure counts as a failed request
-        return RequestRecord(len(request.prompt_token_ids), 0, sent, error=f"{type(e).__name__}: {e}")
+    for attempt in (1, 2):
+        chunk_times: list[float] = []
+        usage_tokens = None
+        responded = False
+        try:
+            async with http.stream(
+                "POST", config.base_url + config.endpoint, json=request_body(config, request)
+            ) as response:
+                responded = True
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if "error" in chunk:
+                        raise RuntimeError(f"stream failed: {chunk['error']}")
+                    if _chunk_text(chunk) is not None:
+                        chunk_times.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+            ended = time.perf_counter()
+            break
+        except Exception as e:  # noqa: BLE001 - any failure counts as a failed request
+            if attempt == 1 and not responded and isinstance(e, httpx.RemoteProtocolError):
+                continue
+            return RequestRecord(len(request.prompt_token_ids), 0, sent, error=f"{type(e).__name__}: {e}")
     # Servers without usage chunks: one token per chunk is the best guess.
     tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
     error = None if chunk_times else "no output"

@@ -294,3 +294,88 @@ def test_bad_client_arguments(
         cli.main(argv)
     assert exit_info.value.code == 2
     assert why in capsys.readouterr().err
+
+
+class _DroppingServer:
+    """A raw HTTP server whose first ``drops`` connections read a request and close without a byte
+    of response (a kept-alive connection the server had already closed, as httpx sees it), and whose
+    later ones stream a two-token completion; ``cut`` instead sends the response's head and closes."""
+
+    def __init__(self, drops: int, cut: bool = False) -> None:
+        self.drops, self.cut, self.connections = drops, cut, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed by the test
+            with conn:
+                self.connections += 1
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(
+                    next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(
+                        b":"
+                    )[1]
+                )
+                while len(body) < length:
+                    body += conn.recv(65536)
+                if self.connections <= self.drops:
+                    continue  # close with nothing sent
+                events = "".join(_event({"choices": [{"index": 0, "text": f" t{i}"}]}) for i in range(2))
+                events += "data: [DONE]\n\n"
+                head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                conn.sendall(head if self.cut else head + events.encode())
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def _send_one(url: str):
+    import httpx
+
+    from services.bench.serve_client import ClientConfig, send_one
+    from services.bench.workload import WorkloadRequest
+
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as http:
+            config = ClientConfig(base_url=url, model="m")
+            return await send_one(
+                http, config, WorkloadRequest(prompt="hi", prompt_token_ids=[1, 2], max_tokens=2)
+            )
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("drops,ok,connections", [(1, True, 2), (2, False, 2)])
+def test_a_connection_dropped_before_any_response_is_retried_once(drops, ok, connections):
+    server = _DroppingServer(drops)
+    try:
+        record = _send_one(server.url)
+    finally:
+        server.close()
+    assert server.connections == connections
+    assert record.ok == ok
+    if ok:
+        assert record.output_tokens == 2 and len(record.chunk_times) == 2
+    else:
+        assert "RemoteProtocolError" in record.error
+
+
+def test_a_response_cut_after_its_head_is_not_retried():
+    server = _DroppingServer(drops=0, cut=True)
+    try:
+        record = _send_one(server.url)
+    finally:
+        server.close()
+    assert server.connections == 1 and not record.ok
