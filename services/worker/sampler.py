@@ -29,6 +29,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where not asked
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its maximum, the first one on ties: what ``argmax(dim=-1)`` returns, but
+    through ``max(dim=-1)``, whose CPU kernel is vectorized (a [64, 49,152] fp32 batch of logits on
+    2 threads: 0.84 ms against argmax's 2.03; a NaN in a row is its maximum for both)."""
+    return x.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         # Noise for unseeded random requests; seeded ones bring their own.
@@ -38,7 +45,7 @@ class Sampler:
         """logits [N, V] fp32 -> sampled ids [N] and the logprobs rows asked for."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = adjusted_logits(logits, meta)
-        token_ids = logits.argmax(dim=-1)  # [N]
+        token_ids = argmax_rows(logits)  # [N]
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)  # random rows only
             token_ids[rows] = self._sample_random(logits[rows], rows.tolist(), meta)
@@ -47,7 +54,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
         """logits [R, V] of the random rows (batch rows ``rows``) -> token ids [R]."""
         probs = random_probs(logits, rows, meta)  # [R, V]
-        return (probs / self._exponential_noise(probs, rows, meta)).argmax(dim=-1)
+        return argmax_rows(probs / self._exponential_noise(probs, rows, meta))
 
     def _exponential_noise(
         self, probs: torch.Tensor, rows: list[int], meta: SamplingMetadata

@@ -9,7 +9,7 @@ import torch
 
 from protocol import SamplingParams
 from services.worker.penalties import apply_penalties
-from services.worker.sampler import Sampler
+from services.worker.sampler import Sampler, argmax_rows
 from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
 
 V = 50
@@ -209,3 +209,23 @@ def test_logprobs_stay_those_of_the_raw_logits_under_token_filters():
     out = sample(logits, [req(temperature=0.0, logprobs=0, allowed_token_ids=[11])])
     assert out.token_ids.tolist() == [11]
     assert out.logprobs[0].logprobs[0] == pytest.approx(float(logits.log_softmax(-1)[0, 11]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_argmax_with_ties_nans_and_infinities(dtype, threads):
+    """The first maximum on ties, a NaN as the maximum, rows of -inf and of +inf ties: as argmax."""
+    x = torch.randint(0, 4, (64, 49152), generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[3] = float("-inf")
+    x[5, 100] = float("nan")
+    x[6] = float("nan")
+    x[7] = 0
+    x[8, 7] = x[8, 9] = float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = argmax_rows(x), x.argmax(dim=-1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert got[3].item() == 0 and got[5:9].tolist() == [100, 0, 0, 7]

@@ -29,7 +29,7 @@ import torch
 
 from protocol import TokenLogprobs
 from services.worker.logprobs import token_logprobs
-from services.worker.sampler import adjusted_logits, random_probs
+from services.worker.sampler import adjusted_logits, argmax_rows, random_probs
 from services.worker.sampling_metadata import SamplingMetadata
 
 
@@ -60,7 +60,7 @@ class RejectionSampler:
 
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         adjusted = adjusted_logits(logits, meta)
-        emitted = adjusted.argmax(dim=-1)  # [N]: greedy rows emit the argmax
+        emitted = argmax_rows(adjusted)  # [N]: greedy rows emit the argmax
         accepted = emitted == draft_of_row  # [N]: greedy acceptance (never on bonus rows)
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)
@@ -93,7 +93,7 @@ class RejectionSampler:
         # accepted (u < 1 = p(x) in exact arithmetic; guard the rounding).
         nothing_left = rest.sum(dim=-1) == 0
         accepted = has_draft & ((uniform < p_draft.double()) | nothing_left)
-        return accepted, (rest / noise).argmax(dim=-1)
+        return accepted, argmax_rows(rest / noise)
 
     def _draws(
         self, probs: torch.Tensor, rows: list[int], has_draft: torch.Tensor, meta: SamplingMetadata
