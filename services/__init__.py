@@ -22,9 +22,12 @@ from typing import Any
 # long enough to bridge the gaps between a step's ops, short enough that an
 # idle engine frees its cores at once. libgomp reads both when torch is
 # imported, so they are set here, before any services.* module can import
-# torch; a value already in the environment is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# torch; a value already in the environment is kept. OPENMP_SET_BY_WEFT names
+# the ones weft put there, so that a child that is not weft (a peer in
+# `weft bench peers`) can be started with its own defaults.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+OPENMP_SET_BY_WEFT = tuple(name for name in OPENMP_DEFAULTS if name not in os.environ)
+os.environ.update({name: OPENMP_DEFAULTS[name] for name in OPENMP_SET_BY_WEFT})
 
 _LAZY = {
     "LLM": ("services.llm", "LLM"),

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from services import OPENMP_SET_BY_WEFT
 from services.bench.serve_client import ClientConfig, run_benchmark, served_model
 from services.bench.workload import Workload
 
@@ -81,13 +82,24 @@ def schedule(systems: list[System], rounds: int) -> list[Trial]:
     return trials
 
 
+def child_env(system: System) -> dict[str, str]:
+    """The environment a system's commands run in: this process's, less the OpenMP settings weft
+    itself put there for a peer (vLLM and llama.cpp run with their own defaults, as a user would
+    start them), plus the system's own variables."""
+    inherited = dict(os.environ)
+    if system.name != "weft":
+        for name in OPENMP_SET_BY_WEFT:
+            inherited.pop(name, None)
+    return inherited | system.env
+
+
 def run_offline(system: System, workload_file: Path, timeout_s: float) -> dict[str, Any]:
     """Run the system's offline command; its JSON must hold output_tokens and elapsed_s."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         done = subprocess.run(
             system.offline_argv(workload_file, out),
-            env=os.environ | system.env,
+            env=child_env(system),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -113,7 +125,7 @@ class PeerServer:
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
             system.serve_argv(port),
-            env=os.environ | system.env,
+            env=child_env(system),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -306,3 +306,15 @@ def test_quick_fills_only_what_was_not_given() -> None:
     )
     assert options["max_tokens"] == 8 and options["num_prompts"] == peers.QUICK["num_prompts"]
     assert options["concurrencies"] == peers.QUICK["concurrencies"] and options["systems"] == ["weft"]
+
+
+def test_peers_run_with_their_own_openmp_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What weft put in the environment for its own threads is taken out for vLLM and llama.cpp;
+    weft keeps it, and a value the user set is passed to every system."""
+    monkeypatch.setattr(peers, "OPENMP_SET_BY_WEFT", ("GOMP_SPINCOUNT",))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # as weft set it
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # as a user set it
+    vllm = peers.System("vllm", env={"OMP_NUM_THREADS": "2"})
+    env = peers.child_env(vllm)
+    assert "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "ACTIVE" and env["OMP_NUM_THREADS"] == "2"
+    assert peers.child_env(peers.System("weft"))["GOMP_SPINCOUNT"] == "10000"
