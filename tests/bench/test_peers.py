@@ -316,5 +316,7 @@ def test_peers_run_with_their_own_openmp_defaults(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # as a user set it
     vllm = peers.System("vllm", env={"OMP_NUM_THREADS": "2"})
     env = peers.child_env(vllm)
-    assert "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "ACTIVE" and env["OMP_NUM_THREADS"] == "2"
+    assert (
+        "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "ACTIVE" and env["OMP_NUM_THREADS"] == "2"
+    )
     assert peers.child_env(peers.System("weft"))["GOMP_SPINCOUNT"] == "10000"
