@@ -308,15 +308,15 @@ def test_quick_fills_only_what_was_not_given() -> None:
     assert options["concurrencies"] == peers.QUICK["concurrencies"] and options["systems"] == ["weft"]
 
 
-def test_peers_run_with_their_own_openmp_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What weft put in the environment for its own threads is taken out for vLLM and llama.cpp;
-    weft keeps it, and a value the user set is passed to every system."""
+def test_peers_take_weft_openmp_settings_unless_asked_for_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default every system inherits the environment; with ``own_openmp`` (--peer-openmp own) what
+    weft put there for its threads is taken out, and a value the user set still passes."""
     monkeypatch.setattr(peers, "OPENMP_SET_BY_WEFT", ("GOMP_SPINCOUNT",))
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # as weft set it
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # as a user set it
     vllm = peers.System("vllm", env={"OMP_NUM_THREADS": "2"})
-    env = peers.child_env(vllm)
+    assert peers.child_env(vllm)["GOMP_SPINCOUNT"] == "10000"
+    own = peers.child_env(peers.System("vllm", env={"OMP_NUM_THREADS": "2"}, own_openmp=True))
     assert (
-        "GOMP_SPINCOUNT" not in env and env["OMP_WAIT_POLICY"] == "ACTIVE" and env["OMP_NUM_THREADS"] == "2"
+        "GOMP_SPINCOUNT" not in own and own["OMP_WAIT_POLICY"] == "ACTIVE" and own["OMP_NUM_THREADS"] == "2"
     )
-    assert peers.child_env(peers.System("weft"))["GOMP_SPINCOUNT"] == "10000"
