@@ -14,17 +14,17 @@ from typing import Any
 # OpenMP's default wait policy spins a thread for about 300,000 iterations
 # after each parallel region before it sleeps: every multi-threaded torch op
 # then stalled ~8 ms whenever another process held a core (a 64-sequence
-# decode step took ~9.7 s under load, ~0.64 s without the spin). Passive waiting alone
-# (no spin) puts the other threads to sleep after every op instead, and waking
-# them costs ~60 us each time: 300 parallel ops a decode step, so a quarter of
-# a 64-sequence step (76 -> 50 ms with the short spin). So threads wait
-# passively after a short spin, GOMP_SPINCOUNT iterations (about 0.1 ms here):
-# long enough to bridge the gaps between a step's ops, short enough that an
-# idle engine frees its cores at once. libgomp reads both when torch is
-# imported, so they are set here, before any services.* module can import
-# torch; a value already in the environment is kept. OPENMP_SET_BY_WEFT names
-# the ones weft put there, so that a child that is not weft (a peer in
-# `weft bench peers`) can be started with its own defaults.
+# decode step took ~9.7 s under load, ~0.64 s without the spin). Passive
+# waiting alone (no spin) puts the other threads to sleep after every op
+# instead, and waking them costs ~60 us each time: ~300 parallel ops a decode
+# step, a quarter of a 64-sequence step (76 -> 50 ms with the short spin). So
+# threads wait passively after a short spin, GOMP_SPINCOUNT iterations (about
+# 0.1 ms here): long enough to bridge the gaps between a step's ops, short
+# enough that an idle engine frees its cores at once. libgomp reads both when
+# torch is imported, so they are set here, before any services.* module can
+# import torch; a value already in the environment is kept. OPENMP_SET_BY_WEFT
+# names the ones weft put there, so that a child that is not weft (a peer in
+# `weft bench peers --peer-openmp own`) can start with its own defaults.
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 OPENMP_SET_BY_WEFT = tuple(name for name in OPENMP_DEFAULTS if name not in os.environ)
 os.environ.update({name: OPENMP_DEFAULTS[name] for name in OPENMP_SET_BY_WEFT})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import types
@@ -318,17 +319,9 @@ class _DroppingServer:
                 return  # closed by the test
             with conn:
                 self.connections += 1
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = int(
-                    next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(
-                        b":"
-                    )[1]
-                )
-                while len(body) < length:
-                    body += conn.recv(65536)
+                request = b""
+                while (chunk := conn.recv(65536)) and not _whole_request(request := request + chunk):
+                    pass
                 if self.connections <= self.drops:
                     continue  # close with nothing sent
                 events = "".join(_event({"choices": [{"index": 0, "text": f" t{i}"}]}) for i in range(2))
@@ -337,8 +330,17 @@ class _DroppingServer:
                 conn.sendall(head if self.cut else head + events.encode())
 
     def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (closing alone would not)
         self.sock.close()
         self.thread.join(timeout=5)
+        assert not self.thread.is_alive()
+
+
+def _whole_request(data: bytes) -> bool:
+    """Whether ``data`` holds a request's head and all of the body its content-length announces."""
+    head, found, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    return bool(found) and len(body) >= (int(length.group(1)) if length else 0)
 
 
 def _send_one(url: str):
