@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
 	$(PY) -m kernels.cpu_quant_linear || echo "warning: CPU quantized-linear kernel not built; GGUF weights kept quantized use the torch path"
 	$(PY) -m kernels.cpu_fused || echo "warning: fused CPU kernels not built; RMSNorm, SiLU-and-mul and rotary use torch ops"
+	$(PY) -m kernels.cpu_amx_int8 || echo "warning: AMX int8 GEMM kernel not built; the int8 copy uses oneDNN's int8 matmul on AMX"
 	touch $@
 
 model: $(HF_DIR)/config.json

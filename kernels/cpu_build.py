@@ -98,15 +98,28 @@ def amx_isa() -> tuple[str, list[str]]:
     return bf16_isa()
 
 
+# AVX512 plus AMX tiles with int8 products (tdpbssd) for the int8 linear's integer GEMM.
+AMX_INT8_FLAGS = (*AVX512_FLAGS, "amx_tile", "amx_int8")
+AMX_INT8 = ("amxint8", [*AVX512[1], "-mamx-tile", "-mamx-int8"])
+
+
 def stable_source(source: Path, build_name: str, build_root: str) -> Path:
-    """A copy of ``source`` at a path that depends only on the build, not on where the checkout is.
+    """A copy of ``source`` at a path that depends only on the build, not on where the checkout is,
+    with the headers beside it (``csrc/*.h``, which sources include by their bare name).
 
     The build's ninja file names its source by path, so the same file in another clone (a CI
     clone, a git worktree) would rebuild the library and replace the other's; built from this copy,
-    every checkout with the same source text shares one build. The copy is rewritten only when
-    the text differs (an untouched file keeps its time stamp, so ninja builds nothing)."""
+    every checkout with the same source text shares one build. A copy is rewritten only when the
+    text differs (an untouched file keeps its time stamp, so ninja builds nothing; the build tracks
+    the headers it includes, so a changed header rebuilds what includes it)."""
+    folder = Path(build_root) / "sources" / build_name
+    for header in sorted(source.parent.glob("*.h")):
+        _copy_if_changed(header, folder / header.name)
+    return _copy_if_changed(source, folder / source.name)
+
+
+def _copy_if_changed(source: Path, copy: Path) -> Path:
     text = source.read_bytes()
-    copy = Path(build_root) / "sources" / build_name / source.name
     if not copy.exists() or copy.read_bytes() != text:
         copy.parent.mkdir(parents=True, exist_ok=True)
         scratch = copy.with_name(f".{copy.name}.{os.getpid()}")

@@ -55,8 +55,8 @@ def matmuls(layers, name: str) -> tuple[list, torch.dtype]:
     """One ``x -> x W^T`` per layer for path ``name``, and the dtype of its x."""
     if name == "packed":
         return [lambda x, q=q: q.linear(x, None) for q in layers], torch.float32
-    if name in ("int8", "int8-mm"):
-        gemm = "int_mm" if name == "int8-mm" else None
+    if name in ("int8", "int8-mm", "int8-onednn"):
+        gemm = {"int8-mm": "int_mm", "int8-onednn": "onednn"}.get(name)
         copies = [Int8Weight(q.dequantize(), gemm=gemm) for q in layers]
         return [lambda x, w=w: w.linear(x, None) for w in copies], torch.bfloat16
     copies = dense_copies(layers, DTYPES[name])
@@ -87,11 +87,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = kept_quantized_layers()
-    paths = {name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8", "int8-mm")}
+    paths = {
+        name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8", "int8-mm", "int8-onednn")
+    }
     print(f"{len(layers)} weight matrices, {args.threads} threads; ms for all of them, best of each")
     print(f"int8: the {default_int8_gemm()} GEMM; int8-mm: torch._int_mm")
     print(
-        f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9} {'int8-mm':>9}"
+        f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9} {'int8-mm':>9} {'int8-dnn':>9}"
         "  packed/bf16  bf16/int8"
     )
     for rows in args.rows:
@@ -102,7 +104,7 @@ def main() -> None:
         ms = {k: v * 1e3 for k, v in best.items()}
         print(
             f"{rows:6d} {ms['packed']:9.1f} {ms['bf16']:9.1f} {ms['fp32']:9.1f} {ms['int8']:9.1f}"
-            f" {ms['int8-mm']:9.1f}"
+            f" {ms['int8-mm']:9.1f} {ms['int8-onednn']:9.1f}"
             f"  {ms['packed'] / ms['bf16']:10.2f}x {ms['bf16'] / ms['int8']:10.2f}x"
         )
 

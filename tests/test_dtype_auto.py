@@ -21,15 +21,17 @@ AMX = AVX512_BF16 | {"amx_bf16", "amx_tile", "amx_int8"}  # Sapphire Rapids
         (AVX2_ONLY, False, False),
         (AVX512_NO_BF16, False, False),
         (AVX512_BF16, True, True),
-        (AMX, True, False),
+        (AMX, True, True),
         (set(), False, False),
     ],
     ids=["avx2", "avx512-no-bf16", "avx512-bf16", "amx", "none"],
 )
 def test_fast_bf16_and_the_int8_copy_per_flag_set(flags, fast, int8_pays):
-    """The int8 copy pays where it was measured: AVX-512 VNNI with bf16 dot products, no AMX."""
+    """The int8 copy pays where it was measured: AVX-512 VNNI with bf16 dot products, or AMX int8
+    tiles (weft's GEMM on them, from 2 rows a step)."""
     assert engine_args.cpu_has_fast_bf16(flags) is fast
     assert engine_args.cpu_int8_copy_pays(flags) is int8_pays
+    assert engine_args.cpu_amx_int8_copy(flags) is (flags == AMX)
 
 
 @pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])

@@ -80,8 +80,7 @@
 #endif
 #if defined(WEFT_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define WEFT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -1612,55 +1611,6 @@ void stage_bf16(const int8_t* src, const float* row_scale, const int32_t* blocks
 // Keys a value tile takes (its K: 16 pairs); a score tile takes 16.
 constexpr int64_t kAmxKeys = 32;
 
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Eight tiles of 16 rows x 64 bytes (palette 1). The configuration is per thread, and oneDNN's GEMMs
-// load their own on the same threads: every item loads it, and releases the tiles when done.
-inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg{};
-  cfg.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// r[i], row i of a 16 x 16 matrix of 32-bit words, becomes its column i.
-inline void transpose16x16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // S^T [16 keys, nv x 16 rows] = K . Q^T, unscaled: the keys' rows from k (row stride D), the rows'
 // query pairs at qp [D / 2, q_ld]; key i's scores go to s + i * s_ld. Tiles 0-2 hold the scores.
 template <int D>
@@ -1698,7 +1648,7 @@ void values_amx(int64_t nv, const uint32_t* pw, const uint32_t* vp, int64_t gp0,
     for (int64_t gp = gp0; gp < gp1; gp += 16) {
       __m512i x[16];
       for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_si512(pw + (gp + i) * kBfBlockRows + v * 16);
-      transpose16x16(x);
+      weft_amx::transpose16x16(x);
       for (int r = 0; r < 16; ++r) _mm512_storeu_si512(pr + r * pr_ld + gp, x[r]);
     }
     float* a = acc + v * 16 * D;
@@ -1794,7 +1744,7 @@ void prefill_item_bf16(const uint16_t* query, int64_t qs0, int64_t qs1, c10::BFl
   std::fill(m, m + ld, -std::numeric_limits<float>::infinity());
   std::fill(l, l + ld, 0.0f);
 #ifdef WEFT_AMX
-  if constexpr (kAmx) configure_tiles();
+  if constexpr (kAmx) weft_amx::configure();
 #endif
 
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, context + j0 - window + 1) : 0;
@@ -1908,7 +1858,7 @@ void prefill_all(const at::Tensor& query, const at::Tensor& kv_cache, const int6
 #ifdef WEFT_AMX
   // AMX tiles read 16 keys from one block: block sizes of a multiple of 16 (an int8 cache's staged
   // chunk is then one block of whole cache blocks), head sizes of a multiple of 64.
-  const bool amx = bf16_dot && amx_on && block_size % 16 == 0 && kC * kW % 64 == 0 && amx_permitted();
+  const bool amx = bf16_dot && amx_on && block_size % 16 == 0 && kC * kW % 64 == 0 && weft_amx::permitted();
 #endif
   for_each_claimed(static_cast<int64_t>(items.size()), [&](int64_t k, std::vector<float>& buf) {
     const PrefillItem& it = items[k];

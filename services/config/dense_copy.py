@@ -15,13 +15,17 @@ packed at every batch size unless asked.
 rotated and rounded to int8 per row, integer GEMMs:
 ``services.worker.layers.int8_linear``) for steps of ``INT8_MIN_ROWS`` rows and
 more; below that the model dtype's copy stays faster (the rounding passes cost
-more than the integer GEMM saves), so both are kept. "auto": the int8 copy too
-where it was measured to pay — a bf16 model dtype on a CPU with AVX-512 VNNI and
-bf16 dot products and no AMX (``engine_args.cpu_int8_copy_pays``), one engine
-per model (no tensor parallelism: the shards' rows would round differently from
-one worker's), and both copies within the memory rule below — else the model
-dtype's copy alone. "model": the model dtype's copy alone (an fp32 or bf16 run
-whose batched steps match dequantized weights).
+more than the integer GEMM saves), so both are kept. On AMX int8 tiles, where the
+integer GEMM is weft's own, the int8 copy runs the steps of the dense copy's first
+row count up to ``AMX_INT8_MAX_ROWS`` instead, and the model dtype's copy the longer
+ones. "auto": the int8 copy too where it was measured to pay — a bf16 model dtype
+on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
+(``engine_args.cpu_int8_copy_pays``), one engine per model (no tensor parallelism:
+the shards' rows would round differently from one worker's), and both copies
+within the memory rule below — else the model dtype's copy alone; with AMX int8
+auto's copies start at ``AMX_INT8_DENSE_MIN_ROWS`` rows. "model": the model
+dtype's copy alone (an fp32 or bf16 run whose batched steps match dequantized
+weights).
 Torch-free: the API process builds the config too.
 """
 
@@ -38,6 +42,14 @@ DENSE_COPY_DTYPES = ("auto", "model", "int8")
 # matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
 # 1.40x at 128, since the rounding pass's rotation runs two stages at a time).
 INT8_MIN_ROWS = 32
+# On AMX int8 tiles weft's own integer GEMM (kernels/cpu_amx_int8.py) streams the int8 copy at
+# close to the read bandwidth: the int8 copy beat the packed Q4_1 kernels from 2 rows a step on
+# (7.9 against 7.7-12.1 ms for all the default model's matmuls at 2-4 rows; 8.2 against 6.6 at 1)
+# and the bf16 copy up to 128 (1.8x at 1-4 rows, 1.4x at 32, 1.2x at 64, level at 128, 0.86x at
+# 256: `python scripts/dense_rows_bench.py`). There auto keeps the packed weight for 1-row steps,
+# the int8 copy for 2 to AMX_INT8_MAX_ROWS rows and the bf16 copy above.
+AMX_INT8_DENSE_MIN_ROWS = 2
+AMX_INT8_MAX_ROWS = 128
 
 
 def linear_param_count(hf_config: dict) -> int:
@@ -59,10 +71,11 @@ def resolve_dense_min_rows(
     budget_bytes: int,
     dtype_bytes: int,
     speculative: bool = False,
+    default_rows: int = DEFAULT_DENSE_MIN_ROWS,
 ) -> int:
     """Rows from which a kept-quantized layer runs its dense copy; 0: no copy.
 
-    ``value`` None is "auto": ``DEFAULT_DENSE_MIN_ROWS`` where the copy, in
+    ``value`` None is "auto": ``default_rows`` where the copy, in
     ``dtype_bytes`` per weight, takes at most ``AUTO_MAX_BUDGET_SHARE`` of
     ``budget_bytes`` (the worker's memory budget), else 0. With speculative
     decoding auto is 0: a verify step has K + 1 rows per request where plain
@@ -83,7 +96,7 @@ def resolve_dense_min_rows(
     if speculative:
         return 0
     copy_bytes = linear_param_count(hf_config) * dtype_bytes
-    return DEFAULT_DENSE_MIN_ROWS if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0
+    return default_rows if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0
 
 
 def check_dense_copy_dtype(value: str) -> str:

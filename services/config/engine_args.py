@@ -24,7 +24,13 @@ from protocol import (
 from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
-from services.config.dense_copy import check_dense_copy_dtype, check_int8_copy_kept, resolve_dense_min_rows
+from services.config.dense_copy import (
+    AMX_INT8_DENSE_MIN_ROWS,
+    DEFAULT_DENSE_MIN_ROWS,
+    check_dense_copy_dtype,
+    check_int8_copy_kept,
+    resolve_dense_min_rows,
+)
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.parallel_args import check_tensor_parallel
 from services.config.speculative_args import resolve_speculative_config
@@ -177,13 +183,20 @@ class EngineArgs:
         )
         budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
 
-        def rows(copy_bytes: int) -> int:
+        def rows(copy_bytes: int, default_rows: int = DEFAULT_DENSE_MIN_ROWS) -> int:
             return resolve_dense_min_rows(
-                self.dense_min_rows, quantization, hf_config, budget, copy_bytes, speculative=speculative
+                self.dense_min_rows,
+                quantization,
+                hf_config,
+                budget,
+                copy_bytes,
+                speculative=speculative,
+                default_rows=default_rows,
             )
 
         # The int8 copy comes beside the model dtype's: one more byte a weight.
-        dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8)
+        first_rows = AMX_INT8_DENSE_MIN_ROWS if int8 and cpu_amx_int8_copy() else DEFAULT_DENSE_MIN_ROWS
+        dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8, first_rows)
         if choice == "int8":
             check_int8_copy_kept(dense_min_rows, quantization, speculative=speculative)
         elif int8 and dense_min_rows == 0:
@@ -347,12 +360,21 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
 def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
     """The int8 dense copy was measured faster than the bf16 one from 32 rows on (README, "int8
     dense copy") on AVX-512 VNNI with bf16 dot products and no AMX. With AMX tiles oneDNN's bf16
-    GEMM beat the int8 copy at every row count measured (README, "On an AMX machine"), and on
-    oneDNN's int8 tiles it is level with bf16 at best over a forward (0.8-1.1x, offline-64 within
-    the host's noise): auto keeps bf16 alone there.
+    GEMM beat the int8 copy on oneDNN's int8 matmul (level at best over a forward), but weft's
+    own GEMM on AMX int8 tiles (``cpu_amx_int8_copy``) beats both up to 128 rows.
     ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
     flags = cpu_flags() if flags is None else flags
+    if cpu_amx_int8_copy(flags):
+        return True
     return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}
+
+
+def cpu_amx_int8_copy(flags: set[str] | None = None) -> bool:
+    """Whether the int8 copy's GEMMs run on AMX int8 tiles here (weft's kernel,
+    ``kernels.cpu_amx_int8``, which needs these flags; the worker falls back to oneDNN's int8
+    matmul where it cannot build it): then auto's copies start at ``AMX_INT8_DENSE_MIN_ROWS``."""
+    flags = cpu_flags() if flags is None else flags
+    return {"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl"} <= flags
 
 
 def cpu_flags() -> set[str]:

@@ -17,6 +17,8 @@ from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
 from services.config import engine_args
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
+    AMX_INT8_DENSE_MIN_ROWS,
+    AMX_INT8_MAX_ROWS,
     DEFAULT_DENSE_MIN_ROWS,
     INT8_MIN_ROWS,
     linear_param_count,
@@ -135,7 +137,7 @@ def test_the_copy_is_counted_and_the_embedding_stays_packed(model):
 
 @torch.inference_mode()
 def test_a_bf16_model_keeps_a_bf16_copy():
-    loaded = load_model(config_of(dtype="bfloat16", dense_min_rows=4))
+    loaded = load_model(config_of(dtype="bfloat16", dense_min_rows=4, dense_copy_dtype="model"))
     layer = linear_layers(loaded)[0]
     assert layer.weight.dtype == torch.bfloat16
     x = torch.randn(4, layer.quant.shape[1], dtype=torch.bfloat16)
@@ -160,8 +162,22 @@ def test_an_int8_copy_comes_beside_the_model_dtype_copy_at_one_more_byte_a_weigh
 
 @pytest.fixture
 def int8_pays(monkeypatch):
-    """What auto decides on a CPU where the int8 copy pays (flags fed in, not this machine's)."""
+    """What auto decides on a CPU where the int8 copy pays on VNNI dot products (flags fed in,
+    not this machine's)."""
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
+    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: False)
+
+
+def test_on_amx_int8_tiles_auto_starts_the_copies_at_two_rows(monkeypatch):
+    monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
+    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: True)
+    both = config_of(dtype="bfloat16")
+    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", AMX_INT8_DENSE_MIN_ROWS)
+    # The bf16 copy alone starts where it beat the packed kernels; an explicit count is kept.
+    assert config_of(dtype="bfloat16", dense_copy_dtype="model").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
+    assert config_of(dtype="bfloat16", dense_min_rows=16).dense_min_rows == 16
+    alone = config_of(dtype="bfloat16", kv_cache_memory=700_000_000)
+    assert (alone.dense_copy_dtype, alone.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
 
 
 def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
@@ -181,6 +197,7 @@ def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
 
 def test_auto_keeps_the_model_dtype_copy_alone_where_int8_does_not_pay(monkeypatch):
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
+    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: False)
     assert config_of(dtype="bfloat16").dense_copy_dtype == "model"
     assert config_of(dtype="bfloat16", dense_copy_dtype="int8").dense_copy_dtype == "int8"  # asked for
 
@@ -225,31 +242,44 @@ def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_copy_runs_from_int8_min_rows(int8_model, dtype):
+def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
+    """Under 8 rows the packed kernels; from there the int8 copy where its GEMM takes the rows
+    (``Int8Weight.takes``: from INT8_MIN_ROWS on, or up to AMX_INT8_MAX_ROWS on weft's AMX GEMM,
+    whichever this CPU has), else the model dtype's copy."""
     for layer in linear_layers(int8_model)[:8] + [int8_model.lm_head]:
         assert layer.packed_weight is not None and layer.int8 is not None
         k = layer.quant.shape[1]
         x = torch.randn(7, k).to(dtype)
         assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
-        if dtype == torch.float32:  # the model dtype's copy, from 8 rows up to INT8_MIN_ROWS
-            for rows in (8, INT8_MIN_ROWS - 1):
-                x = torch.randn(rows, k)
-                dense = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
-                assert torch.equal(layer.linear(x, None), dense)
-        for rows in (INT8_MIN_ROWS, INT8_MIN_ROWS + 37):
+        for rows in (
+            8,
+            INT8_MIN_ROWS - 1,
+            INT8_MIN_ROWS,
+            INT8_MIN_ROWS + 37,
+            AMX_INT8_MAX_ROWS,
+            AMX_INT8_MAX_ROWS + 1,
+        ):
             x = torch.randn(rows, k).to(dtype)
+            if not layer.int8.takes(rows):
+                if dtype == torch.float32:  # (the model's dtype: its copy is fp32)
+                    dense = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+                    assert torch.equal(layer.linear(x, None), dense)
+                continue
             got = layer.linear(x, None)
-            assert got.dtype == dtype and torch.equal(got, int8_twin(layer, x))
+            assert got.dtype == dtype
+            assert torch.equal(got, int8_twin(layer, x))
             # Both roundings together: about 1% of the product (x's step, amax / 127, is about
             # 3% of a Gaussian row's spread; its rounding error a third of that).
             want = x.float() @ layer.quant.dequantize().T
             assert float((got.float() - want).norm() / want.norm()) < 0.03
+    taken = [layer.int8.takes(rows) for rows in (8, 300)]
+    assert taken in ([False, True], [True, False])  # each GEMM takes one end, not both
 
 
 @torch.inference_mode()
 def test_an_mlp_on_both_int8_copies_runs_one_pass_between_them(int8_model, monkeypatch):
-    """From INT8_MIN_ROWS rows the MLP goes from the gate/up GEMM's int32 result to the down GEMM's
-    int8 input in one kernel, with the same output as the layers one after the other."""
+    """Where both int8 copies take the rows the MLP goes from the gate/up GEMM's int32 result to
+    the down GEMM's int8 input in one kernel, with the same output as the layers one after the other."""
     from kernels import cpu_fused
 
     mlp = int8_model.model.layers[0].mlp
@@ -261,7 +291,7 @@ def test_an_mlp_on_both_int8_copies_runs_one_pass_between_them(int8_model, monke
         apart = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
         calls.clear()
         assert torch.equal(mlp(x), apart)
-        assert len(calls) == (rows >= INT8_MIN_ROWS)
+        assert len(calls) == mlp.gate_up_proj.int8.takes(rows)
 
 
 def test_the_int8_copy_is_counted(int8_model):

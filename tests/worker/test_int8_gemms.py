@@ -1,14 +1,18 @@
-"""The int8 dense copy's two integer GEMMs: ``torch._int_mm`` and oneDNN's int8 matmul on a
-prepacked weight (the AMX tiles where the CPU has them). Both give the same numbers, whatever
-CPU runs the test: oneDNN falls back to the dot products the CPU has."""
+"""The int8 dense copy's integer GEMMs: ``torch._int_mm``, oneDNN's int8 matmul on a prepacked
+weight (the AMX tiles where the CPU has them) and, on CPUs with AMX int8 tiles, weft's own
+(``kernels.cpu_amx_int8``). All give the same numbers: oneDNN falls back to the dot products
+the CPU has, and weft's kernel runs only where the tiles are."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_amx_int8
 from services.worker.layers import int8_linear
 from services.worker.layers.int8_linear import Int8Weight, default_int8_gemm
+
+AMX = pytest.mark.skipif(not cpu_amx_int8.available(), reason="needs AMX int8 tiles and weft's AMX kernel")
 
 
 @pytest.fixture
@@ -17,13 +21,15 @@ def generator():
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("amx", marks=AMX)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (960, 576), (49152, 576)])
-def test_the_onednn_gemm_gives_the_int_mm_gemms_numbers(generator, dtype, shape):
+def test_each_gemm_gives_the_int_mm_gemms_numbers(generator, gemm, dtype, shape):
     n, k = shape
     weight = torch.randn(n, k, generator=generator) * 0.05
     weight[:, 11] *= 30.0  # an outlier column, as the default model's activations have
-    by_int_mm, by_onednn = Int8Weight(weight, gemm="int_mm"), Int8Weight(weight, gemm="onednn")
+    by_int_mm, by_onednn = Int8Weight(weight, gemm="int_mm"), Int8Weight(weight, gemm=gemm)
+    assert by_onednn.gemm == gemm
     assert by_onednn.nbytes == by_int_mm.nbytes == n * k + 4 * n
     bias = torch.randn(n, generator=generator).to(dtype)
     for rows in (1, 7, 32, 301):
@@ -31,8 +37,9 @@ def test_the_onednn_gemm_gives_the_int_mm_gemms_numbers(generator, dtype, shape)
         q, scale = by_int_mm._quantize(x, by_int_mm.hadamard_block)
         integers = by_int_mm.integer_product(q)
         floats = by_onednn.integer_product(q)
-        assert integers.dtype == torch.int32 and floats.dtype == torch.float32
-        assert torch.equal(floats, integers.float())
+        assert integers.dtype == torch.int32
+        assert floats.dtype == (torch.float32 if gemm == "onednn" else torch.int32)
+        assert torch.equal(floats.to(torch.int32), integers)
         for b in (None, bias):
             got = by_onednn.linear(x, b)
             assert got.dtype == dtype and torch.equal(got, by_int_mm.linear(x, b))
@@ -45,13 +52,39 @@ def test_the_onednn_gemm_gives_the_int_mm_gemms_numbers(generator, dtype, shape)
 def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
     assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}) == "int_mm"
     assert default_int8_gemm({"avx2"}) == "int_mm"
-    assert default_int8_gemm({"amx_tile", "amx_int8", "amx_bf16"}) == "onednn"
+    amx = {"amx_tile", "amx_int8", "amx_bf16"}
+    assert default_int8_gemm(amx, amx_kernel=True) == "amx"
+    assert default_int8_gemm(amx, amx_kernel=False) == "onednn"
     monkeypatch.setattr(int8_linear, "_onednn_ops_present", lambda: False)
-    assert default_int8_gemm({"amx_tile", "amx_int8"}) == "int_mm"
+    assert default_int8_gemm({"amx_tile", "amx_int8"}, amx_kernel=False) == "int_mm"
     with pytest.raises(ValueError, match="needs torch's oneDNN int8 linear ops"):
         Int8Weight(torch.ones(4, 64), gemm="onednn")
 
 
+def test_the_rows_each_gemm_takes():
+    """weft's AMX GEMM takes a dense copy's steps up to AMX_INT8_MAX_ROWS (the bf16 copy the
+    longer ones); the others from INT8_MIN_ROWS on (the model dtype's copy the shorter ones)."""
+    from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
+
+    by_int_mm = Int8Weight(torch.randn(32, 64), gemm="int_mm")
+    assert not by_int_mm.takes(INT8_MIN_ROWS - 1) and by_int_mm.takes(INT8_MIN_ROWS) and by_int_mm.takes(4096)
+    if cpu_amx_int8.available():
+        by_amx = Int8Weight(torch.randn(32, 64), gemm="amx")
+        assert by_amx.takes(1) and by_amx.takes(AMX_INT8_MAX_ROWS) and not by_amx.takes(AMX_INT8_MAX_ROWS + 1)
+
+
+@AMX
+def test_a_shape_the_tiles_do_not_take_runs_on_onednn():
+    weight = torch.randn(40, 96)  # N % 16 and K % 64 both off
+    assert Int8Weight(weight, gemm="amx").gemm == "onednn"
+
+
+def test_the_amx_gemm_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu_amx_int8, "available", lambda: False)
+    with pytest.raises(ValueError, match="gemm 'amx' needs AMX int8 tiles"):
+        Int8Weight(torch.ones(16, 64), gemm="amx")
+
+
 def test_an_unknown_gemm_is_refused():
-    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, got 'mkl'"):
+    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, amx, got 'mkl'"):
         Int8Weight(torch.ones(4, 64), gemm="mkl")

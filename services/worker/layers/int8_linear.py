@@ -1,5 +1,6 @@
-"""An int8 dense copy of a weight, for steps of many rows on CPU (``--dense-copy-dtype int8``):
-kept beside the model dtype's copy, it runs from ``services.config.dense_copy.INT8_MIN_ROWS`` rows on.
+"""An int8 dense copy of a weight, for batched steps on CPU (``--dense-copy-dtype int8``): kept
+beside the model dtype's copy, it runs from ``services.config.dense_copy.INT8_MIN_ROWS`` rows on,
+or on AMX int8 tiles up to ``AMX_INT8_MAX_ROWS`` (``Int8Weight.takes``).
 
 The weight ``[N, K]`` is rotated and then rounded per output row to int8 with
 one fp32 scale (``scale = amax(row) / 127``). At each call every row of x is
@@ -7,10 +8,12 @@ rotated and rounded the same way, the integer product runs as one integer GEMM,
 and its result is scaled back by the two scales into x's dtype. The GEMM is
 ``torch._int_mm`` (AVX-512 VNNI or AVX2 integer dot products, about twice
 oneDNN's bf16 GEMM there, README "int8 dense copy") or, where the CPU has AMX
-int8 tiles, oneDNN's int8 matmul on a prepacked weight
+int8 tiles, weft's own GEMM on them (``kernels.cpu_amx_int8``: it streams the
+weight at close to the read bandwidth at a decode step's rows), or where that
+kernel cannot be built oneDNN's int8 matmul on a prepacked weight
 (``torch.ops.onednn.qlinear_pointwise`` with unit scales: its fp32 result holds
 the same integers), 1.1-1.6x ``torch._int_mm`` there from 64 rows on (README,
-"On an AMX machine"); both give the same numbers. Both passes around the GEMM are
+"On an AMX machine"); all give the same numbers. Both passes around the GEMM are
 compiled kernels (``kernels.cpu_fused``), with torch twins in
 ``kernels.reference`` where the kernels cannot be built.
 
@@ -21,7 +24,9 @@ so a row's amax, and with it the rounding step, shrinks (the QuaRot idea,
 done per layer at run time rather than folded into the model). Measured on
 the repository's text: rounding costs 0.042 nats a token unrotated, 0.0045
 rotated, against the bf16 copy (README). A row's result does not depend on the
-rows beside it. Off by default: the model dtype's copy keeps HF parity.
+rows beside it. Auto keeps it only with a bf16 model dtype on the CPUs where it
+pays (``services.config.dense_copy``); fp32 runs keep HF parity on the model
+dtype's copy.
 """
 
 from __future__ import annotations
@@ -30,19 +35,28 @@ import functools
 
 import torch
 
-from kernels import cpu_fused
+from kernels import cpu_amx_int8, cpu_fused
 from kernels.reference import HADAMARD_BLOCKS, quantize_rows_int8_ref, scale_int32_ref
+from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
 from services.config.engine_args import cpu_flags
 
-INT8_GEMMS = ("int_mm", "onednn")
+INT8_GEMMS = ("int_mm", "onednn", "amx")
 
 
-def default_int8_gemm(flags: set[str] | None = None) -> str:
-    """``onednn`` where the CPU has AMX int8 tiles and torch has oneDNN's int8 linear ops (there
-    ``torch._int_mm`` does not use the tiles and ran slower than the bf16 GEMM), else ``int_mm``."""
+def default_int8_gemm(flags: set[str] | None = None, amx_kernel: bool | None = None) -> str:
+    """Where the CPU has AMX int8 tiles: ``amx`` (weft's kernel, ``kernels.cpu_amx_int8``) where it
+    builds (``amx_kernel``: whether it does, asked when None), else ``onednn`` where torch has
+    oneDNN's int8 linear ops (there ``torch._int_mm`` does not use the tiles and ran slower than
+    the bf16 GEMM). Elsewhere ``int_mm``."""
     if flags is None:
         return _this_machines_int8_gemm()
-    return "onednn" if "amx_int8" in flags and _onednn_ops_present() else "int_mm"
+    if "amx_int8" not in flags:
+        return "int_mm"
+    if amx_kernel is None:
+        amx_kernel = cpu_amx_int8.available()
+    if amx_kernel:
+        return "amx"
+    return "onednn" if _onednn_ops_present() else "int_mm"
 
 
 @functools.cache
@@ -63,7 +77,8 @@ def hadamard_block_for(k: int) -> int:
 
 class Int8Weight:
     """``x W^T (+ b)`` with W and x rounded to int8 per row (see the module notes).
-    ``gemm``: ``int_mm`` or ``onednn`` (``default_int8_gemm()`` when None)."""
+    ``gemm``: ``int_mm``, ``onednn`` or ``amx`` (``default_int8_gemm()`` when None; ``amx`` turns
+    into ``onednn`` for a shape its tiles do not take)."""
 
     def __init__(self, weight: torch.Tensor, gemm: str | None = None) -> None:
         gemm = default_int8_gemm() if gemm is None else gemm
@@ -73,14 +88,21 @@ class Int8Weight:
             raise ValueError(
                 "gemm 'onednn' needs torch's oneDNN int8 linear ops (torch.ops.onednn), absent here."
             )
-        self.gemm = gemm
+        if gemm == "amx" and not cpu_amx_int8.available():
+            raise ValueError("gemm 'amx' needs AMX int8 tiles and weft's AMX int8 kernel, absent here.")
         self.hadamard_block = hadamard_block_for(weight.shape[1])
         q, scale = quantize_rows_int8_ref(weight.float(), self.hadamard_block)
         if not torch.isfinite(scale).all():
             raise ValueError("An int8 dense copy needs finite weights; this layer's hold a NaN or infinity.")
+        if gemm == "amx" and not cpu_amx_int8.fits(q):
+            # A shape the tiles do not take (K % 64, N % 16): oneDNN's tiles where torch has them.
+            gemm = "onednn" if _onednn_ops_present() else "int_mm"
+        self.gemm = gemm
         self.scale = scale  # [N] fp32
         self.out_features, self._in_features = q.shape
-        if gemm == "int_mm":
+        if gemm == "amx":
+            self._qweight = cpu_amx_int8.pack_weight(q)  # the tiles' layout, made once
+        elif gemm == "int_mm":
             self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
         else:
             # The tiles' blocked layout, made once (the plain copy is not kept). Unit scales and
@@ -96,13 +118,20 @@ class Int8Weight:
         self._quantize = cpu_fused.quantize_rows_int8 if compiled else quantize_rows_int8_ref
         self._scale = cpu_fused.scale_int32 if compiled else scale_int32_ref
 
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on this copy rather than the model dtype's:
+        up to ``AMX_INT8_MAX_ROWS`` on weft's AMX GEMM, from ``INT8_MIN_ROWS`` on the others."""
+        return rows <= AMX_INT8_MAX_ROWS if self.gemm == "amx" else rows >= INT8_MIN_ROWS
+
     @property
     def nbytes(self) -> int:
         return self.out_features * self._in_features + self.scale.numel() * self.scale.element_size()
 
     def integer_product(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``) or
+        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``) or
         float32 holding the same integers (``onednn``)."""
+        if self.gemm == "amx":
+            return cpu_amx_int8.int8_matmul(q, self._qweight)
         if self.gemm == "int_mm":
             return torch._int_mm(q, self._qweight_t)
         return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, *self._onednn_args)

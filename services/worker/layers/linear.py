@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config.dense_copy import INT8_MIN_ROWS
 from services.worker.distributed import TensorParallelGroup, divide
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.quantized_linear import PackedWeight, QuantizedWeight
@@ -75,7 +74,7 @@ class LinearBase(nn.Module):
     # With ``quant``: from this many rows of x on, the dense copy in ``weight`` (or
     # ``packed_weight``) runs instead; 0: there is no copy.
     dense_min_rows: int = 0
-    # An int8 copy beside it (``--dense-copy-dtype int8``), for steps of INT8_MIN_ROWS rows on.
+    # An int8 copy beside it (``--dense-copy-dtype int8``), for the steps it takes (``Int8Weight.takes``).
     int8: Int8Weight | None = None
 
     def runs_packed(self, rows: int) -> bool:
@@ -84,7 +83,9 @@ class LinearBase(nn.Module):
 
     def int8_copy_for(self, rows: int) -> Int8Weight | None:
         """The int8 copy when ``linear`` runs a step of ``rows`` rows on it, else None."""
-        return None if self.runs_packed(rows) or rows < INT8_MIN_ROWS else self.int8
+        if self.int8 is None or self.runs_packed(rows) or not self.int8.takes(rows):
+            return None
+        return self.int8
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

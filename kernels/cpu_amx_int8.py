@@ -1,0 +1,112 @@
+"""The int8 linear's integer GEMM on AMX int8 tiles (``csrc/cpu_amx_int8.cpp``).
+
+Built, where the CPU has AMX (amx_tile, amx_int8), like the other CPU kernels: by
+``python -m kernels.cpu_amx_int8`` ahead of time, else on first use, cached by
+``torch.utils.cpp_extension``. ``available()`` says once per process whether the
+int8 copy may use it: false, with the reason logged, on a CPU without AMX int8, when
+the build cannot happen or the kernel is refused the tile state, or when
+``WEFT_AMX_INT8=0`` turns it off (to measure what it gains). Its torch twin is
+``torch._int_mm(q, w.t())``: the same int32 integers, exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_build import AMX_INT8, AMX_INT8_FLAGS, KernelUnavailable, build, cpu_flags
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_int8.cpp"
+ENV_SWITCH = "WEFT_AMX_INT8"  # "0" keeps the int8 copy on oneDNN's int8 matmul; read by enabled_by_env()
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pack_weight"]
+
+
+def enabled_by_env() -> bool:
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}.")
+    return value == "1"
+
+
+@functools.cache
+def load():
+    """Build (or load the cached build of) the kernel and return ``torch.ops.weft_amx_int8``;
+    ``KernelUnavailable`` on a CPU without AMX int8 or where the build fails."""
+    missing = [flag for flag in AMX_INT8_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"the AMX int8 GEMM needs CPU flags this CPU lacks: {', '.join(missing)}")
+    build("weft_cpu_amx_int8", SOURCE, "the AMX int8 GEMM kernel", isa=AMX_INT8)
+    return torch.ops.weft_amx_int8
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the int8 copy runs its integer GEMMs on this kernel here."""
+    if not enabled_by_env():
+        logger.info("AMX int8 GEMM off (%s=0).", ENV_SWITCH)
+        return False
+    try:
+        ops = load()
+    except KernelUnavailable as exc:
+        logger.info("%s.", exc)
+        return False
+    if not ops.available():
+        logger.warning("the AMX int8 GEMM was refused the tile state.")
+        return False
+    return True
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight: [N, K] on CPU with N % 16 == 0 and K % 64 == 0."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 64 == 0
+        and weight.shape[1] > 0
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 ``[N, K]`` weight in the tiles' B layout, ``[N / 16, K / 4, 16, 4]``: for each block
+    of 16 rows, word ``p`` (K columns 4 p .. 4 p + 3) of each of its rows, 16 words to a line."""
+    if weight.dtype != torch.int8 or not fits(weight):
+        raise ValueError(
+            f"pack_weight takes an int8 [N, K] CPU weight with N % 16 == 0 and K % 64 == 0, "
+            f"got {weight.dtype} {list(weight.shape)}."
+        )
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """``q [M, K] @ W^T`` in int32, exact (``torch._int_mm(q, W.t())``'s integers), for
+    ``packed_weight = pack_weight(W)``."""
+    if not q.is_contiguous():
+        q = q.contiguous()
+    rows = q.shape[0]
+    acc = torch.empty((rows + 15) // 16 * 16, packed_weight.shape[0] * 16, dtype=torch.int32)
+    load().int8_matmul(q, packed_weight, acc)
+    return acc[:rows]
+
+
+def _build() -> int:
+    """Build where the CPU has AMX int8 (make install); elsewhere say so and succeed."""
+    try:
+        load()
+    except KernelUnavailable as exc:
+        print(f"not built: {exc}")
+        return 0
+    print(f"built and loaded the AMX int8 GEMM kernel ({AMX_INT8[0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_build())
