@@ -185,6 +185,15 @@ inline void prefetch_block(const scalar_t* block, int64_t elems) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// The int8 key passes ask for each group of rows' values (into L2) as they read its keys, so that
+// the value pass after the softmax finds the item's values in cache. With only each block's first
+// lines asked for ahead (Prefetcher::lines_of), an int8 decode step waited on its values: 1.23x
+// the time at 32 x 384 keys in blocks shuffled over 256 MiB (scripts/int8_kv_bench.py).
+inline void prefetch_rows(const int8_t* rows, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 // Software prefetch about kPrefetchBytes ahead (a number of blocks, two at
 // least), spread over the current block's rows (a few cache lines per row) so
 // that the misses overlap the arithmetic instead of queueing all at once. The
@@ -623,7 +632,8 @@ inline float round_query_int8(const float* qf, uint8_t* out) {
 // The key pass of one item: s[g * L + t - lo] = qs[g] * ks[t] * (q_g . k_t) for keys [lo, hi).
 template <int kY>
 __attribute__((target("avx512vnni"))) void key_pass_vnni(const uint8_t* qu, const float* qs, int64_t G,
-                                                        const int8_t* keys, const float* key_scales,
+                                                        const int8_t* keys, const int8_t* values,
+                                                        const float* key_scales,
                                                         const int32_t* blocks, int64_t lo, int64_t hi,
                                                         int64_t block_size, float* s, int64_t L,
                                                         const Prefetcher<int8_t>& ahead) {
@@ -637,6 +647,7 @@ __attribute__((target("avx512vnni"))) void key_pass_vnni(const uint8_t* qu, cons
       const int64_t m = std::min<int64_t>(16, t1 - t);
       const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
       const int8_t* k = keys + (first + t - b * block_size) * D;
+      prefetch_rows(values + (first + t - b * block_size) * D, m * D);
       const __m512 ks = _mm512_maskz_loadu_ps(mask, key_scales + first + t - b * block_size);
       __m512i v[16];
       for (int slot = 0; slot < 16; ++slot) {
@@ -778,7 +789,8 @@ void decode_item_int8(const scalar_t* query, int64_t q_stride_head, const int8_t
       qu.resize(G * D);
       qs.resize(G);
       for (int64_t g = 0; g < G; ++g) qs[g] = round_query_int8<D>(qf + g * D, qu.data() + g * D);
-      key_pass_vnni<D / 64>(qu.data(), qs.data(), G, keys, rs.keys, blocks, lo, hi, block_size, s, L, ahead);
+      key_pass_vnni<D / 64>(qu.data(), qs.data(), G, keys, values, rs.keys, blocks, lo, hi, block_size, s, L,
+                            ahead);
       keys_done = true;
     }
 #endif
@@ -786,13 +798,15 @@ void decode_item_int8(const scalar_t* query, int64_t q_stride_head, const int8_t
     ahead.lines_of(b);
     const int64_t first = static_cast<int64_t>(blocks[b]) * block_size;  // the block's first row
     const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
-    for (int64_t t = t0; t < t1; t += 16)
+    for (int64_t t = t0; t < t1; t += 16) {
+      const int64_t row = first + t - b * block_size;
+      prefetch_rows(values + row * D, std::min<int64_t>(16, t1 - t) * D);
       for (int64_t g = 0; g < G; ++g) {  // the rows stay in L1 while every head reads them
         __m512 q[kZ];
         for (int z = 0; z < kZ; ++z) q[z] = _mm512_loadu_ps(qf + g * D + z * 16);
-        const int64_t row = first + t - b * block_size;
         scores16_int8<kZ>(q, keys + row * D, std::min<int64_t>(16, t1 - t), rs.keys + row, s + g * L + (t - lo));
       }
+    }
   }
   softmax_numerators16(s, L, G, part);
   for (int64_t b = b_first; b <= b_last; ++b) {
