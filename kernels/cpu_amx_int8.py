@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import AMX_INT8, AMX_INT8_FLAGS, KernelUnavailable, build, cpu_flags
+from kernels.cpu_build import (
+    AMX_INT8,
+    AMX_INT8_FLAGS,
+    KernelUnavailable,
+    build,
+    build_command,
+    cpu_flags,
+    switch_on,
+)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_int8.cpp"
 ENV_SWITCH = "WEFT_AMX_INT8"  # "0" keeps the int8 copy on oneDNN's int8 matmul; read by enabled_by_env()
@@ -29,10 +36,7 @@ __all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pac
 
 
 def enabled_by_env() -> bool:
-    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}.")
-    return value == "1"
+    return switch_on(ENV_SWITCH)
 
 
 @functools.cache
@@ -97,16 +101,5 @@ def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     return acc[:rows]
 
 
-def _build() -> int:
-    """Build where the CPU has AMX int8 (make install); elsewhere say so and succeed."""
-    try:
-        load()
-    except KernelUnavailable as exc:
-        print(f"not built: {exc}")
-        return 0
-    print(f"built and loaded the AMX int8 GEMM kernel ({AMX_INT8[0]})")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(_build())
+    raise SystemExit(build_command(load, "the AMX int8 GEMM kernel", AMX_INT8[0]))

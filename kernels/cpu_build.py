@@ -180,3 +180,23 @@ def build(
         )
     except Exception as exc:  # compiler or linker errors come as several exception types
         raise KernelUnavailable(f"building {what} failed: {exc}") from exc
+
+
+def switch_on(env_name: str) -> bool:
+    """A kernel's on/off switch in the environment: "1" (the default) or "0"; else ValueError."""
+    value = os.environ.get(env_name, "1").strip().lower()
+    if value not in ("0", "1"):
+        raise ValueError(f"{env_name} must be 0 or 1, got {value!r}.")
+    return value == "1"
+
+
+def build_command(load, what: str, isa_name: str) -> int:
+    """``python -m kernels.<module>`` (make install): build where the CPU has the kernel's flags,
+    elsewhere say why not, and succeed either way."""
+    try:
+        load()
+    except KernelUnavailable as exc:
+        print(f"not built: {exc}")
+        return 0
+    print(f"built and loaded {what} ({isa_name})")
+    return 0

@@ -75,7 +75,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dense_copy_dtype: Annotated[
         Literal["model", "int8"],
         Meta(
-            description="model: the dense copy in dtype (oneDNN GEMM); int8: an int8 copy beside it for the steps its GEMM takes (from services.config.dense_copy.INT8_MIN_ROWS rows on, or up to AMX_INT8_MAX_ROWS on AMX int8 tiles; weights and activations rotated and rounded to int8 per row; integer GEMM).",
+            description="model: the dense copy in dtype (oneDNN GEMM); int8: an int8 copy beside it for the steps its GEMM takes (from services.config.dense_copy.INT8_MIN_ROWS rows on, every step on weft's AVX-512 VNNI GEMM, or up to AMX_INT8_MAX_ROWS on AMX int8 tiles; weights and activations rotated and rounded to int8 per row; integer GEMM).",
         ),
     ] = "model"
 

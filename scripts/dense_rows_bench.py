@@ -13,9 +13,12 @@ the best time of each:
   CPU worker packs it (the path from ``--dense-min-rows`` rows on),
 - ``int8``: the int8 copy (``--dense-copy-dtype int8``) on bf16 activations:
   rows rotated and rounded, the integer GEMM the CPU gets by default
-  (``int8_linear.default_int8_gemm``: oneDNN's int8 matmul on AMX int8 tiles,
-  ``torch._int_mm`` elsewhere), scaled back,
-- ``int8-mm``: the same with ``torch._int_mm`` whatever the CPU.
+  (``int8_linear.default_int8_gemm``: weft's own on AMX int8 tiles or AVX-512
+  VNNI, ``torch._int_mm`` elsewhere), scaled back,
+- ``int8-mm``: the same with ``torch._int_mm`` whatever the CPU,
+- ``int8-onednn``: the same with oneDNN's int8 matmul (slow without AMX).
+
+``--paths`` picks the columns (all by default).
 
 The row count from which the dense copy wins on every layer is what
 ``services/config/dense_copy.DEFAULT_DENSE_MIN_ROWS`` is set from.
@@ -78,35 +81,29 @@ def time_forward(layers, path: tuple[list, torch.dtype], rows: int, repeats: int
     return best
 
 
+PATHS = ("packed", "bf16", "fp32", "int8", "int8-mm", "int8-onednn")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="The columns to time.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = kept_quantized_layers()
-    paths = {
-        name: matmuls(layers, name) for name in ("packed", "bf16", "fp32", "int8", "int8-mm", "int8-onednn")
-    }
+    paths = {name: matmuls(layers, name) for name in args.paths}
     print(f"{len(layers)} weight matrices, {args.threads} threads; ms for all of them, best of each")
-    print(f"int8: the {default_int8_gemm()} GEMM; int8-mm: torch._int_mm")
-    print(
-        f"{'rows':>6} {'packed':>9} {'bf16':>9} {'fp32':>9} {'int8':>9} {'int8-mm':>9} {'int8-dnn':>9}"
-        "  packed/bf16  bf16/int8"
-    )
+    print(f"int8: the {default_int8_gemm()} GEMM; int8-mm: torch._int_mm; int8-onednn: oneDNN's int8 matmul")
+    print(f"{'rows':>6} " + " ".join(f"{name:>11}" for name in paths))
     for rows in args.rows:
         best = dict.fromkeys(paths, float("inf"))
         for _ in range(args.rounds):
             for name, path in paths.items():
                 best[name] = min(best[name], time_forward(layers, path, rows, args.repeats))
-        ms = {k: v * 1e3 for k, v in best.items()}
-        print(
-            f"{rows:6d} {ms['packed']:9.1f} {ms['bf16']:9.1f} {ms['fp32']:9.1f} {ms['int8']:9.1f}"
-            f" {ms['int8-mm']:9.1f} {ms['int8-onednn']:9.1f}"
-            f"  {ms['packed'] / ms['bf16']:10.2f}x {ms['bf16'] / ms['int8']:10.2f}x"
-        )
+        print(f"{rows:6d} " + " ".join(f"{best[name] * 1e3:11.1f}" for name in paths), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,16 @@ packed at every batch size unless asked.
 rotated and rounded to int8 per row, integer GEMMs:
 ``services.worker.layers.int8_linear``) for steps of ``INT8_MIN_ROWS`` rows and
 more; below that the model dtype's copy stays faster (the rounding passes cost
-more than the integer GEMM saves), so both are kept. On AMX int8 tiles, where the
-integer GEMM is weft's own, the int8 copy runs the steps of the dense copy's first
-row count up to ``AMX_INT8_MAX_ROWS`` instead, and the model dtype's copy the longer
-ones. "auto": the int8 copy too where it was measured to pay — a bf16 model dtype
+more than the integer GEMM saves), so both are kept. Where the integer GEMM is
+weft's own (``kernels.cpu_amx_int8`` on AMX int8 tiles, ``kernels.cpu_vnni_int8``
+on AVX-512 VNNI), the int8 copy runs every step of the dense copy instead, up to
+``AMX_INT8_MAX_ROWS`` rows on AMX (the model dtype's copy the longer ones there).
+"auto": the int8 copy too where it was measured to pay — a bf16 model dtype
 on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
 (``engine_args.cpu_int8_copy_pays``), one engine per model (no tensor parallelism:
 the shards' rows would round differently from one worker's), and both copies
-within the memory rule below — else the model dtype's copy alone; with AMX int8
-auto's copies start at ``AMX_INT8_DENSE_MIN_ROWS`` rows. "model": the model
+within the memory rule below — else the model dtype's copy alone; where weft's
+own GEMM runs it, auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` rows. "model": the model
 dtype's copy alone (an fp32 or bf16 run whose batched steps match dequantized
 weights).
 Torch-free: the API process builds the config too.
@@ -42,13 +43,17 @@ DENSE_COPY_DTYPES = ("auto", "model", "int8")
 # matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
 # 1.40x at 128, since the rounding pass's rotation runs two stages at a time).
 INT8_MIN_ROWS = 32
-# On AMX int8 tiles weft's own integer GEMM (kernels/cpu_amx_int8.py) streams the int8 copy at
-# close to the read bandwidth: the int8 copy beat the packed Q4_1 kernels from 2 rows a step on
-# (7.9 against 7.7-12.1 ms for all the default model's matmuls at 2-4 rows; 8.2 against 6.6 at 1)
-# and the bf16 copy up to 128 (1.8x at 1-4 rows, 1.4x at 32, 1.2x at 64, level at 128, 0.86x at
-# 256: `python scripts/dense_rows_bench.py`). There auto keeps the packed weight for 1-row steps,
-# the int8 copy for 2 to AMX_INT8_MAX_ROWS rows and the bf16 copy above.
-AMX_INT8_DENSE_MIN_ROWS = 2
+# weft's own integer GEMMs stream the int8 copy at close to the read bandwidth at a few rows.
+# On AMX int8 tiles (kernels/cpu_amx_int8.py) the int8 copy beat the packed Q4_1 kernels from 2
+# rows a step on (7.9 against 7.7-12.1 ms for all the default model's matmuls at 2-4 rows; 8.2
+# against 6.6 at 1) and the bf16 copy up to 128 (1.8x at 1-4 rows, 1.4x at 32, 1.2x at 64, level
+# at 128, 0.86x at 256: `python scripts/dense_rows_bench.py`). On AVX-512 VNNI (Zen 4,
+# kernels/cpu_vnni_int8.py) it beat the packed kernels from 2 rows (6.7-7.9 against 7.2-12.2 ms;
+# 6.8-8.2 against 6.2-9.9 at 1, a tie) and the bf16 copy at every row count measured (2.1x at 2
+# rows, 1.5x at 8, 1.2x at 32, 1.5x at 64, 1.3-1.4x at 256-2048). So auto keeps the packed weight
+# for 1-row steps and the int8 copy from 2 rows on, up to AMX_INT8_MAX_ROWS on AMX, the bf16 copy
+# above that.
+OWN_INT8_GEMM_DENSE_MIN_ROWS = 2
 AMX_INT8_MAX_ROWS = 128
 
 

@@ -25,8 +25,8 @@ from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
 from services.config.dense_copy import (
-    AMX_INT8_DENSE_MIN_ROWS,
     DEFAULT_DENSE_MIN_ROWS,
+    OWN_INT8_GEMM_DENSE_MIN_ROWS,
     check_dense_copy_dtype,
     check_int8_copy_kept,
     resolve_dense_min_rows,
@@ -195,7 +195,7 @@ class EngineArgs:
             )
 
         # The int8 copy comes beside the model dtype's: one more byte a weight.
-        first_rows = AMX_INT8_DENSE_MIN_ROWS if int8 and cpu_amx_int8_copy() else DEFAULT_DENSE_MIN_ROWS
+        first_rows = OWN_INT8_GEMM_DENSE_MIN_ROWS if int8 and cpu_own_int8_gemm() else DEFAULT_DENSE_MIN_ROWS
         dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8, first_rows)
         if choice == "int8":
             check_int8_copy_kept(dense_min_rows, quantization, speculative=speculative)
@@ -359,22 +359,28 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
 
 def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
     """The int8 dense copy was measured faster than the bf16 one from 32 rows on (README, "int8
-    dense copy") on AVX-512 VNNI with bf16 dot products and no AMX. With AMX tiles oneDNN's bf16
-    GEMM beat the int8 copy on oneDNN's int8 matmul (level at best over a forward), but weft's
-    own GEMM on AMX int8 tiles (``cpu_amx_int8_copy``) beats both up to 128 rows.
-    ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
+    dense copy") on AVX-512 VNNI with bf16 dot products and no AMX, and on weft's own VNNI GEMM
+    from 2 rows on. With AMX tiles oneDNN's bf16 GEMM beat the int8 copy on oneDNN's int8 matmul
+    (level at best over a forward), but weft's own GEMM on AMX int8 tiles beats both up to 128
+    rows. ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
     flags = cpu_flags() if flags is None else flags
-    if cpu_amx_int8_copy(flags):
+    if {"amx_tile", "amx_int8", *_AVX512} <= flags:
         return True
     return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}
 
 
-def cpu_amx_int8_copy(flags: set[str] | None = None) -> bool:
-    """Whether the int8 copy's GEMMs run on AMX int8 tiles here (weft's kernel,
-    ``kernels.cpu_amx_int8``, which needs these flags; the worker falls back to oneDNN's int8
-    matmul where it cannot build it): then auto's copies start at ``AMX_INT8_DENSE_MIN_ROWS``."""
+_AVX512 = ("avx512f", "avx512bw", "avx512vl")
+
+
+def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
+    """Whether the int8 copy's GEMMs run on one of weft's kernels here, which need these flags:
+    AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``);
+    then auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS``. (The worker falls back to
+    oneDNN's GEMMs where it cannot build them, and the bf16 copy takes the steps those lose.)"""
     flags = cpu_flags() if flags is None else flags
-    return {"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl"} <= flags
+    if "amx_int8" in flags:
+        return {"amx_tile", *_AVX512} <= flags
+    return {*_AVX512, "avx512_vnni", "avx2", "fma", "f16c"} <= flags
 
 
 def cpu_flags() -> set[str]:

@@ -17,10 +17,10 @@ from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
 from services.config import engine_args
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.dense_copy import (
-    AMX_INT8_DENSE_MIN_ROWS,
     AMX_INT8_MAX_ROWS,
     DEFAULT_DENSE_MIN_ROWS,
     INT8_MIN_ROWS,
+    OWN_INT8_GEMM_DENSE_MIN_ROWS,
     linear_param_count,
     resolve_dense_min_rows,
 )
@@ -165,14 +165,15 @@ def int8_pays(monkeypatch):
     """What auto decides on a CPU where the int8 copy pays on VNNI dot products (flags fed in,
     not this machine's)."""
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
-    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: False)
+    monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
 
 
-def test_on_amx_int8_tiles_auto_starts_the_copies_at_two_rows(monkeypatch):
+def test_where_wefts_own_int8_gemm_runs_auto_starts_the_copies_at_two_rows(monkeypatch):
+    """AMX int8 tiles or AVX-512 VNNI (flags fed in, not this machine's)."""
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
-    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: True)
+    monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: True)
     both = config_of(dtype="bfloat16")
-    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", AMX_INT8_DENSE_MIN_ROWS)
+    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", OWN_INT8_GEMM_DENSE_MIN_ROWS)
     # The bf16 copy alone starts where it beat the packed kernels; an explicit count is kept.
     assert config_of(dtype="bfloat16", dense_copy_dtype="model").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
     assert config_of(dtype="bfloat16", dense_min_rows=16).dense_min_rows == 16
@@ -197,7 +198,7 @@ def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
 
 def test_auto_keeps_the_model_dtype_copy_alone_where_int8_does_not_pay(monkeypatch):
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
-    monkeypatch.setattr(engine_args, "cpu_amx_int8_copy", lambda flags=None: False)
+    monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
     assert config_of(dtype="bfloat16").dense_copy_dtype == "model"
     assert config_of(dtype="bfloat16", dense_copy_dtype="int8").dense_copy_dtype == "int8"  # asked for
 
@@ -244,8 +245,8 @@ def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
     """Under 8 rows the packed kernels; from there the int8 copy where its GEMM takes the rows
-    (``Int8Weight.takes``: from INT8_MIN_ROWS on, or up to AMX_INT8_MAX_ROWS on weft's AMX GEMM,
-    whichever this CPU has), else the model dtype's copy."""
+    (``Int8Weight.takes``: from INT8_MIN_ROWS on, up to AMX_INT8_MAX_ROWS on weft's AMX GEMM, or
+    every count on its VNNI GEMM, whichever this CPU has), else the model dtype's copy."""
     for layer in linear_layers(int8_model)[:8] + [int8_model.lm_head]:
         assert layer.packed_weight is not None and layer.int8 is not None
         k = layer.quant.shape[1]
@@ -273,7 +274,8 @@ def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
             want = x.float() @ layer.quant.dequantize().T
             assert float((got.float() - want).norm() / want.norm()) < 0.03
     taken = [layer.int8.takes(rows) for rows in (8, 300)]
-    assert taken in ([False, True], [True, False])  # each GEMM takes one end, not both
+    # weft's VNNI GEMM takes both ends, its AMX GEMM the short steps, the others the long ones
+    assert taken == {"vnni": [True, True], "amx": [True, False]}.get(layer.int8.gemm, [False, True])
 
 
 @torch.inference_mode()
@@ -298,5 +300,7 @@ def test_the_int8_copy_is_counted(int8_model):
     report = quantized_report(int8_model)
     layers = linear_layers(int8_model)
     rows = sum(layer.quant.shape[0] for layer in layers)
-    # The fp32 copy, and beside it the int8 weights with one fp32 scale a row.
-    assert packed_weights_bytes(int8_model) == 4 * report.total_params + report.total_params + 4 * rows
+    # The fp32 copy, and beside it the int8 weights with one fp32 scale a row (and on weft's VNNI
+    # GEMM one int32 a row, where its sums start).
+    sums = sum(4 * layer.quant.shape[0] for layer in layers if layer.int8.gemm == "vnni")
+    assert packed_weights_bytes(int8_model) == 4 * report.total_params + report.total_params + 4 * rows + sums

@@ -1,18 +1,21 @@
 """The int8 dense copy's integer GEMMs: ``torch._int_mm``, oneDNN's int8 matmul on a prepacked
-weight (the AMX tiles where the CPU has them) and, on CPUs with AMX int8 tiles, weft's own
-(``kernels.cpu_amx_int8``). All give the same numbers: oneDNN falls back to the dot products
-the CPU has, and weft's kernel runs only where the tiles are."""
+weight (the AMX tiles where the CPU has them) and weft's own, on CPUs with AMX int8 tiles
+(``kernels.cpu_amx_int8``) or AVX-512 VNNI (``kernels.cpu_vnni_int8``). All give the same
+numbers: oneDNN falls back to the dot products the CPU has, and weft's kernels run only where
+their instructions are."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_amx_int8
+from kernels import cpu_amx_int8, cpu_vnni_int8
+from kernels.cpu_build import cpu_flags
 from services.worker.layers import int8_linear
 from services.worker.layers.int8_linear import Int8Weight, default_int8_gemm
 
 AMX = pytest.mark.skipif(not cpu_amx_int8.available(), reason="needs AMX int8 tiles and weft's AMX kernel")
+VNNI = pytest.mark.skipif(not cpu_vnni_int8.available(), reason="needs AVX-512 VNNI and weft's VNNI kernel")
 
 
 @pytest.fixture
@@ -20,17 +23,32 @@ def generator():
     return torch.Generator().manual_seed(7)
 
 
+SHAPES = [(1536, 576), (576, 1536), (960, 576), (49152, 576)]
+
+
+def gemm_cases():
+    """Every GEMM at every shape, but oneDNN's int8 matmul without AMX int8 tiles (never chosen
+    there, and its fallback took 450 s for the LM head's shape on Zen 4) at one small shape."""
+    has_amx_int8 = "amx_int8" in cpu_flags()
+    for shape in SHAPES:
+        if has_amx_int8 or shape == (960, 576):
+            yield pytest.param("onednn", shape, id=f"onednn-{shape[0]}x{shape[1]}")
+        yield pytest.param("amx", shape, marks=AMX, id=f"amx-{shape[0]}x{shape[1]}")
+        yield pytest.param("vnni", shape, marks=VNNI, id=f"vnni-{shape[0]}x{shape[1]}")
+
+
 @torch.inference_mode()
-@pytest.mark.parametrize("gemm", ["onednn", pytest.param("amx", marks=AMX)])
+@pytest.mark.parametrize("gemm, shape", list(gemm_cases()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (960, 576), (49152, 576)])
 def test_each_gemm_gives_the_int_mm_gemms_numbers(generator, gemm, dtype, shape):
     n, k = shape
     weight = torch.randn(n, k, generator=generator) * 0.05
     weight[:, 11] *= 30.0  # an outlier column, as the default model's activations have
     by_int_mm, by_onednn = Int8Weight(weight, gemm="int_mm"), Int8Weight(weight, gemm=gemm)
     assert by_onednn.gemm == gemm
-    assert by_onednn.nbytes == by_int_mm.nbytes == n * k + 4 * n
+    # the int8 weight and its row scales; the VNNI GEMM's sums start at one more int32 a row
+    assert by_int_mm.nbytes == n * k + 4 * n
+    assert by_onednn.nbytes == n * k + (8 if gemm == "vnni" else 4) * n
     bias = torch.randn(n, generator=generator).to(dtype)
     for rows in (1, 7, 32, 301):
         x = (torch.randn(rows, k, generator=generator) * 2).to(dtype)
@@ -50,8 +68,9 @@ def test_each_gemm_gives_the_int_mm_gemms_numbers(generator, gemm, dtype, shape)
 
 
 def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
-    assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}) == "int_mm"
-    assert default_int8_gemm({"avx2"}) == "int_mm"
+    assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}, vnni_kernel=True) == "vnni"
+    assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}, vnni_kernel=False) == "int_mm"
+    assert default_int8_gemm({"avx2"}, vnni_kernel=True) == "int_mm"
     amx = {"amx_tile", "amx_int8", "amx_bf16"}
     assert default_int8_gemm(amx, amx_kernel=True) == "amx"
     assert default_int8_gemm(amx, amx_kernel=False) == "onednn"
@@ -63,7 +82,8 @@ def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
 
 def test_the_rows_each_gemm_takes():
     """weft's AMX GEMM takes a dense copy's steps up to AMX_INT8_MAX_ROWS (the bf16 copy the
-    longer ones); the others from INT8_MIN_ROWS on (the model dtype's copy the shorter ones)."""
+    longer ones), its VNNI GEMM all of them; the others from INT8_MIN_ROWS on (the model dtype's
+    copy the shorter ones)."""
     from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
 
     by_int_mm = Int8Weight(torch.randn(32, 64), gemm="int_mm")
@@ -71,6 +91,9 @@ def test_the_rows_each_gemm_takes():
     if cpu_amx_int8.available():
         by_amx = Int8Weight(torch.randn(32, 64), gemm="amx")
         assert by_amx.takes(1) and by_amx.takes(AMX_INT8_MAX_ROWS) and not by_amx.takes(AMX_INT8_MAX_ROWS + 1)
+    if cpu_vnni_int8.available():
+        by_vnni = Int8Weight(torch.randn(32, 64), gemm="vnni")
+        assert by_vnni.takes(1) and by_vnni.takes(INT8_MIN_ROWS - 1) and by_vnni.takes(4096)
 
 
 @AMX
@@ -79,12 +102,24 @@ def test_a_shape_the_tiles_do_not_take_runs_on_onednn():
     assert Int8Weight(weight, gemm="amx").gemm == "onednn"
 
 
+@VNNI
+def test_a_shape_the_vnni_packing_does_not_take_runs_on_int_mm():
+    weight = torch.randn(40, 96)
+    assert Int8Weight(weight, gemm="vnni").gemm == "int_mm"
+
+
 def test_the_amx_gemm_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(cpu_amx_int8, "available", lambda: False)
     with pytest.raises(ValueError, match="gemm 'amx' needs AMX int8 tiles"):
         Int8Weight(torch.ones(16, 64), gemm="amx")
 
 
+def test_the_vnni_gemm_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu_vnni_int8, "available", lambda: False)
+    with pytest.raises(ValueError, match="gemm 'vnni' needs AVX-512 VNNI"):
+        Int8Weight(torch.ones(16, 64), gemm="vnni")
+
+
 def test_an_unknown_gemm_is_refused():
-    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, amx, got 'mkl'"):
+    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, amx, vnni, got 'mkl'"):
         Int8Weight(torch.ones(4, 64), gemm="mkl")

@@ -1,15 +1,16 @@
 """An int8 dense copy of a weight, for batched steps on CPU (``--dense-copy-dtype int8``): kept
 beside the model dtype's copy, it runs from ``services.config.dense_copy.INT8_MIN_ROWS`` rows on,
-or on AMX int8 tiles up to ``AMX_INT8_MAX_ROWS`` (``Int8Weight.takes``).
+on weft's own AVX-512 VNNI GEMM every step of the dense copy, and on AMX int8 tiles up to
+``AMX_INT8_MAX_ROWS`` (``Int8Weight.takes``).
 
 The weight ``[N, K]`` is rotated and then rounded per output row to int8 with
 one fp32 scale (``scale = amax(row) / 127``). At each call every row of x is
 rotated and rounded the same way, the integer product runs as one integer GEMM,
 and its result is scaled back by the two scales into x's dtype. The GEMM is
-``torch._int_mm`` (AVX-512 VNNI or AVX2 integer dot products, about twice
-oneDNN's bf16 GEMM there, README "int8 dense copy") or, where the CPU has AMX
-int8 tiles, weft's own GEMM on them (``kernels.cpu_amx_int8``: it streams the
-weight at close to the read bandwidth at a decode step's rows), or where that
+``torch._int_mm`` (AVX2 integer dot products), or weft's own GEMMs, which stream
+the weight at close to the read bandwidth at a decode step's rows: on AVX-512
+VNNI ``kernels.cpu_vnni_int8`` (where ``torch._int_mm`` read it at half that),
+on AMX int8 tiles ``kernels.cpu_amx_int8``; or, on AMX where that
 kernel cannot be built oneDNN's int8 matmul on a prepacked weight
 (``torch.ops.onednn.qlinear_pointwise`` with unit scales: its fp32 result holds
 the same integers), 1.1-1.6x ``torch._int_mm`` there from 64 rows on (README,
@@ -35,23 +36,30 @@ import functools
 
 import torch
 
-from kernels import cpu_amx_int8, cpu_fused
+from kernels import cpu_amx_int8, cpu_fused, cpu_vnni_int8
 from kernels.reference import HADAMARD_BLOCKS, quantize_rows_int8_ref, scale_int32_ref
 from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
 from services.config.engine_args import cpu_flags
 
-INT8_GEMMS = ("int_mm", "onednn", "amx")
+INT8_GEMMS = ("int_mm", "onednn", "amx", "vnni")
 
 
-def default_int8_gemm(flags: set[str] | None = None, amx_kernel: bool | None = None) -> str:
+def default_int8_gemm(
+    flags: set[str] | None = None, amx_kernel: bool | None = None, vnni_kernel: bool | None = None
+) -> str:
     """Where the CPU has AMX int8 tiles: ``amx`` (weft's kernel, ``kernels.cpu_amx_int8``) where it
     builds (``amx_kernel``: whether it does, asked when None), else ``onednn`` where torch has
     oneDNN's int8 linear ops (there ``torch._int_mm`` does not use the tiles and ran slower than
-    the bf16 GEMM). Elsewhere ``int_mm``."""
+    the bf16 GEMM). Else, with AVX-512 VNNI, ``vnni`` (weft's kernel, ``kernels.cpu_vnni_int8``)
+    where it builds (``vnni_kernel``, likewise). Elsewhere ``int_mm``."""
     if flags is None:
         return _this_machines_int8_gemm()
     if "amx_int8" not in flags:
-        return "int_mm"
+        if "avx512_vnni" not in flags:
+            return "int_mm"
+        if vnni_kernel is None:
+            vnni_kernel = cpu_vnni_int8.available()
+        return "vnni" if vnni_kernel else "int_mm"
     if amx_kernel is None:
         amx_kernel = cpu_amx_int8.available()
     if amx_kernel:
@@ -90,6 +98,8 @@ class Int8Weight:
             )
         if gemm == "amx" and not cpu_amx_int8.available():
             raise ValueError("gemm 'amx' needs AMX int8 tiles and weft's AMX int8 kernel, absent here.")
+        if gemm == "vnni" and not cpu_vnni_int8.available():
+            raise ValueError("gemm 'vnni' needs AVX-512 VNNI and weft's VNNI int8 kernel, absent here.")
         self.hadamard_block = hadamard_block_for(weight.shape[1])
         q, scale = quantize_rows_int8_ref(weight.float(), self.hadamard_block)
         if not torch.isfinite(scale).all():
@@ -97,11 +107,16 @@ class Int8Weight:
         if gemm == "amx" and not cpu_amx_int8.fits(q):
             # A shape the tiles do not take (K % 64, N % 16): oneDNN's tiles where torch has them.
             gemm = "onednn" if _onednn_ops_present() else "int_mm"
+        if gemm == "vnni" and not cpu_vnni_int8.fits(q):
+            gemm = "int_mm"
         self.gemm = gemm
         self.scale = scale  # [N] fp32
         self.out_features, self._in_features = q.shape
         if gemm == "amx":
             self._qweight = cpu_amx_int8.pack_weight(q)  # the tiles' layout, made once
+        elif gemm == "vnni":
+            self._qweight = cpu_vnni_int8.pack_weight(q)  # the same layout, and its sums' start
+            self._row_bias = cpu_vnni_int8.row_bias(q)
         elif gemm == "int_mm":
             self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
         else:
@@ -120,18 +135,24 @@ class Int8Weight:
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on this copy rather than the model dtype's:
-        up to ``AMX_INT8_MAX_ROWS`` on weft's AMX GEMM, from ``INT8_MIN_ROWS`` on the others."""
+        every one on weft's VNNI GEMM, up to ``AMX_INT8_MAX_ROWS`` on its AMX GEMM, from
+        ``INT8_MIN_ROWS`` on the others."""
+        if self.gemm == "vnni":
+            return True
         return rows <= AMX_INT8_MAX_ROWS if self.gemm == "amx" else rows >= INT8_MIN_ROWS
 
     @property
     def nbytes(self) -> int:
-        return self.out_features * self._in_features + self.scale.numel() * self.scale.element_size()
+        bias = self.out_features * 4 if self.gemm == "vnni" else 0  # its int32 row sums
+        return self.out_features * self._in_features + self.scale.numel() * self.scale.element_size() + bias
 
     def integer_product(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``) or
+        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``, ``vnni``) or
         float32 holding the same integers (``onednn``)."""
         if self.gemm == "amx":
             return cpu_amx_int8.int8_matmul(q, self._qweight)
+        if self.gemm == "vnni":
+            return cpu_vnni_int8.int8_matmul(q, self._qweight, self._row_bias)
         if self.gemm == "int_mm":
             return torch._int_mm(q, self._qweight_t)
         return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, *self._onednn_args)
