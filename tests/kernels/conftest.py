@@ -51,3 +51,12 @@ def assert_close(
 @pytest.fixture(scope="session")
 def close():
     return assert_close
+
+
+@pytest.fixture
+def torch_threads(request):
+    """Run a test on ``request.param`` torch threads (parametrize it with ``indirect=True``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -17,20 +17,12 @@ def twin(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (q.long() @ w.long().t()).to(torch.int32)
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @AMX
 @torch.inference_mode()
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 128), (80, 576), (576, 1536), (3072, 576)])
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 47, 64, 256, 300, 513])
-def test_the_kernel_gives_the_integer_product(threads, n, k, rows):
+def test_the_kernel_gives_the_integer_product(torch_threads, n, k, rows):
     generator = torch.Generator().manual_seed(rows * 7919 + n + k)
     q = torch.randint(-128, 128, (rows, k), dtype=torch.int8, generator=generator)
     w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)

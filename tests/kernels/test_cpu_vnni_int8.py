@@ -21,20 +21,12 @@ def product(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cpu_vnni_int8.int8_matmul(q, cpu_vnni_int8.pack_weight(w), cpu_vnni_int8.row_bias(w))
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @VNNI
 @torch.inference_mode()
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 128), (80, 576), (112, 192), (576, 1536), (3072, 576)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 64, 191, 192, 193, 400])
-def test_the_kernel_gives_the_integer_product(threads, n, k, rows):
+def test_the_kernel_gives_the_integer_product(torch_threads, n, k, rows):
     generator = torch.Generator().manual_seed(rows * 7919 + n + k)
     q = torch.randint(-128, 128, (rows, k), dtype=torch.int8, generator=generator)
     w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
