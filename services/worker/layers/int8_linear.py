@@ -85,8 +85,8 @@ def hadamard_block_for(k: int) -> int:
 
 class Int8Weight:
     """``x W^T (+ b)`` with W and x rounded to int8 per row (see the module notes).
-    ``gemm``: ``int_mm``, ``onednn`` or ``amx`` (``default_int8_gemm()`` when None; ``amx`` turns
-    into ``onednn`` for a shape its tiles do not take)."""
+    ``gemm``: ``int_mm``, ``onednn``, ``amx`` or ``vnni`` (``default_int8_gemm()`` when None; for a
+    shape weft's kernels do not take, ``amx`` turns into ``onednn`` and ``vnni`` into ``int_mm``)."""
 
     def __init__(self, weight: torch.Tensor, gemm: str | None = None) -> None:
         gemm = default_int8_gemm() if gemm is None else gemm
