@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.cpu_build import AMX_INT8_FLAGS, AVX512_VNNI_FLAGS  # torch-free: flag names only
 from protocol import (
     CacheConfig,
     DeviceConfig,
@@ -364,23 +365,20 @@ def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
     (level at best over a forward), but weft's own GEMM on AMX int8 tiles beats both up to 128
     rows. ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
     flags = cpu_flags() if flags is None else flags
-    if {"amx_tile", "amx_int8", *_AVX512} <= flags:
+    if set(AMX_INT8_FLAGS) <= flags:
         return True
     return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}
 
 
-_AVX512 = ("avx512f", "avx512bw", "avx512vl")
-
-
 def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
-    """Whether the int8 copy's GEMMs run on one of weft's kernels here, which need these flags:
-    AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``);
+    """Whether the int8 copy's GEMMs run on one of weft's kernels here, by the flags they are built
+    for: AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``);
     then auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS``. (The worker falls back to
     oneDNN's GEMMs where it cannot build them, and the bf16 copy takes the steps those lose.)"""
     flags = cpu_flags() if flags is None else flags
     if "amx_int8" in flags:
-        return {"amx_tile", *_AVX512} <= flags
-    return {*_AVX512, "avx512_vnni", "avx2", "fma", "f16c"} <= flags
+        return set(AMX_INT8_FLAGS) <= flags
+    return set(AVX512_VNNI_FLAGS) <= flags
 
 
 def cpu_flags() -> set[str]:

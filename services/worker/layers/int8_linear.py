@@ -143,8 +143,8 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        bias = self.out_features * 4 if self.gemm == "vnni" else 0  # its int32 row sums
-        return self.out_features * self._in_features + self.scale.numel() * self.scale.element_size() + bias
+        sums = self._row_bias.nbytes if self.gemm == "vnni" else 0  # where the VNNI GEMM's sums start
+        return self.out_features * self._in_features + self.scale.nbytes + sums
 
     def integer_product(self, q: torch.Tensor) -> torch.Tensor:
         """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``, ``vnni``) or
