@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m kernels.cpu_fused || echo "warning: fused CPU kernels not built; RMSNorm, SiLU-and-mul and rotary use torch ops"
 	$(PY) -m kernels.cpu_amx_int8 || echo "warning: AMX int8 GEMM kernel not built; the int8 copy uses oneDNN's int8 matmul on AMX"
 	$(PY) -m kernels.cpu_vnni_int8 || echo "warning: VNNI int8 GEMM kernel not built; the int8 copy uses torch._int_mm on AVX-512 VNNI"
+	$(PY) -m kernels.cpu_avx2_int8 || echo "warning: AVX2 int8 GEMM kernel not built; the int8 copy uses torch._int_mm on AVX2"
 	touch $@
 
 model: $(HF_DIR)/config.json

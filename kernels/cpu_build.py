@@ -40,6 +40,10 @@ AVX512_VNNI = (
 )
 
 
+# AVX2 + FMA (+ F16C), the default target where the CPU has them.
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
 def target_isa() -> tuple[str, list[str]]:
     """(name, compiler flags) of the instruction set the build targets.
 
@@ -53,7 +57,7 @@ def target_isa() -> tuple[str, list[str]]:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         flags = []
-    if all(f in flags for f in ("avx2", "fma", "f16c")):
+    if all(f in flags for f in AVX2_FLAGS):
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 

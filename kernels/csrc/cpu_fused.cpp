@@ -180,6 +180,24 @@ inline __m256i round_bf16(__m512 v) {
 
 inline void store_some(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store_some(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+#elif defined(__AVX2__)
+// exp_approx on 8 lanes, its steps as FMAs (exp_approx16's, on an AVX2 build).
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 shifter = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter), shifter);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 #endif
 
 // out[0, n) = silu(gate) * up, in fp32, rounded to T. SiLU-and-mul and the MLP's fused pass both
@@ -196,7 +214,20 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
     store_some(out + j, _mm512_mul_ps(silu, u), m);
   }
 #else
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  // fp32 rows (the model dtype where AVX2 is all there is): 8 lanes at a time, as above; the
+  // scalar loop ran about 40 ns an element.
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 one = _mm256_set1_ps(1.0f), minus = _mm256_set1_ps(-1.0f);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + j), u = _mm256_loadu_ps(up + j);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_approx8(_mm256_mul_ps(g, minus))));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, u));
+    }
+  }
+#endif
+  for (; j < n; ++j) {
     const float g = to_float(gate[j]);
     out[j] = from_float<T>(g / (1.0f + exp_approx(-g)) * to_float(up[j]));
   }

@@ -36,14 +36,15 @@ _EXTRA_HELP = {
     "or none (dequantize to --dtype at load).",
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
     "weight, fewer rows the packed kernels; 0 keeps no copy (default auto: where the copy takes at most "
-    "half of the memory budget, --kv-cache-memory, 2 with the int8 copy on AMX int8 tiles and 8 "
-    "otherwise; else 0).",
+    "half of the memory budget, --kv-cache-memory, 2 with the int8 copy on weft's own int8 GEMMs (AMX "
+    "int8 tiles, AVX-512 VNNI, AVX2) and 8 otherwise; else 0).",
     "dense_copy_dtype": "model (the dense copy in --dtype alone), int8 (an int8 copy beside it, one more "
     "byte a weight: activations rotated and rounded to int8 per row, then integer GEMMs at a small cost "
-    "in accuracy; on AMX int8 tiles weft's own GEMM runs it for the dense copy's steps up to 128 rows, "
-    "elsewhere oneDNN's for steps of 32 rows and more), or auto (default: int8 with a bf16 --dtype on a "
-    "CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16, one worker, where both copies fit the "
-    "memory rule; else model).",
+    "in accuracy; weft's own GEMMs run it for the dense copy's steps, up to 128 rows on AMX int8 tiles "
+    "and every step on AVX-512 VNNI or AVX2, elsewhere torch's for steps of 32 rows and more), or auto "
+    "(default: int8 with a bf16 --dtype on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16, "
+    "and with the float32 that --dtype auto picks where weft's own int8 GEMM runs; one worker, where "
+    "both copies fit the memory rule; else model).",
     "kv_cache_dtype": "What the KV cache stores: model (the model dtype), int8 (one byte an element and an "
     "fp32 scale per token and KV head: 1.88x the tokens of a bf16 cache in the same memory, and faster "
     "decode attention; CPU only), or auto (default: int8 on CPU for a bf16 model where the compiled "

@@ -17,11 +17,14 @@ rotated and rounded to int8 per row, integer GEMMs:
 more; below that the model dtype's copy stays faster (the rounding passes cost
 more than the integer GEMM saves), so both are kept. Where the integer GEMM is
 weft's own (``kernels.cpu_amx_int8`` on AMX int8 tiles, ``kernels.cpu_vnni_int8``
-on AVX-512 VNNI), the int8 copy runs every step of the dense copy instead, up to
-``AMX_INT8_MAX_ROWS`` rows on AMX (the model dtype's copy the longer ones there).
+on AVX-512 VNNI, ``kernels.cpu_avx2_int8`` on AVX2 alone), the int8 copy runs
+every step of the dense copy instead, up to ``AMX_INT8_MAX_ROWS`` rows on AMX (the
+model dtype's copy the longer ones there).
 "auto": the int8 copy too where it was measured to pay — a bf16 model dtype
 on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
-(``engine_args.cpu_int8_copy_pays``), one engine per model (no tensor parallelism:
+(``engine_args.cpu_int8_copy_pays``), or the float32 that dtype auto picks on a
+CPU without bf16 math where weft's own GEMM runs (``engine_args.cpu_own_int8_gemm``;
+an fp32 asked for stays fp32 at every step), one engine per model (no tensor parallelism:
 the shards' rows would round differently from one worker's), and both copies
 within the memory rule below — else the model dtype's copy alone; where weft's
 own GEMM runs it, auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` rows. "model": the model

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.cpu_build import AMX_INT8_FLAGS, AVX512_VNNI_FLAGS  # torch-free: flag names only
+from kernels.cpu_build import AMX_INT8_FLAGS, AVX2_FLAGS, AVX512_VNNI_FLAGS  # torch-free: flag names only
 from protocol import (
     CacheConfig,
     DeviceConfig,
@@ -174,13 +174,17 @@ class EngineArgs:
         choice = check_dense_copy_dtype(self.dense_copy_dtype)
         model_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
         speculative = self.speculative_config is not None
-        # auto: the int8 copy where it was measured to pay (services/config/dense_copy.py).
+        # auto: the int8 copy where it was measured to pay (services/config/dense_copy.py): beside
+        # a bf16 copy, and beside the fp32 copy that dtype auto picked (an fp32 asked for stays
+        # fp32 at every step: HF parity).
         int8 = choice == "int8" or (
             choice == "auto"
             and quantization == "gguf"
-            and model_dtype == "bfloat16"
             and self.tensor_parallel_size == 1
-            and cpu_int8_copy_pays()
+            and (
+                (model_dtype == "bfloat16" and cpu_int8_copy_pays())
+                or (model_dtype == "float32" and self.dtype == "auto" and cpu_own_int8_gemm())
+            )
         )
         budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
 
@@ -372,13 +376,18 @@ def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
 
 def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
     """Whether the int8 copy's GEMMs run on one of weft's kernels here, by the flags they are built
-    for: AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``);
-    then auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS``. (The worker falls back to
-    oneDNN's GEMMs where it cannot build them, and the bf16 copy takes the steps those lose.)"""
+    for: AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``),
+    or else AVX2 (``kernels.cpu_avx2_int8``); then auto's copies start at
+    ``OWN_INT8_GEMM_DENSE_MIN_ROWS``, and a float32 that dtype auto picked keeps an int8 copy too
+    (on AVX2 alone weft's GEMM ran the default model's matmuls 1.3-2.6x the fp32 GEMM from 2 rows
+    a step). (The worker falls back to torch's GEMMs where it cannot build them, and the model
+    dtype's copy takes the steps those lose.)"""
     flags = cpu_flags() if flags is None else flags
     if "amx_int8" in flags:
         return set(AMX_INT8_FLAGS) <= flags
-    return set(AVX512_VNNI_FLAGS) <= flags
+    if "avx512_vnni" in flags:
+        return set(AVX512_VNNI_FLAGS) <= flags
+    return set(AVX2_FLAGS) <= flags
 
 
 def cpu_flags() -> set[str]:

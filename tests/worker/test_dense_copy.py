@@ -274,8 +274,9 @@ def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
             want = x.float() @ layer.quant.dequantize().T
             assert float((got.float() - want).norm() / want.norm()) < 0.03
     taken = [layer.int8.takes(rows) for rows in (8, 300)]
-    # weft's VNNI GEMM takes both ends, its AMX GEMM the short steps, the others the long ones
-    assert taken == {"vnni": [True, True], "amx": [True, False]}.get(layer.int8.gemm, [False, True])
+    # weft's VNNI and AVX2 GEMMs take both ends, its AMX GEMM the short steps, the others the long ones
+    expected = {"vnni": [True, True], "avx2": [True, True], "amx": [True, False]}
+    assert taken == expected.get(layer.int8.gemm, [False, True])
 
 
 @torch.inference_mode()

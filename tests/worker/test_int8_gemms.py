@@ -1,6 +1,7 @@
 """The int8 dense copy's integer GEMMs: ``torch._int_mm``, oneDNN's int8 matmul on a prepacked
 weight (the AMX tiles where the CPU has them) and weft's own, on CPUs with AMX int8 tiles
-(``kernels.cpu_amx_int8``) or AVX-512 VNNI (``kernels.cpu_vnni_int8``). All give the same
+(``kernels.cpu_amx_int8``), AVX-512 VNNI (``kernels.cpu_vnni_int8``) or AVX2 alone
+(``kernels.cpu_avx2_int8``). All give the same
 numbers: oneDNN falls back to the dot products the CPU has, and weft's kernels run only where
 their instructions are."""
 
@@ -9,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_amx_int8, cpu_vnni_int8
+from kernels import cpu_amx_int8, cpu_avx2_int8, cpu_vnni_int8
 from kernels.cpu_build import cpu_flags
 from services.worker.layers import int8_linear
 from services.worker.layers.int8_linear import Int8Weight, default_int8_gemm
 
 AMX = pytest.mark.skipif(not cpu_amx_int8.available(), reason="needs AMX int8 tiles and weft's AMX kernel")
 VNNI = pytest.mark.skipif(not cpu_vnni_int8.available(), reason="needs AVX-512 VNNI and weft's VNNI kernel")
+AVX2 = pytest.mark.skipif(not cpu_avx2_int8.available(), reason="needs AVX2 and weft's AVX2 kernel")
 
 
 @pytest.fixture
@@ -28,13 +30,15 @@ SHAPES = [(1536, 576), (576, 1536), (960, 576), (49152, 576)]
 
 def gemm_cases():
     """Every GEMM at every shape, but oneDNN's int8 matmul without AMX int8 tiles (never chosen
-    there, and its fallback took 450 s for the LM head's shape on Zen 4) at one small shape."""
+    there, and its fallback took 450 s for the LM head's shape on Zen 4) at one small shape, and
+    not at all without VNNI (refused there: it saturates)."""
     has_amx_int8 = "amx_int8" in cpu_flags()
     for shape in SHAPES:
-        if has_amx_int8 or shape == (960, 576):
+        if int8_linear.onednn_int8_exact() and (has_amx_int8 or shape == (960, 576)):
             yield pytest.param("onednn", shape, id=f"onednn-{shape[0]}x{shape[1]}")
         yield pytest.param("amx", shape, marks=AMX, id=f"amx-{shape[0]}x{shape[1]}")
         yield pytest.param("vnni", shape, marks=VNNI, id=f"vnni-{shape[0]}x{shape[1]}")
+        yield pytest.param("avx2", shape, marks=AVX2, id=f"avx2-{shape[0]}x{shape[1]}")
 
 
 @torch.inference_mode()
@@ -70,7 +74,11 @@ def test_each_gemm_gives_the_int_mm_gemms_numbers(generator, gemm, dtype, shape)
 def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
     assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}, vnni_kernel=True) == "vnni"
     assert default_int8_gemm({"avx512_vnni", "avx512_bf16"}, vnni_kernel=False) == "int_mm"
-    assert default_int8_gemm({"avx2"}, vnni_kernel=True) == "int_mm"
+    assert default_int8_gemm({"avx2"}, vnni_kernel=True, avx2_kernel=True) == "avx2"
+    assert default_int8_gemm({"avx2"}, vnni_kernel=True, avx2_kernel=False) == "int_mm"
+    assert default_int8_gemm({"sse4_2"}, avx2_kernel=True) == "int_mm"
+    # AVX-512 VNNI comes first where the CPU has it.
+    assert default_int8_gemm({"avx2", "avx512_vnni"}, vnni_kernel=True, avx2_kernel=True) == "vnni"
     amx = {"amx_tile", "amx_int8", "amx_bf16"}
     assert default_int8_gemm(amx, amx_kernel=True) == "amx"
     assert default_int8_gemm(amx, amx_kernel=False) == "onednn"
@@ -80,9 +88,18 @@ def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
         Int8Weight(torch.ones(4, 64), gemm="onednn")
 
 
+def test_onednn_is_refused_where_its_int8_matmul_saturates(monkeypatch):
+    assert int8_linear.onednn_int8_exact(frozenset({"avx2", "avx512_vnni"}))
+    assert int8_linear.onednn_int8_exact(frozenset({"avx2", "avx_vnni"}))
+    assert not int8_linear.onednn_int8_exact(frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(int8_linear, "onednn_int8_exact", lambda flags=None: False)
+    with pytest.raises(ValueError, match="gemm 'onednn' needs a CPU with VNNI or AMX"):
+        Int8Weight(torch.ones(4, 64), gemm="onednn")
+
+
 def test_the_rows_each_gemm_takes():
     """weft's AMX GEMM takes a dense copy's steps up to AMX_INT8_MAX_ROWS (the bf16 copy the
-    longer ones), its VNNI GEMM all of them; the others from INT8_MIN_ROWS on (the model dtype's
+    longer ones), its VNNI and AVX2 GEMMs all of them; the others from INT8_MIN_ROWS on (the model dtype's
     copy the shorter ones)."""
     from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
 
@@ -94,6 +111,9 @@ def test_the_rows_each_gemm_takes():
     if cpu_vnni_int8.available():
         by_vnni = Int8Weight(torch.randn(32, 64), gemm="vnni")
         assert by_vnni.takes(1) and by_vnni.takes(INT8_MIN_ROWS - 1) and by_vnni.takes(4096)
+    if cpu_avx2_int8.available():
+        by_avx2 = Int8Weight(torch.randn(32, 64), gemm="avx2")
+        assert by_avx2.takes(1) and by_avx2.takes(INT8_MIN_ROWS - 1) and by_avx2.takes(4096)
 
 
 @AMX
@@ -108,6 +128,25 @@ def test_a_shape_the_vnni_packing_does_not_take_runs_on_int_mm():
     assert Int8Weight(weight, gemm="vnni").gemm == "int_mm"
 
 
+@AVX2
+def test_a_shape_the_avx2_packing_does_not_take_runs_on_int_mm():
+    weight = torch.randn(40, 96)
+    assert Int8Weight(weight, gemm="avx2").gemm == "int_mm"
+
+
+@AVX2
+@torch.inference_mode()
+def test_the_avx2_gemm_holds_a_weight_rows_extremes():
+    """The rounding gives each weight row's largest magnitude as +-127, never -128 (which the
+    AVX2 kernel cannot take): a row of one sign and an outlier come out exact."""
+    weight = torch.full((16, 64), -0.5)
+    weight[3, 7] = -40.0
+    weight[5] = torch.linspace(-1.0, 1.0, 64)
+    by_int_mm, by_avx2 = Int8Weight(weight, gemm="int_mm"), Int8Weight(weight, gemm="avx2")
+    x = torch.randn(5, 64) * 3
+    assert torch.equal(by_avx2.linear(x, None), by_int_mm.linear(x, None))
+
+
 def test_the_amx_gemm_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(cpu_amx_int8, "available", lambda: False)
     with pytest.raises(ValueError, match="gemm 'amx' needs AMX int8 tiles"):
@@ -120,6 +159,12 @@ def test_the_vnni_gemm_is_refused_where_it_cannot_run(monkeypatch):
         Int8Weight(torch.ones(16, 64), gemm="vnni")
 
 
+def test_the_avx2_gemm_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu_avx2_int8, "available", lambda: False)
+    with pytest.raises(ValueError, match="gemm 'avx2' needs AVX2"):
+        Int8Weight(torch.ones(16, 64), gemm="avx2")
+
+
 def test_an_unknown_gemm_is_refused():
-    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, amx, vnni, got 'mkl'"):
+    with pytest.raises(ValueError, match="gemm must be one of int_mm, onednn, amx, vnni, avx2, got 'mkl'"):
         Int8Weight(torch.ones(4, 64), gemm="mkl")

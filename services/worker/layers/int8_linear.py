@@ -1,16 +1,18 @@
 """An int8 dense copy of a weight, for batched steps on CPU (``--dense-copy-dtype int8``): kept
 beside the model dtype's copy, it runs from ``services.config.dense_copy.INT8_MIN_ROWS`` rows on,
-on weft's own AVX-512 VNNI GEMM every step of the dense copy, and on AMX int8 tiles up to
-``AMX_INT8_MAX_ROWS`` (``Int8Weight.takes``).
+on weft's own AVX-512 VNNI and AVX2 GEMMs every step of the dense copy, and on AMX int8 tiles up
+to ``AMX_INT8_MAX_ROWS`` (``Int8Weight.takes``).
 
 The weight ``[N, K]`` is rotated and then rounded per output row to int8 with
 one fp32 scale (``scale = amax(row) / 127``). At each call every row of x is
 rotated and rounded the same way, the integer product runs as one integer GEMM,
 and its result is scaled back by the two scales into x's dtype. The GEMM is
-``torch._int_mm`` (AVX2 integer dot products), or weft's own GEMMs, which stream
-the weight at close to the read bandwidth at a decode step's rows: on AVX-512
-VNNI ``kernels.cpu_vnni_int8`` (where ``torch._int_mm`` read it at half that),
-on AMX int8 tiles ``kernels.cpu_amx_int8``; or, on AMX where that
+``torch._int_mm``, or weft's own GEMMs, which stream the weight at close to
+the read bandwidth at a decode step's rows: on AVX-512 VNNI
+``kernels.cpu_vnni_int8`` (where ``torch._int_mm`` read it at half that), on
+AMX int8 tiles ``kernels.cpu_amx_int8``, on AVX2 without VNNI
+``kernels.cpu_avx2_int8`` (``torch._int_mm`` is a scalar loop there, 30-60x
+slower than the fp32 GEMM); or, on AMX where that
 kernel cannot be built oneDNN's int8 matmul on a prepacked weight
 (``torch.ops.onednn.qlinear_pointwise`` with unit scales: its fp32 result holds
 the same integers), 1.1-1.6x ``torch._int_mm`` there from 64 rows on (README,
@@ -36,27 +38,36 @@ import functools
 
 import torch
 
-from kernels import cpu_amx_int8, cpu_fused, cpu_vnni_int8
+from kernels import cpu_amx_int8, cpu_avx2_int8, cpu_fused, cpu_vnni_int8
 from kernels.reference import HADAMARD_BLOCKS, quantize_rows_int8_ref, scale_int32_ref
 from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
 from services.config.engine_args import cpu_flags
 
-INT8_GEMMS = ("int_mm", "onednn", "amx", "vnni")
+INT8_GEMMS = ("int_mm", "onednn", "amx", "vnni", "avx2")
 
 
 def default_int8_gemm(
-    flags: set[str] | None = None, amx_kernel: bool | None = None, vnni_kernel: bool | None = None
+    flags: set[str] | None = None,
+    amx_kernel: bool | None = None,
+    vnni_kernel: bool | None = None,
+    avx2_kernel: bool | None = None,
 ) -> str:
     """Where the CPU has AMX int8 tiles: ``amx`` (weft's kernel, ``kernels.cpu_amx_int8``) where it
     builds (``amx_kernel``: whether it does, asked when None), else ``onednn`` where torch has
     oneDNN's int8 linear ops (there ``torch._int_mm`` does not use the tiles and ran slower than
     the bf16 GEMM). Else, with AVX-512 VNNI, ``vnni`` (weft's kernel, ``kernels.cpu_vnni_int8``)
-    where it builds (``vnni_kernel``, likewise). Elsewhere ``int_mm``."""
+    where it builds (``vnni_kernel``, likewise). Else, with AVX2, ``avx2`` (weft's kernel,
+    ``kernels.cpu_avx2_int8``: ``torch._int_mm`` runs a scalar loop there) where it builds
+    (``avx2_kernel``, likewise). Elsewhere ``int_mm``."""
     if flags is None:
         return _this_machines_int8_gemm()
     if "amx_int8" not in flags:
         if "avx512_vnni" not in flags:
-            return "int_mm"
+            if "avx2" not in flags:
+                return "int_mm"
+            if avx2_kernel is None:
+                avx2_kernel = cpu_avx2_int8.available()
+            return "avx2" if avx2_kernel else "int_mm"
         if vnni_kernel is None:
             vnni_kernel = cpu_vnni_int8.available()
         return "vnni" if vnni_kernel else "int_mm"
@@ -78,6 +89,15 @@ def _onednn_ops_present() -> bool:
     return onednn is not None and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise")
 
 
+@functools.cache
+def onednn_int8_exact(flags: frozenset[str] | None = None) -> bool:
+    """Whether oneDNN's int8 matmul gives exact integers here: on VNNI (``vpdpbusd``) or AMX int8
+    tiles. With AVX2 alone it multiplies by ``vpmaddubsw``, whose int16 pair sums saturate (seen:
+    -72,687 for -74,650 on a Zen 3)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def hadamard_block_for(k: int) -> int:
     """The largest Walsh-Hadamard block that divides a row of ``k`` (0: none does)."""
     return next((block for block in sorted(HADAMARD_BLOCKS, reverse=True) if k % block == 0), 0)
@@ -96,10 +116,18 @@ class Int8Weight:
             raise ValueError(
                 "gemm 'onednn' needs torch's oneDNN int8 linear ops (torch.ops.onednn), absent here."
             )
+        if gemm == "onednn" and not onednn_int8_exact():
+            raise ValueError(
+                "gemm 'onednn' needs a CPU with VNNI or AMX int8 dot products: without them oneDNN's "
+                "int8 matmul sums byte products into saturating int16 pairs, and its results part "
+                "from the exact integers."
+            )
         if gemm == "amx" and not cpu_amx_int8.available():
             raise ValueError("gemm 'amx' needs AMX int8 tiles and weft's AMX int8 kernel, absent here.")
         if gemm == "vnni" and not cpu_vnni_int8.available():
             raise ValueError("gemm 'vnni' needs AVX-512 VNNI and weft's VNNI int8 kernel, absent here.")
+        if gemm == "avx2" and not cpu_avx2_int8.available():
+            raise ValueError("gemm 'avx2' needs AVX2 and weft's AVX2 int8 kernel, absent here.")
         self.hadamard_block = hadamard_block_for(weight.shape[1])
         q, scale = quantize_rows_int8_ref(weight.float(), self.hadamard_block)
         if not torch.isfinite(scale).all():
@@ -107,7 +135,7 @@ class Int8Weight:
         if gemm == "amx" and not cpu_amx_int8.fits(q):
             # A shape the tiles do not take (K % 64, N % 16): oneDNN's tiles where torch has them.
             gemm = "onednn" if _onednn_ops_present() else "int_mm"
-        if gemm == "vnni" and not cpu_vnni_int8.fits(q):
+        if gemm in ("vnni", "avx2") and not cpu_vnni_int8.fits(q):
             gemm = "int_mm"
         self.gemm = gemm
         self.scale = scale  # [N] fp32
@@ -117,6 +145,8 @@ class Int8Weight:
         elif gemm == "vnni":
             self._qweight = cpu_vnni_int8.pack_weight(q)  # the same layout, and its sums' start
             self._row_bias = cpu_vnni_int8.row_bias(q)
+        elif gemm == "avx2":
+            self._qweight = cpu_avx2_int8.pack_weight(q)  # the same layout, no sums
         elif gemm == "int_mm":
             self._qweight_t = q.t()  # the GEMM's [K, N] view, made once rather than a call
         else:
@@ -135,9 +165,9 @@ class Int8Weight:
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on this copy rather than the model dtype's:
-        every one on weft's VNNI GEMM, up to ``AMX_INT8_MAX_ROWS`` on its AMX GEMM, from
+        every one on weft's VNNI and AVX2 GEMMs, up to ``AMX_INT8_MAX_ROWS`` on its AMX GEMM, from
         ``INT8_MIN_ROWS`` on the others."""
-        if self.gemm == "vnni":
+        if self.gemm in ("vnni", "avx2"):
             return True
         return rows <= AMX_INT8_MAX_ROWS if self.gemm == "amx" else rows >= INT8_MIN_ROWS
 
@@ -147,12 +177,14 @@ class Int8Weight:
         return self.out_features * self._in_features + self.scale.nbytes + sums
 
     def integer_product(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``, ``vnni``) or
+        """``q [rows, K]`` int8 times the int8 weight: ``[rows, N]`` int32 (``int_mm``, ``amx``, ``vnni``, ``avx2``) or
         float32 holding the same integers (``onednn``)."""
         if self.gemm == "amx":
             return cpu_amx_int8.int8_matmul(q, self._qweight)
         if self.gemm == "vnni":
             return cpu_vnni_int8.int8_matmul(q, self._qweight, self._row_bias)
+        if self.gemm == "avx2":
+            return cpu_avx2_int8.int8_matmul(q, self._qweight)
         if self.gemm == "int_mm":
             return torch._int_mm(q, self._qweight_t)
         return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, *self._onednn_args)

@@ -1,0 +1,88 @@
+"""The int8 linear's integer GEMM on AVX2 without VNNI (``csrc/cpu_avx2_int8.cpp``).
+
+Built like the other CPU kernels: by ``python -m kernels.cpu_avx2_int8`` ahead
+of time, else on first use, cached by ``torch.utils.cpp_extension``.
+``available()`` says once per process whether the int8 copy may use it: false,
+with the reason logged, on a CPU without AVX2, when the build cannot happen,
+or when ``WEFT_AVX2_INT8=0`` turns it off (to measure what it gains). It reads
+the weight in the AMX kernel's packed layout (``kernels.cpu_amx_int8.pack_weight``),
+every byte in [-127, 127] (``pack_weight`` here checks): the kernel multiplies
+each weight byte by an activation's sign, and -128 has no opposite in int8.
+Its torch twin is ``torch._int_mm(q, w.t())``: the same int32 integers, exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_amx_int8
+from kernels.cpu_amx_int8 import fits  # the same layout, and the packing's rule
+from kernels.cpu_build import (
+    AVX2_FLAGS,
+    KernelUnavailable,
+    build,
+    build_command,
+    cpu_flags,
+    switch_on,
+    target_isa,
+)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_avx2_int8.cpp"
+ENV_SWITCH = "WEFT_AVX2_INT8"  # "0" keeps the int8 copy on torch._int_mm; read by enabled_by_env()
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pack_weight"]
+
+
+def enabled_by_env() -> bool:
+    return switch_on(ENV_SWITCH)
+
+
+@functools.cache
+def load():
+    """Build (or load the cached build of) the kernel and return ``torch.ops.weft_avx2_int8``;
+    ``KernelUnavailable`` on a CPU without AVX2 or where the build fails."""
+    missing = [flag for flag in AVX2_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"the AVX2 int8 GEMM needs CPU flags this CPU lacks: {', '.join(missing)}")
+    build("weft_cpu_avx2_int8", SOURCE, "the AVX2 int8 GEMM kernel", isa=target_isa())
+    return torch.ops.weft_avx2_int8
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the int8 copy may run its integer GEMMs on this kernel here."""
+    if not enabled_by_env():
+        logger.info("AVX2 int8 GEMM off (%s=0).", ENV_SWITCH)
+        return False
+    try:
+        return bool(load().available())
+    except KernelUnavailable as exc:
+        logger.info("%s.", exc)
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``kernels.cpu_amx_int8.pack_weight`` of an int8 ``[N, K]`` weight with no -128 in it."""
+    if weight.dtype == torch.int8 and bool((weight == -128).any()):
+        raise ValueError("The AVX2 int8 GEMM takes weights in [-127, 127]; this one holds -128.")
+    return cpu_amx_int8.pack_weight(weight)
+
+
+def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """``q [M, K] @ W^T`` in int32, exact (``torch._int_mm(q, W.t())``'s integers), for
+    ``packed_weight = pack_weight(W)``."""
+    if not q.is_contiguous():
+        q = q.contiguous()
+    acc = torch.empty(q.shape[0], packed_weight.shape[0] * 16, dtype=torch.int32)
+    load().int8_matmul(q, packed_weight, acc)
+    return acc
+
+
+if __name__ == "__main__":
+    raise SystemExit(build_command(load, "the AVX2 int8 GEMM kernel", target_isa()[0]))
