@@ -71,8 +71,11 @@ def run(tokenizer, async_scheduling: bool, dtype: str):
 # bf16 only: the top-2 logprob gap (nats) under which the two loops may part. A step's
 # attention kernel follows the sizes of its prefill chunks (paged kernel or SDPA,
 # services/worker/layers/attention_metadata.py), and async steps are composed differently
-# (a request stopped a step late keeps its row), so bf16 rounding may tip a near-tie.
-BF16_NEAR_TIE = 0.1
+# (a request stopped a step late keeps its row), so bf16 rounding may tip a near-tie. One bf16
+# step of a logit between 16 and 32 is 0.125 nats: two logits one step apart are a tie to bf16's
+# resolution (on an AVX2-only Zen 3, whose bf16 runs take the fp32 attention paths, request 4
+# parted at such a gap, -3.277 against -3.402; it did on the commit before this bound, too).
+BF16_NEAR_TIE = 0.13
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -99,7 +102,9 @@ def test_greedy_outputs_are_token_identical_with_and_without_async_scheduling(mo
         assert list(a.token_ids) == list(s.token_ids), f"request {i}"
         assert (a.finish_reason, a.stop_reason, a.text) == (s.finish_reason, s.stop_reason, s.text), i
         identical += 1
-    assert identical >= len(sync) - (0 if dtype == "float32" else 2)
+    # bf16: every parting above is at a near-tie; how many there are follows the CPU's kernels
+    # (2 of 8 on AVX-512 machines, 3 on an AVX2-only Zen 3), so half the requests must match.
+    assert identical >= (len(sync) if dtype == "float32" else len(sync) // 2)
     assert any(s.preempted_req_ids for s in steps), "the small pool should have forced preemption"
     assert max(s.total_num_scheduled_tokens for s in steps) <= 96
     # The stop string cut the text; nothing after it reached the output.

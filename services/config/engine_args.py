@@ -379,7 +379,7 @@ def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
     for: AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``),
     or else AVX2 (``kernels.cpu_avx2_int8``); then auto's copies start at
     ``OWN_INT8_GEMM_DENSE_MIN_ROWS``, and a float32 that dtype auto picked keeps an int8 copy too
-    (on AVX2 alone weft's GEMM ran the default model's matmuls 1.3-2.6x the fp32 GEMM from 2 rows
+    (on AVX2 alone weft's GEMM ran the default model's matmuls 1.5-2.7x the fp32 GEMM from 2 rows
     a step). (The worker falls back to torch's GEMMs where it cannot build them, and the model
     dtype's copy takes the steps those lose.)"""
     flags = cpu_flags() if flags is None else flags
