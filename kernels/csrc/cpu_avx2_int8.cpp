@@ -2,7 +2,7 @@
 //
 // The int8 dense copy (services/worker/layers/int8_linear.py) rounds x's rows and W's rows to int8
 // and scales the integer product back. Where the CPU has AVX2 alone, torch._int_mm runs a scalar
-// loop (about 2 GMAC/s on two cores) and the fp32 GEMM reaches about 80: this kernel brings the
+// loop (about 3 GMAC/s on two cores) and the fp32 GEMM reaches about 80: this kernel brings the
 // int8 copy to the CPU's byte dot products.
 //   q     [M, K] int8, contiguous (x's rows, rotated and rounded), K % 4 == 0
 //   wp    [N / 16, K / 4, 16, 4] int8, every byte in [-127, 127]: W [N, K] packed once
@@ -16,8 +16,8 @@
 // hence the weight's range; q may hold any int8). vpmaddwd by ones then sums two pairs into an
 // int32 lane: 4 operations for 32 products, where vpdpbusd takes one.
 // For each word p, a row's word broadcast times the two vectors of a W block (8 outputs each)
-// adds 16 outputs' products. A register tile holds R rows x NB blocks of sums (up to 4 x 1 or
-// 2 x 2: 8 of the 16 vector registers); a thread walks its share of W's blocks in strips of NB,
+// adds 16 outputs' products. A register tile holds R rows x NB blocks of sums (up to 4 x 1, 2 x 2
+// or 1 x 4: 8 of the 16 vector registers); a thread walks its share of W's blocks in strips of NB,
 // and for each strip every tile of rows over the whole of K, so the strip is read from memory once
 // and from cache for the other row tiles. Long steps go through q in chunks of rows that stay in
 // L2.
@@ -51,6 +51,10 @@ constexpr int kMaxRows = 4;  // rows of a register tile
 // Rows of q a chunk holds: 192 rows of the widest K here (1,536), 288 KiB, stay in a core's L2
 // beside a strip of W.
 constexpr int64_t kChunkRows = 192;
+// Words of K each block's stream is asked for ahead of its loads (1 KiB): a step of a few rows
+// reads W at 30-32 GB/s with it, 27-29 without (all 121 matrices of the default model, 2 threads,
+// 1-2 rows; the read bandwidth is about 39 GB/s).
+constexpr int64_t kPrefetchWords = 16;
 
 // R rows of q (row stride K) times NB blocks of wp, into acc (row stride N, at the tile's first
 // output).
@@ -66,6 +70,9 @@ void dot_tile(const int8_t* q, const int8_t* wp, int32_t* acc, int64_t K, int64_
   const int64_t words = K / 4, block = 16 * K;  // a block's bytes
   for (int64_t p = 0; p < words; ++p) {
     __m256i w[V];
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b)  // (past a block's end: the next one's, or nothing; prefetches never fault)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * block + (p + kPrefetchWords) * 64), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v)
       w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (v / 2) * block + p * 64 + 32 * (v % 2)));
@@ -90,11 +97,11 @@ void dot_tile(const int8_t* q, const int8_t* wp, int32_t* acc, int64_t K, int64_
 
 using TileFn = void (*)(const int8_t*, const int8_t*, int32_t*, int64_t, int64_t);
 
-// A strip of two blocks for one or two rows (decode steps of one or two requests read W once
-// for twice the outputs a row), one block for three or four.
+// Strips of four blocks for one row (a batch-1 decode step: four streams of W in flight read it at
+// 34-38 GB/s, against 29-30 with two and one), two for two rows, one block for three or four.
 TileFn tile_for(int rows, int nb) {
   switch (rows) {
-    case 1: return nb == 1 ? &dot_tile<1, 1> : &dot_tile<1, 2>;
+    case 1: return nb == 1 ? &dot_tile<1, 1> : nb == 2 ? &dot_tile<1, 2> : nb == 3 ? &dot_tile<1, 3> : &dot_tile<1, 4>;
     case 2: return nb == 1 ? &dot_tile<2, 1> : &dot_tile<2, 2>;
     case 3: return &dot_tile<3, 1>;
     default: return &dot_tile<4, 1>;
@@ -104,7 +111,7 @@ TileFn tile_for(int rows, int nb) {
 void int8_matmul_avx2(const int8_t* q, const int8_t* wp, int32_t* acc, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = N / 16;
   // Strips of two blocks where every tile has at most two rows.
-  const int64_t strip_blocks = M <= 2 ? 2 : 1;
+  const int64_t strip_blocks = M == 1 ? 4 : M <= 2 ? 2 : 1;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < M; chunk += kChunkRows) {
       // The chunk's rows in tiles of as even a size as kMaxRows allows (10 rows: 4, 3, 3).

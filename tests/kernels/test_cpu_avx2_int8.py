@@ -1,6 +1,6 @@
 """weft's integer GEMM on AVX2 (``kernels.cpu_avx2_int8``) against its twin, an int64 matmul of the
 same int8 tensors: exact, at every row count its register tiles distinguish (one to four rows a
-tile, strips of two blocks for one or two rows, the chunks of 192 rows a prefill goes through), for
+tile, strips of up to four blocks for one row and two for two, the chunks of 192 rows a prefill goes through), for
 weights of one to many blocks of 16 rows, on one thread and two; and the weight range it needs."""
 
 from __future__ import annotations
