@@ -21,9 +21,9 @@ from kernels.cpu_build import (
     AMX_INT8,
     AMX_INT8_FLAGS,
     KernelUnavailable,
-    build,
     build_command,
-    cpu_flags,
+    build_for_flags,
+    loaded_if_on,
     switch_on,
 )
 
@@ -43,23 +43,15 @@ def enabled_by_env() -> bool:
 def load():
     """Build (or load the cached build of) the kernel and return ``torch.ops.weft_amx_int8``;
     ``KernelUnavailable`` on a CPU without AMX int8 or where the build fails."""
-    missing = [flag for flag in AMX_INT8_FLAGS if flag not in cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"the AMX int8 GEMM needs CPU flags this CPU lacks: {', '.join(missing)}")
-    build("weft_cpu_amx_int8", SOURCE, "the AMX int8 GEMM kernel", isa=AMX_INT8)
+    build_for_flags("weft_cpu_amx_int8", SOURCE, "the AMX int8 GEMM kernel", AMX_INT8_FLAGS, AMX_INT8)
     return torch.ops.weft_amx_int8
 
 
 @functools.cache
 def available() -> bool:
     """Whether the int8 copy runs its integer GEMMs on this kernel here."""
-    if not enabled_by_env():
-        logger.info("AMX int8 GEMM off (%s=0).", ENV_SWITCH)
-        return False
-    try:
-        ops = load()
-    except KernelUnavailable as exc:
-        logger.info("%s.", exc)
+    ops = loaded_if_on(ENV_SWITCH, load, "the AMX int8 GEMM kernel", logger)
+    if ops is None:
         return False
     if not ops.available():
         logger.warning("the AMX int8 GEMM was refused the tile state.")

@@ -24,9 +24,9 @@ from kernels.cpu_amx_int8 import fits  # the same layout, and the packing's rule
 from kernels.cpu_build import (
     AVX2_FLAGS,
     KernelUnavailable,
-    build,
     build_command,
-    cpu_flags,
+    build_for_flags,
+    loaded_if_on,
     switch_on,
     target_isa,
 )
@@ -47,24 +47,15 @@ def enabled_by_env() -> bool:
 def load():
     """Build (or load the cached build of) the kernel and return ``torch.ops.weft_avx2_int8``;
     ``KernelUnavailable`` on a CPU without AVX2 or where the build fails."""
-    missing = [flag for flag in AVX2_FLAGS if flag not in cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"the AVX2 int8 GEMM needs CPU flags this CPU lacks: {', '.join(missing)}")
-    build("weft_cpu_avx2_int8", SOURCE, "the AVX2 int8 GEMM kernel", isa=target_isa())
+    build_for_flags("weft_cpu_avx2_int8", SOURCE, "the AVX2 int8 GEMM kernel", AVX2_FLAGS, target_isa())
     return torch.ops.weft_avx2_int8
 
 
 @functools.cache
 def available() -> bool:
     """Whether the int8 copy may run its integer GEMMs on this kernel here."""
-    if not enabled_by_env():
-        logger.info("AVX2 int8 GEMM off (%s=0).", ENV_SWITCH)
-        return False
-    try:
-        return bool(load().available())
-    except KernelUnavailable as exc:
-        logger.info("%s.", exc)
-        return False
+    ops = loaded_if_on(ENV_SWITCH, load, "the AVX2 int8 GEMM kernel", logger)
+    return ops is not None and bool(ops.available())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

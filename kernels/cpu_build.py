@@ -186,6 +186,30 @@ def build(
         raise KernelUnavailable(f"building {what} failed: {exc}") from exc
 
 
+def build_for_flags(
+    name: str, source: Path, what: str, flags: tuple[str, ...], isa: tuple[str, list[str]]
+) -> None:
+    """``build`` where the CPU has every one of ``flags``; else ``KernelUnavailable`` naming the
+    ones it lacks."""
+    missing = [flag for flag in flags if flag not in cpu_flags()]
+    if missing:
+        raise KernelUnavailable(f"{what} needs CPU flags this CPU lacks: {', '.join(missing)}")
+    build(name, source, what, isa=isa)
+
+
+def loaded_if_on(env_name: str, load, what: str, logger):
+    """``load()``'s ops where the switch ``env_name`` is on and the kernel builds here; else None,
+    with the reason logged (a kernel's ``available()`` starts here)."""
+    if not switch_on(env_name):
+        logger.info("%s off (%s=0).", what, env_name)
+        return None
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        logger.info("%s.", exc)
+        return None
+
+
 def switch_on(env_name: str) -> bool:
     """A kernel's on/off switch in the environment: "1" (the default) or "0"; else ValueError."""
     value = os.environ.get(env_name, "1").strip().lower()

@@ -24,9 +24,9 @@ from kernels.cpu_build import (
     AVX512_VNNI,
     AVX512_VNNI_FLAGS,
     KernelUnavailable,
-    build,
     build_command,
-    cpu_flags,
+    build_for_flags,
+    loaded_if_on,
     switch_on,
 )
 
@@ -46,24 +46,15 @@ def enabled_by_env() -> bool:
 def load():
     """Build (or load the cached build of) the kernel and return ``torch.ops.weft_vnni_int8``;
     ``KernelUnavailable`` on a CPU without AVX-512 VNNI or where the build fails."""
-    missing = [flag for flag in AVX512_VNNI_FLAGS if flag not in cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"the VNNI int8 GEMM needs CPU flags this CPU lacks: {', '.join(missing)}")
-    build("weft_cpu_vnni_int8", SOURCE, "the VNNI int8 GEMM kernel", isa=AVX512_VNNI)
+    build_for_flags("weft_cpu_vnni_int8", SOURCE, "the VNNI int8 GEMM kernel", AVX512_VNNI_FLAGS, AVX512_VNNI)
     return torch.ops.weft_vnni_int8
 
 
 @functools.cache
 def available() -> bool:
     """Whether the int8 copy runs its integer GEMMs on this kernel here."""
-    if not enabled_by_env():
-        logger.info("VNNI int8 GEMM off (%s=0).", ENV_SWITCH)
-        return False
-    try:
-        return bool(load().available())
-    except KernelUnavailable as exc:
-        logger.info("%s.", exc)
-        return False
+    ops = loaded_if_on(ENV_SWITCH, load, "the VNNI int8 GEMM kernel", logger)
+    return ops is not None and bool(ops.available())
 
 
 def row_bias(weight: torch.Tensor) -> torch.Tensor:
