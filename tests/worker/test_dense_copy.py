@@ -181,6 +181,27 @@ def test_where_wefts_own_int8_gemm_runs_auto_starts_the_copies_at_two_rows(monke
     assert (alone.dense_copy_dtype, alone.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
 
 
+def test_the_fp32_that_dtype_auto_picks_keeps_an_int8_copy_where_wefts_own_gemm_runs(monkeypatch):
+    """A CPU without bf16 math (AVX2 alone; flags fed in, not this machine's): dtype auto is fp32,
+    and with weft's own int8 GEMM the int8 copy comes beside the fp32 one from 2 rows; an fp32
+    asked for stays fp32 at every step (the HF parity tests), as does auto without the GEMM."""
+    monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: False)
+    monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
+    monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: True)
+    auto = config_of(dtype="auto")
+    assert (auto.dtype, auto.dense_copy_dtype, auto.dense_min_rows) == (
+        "float32",
+        "int8",
+        OWN_INT8_GEMM_DENSE_MIN_ROWS,
+    )
+    asked = config_of(dtype="float32")
+    assert (asked.dense_copy_dtype, asked.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
+    assert config_of(dtype="auto", dense_copy_dtype="model").dense_copy_dtype == "model"
+    assert config_of(dtype="auto", tensor_parallel_size=3).dense_copy_dtype == "model"
+    monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
+    assert config_of(dtype="auto").dense_copy_dtype == "model"
+
+
 def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
     both = config_of(dtype="bfloat16")
     assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", DEFAULT_DENSE_MIN_ROWS)
