@@ -9,6 +9,8 @@ the weight in the AMX kernel's packed layout (``kernels.cpu_amx_int8.pack_weight
 every byte in [-127, 127] (``pack_weight`` here checks): the kernel multiplies
 each weight byte by an activation's sign, and -128 has no opposite in int8.
 Its torch twin is ``torch._int_mm(q, w.t())``: the same int32 integers, exactly.
+``int8_linear`` is the int8 copy's whole layer for fp32 x in one call (rounding, GEMM and the
+scaling back); its twins are the three passes it replaces, which give the same bits.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ENV_SWITCH = "WEFT_AVX2_INT8"  # "0" keeps the int8 copy on torch._int_mm; read 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pack_weight"]
+__all__ = ["KernelUnavailable", "available", "fits", "int8_linear", "int8_matmul", "load", "pack_weight"]
 
 
 def enabled_by_env() -> bool:
@@ -73,6 +75,18 @@ def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     acc = torch.empty(q.shape[0], packed_weight.shape[0] * 16, dtype=torch.int32)
     load().int8_matmul(q, packed_weight, acc)
     return acc
+
+
+def int8_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, col_scale: torch.Tensor, hadamard_block: int
+) -> torch.Tensor:
+    """``x [M, K]`` fp32 rotated in blocks of ``hadamard_block`` (0: not rotated) and rounded to
+    int8 per row, times ``W`` (``packed_weight = pack_weight(W)``), scaled back by the row's scale
+    and ``col_scale [N]``: ``[M, N]`` fp32, the bits of ``kernels.cpu_fused.quantize_rows_int8``,
+    ``int8_matmul`` and ``kernels.cpu_fused.scale_int32`` one after the other."""
+    out = torch.empty(x.shape[0], packed_weight.shape[0] * 16)
+    load().int8_linear(x, packed_weight, col_scale, hadamard_block, out)
+    return out
 
 
 if __name__ == "__main__":

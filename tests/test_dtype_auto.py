@@ -35,6 +35,17 @@ def test_fast_bf16_and_the_int8_copy_per_flag_set(flags, fast, int8_pays):
     assert engine_args.cpu_own_int8_gemm(flags) is (flags != set())
 
 
+@pytest.mark.parametrize(
+    "flags, rows",
+    [(AVX2_ONLY, 1), (AVX512_NO_BF16, 2), (AVX512_BF16, 2), (AMX, 2)],
+    ids=["avx2", "vnni", "bf16", "amx"],
+)
+def test_where_wefts_own_int8_gemm_runs_auto_copies_start_at(flags, rows):
+    """Every step on AVX2 alone (the one-call int8 layers and the lean decode path beat the packed
+    kernels at one row there); from 2 rows on AVX-512 VNNI and AMX."""
+    assert engine_args.own_int8_gemm_first_rows(flags) == rows
+
+
 @pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_follows_the_flags_on_cpu(monkeypatch, fast, expected):
     monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: fast)

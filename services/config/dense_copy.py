@@ -27,7 +27,8 @@ CPU without bf16 math where weft's own GEMM runs (``engine_args.cpu_own_int8_gem
 an fp32 asked for stays fp32 at every step), one engine per model (no tensor parallelism:
 the shards' rows would round differently from one worker's), and both copies
 within the memory rule below — else the model dtype's copy alone; where weft's
-own GEMM runs it, auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` rows. "model": the model
+own GEMM runs it, auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` rows (``AVX2_INT8_DENSE_MIN_ROWS``
+on AVX2 alone: every step). "model": the model
 dtype's copy alone (an fp32 or bf16 run whose batched steps match dequantized
 weights).
 Torch-free: the API process builds the config too.
@@ -57,6 +58,11 @@ INT8_MIN_ROWS = 32
 # for 1-row steps and the int8 copy from 2 rows on, up to AMX_INT8_MAX_ROWS on AMX, the bf16 copy
 # above that.
 OWN_INT8_GEMM_DENSE_MIN_ROWS = 2
+# On AVX2 alone (kernels/cpu_avx2_int8.py) the int8 copy runs a layer as one call
+# (``Int8Weight.one_call``) and a decode step's layers without the modules around them
+# (``services.worker.models.lean_decode``): a batch-1 step on a Zen 3 took 8.2 ms against the
+# packed Q4_1 kernels' 13.7-15.8 (alternated in one process), so there it takes 1-row steps too.
+AVX2_INT8_DENSE_MIN_ROWS = 1
 AMX_INT8_MAX_ROWS = 128
 
 

@@ -26,6 +26,7 @@ from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
 from services.config.dense_copy import (
+    AVX2_INT8_DENSE_MIN_ROWS,
     DEFAULT_DENSE_MIN_ROWS,
     OWN_INT8_GEMM_DENSE_MIN_ROWS,
     check_dense_copy_dtype,
@@ -200,7 +201,7 @@ class EngineArgs:
             )
 
         # The int8 copy comes beside the model dtype's: one more byte a weight.
-        first_rows = OWN_INT8_GEMM_DENSE_MIN_ROWS if int8 and cpu_own_int8_gemm() else DEFAULT_DENSE_MIN_ROWS
+        first_rows = own_int8_gemm_first_rows() if int8 and cpu_own_int8_gemm() else DEFAULT_DENSE_MIN_ROWS
         dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8, first_rows)
         if choice == "int8":
             check_int8_copy_kept(dense_min_rows, quantization, speculative=speculative)
@@ -388,6 +389,17 @@ def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
     if "avx512_vnni" in flags:
         return set(AVX512_VNNI_FLAGS) <= flags
     return set(AVX2_FLAGS) <= flags
+
+
+def own_int8_gemm_first_rows(flags: set[str] | None = None) -> int:
+    """From how many rows a step auto's copies run, where weft's own int8 GEMM does: every step on
+    AVX2 alone (``AVX2_INT8_DENSE_MIN_ROWS``: there the int8 copy's one-call layers and the lean
+    decode path beat the packed kernels at one row too), from ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` on AMX
+    and AVX-512 VNNI (the packed kernels were as fast or faster at one row there)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_int8" in flags or "avx512_vnni" in flags:
+        return OWN_INT8_GEMM_DENSE_MIN_ROWS
+    return AVX2_INT8_DENSE_MIN_ROWS
 
 
 def cpu_flags() -> set[str]:

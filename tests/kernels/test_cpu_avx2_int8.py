@@ -1,7 +1,9 @@
 """weft's integer GEMM on AVX2 (``kernels.cpu_avx2_int8``) against its twin, an int64 matmul of the
 same int8 tensors: exact, at every row count its register tiles distinguish (one to four rows a
 tile, strips of up to four blocks for one row and two for two, the chunks of 192 rows a prefill goes through), for
-weights of one to many blocks of 16 rows, on one thread and two; and the weight range it needs."""
+weights of one to many blocks of 16 rows, on one thread and two; and the weight range it needs.
+``int8_linear`` (a layer in one call: rounding, GEMM, scaling back) against the twins of the three
+passes it replaces, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_avx2_int8
+from kernels.reference import quantize_rows_int8_ref, scale_int32_ref
 
 AVX2 = pytest.mark.skipif(not cpu_avx2_int8.available(), reason="needs AVX2 and weft's AVX2 kernel")
 
@@ -58,6 +61,66 @@ def test_a_strided_q_is_made_contiguous():
     q = torch.randint(-128, 128, (8, 256), dtype=torch.int8)[:, :128]
     w = torch.randint(-127, 128, (16, 128), dtype=torch.int8)
     assert torch.equal(product(q, w), exact(q, w))
+
+
+def three_passes(x: torch.Tensor, w: torch.Tensor, col_scale: torch.Tensor, block: int) -> torch.Tensor:
+    """The twins of rounding x, the integer GEMM and the scaling back, one after the other."""
+    q, row_scale = quantize_rows_int8_ref(x, block)
+    return scale_int32_ref(exact(q, w), row_scale, col_scale, None, torch.float32)
+
+
+@AVX2
+@torch.inference_mode()
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "n, k, block", [(16, 64, 0), (48, 128, 4), (80, 576, 64), (576, 1536, 64), (64, 128, 16)]
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 193])
+def test_the_one_call_linear_gives_the_three_passes_bits(torch_threads, n, k, block, rows):
+    generator = torch.Generator().manual_seed(rows * 31 + n + k + block)
+    x = torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 8
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    col_scale = torch.rand(n, generator=generator) / 100
+    out = cpu_avx2_int8.int8_linear(x, cpu_avx2_int8.pack_weight(w), col_scale, block)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    assert torch.equal(out, three_passes(x, w, col_scale, block))
+
+
+@AVX2
+@torch.inference_mode()
+def test_the_one_call_linear_takes_strided_rows_zeros_and_nans():
+    """Rows of a wider tensor (q, k and v are views of one projection); a zero row gives zeros, a row
+    holding a NaN or an infinity gives NaNs (its scale is NaN), the other rows as they are."""
+    wide = torch.randn(4, 200)
+    x = wide[:, :128]
+    x[1] = 0.0
+    x[2, 7] = float("inf")
+    w = torch.randint(-127, 128, (32, 128), dtype=torch.int8)
+    col_scale = torch.rand(32)
+    out = cpu_avx2_int8.int8_linear(x, cpu_avx2_int8.pack_weight(w), col_scale, 64)
+    assert torch.equal(out[1], torch.zeros(32)) and out[2].isnan().all()
+    assert torch.equal(out[[0, 3]], three_passes(x[[0, 3]].contiguous(), w, col_scale, 64))
+
+
+@AVX2
+def test_the_one_call_linear_refuses_bad_arguments():
+    ops = cpu_avx2_int8.load()
+    w = cpu_avx2_int8.pack_weight(torch.zeros(16, 64, dtype=torch.int8))
+    x, scale, out = torch.zeros(3, 64), torch.ones(16), torch.empty(3, 16)
+    with pytest.raises(ValueError, match="x must be a float32 CPU tensor"):
+        ops.int8_linear(x.double(), w, scale, 0, out)
+    with pytest.raises(ValueError, match="x must be a float32 CPU tensor"):
+        ops.int8_linear(torch.zeros(64, 3).t(), w, scale, 0, out)
+    with pytest.raises(ValueError, match="hadamard_block must be 0, or 4, 16 or 64 dividing K"):
+        ops.int8_linear(x, w, scale, 8, out)
+    with pytest.raises(ValueError, match="hadamard_block must be 0, or 4, 16 or 64 dividing K"):
+        ops.int8_linear(x, w, scale, 128, out)
+    with pytest.raises(ValueError, match=r"col_scale must be a contiguous float32 CPU tensor \[16\]"):
+        ops.int8_linear(x, w, torch.ones(32), 0, out)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 CPU tensor \[3, 16\]"):
+        ops.int8_linear(x, w, scale, 0, torch.empty(3, 32))
+    with pytest.raises(ValueError, match="packed weight must be"):
+        ops.int8_linear(torch.zeros(3, 128), w, scale, 0, out)
 
 
 def test_a_weight_holding_minus_128_is_refused():

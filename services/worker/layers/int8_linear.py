@@ -162,6 +162,14 @@ class Int8Weight:
         compiled = cpu_fused.available()
         self._quantize = cpu_fused.quantize_rows_int8 if compiled else quantize_rows_int8_ref
         self._scale = cpu_fused.scale_int32 if compiled else scale_int32_ref
+        # The AVX2 kernel's whole layer in one call for fp32 x (the same bits as the three passes).
+        self._one_call = cpu_avx2_int8.load().int8_linear.default if gemm == "avx2" else None
+
+    @property
+    def one_call(self) -> bool:
+        """Whether ``linear`` runs fp32 x without a bias as one kernel call (rounding, GEMM and
+        scaling in one pass: ``kernels.cpu_avx2_int8.int8_linear``)."""
+        return self._one_call is not None
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs on this copy rather than the model dtype's:
@@ -196,6 +204,11 @@ class Int8Weight:
         return self.integer_product(q), row_scale
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._one_call is not None and bias is None and x.dtype == torch.float32 and x.stride(-1) == 1:
+            rows = x.reshape(-1, self._in_features)
+            out = torch.empty(rows.shape[0], self.out_features)
+            self._one_call(rows, self._qweight, self.scale, self.hadamard_block, out)
+            return out.view(*x.shape[:-1], self.out_features)
         acc, row_scale = self.rounded_product(x)
         out = self._scale(acc, row_scale, self.scale, bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)

@@ -26,6 +26,7 @@ from torch import nn
 
 from kernels import cpu_fused
 from services.worker.distributed import TensorParallelGroup, divide, get_tp_group
+from services.worker.forward_context import get_forward_context
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
 from services.worker.layers.linear import (
@@ -40,6 +41,7 @@ from services.worker.layers.linear import (
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from services.worker.models.lean_decode import LeanDecode
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,11 @@ class LlamaMLP(nn.Module):
         rows = x.numel() // x.shape[-1]
         gate_up = self.gate_up_proj.int8_copy_for(rows) if self._fused_int8 else None
         down = self.down_proj.int8_copy_for(rows) if gate_up is not None else None
-        if down is not None and x.dtype in cpu_fused.DTYPES:
+        if (
+            down is not None
+            and x.dtype in cpu_fused.DTYPES
+            and not (gate_up.one_call and x.dtype == torch.float32)
+        ):
             # Both on their int8 copies: from the first GEMM's int32 result to the second's
             # int8 input in one pass (the same numbers as the three passes it replaces).
             acc, row_scale = gate_up.rounded_product(x)
@@ -177,6 +183,7 @@ class LlamaMLP(nn.Module):
                 acc, row_scale, gate_up.scale, down.hadamard_block, x.dtype
             )
             return down.linear_rounded(q, scale, self.down_proj.bias, x.dtype)
+        # (Where each int8 linear is one call, the three calls below beat the pass's four.)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] (this rank's share)
 
 
@@ -231,11 +238,16 @@ class LlamaModel(nn.Module):
             for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.lean = LeanDecode(self)  # decode steps on the AVX2 int8 kernels, the calls alone
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        context = get_forward_context()
+        if self.lean.runs(x.shape[0], x, context):
+            x, residual = self.lean.forward(x, positions, context)
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
 
 

@@ -1,0 +1,206 @@
+"""Decode steps of a Llama model on CPU with the Python between the kernels cut to the calls.
+
+At one sequence a step's kernels take about half of it on a 2-core CPU: 30 layers of a dozen
+modules each, their dispatch (which weight copy, which backend, which kernel, checks already
+made) and the wrappers around each op cost as much as the arithmetic. For a decode-only step
+whose every linear layer runs on the AVX2 int8 kernel's one-call path
+(``Int8Weight.one_call``), ``LeanDecode`` runs each layer as the same kernels on the same
+tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write of
+``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode kernel, the int8 linear. The
+numbers are those of the module path bit for bit (a test compares them); only the Python between
+the calls goes.
+
+``LeanDecode.qualifies`` decides once per model whether its layers are such (no biases, no
+QK-norm, no sliding window, one worker, the compiled kernels built); ``runs`` decides per step (a decode-only step on the CPU backend, a float cache, the int8 copies taking
+``rows``). The first layer's attention call checks its arguments in full, as the module path's
+does; the kernels check the index values on every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_attention, cpu_avx2_int8, cpu_fused
+from kernels.cpu_build import switch_on
+from services.worker.layers.activation import SiluAndMul
+from services.worker.layers.norm import RMSNorm
+
+ENV_SWITCH = "WEFT_LEAN_DECODE"  # "0": every step through the modules (to measure what this gains)
+
+
+@dataclass(frozen=True)
+class _Linear:
+    packed: torch.Tensor
+    scale: torch.Tensor
+    hadamard_block: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    intermediate: int
+
+
+def _int8_one_call(linear, rows: int):
+    """The layer's int8 copy where ``rows`` rows run on it as one call, else None."""
+    copy = linear.int8_copy_for(rows)
+    return copy if copy is not None and copy.one_call else None
+
+
+def _lean_linear(copy) -> _Linear:
+    return _Linear(copy._qweight, copy.scale, copy.hadamard_block, copy.out_features)
+
+
+def _linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _layers_qualify(model, eps: float) -> bool:
+    """No biases, one worker, an int8 copy beside every linear; no QK-norm, no sliding window, one
+    KV cache group; the compiled norms and SiLU-and-mul; the kernels built."""
+    if not (cpu_fused.available() and cpu_avx2_int8.available()):
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(lin.bias is not None or lin.int8 is None for lin in _linears(layer)):
+            return False
+        if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
+            return False
+        if hasattr(attn, "q_norm") or attn.attn.sliding_window is not None or attn.attn.kv_group != 0:
+            return False
+        if not (isinstance(mlp.act_fn, SiluAndMul) and mlp.act_fn._cpu_fused):
+            return False
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or not n._cpu_fused or n.eps != eps for n in norms):
+            return False
+    return True
+
+
+class LeanDecode:
+    """The lean decode path of one ``LlamaModel`` (see the module notes)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._layers: list[_Layer] | None = None
+        self._rows_taken: dict[int, bool] = {}
+        self._qualifies: bool | None = None  # decided at the first step with a KV cache (copies made)
+        first = model.layers[0]
+        attn = first.self_attn
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.attn.scale
+        self.eps = first.input_layernorm.eps
+        self.rotary = attn.rotary
+
+    def qualifies(self) -> bool:
+        """Whether the model's layers are the ones this path runs (see the module notes)."""
+        if self._qualifies is None:
+            self._qualifies = switch_on(ENV_SWITCH) and _layers_qualify(self.model, self.eps)
+        return self._qualifies
+
+    def runs(self, rows: int, x: torch.Tensor, context) -> bool:
+        """Whether this step (``rows`` tokens, embeddings ``x``) runs lean."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or context is None:
+            return False
+        if context.backend != "cpu" or context.kv_scales is not None or context.kv_caches is None:
+            return False
+        meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
+        if (
+            meta.paged_decodes is None
+            or meta.paged_prefills is not None
+            or meta.decode_groups
+            or meta.prefills
+        ):
+            return False
+        if not self.qualifies():
+            return False
+        taken = self._rows_taken.get(rows)
+        if taken is None:
+            taken = self._rows_taken[rows] = all(
+                _int8_one_call(lin, rows) is not None
+                for layer in self.model.layers
+                for lin in _linears(layer)
+            )
+        return taken
+
+    def _prepared(self, rows: int) -> list[_Layer]:
+        if self._layers is None:
+            self._layers = [
+                _Layer(
+                    in_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    qkv=_lean_linear(_int8_one_call(layer.self_attn.qkv_proj, rows)),
+                    o=_lean_linear(_int8_one_call(layer.self_attn.o_proj, rows)),
+                    gate_up=_lean_linear(_int8_one_call(layer.mlp.gate_up_proj, rows)),
+                    down=_lean_linear(_int8_one_call(layer.mlp.down_proj, rows)),
+                    intermediate=layer.mlp.intermediate_size,
+                )
+                for layer in self.model.layers
+            ]
+        return self._layers
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers of a step ``runs`` accepted: (the last layer's MLP output, the
+        residual stream before it), as ``LlamaDecoderLayer`` returns them."""
+        fused = torch.ops.weft_fused
+        rms_norm, add_rms_norm = fused.rms_norm.default, fused.fused_add_rms_norm.default
+        rotary, silu_and_mul = fused.rotary_neox.default, fused.silu_and_mul.default
+        linear = torch.ops.weft_avx2_int8.int8_linear.default
+        attention = torch.ops.weft_cpu.paged_decode_attention.default
+        meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
+        decodes, slots = meta.paged_decodes, meta.slot_mapping
+        t = x.shape[0]
+        h, kvh, d, eps, scale = self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale
+        q_size, kv_size = self.q_size, self.kv_size
+        cos, sin = self.rotary.cos, self.rotary.sin
+        positions = positions.long()
+        residual = x
+        x = torch.empty_like(residual)
+        for i, (layer, cache) in enumerate(zip(self._prepared(t), context.kv_caches)):
+            if i == 0:
+                rms_norm(x, residual, layer.in_norm, eps)
+            else:
+                add_rms_norm(x, residual, layer.in_norm, eps)
+            qkv = torch.empty(t, layer.qkv.out_features)
+            linear(x, layer.qkv.packed, layer.qkv.scale, layer.qkv.hadamard_block, qkv)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            rotary(positions, q, k, cos, sin, d)
+            k, v = k.view(t, kvh, d), v.view(t, kvh, d)
+            two, _, nb, bs, _ = cache.shape
+            cache_rows = cache.view(two, kvh, nb * bs, d)
+            cache_rows[0].index_copy_(1, slots, k.transpose(0, 1))
+            cache_rows[1].index_copy_(1, slots, v.transpose(0, 1))
+            attn = torch.empty(t, h, d)
+            if i == 0:  # the first layer checks the step's arguments in full (the module path's rule)
+                cpu_attention.paged_decode_attention(
+                    q.view(t, h, d),
+                    cache,
+                    decodes.token_idx,
+                    decodes.seq_lens,
+                    decodes.block_table,
+                    scale,
+                    attn,
+                )
+            else:
+                attention(q.view(t, h, d), cache, decodes.token_idx, decodes.seq_lens, decodes.block_table,
+                          scale, attn, 0, None)  # fmt: skip
+            o = torch.empty(t, layer.o.out_features)
+            linear(attn.view(t, h * d), layer.o.packed, layer.o.scale, layer.o.hadamard_block, o)
+            add_rms_norm(o, residual, layer.post_norm, eps)  # residual += o; o = norm(residual)
+            gate_up = torch.empty(t, layer.gate_up.out_features)
+            linear(o, layer.gate_up.packed, layer.gate_up.scale, layer.gate_up.hadamard_block, gate_up)
+            act = torch.empty(t, layer.intermediate)
+            silu_and_mul(act, gate_up)
+            x = torch.empty(t, layer.down.out_features)
+            linear(act, layer.down.packed, layer.down.scale, layer.down.hadamard_block, x)
+        return x, residual

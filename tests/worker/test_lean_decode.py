@@ -1,0 +1,136 @@
+"""The lean decode path (``services.worker.models.lean_decode``) gives the module path's numbers
+bit for bit: hidden states, residual stream and the KV cache it writes, on a decode step of
+sequences at several lengths; and it runs only on the steps and models it was written for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_avx2_int8, cpu_fused
+from services.worker.forward_context import set_forward_context
+from services.worker.layers.attention import kv_cache_shape
+from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.int8_linear import Int8Weight
+from services.worker.model_loader import load_model
+from services.worker.models.lean_decode import ENV_SWITCH, LeanDecode
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_avx2_int8.available() and cpu_fused.available()), reason="needs AVX2 and weft's CPU kernels"
+)
+
+BLOCK = 16
+CONTEXTS = [5, 20, 40, 16]  # tokens cached before the step, per sequence
+
+
+def _linears(layer):
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, make_engine_config, make_tiny_hf_model):
+    """A tiny random Llama (in_features multiples of 64, as the AVX2 kernel packs) with an int8 copy
+    beside every linear layer, on the AVX2 kernel."""
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-lean"), intermediate_size=128)
+    config = make_engine_config(str(path), str(path), max_model_len=256)
+    model = load_model(config.model)
+    for layer in model.model.layers:
+        for linear in _linears(layer):
+            linear.int8 = Int8Weight(linear.weight.detach(), gemm="avx2")
+            assert linear.int8.one_call
+    return model
+
+
+def _step(contexts: list[int], query_lens: list[int] | None = None):
+    """Metadata of one step, each sequence in blocks of its own; ids and positions."""
+    query_lens = query_lens or [1] * len(contexts)
+    width = max(-(-(c + q) // BLOCK) for c, q in zip(contexts, query_lens))
+    table = np.zeros((len(contexts), width), np.int32)
+    slots, positions, next_block = [], [], 1
+    for i, (context, count) in enumerate(zip(contexts, query_lens)):
+        blocks = -(-(context + count) // BLOCK)
+        table[i, :blocks] = np.arange(next_block, next_block + blocks)
+        next_block += blocks
+        for pos in range(context, context + count):
+            slots.append(table[i, pos // BLOCK] * BLOCK + pos % BLOCK)
+            positions.append(pos)
+    meta = build_attention_metadata(
+        query_lens=np.array(query_lens),
+        context_lens=np.array(contexts),
+        block_table=table,
+        slot_mapping=np.array(slots),
+        block_size=BLOCK,
+        paged_decodes=True,
+    )
+    ids = torch.tensor([(7 * p + 3) % 256 for p in positions])
+    return meta, ids, torch.tensor(positions)
+
+
+def _caches(model, seed: int) -> list[torch.Tensor]:
+    args = model.args
+    generator = torch.Generator().manual_seed(seed)
+    shape = kv_cache_shape(32, BLOCK, args.num_kv_heads, args.head_dim)
+    return [torch.randn(shape, generator=generator) for _ in range(args.num_layers)]
+
+
+@torch.inference_mode()
+def test_lean_steps_give_the_module_paths_bits(model):
+    meta, ids, positions = _step(CONTEXTS)
+    inner = model.model
+    caches = {name: _caches(model, 0) for name in ("modules", "lean")}
+    with set_forward_context(meta, caches["modules"], backend="cpu"):
+        x, residual = inner.embed_tokens(ids), None
+        for layer in inner.layers:
+            x, residual = layer(positions, x, residual)
+    with set_forward_context(meta, caches["lean"], backend="cpu") as context:
+        embedded = inner.embed_tokens(ids)
+        assert inner.lean.runs(len(CONTEXTS), embedded, context)
+        lean_x, lean_residual = inner.lean.forward(embedded, positions, context)
+    assert torch.equal(lean_x, x) and torch.equal(lean_residual, residual)
+    for ours, theirs in zip(caches["lean"], caches["modules"]):
+        assert torch.equal(ours, theirs)
+    # And the model's forward takes it: the same hidden states as the module path's, normed.
+    with set_forward_context(meta, _caches(model, 0), backend="cpu"):
+        hidden = model(ids, positions)
+    assert torch.equal(hidden, inner.norm(x, residual=residual)[0])
+
+
+@torch.inference_mode()
+def test_only_decode_steps_on_the_cpu_kernels_run_lean(model):
+    inner = model.model
+    meta, ids, _ = _step(CONTEXTS)
+    x = inner.embed_tokens(ids)
+    with set_forward_context(meta, _caches(model, 1), backend="cpu") as context:
+        assert inner.lean.runs(len(ids), x, context)
+        assert not inner.lean.runs(len(ids), x.bfloat16(), context)
+    with set_forward_context(meta, _caches(model, 1), backend="torch") as context:
+        assert not inner.lean.runs(len(ids), x, context)
+    with set_forward_context(meta, None, backend="cpu") as context:  # profiling, before the cache
+        assert not inner.lean.runs(len(ids), x, context)
+    with set_forward_context(meta, _caches(model, 1), backend="cpu", kv_scales=[None]) as context:
+        assert not inner.lean.runs(len(ids), x, context)  # an int8 cache
+    prefill, ids, _ = _step([0, 20], query_lens=[6, 1])  # a prompt beside a decode
+    with set_forward_context(prefill, _caches(model, 1), backend="cpu") as context:
+        assert not inner.lean.runs(len(ids), inner.embed_tokens(ids), context)
+
+
+@torch.inference_mode()
+def test_models_it_was_not_written_for_run_the_modules(model, monkeypatch):
+    inner = model.model
+    meta, ids, _ = _step(CONTEXTS)
+    x = inner.embed_tokens(ids)
+    with set_forward_context(meta, _caches(model, 2), backend="cpu") as context:
+        monkeypatch.setenv(ENV_SWITCH, "0")
+        assert not LeanDecode(inner).runs(len(ids), x, context)
+        monkeypatch.setenv(ENV_SWITCH, "1")
+        assert LeanDecode(inner).runs(len(ids), x, context)
+        down = inner.layers[1].mlp.down_proj
+        copy, down.int8 = down.int8, None
+        try:
+            assert not LeanDecode(inner).runs(len(ids), x, context)  # a layer without its int8 copy
+        finally:
+            down.int8 = copy
+        norm = inner.layers[0].post_attention_layernorm
+        monkeypatch.setattr(norm, "_cpu_fused", False)
+        assert not LeanDecode(inner).runs(len(ids), x, context)  # the torch norms
