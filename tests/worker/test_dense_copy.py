@@ -335,3 +335,17 @@ def test_the_int8_copy_is_counted(int8_model):
     # GEMM one int32 a row, where its sums start).
     sums = sum(4 * layer.quant.shape[0] for layer in layers if layer.int8.gemm == "vnni")
     assert packed_weights_bytes(int8_model) == 4 * report.total_params + report.total_params + 4 * rows + sums
+
+
+def test_no_int8_copy_where_its_gemm_would_be_a_scalar_loop(monkeypatch, caplog):
+    """Auto chose the copy from the CPU's flags, but weft's AVX2 kernel is missing here (no compiler,
+    or turned off): the model dtype's copy alone, from DEFAULT_DENSE_MIN_ROWS rows, and a warning."""
+    from services.worker.layers import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "int8_copy_runs_here", lambda: False)
+    loaded = load_model(config_of(dtype="float32", dense_min_rows=1, dense_copy_dtype="int8"))
+    layers = [layer for layer in linear_layers(loaded) if layer.quant is not None]
+    assert layers and all(layer.int8 is None for layer in layers)
+    assert all(layer.dense_min_rows == DEFAULT_DENSE_MIN_ROWS and layer.weight is not None for layer in layers)
+    assert "No int8 dense copy" in caplog.text
+

@@ -88,6 +88,14 @@ def test_the_gemm_is_chosen_by_the_cpus_flags(monkeypatch):
         Int8Weight(torch.ones(4, 64), gemm="onednn")
 
 
+def test_an_int8_copy_runs_where_its_gemm_is_not_a_scalar_loop():
+    """torch._int_mm without VNNI or AMX int8 dot products is a scalar loop: no int8 copy on it."""
+    assert int8_linear.int8_copy_runs_here({"avx2", "fma"}, gemm="avx2")
+    assert not int8_linear.int8_copy_runs_here({"avx2", "fma"}, gemm="int_mm")
+    assert int8_linear.int8_copy_runs_here({"avx2", "avx512_vnni"}, gemm="int_mm")
+    assert int8_linear.int8_copy_runs_here({"amx_tile", "amx_int8"}, gemm="onednn")
+
+
 def test_onednn_is_refused_where_its_int8_matmul_saturates(monkeypatch):
     assert int8_linear.onednn_int8_exact(frozenset({"avx2", "avx512_vnni"}))
     assert int8_linear.onednn_int8_exact(frozenset({"avx2", "avx_vnni"}))

@@ -89,6 +89,22 @@ def _onednn_ops_present() -> bool:
     return onednn is not None and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise")
 
 
+def int_mm_is_a_scalar_loop(flags: set[str] | None = None) -> bool:
+    """Whether ``torch._int_mm`` runs a scalar loop here (30-60x slower than the fp32 GEMM): on a CPU
+    without VNNI or AMX int8 dot products."""
+    flags = cpu_flags() if flags is None else flags
+    return not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
+def int8_copy_runs_here(flags: set[str] | None = None, gemm: str | None = None) -> bool:
+    """Whether an int8 copy's GEMM (``gemm``; ``default_int8_gemm()``'s when None) is worth running
+    here: weft's own kernel, or ``torch._int_mm`` on integer dot products; not ``torch._int_mm``'s
+    scalar loop (an AVX2 CPU where weft's AVX2 kernel could not be built or was turned off)."""
+    if gemm is None:
+        gemm = default_int8_gemm() if flags is None else default_int8_gemm(flags)
+    return gemm != "int_mm" or not int_mm_is_a_scalar_loop(flags)
+
+
 @functools.cache
 def onednn_int8_exact(flags: frozenset[str] | None = None) -> bool:
     """Whether oneDNN's int8 matmul gives exact integers here: on VNNI (``vpdpbusd``) or AMX int8

@@ -41,7 +41,8 @@ from torch import nn
 
 from kernels.reference import dequantize_packed_ref, quant_linear_ref, round_activations_ref
 from services import env
-from services.worker.layers.int8_linear import Int8Weight
+from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
+from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +293,20 @@ def finalize_quantized(model: nn.Module, dense_min_rows: int = 0, dense_int8: bo
     With ``dense_min_rows`` > 0 each linear layer also keeps the dequantized
     weight, in its own dtype, as its dense copy for steps of that many rows on
     (``services/config/dense_copy.py``); embeddings look rows up in the packed one.
-    ``dense_int8`` adds an int8 copy beside it (``services.worker.layers.int8_linear``).
+    ``dense_int8`` adds an int8 copy beside it (``services.worker.layers.int8_linear``), except
+    where its GEMM would be ``torch._int_mm``'s scalar loop (``int8_copy_runs_here``): then the model
+    dtype's copy alone, from ``DEFAULT_DENSE_MIN_ROWS`` rows at least, with a warning.
     """
+    if dense_int8 and not int8_copy_runs_here():
+        # The config chose the copy from the CPU's flags; the kernel it counted on is missing here.
+        dense_min_rows = max(dense_min_rows, DEFAULT_DENSE_MIN_ROWS)
+        logger.warning(
+            "No int8 dense copy: its GEMM would be torch._int_mm's scalar loop on this CPU (weft's AVX2 "
+            "int8 kernel was not built, or WEFT_AVX2_INT8=0). The model dtype's copy runs steps of %d "
+            "rows and more instead.",
+            dense_min_rows,
+        )
+        dense_int8 = False
     quantized_by_param: dict[int, QuantizedWeight] = {}
     for name, module in model.named_modules():
         parts: dict[int, PackedWeight] = getattr(module, "packed_parts", None) or {}
