@@ -346,6 +346,7 @@ def test_no_int8_copy_where_its_gemm_would_be_a_scalar_loop(monkeypatch, caplog)
     loaded = load_model(config_of(dtype="float32", dense_min_rows=1, dense_copy_dtype="int8"))
     layers = [layer for layer in linear_layers(loaded) if layer.quant is not None]
     assert layers and all(layer.int8 is None for layer in layers)
-    assert all(layer.dense_min_rows == DEFAULT_DENSE_MIN_ROWS and layer.weight is not None for layer in layers)
+    assert all(
+        layer.dense_min_rows == DEFAULT_DENSE_MIN_ROWS and layer.weight is not None for layer in layers
+    )
     assert "No int8 dense copy" in caplog.text
-
