@@ -66,7 +66,8 @@ def _linears(layer) -> tuple:
 
 def _layers_qualify(model, eps: float) -> bool:
     """No biases, one worker, an int8 copy beside every linear; no QK-norm, no sliding window, one
-    KV cache group; the compiled norms and SiLU-and-mul; the kernels built."""
+    KV cache group; the compiled norms and SiLU-and-mul; the kernels built; every layer's shapes
+    alike."""
     if not (cpu_fused.available() and cpu_avx2_int8.available()):
         return False
     for layer in model.layers:
@@ -82,7 +83,12 @@ def _layers_qualify(model, eps: float) -> bool:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not RMSNorm or not n._cpu_fused or n.eps != eps for n in norms):
             return False
-    return True
+    # Alike layers: a step's activation buffers serve them all.
+    shapes = {
+        (*(lin.int8.out_features for lin in _linears(layer)), layer.mlp.intermediate_size)
+        for layer in model.layers
+    }
+    return len(shapes) == 1
 
 
 class LeanDecode:
@@ -93,6 +99,7 @@ class LeanDecode:
         self._layers: list[_Layer] | None = None
         self._rows_taken: dict[int, bool] = {}
         self._qualifies: bool | None = None  # decided at the first step with a KV cache (copies made)
+        self._cache_views: tuple[list, list] = ([], [])
         first = model.layers[0]
         attn = first.self_attn
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -133,6 +140,19 @@ class LeanDecode:
             )
         return taken
 
+    def _cache_rows(self, caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cache as (keys, values) ``[KVH, slots, D]`` views, made again only when the
+        caches are other tensors (this keeps the ones it viewed, so their ids stay theirs)."""
+        kept, rows = self._cache_views
+        if len(kept) != len(caches) or any(a is not b for a, b in zip(kept, caches)):
+            rows = []
+            for cache in caches:
+                two, kvh, nb, bs, d = cache.shape
+                flat = cache.view(two, kvh, nb * bs, d)
+                rows.append((flat[0], flat[1]))
+            self._cache_views = (list(caches), rows)
+        return rows
+
     def _prepared(self, rows: int) -> list[_Layer]:
         if self._layers is None:
             self._layers = [
@@ -164,43 +184,40 @@ class LeanDecode:
         q_size, kv_size = self.q_size, self.kv_size
         cos, sin = self.rotary.cos, self.rotary.sin
         positions = positions.long()
-        residual = x
-        x = torch.empty_like(residual)
-        for i, (layer, cache) in enumerate(zip(self._prepared(t), context.kv_caches)):
+        first = self._prepared(t)[0]
+        # One buffer per activation for the whole step (the layers are alike, each consumes its
+        # inputs before the next writes them), and their views made once.
+        x, residual = torch.empty_like(x), x
+        qkv = torch.empty(t, first.qkv.out_features)
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+        heads, new_keys, new_values = (
+            q.view(t, h, d),
+            k.view(t, kvh, d).transpose(0, 1),
+            v.view(t, kvh, d).transpose(0, 1),
+        )
+        attn = torch.empty(t, h, d)
+        attn_rows = attn.view(t, h * d)
+        o = torch.empty(t, first.o.out_features)
+        gate_up = torch.empty(t, first.gate_up.out_features)
+        act = torch.empty(t, first.intermediate)
+        table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
+        for i, (layer, (keys, values)) in enumerate(zip(self._layers, self._cache_rows(context.kv_caches))):
             if i == 0:
                 rms_norm(x, residual, layer.in_norm, eps)
             else:
                 add_rms_norm(x, residual, layer.in_norm, eps)
-            qkv = torch.empty(t, layer.qkv.out_features)
             linear(x, layer.qkv.packed, layer.qkv.scale, layer.qkv.hadamard_block, qkv)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             rotary(positions, q, k, cos, sin, d)
-            k, v = k.view(t, kvh, d), v.view(t, kvh, d)
-            two, _, nb, bs, _ = cache.shape
-            cache_rows = cache.view(two, kvh, nb * bs, d)
-            cache_rows[0].index_copy_(1, slots, k.transpose(0, 1))
-            cache_rows[1].index_copy_(1, slots, v.transpose(0, 1))
-            attn = torch.empty(t, h, d)
+            keys.index_copy_(1, slots, new_keys)
+            values.index_copy_(1, slots, new_values)
+            cache = context.kv_caches[i]
             if i == 0:  # the first layer checks the step's arguments in full (the module path's rule)
-                cpu_attention.paged_decode_attention(
-                    q.view(t, h, d),
-                    cache,
-                    decodes.token_idx,
-                    decodes.seq_lens,
-                    decodes.block_table,
-                    scale,
-                    attn,
-                )
+                cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
             else:
-                attention(q.view(t, h, d), cache, decodes.token_idx, decodes.seq_lens, decodes.block_table,
-                          scale, attn, 0, None)  # fmt: skip
-            o = torch.empty(t, layer.o.out_features)
-            linear(attn.view(t, h * d), layer.o.packed, layer.o.scale, layer.o.hadamard_block, o)
+                attention(heads, cache, token_idx, seq_lens, table, scale, attn, 0, None)
+            linear(attn_rows, layer.o.packed, layer.o.scale, layer.o.hadamard_block, o)
             add_rms_norm(o, residual, layer.post_norm, eps)  # residual += o; o = norm(residual)
-            gate_up = torch.empty(t, layer.gate_up.out_features)
             linear(o, layer.gate_up.packed, layer.gate_up.scale, layer.gate_up.hadamard_block, gate_up)
-            act = torch.empty(t, layer.intermediate)
             silu_and_mul(act, gate_up)
-            x = torch.empty(t, layer.down.out_features)
             linear(act, layer.down.packed, layer.down.scale, layer.down.hadamard_block, x)
         return x, residual
