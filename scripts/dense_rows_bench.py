@@ -15,6 +15,8 @@ the best time of each:
   rows rotated and rounded, the integer GEMM the CPU gets by default
   (``int8_linear.default_int8_gemm``: weft's own on AMX int8 tiles or AVX-512
   VNNI, ``torch._int_mm`` elsewhere), scaled back,
+- ``int8-fp32``: the same on fp32 activations (dtype auto's on a CPU without bf16 math; on weft's
+  AVX2 GEMM one call a layer: ``Int8Weight.one_call``),
 - ``int8-mm``: the same with ``torch._int_mm`` whatever the CPU,
 - ``int8-onednn``: the same with oneDNN's int8 matmul (slow without AMX).
 
@@ -58,10 +60,11 @@ def matmuls(layers, name: str) -> tuple[list, torch.dtype]:
     """One ``x -> x W^T`` per layer for path ``name``, and the dtype of its x."""
     if name == "packed":
         return [lambda x, q=q: q.linear(x, None) for q in layers], torch.float32
-    if name in ("int8", "int8-mm", "int8-onednn"):
+    if name in ("int8", "int8-fp32", "int8-mm", "int8-onednn"):
         gemm = {"int8-mm": "int_mm", "int8-onednn": "onednn"}.get(name)
         copies = [Int8Weight(q.dequantize(), gemm=gemm) for q in layers]
-        return [lambda x, w=w: w.linear(x, None) for w in copies], torch.bfloat16
+        dtype = torch.float32 if name == "int8-fp32" else torch.bfloat16
+        return [lambda x, w=w: w.linear(x, None) for w in copies], dtype
     copies = dense_copies(layers, DTYPES[name])
     pointwise = torch.ops.mkldnn._linear_pointwise
     return [lambda x, c=c: pointwise(x, c, None, "none", [], "") for c in copies], DTYPES[name]
@@ -81,7 +84,7 @@ def time_forward(layers, path: tuple[list, torch.dtype], rows: int, repeats: int
     return best
 
 
-PATHS = ("packed", "bf16", "fp32", "int8", "int8-mm", "int8-onednn")
+PATHS = ("packed", "bf16", "fp32", "int8", "int8-fp32", "int8-mm", "int8-onednn")
 
 
 def main() -> None:
