@@ -40,6 +40,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "kernels/ imports nothing from services/).",
     ),
     EnvVar(
+        "WEFT_LEAN_DECODE",
+        "0 runs every decode step through the model's modules instead of the lean path of kernels called "
+        "straight (services/worker/models/lean_decode.py; the same numbers, for measuring what it gains).",
+    ),
+    EnvVar(
         "WEFT_ATTENTION_BF16_DOT",
         "0 keeps bf16 prefills and decodes of the CPU attention kernel on its fp32 path where the CPU has AVX512_BF16 "
         "(the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp; for tests and "

@@ -36,8 +36,8 @@ _EXTRA_HELP = {
     "or none (dequantize to --dtype at load).",
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
     "weight, fewer rows the packed kernels; 0 keeps no copy (default auto: where the copy takes at most "
-    "half of the memory budget, --kv-cache-memory, 2 with the int8 copy on weft's own int8 GEMMs (AMX "
-    "int8 tiles, AVX-512 VNNI, AVX2) and 8 otherwise; else 0).",
+    "half of the memory budget, --kv-cache-memory, 1 with the int8 copy on weft's own AVX2 int8 GEMM, 2 "
+    "on its AMX int8 tiles or AVX-512 VNNI GEMMs, and 8 otherwise; else 0).",
     "dense_copy_dtype": "model (the dense copy in --dtype alone), int8 (an int8 copy beside it, one more "
     "byte a weight: activations rotated and rounded to int8 per row, then integer GEMMs at a small cost "
     "in accuracy; weft's own GEMMs run it for the dense copy's steps, up to 128 rows on AMX int8 tiles "
