@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_attention, cpu_avx2_int8, cpu_fused
+from kernels import cpu_attention
 from kernels.cpu_build import switch_on
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.norm import RMSNorm
@@ -68,11 +68,13 @@ def _layers_qualify(model, eps: float) -> bool:
     """No biases, one worker, an int8 copy beside every linear; no QK-norm, no sliding window, one
     KV cache group; the compiled norms and SiLU-and-mul; the kernels built; every layer's shapes
     alike."""
-    if not (cpu_fused.available() and cpu_avx2_int8.available()):
-        return False
+    # Nothing here loads a kernel: a one-call int8 copy loaded the AVX2 kernel when the model was
+    # built, and the norms asked for the fused kernels then. (A process killed while torch loads an
+    # extension leaves its build lock behind, and every later load waits on it: loading in the middle
+    # of serving made that a crash away.)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(lin.bias is not None or lin.int8 is None for lin in _linears(layer)):
+        if any(lin.bias is not None or lin.int8 is None or not lin.int8.one_call for lin in _linears(layer)):
             return False
         if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
             return False
