@@ -11,9 +11,10 @@ numbers are those of the module path bit for bit (a test compares them); only th
 the calls goes.
 
 ``LeanDecode.qualifies`` decides once per model whether its layers are such (no biases, no
-QK-norm, no sliding window, one worker, the compiled kernels built); ``runs`` decides per step (a decode-only step on the CPU backend, a float cache, the int8 copies taking
-``rows``). The first layer's attention call checks its arguments in full, as the module path's
-does; the kernels check the index values on every call.
+QK-norm, no sliding window, one worker, the compiled kernels built); ``runs`` decides per step (a
+decode-only step on the CPU backend, a float cache, the int8 copies taking ``rows``). The first
+layer's attention call checks its arguments in full, as the module path's does; the kernels check
+the index values on every call.
 """
 
 from __future__ import annotations
