@@ -4,17 +4,24 @@ One recipe for every kernel library: ``torch.utils.cpp_extension`` with
 ninja and the system C++ compiler, OpenMP, and AVX2 + FMA where the CPU has
 them (a library may ask for another target, as the quantized matmul does for
 AVX-512 VNNI: each target builds under its own name). The build is cached by
-torch (later processes load it; concurrent builders wait on one lock). A
+torch (later processes load it; concurrent builders wait on one lock, and
+a lock left by a process killed mid-build is cleared: ``build_lock``). A
 build that cannot happen raises ``KernelUnavailable`` with the reason, and
 the caller falls back to torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -162,28 +169,59 @@ def build(
         raise KernelUnavailable(f"building {what} needs {' and '.join(missing)} on PATH.")
     isa, isa_flags = isa or target_isa()
     try:
-        cpp_extension.load(
-            name=f"{name}_{isa}",
-            sources=[str(stable_source(source, f"{name}_{isa}", extensions_root()))],
-            # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
-            # here; the library then uses the libgomp torch has already loaded.
-            # -fno-trapping-math: nothing here reads floating-point exception flags, and with
-            # them assumed to matter GCC keeps a clamp (min/max) as a branch, so a loop over
-            # exp (SiLU) stays scalar. Results are unchanged: no operation is reordered.
-            extra_cflags=[
-                "-O3",
-                "-fopenmp",
-                "-fno-math-errno",
-                "-fno-trapping-math",
-                *isa_flags,
-                *(f"-D{d}" for d in defines),
-            ],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(f"{name}_{isa}"):
+            _load(cpp_extension, name, isa, isa_flags, source, defines)
     except Exception as exc:  # compiler or linker errors come as several exception types
         raise KernelUnavailable(f"building {what} failed: {exc}") from exc
+
+
+@contextlib.contextmanager
+def build_lock(build_name: str) -> Iterator[None]:
+    """Held around torch's build and load of ``build_name``.
+
+    torch's own lock is a file, ``lock`` in the build's folder, created exclusively and removed
+    when the build ends. A process killed in between (an engine stopped while it loaded its kernels
+    at start-up) leaves it behind, and every later load of that build waits on it for ever. This
+    lock is an flock on a file beside the folder, which the OS drops with its holder: whoever holds
+    it is the only weft process inside torch's lock, so a ``lock`` file found then is a dead
+    process's, and is removed."""
+    root = Path(extensions_root())
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{build_name}.weft-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = root / build_name / "lock"
+            if stale.exists():
+                logger.warning("Removing %s, left by a process stopped while it built %s.", stale, build_name)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load(
+    cpp_extension, name: str, isa: str, isa_flags: list[str], source: Path, defines: tuple[str, ...]
+) -> None:
+    cpp_extension.load(
+        name=f"{name}_{isa}",
+        sources=[str(stable_source(source, f"{name}_{isa}", extensions_root()))],
+        # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
+        # here; the library then uses the libgomp torch has already loaded.
+        # -fno-trapping-math: nothing here reads floating-point exception flags, and with
+        # them assumed to matter GCC keeps a clamp (min/max) as a branch, so a loop over
+        # exp (SiLU) stays scalar. Results are unchanged: no operation is reordered.
+        extra_cflags=[
+            "-O3",
+            "-fopenmp",
+            "-fno-math-errno",
+            "-fno-trapping-math",
+            *isa_flags,
+            *(f"-D{d}" for d in defines),
+        ],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def build_for_flags(

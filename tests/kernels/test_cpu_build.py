@@ -1,11 +1,17 @@
 """kernels/cpu_build.py: the source a CPU kernel is built from sits at a path of the build's own,
-so checkouts in different folders share one build instead of rebuilding each other's."""
+so checkouts in different folders share one build instead of rebuilding each other's; and a build
+lock left by a process killed mid-build does not stop later builds."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-from kernels.cpu_build import stable_source
+from kernels.cpu_build import build_lock, stable_source
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_checkouts_of_the_same_source_build_from_one_copy(tmp_path):
@@ -44,3 +50,34 @@ def test_extensions_root_follows_torch_extensions_dir(monkeypatch, tmp_path):
     assert extensions_root() == str(tmp_path)
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert extensions_root() == cpp_extension.get_default_build_root()
+
+
+def test_a_lock_file_left_behind_is_removed_under_the_build_lock(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale = tmp_path / "weft_k_avx2" / "lock"
+    stale.parent.mkdir()
+    stale.touch()
+    with build_lock("weft_k_avx2"):
+        assert not stale.exists()
+    assert "left by a process stopped while it built weft_k_avx2" in caplog.text
+    with build_lock("weft_k_generic"):  # no lock file: nothing to remove, and no folder made
+        assert not (tmp_path / "weft_k_generic").exists()
+
+
+def test_a_build_after_a_killed_one_does_not_wait_for_ever(tmp_path):
+    """torch's lock file as a killed build leaves it: torch alone would wait on it for ever, so the
+    build runs in a child with a deadline."""
+    source = tmp_path / "probe.cpp"
+    source.write_text('extern "C" int weft_probe() { return 7; }\n')
+    extensions = tmp_path / "extensions"
+    (extensions / "weft_probe_plain").mkdir(parents=True)
+    (extensions / "weft_probe_plain" / "lock").touch()
+    code = (
+        "from pathlib import Path; from kernels.cpu_build import build; "
+        f"build('weft_probe', Path({str(source)!r}), 'the probe', isa=('plain', []))"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (extensions / "weft_probe_plain" / "weft_probe_plain.so").exists()
+    assert not (extensions / "weft_probe_plain" / "lock").exists()
