@@ -186,8 +186,11 @@ def run(args, parser) -> int:
     from services.config.cli_args import engine_args_from
 
     engine_args = dataclasses.asdict(engine_args_from(args))
-    if "prefill-2048" in args.shapes and (engine_args.get("max_num_batched_tokens") or 2048) < 2048:
-        parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
+    if "prefill-2048" in args.shapes:
+        if engine_args.get("max_num_batched_tokens") is None:
+            engine_args["max_num_batched_tokens"] = 2048  # the default is 1024 on some CPUs
+        elif engine_args["max_num_batched_tokens"] < 2048:
+            parser.error("the prefill-2048 shape needs --max-num-batched-tokens of at least 2048.")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1.")
     if args.workload is not None:

@@ -23,7 +23,9 @@ _EXTRA_HELP = {
     "where batched steps run dense weights; else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
     "max_model_len": "Longest prompt + output in tokens (default: the model's).",
-    "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
+    "max_num_batched_tokens": "Token budget of one engine step (default 2048; 1024 on a CPU with "
+    "neither AMX nor AVX-512 VNNI, where a 2048-token prefill takes seconds; without chunked prefill "
+    "at least max_model_len).",
     "max_num_seqs": "Most requests running at once (default 128).",
     "block_size": "Tokens per KV cache block (default: 128 on CPU, as vLLM's CPU backend; 16 on CUDA).",
     "max_num_partial_prefills": "Prompts a step may leave partway through their prefill (default 1). Above 1, "

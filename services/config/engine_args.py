@@ -135,7 +135,7 @@ class EngineArgs:
                     self.kv_cache_dtype, device, model_dtype, kv_transfer=self.kv_transfer_config is not None
                 ),
             ),
-            scheduler=self._scheduler_config(self._max_model_len(hf_config)),
+            scheduler=self._scheduler_config(self._max_model_len(hf_config), device),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
@@ -220,7 +220,7 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, device: str) -> SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
@@ -230,8 +230,19 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        budget = self.max_num_batched_tokens or default_step_budget(device)
+        if not self.enable_chunked_prefill:
+            # Unsplit, a prompt must fit one step's budget or it would wait for ever.
+            if self.max_num_batched_tokens is None:
+                budget = max(budget, max_model_len)
+            elif budget < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({budget}) must be at least max_model_len ({max_model_len}) "
+                    "without chunked prefill: a longer prompt could never be scheduled. Raise it, lower "
+                    "max_model_len, or leave chunked prefill on."
+                )
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens or 2048,
+            max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs or 128,
             long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
             enable_chunked_prefill=self.enable_chunked_prefill,
@@ -389,6 +400,29 @@ def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
     if "avx512_vnni" in flags:
         return set(AVX512_VNNI_FLAGS) <= flags
     return set(AVX2_FLAGS) <= flags
+
+
+# A step's token budget where --max-num-batched-tokens is not given. A prefill chunk holds up the
+# next token of every running request for the whole step, so the budget is a step time: 2,048 tokens
+# are about half a second where the CPU has AMX or AVX-512 VNNI (two Zen 5 cores prefilled 4,450
+# tokens/s, two AMX Xeon cores about as many), and on a GPU less. Where the CPU has AVX2 alone its
+# int8 GEMM runs about 110 G multiply-adds/s on two cores, so a 2,048-token step took 2.3 s and a
+# stream's tokens stalled that long (ITL p99 2.4 s at concurrency 64): 1,024 tokens there. Measured on
+# offline-64 at concurrency 64 (README "TTFT under load"): 2,048 -> 1,024 gave TTFT p50 6.27 -> 5.71 s
+# and ITL p99 2.43 -> 1.31 s at the same output rate (208 -> 214 tok/s, two runs each).
+DEFAULT_STEP_BUDGET = 2048
+AVX2_STEP_BUDGET = 1024
+
+
+def default_step_budget(device: str, flags: set[str] | None = None) -> int:
+    """The step budget auto gives on ``device`` (``AVX2_STEP_BUDGET`` on a CPU without AMX or
+    AVX-512 VNNI, else ``DEFAULT_STEP_BUDGET``)."""
+    if device != "cpu":
+        return DEFAULT_STEP_BUDGET
+    flags = cpu_flags() if flags is None else flags
+    if "amx_int8" in flags or "avx512_vnni" in flags:
+        return DEFAULT_STEP_BUDGET
+    return AVX2_STEP_BUDGET
 
 
 def own_int8_gemm_first_rows(flags: set[str] | None = None) -> int:
