@@ -30,7 +30,8 @@
 // (sequence, KV head), i.e. tile x G query rows, run flash-attention style
 // (online softmax) over chunks of whole cache blocks (about 64 keys); each
 // chunk's keys are transposed once into fp32 so that a row's scores over the
-// chunk are vector FMAs.
+// chunk are vector FMAs. AVX2 builds run each chunk's two products on register
+// tiles of 6 query rows sized for their 16 registers ("prefill, AVX2 tiles").
 //
 // int8 caches (any query dtype) halve the bytes a decode reads from a bf16
 // one: key t's score is scale * kscale[t] * (q . k[t]) and value t weighs
@@ -1245,6 +1246,14 @@ struct PrefillItem {
 // and a call; over 16-key blocks those cost as much as the dot products.
 constexpr int64_t kChunkKeys = 64;
 
+// AVX2 builds run each chunk on register tiles of 6 query rows ("prefill, AVX2 tiles"); AVX-512 ones
+// keep the shapes tuned for their 32 registers, block_scores and weighted_block.
+#ifdef WEFT_AVX512
+constexpr bool kAvx2Tiles = false;
+#else
+constexpr bool kAvx2Tiles = true;
+#endif
+
 // Row r = (token j0 + r / G, head g = r % G). S[r, c0 + :kNB * kW] = Q[r, :] .
 // Kt[:, c0 + ...] for keys transposed to Kt [D, ld]: four rows at a time share
 // each loaded piece of Kt, 4 x kNB independent FMA chains.
@@ -1333,6 +1342,256 @@ void load_chunk(const cache_t* keys, const cache_t* values, RowScales rs, const 
   }
 }
 
+// ------------------------------------------------------------ prefill, AVX2 tiles
+//
+// AVX2 has 16 vector registers. score_rows4<4> (16 accumulators, 4 key vectors and a broadcast) and
+// weighted_rows_heads<3, 8> (3 heads x 8 vectors of D = 24 accumulators) fit the 32 of AVX-512, where
+// they were tuned; here GCC spilled their accumulators to the stack on every step. AVX2 builds take
+// each chunk kTileRows query rows at a time instead, both products on tiles of 6 rows x 2 vectors:
+// 12 accumulators, the 2 vectors of keys (or values) of one step and the broadcast query element (or
+// weight), 15 registers, no spills. 6 rows is two tokens of SmolLM2's 3 heads per KV head; 2 vectors
+// divide 64-key chunks and head sizes of a multiple of 16. A tile's scores, softmax and values run
+// back to back, while its scores are in L1.
+//
+// The value pass is the product P [rows, keys] x V [keys, D] over the span of keys any of the tile's
+// rows sees: the weights of keys a row does not see are 0, so the tile runs without branches, each
+// value vector loaded once for its 6 rows, whatever tokens they belong to. The accumulators' rescale
+// by the online softmax's alpha is folded into the tile's load of them. One consequence: a value
+// row that is not finite (an int8 row with a NaN scale) reaches, as 0 x NaN, the tile's rows that do
+// not see it too, where the per-token value pass left them finite.
+//
+// Measured on a 2-core Zen 3 (scripts/prefill_kernel_vs_sdpa.py, SmolLM2's heads, 2 threads): fp32,
+// 2,048 new tokens from 67-70 ms on the shapes above to 37-38 ms; 64 after 448, 1.11-1.15 -> 0.61-0.76
+// ms; bf16 queries (the same fp32 arithmetic) 73-76 -> 38-40 ms. The two tile loops then take about
+// 80% of the time (perf, one thread), the exponentials most of the rest.
+
+constexpr int kTileRows = 6;  // query rows per tile
+constexpr int kTileVecs = 2;  // vectors of keys (scores) or of D (values) per tile
+
+// load_chunk for the tiles: eight keys at a time, their rows transposed into kt by 8 x 8 blocks of
+// vector shuffles rather than one scalar store per element (75 ms against 69 for the 2,048-token fp32
+// prefill on one thread, once the products were on tiles); the rest of the chunk's keys, and of D,
+// one by one.
+template <typename cache_t>
+void load_chunk8(const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t base,
+                 int64_t tokens, int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
+  int64_t t = 0;
+  for (; t + kW <= tokens; t += kW) {
+    const cache_t* kr[kW];
+    float ks[kW];
+    for (int i = 0; i < kW; ++i) {
+      const int64_t pos = base + t + i;
+      const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
+      kr[i] = keys + slot * D;
+      ks[i] = kInt8 ? rs.keys[slot] : 1.0f;
+      const cache_t* vr = values + slot * D;
+      const float vs = kInt8 ? rs.values[slot] : 1.0f;
+      for (int64_t d = 0; d < D; ++d) vf32[(t + i) * D + d] = static_cast<float>(vr[d]) * vs;
+    }
+    int64_t d = 0;
+    for (; d + kW <= D; d += kW) {
+      vf x[kW];
+      for (int i = 0; i < kW; ++i) x[i] = load8(kr[i] + d) * ks[i];
+      // rows i, lanes d -> rows d, lanes i: pairs of rows interleaved, then pairs of pairs, then halves
+      vf y[kW], z[kW];
+      for (int i = 0; i < kW; i += 2) {
+        y[i] = __builtin_shuffle(x[i], x[i + 1], vi{0, 8, 1, 9, 4, 12, 5, 13});
+        y[i + 1] = __builtin_shuffle(x[i], x[i + 1], vi{2, 10, 3, 11, 6, 14, 7, 15});
+      }
+      for (int i = 0; i < kW; i += 4)
+        for (int j = 0; j < 2; ++j) {
+          z[i + j] = __builtin_shuffle(y[i + j], y[i + j + 2], vi{0, 1, 8, 9, 4, 5, 12, 13});
+          z[i + j + 2] = __builtin_shuffle(y[i + j], y[i + j + 2], vi{2, 3, 10, 11, 6, 7, 14, 15});
+        }
+      // z[0..3]: dims (0, 2, 1, 3) of keys 0-3 in the low half, dims (4, 6, 5, 7) in the high; z[4..7] keys 4-7
+      constexpr int order[4] = {0, 2, 1, 3};
+      for (int j = 0; j < 4; ++j) {
+        storeu(kt + (d + order[j]) * kb + t, __builtin_shuffle(z[j], z[j + 4], vi{0, 1, 2, 3, 8, 9, 10, 11}));
+        storeu(kt + (d + order[j] + 4) * kb + t, __builtin_shuffle(z[j], z[j + 4], vi{4, 5, 6, 7, 12, 13, 14, 15}));
+      }
+    }
+    for (; d < D; ++d)
+      for (int i = 0; i < kW; ++i) kt[d * kb + t + i] = static_cast<float>(kr[i][d]) * ks[i];
+  }
+  if (t < tokens)
+    load_chunk(keys, values, rs, blocks, base + t, tokens - t, block_size, D, kb, kt + t, vf32 + t * D);
+}
+
+// S[r, :NB * kW] = Q[r, :] . Kt[:, :NB * kW] for the NR rows from q (row stride D) and keys
+// transposed to Kt [D, ld]; s has row stride ld.
+template <int NR, int NB>
+[[gnu::always_inline]] inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ld, float* s) {
+  vf a[NR][NB] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vf k[NB];
+    for (int c = 0; c < NB; ++c) k[c] = loadu(kt + d * ld + c * kW);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NB; ++c) a[r][c] += q[r * D + d] * k[c];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NB; ++c) storeu(s + r * ld + c * kW, a[r][c]);
+}
+
+// acc[r, :NV * kW] = acc[r, :NV * kW] * alpha[r] + sum over t in [t0, t1) of p[r * ld + t] * v[t, :NV * kW]
+// for NR rows (acc's and v's row stride D).
+template <int NR, int NV>
+[[gnu::always_inline]] inline void value_tile(const float* p, int64_t ld, const float* v, int64_t D, int64_t t0,
+                                              int64_t t1, const float* alpha, float* acc) {
+  vf a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = loadu(acc + r * D + c * kW) * alpha[r];
+  for (int64_t t = t0; t < t1; ++t) {
+    vf x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = loadu(v + t * D + c * kW);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NV; ++c) a[r][c] += p[r * ld + t] * x[c];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) storeu(acc + r * D + c * kW, a[r][c]);
+}
+
+// exp_nonpositive on eight lanes, the same steps. The tiles' softmax is written in vectors: the omp simd
+// loops of online_softmax_row compiled to a scalar max and peeled ends, and took the 2,048-token fp32
+// prefill 81 ms against 75 on one thread.
+inline vf exp8_nonpositive(vf x) {
+  x = x < -87.0f ? vf{} - 87.0f : x;
+  const float shifter = 12582912.0f;
+  const vf n = (x * 1.44269504088896341f + shifter) - shifter;
+  vf r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hmax(vf v) {
+  v = v > __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3}) ? v : __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
+  v = v > __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5}) ? v : __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
+  return std::max(v[0], v[1]);
+}
+
+// online_softmax_row's step on whole vectors of a row's scores s[c0, c1) (c0 and c1 multiples of kW,
+// the visible keys [vis_lo, vis_hi) among them, at least one): updates the row's max m and sum l,
+// leaves the weights in s[c0, c1), 0 outside the visible keys, and returns the factor alpha its
+// accumulator is to be rescaled by (value_tile applies it). Lanes outside the visible keys are masked
+// rather than branched around; kAll: the row sees all of [c0, c1), as in every chunk of a causal
+// prefill but the ones on its diagonal, and needs no masks.
+template <bool kAll>
+inline float softmax_lanes(float* s, int64_t c0, int64_t c1, int64_t vis_lo, int64_t vis_hi, float& m, float& l) {
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const vi lo = vi{} + static_cast<int32_t>(vis_lo - c0), hi = vi{} + static_cast<int32_t>(vis_hi - c0);
+  auto seen = [&](int64_t c) {  // all ones in the lanes of visible keys
+    const vi t = lane + static_cast<int32_t>(c - c0);
+    return kAll ? vi{} - 1 : (t >= lo && t < hi);
+  };
+  vf mx = vf{} - std::numeric_limits<float>::infinity();
+  for (int64_t c = c0; c < c1; c += kW) {
+    const vf x = loadu(s + c);
+    mx = (seen(c) && x > mx) ? x : mx;
+  }
+  const float m_new = std::max(m, hmax(mx));
+  const float alpha = exp_nonpositive(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
+  vf sum = {};
+  for (int64_t c = c0; c < c1; c += kW) {
+    vf p = exp8_nonpositive(loadu(s + c) - m_new);
+    if constexpr (!kAll) p = seen(c) ? p : vf{};
+    storeu(s + c, p);
+    sum += p;
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
+inline float softmax_weights8(float* s, int64_t c0, int64_t c1, int64_t vis_lo, int64_t vis_hi, float& m, float& l) {
+  if (vis_lo <= c0 && vis_hi >= c1) return softmax_lanes<true>(s, c0, c1, vis_lo, vis_hi, m, l);
+  return softmax_lanes<false>(s, c0, c1, vis_lo, vis_hi, m, l);
+}
+
+// Which keys of a chunk each of the item's tokens sees (prefill_item's rule).
+struct ChunkKeys {
+  int64_t first_pos;  // the item's first token's position, less the chunk's first key's
+  int64_t window;
+  int64_t tokens;     // keys in the chunk
+  // Token j sees the chunk's keys [lo(j), hi(j)), none where hi(j) <= lo(j); both grow with j.
+  int64_t lo(int64_t j) const { return window > 0 ? std::max<int64_t>(0, first_pos + j - window + 1) : 0; }
+  int64_t hi(int64_t j) const { return std::min(tokens, first_pos + j + 1); }
+};
+
+// The item's buffers (prefill_item's), rows of kb scores and of D accumulators.
+struct TileBuffers {
+  const float* qf;  // [rows, D]
+  float* s;         // [rows, kb]
+  float* acc;       // [rows, D]
+  float* m;         // [rows]
+  float* l;         // [rows]
+};
+
+// NR rows from row r0 (token r / G, head r % G) over one chunk: the keys [c0, c1) of it that any of
+// them sees, rounded out to whole vectors, scored; each row's online softmax; then the weighted values.
+template <int NR>
+[[gnu::always_inline]] inline void chunk_tile(TileBuffers b, int64_t r0, int64_t G, int64_t D, const float* kt,
+                                              const float* v, int64_t kb, ChunkKeys keys) {
+  // The first row's lo and the last row's hi bound the keys the tile's rows see.
+  const int64_t t0 = keys.lo(r0 / G), t1 = keys.hi((r0 + NR - 1) / G);
+  if (t0 >= t1) return;  // no row sees a key of the chunk: their state stays as it is
+  const int64_t c0 = t0 / kW * kW, c1 = (t1 + kW - 1) / kW * kW;
+  const float* q = b.qf + r0 * D;
+  float* s = b.s + r0 * kb;
+  int64_t c = c0;
+  for (; c + kTileVecs * kW <= c1; c += kTileVecs * kW) score_tile<NR, kTileVecs>(q, D, kt + c, kb, s + c);
+  for (; c < c1; c += kW) score_tile<NR, 1>(q, D, kt + c, kb, s + c);
+
+  float alpha[NR];
+  for (int i = 0; i < NR; ++i) {
+    const int64_t r = r0 + i;
+    const int64_t lo = keys.lo(r / G), hi = keys.hi(r / G);
+    if (lo < hi) {
+      alpha[i] = softmax_weights8(b.s + r * kb, c0, c1, lo, hi, b.m[r], b.l[r]);
+    } else {  // a row that sees none of the keys its neighbours see weighs them 0
+      alpha[i] = 1.0f;
+      std::fill(b.s + r * kb + c0, b.s + r * kb + c1, 0.0f);
+    }
+  }
+
+  float* acc = b.acc + r0 * D;
+  int64_t d = 0;
+  for (; d + kTileVecs * kW <= D; d += kTileVecs * kW)
+    value_tile<NR, kTileVecs>(s, kb, v + d, D, t0, t1, alpha, acc + d);
+  for (; d + kW <= D; d += kW) value_tile<NR, 1>(s, kb, v + d, D, t0, t1, alpha, acc + d);
+  for (; d < D; ++d)  // head sizes not a multiple of kW
+    for (int i = 0; i < NR; ++i) {
+      float x = acc[i * D + d] * alpha[i];
+      for (int64_t t = t0; t < t1; ++t) x += s[i * kb + t] * v[t * D + d];
+      acc[i * D + d] = x;
+    }
+}
+
+// One chunk of keys for all the item's rows, kTileRows at a time, the last tile holding the rest.
+[[gnu::always_inline]] inline void chunk_tiles(TileBuffers b, int64_t rows, int64_t G, int64_t D, const float* kt,
+                                               const float* v, int64_t kb, ChunkKeys keys) {
+  static_assert(kTileRows == 6, "the switch below holds the tiles of 1 to 5 rows");
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) chunk_tile<kTileRows>(b, r, G, D, kt, v, kb, keys);
+  switch (rows - r) {
+    case 5: chunk_tile<5>(b, r, G, D, kt, v, kb, keys); break;
+    case 4: chunk_tile<4>(b, r, G, D, kt, v, kb, keys); break;
+    case 3: chunk_tile<3>(b, r, G, D, kt, v, kb, keys); break;
+    case 2: chunk_tile<2>(b, r, G, D, kt, v, kb, keys); break;
+    case 1: chunk_tile<1>(b, r, G, D, kt, v, kb, keys); break;
+    default: break;
+  }
+}
+
 template <typename scalar_t, typename cache_t, int kC>
 void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out, int64_t os0, int64_t os1,
                   const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t context,
@@ -1361,6 +1620,13 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
   const int64_t last_key = context + j1 - 1;
   for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
     const int64_t tokens = std::min(chunk, last_key + 1 - base);
+    if constexpr (kAvx2Tiles) {
+      const int64_t Dc = kC > 0 ? kC * kW : D;  // a constant where the head size is specialised
+      load_chunk8(keys, values, rs, blocks, base, tokens, block_size, Dc, kb, kt, vf32);
+      chunk_tiles(TileBuffers{qf, s, acc, m, l}, rows, G, Dc, kt, vf32, kb,
+                  ChunkKeys{context + j0 - base, window, tokens});
+      continue;
+    }
     load_chunk(keys, values, rs, blocks, base, tokens, block_size, D, kb, kt, vf32);
     block_scores(qf, rows, D, kt, kb, s);
     // A token's G rows see the same keys: their value pass reads each value row once for all.
