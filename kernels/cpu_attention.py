@@ -26,6 +26,7 @@ from kernels.reference import check_kv_int8_write_args, check_query_and_cache
 __all__ = [
     "KernelUnavailable",
     "amx_prefills",
+    "avx2_tile_prefills",
     "bf16_dot_prefills",
     "int8_dot_queries",
     "int8_fast_decodes",
@@ -72,6 +73,12 @@ def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
         and amx_isa()[0] in ("avx512bf16", "amxbf16")
         and os.environ.get(ENV_BF16_DOT, "1") != "0"
     )
+
+
+def avx2_tile_prefills() -> bool:
+    """Whether the kernel runs prefills on its AVX2 register tiles here: a build without AVX-512
+    (``amx_isa()`` is not one of its variants), every query and cache dtype."""
+    return amx_isa()[0] not in ("avx512", "avx512bf16", "amxbf16")
 
 
 def amx_prefills(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

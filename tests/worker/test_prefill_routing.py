@@ -14,6 +14,7 @@ import torch
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import (
+    AVX2_TILES_PREFILL_CAPS,
     BF16_DOT_PREFILL_CAPS,
     FP32_PREFILL_CAPS,
     PrefillCaps,
@@ -95,6 +96,12 @@ def test_the_caps_follow_the_path_the_kernel_takes(monkeypatch):
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
     monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx512", []))
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
+    # An AVX2 build: every prefill on its register tiles, whatever the dtype (and none on the torch backend).
+    monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx2", []))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert prefill_caps_for("cpu", dtype, 64) is AVX2_TILES_PREFILL_CAPS
+    assert AVX2_TILES_PREFILL_CAPS.fresh is None and AVX2_TILES_PREFILL_CAPS.chunk is None
+    assert prefill_caps_for("torch", torch.float32, 64) is FP32_PREFILL_CAPS
 
 
 def dense(queries, keys, values, context):
