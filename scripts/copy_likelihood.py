@@ -3,6 +3,7 @@
     python scripts/copy_likelihood.py                       # fp32, bf16 copy, int8 copy
     python scripts/copy_likelihood.py --settings bf16 int8 --chars 6000 README.md docs/architecture.md
     python scripts/copy_likelihood.py --settings bf16 int8-kv --greedy 128   # the int8 KV cache
+    python scripts/copy_likelihood.py --settings int8 int8-a7 int8-a6   # 7- and 6-bit activations
 
 Each setting is one in-process engine (``LLM``) scoring the same texts with
 prompt logprobs (the log likelihood of each token given the ones before),
@@ -13,11 +14,18 @@ first setting. Prompt logprobs come from prefill steps only; ``--greedy N`` also
 first 200 tokens of each text greedily for N tokens (decode steps, where the int8 KV cache's
 decode kernel runs) and counts, against the first setting, the tokens before the first one
 that differs.
+
+``int8-a7`` and ``int8-a6`` are not weft settings but an emulation of what rounding a batched
+step's activations to 7 (6) bits instead of 8 would cost: the int8 copy's ``linear`` replaced,
+for steps of 8 rows and more, by its torch twins with rows rounded to +-63 (+-31) rather than
++-127. A 7-bit x made unsigned (x + 64) would spare AVX2's int8 GEMM its sign instructions
+(``scripts/vector_ops_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from pathlib import Path
 
@@ -27,18 +35,67 @@ SETTINGS = {
     # KV cache in bf16 (kv_cache_dtype auto makes it int8 on CPU).
     "bf16": {"dtype": "bfloat16", "dense_copy_dtype": "model", "kv_cache_dtype": "model"},
     "int8": {"dense_copy_dtype": "int8", "kv_cache_dtype": "model"},
+    # fp32 weights with no int8 copy (dense_copy_dtype auto adds one on AVX2 alone).
+    "fp32-dense": {"dtype": "float32", "dense_copy_dtype": "model", "kv_cache_dtype": "model"},
     "int8-kv": {"dtype": "bfloat16", "dense_copy_dtype": "model", "kv_cache_dtype": "int8"},
+    "int8-a7": {"dense_copy_dtype": "int8", "kv_cache_dtype": "model", "activation_levels": 63},
+    "int8-a6": {"dense_copy_dtype": "int8", "kv_cache_dtype": "model", "activation_levels": 31},
 }
+
+
 DEFAULT_FILES = ("README.md", "docs/architecture.md", "services/llm.py", "benchmarks/workloads/README.md")
+
+
+@contextlib.contextmanager
+def activations_rounded_to(levels: int | None):
+    """The int8 copy's batched steps (8 rows and more) with x's rows rounded to +-levels (None:
+    as weft rounds them), in this process's engine."""
+    from services.worker.layers.int8_linear import Int8Weight
+
+    if levels is None:
+        yield
+        return
+    import torch
+
+    from kernels.reference import hadamard_rows_ref
+
+    weft_linear = Int8Weight.linear
+
+    def linear(self, x, bias):
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[0] < 8:
+            return weft_linear(self, x, bias)
+        if self.hadamard_block:
+            rows = hadamard_rows_ref(rows, self.hadamard_block)
+        amax = rows.abs().amax(-1)
+        inv = (levels / amax).clamp(max=torch.finfo(torch.float32).max)
+        q = torch.round(rows * inv[:, None]).clamp(-levels, levels).to(torch.int8)
+        out = self.integer_product(q).float() * (amax / levels)[:, None] * self.scale[None, :]
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    Int8Weight.linear = linear
+    try:
+        yield
+    finally:
+        Int8Weight.linear = weft_linear
 
 
 def mean_nll(settings: dict, texts: list[str], greedy: int = 0) -> tuple[float, int, list[list[int]]]:
     """The mean NLL over the texts' tokens, their count, and (``greedy`` > 0) each text's greedy
     continuation of its first 200 tokens."""
-    from protocol import SamplingParams
     from services import LLM
 
-    llm = LLM(enable_prefix_caching=False, **settings)
+    settings = dict(settings)
+    levels = settings.pop("activation_levels", None)
+    with activations_rounded_to(levels):
+        return _mean_nll(LLM(enable_prefix_caching=False, **settings), texts, greedy)
+
+
+def _mean_nll(llm, texts: list[str], greedy: int) -> tuple[float, int, list[list[int]]]:
+    from protocol import SamplingParams
+
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         total, count = 0.0, 0
