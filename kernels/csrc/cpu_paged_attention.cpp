@@ -154,26 +154,37 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-// exp(x) for x <= 0 in a form the compiler vectorizes (no libm call):
-// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
-// (Cephes' expf coefficients), 2^n built in the exponent bits. Relative
-// error about 2e-7; inputs below -87 (and -inf) give about 1e-38, not 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+// exp(x) for x <= 0 in a form the compiler vectorizes (no libm call), on a
+// float or on eight lanes (vf, the prefill tiles' softmax): x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients),
+// 2^n built in the exponent bits. Relative error about 2e-7; inputs below -87
+// (and -inf) give about 1e-38, not 0; a NaN stays NaN.
+template <typename T>
+inline T exp_nonpositive(T x) {
+  constexpr bool kLanes = !std::is_same_v<T, float>;
+  if constexpr (kLanes)
+    x = x < -87.0f ? T{} - 87.0f : x;
+  else
+    x = std::max(x, -87.0f);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
+  const T n = (x * 1.44269504088896341f + shifter) - shifter;
+  T r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
+  T scale;
+  if constexpr (kLanes) {
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    std::memcpy(&scale, &bits, sizeof(scale));
+  } else {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    std::memcpy(&scale, &bits, sizeof(scale));
+  }
   return p * scale;
 }
 
@@ -1451,28 +1462,9 @@ template <int NR, int NV>
     for (int c = 0; c < NV; ++c) storeu(acc + r * D + c * kW, a[r][c]);
 }
 
-// exp_nonpositive on eight lanes, the same steps. The tiles' softmax is written in vectors: the omp simd
-// loops of online_softmax_row compiled to a scalar max and peeled ends, and took the 2,048-token fp32
-// prefill 81 ms against 75 on one thread.
-inline vf exp8_nonpositive(vf x) {
-  x = x < -87.0f ? vf{} - 87.0f : x;
-  const float shifter = 12582912.0f;
-  const vf n = (x * 1.44269504088896341f + shifter) - shifter;
-  vf r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
+// The tiles' softmax is written in vectors (exp_nonpositive on eight lanes): the omp simd loops of
+// online_softmax_row compiled to a scalar max and peeled ends, and took the 2,048-token fp32 prefill
+// 81 ms against 75 on one thread.
 inline float hmax(vf v) {
   v = v > __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3}) ? v : __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
   v = v > __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5}) ? v : __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
@@ -1502,7 +1494,7 @@ inline float softmax_lanes(float* s, int64_t c0, int64_t c1, int64_t vis_lo, int
   const float alpha = exp_nonpositive(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
   vf sum = {};
   for (int64_t c = c0; c < c1; c += kW) {
-    vf p = exp8_nonpositive(loadu(s + c) - m_new);
+    vf p = exp_nonpositive(loadu(s + c) - m_new);
     if constexpr (!kAll) p = seen(c) ? p : vf{};
     storeu(s + c, p);
     sum += p;
