@@ -49,9 +49,12 @@ from services.api.openai_schemas import (
 )
 from services.api.pausable import PausableEngineClient
 from services.api.reliability_metrics import ReliabilityCollector
+from services.api.responses_schemas import ResponsesRequest
+from services.api.responses_store import ResponsesStore
 from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
+from services.api.serving_responses import ResponsesServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
 from services.api.unknown_fields import decode_request
@@ -88,6 +91,9 @@ def _check_free_form_depth(body: object) -> None:
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.json_schema is not None:
         _check_schema_depth(response_format.json_schema.schema, "response_format")
+    text = getattr(body, "text", None)
+    if text is not None and not isinstance(text, str) and text.format is not None:
+        _check_schema_depth(text.format.schema, "text")
 
 
 def _check_schema_depth(schema: object, param: str) -> None:
@@ -114,10 +120,13 @@ def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
 
 
 class _Routes:
-    def __init__(self, ctx: ServingContext, chat: ChatSettings | None = None) -> None:
+    def __init__(
+        self, ctx: ServingContext, chat: ChatSettings | None = None, store: ResponsesStore | None = None
+    ) -> None:
         self.ctx = ctx
         self.completions = CompletionServing(ctx)
         self.chat = ChatServing(ctx, chat)
+        self.responses = ResponsesServing(self.chat, store if store is not None else ResponsesStore())
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
@@ -127,6 +136,16 @@ class _Routes:
     async def create_chat_completion(self, request: Request) -> Response:
         body = await _read(request, ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
+
+    async def create_response(self, request: Request) -> Response:
+        body = await _read(request, ResponsesRequest, self.ctx.options.allow_unknown_fields)
+        return await self.responses.create(request, body)
+
+    async def retrieve_response(self, request: Request) -> Response:
+        return await self.responses.retrieve(request, request.path_params["response_id"])
+
+    async def delete_response(self, request: Request) -> Response:
+        return await self.responses.delete(request, request.path_params["response_id"])
 
     def model_card(self, name: str) -> dict | None:
         """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
@@ -225,6 +244,9 @@ class _Routes:
         return [
             Route("/v1/completions", _client_may_leave(self.create_completion), methods=["POST"]),
             Route("/v1/chat/completions", _client_may_leave(self.create_chat_completion), methods=["POST"]),
+            Route("/v1/responses", _client_may_leave(self.create_response), methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.retrieve_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
@@ -245,6 +267,7 @@ def build_app(
     protect_tokenize: bool = True,
     options: APIOptions | None = None,
     kv_transfer_secret: str | None = None,
+    responses_store: ResponsesStore | None = None,
 ) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
@@ -276,6 +299,7 @@ def build_app(
             tuple(a for a in aliases if a != name),
         ),
         chat,
+        responses_store,
     )
     management = ManagementRoutes(engine_client, admission, routes.model_card)
 

@@ -8,7 +8,9 @@ paths that need a key (the management routes that change serving). Several
 keys may be valid at
 once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
-length, its prefix nor which key matched leaks through timing.
+length, its prefix nor which key matched leaks through timing. The key's
+digest names the request's tenant (``tenant_of``): the Responses store
+keeps each key's responses apart.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+# Where the middleware notes who a request's key belongs to (``tenant_of``).
+TENANT_STATE = "weft_tenant"
 _TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize"})
 
 
@@ -61,17 +65,25 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
-        if self._authorized(Headers(scope=scope).get("authorization", "")):
+        tenant = self._tenant(Headers(scope=scope).get("authorization", ""))
+        if tenant is not None:
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
             await self.app(scope, receive, send)
             return
         response = error_response("Invalid or missing API key: send `Authorization: Bearer <key>`.", 401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
-    def _authorized(self, header: str) -> bool:
+    def _tenant(self, header: str) -> str | None:
+        """Who the key's holder is (its digest, in hex), or None for a missing or wrong key."""
         scheme, _, token = header.partition(" ")
         # Always compare with every key, even on a bad scheme, so every
         # answer costs the same.
         digest = _digest(token.strip())
         matches = [hmac.compare_digest(digest, known) for known in self._digests]
-        return any(matches) and scheme.lower() == "bearer"
+        return digest.hex() if any(matches) and scheme.lower() == "bearer" else None
+
+
+def tenant_of(scope: Scope) -> str:
+    """The tenant a request was made as: its API key's digest, or "" on a server without keys."""
+    return scope.get("state", {}).get(TENANT_STATE, "")

@@ -1,4 +1,4 @@
-"""The chat completions' server options: the chat template and tool calling."""
+"""The chat completions' server options: the chat template, tool calling and reasoning."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.api.chat_template import check_template, load_chat_template
+from services.api.reasoning_parsers import REASONING_PARSERS, ReasoningParser, reasoning_parser_class
 from services.api.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser_class
 
 
@@ -19,6 +20,8 @@ class ChatSettings:
     """Whether ``tool_choice: "auto"`` is served (it needs ``tool_call_parser``)."""
     tool_call_parser: str | None = None
     """The name of the parser that finds tool calls in the model's text."""
+    reasoning_parser: str | None = None
+    """The name of the parser that splits the model's thinking from its reply (None: no split)."""
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -28,6 +31,8 @@ class ChatSettings:
             )
         if self.tool_call_parser is not None:
             tool_parser_class(self.tool_call_parser)  # ValueError for an unknown name
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)  # ValueError for an unknown name
         if self.chat_template is not None:
             check_template(self.chat_template)
 
@@ -35,6 +40,10 @@ class ChatSettings:
     def auto_parser(self) -> type[ToolParser] | None:
         """The parser class for ``auto``, or None when auto is not served."""
         return tool_parser_class(self.tool_call_parser) if self.enable_auto_tool_choice else None
+
+    @property
+    def reasoning_parser_class(self) -> type[ReasoningParser] | None:
+        return None if self.reasoning_parser is None else reasoning_parser_class(self.reasoning_parser)
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +67,13 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="The model's tool-call format."
     )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split the model's <think>...</think> text into reasoning_content (chat) and "
+        "reasoning items (Responses) (default: none, all text is content).",
+    )
 
 
 def chat_settings_from(args: argparse.Namespace) -> ChatSettings:
@@ -68,4 +84,5 @@ def chat_settings_from(args: argparse.Namespace) -> ChatSettings:
         trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )

@@ -1,4 +1,4 @@
-"""Every request field of /v1/completions and /v1/chat/completions, and what weft does with it.
+"""Every request field of /v1/completions, /v1/chat/completions and /v1/responses, and what weft does with it.
 
 This table is data: the README's field table is written from it, the routes
 refuse the fields it marks ``REFUSED``, and a test walks OpenAI's own
@@ -140,7 +140,11 @@ CHAT: dict[str, FieldRule] = {
     "prediction": _r({"type": "content", "content": "x"}, "predicted outputs are not supported"),
     "functions": _r([_WEATHER_TOOL["function"]], "deprecated by OpenAI: use tools"),
     "function_call": _r("auto", "deprecated by OpenAI: use tool_choice"),
-    "reasoning_effort": _r("low", "not a reasoning model"),
+    "reasoning_effort": _h(
+        "low",
+        "handed to the chat template as `reasoning_effort`; a template that does not read it "
+        "(the default model's) is unchanged by it",
+    ),
     "verbosity": _r("low", "not supported"),
     "web_search_options": _r({}, "no web search"),
     "moderation": _r({"model": "omni-moderation-latest"}, "no moderation"),
@@ -151,11 +155,74 @@ CHAT: dict[str, FieldRule] = {
 }
 
 
+_FLAT_WEATHER_TOOL = {"type": "function", **_WEATHER_TOOL["function"]}
+
+# POST /v1/responses: what each field of OpenAI's ResponseCreateParams does here.
+RESPONSES: dict[str, FieldRule] = {
+    "model": _SHARED["model"],
+    "input": _h("Hi", "a string, or message, function_call, function_call_output and reasoning items"),
+    "instructions": _h("Answer briefly.", "a system message first; not carried by previous_response_id"),
+    "max_output_tokens": _h(8, "a reply cut by it is `incomplete` (reason max_output_tokens)"),
+    "temperature": _h(0.0),
+    "top_p": _h(0.9),
+    "tools": FieldRule(
+        HONOURED,
+        [_FLAT_WEATHER_TOOL],
+        "function tools only (other types: 400); auto needs --enable-auto-tool-choice",
+        needs=(("tool_choice", "required"),),
+    ),
+    "tool_choice": _h("none", "none, auto, required or {type: function, name}"),
+    "parallel_tool_calls": _h(True),
+    "text": _h(
+        {"format": {"type": "json_object"}}, "format text, json_object or json_schema; verbosity: 400"
+    ),
+    "reasoning": _h(
+        {"effort": "low"},
+        "effort goes to the chat template as `reasoning_effort`; summary is accepted, the thinking "
+        "comes whole (reasoning_text), never summarized",
+    ),
+    "stream": _h(False),
+    "stream_options": FieldRule(
+        NO_EFFECT, {"include_obfuscation": False}, "no obfuscation padding", needs=(("stream", True),)
+    ),
+    "store": _h(True, "kept in the API process's memory, per API key (--responses-store-max-*)"),
+    "previous_response_id": _h(None, "the stored conversation goes first; 404 if unknown"),
+    "metadata": _h({"k": "v"}, "echoed and stored"),
+    "user": _SHARED["user"],
+    "include": _h([], "only empty: no encrypted reasoning, logprobs or hosted-tool outputs"),
+    "truncation": _h("disabled", "only disabled: a conversation longer than the context is a 400"),
+    "prompt_cache_key": _x("key-1", "prefix caching is automatic"),
+    "prompt_cache_options": _x({}, "prefix caching is automatic"),
+    "prompt_cache_retention": _x("in_memory", "prefix caching is automatic"),
+    "safety_identifier": _x("user-1", "no abuse tracking"),
+    "service_tier": _x("auto", "one tier"),
+    "access_programs": _r({}, "no access programs"),
+    "background": _r(True, "responses run in the foreground"),
+    "background_options": _r({}, "responses run in the foreground"),
+    "context_management": _r([], "no context compaction"),
+    "conversation": _r("conv_1", "no conversations API: use previous_response_id"),
+    "image": _r({}, "text-only models"),
+    "max_tool_calls": _r(1, "not supported"),
+    "moderation": _r({"model": "omni-moderation-latest"}, "no moderation"),
+    "prompt": _r({"id": "pmpt_1"}, "no stored prompts"),
+    "top_logprobs": _r(2, "no logprobs on Responses"),
+}
+
+
 def refuse_unsupported(body: Any, table: dict[str, FieldRule]) -> None:
     """400 for the first field the table refuses that the body sets."""
     for name, rule in table.items():
         if rule.status == REFUSED and getattr(body, name, None) is not None:
             raise bad_request(f"{name} is not supported: {rule.note}.", name)
+
+
+def responses_markdown_table() -> str:
+    """The README's table of /v1/responses fields."""
+    rows = ["| Field | /v1/responses | Notes |", "|---|---|---|"]
+    for name in sorted(RESPONSES):
+        rule = RESPONSES[name]
+        rows.append(f"| `{name}` | {rule.status} | {rule.note} |")
+    return "\n".join(rows) + "\n"
 
 
 def markdown_table() -> str:

@@ -29,6 +29,7 @@ DEFAULT_MAX_STOP_BYTES = 8192
 DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGES = 4096
+DEFAULT_MAX_TOOLS = 128  # OpenAI's own bound on a request's tools
 # How deep a free-form JSON value (a schema) may nest: deeper ones would
 # cost recursive walks (json.dumps, the schema checks) their stack.
 MAX_JSON_DEPTH = 256
@@ -63,7 +64,9 @@ class ServingLimits:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     """Longest time a request body may take to arrive (408 beyond)."""
     max_messages: int = DEFAULT_MAX_MESSAGES
-    """Most chat messages in one request (checked before the chat template runs)."""
+    """Most chat messages (or Responses input items) in one request (checked before the chat template runs)."""
+    max_tools: int = DEFAULT_MAX_TOOLS
+    """Most tools in one request."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +80,7 @@ class ServingLimits:
             "max_stop_bytes",
             "max_stop_token_ids",
             "max_messages",
+            "max_tools",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -101,12 +105,19 @@ class ServingLimits:
                 param,
             )
 
-    def check_message_count(self, count: int) -> None:
+    def check_message_count(self, count: int, param: str = "messages", what: str = "messages") -> None:
         if count > self.max_messages:
             raise bad_request(
-                f"The request has {count} messages; this server takes at most "
+                f"The request has {count} {what}; this server takes at most "
                 f"{self.max_messages} (--max-messages).",
-                "messages",
+                param,
+            )
+
+    def check_tool_count(self, count: int, param: str = "tools") -> None:
+        if count > self.max_tools:
+            raise bad_request(
+                f"The request has {count} tools; this server takes at most {self.max_tools} (--max-tools).",
+                param,
             )
 
     def check_text_size(self, texts: Iterable[str], param: str) -> None:

@@ -142,6 +142,7 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking (vLLM's)
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -190,7 +191,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     prediction: Any = None
     functions: Any = None
     function_call: Any = None
-    reasoning_effort: Any = None
+    # Handed to the chat template as ``reasoning_effort`` (templates that do not take it ignore it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
@@ -291,9 +293,17 @@ class ChatResponseMessage(msgspec.Struct):
     tool_calls: list[ToolCall] = []
 
 
+class ChatReasoningMessage(ChatResponseMessage):
+    """The message of a server with ``--reasoning-parser``: the thinking apart from
+    the content, under vLLM's older name and its newer one."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
 class ChatChoice(msgspec.Struct):
     index: int
-    message: ChatResponseMessage
+    message: ChatResponseMessage  # or a ChatReasoningMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -327,6 +337,8 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: a piece of the thinking
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -29,9 +29,11 @@ from services.api.limits import (
     DEFAULT_MAX_STOP,
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_TOKEN_IDS,
+    DEFAULT_MAX_TOOLS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServingLimits,
 )
+from services.api.responses_store import ResponsesStore, add_responses_store_args, responses_store_from
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_hardening_args(parser)
     add_chat_args(parser)
+    add_responses_store_args(parser)
     add_api_option_args(parser)
     parser.add_argument(
         "--data-parallel-size-local",
@@ -186,6 +189,12 @@ def _add_request_size_args(group) -> None:
         help="Most chat messages per request (400 beyond, before the chat template runs).",
     )
     group.add_argument(
+        "--max-tools",
+        type=int,
+        default=DEFAULT_MAX_TOOLS,
+        help="Most tools per chat or Responses request (400 beyond; default: %(default)s).",
+    )
+    group.add_argument(
         "--max-stop", type=int, default=DEFAULT_MAX_STOP, help="Most stop strings per request."
     )
     group.add_argument(
@@ -269,6 +278,7 @@ def serving_limits(args: argparse.Namespace) -> ServingLimits:
         max_stop_token_ids=args.max_stop_token_ids,
         body_timeout_s=args.body_timeout,
         max_messages=args.max_messages,
+        max_tools=args.max_tools,
     )
 
 
@@ -313,6 +323,7 @@ def main(argv: list[str]) -> int:
         ports = data_ports(args)
         limits = serving_limits(args)
         chat = chat_settings_from(args)
+        store = responses_store_from(args)
         prefix_router_for(args, config)  # refuse prefix routing without events before starting engines
         curve = load_keys(args.zmq_curve_keys, SERVER) if args.zmq_curve_keys is not None else None
         if args.zmq_curve_keys is not None and local:
@@ -325,7 +336,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options, ports)
+    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options, ports, store)
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -382,6 +393,7 @@ def _run(
     keys: list[str],
     server_options: dict,
     ports: tuple[int, int] = (0, 0),
+    store: ResponsesStore | None = None,
 ) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
@@ -420,6 +432,7 @@ def _run(
             protect_tokenize=args.api_key_protects_tokenize,
             options=api_options(args),
             kv_transfer_secret=args.kv_transfer_secret,
+            responses_store=store,
         )
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout, **server_options)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jinja2
 import msgspec
@@ -27,6 +28,7 @@ from services.api.openai_schemas import (
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatMessage,
+    ChatReasoningMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
@@ -35,6 +37,7 @@ from services.api.openai_schemas import (
     encode,
 )
 from services.api.output_processor import Logprob
+from services.api.reasoning_parsers import ReasoningParser
 from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
 from services.api.structured_outputs import check_constraint
@@ -64,6 +67,12 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
     message = {"role": m.role, "content": content}
     if m.name is not None:
         message["name"] = m.name
+    if m.reasoning_content is not None:
+        if m.role != "assistant":
+            raise bad_request(
+                "Only assistant messages carry reasoning_content.", f"messages[{i}].reasoning_content"
+            )
+        message["reasoning_content"] = m.reasoning_content  # Qwen3's and R1's templates read it
     if m.tool_calls is not None:
         if m.role != "assistant":
             raise bad_request("Only assistant messages carry tool_calls.", f"messages[{i}].tool_calls")
@@ -100,6 +109,8 @@ def message_texts(messages: list[ChatMessage]):
             yield m.content
         elif isinstance(m.content, list):
             yield from (part.text for part in m.content if part.text is not None)
+        if m.reasoning_content is not None:
+            yield m.reasoning_content
 
 
 def chat_prompt_ids(
@@ -132,17 +143,54 @@ def chat_prompt_ids(
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
+@dataclass
+class ChatRun:
+    """A chat request checked and admitted: its engine requests, and how to read their text."""
+
+    request_id: str
+    choices: list[Choice]
+    runner: serving.ChoiceRunner
+    tool_output: Callable[[], ToolOutput] | None  # a fresh reader of one choice's tool calls
+    reasoning_parser: type[ReasoningParser] | None  # splits thinking off (None: no split)
+
+
 class ChatServing:
     def __init__(self, ctx: ServingContext, settings: ChatSettings | None = None) -> None:
         self.ctx = ctx
         self.settings = settings or ChatSettings()
 
     async def create(self, request: Request, body: ChatCompletionRequest) -> Response:
+        run = await self.start(request, body, "chatcmpl")
+        ctx = self.ctx
+        include_usage, continuous = usage_modes(ctx.options, body)
+        view = _ChatView(
+            run.request_id,
+            int(time.time()),
+            ctx.served_model_name,
+            _reply_role(body),
+            _echo_text(body, _reply_role(body)),
+            run.tool_output,
+            continuous,
+            run.reasoning_parser,
+        )
+        choices, runner = run.choices, run.runner
+        if body.stream:
+            usage = (lambda: view.usage_chunk(choices)) if include_usage else None
+            return SSEResponse(
+                serving.sse_events(runner, view.chunk, head=view.head_chunks(choices), usage_chunk=usage)
+            )
+        await unless_disconnected(request, serving.collect(runner))
+        return Response(encode(view.response(choices)), media_type="application/json")
+
+    async def start(self, request: Request, body: ChatCompletionRequest, id_prefix: str) -> ChatRun:
+        """Check ``body``, render its prompt and admit its engine requests (the
+        Responses API comes through here too, with a chat request made from its own)."""
         arrival = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
         refuse_unsupported(body, CHAT)
         serving.check_kv_transfer_caller(ctx, request, body)
+        ctx.limits.check_tool_count(len(body.tools or ()), "tools")
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
         check_messages_size(ctx, body.messages)
         prompt = await run_blocking(
@@ -157,34 +205,19 @@ class ChatServing:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
         params = _with_tool_constraint(params, tool_choice)
-        request_id = serving.new_request_id("chatcmpl")
+        request_id = serving.new_request_id(id_prefix)
         choices = serving.make_choices(
             ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        role = _reply_role(body)
         tool_output = (
             None
             if tool_choice.kind == "none"
             else (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
         )
-        include_usage, continuous = usage_modes(ctx.options, body)
-        view = _ChatView(
-            request_id,
-            int(time.time()),
-            ctx.served_model_name,
-            role,
-            _echo_text(body, role),
-            tool_output,
-            continuous,
-        )
-        if body.stream:
-            usage = (lambda: view.usage_chunk(choices)) if include_usage else None
-            return SSEResponse(
-                serving.sse_events(runner, view.chunk, head=view.head_chunks(choices), usage_chunk=usage)
-            )
-        await unless_disconnected(request, serving.collect(runner))
-        return Response(encode(view.response(choices)), media_type="application/json")
+        # A constraint binds from the first token, so a constrained reply holds no thinking to split off.
+        reasoning = None if params.structured_outputs is not None else self.settings.reasoning_parser_class
+        return ChatRun(request_id, choices, runner, tool_output, reasoning)
 
     def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
@@ -206,6 +239,12 @@ class ChatServing:
                 f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields set them.",
                 "chat_template_kwargs",
             )
+        effort = getattr(body, "reasoning_effort", None)
+        if effort is not None:
+            kwargs = {
+                "reasoning_effort": effort,
+                **kwargs,
+            }  # templates that take it read it; others ignore it
         return {
             **kwargs,
             "tools": tool_dicts(body.tools),
@@ -262,12 +301,22 @@ class _ChatView:
         echo: str = "",
         tool_output: Callable[[], ToolOutput] | None = None,
         continuous_usage: bool = False,
+        reasoning_parser: type[ReasoningParser] | None = None,
     ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.role, self.echo = role, echo
         self.make_tool_output = tool_output
         self.tool_outputs: dict[int, ToolOutput] = {}
         self._continuous_usage = continuous_usage
+        self.reasoning_parser = reasoning_parser
+        self.reasoning: dict[int, ReasoningParser] = {}
+
+    def _reasoning(self, choice: Choice) -> ReasoningParser | None:
+        if self.reasoning_parser is None:
+            return None
+        if choice.index not in self.reasoning:
+            self.reasoning[choice.index] = self.reasoning_parser()
+        return self.reasoning[choice.index]
 
     def _tools(self, choice: Choice) -> ToolOutput | None:
         if self.make_tool_output is None:
@@ -296,17 +345,25 @@ class _ChatView:
 
     def chunk(self, choice: Choice) -> ChatCompletionChunk | None:
         text = choice.state.detokenizer.take_delta(choice.done)
+        reasoning, parser = "", self._reasoning(choice)
+        if parser is not None:
+            reasoning, text = parser.feed(text, choice.done)
         tools = self._tools(choice)
         tool_deltas = []
         if tools is not None:
             text, tool_deltas = tools.feed(text, choice.done)
         entries = choice.take_logprobs()
-        if not text and not tool_deltas and not entries and not choice.done:
+        if not text and not reasoning and not tool_deltas and not entries and not choice.done:
             return None
         logprobs = self._logprobs(choice, entries)
         finish, stop = _finish(choice, tools)
-        delta = DeltaMessage(content=text or None, tool_calls=tool_deltas or None)
-        if not text and not tool_deltas and not choice.done:
+        delta = DeltaMessage(
+            content=text or None,
+            tool_calls=tool_deltas or None,
+            reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
+        )
+        if not text and not reasoning and not tool_deltas and not choice.done:
             delta.content = ""  # a logprobs-only chunk still says it adds no text
         shown = [ChatStreamChoice(choice.index, delta, logprobs, finish, stop)]
         if choice.done and choice.state.kv_transfer_params is not None:
@@ -326,11 +383,22 @@ class _ChatView:
     def response(self, choices: list[Choice]) -> ChatCompletionResponse:
         shown = []
         for c in choices:
+            reasoning, content = None, c.state.text
+            parser = self._reasoning(c)
+            if parser is not None:
+                reasoning, content = parser.split(content)
             tools = self._tools(c)
-            content, calls = (c.state.text, []) if tools is None else tools.complete(c.state.text)
+            if tools is not None:
+                content, calls = tools.complete(content or "")
+            else:
+                calls = []
             if self.echo:
                 content = self.echo + (content or "")
-            message = ChatResponseMessage(self.role, content, calls)
+            message = (
+                ChatResponseMessage(self.role, content, calls)
+                if parser is None
+                else ChatReasoningMessage(self.role, content, calls, reasoning, reasoning)
+            )
             finish, stop = _finish(c, tools)
             shown.append(ChatChoice(c.index, message, self._logprobs(c, c.take_logprobs()), finish, stop))
         return ChatCompletionResponse(

@@ -73,6 +73,7 @@ class FakeEngineClient(EngineClient):
         self.hanging = asyncio.Event()  # set when a request starts hanging
         self.utility_calls: list[UtilityMethod] = []
         self.reset_refused = False  # reset_prefix_cache answers False, as with KV blocks in use
+        self.stops_at_eos = False  # finish at the request's EOS token, as an engine does
 
     async def start(self) -> None:
         self.started = True
@@ -165,6 +166,8 @@ class FakeEngineClient(EngineClient):
             output.error_is_internal = self.fail_internally
         elif params.stop_token_ids and token in params.stop_token_ids:
             output.finish_reason, output.stop_reason = FinishReason.STOP, token
+        elif self.stops_at_eos and token == request.eos_token_id and not params.ignore_eos:
+            output.finish_reason = FinishReason.STOP
         elif last:
             output.finish_reason = FinishReason.LENGTH
         return output
