@@ -110,7 +110,7 @@ class ResponseOutput:
         self.reasoning_text += text
         if not isinstance(self._open, ReasoningItem):
             self._start(
-                ReasoningItem(id=new_item_id("rs"), content=[], status="in_progress"), ReasoningText("")
+                ReasoningItem(id=new_item_id("rs"), content=[], status="in_progress"), ReasoningText(text="")
             )
         item = self._open
         item.content[0].text += text

@@ -17,12 +17,15 @@ import msgspec
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
+from openai.types.responses import response_create_params as responses_params
 
 from services.api import field_table
 from services.api.chat_args import ChatSettings
-from services.api.field_table import CHAT, COMPLETIONS, HONOURED, NO_EFFECT, REFUSED, FieldRule
+from services.api.field_table import CHAT, COMPLETIONS, HONOURED, NO_EFFECT, REFUSED, RESPONSES, FieldRule
 from services.api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from services.api.responses_schemas import ResponsesRequest
 from tests.api.fake_engine_client import http_client, make_app
+from tests.utils import REPO_ROOT
 
 ENDPOINTS = {
     "completions": (
@@ -39,18 +42,22 @@ ENDPOINTS = {
         chat_params,
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     ),
+    "responses": (
+        "/v1/responses",
+        RESPONSES,
+        ResponsesRequest,
+        responses_params,
+        {"input": "Hi", "max_output_tokens": 2},
+    ),
 }
 
 
 def openai_fields(module) -> set[str]:
     """Every key of the module's CompletionCreateParams TypedDicts (streaming or not)."""
     names: set[str] = set()
-    for name in (
-        "CompletionCreateParamsBase",
-        "CompletionCreateParamsStreaming",
-        "CompletionCreateParamsNonStreaming",
-    ):
-        names |= set(typing.get_type_hints(getattr(module, name)))
+    prefix = "Response" if module is responses_params else "Completion"
+    for suffix in ("Base", "Streaming", "NonStreaming"):
+        names |= set(typing.get_type_hints(getattr(module, f"{prefix}CreateParams{suffix}")))
     return names
 
 
@@ -104,6 +111,13 @@ async def test_each_field_behaves_as_the_table_says(app, endpoint, name):
 
 def test_the_readme_table_lists_every_field_with_its_status():
     text = field_table.markdown_table()
-    for endpoint in ENDPOINTS.values():
+    for endpoint in (ENDPOINTS["completions"], ENDPOINTS["chat"]):
         for name, rule in endpoint[1].items():
             assert f"| `{name}` |" in text and rule.status in text
+    responses = field_table.responses_markdown_table()
+    for name, rule in RESPONSES.items():
+        assert f"| `{name}` | {rule.status} |" in responses
+
+
+def test_the_readme_shows_the_responses_table_as_the_code_has_it():
+    assert field_table.responses_markdown_table() in (REPO_ROOT / "README.md").read_text()
