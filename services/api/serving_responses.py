@@ -88,12 +88,14 @@ class ResponsesServing:
         return Response(encode(response), media_type="application/json")
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
+        _refuse_query(request)
         entry = self.store.get(tenant_of(request.scope), response_id)
         if entry is None:
             raise _not_found(response_id, "response_id")
         return Response(encode(entry.response), media_type="application/json")
 
     async def delete(self, request: Request, response_id: str) -> Response:
+        _refuse_query(request)
         if not self.store.delete(tenant_of(request.scope), response_id):
             raise _not_found(response_id, "response_id")
         return Response(encode({"id": response_id, "object": "response", "deleted": True}))
@@ -225,8 +227,15 @@ def _not_found(response_id: str, param: str) -> APIError:
     return APIError(f"Response with id {response_id!r} not found.", 404, param)
 
 
+def _refuse_query(request: Request) -> None:
+    """A stored response is read whole: no streaming it again, no ``include``."""
+    for name in request.query_params:
+        raise bad_request(f"The query parameter {name} is not supported here.", name)
+
+
 def _check_options(body: ResponsesRequest) -> None:
     """400 for the values of honoured fields weft cannot serve."""
+    _check_metadata(body.metadata)
     if body.include:
         raise bad_request(f"include is not supported: {body.include[0]!r} is not returned here.", "include")
     if body.truncation == "auto":
@@ -235,3 +244,20 @@ def _check_options(body: ResponsesRequest) -> None:
         raise bad_request("text.verbosity is not supported.", "text")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+
+# OpenAI's bounds on metadata: it is kept with the response.
+_MAX_METADATA_PAIRS, _MAX_METADATA_KEY, _MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > _MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata holds at most {_MAX_METADATA_PAIRS} pairs.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > _MAX_METADATA_KEY or len(value) > _MAX_METADATA_VALUE:
+            raise bad_request(
+                f"metadata keys are at most {_MAX_METADATA_KEY} characters, values {_MAX_METADATA_VALUE}.",
+                "metadata",
+            )

@@ -220,6 +220,8 @@ async def test_stored_responses_are_read_back_by_their_own_key_only():
     await assert_error(tenant_b.responses.retrieve(response.id), 404, "response_id")
     await assert_error(tenant_b.responses.delete(response.id), 404, "response_id")
     await assert_error(create(tenant_b, previous_response_id=response.id), 404, "previous_response_id")
+    with pytest.raises(openai.BadRequestError):
+        await tenant_a.responses.retrieve(response.id, stream=True)
     await tenant_a.responses.delete(response.id)
     await assert_error(tenant_a.responses.retrieve(response.id), 404, "response_id")
 
@@ -255,6 +257,8 @@ async def test_store_false_keeps_nothing_and_a_disabled_store_refuses_store_true
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text"),
     ],
 )
 async def test_what_cannot_be_served_is_an_error_naming_the_field(kwargs, param):
