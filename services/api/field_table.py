@@ -107,7 +107,7 @@ _SHARED: dict[str, FieldRule] = {
 
 COMPLETIONS: dict[str, FieldRule] = {
     "prompt": _h("The capital of France is"),
-    "max_tokens": _h(8, "0 only with echo: the prompt alone, finish_reason length (vLLM)"),
+    "max_tokens": _h(8, "completions: 0 only with echo, which then answers the prompt alone (vLLM)"),
     "logprobs": _h(2),
     "echo": _h(True, "the prompt's text (and, with logprobs, its logprobs) in front of the output"),
     "best_of": _h(1, "only equal to n: weft returns every sequence it generates"),

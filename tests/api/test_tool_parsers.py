@@ -9,6 +9,7 @@ plain content.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -232,6 +233,17 @@ def test_one_character_at_a_time(parser, text, content, calls):
     assert_same_content(got_content, content)
 
 
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_random_pieces(parser, text, content, calls):
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        got_content, got_calls = streamed(auto_output(parser), [*pieces, ""])
+        assert got_calls == calls, pieces
+        assert_same_content(got_content, content)
+
+
 def test_content_is_not_held_back_longer_than_needed():
     output = auto_output("hermes")
     assert output.feed("Sunny <tool", done=False) == ("Sunny ", [])  # "<tool" may open a call
@@ -418,3 +430,13 @@ def test_mistral_decodes_held_arguments_again_only_when_they_may_have_ended(monk
         [("get_weather", {**WEATHER, "days": [1, 2, 3]})],
     )
     assert len(attempts) <= text.count("}") + text.count("]") + 2  # not once per character
+
+
+def test_new_formats_hold_back_only_what_may_be_a_call():
+    mistral = auto_output("mistral")
+    assert mistral.feed("Sure [TOOL", done=False) == ("Sure ", [])
+    assert mistral.feed("S] are fun", done=False) == ("[TOOLS] are fun", [])
+    pythonic = auto_output("pythonic")
+    assert pythonic.feed(" [get_wea", done=False) == ("", [])  # may open a list of calls
+    assert pythonic.feed("ther is nice]", done=False) == (" [get_weather is nice]", [])
+    assert auto_output("pythonic").feed("[1", done=False) == ("[1", [])

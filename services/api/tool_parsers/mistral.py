@@ -27,6 +27,7 @@ BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ID_ALPHABET = string.ascii_letters + string.digits
 # What may stand between [TOOL_CALLS] and [ARGS]: a function name (OpenAI allows these characters).
 _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]{1,256})\s*")
+_SPACE = re.compile(r"\s*")
 
 
 class MistralToolParser(ToolParser):
@@ -67,7 +68,7 @@ class MistralToolParser(ToolParser):
         None while more text may yet make them calls. No calls: the end is where
         content goes on (after a complete JSON value that is not a call, else
         after the marker), so a stream and the whole text agree."""
-        start = len(text) - len(text[pos:].lstrip())
+        start = _SPACE.match(text, pos).end()
         if start == len(text):
             return ([], pos) if final else None
         if text[start] == "[":
@@ -84,7 +85,7 @@ class MistralToolParser(ToolParser):
             waiting = not final and _NAME.fullmatch(text, start, cut) is not None
             return None if waiting else ([], pos)
         name = _NAME.fullmatch(text, start, args)
-        value_at = len(text) - len(text[args + len(ARGS) :].lstrip())
+        value_at = _SPACE.match(text, args + len(ARGS)).end()
         if name is None or value_at < len(text) and text[value_at] != "{":
             return [], pos
         decoded = self._json_at(text, value_at, final)
