@@ -77,6 +77,8 @@ class CompletionServing:
         prompts = await run_blocking(prompt_token_lists, ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
         prompt_only = body.echo and body.max_tokens == 0
+        if prompt_only and body.min_tokens:
+            raise bad_request("min_tokens must be 0 when max_tokens is 0.", "min_tokens")
         params = []
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, "prompt")
