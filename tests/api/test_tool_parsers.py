@@ -440,3 +440,22 @@ def test_new_formats_hold_back_only_what_may_be_a_call():
     assert pythonic.feed(" [get_wea", done=False) == ("", [])  # may open a list of calls
     assert pythonic.feed("ther is nice]", done=False) == (" [get_weather is nice]", [])
     assert auto_output("pythonic").feed("[1", done=False) == ("[1", [])
+
+
+DEEP_OBJECT = '{"a": ' * 5000 + "1" + "}" * 5000
+DEEP_ARRAY = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize(
+    "parser,text",
+    [
+        ("hermes", f"<tool_call>{DEEP_OBJECT}</tool_call>"),
+        ("llama3_json", DEEP_OBJECT),
+        ("mistral", f"[TOOL_CALLS]{DEEP_ARRAY}"),
+        ("mistral", f"[TOOL_CALLS]get_time[ARGS]{DEEP_OBJECT}"),
+    ],
+    ids=["hermes", "llama3_json", "mistral-array", "mistral-args"],
+)
+def test_json_nested_past_the_recursion_limit_is_content(parser, text):
+    assert whole(parser, text) == (text, [])
+    assert streamed(auto_output(parser), [text[: len(text) // 2], text[len(text) // 2 :], ""]) == (text, [])

@@ -76,8 +76,10 @@ def partial_prefix_length(text: str, marker: str) -> int:
 
 
 def decode_json_at(text: str, pos: int) -> tuple[object, int] | None:
-    """The JSON value starting at ``pos`` and where it ends, or None if none is complete there."""
+    """The JSON value starting at ``pos`` and where it ends, or None if none is complete there
+    (or it nests past the interpreter's recursion limit, which the decoder checks: a model
+    can be made to write ``[[[[...``)."""
     try:
         return json.JSONDecoder().raw_decode(text, pos)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
