@@ -51,6 +51,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: False leaves out the spaces some tokenizers' decoders (WordPiece) put
+    # between two added tokens in a row, when special tokens are shown.
+    spaces_between_special_tokens: bool = True
     # Guided decoding: the output must match this constraint.
     structured_outputs: StructuredOutputsParams | None = None
     # Added to the logits of these token ids (OpenAI's logit_bias), in [-100, 100].

@@ -162,3 +162,65 @@ def test_unknown_fields_and_refused_ones_are_a_400(client):
 
 def _first_tokens_text(greedy, n: int) -> str:
     return "".join(greedy[1][:n])
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(client, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    result = complete(client, max_tokens=0, echo=True)
+    [choice] = result.choices
+    assert (choice.text, choice.finish_reason, choice.logprobs) == (PROMPT, "length", None)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), 0)
+    chunks = list(complete(client, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    with pytest.raises(openai.BadRequestError) as error:  # without echo there is nothing to answer
+        complete(client, max_tokens=0)
+    assert error.value.body["param"] == "max_tokens"
+
+
+def test_echo_with_max_tokens_0_shows_the_prompt_logprobs(client, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    choice = complete(client, max_tokens=0, echo=True, logprobs=2).choices[0]
+    lp = choice.logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(prompt_ids) and "".join(lp.tokens) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # The same numbers vLLM's prompt_logprobs give for the prompt's own tokens.
+    shown = (
+        complete(client, max_tokens=1, extra_body={"prompt_logprobs": 2})
+        .choices[0]
+        .model_extra["prompt_logprobs"]
+    )
+    for token_id, value, top, entry in zip(
+        prompt_ids[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], shown[1:]
+    ):
+        assert value == pytest.approx(entry[str(token_id)]["logprob"], abs=1e-4)
+        assert 2 <= len(top) <= 3  # the top 2, and the prompt's token when it is not among them
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_spaces_between_special_tokens_is_honoured(client, tokenizer, endpoint):
+    # Only special tokens may be sampled, so they follow one another. SmolLM2's decoder
+    # (byte-level) puts no space between tokens, so both settings show them joined.
+    specials = tokenizer.encode("<|im_start|><|im_end|>", add_special_tokens=False)
+    texts = []
+    for spaces in (True, False):
+        extra = {
+            "allowed_token_ids": specials,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": spaces,
+        }
+        if endpoint == "chat":
+            result = client.chat.completions.create(
+                model=_model(client),
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4,
+                extra_body=extra,
+            )
+            texts.append(result.choices[0].message.content)
+        else:
+            texts.append(complete(client, max_tokens=4, extra_body=extra).choices[0].text)
+    ids = tokenizer.encode(texts[0], add_special_tokens=False)
+    assert len(ids) == 4 and set(ids) <= set(specials) and " " not in texts[0]
+    assert texts[1] == texts[0] == tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,10 +1,12 @@
 """Admission control and the drain on shutdown.
 
 Each ready rank takes at most ``max_num_seqs`` running plus
-``max_waiting_requests`` waiting engine requests; the API admits a request
-(its prompts x ``n`` engine requests) only while the ready ranks have room
-for all of them together, and answers 503 with ``Retry-After`` otherwise, so
-a burst gets a quick "try again" instead of a queue that grows without end.
+``max_waiting_requests`` waiting engine requests (1,024 by default, fewer
+where that many would not fit in memory): as in vLLM, requests past the
+running batch wait in the engine's queue. The API admits a request (its
+prompts x ``n`` engine requests) only while the ready ranks have room for all
+of them together, and answers 503 with ``Retry-After`` otherwise, so a flood
+gets a quick "try again" instead of a queue that grows without end.
 The count is the API's own (requests admitted and not yet ended), never a
 stale load report, so it is exact at the moment of the decision.
 
@@ -59,7 +61,7 @@ class Ticket:
 class Admission:
     def __init__(self, engine_client: EngineClient, max_num_seqs: int, limits: ServingLimits) -> None:
         self.engine_client = engine_client
-        self.per_rank = max_num_seqs + limits.waiting_per_rank(max_num_seqs)
+        self.per_rank = max_num_seqs + limits.waiting_per_rank()
         self.draining = False
         self.in_use = 0  # engine requests admitted and not yet released
         self.num_rejected = {"overloaded": 0, "not_ready": 0, "shutting_down": 0}

@@ -6,6 +6,11 @@ in its engine. While streaming, the last ``max(len(stop)) - 1`` characters
 are held back, since they could still turn into a stop string. As in vLLM,
 stop strings are looked for only once the output has more than
 ``min_tokens`` tokens, and only in text that could end at the newest token.
+
+With special tokens shown and ``spaces_between_special_tokens`` off, an
+added token right after another one is shown as its own text, without the
+space some decoders (WordPiece's) put in front of it, as vLLM does with
+fast tokenizers.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        joined = not (params.skip_special_tokens or params.spaces_between_special_tokens)
+        self._added = tokenizer.added_tokens if joined else None  # None: decode as the tokenizer does
+        self._after_added = False  # the previous token was an added one
         self._stops = matcher_for(tuple(params.stop_strings))
         self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = self._stops.max_len
@@ -36,6 +44,8 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             self._num_tokens += 1
             piece = self._stream.step(self._tokenizer.backend, token_id)
+            if self._added is not None:
+                piece = self._joined(token_id, piece)
             if not piece:
                 continue
             # A stop string may begin up to len(stop) - 1 characters back.
@@ -44,6 +54,13 @@ class IncrementalDetokenizer:
             if self._stops and self._num_tokens > self._min_tokens and self._find_stop(start):
                 return True
         return False
+
+    def _joined(self, token_id: int, piece: str | None) -> str | None:
+        added = self._added.get(token_id)
+        if added is not None and self._after_added:
+            piece = added
+        self._after_added = added is not None
+        return piece
 
     def _find_stop(self, search_from: int) -> bool:
         hit = self._stops.earliest(self.text, search_from)

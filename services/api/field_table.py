@@ -86,6 +86,11 @@ _SHARED: dict[str, FieldRule] = {
     "min_tokens": _h(1, "EOS, stop tokens and stop strings are held back until this many tokens exist"),
     "stop_token_ids": _h([2], "the token's text is left out unless include_stop_str_in_output"),
     "skip_special_tokens": _h(True),
+    "spaces_between_special_tokens": _h(
+        False,
+        "vLLM's; false: with special tokens shown, no space between two added tokens in a row "
+        "(only decoders that put one there, such as WordPiece's, change)",
+    ),
     "include_stop_str_in_output": _h(False),
     "priority": _h(0, "non-zero needs --scheduling-policy priority"),
     "cache_salt": _h("tenant-a"),
@@ -102,7 +107,7 @@ _SHARED: dict[str, FieldRule] = {
 
 COMPLETIONS: dict[str, FieldRule] = {
     "prompt": _h("The capital of France is"),
-    "max_tokens": _h(8),
+    "max_tokens": _h(8, "completions: 0 only with echo, which then answers the prompt alone (vLLM)"),
     "logprobs": _h(2),
     "echo": _h(True, "the prompt's text (and, with logprobs, its logprobs) in front of the output"),
     "best_of": _h(1, "only equal to n: weft returns every sequence it generates"),

@@ -10,6 +10,7 @@ body, 408 for the slow one) before any work is done.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,16 @@ DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGES = 4096
 DEFAULT_MAX_TOOLS = 128  # OpenAI's own bound on a request's tools
+# Requests past the running batch wait in the engine's queue, as in vLLM; this
+# many per rank at most (fewer where memory is short: fitting_waiting_requests).
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+# The most one prompt token costs while its request waits: its id in the API's
+# list (an 8-byte pointer and a 28-byte int), in the engine's decoded request
+# and its two lists in the Request (three pointers and an int), and its share
+# of the prefix-block hashes.
+PROMPT_TOKEN_BYTES = 128
+# Python's widest string takes 4 bytes a character.
+BYTES_PER_CHAR = 4
 # How deep a free-form JSON value (a schema) may nest: deeper ones would
 # cost recursive walks (json.dumps, the schema checks) their stack.
 MAX_JSON_DEPTH = 256
@@ -46,7 +57,8 @@ class ServingLimits:
     max_prompt_tokens: int | None = None
     """Longest prompt in tokens (None: max_model_len - 1)."""
     max_waiting_requests: int | None = None
-    """Engine requests that may wait per ready rank beyond the max_num_seqs it runs (None: 2 x max_num_seqs)."""
+    """Engine requests that may wait per ready rank beyond the max_num_seqs it runs (None: 1024;
+    ``weft serve`` lowers it where that many would not fit in memory)."""
     request_timeout_s: float | None = None
     """A request still running after this many seconds is aborted (None: never)."""
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -94,8 +106,25 @@ class ServingLimits:
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}.")
 
-    def waiting_per_rank(self, max_num_seqs: int) -> int:
-        return 2 * max_num_seqs if self.max_waiting_requests is None else self.max_waiting_requests
+    def waiting_per_rank(self) -> int:
+        return (
+            DEFAULT_MAX_WAITING_REQUESTS if self.max_waiting_requests is None else self.max_waiting_requests
+        )
+
+    def waiting_request_bytes(self, max_model_len: int) -> int:
+        """The most memory one waiting engine request holds, API and engine together: the body
+        it came in (kept until it is answered), its prompt text, and its prompt's token ids. Each
+        engine request of an HTTP request (prompts x n) counts, so the largest is a lone one."""
+        prompt_tokens = self.max_prompt_tokens or max_model_len - 1
+        return (
+            self.max_body_bytes + BYTES_PER_CHAR * self.max_prompt_chars + PROMPT_TOKEN_BYTES * prompt_tokens
+        )
+
+    def fitting_waiting_requests(self, max_model_len: int, num_ranks: int, memory_bytes: int) -> int:
+        """``max_waiting_requests``' default: DEFAULT_MAX_WAITING_REQUESTS per rank, lowered
+        so that every rank's waiting requests, each at its largest, fit in half of ``memory_bytes``."""
+        fits = memory_bytes // 2 // (num_ranks * self.waiting_request_bytes(max_model_len))
+        return min(DEFAULT_MAX_WAITING_REQUESTS, fits)
 
     def check_prompt_count(self, count: int, param: str = "prompt") -> None:
         if count > self.max_prompts:
@@ -152,6 +181,18 @@ class ServingLimits:
                 f"{self.max_stop_token_ids} (--max-stop-token-ids).",
                 "stop_token_ids",
             )
+
+
+def available_memory_bytes() -> int:
+    """Memory the system can give without swapping (Linux's MemAvailable; else all of it)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_depth(value: object, param: str, limit: int = MAX_JSON_DEPTH) -> None:

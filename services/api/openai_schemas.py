@@ -80,6 +80,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Priority = 0
     cache_salt: str | None = None

@@ -41,10 +41,18 @@ class RequestState:
     error_is_internal: bool = False  # the engine failed, not the request's input
     kv_transfer_params: KVTransferParams | None = None  # from the finished output (P/D)
     eos_token_id: int | None = None
+    # Echo with max_tokens 0 (vLLM's): only the prompt (and its logprobs) is wanted; the
+    # one token the engine still makes is dropped, and the request ends by "length".
+    prompt_only: bool = False
 
     @classmethod
     def create(
-        cls, request_id: str, params: SamplingParams, tokenizer: Tokenizer, eos_token_id: int | None = None
+        cls,
+        request_id: str,
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        eos_token_id: int | None = None,
+        prompt_only: bool = False,
     ) -> RequestState:
         state = cls(
             request_id,
@@ -52,6 +60,7 @@ class RequestState:
             IncrementalDetokenizer(tokenizer, params),
             tokenizer,
             eos_token_id=eos_token_id,
+            prompt_only=prompt_only,
         )
         if params.logprobs is not None:
             state.logprobs = []
@@ -73,6 +82,9 @@ class RequestState:
         self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
         if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._convert(e) if e else None for e in output.new_prompt_logprobs)
+        if self.prompt_only:
+            self._end_prompt_only(output)
+            return False
         unshown = self._stop_token_unshown(output)
         for i, token_id in enumerate(output.new_token_ids):
             self.token_ids.append(token_id)
@@ -91,6 +103,15 @@ class RequestState:
             self.error_is_internal = output.error_is_internal
             self.kv_transfer_params = output.kv_transfer_params
         return False
+
+    def _end_prompt_only(self, output: EngineCoreOutput) -> None:
+        if output.finish_reason is None:
+            return
+        ran_out = output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        self.finish_reason = str(FinishReason.LENGTH if ran_out else output.finish_reason)
+        self.error = output.error
+        self.error_is_internal = output.error_is_internal
+        self.kv_transfer_params = output.kv_transfer_params
 
     def _stop_token_unshown(self, output: EngineCoreOutput) -> bool:
         """True when the output's last token is the stop token or EOS that ended the

@@ -11,6 +11,7 @@ Starlette app on uvicorn + uvloop until SIGTERM/SIGINT, then drains
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -30,8 +31,10 @@ from services.api.limits import (
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_TOKEN_IDS,
     DEFAULT_MAX_TOOLS,
+    DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServingLimits,
+    available_memory_bytes,
 )
 from services.api.responses_store import ResponsesStore, add_responses_store_args, responses_store_from
 from services.config.cli_args import add_engine_args, engine_args_from
@@ -118,8 +121,12 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="Engine requests that may wait per ready engine core beyond the max-num-seqs it runs; "
-        "more get 503 with Retry-After (default: 2 x max-num-seqs).",
+        help="Engine requests that may wait per ready engine core beyond the max-num-seqs it runs, "
+        "queued in the engine; more get 503 with Retry-After. One waiting request holds at most its "
+        "body (--max-request-body-bytes), its prompt text at 4 bytes a character (--max-prompt-chars) "
+        "and 128 bytes a prompt token (--max-prompt-tokens): 8 MiB + 1 MiB for an 8,192-token model "
+        f"with the default limits (default: {DEFAULT_MAX_WAITING_REQUESTS}, lowered to what fits in "
+        "half the memory available at start, for every engine core).",
     )
     group.add_argument(
         "--request-timeout",
@@ -262,7 +269,27 @@ def prefix_router_for(args: argparse.Namespace, config):
     return PrefixRouter(config, max_imbalance=args.dp_prefix_max_imbalance)
 
 
-def serving_limits(args: argparse.Namespace) -> ServingLimits:
+def serving_limits(args: argparse.Namespace, config=None) -> ServingLimits:
+    """The limits the flags set; with the engine ``config``, --max-waiting-requests' default resolved
+    against the memory available now."""
+    limits = _limits_from(args)
+    if config is None or limits.max_waiting_requests is not None:
+        return limits
+    waiting = limits.fitting_waiting_requests(
+        config.model.max_model_len, config.parallel.data_parallel_size, available_memory_bytes()
+    )
+    if waiting < DEFAULT_MAX_WAITING_REQUESTS:
+        logger.warning(
+            "--max-waiting-requests defaults to %d per engine core: %d waiting requests of up to %.1f MiB "
+            "each would not fit in half the memory available.",
+            waiting,
+            DEFAULT_MAX_WAITING_REQUESTS,
+            limits.waiting_request_bytes(config.model.max_model_len) / 2**20,
+        )
+    return dataclasses.replace(limits, max_waiting_requests=waiting)
+
+
+def _limits_from(args: argparse.Namespace) -> ServingLimits:
     return ServingLimits(
         max_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
@@ -321,7 +348,7 @@ def main(argv: list[str]) -> int:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         ports = data_ports(args)
-        limits = serving_limits(args)
+        limits = serving_limits(args, config)
         chat = chat_settings_from(args)
         store = responses_store_from(args)
         prefix_router_for(args, config)  # refuse prefix routing without events before starting engines

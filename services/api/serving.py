@@ -197,6 +197,7 @@ def make_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
             **token_filters(ctx.tokenizer, ctx.vocab_size, body),
@@ -261,8 +262,10 @@ def make_choices(
     body,
     arrival: float,
     session_key: str | None = None,
+    prompt_only: bool = False,
 ) -> list[Choice]:
-    """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i."""
+    """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i.
+    ``prompt_only``: the generated token is dropped (echo with max_tokens 0)."""
     choices = []
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
         n = prompt_params.n
@@ -281,7 +284,9 @@ def make_choices(
                 kv_transfer_params=body.kv_transfer_params,
                 session_key=session_key,
             )
-            state = RequestState.create(engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id)
+            state = RequestState.create(
+                engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id, prompt_only
+            )
             # The request's own parameters (n, max_tokens) are observed once, by its first choice.
             metrics = ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)
             choices.append(Choice(index, p, engine_request, state, metrics))

@@ -49,6 +49,7 @@ from services.api.tool_calling import (
     resolve_tool_choice,
     tool_dicts,
 )
+from services.api.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ class ChatServing:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
         params = _with_tool_constraint(params, tool_choice)
+        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
         request_id = serving.new_request_id(id_prefix)
         choices = serving.make_choices(
             ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
@@ -269,6 +271,16 @@ def _with_tool_constraint(params: SamplingParams, tool_choice: ToolChoice) -> Sa
     except ValueError as e:
         raise bad_request(f"The tools' parameters do not make a usable JSON schema: {e}", "tools") from e
     return msgspec.structs.replace(params, structured_outputs=constraint)
+
+
+def _keeping_call_markers(
+    params: SamplingParams, tool_choice: ToolChoice, parser: type[ToolParser] | None
+) -> SamplingParams:
+    """A parser whose call markers are special tokens must see them in the text (as vLLM's
+    mistral parser turns skip_special_tokens off)."""
+    if tool_choice.kind != "auto" or parser is None or not parser.keeps_special_tokens:
+        return params
+    return msgspec.structs.replace(params, skip_special_tokens=False)
 
 
 def _reply_role(body: ChatCompletionRequest) -> str:

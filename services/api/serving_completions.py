@@ -3,7 +3,9 @@
 ``echo`` puts each prompt's text in front of its choices' text (in the first
 chunk when streaming) and, with ``logprobs``, the prompt tokens' logprobs in
 front of the output's, the first one null (nothing predicts it), as vLLM
-does. ``prompt_logprobs`` (vLLM's) comes back per choice, keyed by token id.
+does. With ``max_tokens: 0`` echo answers the prompt alone (finish_reason
+"length"): like vLLM, the engine runs the prompt for one token (its
+logprobs come from that pass), which is not shown nor counted. ``prompt_logprobs`` (vLLM's) comes back per choice, keyed by token id.
 """
 
 from __future__ import annotations
@@ -74,16 +76,20 @@ class CompletionServing:
         _check_prompt_size(ctx, body.prompt)  # before tokenizing
         prompts = await run_blocking(prompt_token_lists, ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
+        prompt_only = body.echo and body.max_tokens == 0
+        if prompt_only and body.min_tokens:
+            raise bad_request("min_tokens must be 0 when max_tokens is 0.", "min_tokens")
         params = []
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, "prompt")
-            max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
+            asked = 1 if prompt_only else body.max_tokens
+            max_tokens = serving.resolve_max_tokens(ctx, asked, len(prompt), "max_tokens")
             params.append(
                 serving.make_sampling_params(ctx, body, max_tokens, body.logprobs, _prompt_logprobs(body))
             )
         request_id = serving.new_request_id("cmpl")
         choices = serving.make_choices(
-            ctx, request_id, prompts, params, body, arrival, serving.session_key(request, body)
+            ctx, request_id, prompts, params, body, arrival, serving.session_key(request, body), prompt_only
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         include_usage, continuous = usage_modes(ctx.options, body)

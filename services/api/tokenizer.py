@@ -9,6 +9,7 @@ transformers does (``services.api.chat_template``).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -48,6 +49,11 @@ class Tokenizer:
     @property
     def backend(self) -> tokenizers.Tokenizer:
         return self._tok
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Token id -> text of the tokens added to the model's vocabulary (the special ones among them)."""
+        return {token_id: token.content for token_id, token in self._tok.get_added_tokens_decoder().items()}
 
     @property
     def vocab_size(self) -> int:

@@ -14,7 +14,6 @@ so a malformed one is never half-shown.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from protocol import StructuredOutputsParams
@@ -135,8 +134,7 @@ def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
     return schema
 
 
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+new_tool_call_id = ToolParser.new_call_id
 
 
 class ToolOutput:
@@ -153,7 +151,9 @@ class ToolOutput:
             if choice.kind == "required"
             else None
         )
-        self.named_id = new_tool_call_id() if choice.kind == "named" else None
+        # Ids in the shape the server's model family wants (Mistral's templates check theirs).
+        self.new_id = auto_parser.new_call_id if auto_parser is not None else new_tool_call_id
+        self.named_id = self.new_id() if choice.kind == "named" else None
         self.buffer = ""  # streamed text the auto parser has not settled yet
 
     @property
@@ -169,7 +169,7 @@ class ToolOutput:
             return text, []
         segments, _ = self.parser_class(self.choice.tool_names).split(text, final=True)
         calls = [
-            ToolCall(id=new_tool_call_id(), function=FunctionCall(s.name, s.arguments))
+            ToolCall(id=self.new_id(), function=FunctionCall(s.name, s.arguments))
             for s in self._allowed_calls(segments)
         ]
         self.num_calls = len(calls)
@@ -206,7 +206,7 @@ class ToolOutput:
         return [
             DeltaToolCall(
                 index=index,
-                id=new_tool_call_id(),
+                id=self.new_id(),
                 type="function",
                 function=DeltaFunctionCall(name=call.name, arguments=""),
             ),
@@ -222,7 +222,7 @@ class ToolOutput:
                 deltas.append(
                     DeltaToolCall(
                         index=index,
-                        id=new_tool_call_id(),
+                        id=self.new_id(),
                         type="function",
                         function=DeltaFunctionCall(name=name, arguments=""),
                     )

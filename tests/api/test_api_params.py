@@ -181,6 +181,39 @@ async def test_streamed_echo_comes_first(served):
     assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + script_text(3)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_max_tokens_0_answers_the_prompt_alone(served, stream):
+    client, engine = served
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    if stream:
+        chunks = [c async for c in await client.completions.create(stream=True, **kwargs) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        result = await client.completions.create(**kwargs)
+        [choice] = result.choices
+        text, tokens, finish = choice.text, choice.logprobs.tokens, choice.finish_reason
+        assert result.usage.completion_tokens == 0
+    # The engine runs the prompt for one token (its logprobs come with that pass): never shown.
+    [request] = engine.requests
+    assert request.sampling_params.max_tokens == 1 and request.sampling_params.prompt_logprobs == 1
+    assert (text, finish) == (PROMPT, "length")
+    assert len(tokens) == len(request.prompt_token_ids) and "".join(tokens) == PROMPT
+
+
+async def test_max_tokens_0_needs_echo_and_no_min_tokens(served):
+    client, engine = served
+    for extra, param in (
+        ({"echo": False}, "max_tokens"),
+        ({"echo": True, "extra_body": {"min_tokens": 1}}, "min_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, **extra)
+        assert error.value.body["param"] == param
+    assert engine.requests == []
+
+
 async def test_prompt_logprobs_over_http(served):
     client, engine = served
     result = await client.completions.create(

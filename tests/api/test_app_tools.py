@@ -178,6 +178,51 @@ async def test_auto_streams_the_calls():
     assert len({call_id for call_id, _, _ in calls.values()}) == 2
 
 
+MISTRAL = ChatSettings(enable_auto_tool_choice=True, tool_call_parser="mistral")
+MISTRAL_REPLY = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_mistral_calls_get_mistral_ids_and_keep_special_tokens(stream):
+    client, engine = scripted(MISTRAL_REPLY, MISTRAL)
+    if stream:
+        content, calls, finish = await stream_of(client, tools=TOOLS)
+        ids = [call_id for call_id, _, _ in calls.values()]
+        found = [(name, json.loads(arguments)) for _, name, arguments in calls.values()]
+    else:
+        [choice] = (await create(client, tools=TOOLS)).choices
+        content, finish = choice.message.content, choice.finish_reason
+        ids = [call.id for call in choice.message.tool_calls]
+        found = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert found == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    # Mistral's templates take only 9 letters and digits as a call's id.
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids) and len(set(ids)) == 2
+    # [TOOL_CALLS] is a special token in Mistral's vocabularies: the text must keep it.
+    assert engine.requests[0].sampling_params.skip_special_tokens is False
+
+
+async def test_special_tokens_are_skipped_as_asked_without_auto_tool_choice():
+    client, engine = scripted("Hi", MISTRAL)
+    await create(client, tools=TOOLS, tool_choice="none")
+    await create(client)
+    assert [r.sampling_params.skip_special_tokens for r in engine.requests] == [True, True]
+
+
+async def test_pythonic_calls_over_the_app():
+    reply = '[get_weather(city="Paris"), get_time()]'
+    client, _ = scripted(reply, ChatSettings(enable_auto_tool_choice=True, tool_call_parser="pythonic"))
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    [choice] = (await create(client, tools=TOOLS)).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+    ] == expected
+    content, calls, finish = await stream_of(client, tools=TOOLS)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == expected
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_auto_with_a_malformed_call_answers_plain_content(stream):
     text = 'Here: <tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.api.limits import ServingLimits
@@ -83,3 +84,36 @@ def test_the_defaults_bound_everything():
 def test_nonsense_limits_are_refused(argv):
     with pytest.raises(ValueError):
         serving_limits(parse(*argv))
+
+
+def test_waiting_requests_default_to_a_fixed_bound_lowered_only_where_memory_is_short(monkeypatch):
+    from services.api import limits as limits_module
+    from services.api import server
+    from services.api.limits import DEFAULT_MAX_WAITING_REQUESTS
+    from tests.api.fake_engine_client import engine_config
+
+    config = engine_config(max_model_len=8192)
+    one = ServingLimits().waiting_request_bytes(8192)
+    # The body, the prompt text at 4 bytes a character, 128 bytes a token: what --help says.
+    assert one == 4 * 2**20 + 4 * 2**20 + 128 * 8191
+    assert ServingLimits(max_prompt_tokens=100, max_prompt_chars=10).waiting_request_bytes(8192) == (
+        4 * 2**20 + 40 + 12800
+    )
+    assert ServingLimits().waiting_per_rank() == DEFAULT_MAX_WAITING_REQUESTS == 1024
+
+    plenty, short = 2 * 2048 * one, 2 * 100 * one  # twice: the requests get half the memory
+    monkeypatch.setattr(server, "available_memory_bytes", lambda: plenty)
+    assert serving_limits(parse(), config).max_waiting_requests == 1024
+    monkeypatch.setattr(server, "available_memory_bytes", lambda: short)
+    assert serving_limits(parse(), config).max_waiting_requests == 100
+    two_ranks = parse("--data-parallel-size", "2")
+    config2 = msgspec.structs.replace(
+        config, parallel=msgspec.structs.replace(config.parallel, data_parallel_size=2)
+    )
+    assert serving_limits(two_ranks, config2).max_waiting_requests == 50  # every rank's queue together
+    # Given on the command line, it is taken as is; a smaller prompt cap makes room for more.
+    assert serving_limits(parse("--max-waiting-requests", "3000"), config).max_waiting_requests == 3000
+    smaller = parse("--max-prompt-chars", "1000", "--max-request-body-bytes", "100000")
+    each = 100000 + 4000 + 128 * 8191
+    assert serving_limits(smaller, config).max_waiting_requests == short // 2 // each > 100
+    assert limits_module.available_memory_bytes() > 0

@@ -83,3 +83,38 @@ def test_chat_template_missing_is_a_clear_error(tmp_path, default_model):
     (tmp_path / "tokenizer.json").write_bytes((default_model.hf_dir / "tokenizer.json").read_bytes())
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def wordpiece_dir(tmp_path_factory):
+    """A WordPiece tokenizer (BERT's decoder puts a space before every token but
+    a "##" piece, special ones too), written as a tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["[CLS]", "[SEP]"])
+    folder = tmp_path_factory.mktemp("wordpiece")
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "skip,spaces,text",
+    [
+        (False, True, "[CLS] hello [SEP] [CLS] worlds [SEP]"),
+        (False, False, "[CLS] hello [SEP][CLS] worlds [SEP]"),  # vLLM's fast detokenizer's output
+        (True, False, "hello worlds"),  # nothing to join when special tokens are left out
+    ],
+)
+def test_spaces_between_special_tokens(wordpiece_dir, skip, spaces, text):
+    tok = Tokenizer(wordpiece_dir)
+    ids = tok.encode("[CLS] hello [SEP] [CLS] worlds [SEP]", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == "[CLS] hello [SEP] [CLS] worlds [SEP]"
+    params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    detok = IncrementalDetokenizer(tok, params)
+    for token_id in ids:
+        detok.add_tokens([token_id])
+    assert detok.text == text

@@ -5,9 +5,12 @@ from __future__ import annotations
 from services.api.tool_parsers.base import ParsedCall, Segment, ToolParser
 from services.api.tool_parsers.hermes import HermesToolParser
 from services.api.tool_parsers.llama3_json import Llama3JsonToolParser
+from services.api.tool_parsers.mistral import MistralToolParser
+from services.api.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import json
+import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +31,14 @@ Segment = str | ParsedCall
 
 class ToolParser(abc.ABC):
     name: ClassVar[str]
+    # True when the calls' markers are special tokens, which the reply's text
+    # must keep (skip_special_tokens off) for the parser to see them.
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A fresh id for a call this parser found (the model family may need its own shape)."""
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
     def __init__(self, tool_names: frozenset[str]) -> None:
         self.tool_names = tool_names
@@ -67,8 +76,10 @@ def partial_prefix_length(text: str, marker: str) -> int:
 
 
 def decode_json_at(text: str, pos: int) -> tuple[object, int] | None:
-    """The JSON value starting at ``pos`` and where it ends, or None if none is complete there."""
+    """The JSON value starting at ``pos`` and where it ends, or None if none is complete there
+    (or it nests past the interpreter's recursion limit, which the decoder checks: a model
+    can be made to write ``[[[[...``)."""
     try:
         return json.JSONDecoder().raw_decode(text, pos)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
