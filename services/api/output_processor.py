@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
 from protocol.kv_transfer import KVTransferParams
 from services.api.detokenizer import IncrementalDetokenizer
@@ -41,6 +43,7 @@ class RequestState:
     error_is_internal: bool = False  # the engine failed, not the request's input
     kv_transfer_params: KVTransferParams | None = None  # from the finished output (P/D)
     eos_token_id: int | None = None
+    pooled: np.ndarray | None = None  # a pooling request's vector, from its finished output
 
     @classmethod
     def create(
@@ -90,6 +93,7 @@ class RequestState:
             self.error = output.error
             self.error_is_internal = output.error_is_internal
             self.kv_transfer_params = output.kv_transfer_params
+            self.pooled = output.pooled
         return False
 
     def _stop_token_unshown(self, output: EngineCoreOutput) -> bool:
