@@ -87,10 +87,15 @@ class LLM:
         states = self._run(requests, use_tqdm)
         return [_request_output(p, children, states) for p, children in zip(prompts, requests)]
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt: its hidden states pooled as the engine's pooler says
-        (``ModelConfig.pooler``), L2-normalized."""
-        pooling = PoolingParams(PoolingType(self.config.model.pooler))
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: its hidden states pooled as ``pooling_params`` say, by
+        default as the engine's pooler does (``ModelConfig.pooler``), L2-normalized."""
+        pooling = pooling_params or PoolingParams(PoolingType(self.config.model.pooler))
         requests = []
         for prompt in _as_prompt_list(prompts):
             request = EngineCoreRequest(

@@ -45,6 +45,7 @@ from services.api.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from services.api.pausable import PausableEngineClient
@@ -52,6 +53,7 @@ from services.api.reliability_metrics import ReliabilityCollector
 from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
+from services.api.serving_embeddings import EmbeddingServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
 from services.api.unknown_fields import decode_request
@@ -118,6 +120,7 @@ class _Routes:
         self.ctx = ctx
         self.completions = CompletionServing(ctx)
         self.chat = ChatServing(ctx, chat)
+        self.embeddings = EmbeddingServing(ctx)
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
@@ -127,6 +130,10 @@ class _Routes:
     async def create_chat_completion(self, request: Request) -> Response:
         body = await _read(request, ChatCompletionRequest, self.ctx.options.allow_unknown_fields)
         return await self.chat.create(request, body)
+
+    async def create_embedding(self, request: Request) -> Response:
+        body = await _read(request, EmbeddingRequest, self.ctx.options.allow_unknown_fields)
+        return await self.embeddings.create(request, body)
 
     def model_card(self, name: str) -> dict | None:
         """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
@@ -225,6 +232,7 @@ class _Routes:
         return [
             Route("/v1/completions", _client_may_leave(self.create_completion), methods=["POST"]),
             Route("/v1/chat/completions", _client_may_leave(self.create_chat_completion), methods=["POST"]),
+            Route("/v1/embeddings", _client_may_leave(self.create_embedding), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),

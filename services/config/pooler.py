@@ -30,7 +30,9 @@ def resolve_pooler(value: str, hf_dir: Path) -> str:
         return value
     found = _checkpoint_pooler(hf_dir)
     if found is None:
-        logger.info("Embeddings pooler: last (auto: no sentence-transformers pooling config, a decoder model)")
+        logger.info(
+            "Embeddings pooler: last (auto: no sentence-transformers pooling config, a decoder model)"
+        )
         return "last"
     logger.info("Embeddings pooler: %s (auto: %s)", found[0], found[1])
     return found[0]
@@ -52,7 +54,9 @@ def _checkpoint_pooler(hf_dir: Path) -> tuple[str, Path] | None:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object.")
     chosen = [pooler for flag, pooler in _MODES.items() if config.get(flag) is True]
-    others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v is True and k not in _MODES)
+    others = sorted(
+        k for k, v in config.items() if k.startswith("pooling_mode_") and v is True and k not in _MODES
+    )
     if len(chosen) != 1 or others:
         raise ValueError(
             f"{config_file} asks for pooling {sorted(k for k, v in config.items() if v is True)}; "

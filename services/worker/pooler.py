@@ -22,7 +22,9 @@ from services.worker.input_batch import InputBatch
 from services.worker.step_inputs import StepInputs
 
 
-def pool_step(hidden: torch.Tensor, step: StepInputs, batch: InputBatch) -> tuple[list[str], np.ndarray | None]:
+def pool_step(
+    hidden: torch.Tensor, step: StepInputs, batch: InputBatch
+) -> tuple[list[str], np.ndarray | None]:
     """The pooling requests whose prompt ends in this step, and their vectors (float32 [N, H]).
     ``hidden``: [T, H], the step's tokens back to back (``step.query_start``)."""
     done_ids: list[str] = []
