@@ -90,7 +90,7 @@ class ServingContext:
                 f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.", "model"
             )
 
-    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+    def check_num_sequences(self, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
         """400 for more choices than this server serves in one request."""
         if n > self.limits.max_n:
             raise bad_request(f"n must be at most {self.limits.max_n}, got {n}.", "n")
@@ -98,7 +98,7 @@ class ServingContext:
             raise bad_request(
                 f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
                 f"at once ({self.admission.per_rank}).",
-                "n" if num_prompts == 1 else "prompt",
+                "n" if num_prompts == 1 else prompt_param,
             )
 
     def admit(self, request: Request, choices: list[Choice]) -> ChoiceRunner:

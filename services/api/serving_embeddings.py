@@ -52,7 +52,7 @@ class EmbeddingServing:
         check_dimensions(body.dimensions, ctx.config.model.hidden_size)
         check_prompt_size(ctx, body.input, _PARAM)  # before tokenizing
         prompts = await run_blocking(prompt_token_lists, ctx, body.input, body.add_special_tokens, _PARAM)
-        ctx.check_num_sequences(len(prompts), 1)
+        ctx.check_num_sequences(len(prompts), 1, _PARAM)
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, _PARAM, prompt_only=True)
         request_id = serving.new_request_id("embd")

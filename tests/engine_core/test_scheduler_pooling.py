@@ -103,3 +103,26 @@ def test_an_aborted_pooling_request_frees_its_blocks():
     s.finish_requests("e", RequestStatus.FINISHED_ABORTED)
     assert s.kv_cache_manager.all_blocks_free()
     assert not s.has_unfinished_requests()
+
+
+def test_async_scheduling_neither_samples_nor_reschedules_a_pooling_request():
+    """With a step in flight, the next one is scheduled before its output: a pooling request whose
+    prompt is all scheduled gets no output placeholder (it samples nothing) and no more tokens."""
+    s = make_scheduler(num_blocks=16, max_model_len=128, async_scheduling=True)
+    request = add_pooling(s, "e", 20)
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"e": 20}
+    assert request.num_output_placeholders == 0
+    second = s.schedule()  # step 1 still running
+    assert second.num_scheduled_tokens == {}
+    runner_output = ModelRunnerOutput(
+        req_ids=["e"],
+        sampled_token_ids=[[]],
+        logprobs=[[]],
+        pooled_req_ids=["e"],
+        pooled=np.ones((1, HIDDEN), np.float32),
+    )
+    (out,) = s.update_from_output(first, runner_output)
+    assert out.finished and out.pooled.shape == (HIDDEN,)
+    assert s.update_from_output(second, ModelRunnerOutput()) == []
+    assert s.kv_cache_manager.all_blocks_free() and not s.has_unfinished_requests()
