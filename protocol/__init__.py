@@ -24,6 +24,7 @@ from protocol.engine import (
     SchedulerStats,
     TokenLogprobs,
 )
+from protocol.pooling_params import PoolingParams, PoolingType
 from protocol.sampling_params import SamplingParams, SamplingType
 from protocol.scheduler import (
     CachedRequestData,
@@ -49,6 +50,8 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "ParallelConfig",
+    "PoolingParams",
+    "PoolingType",
     "SamplingParams",
     "SamplingType",
     "SchedulerConfig",

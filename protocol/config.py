@@ -78,6 +78,15 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="model: the dense copy in dtype (oneDNN GEMM); int8: an int8 copy beside it for the steps its GEMM takes (from services.config.dense_copy.INT8_MIN_ROWS rows on, every step on weft's AVX-512 VNNI GEMM, or up to AMX_INT8_MAX_ROWS on AMX int8 tiles; weights and activations rotated and rounded to int8 per row; integer GEMM).",
         ),
     ] = "model"
+    pooler: Annotated[
+        Literal["last", "mean"],
+        Meta(
+            description="How /v1/embeddings pools a prompt's hidden states (after the final norm) into one L2-normalized vector: the last token's, or their mean."
+        ),
+    ] = "last"
+    hidden_size: Annotated[
+        int, Meta(ge=0, description="Width of the model's hidden states (an embedding's size); 0: unknown.")
+    ] = 0
 
 
 # The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).

@@ -10,8 +10,10 @@ import enum
 import time
 
 import msgspec
+import numpy as np
 
 from protocol.kv_transfer import KVTransferParams
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 from protocol.structured_outputs import StructuredOutputStats
 
@@ -78,6 +80,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     kv_transfer_params: KVTransferParams | None = None
     # Sticky-session key for the API's balancer (x-session-id or the OpenAI user); engines ignore it.
     session_key: str | None = None
+    # Set for an embeddings request: prompt-only, finished with its pooled hidden state
+    # (``sampling_params`` is then unused).
+    pooling_params: PoolingParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -122,6 +127,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # consumer of one request sees single outputs, not their batch.
     timestamp: float = 0.0
     engine_index: int = 0
+    # A finished pooling request's vector: float32 [hidden_size], a raw frame on the wire.
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

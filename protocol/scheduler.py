@@ -12,6 +12,7 @@ import numpy as np
 
 from protocol.engine import TokenLogprobs
 from protocol.kv_transfer import KVConnectorMetadata
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     # Block tables of KV cache groups 1.. (``protocol.kv_cache_groups``); ``block_ids`` is group 0's.
     group_block_ids: list[list[int]] = []
+    # A pooling (embeddings) request: the worker pools its prompt's hidden states, never samples it.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -92,3 +95,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # intact; the rest of such a prompt is computed.
     finished_sending: list[str] = []
     finished_recving: dict[str, int] = {}
+    # Pooling requests whose last prompt token ran this step, and their pooled vectors
+    # (float32 [len(pooled_req_ids), hidden_size], one raw frame on the wire), row i for id i.
+    pooled_req_ids: list[str] = []
+    pooled: np.ndarray | None = None

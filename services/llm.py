@@ -1,4 +1,5 @@
-"""The offline entry point: ``LLM(...).generate(prompts, sampling_params)``.
+"""The offline entry point: ``LLM(...).generate(prompts, sampling_params)``, and
+``LLM(...).embed(prompts)`` for embeddings (pooled as ``--pooler`` says).
 
 Runs an EngineCore in-process and steps it until every request finished,
 doing the front end's part itself (tokenize, detokenize, stop strings).
@@ -14,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from protocol import EngineCoreRequest, SamplingParams
+from protocol import EngineCoreRequest, PoolingParams, PoolingType, SamplingParams
 from services.api.output_processor import Logprob, RequestState
 from services.api.tokenizer import Tokenizer
 from services.config.engine_args import EngineArgs
@@ -47,6 +48,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized, hidden_size long
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
 class LLM:
     """An engine in this process. ``model=None`` loads the default model."""
 
@@ -70,7 +84,43 @@ class LLM:
         # Tokenize and validate everything first: a bad prompt fails the call
         # before any request reaches the engine.
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._run(prompts, requests, use_tqdm)
+        states = self._run(requests, use_tqdm)
+        return [_request_output(p, children, states) for p, children in zip(prompts, requests)]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: its hidden states pooled as ``pooling_params`` say, by
+        default as the engine's pooler does (``ModelConfig.pooler``), L2-normalized."""
+        pooling = pooling_params or PoolingParams(PoolingType(self.config.model.pooler))
+        requests = []
+        for prompt in _as_prompt_list(prompts):
+            request = EngineCoreRequest(
+                request_id=f"{next(self._ids)}-0",
+                prompt_token_ids=self._token_ids(prompt),
+                sampling_params=SamplingParams(max_tokens=1),
+                arrival_time=time.time(),
+                pooling_params=pooling,
+            )
+            self.engine.validate_request(request)
+            requests.append([request])
+        states = self._run(requests, use_tqdm)
+        outputs = []
+        for (request,) in requests:
+            state = states[request.request_id]
+            if state.pooled is None:
+                raise RuntimeError(f"Request {request.request_id} ended without an embedding: {state.error}")
+            outputs.append(
+                EmbeddingRequestOutput(
+                    request.request_id.rsplit("-", 1)[0],
+                    request.prompt_token_ids,
+                    EmbeddingOutput(state.pooled.tolist()),
+                )
+            )
+        return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM's LLM)."""
@@ -123,9 +173,8 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _run(
-        self, prompts: list[Prompt], requests: list[list[EngineCoreRequest]], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _run(self, requests: list[list[EngineCoreRequest]], use_tqdm: bool) -> dict[str, RequestState]:
+        """Step the engine until every request finished; each request's state by its id."""
         states: dict[str, RequestState] = {}
         for children in requests:
             for request in children:
@@ -150,7 +199,7 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [_request_output(p, children, states) for p, children in zip(prompts, requests)]
+        return states
 
     def shutdown(self) -> None:
         self.engine.shutdown()

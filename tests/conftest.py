@@ -48,6 +48,8 @@ SLOW = frozenset(
         "tests/test_api_params_e2e.py",
         "tests/test_async_scheduling_llm.py",
         "tests/test_gemma3.py",
+        "tests/test_embeddings_e2e.py",
+        "tests/test_embeddings_oracle.py",
         "tests/test_generation_config.py",
         "tests/test_hostile_http.py",
         "tests/test_llm.py",

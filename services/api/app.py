@@ -45,6 +45,7 @@ from services.api.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from services.api.pausable import PausableEngineClient
@@ -55,6 +56,7 @@ from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
 from services.api.serving_responses import ResponsesServing
+from services.api.serving_embeddings import EmbeddingServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
 from services.api.unknown_fields import decode_request
@@ -127,6 +129,7 @@ class _Routes:
         self.completions = CompletionServing(ctx)
         self.chat = ChatServing(ctx, chat)
         self.responses = ResponsesServing(self.chat, store if store is not None else ResponsesStore())
+        self.embeddings = EmbeddingServing(ctx)
         self.created = int(time.time())
 
     async def create_completion(self, request: Request) -> Response:
@@ -146,6 +149,10 @@ class _Routes:
 
     async def delete_response(self, request: Request) -> Response:
         return await self.responses.delete(request, request.path_params["response_id"])
+
+    async def create_embedding(self, request: Request) -> Response:
+        body = await _read(request, EmbeddingRequest, self.ctx.options.allow_unknown_fields)
+        return await self.embeddings.create(request, body)
 
     def model_card(self, name: str) -> dict | None:
         """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
@@ -247,6 +254,7 @@ class _Routes:
             Route("/v1/responses", _client_may_leave(self.create_response), methods=["POST"]),
             Route("/v1/responses/{response_id}", self.retrieve_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            Route("/v1/embeddings", _client_may_leave(self.create_embedding), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),

@@ -225,6 +225,36 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # ---- responses -------------------------------------------------------------
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/embeddings (OpenAI's fields, and vLLM's add_special_tokens)."""
+
+    input: Prompt
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    object: str = "embedding"
+    index: int
+    # A list of floats, or base64 of their little-endian float32 bytes.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 

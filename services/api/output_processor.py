@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol import EngineCoreOutput, FinishReason, SamplingParams, TokenLogprobs
 from protocol.kv_transfer import KVTransferParams
 from services.api.detokenizer import IncrementalDetokenizer
@@ -44,6 +46,7 @@ class RequestState:
     # Echo with max_tokens 0 (vLLM's): only the prompt (and its logprobs) is wanted; the
     # one token the engine still makes is dropped, and the request ends by "length".
     prompt_only: bool = False
+    pooled: np.ndarray | None = None  # a pooling request's vector, from its finished output
 
     @classmethod
     def create(
@@ -102,6 +105,7 @@ class RequestState:
             self.error = output.error
             self.error_is_internal = output.error_is_internal
             self.kv_transfer_params = output.kv_transfer_params
+            self.pooled = output.pooled
         return False
 
     def _end_prompt_only(self, output: EngineCoreOutput) -> None:

@@ -90,7 +90,7 @@ class ServingContext:
                 f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.", "model"
             )
 
-    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+    def check_num_sequences(self, num_prompts: int, n: int, prompt_param: str = "prompt") -> None:
         """400 for more choices than this server serves in one request."""
         if n > self.limits.max_n:
             raise bad_request(f"n must be at most {self.limits.max_n}, got {n}.", "n")
@@ -98,7 +98,7 @@ class ServingContext:
             raise bad_request(
                 f"{num_prompts} prompt(s) x n={n} is more sequences than one engine takes "
                 f"at once ({self.admission.per_rank}).",
-                "n" if num_prompts == 1 else "prompt",
+                "n" if num_prompts == 1 else prompt_param,
             )
 
     def admit(self, request: Request, choices: list[Choice]) -> ChoiceRunner:
@@ -116,14 +116,23 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_prompt_ids(ctx: ServingContext, token_ids: list[int], param: str) -> None:
+def check_prompt_ids(
+    ctx: ServingContext, token_ids: list[int], param: str, prompt_only: bool = False
+) -> None:
+    """``prompt_only``: nothing is generated after it (embeddings), so it may fill the context."""
     if not token_ids:
         raise bad_request("The prompt is empty; send at least one token.", param)
     if max(token_ids) >= ctx.vocab_size:
         raise bad_request(
             f"Token id {max(token_ids)} is out of the vocabulary (size {ctx.vocab_size}).", param
         )
-    if len(token_ids) >= ctx.max_model_len:
+    if prompt_only and len(token_ids) > ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens, and the input "
+            f"has {len(token_ids)} tokens.",
+            param,
+        )
+    if not prompt_only and len(token_ids) >= ctx.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {ctx.max_model_len} tokens, and the prompt "
             f"has {len(token_ids)} tokens, which leaves no room to generate.",

@@ -35,16 +35,18 @@ from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
 
 
-def prompt_token_lists(ctx: ServingContext, prompt: Prompt, add_special_tokens: bool) -> list[list[int]]:
-    """OpenAI's four prompt shapes -> one token list per prompt."""
+def prompt_token_lists(
+    ctx: ServingContext, prompt: Prompt, add_special_tokens: bool, param: str = "prompt"
+) -> list[list[int]]:
+    """OpenAI's four prompt shapes -> one token list per prompt (``param``: the field, for errors)."""
     if isinstance(prompt, str):
         return [ctx.tokenizer.encode(prompt, add_special_tokens)]
     if not prompt:
-        raise bad_request("The prompt list is empty.", "prompt")
+        raise bad_request(f"The {param} list is empty.", param)
     kinds = {type(p) for p in prompt}
     if len(kinds) > 1:
         raise bad_request(
-            "A prompt list must hold only strings, only token ids, or only lists of token ids.", "prompt"
+            f"A {param} list must hold only strings, only token ids, or only lists of token ids.", param
         )
     if kinds == {int}:
         return [list(prompt)]  # type: ignore[arg-type]
@@ -53,14 +55,15 @@ def prompt_token_lists(ctx: ServingContext, prompt: Prompt, add_special_tokens: 
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-def _check_prompt_size(ctx: ServingContext, prompt: Prompt) -> None:
+def check_prompt_size(ctx: ServingContext, prompt: Prompt, param: str = "prompt") -> None:
+    """The prompt count and text size limits, before tokenizing."""
     if isinstance(prompt, str):
-        ctx.limits.check_text_size([prompt], "prompt")
+        ctx.limits.check_text_size([prompt], param)
         return
     if not prompt or isinstance(prompt[0], int):
         return  # token ids (one prompt, no text); a list mixing kinds is refused before any work
-    ctx.limits.check_prompt_count(len(prompt))
-    ctx.limits.check_text_size((p for p in prompt if isinstance(p, str)), "prompt")
+    ctx.limits.check_prompt_count(len(prompt), param)
+    ctx.limits.check_text_size((p for p in prompt if isinstance(p, str)), param)
 
 
 class CompletionServing:
@@ -73,7 +76,7 @@ class CompletionServing:
         ctx.check_model(body.model)
         check_completion_fields(body)
         serving.check_kv_transfer_caller(ctx, request, body)
-        _check_prompt_size(ctx, body.prompt)  # before tokenizing
+        check_prompt_size(ctx, body.prompt)  # before tokenizing
         prompts = await run_blocking(prompt_token_lists, ctx, body.prompt, body.add_special_tokens)
         ctx.check_num_sequences(len(prompts), body.n)  # before any per-prompt work
         prompt_only = body.echo and body.max_tokens == 0

@@ -59,6 +59,9 @@ _EXTRA_HELP = {
     "kv_transfer_config": 'Disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "ZmqConnector", '
     '"kv_role": "kv_consumer", "kv_ip": "127.0.0.1", "kv_port": 14579}\' '
     "(kv_role: kv_producer, kv_consumer or kv_both; default: off).",
+    "pooler": "How /v1/embeddings pools a prompt's hidden states (after the final norm) into one "
+    "L2-normalized vector: last (the last token's), mean, or auto (default: what a sentence-transformers "
+    "checkpoint's modules.json and 1_Pooling/config.json say, else last, as decoder embedding models pool).",
     "kv_events_config": 'KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
     '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}\' '
     "(vLLM's names; each DP rank offsets the ports by its rank; default: off).",

@@ -35,6 +35,7 @@ from services.config.dense_copy import (
 )
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.parallel_args import check_tensor_parallel
+from services.config.pooler import resolve_pooler
 from services.config.speculative_args import resolve_speculative_config
 from services.engine_core.async_scheduling import check_async_scheduling
 from services.engine_core.kv_events import resolve_kv_events_config
@@ -82,6 +83,7 @@ class EngineArgs:
     async_scheduling: bool = False
     dense_copy_dtype: str = "auto"  # auto | model | int8 (services/config/dense_copy.py)
     kv_cache_dtype: str = "auto"  # auto | model | int8 (resolve_kv_cache_dtype)
+    pooler: str = "auto"  # auto | last | mean (services/config/pooler.py)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -124,6 +126,8 @@ class EngineArgs:
                 quantization=quantization,
                 dense_min_rows=dense_min_rows,
                 dense_copy_dtype="int8" if int8_copy else "model",
+                pooler=resolve_pooler(self.pooler, files.hf_dir),
+                hidden_size=hf_config.get("hidden_size") or 0,
             ),
             cache=CacheConfig(
                 block_size=default_block_size(device) if self.block_size is None else self.block_size,

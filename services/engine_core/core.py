@@ -161,11 +161,17 @@ class EngineCore:
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
     """ValueError for a request no engine can serve: an empty prompt, one with
-    no room left for output, token ids outside the vocabulary, or n > 1."""
+    no room left for output (a pooling request's may fill the context), token ids outside the vocabulary, or n > 1."""
     prompt = request.prompt_token_ids
     if not prompt:
         raise ValueError("The prompt is empty; it must have at least one token.")
-    if len(prompt) >= max_model_len:
+    if request.pooling_params is not None:
+        # Prompt-only: it may fill the context, nothing is generated after it.
+        if len(prompt) > max_model_len:
+            raise ValueError(
+                f"The prompt has {len(prompt)} tokens, more than max_model_len ({max_model_len})."
+            )
+    elif len(prompt) >= max_model_len:
         raise ValueError(
             f"The prompt has {len(prompt)} tokens, but max_model_len is {max_model_len}: "
             f"a prompt must be shorter than {max_model_len} tokens to leave room for output."

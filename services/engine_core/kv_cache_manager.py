@@ -101,13 +101,14 @@ class KVCacheManager:
 
         At most ``num_tokens - 1`` tokens are served from the cache: the
         last prompt token must always be computed, because its logits give
-        the next token. Requests asking for prompt logprobs skip the cache,
-        since a hit would leave those positions without logits.
+        the next token (or its hidden state a pooling request's vector).
+        Requests asking for prompt logprobs, and mean-pooling ones, skip the
+        cache, since a hit would leave those positions without outputs.
 
         Only a request's first lookup enters the stats: looking again after a
         preemption, or after a step without room, is not a new query.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skips_prefix_cache:
             return GroupBlocks([[] for _ in self.windows]), 0
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         num_blocks = len(hashes)

@@ -18,6 +18,7 @@ from protocol import (
     EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
+    PoolingParams,
     SamplingParams,
 )
 from protocol.kv_transfer import KVTransferParams
@@ -71,6 +72,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +83,8 @@ class Request:
         self.cache_salt = cache_salt
         # Disaggregated prefill/decode: what the proxy asked of this engine.
         self.kv_transfer_params = kv_transfer_params
+        # An embeddings request: prompt-only, finished by its pooled vector, never sampled.
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -124,6 +128,7 @@ class Request:
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
             kv_transfer_params=req.kv_transfer_params,
+            pooling_params=req.pooling_params,
         )
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
@@ -147,6 +152,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Positions served from the cache have K/V but neither logits nor hidden states: a request
+        that needs those at every prompt position (prompt logprobs, mean pooling) computes them all."""
+        if self.pooling_params is not None:
+            return self.pooling_params.needs_every_position
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:

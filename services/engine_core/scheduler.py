@@ -215,8 +215,10 @@ class Scheduler:
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
-            if self.async_scheduling and request.num_computed_tokens >= (
-                request.num_tokens + request.num_output_placeholders
+            if (
+                self.async_scheduling
+                and not request.is_pooling
+                and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1  # it samples: the token is known after the step
         self.finished_req_ids = {}
@@ -371,6 +373,7 @@ class Scheduler:
                 # Non-empty only for a resumed request: the worker dropped it.
                 output_token_ids=list(r.output_token_ids),
                 group_block_ids=self.kv_cache_manager.get_group_block_ids(r.request_id),
+                pooling_params=r.pooling_params,
             )
             for r in plan.new_reqs
         ]
@@ -450,6 +453,7 @@ class Scheduler:
         Request objects that step ran, so a later request reusing a finished id is left alone."""
         index_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         first_positions = _first_positions(scheduler_output)
+        pooled_rows = {req_id: i for i, req_id in enumerate(model_runner_output.pooled_req_ids)}
         outputs, self._error_outputs = self._error_outputs, []
         for request in self.kv_transfer.update_from_output(model_runner_output):
             self.waiting.requeue(request)  # its remote KV load ended
@@ -467,7 +471,12 @@ class Scheduler:
                 index_of.get(request_id),
                 model_runner_output,
             )
-            output = self._process_one(request, index_of.get(request_id), first_position, model_runner_output)
+            if request.is_pooling:
+                output = self._process_pooled(request, pooled_rows.get(request_id), model_runner_output)
+            else:
+                output = self._process_one(
+                    request, index_of.get(request_id), first_position, model_runner_output
+                )
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -504,12 +513,34 @@ class Scheduler:
             error_is_internal=request.error_is_internal,
         )
         if request.is_finished:
-            if request in self.running:
-                self.running.remove(request)
-            else:  # async scheduling: preempted while its last step ran
-                self.waiting.remove_requests([request])
+            self._remove_finished(request)
             output.kv_transfer_params = self._free_request(request)
         return output
+
+    def _process_pooled(
+        self, request: Request, row: int | None, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """A pooling request ends with the step that ran its last prompt token: its vector goes
+        out, its blocks back to the pool at once (nothing will read its KV again)."""
+        if row is None:
+            return None  # mid-prefill
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._remove_finished(request)
+        self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finish_reason(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            events=request.take_events(),
+            pooled=runner_output.pooled[row],
+        )
+
+    def _remove_finished(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:  # async scheduling: preempted while its last step ran
+            self.waiting.remove_requests([request])
 
     @staticmethod
     def _kept_logprobs(

@@ -9,10 +9,11 @@ a request keeps its row for its whole stay.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from protocol import NewRequestData, SamplingParams, SchedulerOutput
+from protocol import NewRequestData, PoolingParams, SamplingParams, SchedulerOutput
 
 
 @dataclass
@@ -22,6 +23,9 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int]
+    pooling_params: PoolingParams | None = None
+    # Mean pooling: the sum of the hidden states of the prompt chunks run so far (a tensor).
+    pooled_sum: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -45,6 +49,8 @@ class InputBatch:
         ]
         self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_kv_groups)]
         self.requests: dict[str, CachedRequestState] = {}
+        # The pooling (embeddings) requests held, so steps without any skip pooling at a glance.
+        self.pooling_req_ids: set[str] = set()
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -85,11 +91,19 @@ class InputBatch:
             count[row] = 0
         self.append_block_ids(row, new.block_ids, new.group_block_ids)
         self.requests[new.req_id] = CachedRequestState(
-            new.req_id, row, list(new.prompt_token_ids), new.sampling_params, list(new.output_token_ids)
+            new.req_id,
+            row,
+            list(new.prompt_token_ids),
+            new.sampling_params,
+            list(new.output_token_ids),
+            new.pooling_params,
         )
+        if new.pooling_params is not None:
+            self.pooling_req_ids.add(new.req_id)
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
+        self.pooling_req_ids.discard(req_id)
         if state is not None:
             self._free_rows.append(state.row)
 

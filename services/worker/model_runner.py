@@ -1,4 +1,4 @@
-"""Run one engine step on this worker: inputs -> forward -> logits -> sample.
+"""Run one engine step on this worker: inputs -> forward -> logits -> sample (or pool).
 
 The runner owns the model, the paged KV cache, the persistent input batch
 and the sampler. ``execute_model`` takes a ``SchedulerOutput`` and returns a
@@ -9,6 +9,7 @@ mid-prefill.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +34,7 @@ from services.worker.layers.backends import check_backend
 from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
 from services.worker.layers.quantized_linear import quantized_report
 from services.worker.model_loader import DTYPES, load_model
+from services.worker.pooler import pool_step
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
@@ -210,6 +212,12 @@ class ModelRunner:
             self.prefill_caps,
         )
         hidden = self._forward(step)  # [T, H]
+        pooled_req_ids, pooled = [], None
+        if self.input_batch.pooling_req_ids:
+            pooled_req_ids, pooled = pool_step(hidden, step, self.input_batch)
+            # Pooling requests never sample: their last prompt token gave them a vector instead.
+            is_pooling = np.array([r in self.input_batch.pooling_req_ids for r in req_ids])
+            step = dataclasses.replace(step, samples=step.samples & ~is_pooling)
         # Structured outputs: the sampled positions' logits come masked by their grammars.
         compute_logits = with_grammar_bitmask(
             self.model.compute_logits, scheduler_output, req_ids, step.samples
@@ -228,6 +236,8 @@ class ModelRunner:
             spec_token_ids=self.spec_decoder.propose(self.input_batch, req_ids, sampled)
             if self.spec_decoder
             else [],
+            pooled_req_ids=pooled_req_ids,
+            pooled=pooled,
         )
 
     def _forward(self, step: StepInputs) -> torch.Tensor:

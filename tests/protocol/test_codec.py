@@ -27,6 +27,8 @@ from protocol import (
     ModelRunnerOutput,
     NewRequestData,
     ParallelConfig,
+    PoolingParams,
+    PoolingType,
     SamplingParams,
     SchedulerConfig,
     SchedulerOutput,
@@ -169,6 +171,7 @@ SAMPLES = [
     SamplingParams(
         structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
     ),
+    PoolingParams(PoolingType.MEAN, normalize=False),
 ]
 
 
@@ -206,6 +209,28 @@ def test_samples_cover_every_protocol_struct() -> None:
     }
     covered = set().union(*map(_struct_types, SAMPLES))
     assert exported - covered == set()
+
+
+def test_pooled_vectors_travel_as_raw_frames() -> None:
+    """An embeddings request, the worker's pooled rows and the engine's per-request vectors."""
+    request = EngineCoreRequest("e-0", [1, 2, 3], SamplingParams(), 0.0, pooling_params=PoolingParams())
+    assert _round_trip(request, EngineCoreRequest) == request
+    pooled = np.random.default_rng(0).standard_normal((2, 576), dtype=np.float32)
+    runner = ModelRunnerOutput(req_ids=["a", "b"], pooled_req_ids=["b", "a"], pooled=pooled)
+    frames = Encoder().encode(runner)
+    assert len(frames) == 2  # the body, then the [2, 576] array as it lies in memory
+    decoded = Decoder(ModelRunnerOutput).decode(frames)
+    assert decoded.pooled_req_ids == ["b", "a"]
+    np.testing.assert_array_equal(decoded.pooled, pooled)
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("a", [], pooled=pooled[1]), EngineCoreOutput("b", [])]
+    )
+    frames = Encoder().encode(outputs)
+    assert len(frames) == 2
+    got = Decoder(EngineCoreOutputs).decode(frames).outputs
+    assert got[0].pooled.dtype == np.float32
+    np.testing.assert_array_equal(got[0].pooled, pooled[1])
+    assert got[1].pooled is None
 
 
 class _Tensors(msgspec.Struct, array_like=True):
