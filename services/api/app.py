@@ -55,8 +55,8 @@ from services.api.responses_store import ResponsesStore
 from services.api.serving import ServingContext
 from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
 from services.api.serving_completions import CompletionServing
-from services.api.serving_responses import ResponsesServing
 from services.api.serving_embeddings import EmbeddingServing
+from services.api.serving_responses import ResponsesServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
 from services.api.unknown_fields import decode_request
