@@ -1,15 +1,23 @@
 // Linear layers over weights kept packed in 8 or 4 bits (GGUF files), for CPUs.
 //
 // Two packed layouts, repacked at load from the GGUF block formats
-// (services/worker/layers/quantized_linear.py says which format goes where):
-//   int8  qweight [N, K] int8, scales [N, K / G] fp32:          w = q * s
-//   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32:
+// (services/worker/gguf_repack.py says which format goes where):
+//   int8  qweight [N, K] int8, scales [N, K / G] fp32 or fp16:   w = q * s
+//   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
 //         w = q * s + m, q in [0, 16); in each group of 32, byte j holds
 //         element j in its low nibble and element j + 16 in its high one.
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
+// fp16 scales (the 32-element formats' own) are read by the integer-activation
+// paths only, converted exactly per weight row as it is used.
 //
-// quant_linear_i8 (few rows of x, the decode case, as llama.cpp does it): each
+// Batch invariance: quant_linear_i8 and quant_linear_i16 sum each (row of x,
+// weight row) pair in one order, the same in every tile size, in the batch-1
+// path and in every block of rows a long call is cut into, so a row's output
+// has the same bits whatever other rows share the call (prefill chunks,
+// speculative verify steps, other requests). They serve every row count.
+//
+// quant_linear_i8 (as llama.cpp does it): each
 // row of x is rounded to int8 per group of G (one fp32 scale, amax / 127), then
 // every group is one integer dot product of 32 int8 pairs (VNNI vpdpbusd, or
 // AVX2 maddubs + madd) and one fp32 FMA by the two scales. The int4 min term is
@@ -422,23 +430,23 @@ void pair_blocks(ActInt8& a, int64_t M) {
   a.paired.assign(M * pairs * 2 * kBlock, 0);
   a.lanes.assign(M * pairs * 8, 0.f);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-  for (int64_t m = begin; m < end; ++m) {
-    const int8_t* q = a.qrow(m);
-    const float* s = a.srow(m);
-    int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
-    float* lanes = a.lanes.data() + m * pairs * 8;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int8_t* b0 = q + 2 * p * kBlock;
-      const int8_t* b1 = b0 + kBlock;
-      int8_t* o = out + p * 2 * kBlock;
-      std::copy(b0, b0 + half, o);
-      std::copy(b1, b1 + half, o + half);
-      std::copy(b0 + half, b0 + kBlock, o + 2 * half);
-      std::copy(b1 + half, b1 + kBlock, o + 3 * half);
-      std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
-      std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      const float* s = a.srow(m);
+      int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
+      float* lanes = a.lanes.data() + m * pairs * 8;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int8_t* b0 = q + 2 * p * kBlock;
+        const int8_t* b1 = b0 + kBlock;
+        int8_t* o = out + p * 2 * kBlock;
+        std::copy(b0, b0 + half, o);
+        std::copy(b1, b1 + half, o + half);
+        std::copy(b0 + half, b0 + kBlock, o + 2 * half);
+        std::copy(b1 + half, b1 + kBlock, o + 3 * half);
+        std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
+        std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+      }
     }
-  }
   });
 }
 
@@ -677,20 +685,20 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int64_t rows_per_block = x_rows_per_block(K * (w.int4() ? 2 : 1));
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
-    const int64_t m1 = std::min(M, m0 + rows_per_block);
-    for (int64_t n = begin; n < end; ++n) {
+      const int64_t m1 = std::min(M, m0 + rows_per_block);
+      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-      if (w.int4()) {
-        rows_i8<true, 32>(w, n, a, m0, m1, op, ldo);
-      } else if (group_size == 32) {
-        rows_i8<false, 32>(w, n, a, m0, m1, op, ldo);
-      } else {
-        rows_i8<false, 16>(w, n, a, m0, m1, op, ldo);
-      }
+        if (w.int4()) {
+          rows_i8<true, 32>(w, n, a, m0, m1, op, ldo);
+        } else if (group_size == 32) {
+          rows_i8<false, 32>(w, n, a, m0, m1, op, ldo);
+        } else {
+          rows_i8<false, 16>(w, n, a, m0, m1, op, ldo);
+        }
 #else
-      for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
 #endif
-    }
+      }
     }
   });
 }
@@ -931,20 +939,20 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
     }
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
-    const int64_t m1 = std::min(M, m0 + rows_per_block);
-    for (int64_t n = begin; n < end; ++n) {
+      const int64_t m1 = std::min(M, m0 + rows_per_block);
+      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-      if (w.int4()) {
-        rows_i16<true, 32>(w, n, a, m0, m1, op, ldo);
-      } else if (group_size == 32) {
-        rows_i16<false, 32>(w, n, a, m0, m1, op, ldo);
-      } else {
-        rows_i16<false, 16>(w, n, a, m0, m1, op, ldo);
-      }
+        if (w.int4()) {
+          rows_i16<true, 32>(w, n, a, m0, m1, op, ldo);
+        } else if (group_size == 32) {
+          rows_i16<false, 32>(w, n, a, m0, m1, op, ldo);
+        } else {
+          rows_i16<false, 16>(w, n, a, m0, m1, op, ldo);
+        }
 #else
-      for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
 #endif
-    }
+      }
     }
   });
 }
