@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import logging
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,6 +142,53 @@ def _copy_if_changed(source: Path, copy: Path) -> Path:
     return copy
 
 
+def install_tag() -> str:
+    """Eight hex digits naming the torch install a build links against: torch's version, its C++
+    ABI and include folders, and Python's version. A build's folder carries it, so each install
+    builds its kernels once, in a folder of its own: a second virtual environment on the machine
+    neither rebuilds the first's kernels at every start (ninja rebuilds when a build's command line,
+    which names the include folders, changes) nor loads a library built against another torch."""
+    return _install_tag()
+
+
+@functools.cache
+def _install_tag() -> str:
+    import torch
+    from torch.utils import cpp_extension
+
+    return tag_of(
+        [torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, *cpp_extension.include_paths()]
+    )
+
+
+def tag_of(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:8]
+
+
+def build_name(name: str, isa: str) -> str:
+    """The folder (and library) name of ``name``'s build for ``isa`` in this torch install."""
+    return f"{name}_{isa}_{install_tag()}"
+
+
+def build_folder(build: str) -> Path:
+    """Where torch builds ``build``: under ``TORCH_EXTENSIONS_DIR`` when set, else under the
+    default root's folder for this Python and accelerator (``py311_cpu``), as torch's own
+    ``_get_build_directory`` names it (without making the folder)."""
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(extensions_root(), f"{python}_{accelerator}")
+    return Path(root) / build
+
+
 def extensions_root() -> str:
     """Where torch keeps the builds: ``TORCH_EXTENSIONS_DIR`` when set, as torch's own builds honour
     it, so that a checkout given one of its own (to measure two versions of a kernel, or to build
@@ -168,9 +218,16 @@ def build(
     if missing:
         raise KernelUnavailable(f"building {what} needs {' and '.join(missing)} on PATH.")
     isa, isa_flags = isa or target_isa()
+    build = build_name(name, isa)
     try:
-        with build_lock(f"{name}_{isa}"):
-            _load(cpp_extension, name, isa, isa_flags, source, defines)
+        with build_lock(build):
+            built_before = (build_folder(build) / f"{build}.so").exists()
+            if not built_before:
+                logger.info("Building %s for %s (once per torch install) ...", what, isa)
+            start = time.monotonic()
+            _load(cpp_extension, build, source, isa_flags, defines)
+            if not built_before:
+                logger.info("Built %s in %.0f s.", what, time.monotonic() - start)
     except Exception as exc:  # compiler or linker errors come as several exception types
         raise KernelUnavailable(f"building {what} failed: {exc}") from exc
 
@@ -185,12 +242,12 @@ def build_lock(build_name: str) -> Iterator[None]:
     lock is an flock on a file beside the folder, which the OS drops with its holder: whoever holds
     it is the only weft process inside torch's lock, so a ``lock`` file found then is a dead
     process's, and is removed."""
-    root = Path(extensions_root())
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{build_name}.weft-lock", "a") as handle:
+    folder = build_folder(build_name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{build_name}.weft-lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            stale = root / build_name / "lock"
+            stale = folder / "lock"
             if stale.exists():
                 logger.warning("Removing %s, left by a process stopped while it built %s.", stale, build_name)
                 stale.unlink(missing_ok=True)
@@ -199,12 +256,10 @@ def build_lock(build_name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _load(
-    cpp_extension, name: str, isa: str, isa_flags: list[str], source: Path, defines: tuple[str, ...]
-) -> None:
+def _load(cpp_extension, build: str, source: Path, isa_flags: list[str], defines: tuple[str, ...]) -> None:
     cpp_extension.load(
-        name=f"{name}_{isa}",
-        sources=[str(stable_source(source, f"{name}_{isa}", extensions_root()))],
+        name=build,
+        sources=[str(stable_source(source, build, extensions_root()))],
         # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
         # here; the library then uses the libgomp torch has already loaded.
         # -fno-trapping-math: nothing here reads floating-point exception flags, and with

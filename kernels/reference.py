@@ -317,12 +317,13 @@ def dequantize_packed_ref(
     int8 (``mins`` None): ``w = q * s``; int4: ``w = q * s + m``, where each group of
     32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16`` in its high.
     """
+    scales = scales.float()  # fp16 scales (the GGUF blocks' own) convert exactly
     if mins is None:
         values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
         return (values * scales[..., None]).flatten(1)
     grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
     values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
-    return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
+    return torch.addcmul(mins.float()[..., None], values, scales[..., None]).flatten(1)
 
 
 def quant_linear_ref(
@@ -367,9 +368,9 @@ def quant_linear_i8_ref(
         wq = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
     # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
-    y = (dots * (xs[:, None, :] * scales[None])).sum(-1)
+    y = (dots * (xs[:, None, :] * scales.float()[None])).sum(-1)
     if mins is not None:
-        y = y + (xs * xq.sum(-1).float()) @ mins.T
+        y = y + (xs * xq.sum(-1).float()) @ mins.float().T
     return y
 
 

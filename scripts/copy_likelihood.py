@@ -1,5 +1,6 @@
 """What a dense copy's (or the KV cache's) rounding costs: mean negative log likelihood of text, per setting.
 
+    python scripts/copy_likelihood.py --settings dequantized packed packed-int8   # the packed default
     python scripts/copy_likelihood.py                       # fp32, bf16 copy, int8 copy
     python scripts/copy_likelihood.py --settings bf16 int8 --chars 6000 README.md docs/architecture.md
     python scripts/copy_likelihood.py --settings bf16 int8-kv --greedy 128   # the int8 KV cache
@@ -30,6 +31,11 @@ import math
 from pathlib import Path
 
 SETTINGS = {
+    # The GGUF dequantized to fp32 at load: the oracle the packed default is held to (+0.01 nats).
+    "dequantized": {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "model"},
+    # The defaults: packed weights alone, activations rounded to int16 per group (or int8, opt-in).
+    "packed": {"kv_cache_dtype": "model"},
+    "packed-int8": {"kv_cache_dtype": "model", "activations": "int8"},
     "fp32": {"dtype": "float32"},
     # "model": the bf16 copy alone (dense_copy_dtype auto adds the int8 copy on some CPUs), and the
     # KV cache in bf16 (kv_cache_dtype auto makes it int8 on CPU).
@@ -87,8 +93,11 @@ def mean_nll(settings: dict, texts: list[str], greedy: int = 0) -> tuple[float, 
     continuation of its first 200 tokens."""
     from services import LLM
 
+    from services.worker.layers.quantized_linear import activations_from_env, choose_kernel
+
     settings = dict(settings)
     levels = settings.pop("activation_levels", None)
+    choose_kernel(None, settings.pop("activations", activations_from_env()))
     with activations_rounded_to(levels):
         return _mean_nll(LLM(enable_prefix_caching=False, **settings), texts, greedy)
 

@@ -61,6 +61,7 @@ SLOW = frozenset(
         "tests/test_serving.py",
         "tests/test_sliding_window_engine.py",
         "tests/test_spec_decode.py",
+        "tests/test_batch_invariance.py",
         "tests/test_structured_outputs.py",
         "tests/test_tensor_parallel.py",
         "tests/test_tool_calling_serve.py",

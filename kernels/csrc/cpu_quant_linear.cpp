@@ -1,15 +1,23 @@
 // Linear layers over weights kept packed in 8 or 4 bits (GGUF files), for CPUs.
 //
 // Two packed layouts, repacked at load from the GGUF block formats
-// (services/worker/layers/quantized_linear.py says which format goes where):
-//   int8  qweight [N, K] int8, scales [N, K / G] fp32:          w = q * s
-//   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32:
+// (services/worker/gguf_repack.py says which format goes where):
+//   int8  qweight [N, K] int8, scales [N, K / G] fp32 or fp16:   w = q * s
+//   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
 //         w = q * s + m, q in [0, 16); in each group of 32, byte j holds
 //         element j in its low nibble and element j + 16 in its high one.
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
+// fp16 scales (the 32-element formats' own) are read by the integer-activation
+// paths only, converted exactly per weight row as it is used.
 //
-// quant_linear_i8 (few rows of x, the decode case, as llama.cpp does it): each
+// Batch invariance: quant_linear_i8 and quant_linear_i16 sum each (row of x,
+// weight row) pair in one order, the same in every tile size, in the batch-1
+// path and in every block of rows a long call is cut into, so a row's output
+// has the same bits whatever other rows share the call (prefill chunks,
+// speculative verify steps, other requests). They serve every row count.
+//
+// quant_linear_i8 (as llama.cpp does it): each
 // row of x is rounded to int8 per group of G (one fp32 scale, amax / 127), then
 // every group is one integer dot product of 32 int8 pairs (VNNI vpdpbusd, or
 // AVX2 maddubs + madd) and one fp32 FMA by the two scales. The int4 min term is
@@ -110,12 +118,25 @@ void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, 
 struct Packed {
   const uint8_t* qweight;
   int64_t row_bytes;  // bytes of qweight per row
-  const float* scales;
-  const float* mins;  // null for the int8 layout
-  int64_t groups;     // groups per row
+  const float* scales;  // fp32 scales, or null when they are fp16 (scales_h)
+  const float* mins;    // null for the int8 layout (and when fp16: mins_h)
+  int64_t groups;       // groups per row
   int64_t group;
   int64_t K;
   int64_t N;  // rows
+  // fp16 scales and mins (the GGUF blocks' own d and m, kept as they are: exact, and 2 bytes a
+  // group less than fp32); only the integer-activation paths read them.
+  const uint16_t* scales_h = nullptr;
+  const uint16_t* mins_h = nullptr;
+
+  bool int4() const { return mins != nullptr || mins_h != nullptr; }
+  int64_t scale_bytes() const { return scales_h != nullptr ? 2 : 4; }
+  const void* scale_row(int64_t n) const {
+    return scales_h != nullptr ? static_cast<const void*>(scales_h + n * groups) : scales + n * groups;
+  }
+  const void* min_row(int64_t n) const {
+    return mins_h != nullptr ? static_cast<const void*>(mins_h + n * groups) : mins + n * groups;
+  }
 
   void dequant_row(int64_t n, float* out) const {
     const float* s = scales + n * groups;
@@ -179,11 +200,15 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
   }
 }
 
+// half_scales: whether the caller reads fp16 scales and mins (the integer-activation paths);
+// the fp32-activation paths dequantize with fp32 ones.
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                 int64_t group_size, int64_t K) {
+                 int64_t group_size, int64_t K, bool half_scales = false) {
   const bool int4 = mins.has_value();
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "quant_linear: contiguous qweight and fp32 scales expected");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
+                  (scales.scalar_type() == at::kFloat || (half_scales && half)),
+              "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
   TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), "quant_linear: qweight must be ",
               int4 ? "uint8 (int4 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group),
@@ -192,11 +217,42 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == (int4 ? K / 2 : K), "quant_linear: qweight shape");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, "quant_linear: scales shape");
   if (int4) {
-    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(),
-                "quant_linear: mins must be fp32 and shaped like scales");
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == scales.scalar_type() && mins->sizes() == scales.sizes(),
+                "quant_linear: mins must be shaped like scales, in their dtype");
   }
-  return Packed{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr<float>(),
-                int4 ? mins->data_ptr<float>() : nullptr, groups, group_size, K, N};
+  Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), nullptr, nullptr, groups, group_size, K, N};
+  if (half) {
+    w.scales_h = static_cast<const uint16_t*>(scales.data_ptr());
+    if (int4) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
+  } else {
+    w.scales = scales.data_ptr<float>();
+    if (int4) w.mins = mins->data_ptr<float>();
+  }
+  return w;
+}
+
+// count fp16 values from h as fp32 into out.
+inline void halves_to_floats(const uint16_t* h, int64_t count, float* out) {
+  int64_t i = 0;
+#ifdef WEFT_AVX2
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+#endif
+  for (; i < count; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(h[i]);
+}
+
+// Row n's scales (which = 0) or mins (which = 1) as fp32: the tensor's own where they are fp32,
+// else converted into a per-thread buffer (slot: one per weight row a tile holds at once). The
+// conversion is exact, so fp16 and fp32 layouts of the same weights give the same bits.
+inline const float* row_floats(const Packed& w, int64_t n, int which, int slot = 0) {
+  const float* f32 = which == 0 ? w.scales : w.mins;
+  if (f32 != nullptr) return f32 + n * w.groups;
+  thread_local std::vector<float> buffers[16];
+  std::vector<float>& buf = buffers[2 * slot + which];
+  if (static_cast<int64_t>(buf.size()) < w.groups) buf.resize(w.groups);
+  halves_to_floats((which == 0 ? w.scales_h : w.mins_h) + n * w.groups, w.groups, buf.data());
+  return buf.data();
 }
 
 #ifdef WEFT_AVX2
@@ -373,23 +429,39 @@ void pair_blocks(ActInt8& a, int64_t M) {
   const int64_t pairs = a.blocks / 2, half = kBlock / 2;
   a.paired.assign(M * pairs * 2 * kBlock, 0);
   a.lanes.assign(M * pairs * 8, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* q = a.qrow(m);
-    const float* s = a.srow(m);
-    int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
-    float* lanes = a.lanes.data() + m * pairs * 8;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int8_t* b0 = q + 2 * p * kBlock;
-      const int8_t* b1 = b0 + kBlock;
-      int8_t* o = out + p * 2 * kBlock;
-      std::copy(b0, b0 + half, o);
-      std::copy(b1, b1 + half, o + half);
-      std::copy(b0 + half, b0 + kBlock, o + 2 * half);
-      std::copy(b1 + half, b1 + kBlock, o + 3 * half);
-      std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
-      std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      const float* s = a.srow(m);
+      int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
+      float* lanes = a.lanes.data() + m * pairs * 8;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int8_t* b0 = q + 2 * p * kBlock;
+        const int8_t* b1 = b0 + kBlock;
+        int8_t* o = out + p * 2 * kBlock;
+        std::copy(b0, b0 + half, o);
+        std::copy(b1, b1 + half, o + half);
+        std::copy(b0 + half, b0 + kBlock, o + 2 * half);
+        std::copy(b1 + half, b1 + kBlock, o + 3 * half);
+        std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
+        std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+      }
     }
-  }
+  });
+}
+
+// Rows of x a thread takes against its weight rows at a time: about kBlockBytes of rounded x,
+// which stays in cache while the weight rows stream by once per block (a long prefill would
+// otherwise read all of x from memory for every weight row). At least kMinBlockRows, so a wide
+// layer does not read its weights once per 4 rows. Blocking changes only which (row, weight row)
+// pairs are computed when, never the arithmetic of one pair: a row's result is the same bits
+// whatever the other rows are (the batch invariance services/worker/layers/quantized_linear.py
+// promises).
+constexpr int64_t kBlockBytes = 256 << 10;
+constexpr int64_t kMinBlockRows = 16;
+
+inline int64_t x_rows_per_block(int64_t row_bytes) {
+  return std::max(kMinBlockRows, kBlockBytes / std::max<int64_t>(1, row_bytes) / 4 * 4);
 }
 
 ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums) {
@@ -399,15 +471,18 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
   a.q.assign(M * a.blocks * kBlock, 0);
   a.scales.assign(M * a.row_scales(), 0.f);
   if (sums) a.sums.assign(M * (K / kBlock), 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = a.q.data() + m * a.blocks * kBlock;
-    float* s = a.scales.data() + m * a.row_scales();
-    for (int64_t g = 0; g < K / group; ++g) {
-      float sum;
-      s[g] = quantize_group(x + m * ldx + g * group, group, q + g * group, &sum);
-      if (sums) a.sums[m * (K / kBlock) + g] = sum;  // int4: group == 32
+  // Each row is rounded alone (its result does not depend on the others'), so rows go in parallel.
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      int8_t* q = a.q.data() + m * a.blocks * kBlock;
+      float* s = a.scales.data() + m * a.row_scales();
+      for (int64_t g = 0; g < K / group; ++g) {
+        float sum;
+        s[g] = quantize_group(x + m * ldx + g * group, group, q + g * group, &sum);
+        if (sums) a.sums[m * (K / kBlock) + g] = sum;  // int4: group == 32
+      }
     }
-  }
+  });
   if (sums) pair_blocks(a, M);
   return a;
 }
@@ -468,7 +543,7 @@ template <int R, bool kInt4, int G>
 void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = w.scales + n * w.groups;
+  const float* sw = row_floats(w, n, 0);
   const uint8_t* q = w.qweight + n * w.row_bytes;
   const int64_t whole = w.K / kBlock;  // blocks of 32 inside K; one half block may follow (int8, G 16)
   auto step = [&](int64_t b, int slot, bool half) {
@@ -533,7 +608,7 @@ void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float*
   if (b < a.blocks) step(b, 1, true);
   for (int r = 0; r < R; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
+    if constexpr (kInt4) total += min_term(row_floats(w, n, 1), a.sums.data() + (m0 + r) * w.groups, w.groups);
     out[r * ldo] = total;
   }
 }
@@ -541,7 +616,7 @@ void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float*
 
 // The same sums in plain loops (targets without AVX2).
 void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, float* out) {
-  const float* sw = w.scales + n * w.groups;
+  const float* sw = row_floats(w, n, 0);
   const float* xs = a.srow(m);
   const int8_t* xq = a.qrow(m);
   const uint8_t* q = w.qweight + n * w.row_bytes;
@@ -550,7 +625,7 @@ void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, 
     int32_t dot = 0;
     for (int64_t j = 0; j < w.group; ++j) {
       int32_t wq;
-      if (w.mins != nullptr) {
+      if (w.int4()) {
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
       } else {
@@ -560,7 +635,7 @@ void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, 
     }
     total += (sw[g] * xs[g]) * static_cast<float>(dot);
   }
-  if (w.mins != nullptr) total += min_term(w.mins + n * w.groups, a.sums.data() + m * w.groups, w.groups);
+  if (w.int4()) total += min_term(row_floats(w, n, 1), a.sums.data() + m * w.groups, w.groups);
   *out = total;
 }
 
@@ -575,12 +650,12 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 
 template <bool kInt4, int G>
-void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t M, float* op, int64_t ldo) {
+void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
   const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
   prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
-  prefetch_bytes(w.scales + ahead * w.groups, w.groups * 4);
-  if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, w.groups * 4);
-  int64_t m = 0;
+  prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
+  if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
+  int64_t m = m0;
   for (; m + 4 <= M; m += 4) dot_row_i8<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
   switch (M - m) {
     case 3: dot_row_i8<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
@@ -597,29 +672,33 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear_i8: x must be fp32 [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  const Packed w = packed_of(qweight, scales, mins, group_size, K, /*half_scales=*/true);
   TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i8: group_size must be 16 or 32");
   const int64_t N = qweight.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1,
               "quant_linear_i8: out must be fp32 [M, N] with contiguous rows");
   if (M == 0 || N == 0) return;
-  const ActInt8 a = quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.mins != nullptr);
+  const ActInt8 a = quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4());
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
+  const int64_t rows_per_block = x_rows_per_block(K * (w.int4() ? 2 : 1));
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
+      const int64_t m1 = std::min(M, m0 + rows_per_block);
+      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-      if (w.mins != nullptr) {
-        rows_i8<true, 32>(w, n, a, M, op, ldo);
-      } else if (group_size == 32) {
-        rows_i8<false, 32>(w, n, a, M, op, ldo);
-      } else {
-        rows_i8<false, 16>(w, n, a, M, op, ldo);
-      }
+        if (w.int4()) {
+          rows_i8<true, 32>(w, n, a, m0, m1, op, ldo);
+        } else if (group_size == 32) {
+          rows_i8<false, 32>(w, n, a, m0, m1, op, ldo);
+        } else {
+          rows_i8<false, 16>(w, n, a, m0, m1, op, ldo);
+        }
 #else
-      for (int64_t m = 0; m < M; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
 #endif
+      }
     }
   });
 }
@@ -644,12 +723,14 @@ ActInt16 quantize_activations_i16(const float* x, int64_t ldx, int64_t M, int64_
   a.q.assign(M * K, 0);
   a.scales.assign(M * a.groups, 0.f);
   a.sums.assign(M * a.groups, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < a.groups; ++g) {
-      a.scales[m * a.groups + g] =
-          quantize_group(x + m * ldx + g * group, group, a.q.data() + m * K + g * group, &a.sums[m * a.groups + g]);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < a.groups; ++g) {
+        a.scales[m * a.groups + g] = quantize_group(x + m * ldx + g * group, group, a.q.data() + m * K + g * group,
+                                                    &a.sums[m * a.groups + g]);
+      }
     }
-  }
+  });
   return a;
 }
 
@@ -695,7 +776,7 @@ template <int R, bool kInt4, int G>
 void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = w.scales + n * w.groups;
+  const float* sw = row_floats(w, n, 0);
   const uint8_t* q = w.qweight + n * w.row_bytes;
   alignas(32) float prod[R][kScaleChunk];
   auto step = [&](int64_t g, int64_t c0, int slot) {
@@ -720,7 +801,7 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
   }
   for (int r = 0; r < R; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(w.mins + n * w.groups, a.sums.data() + (m0 + r) * w.groups, w.groups);
+    if constexpr (kInt4) total += min_term(row_floats(w, n, 1), a.sums.data() + (m0 + r) * w.groups, w.groups);
     out[r * ldo] = total;
   }
 }
@@ -733,6 +814,8 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   __m256 acc[P][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
   alignas(32) float prod[P][kScaleChunk];
+  const float* sw[P];
+  for (int r = 0; r < P; ++r) sw[r] = row_floats(w, n + r, 0, r);
   auto step = [&](int64_t g, int64_t c0, int slot) {
     const int16_t* xg = a.q.data() + g * G;
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
@@ -750,7 +833,7 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
     const int64_t cn = std::min(kScaleChunk, w.groups - c0);
     const float* xs = a.scales.data() + c0;
-    for (int r = 0; r < P; ++r) scale_products(prod[r], w.scales + (n + r) * w.groups + c0, xs, cn);
+    for (int r = 0; r < P; ++r) scale_products(prod[r], sw[r] + c0, xs, cn);
     int64_t g = c0;
     for (; g + 2 <= c0 + cn; g += 2) {
       step(g, c0, 0);
@@ -760,7 +843,7 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   }
   for (int r = 0; r < P; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(w.mins + (n + r) * w.groups, a.sums.data(), w.groups);
+    if constexpr (kInt4) total += min_term(row_floats(w, n + r, 1, r), a.sums.data(), w.groups);
     out[n + r] = total;
   }
 }
@@ -771,20 +854,20 @@ void rows_i16_single(const Packed& w, int64_t n, int64_t end, const ActInt16& a,
   for (; n + kSingleRows <= end; n += kSingleRows) {
     const int64_t ahead = std::min(n + kPrefetchRows, w.N - kSingleRows);
     prefetch_bytes(w.qweight + ahead * w.row_bytes, kSingleRows * w.row_bytes);
-    prefetch_bytes(w.scales + ahead * w.groups, kSingleRows * w.groups * 4);
-    if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, kSingleRows * w.groups * 4);
+    prefetch_bytes(w.scale_row(ahead), kSingleRows * w.groups * w.scale_bytes());
+    if (kInt4) prefetch_bytes(w.min_row(ahead), kSingleRows * w.groups * w.scale_bytes());
     dot_rows_single_i16<kSingleRows, kInt4, G>(w, n, a, op);
   }
   for (; n < end; ++n) dot_row_i16<1, kInt4, G>(w, n, a, 0, op + n, 1);
 }
 
 template <bool kInt4, int G>
-void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t M, float* op, int64_t ldo) {
+void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
   const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
   prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
-  prefetch_bytes(w.scales + ahead * w.groups, w.groups * 4);
-  if (kInt4) prefetch_bytes(w.mins + ahead * w.groups, w.groups * 4);
-  int64_t m = 0;
+  prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
+  if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
+  int64_t m = m0;
   for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
   switch (M - m) {
     case 3: dot_row_i16<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
@@ -796,7 +879,7 @@ void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t M, float* o
 #endif
 
 void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m, float* out) {
-  const float* sw = w.scales + n * w.groups;
+  const float* sw = row_floats(w, n, 0);
   const int16_t* xq = a.q.data() + m * w.K;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   float total = 0.f;
@@ -804,7 +887,7 @@ void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m
     int32_t dot = 0;
     for (int64_t j = 0; j < w.group; ++j) {
       int32_t wq;
-      if (w.mins != nullptr) {
+      if (w.int4()) {
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
       } else {
@@ -814,7 +897,7 @@ void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m
     }
     total += (sw[g] * a.scales[m * a.groups + g]) * static_cast<float>(dot);
   }
-  if (w.mins != nullptr) total += min_term(w.mins + n * w.groups, a.sums.data() + m * w.groups, w.groups);
+  if (w.int4()) total += min_term(row_floats(w, n, 1), a.sums.data() + m * w.groups, w.groups);
   *out = total;
 }
 
@@ -831,7 +914,7 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear_i16: x must be fp32 [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  const Packed w = packed_of(qweight, scales, mins, group_size, K, /*half_scales=*/true);
   TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i16: group_size must be 16 or 32");
   const int64_t N = qweight.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
@@ -841,10 +924,11 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
   const ActInt16 a = quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
+  const int64_t rows_per_block = x_rows_per_block(2 * K);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
 #ifdef WEFT_AVX2
     if (M == 1 && single_row_blocks) {
-      if (w.mins != nullptr) {
+      if (w.int4()) {
         rows_i16_single<true, 32>(w, begin, end, a, op);
       } else if (group_size == 32) {
         rows_i16_single<false, 32>(w, begin, end, a, op);
@@ -854,18 +938,21 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
       return;
     }
 #endif
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
+      const int64_t m1 = std::min(M, m0 + rows_per_block);
+      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-      if (w.mins != nullptr) {
-        rows_i16<true, 32>(w, n, a, M, op, ldo);
-      } else if (group_size == 32) {
-        rows_i16<false, 32>(w, n, a, M, op, ldo);
-      } else {
-        rows_i16<false, 16>(w, n, a, M, op, ldo);
-      }
+        if (w.int4()) {
+          rows_i16<true, 32>(w, n, a, m0, m1, op, ldo);
+        } else if (group_size == 32) {
+          rows_i16<false, 32>(w, n, a, m0, m1, op, ldo);
+        } else {
+          rows_i16<false, 16>(w, n, a, m0, m1, op, ldo);
+        }
 #else
-      for (int64_t m = 0; m < M; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
 #endif
+      }
     }
   });
 }

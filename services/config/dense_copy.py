@@ -1,15 +1,20 @@
-"""Whether weights kept quantized also keep a dense copy for batched steps.
+"""Whether weights kept quantized also keep a dense copy for batched steps (opt-in).
 
-The packed kernels read 4 or 8 bits per weight, which is what a decode step
-of one or a few requests is bound by. From a few rows on, the same step is
-bound by arithmetic instead, and oneDNN's GEMM on dense weights (bf16 dot
-products where the CPU has them) is 2-4x faster than the packed kernels
-(README, "Dense copy for batched steps"). So a layer keeps both: the packed
-weight for steps of fewer than ``dense_min_rows`` rows, the dense copy from
-there on. The copy costs its memory, out of the same budget as the KV cache,
-so "auto" keeps it only where it takes at most half of that budget (the
-default model: 0.27 GB in bf16 of the 2 GiB CPU default); a larger model runs
-packed at every batch size unless asked.
+By default a GGUF's weights are resident once, packed, and every step runs
+the packed integer kernels at every row count
+(``services/worker/layers/quantized_linear.py``): resident weight bytes stay
+within the file's, and a row's output does not depend on what shares its
+step, so greedy outputs are batch invariant and n-gram speculation is
+token-identical to plain decoding.
+
+``--dense-min-rows N`` keeps, beside the packed weight, a dense copy in the
+model's dtype for steps of N rows and more (oneDNN's GEMM on dense weights,
+bf16 dot products where the CPU has them, was 2-4x faster than the packed
+kernels on batched steps of the 135M default model). It costs: the copy's
+memory (2-4 bytes a weight against ~0.6 packed: 4-6x the weights' memory),
+and batch invariance (a row runs the packed kernel in a small step and the
+copy in a large one, so greedy tokens can part at near-ties, and speculative
+verify steps can differ from plain decoding).
 
 ``--dense-copy-dtype int8`` adds an int8 copy (one byte a weight, activations
 rotated and rounded to int8 per row, integer GEMMs:
@@ -19,16 +24,13 @@ more than the integer GEMM saves), so both are kept. Where the integer GEMM is
 weft's own (``kernels.cpu_amx_int8`` on AMX int8 tiles, ``kernels.cpu_vnni_int8``
 on AVX-512 VNNI, ``kernels.cpu_avx2_int8`` on AVX2 alone), the int8 copy runs
 every step of the dense copy instead, up to ``AMX_INT8_MAX_ROWS`` rows on AMX (the
-model dtype's copy the longer ones there).
-"auto": the int8 copy too where it was measured to pay — a bf16 model dtype
-on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
+model dtype's copy the longer ones there). With a copy asked for,
+``--dense-copy-dtype auto`` adds the int8 copy where it was measured to pay — a bf16
+model dtype on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
 (``engine_args.cpu_int8_copy_pays``), or the float32 that dtype auto picks on a
 CPU without bf16 math where weft's own GEMM runs (``engine_args.cpu_own_int8_gemm``;
 an fp32 asked for stays fp32 at every step), one engine per model (no tensor parallelism:
-the shards' rows would round differently from one worker's), and both copies
-within the memory rule below — else the model dtype's copy alone; where weft's
-own GEMM runs it, auto's copies start at ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` rows (``AVX2_INT8_DENSE_MIN_ROWS``
-on AVX2 alone: every step). "model": the model
+the shards' rows would round differently from one worker's); "model": the model
 dtype's copy alone (an fp32 or bf16 run whose batched steps match dequantized
 weights).
 Torch-free: the API process builds the config too.
@@ -38,10 +40,9 @@ from __future__ import annotations
 
 # From 8 rows a step on, the dense copy was faster than the packed kernels on
 # every layer of the default model (bf16: 23 ms against 39 ms for all its
-# matmuls; fp32: 35 ms against 39 ms; 2 threads).
+# matmuls; fp32: 35 ms against 39 ms; 2 threads): the row count a copy asked for
+# with --dense-copy-dtype alone starts at.
 DEFAULT_DENSE_MIN_ROWS = 8
-# "auto" keeps a copy of at most this share of the worker's memory budget.
-AUTO_MAX_BUDGET_SHARE = 0.5
 DENSE_COPY_DTYPES = ("auto", "model", "int8")
 # From this many rows a step on, the int8 copy beat the bf16 one on all the default model's
 # matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
@@ -78,24 +79,11 @@ def linear_param_count(hf_config: dict) -> int:
     return hf_config["num_hidden_layers"] * (attention + mlp) + hf_config["vocab_size"] * hidden
 
 
-def resolve_dense_min_rows(
-    value: int | None,
-    quantization: str,
-    hf_config: dict,
-    budget_bytes: int,
-    dtype_bytes: int,
-    speculative: bool = False,
-    default_rows: int = DEFAULT_DENSE_MIN_ROWS,
-) -> int:
+def resolve_dense_min_rows(value: int | None, quantization: str) -> int:
     """Rows from which a kept-quantized layer runs its dense copy; 0: no copy.
 
-    ``value`` None is "auto": ``default_rows`` where the copy, in
-    ``dtype_bytes`` per weight, takes at most ``AUTO_MAX_BUDGET_SHARE`` of
-    ``budget_bytes`` (the worker's memory budget), else 0. With speculative
-    decoding auto is 0: a verify step has K + 1 rows per request where plain
-    decoding has one, so with a copy the two would run different kernels and
-    greedy outputs could part at near-ties; packed at every size they are
-    token-identical (tests/test_spec_decode.py). An explicit value is kept."""
+    ``value`` None is "auto": no copy (the module's notes: one copy of the weights,
+    batch-invariant numerics). An explicit value is kept."""
     if value is not None and value < 0:
         raise ValueError(f"dense_min_rows must be 0 (no dense copy) or a row count >= 1, got {value}.")
     if quantization != "gguf":
@@ -105,12 +93,7 @@ def resolve_dense_min_rows(
                 f"with quantization {quantization!r} every weight is dense already."
             )
         return 0
-    if value is not None:
-        return value
-    if speculative:
-        return 0
-    copy_bytes = linear_param_count(hf_config) * dtype_bytes
-    return default_rows if copy_bytes <= AUTO_MAX_BUDGET_SHARE * budget_bytes else 0
+    return 0 if value is None else value
 
 
 def check_dense_copy_dtype(value: str) -> str:
@@ -119,14 +102,12 @@ def check_dense_copy_dtype(value: str) -> str:
     return value
 
 
-def check_int8_copy_kept(dense_min_rows: int, quantization: str, speculative: bool) -> None:
+def check_int8_copy_kept(dense_min_rows: int, quantization: str) -> None:
     """``dense_copy_dtype`` int8 names the copy's dtype: refuse it where no copy is kept."""
     if dense_min_rows > 0:
         return
     if quantization != "gguf":
         reason = f"with quantization {quantization!r} there is no packed weight to copy"
-    elif speculative:
-        reason = "with speculative decoding auto keeps no copy; give --dense-min-rows explicitly"
     else:
-        reason = "no copy is kept (--dense-min-rows 0, or the copy does not fit half the memory budget)"
+        reason = "no copy is kept (--dense-min-rows 0, or unset: by default weights stay packed alone)"
     raise ValueError(f"dense_copy_dtype int8 applies to the dense copy of weights kept quantized: {reason}.")

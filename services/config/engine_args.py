@@ -22,7 +22,6 @@ from protocol import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
-from protocol.config import CPU_DEFAULT_BUDGET
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
 from services.config.dense_copy import (
@@ -174,45 +173,31 @@ class EngineArgs:
         return config
 
     def _dense_copy(self, quantization: str, device: str, hf_config: dict) -> tuple[int, bool]:
-        """The dense copy's row threshold, sized (under auto) in the dtype it would then run in,
-        and whether an int8 copy comes beside it."""
+        """The dense copy's row threshold (0: none, the default) and whether an int8 copy comes
+        beside it (services/config/dense_copy.py)."""
         choice = check_dense_copy_dtype(self.dense_copy_dtype)
+        asked = self.dense_min_rows
+        if asked is None and choice != "auto" and quantization == "gguf":
+            # A copy's dtype asked for alone asks for the copy, from that copy's first rows.
+            own = choice == "int8" and cpu_own_int8_gemm()
+            asked = own_int8_gemm_first_rows() if own else DEFAULT_DENSE_MIN_ROWS
+        dense_min_rows = resolve_dense_min_rows(asked, quantization)
+        if dense_min_rows == 0:
+            if choice == "int8":
+                check_int8_copy_kept(dense_min_rows, quantization)
+            return 0, False
         model_dtype = resolve_dtype(self.dtype, device, quantization, dense_copy=True)
-        speculative = self.speculative_config is not None
-        # auto: the int8 copy where it was measured to pay (services/config/dense_copy.py): beside
-        # a bf16 copy, and beside the fp32 copy that dtype auto picked (an fp32 asked for stays
-        # fp32 at every step: HF parity).
+        # auto: the int8 copy where it was measured to pay: beside a bf16 copy, and beside the
+        # fp32 copy that dtype auto picked (an fp32 asked for stays fp32 at every step: HF parity).
         int8 = choice == "int8" or (
             choice == "auto"
-            and quantization == "gguf"
             and self.tensor_parallel_size == 1
             and (
                 (model_dtype == "bfloat16" and cpu_int8_copy_pays())
                 or (model_dtype == "float32" and self.dtype == "auto" and cpu_own_int8_gemm())
             )
         )
-        budget = self.kv_cache_memory or CPU_DEFAULT_BUDGET  # kept quantized: CPU only
-
-        def rows(copy_bytes: int, default_rows: int = DEFAULT_DENSE_MIN_ROWS) -> int:
-            return resolve_dense_min_rows(
-                self.dense_min_rows,
-                quantization,
-                hf_config,
-                budget,
-                copy_bytes,
-                speculative=speculative,
-                default_rows=default_rows,
-            )
-
-        # The int8 copy comes beside the model dtype's: one more byte a weight.
-        first_rows = own_int8_gemm_first_rows() if int8 and cpu_own_int8_gemm() else DEFAULT_DENSE_MIN_ROWS
-        dense_min_rows = rows(_DTYPE_BYTES[model_dtype] + int8, first_rows)
-        if choice == "int8":
-            check_int8_copy_kept(dense_min_rows, quantization, speculative=speculative)
-        elif int8 and dense_min_rows == 0:
-            # auto: both copies do not fit (or none is kept): the model dtype's alone, if it fits.
-            int8, dense_min_rows = False, rows(_DTYPE_BYTES[model_dtype])
-        return dense_min_rows, int8 and dense_min_rows > 0
+        return dense_min_rows, int8
 
     def _max_model_len(self, hf_config: dict) -> int:
         limit = hf_config.get("max_position_embeddings") or 2048

@@ -2,18 +2,20 @@
 
 | GGUF   | block            | packed as                                  | bytes/param |
 |--------|------------------|--------------------------------------------|-------------|
-| Q8_0   | 32: d, 32 x int8 | int8, scale d per 32                       | 1.125       |
-| Q5_0   | 32: d, 5-bit q   | int8 q - 16, scale d per 32                | 1.125       |
+| Q8_0   | 32: d, 32 x int8 | int8, scale d (fp16) per 32                | 1.0625      |
+| Q5_0   | 32: d, 5-bit q   | int8 q - 16, scale d (fp16) per 32         | 1.0625      |
 | Q6_K   | 256: 16 x 16     | int8 q - 32, scale d * sc per 16           | 1.25        |
-| Q4_0   | 32: d, 4-bit q   | int4 q, scale d, min -8 d per 32           | 0.75        |
-| Q4_1   | 32: d, m, 4-bit q| int4 q, scale d, min m per 32              | 0.75        |
+| Q4_0   | 32: d, 4-bit q   | int4 q, scale d, min -8 d (fp16) per 32    | 0.625       |
+| Q4_1   | 32: d, m, 4-bit q| int4 q, scale d, min m (fp16) per 32       | 0.625       |
 | Q4_K   | 256: 8 x 32      | int4 q, scale d * sc, min -dmin * m per 32 | 0.75        |
 
-Scales and mins are fp32, so every product ``d * sc`` above is exact (a
-half times a small integer) and the packed weights rebuild the gguf
-package's dequantization bit for bit. The 4-bit layouts cost 0.125 B/param
-more than GGUF's own (fp16 scales), the price of that exactness for Q4_K.
-Other types (F16, BF16, Q5_1, Q5_K, ...) have no packed layout here and are
+The K formats keep fp32 scales and mins: every product ``d * sc`` is then
+exact (a half times a small integer). The 32-element formats keep their blocks' own fp16 ``d`` (and ``m``; Q4_0's
+min ``-8 d`` is exact in fp16 too), so they cost 0.0625 B/param for scales
+(and as much for mins) and hold no more than the file: Q4_1 and Q8_0 exactly
+the file's bytes, Q4_0 1.11x, Q5_0 (widened to int8) 1.55x. Either way the
+packed weights rebuild the gguf package's dequantization bit for bit. Other
+types (F16, BF16, Q5_1, Q5_K, ...) have no packed layout here and are
 dequantized at load.
 """
 
@@ -38,12 +40,14 @@ def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
     block_elems = _QK_K if type_name.endswith("_K") else _QK
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, in_features // block_elems, -1)
     qweight, scales, mins, group = _REPACKERS[type_name](blocks)
+    # fp16 where the format's scales are its blocks' own halves, fp32 where they are products.
+    dtype = scales.dtype if scales.dtype == np.float16 else np.float32
     return PackedWeight(
         qweight=torch.from_numpy(np.ascontiguousarray(qweight.reshape(rows, -1))),
-        scales=torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)),
+        scales=torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=dtype)),
         mins=None
         if mins is None
-        else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1), dtype=np.float32)),
+        else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1), dtype=dtype)),
         group_size=group,
         in_features=in_features,
         source_format=type_name,
@@ -52,7 +56,12 @@ def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
 
 def _half(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte ``start`` of each block, as fp32 ``[N, blocks]``."""
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return _halves(blocks, start).astype(np.float32)
+
+
+def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte ``start`` of each block, ``[N, blocks]`` fp16."""
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
 
 
 def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
@@ -61,7 +70,7 @@ def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(blocks):
-    return blocks[..., 2:].view(np.int8), _half(blocks, 0), None, 32
+    return blocks[..., 2:].view(np.int8), _halves(blocks, 0), None, 32
 
 
 def _q5_0(blocks):
@@ -69,16 +78,21 @@ def _q5_0(blocks):
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
     qs = blocks[..., 6:22]
     low = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [N, B, 32]
-    return (low | (high << 4)).astype(np.int8) - np.int8(16), _half(blocks, 0), None, 32
+    return (low | (high << 4)).astype(np.int8) - np.int8(16), _halves(blocks, 0), None, 32
 
 
 def _q4_0(blocks):
-    d = _half(blocks, 0)
-    return blocks[..., 2:18], d, -8 * d, 32
+    d = _halves(blocks, 0)
+    with np.errstate(over="ignore"):
+        mins = d * np.float16(-8)  # exact: a power of two times a half, unless it overflows
+    if not np.isfinite(mins).all() and np.isfinite(d).all():
+        d = d.astype(np.float32)
+        mins = d * np.float32(-8)
+    return blocks[..., 2:18], d, mins, 32
 
 
 def _q4_1(blocks):
-    return blocks[..., 4:20], _half(blocks, 0), _half(blocks, 2), 32
+    return blocks[..., 4:20], _halves(blocks, 0), _halves(blocks, 2), 32
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -101,6 +101,11 @@ class GGUFCheckpoint:
         return {t.name for t in self._reader.tensors}
 
     @property
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor in the file, as stored (quantized blocks included)."""
+        return sum(int(t.n_bytes) for t in self._reader.tensors)
+
+    @property
     def has_output_head(self) -> bool:
         """False when the file ties the output head to the token embedding."""
         return "output.weight" in self.tensor_names

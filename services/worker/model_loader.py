@@ -70,7 +70,34 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     if config.quantization == "gguf":
         finalize_quantized(model, config.dense_min_rows, dense_int8=config.dense_copy_dtype == "int8")
         logger.info("GGUF weights kept quantized: %s", quantized_report(model).describe())
+    logger.info("Resident weights: %s", weight_bytes(model).describe())
     return model.eval()
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """What a loaded model's weights hold in memory, by kind, each tensor counted once."""
+
+    packed: int  # GGUF weights kept in their packed layouts (a tied head shares its embedding's)
+    dense: int  # float parameters: norms, biases, unpacked layers, dense copies
+    int8_copies: int  # int8 copies beside dense ones (--dense-copy-dtype int8)
+
+    @property
+    def total(self) -> int:
+        return self.packed + self.dense + self.int8_copies
+
+    def describe(self) -> str:
+        parts = (("packed", self.packed), ("dense", self.dense), ("int8 copies", self.int8_copies))
+        kinds = ", ".join(f"{name} {size / 2**20:.1f}" for name, size in parts if size)
+        return f"{self.total / 2**20:.1f} MiB ({kinds or 'none'})"
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """The loader's accounting of resident weight bytes (``model.parameters()`` counts a shared
+    tensor once; ``quantized_report`` a shared packed weight once)."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = {id(m.int8): m.int8.nbytes for m in model.modules() if getattr(m, "int8", None) is not None}
+    return WeightBytes(quantized_report(model).total_bytes, dense, sum(copies.values()))
 
 
 class LazySlice:

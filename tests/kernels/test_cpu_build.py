@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.cpu_build import build_lock, stable_source
+from kernels.cpu_build import build_folder, build_lock, build_name, install_tag, stable_source, tag_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,8 +70,9 @@ def test_a_build_after_a_killed_one_does_not_wait_for_ever(tmp_path):
     source = tmp_path / "probe.cpp"
     source.write_text('extern "C" int weft_probe() { return 7; }\n')
     extensions = tmp_path / "extensions"
-    (extensions / "weft_probe_plain").mkdir(parents=True)
-    (extensions / "weft_probe_plain" / "lock").touch()
+    build = build_name("weft_probe", "plain")
+    (extensions / build).mkdir(parents=True)
+    (extensions / build / "lock").touch()
     code = (
         "from pathlib import Path; from kernels.cpu_build import build; "
         f"build('weft_probe', Path({str(source)!r}), 'the probe', isa=('plain', []))"
@@ -79,5 +80,30 @@ def test_a_build_after_a_killed_one_does_not_wait_for_ever(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert (extensions / "weft_probe_plain" / "weft_probe_plain.so").exists()
-    assert not (extensions / "weft_probe_plain" / "lock").exists()
+    assert (extensions / build / f"{build}.so").exists()
+    assert not (extensions / build / "lock").exists()
+
+
+def test_builds_are_named_for_the_torch_install():
+    """Another torch install (version, ABI, include folders, Python) builds in a folder of its own."""
+    name = build_name("weft_k", "avx2")
+    assert name == f"weft_k_avx2_{install_tag()}" and len(install_tag()) == 8
+    assert tag_of(["2.13.0", "1", "3.11", "/venv-a/include"]) != tag_of(
+        ["2.13.0", "1", "3.11", "/venv-b/include"]
+    )
+
+
+def test_without_torch_extensions_dir_the_lock_is_looked_for_where_torch_builds(
+    tmp_path, monkeypatch, caplog
+):
+    """torch puts its builds under the default root's py311_cpu folder; a stale lock there is found."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    folder = build_folder("weft_k_avx2")
+    assert str(folder) == cpp_extension._get_build_directory("weft_k_avx2", False)
+    (folder / "lock").touch()
+    with build_lock("weft_k_avx2"):
+        assert not (folder / "lock").exists()
+    assert "left by a process stopped while it built weft_k_avx2" in caplog.text

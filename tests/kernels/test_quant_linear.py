@@ -261,3 +261,38 @@ def test_integer_activation_kernels_refuse_bad_arguments(bits):
         kernel(torch.randn(2, 96), q, s, m, 32)
     with pytest.raises(RuntimeError, match=f"{name}: out must be fp32"):
         kernel(torch.randn(2, 64), q, s, m, 32, out=torch.empty(3, 8))
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+def test_a_rows_result_has_the_same_bits_whatever_rows_share_the_call(bits, isa, layout, group, k):
+    """Batch invariance: each (row, weight row) pair is summed in one order at every row count,
+    across the 4-row tiles, the batch-1 path and the blocks of rows a long call is cut into."""
+    q, s, m = random_packed(layout, 203, k, group)
+    x = torch.randn(700, k, generator=torch.Generator().manual_seed(5))  # several blocks of rows
+    kernel, _ = INT_KERNELS[bits]
+    whole = kernel(x, q, s, m, group, isa=isa)
+    for start, rows in ((0, 1), (3, 1), (5, 2), (9, 3), (0, 8), (17, 31), (100, 64), (0, 300), (650, 50)):
+        part = kernel(x[start : start + rows].contiguous(), q, s, m, group, isa=isa)
+        assert torch.equal(part, whole[start : start + rows]), (start, rows)
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+def test_fp16_scales_give_the_bits_of_their_fp32_values(bits, isa, layout, group, k):
+    """The 32-element GGUF formats keep their blocks' fp16 scales and mins: converted exactly,
+    they give the same outputs as the same values in fp32."""
+    q, s, m = random_packed(layout, 203, k, group)
+    s16, m16 = s.half(), None if m is None else m.half()
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(6))
+    kernel, _ = INT_KERNELS[bits]
+    expected = kernel(x, q, s16.float(), None if m16 is None else m16.float(), group, isa=isa)
+    assert torch.equal(kernel(x, q, s16, m16, group, isa=isa), expected)
+
+
+def test_fp32_activation_kernels_refuse_fp16_scales():
+    q, s, m = random_packed("int4", 8, 64, 32)
+    with pytest.raises(RuntimeError, match="fp32 scales expected"):
+        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s.half(), m.half(), 32)

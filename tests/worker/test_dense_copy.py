@@ -1,9 +1,9 @@
-"""Weights kept quantized with a dense copy for batched steps (``dense_min_rows``).
+"""Weights kept quantized with a dense copy for batched steps (``dense_min_rows``, opt-in).
 
-Steps of fewer rows than ``dense_min_rows`` run the packed kernels; from there
+By default no copy is kept: the packed weights run every step. Asked for,
+steps of fewer rows than ``dense_min_rows`` run the packed kernels; from there
 on each linear layer runs its dense copy (oneDNN's GEMM in the model's dtype),
-which holds exactly the dequantized weight. "auto" keeps a copy for small
-models only, and the choice is validated at config time.
+which holds exactly the dequantized weight. The choice is validated at config time.
 """
 
 from __future__ import annotations
@@ -46,30 +46,24 @@ def config_of(**kwargs):
     return EngineArgs(device="cpu", **kwargs).create_engine_config().model
 
 
-def test_auto_keeps_a_copy_for_the_default_model_only_when_kept_quantized():
-    assert config_of(dtype="float32").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
+def test_auto_keeps_no_copy_an_explicit_count_keeps_one():
+    """One copy of the weights and batch-invariant numerics by default, at every model size."""
+    assert config_of(dtype="float32").dense_min_rows == 0
+    assert config_of(dtype="auto").dense_min_rows == 0
     assert config_of(dtype="float32", dense_min_rows=0).dense_min_rows == 0
     assert config_of(dtype="float32", dense_min_rows=32).dense_min_rows == 32
     assert config_of(dtype="float32", quantization="none").dense_min_rows == 0  # dense already
-
-
-def test_auto_keeps_a_copy_only_in_half_the_memory_budget():
-    gib = 1 << 30
-    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * gib, 2) == 0  # 14 GB of bf16
-    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 32 * gib, 2) == DEFAULT_DENSE_MIN_ROWS
-    assert resolve_dense_min_rows(16, "gguf", LLAMA_8B, 2 * gib, 2) == 16  # asked for: kept
-    params = linear_param_count(LLAMA_8B)
-    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4, 4) == DEFAULT_DENSE_MIN_ROWS
-    assert resolve_dense_min_rows(None, "gguf", LLAMA_8B, 2 * params * 4 - 1, 4) == 0
-    # The default model's fp32 copy (0.54 GB) fits half of the default 2 GiB, but not of 1 GiB.
-    assert config_of(dtype="float32", kv_cache_memory=gib).dense_min_rows == 0
-
-
-def test_auto_keeps_no_copy_under_speculative_decoding():
-    """Verify steps (K + 1 rows a request) and plain decode steps must run the same kernels."""
+    assert resolve_dense_min_rows(None, "gguf") == 0
+    assert resolve_dense_min_rows(16, "gguf") == 16  # asked for: kept
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
     assert config_of(dtype="float32", speculative_config=spec).dense_min_rows == 0
     assert config_of(dtype="float32", speculative_config=spec, dense_min_rows=8).dense_min_rows == 8
+
+
+def test_a_copy_dtype_asked_for_alone_asks_for_the_copy():
+    assert config_of(dtype="float32", dense_copy_dtype="model").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
+    int8 = config_of(dtype="float32", dense_copy_dtype="int8")
+    assert int8.dense_copy_dtype == "int8" and int8.dense_min_rows >= 1
 
 
 def test_bad_values_are_refused_clearly():
@@ -150,14 +144,9 @@ def test_a_bf16_model_keeps_a_bf16_copy():
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 
-def test_an_int8_copy_comes_beside_the_model_dtype_copy_at_one_more_byte_a_weight():
+def test_an_int8_copy_comes_beside_the_model_dtype_copy_when_asked_for():
     assert config_of(dtype="float32").dense_copy_dtype == "model"
     assert config_of(dtype="float32", dense_copy_dtype="int8").dense_copy_dtype == "int8"
-    # 0.7 GB: half of it holds the default model's bf16 copy (0.27 GB), not bf16 + int8 (0.40 GB).
-    budget = 700_000_000
-    assert config_of(dtype="bfloat16", kv_cache_memory=budget).dense_min_rows == DEFAULT_DENSE_MIN_ROWS
-    with pytest.raises(ValueError, match="no copy is kept"):
-        config_of(dtype="bfloat16", kv_cache_memory=budget, dense_copy_dtype="int8")
     assert config_of(dtype="float32", speculative_config=SPEC, dense_min_rows=8, dense_copy_dtype="int8")
 
 
@@ -169,7 +158,7 @@ def int8_pays(monkeypatch):
     monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
 
 
-def test_where_wefts_own_int8_gemm_runs_auto_starts_the_copies_at_two_rows(monkeypatch):
+def test_where_wefts_own_int8_gemm_runs_the_int8_copy_starts_at_two_rows(monkeypatch):
     """AMX int8 tiles or AVX-512 VNNI (flags fed in, not this machine's)."""
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: True)
     monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: True)
@@ -177,49 +166,48 @@ def test_where_wefts_own_int8_gemm_runs_auto_starts_the_copies_at_two_rows(monke
     monkeypatch.setattr(
         engine_args, "own_int8_gemm_first_rows", lambda flags=None: first_rows({"avx512_vnni"})
     )
-    both = config_of(dtype="bfloat16")
+    assert config_of(dtype="bfloat16").dense_min_rows == 0  # nothing asked for: no copy
+    both = config_of(dtype="bfloat16", dense_copy_dtype="int8")
     assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", OWN_INT8_GEMM_DENSE_MIN_ROWS)
     # The bf16 copy alone starts where it beat the packed kernels; an explicit count is kept.
     assert config_of(dtype="bfloat16", dense_copy_dtype="model").dense_min_rows == DEFAULT_DENSE_MIN_ROWS
-    assert config_of(dtype="bfloat16", dense_min_rows=16).dense_min_rows == 16
-    alone = config_of(dtype="bfloat16", kv_cache_memory=700_000_000)
-    assert (alone.dense_copy_dtype, alone.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
+    sixteen = config_of(dtype="bfloat16", dense_min_rows=16)
+    assert (sixteen.dense_copy_dtype, sixteen.dense_min_rows) == ("int8", 16)
 
 
-def test_the_fp32_that_dtype_auto_picks_keeps_an_int8_copy_where_wefts_own_gemm_runs(monkeypatch):
-    """A CPU without bf16 math (AVX2 alone; flags fed in, not this machine's): dtype auto is fp32,
-    and with weft's own int8 GEMM the int8 copy comes beside the fp32 one at every step; an fp32
-    asked for stays fp32 at every step (the HF parity tests), as does auto without the GEMM."""
+def test_the_fp32_that_dtype_auto_picks_adds_an_int8_copy_where_wefts_own_gemm_runs(monkeypatch):
+    """A CPU without bf16 math (AVX2 alone; flags fed in, not this machine's): with a copy asked
+    for and dtype auto (fp32), weft's own int8 GEMM brings the int8 copy beside the fp32 one; an
+    fp32 asked for stays fp32 at every step (the HF parity tests), as does auto without the GEMM."""
     monkeypatch.setattr(engine_args, "cpu_has_fast_bf16", lambda flags=None: False)
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
     monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: True)
     first_rows = engine_args.own_int8_gemm_first_rows
     monkeypatch.setattr(engine_args, "own_int8_gemm_first_rows", lambda flags=None: first_rows({"avx2"}))
-    auto = config_of(dtype="auto")
+    assert config_of(dtype="auto").dense_min_rows == 0
+    auto = config_of(dtype="auto", dense_copy_dtype="int8")
     assert (auto.dtype, auto.dense_copy_dtype, auto.dense_min_rows) == (
         "float32",
         "int8",
         AVX2_INT8_DENSE_MIN_ROWS,
     )
-    asked = config_of(dtype="float32")
-    assert (asked.dense_copy_dtype, asked.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
+    assert config_of(dtype="auto", dense_min_rows=4).dense_copy_dtype == "int8"
+    asked = config_of(dtype="float32", dense_min_rows=4)
+    assert (asked.dense_copy_dtype, asked.dense_min_rows) == ("model", 4)
     assert config_of(dtype="auto", dense_copy_dtype="model").dense_copy_dtype == "model"
-    assert config_of(dtype="auto", tensor_parallel_size=3).dense_copy_dtype == "model"
+    assert config_of(dtype="auto", dense_min_rows=4, tensor_parallel_size=3).dense_copy_dtype == "model"
     monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
-    assert config_of(dtype="auto").dense_copy_dtype == "model"
+    assert config_of(dtype="auto", dense_min_rows=4).dense_copy_dtype == "model"
 
 
 def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
-    both = config_of(dtype="bfloat16")
-    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", DEFAULT_DENSE_MIN_ROWS)
+    both = config_of(dtype="bfloat16", dense_min_rows=8)
+    assert (both.dense_copy_dtype, both.dense_min_rows) == ("int8", 8)
     assert config_of(dtype="bfloat16", dense_copy_dtype="model").dense_copy_dtype == "model"
     # fp32 stays exact (HF parity); several workers would round their shards' rows differently.
-    assert config_of(dtype="float32").dense_copy_dtype == "model"
-    assert config_of(dtype="bfloat16", tensor_parallel_size=3).dense_copy_dtype == "model"
-    # Both copies do not fit half of 0.7 GB: the bf16 copy alone does, and stays.
-    alone = config_of(dtype="bfloat16", kv_cache_memory=700_000_000)
-    assert (alone.dense_copy_dtype, alone.dense_min_rows) == ("model", DEFAULT_DENSE_MIN_ROWS)
-    # No copy kept (speculative decoding under auto, or none asked for): no int8 copy, no refusal.
+    assert config_of(dtype="float32", dense_min_rows=8).dense_copy_dtype == "model"
+    assert config_of(dtype="bfloat16", dense_min_rows=8, tensor_parallel_size=3).dense_copy_dtype == "model"
+    # No copy kept (none asked for): no int8 copy, no refusal.
     assert config_of(dtype="bfloat16", speculative_config=SPEC).dense_copy_dtype == "model"
     assert config_of(dtype="bfloat16", dense_min_rows=0).dense_copy_dtype == "model"
 
@@ -227,7 +215,7 @@ def test_auto_adds_the_int8_copy_beside_a_bf16_one_where_it_pays(int8_pays):
 def test_auto_keeps_the_model_dtype_copy_alone_where_int8_does_not_pay(monkeypatch):
     monkeypatch.setattr(engine_args, "cpu_int8_copy_pays", lambda flags=None: False)
     monkeypatch.setattr(engine_args, "cpu_own_int8_gemm", lambda flags=None: False)
-    assert config_of(dtype="bfloat16").dense_copy_dtype == "model"
+    assert config_of(dtype="bfloat16", dense_min_rows=8).dense_copy_dtype == "model"
     assert config_of(dtype="bfloat16", dense_copy_dtype="int8").dense_copy_dtype == "int8"  # asked for
 
 
@@ -237,7 +225,6 @@ def test_auto_keeps_the_model_dtype_copy_alone_where_int8_does_not_pay(monkeypat
         (dict(dense_copy_dtype="fp8"), "dense_copy_dtype must be one of auto, model, int8"),
         (dict(dense_copy_dtype="int8", quantization="none"), "no packed weight to copy"),
         (dict(dense_copy_dtype="int8", dense_min_rows=0), "no copy is kept"),
-        (dict(dense_copy_dtype="int8", speculative_config=SPEC), "give --dense-min-rows explicitly"),
     ],
 )
 def test_an_int8_copy_where_none_is_kept_is_refused(kwargs, message):

@@ -95,9 +95,12 @@ def test_quantized_layer_matches_the_dequantized_reference(fmt, rows):
 
 
 def test_many_rows_go_through_chunks_of_dequantized_rows(monkeypatch):
-    """From GEMM_MIN_ROWS rows on, chunks of W are dequantized into one buffer for a float GEMM."""
+    """fp32 activations (opt-in): from GEMM_MIN_ROWS rows on, chunks of W are dequantized into one
+    buffer for a float GEMM."""
     from services.worker.layers import quantized_linear
 
+    monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "fp32")
+    monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
     monkeypatch.setattr(quantized_linear, "_CHUNK_BYTES", 4 * 512 * 10)  # 10 rows a chunk: 10 chunks
     data = gguf_blocks("Q4_K", 96, 512, seed=6)
     layer = ColumnParallelLinear(512, even_slices([96], TensorParallelGroup(), ["out"]), False, torch.float32)
@@ -237,11 +240,10 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(monkeypatch, fmt):
-    """WEFT_QUANT_ACTIVATIONS: decode-sized inputs run the int16 or int8 kernel (their twin's
-    numbers; unset means int16) or fp32; from INT_ACTIVATION_MAX_ROWS rows on the fp32 kernels run on x
-    rounded alike, so a row's result does not depend on the rows beside it."""
-    from kernels.reference import quant_linear_i8_ref, round_activations_ref
+def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fmt):
+    """WEFT_QUANT_ACTIVATIONS: the int16 or int8 kernel (their twin's numbers; unset means int16)
+    at every row count, so a row's result has the same bits whatever rows share its step; or fp32."""
+    from kernels.reference import quant_linear_i8_ref
     from services.worker.layers import quantized_linear
 
     data = gguf_blocks(fmt, 96, 512, seed=8)
@@ -249,7 +251,7 @@ def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(mon
     layer.load_weight("weight", repack(fmt, data, 512), 0)
     finalize_quantized(layer)
     (part,) = layer.quant.parts
-    few, many = torch.randn(7, 512), torch.randn(quantized_linear.INT_ACTIVATION_MAX_ROWS, 512)
+    few, many = torch.randn(7, 512), torch.randn(300, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
     dense = reference(fmt, data)
     for activations, dtype in (
@@ -265,9 +267,9 @@ def test_activations_setting_picks_the_decode_kernel_under_the_row_threshold(mon
             close_to(layer(many), F.linear(many, dense))
             continue
         close_to(layer(few), quant_linear_i8_ref(few, *packed, dtype))
-        close_to(layer(many), F.linear(round_activations_ref(many, part.group_size, dtype), dense))
-        # The few rows inside a batch of many give what they gave alone.
-        close_to(layer(torch.cat((few, many)))[: len(few)], layer(few))
+        close_to(layer(many), quant_linear_i8_ref(many, *packed, dtype))
+        # The few rows inside a batch of many give the same bits as alone.
+        assert torch.equal(layer(torch.cat((few, many)))[: len(few)], layer(few))
 
 
 def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):

@@ -1,9 +1,10 @@
 """Weights kept packed in 8 or 4 bits, and the linear layers and embeddings over them.
 
 A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the two
-layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with an fp32 scale per
-group of 16 or 32 columns, or int4 (two per byte) with an fp32 scale and min
-per group of 32. ``services.worker.gguf_repack`` makes them from GGUF blocks.
+layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
+group of 16 or 32 columns, or int4 (two per byte) with a scale and min per
+group of 32; scales and mins in fp16 where they are the GGUF blocks' own,
+fp32 where they are products (the K formats). ``services.worker.gguf_repack`` makes them from GGUF blocks.
 
 It looks like a checkpoint tensor to the layers (``shape`` and ``narrow``),
 so tensor parallelism slices it as it slices a dense one: output rows freely,
@@ -16,18 +17,18 @@ Numerics: the weights the kernel rebuilds equal the gguf package's
 dequantization exactly. Activations (``WEFT_QUANT_ACTIVATIONS``): by default
 (``int16``) x is rounded per weight group to int16 (an error of at most
 amax / 65534 per element: about 2e-5 of a layer's largest output, far under
-bf16's rounding); under ``INT_ACTIVATION_MAX_ROWS`` rows (decode) each group
-is then an integer dot product, from there on (prefill, batched decode) the
-fp32 kernels run on the rounded x, so a row's result does not depend on the
-batch it is in beyond the order of fp32 sums. It keeps the default model's
-greedy tokens (tests/worker/test_quantized_model.py, tests/test_llm.py) and
-speculative decoding token-identical to plain decoding; their logprobs differ
-by about 1.3e-3 (fp32: 1e-5: attention in a verify step and in a decode step
-differs by ~1e-6, which rounding turns into whole steps near rounding
-boundaries). ``fp32`` keeps x as is (a layer then differs from ``F.linear``
-over the dequantized weight only in the order of its sums); ``int8`` (as
-llama.cpp, fastest) leaves the greedy tokens at top-2 gaps the parity test
-does not allow, so it is opt-in.
+bf16's rounding), and each group is an integer dot product times the two
+scales, at every row count. One kernel at every row count, whose sums for
+one (row, weight row) pair run in one fixed order whatever the other rows
+are, makes the layer **batch invariant**: a row's output has the same bits
+alone, beside 63 other requests, in a prefill chunk or in a speculative
+verify step. So greedy outputs do not depend on what shares a step, and
+n-gram speculation is token-identical to plain decoding
+(tests/test_batch_invariance.py). ``int8`` (as llama.cpp: fastest) is
+invariant too, but leaves the default model's greedy tokens at top-2 gaps
+the parity test does not allow, so it is opt-in. ``fp32`` keeps x as is (the
+fp32 kernels, and a float GEMM from ``GEMM_MIN_ROWS`` rows: a row's result
+then depends on the batch in the order of its fp32 sums); opt-in.
 Without a compiler the torch twin of the fp32 path runs at every size.
 """
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import dequantize_packed_ref, quant_linear_ref, round_activations_ref
+from kernels.reference import dequantize_packed_ref, quant_linear_ref
 from services import env
 from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
 from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
@@ -52,7 +53,7 @@ class PackedWeight:
     """``[N, K]`` packed: int8 ``qweight [N, K]`` (``mins`` None) or int4 ``qweight [N, K / 2]`` uint8."""
 
     qweight: torch.Tensor
-    scales: torch.Tensor  # [N, K / group_size] fp32
+    scales: torch.Tensor  # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own
     mins: torch.Tensor | None  # like scales (int4 only)
     group_size: int
     in_features: int
@@ -105,6 +106,13 @@ class PackedWeight:
     def contiguous(self) -> PackedWeight:
         return self._map_rows(lambda t: t.contiguous())
 
+    def with_fp32_scales(self) -> PackedWeight:
+        """This weight with fp32 scales and mins (the same values: fp16 converts exactly)."""
+        if self.scales.dtype == torch.float32:
+            return self
+        mins = None if self.mins is None else self.mins.float()
+        return replace(self, scales=self.scales.float(), mins=mins)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (the torch twin)."""
         return dequantize_packed_ref(self.qweight, self.scales, self.mins, self.group_size)
@@ -126,8 +134,8 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     )
 
 
-# From this many rows of x on (long prefill chunks), a packed weight is dequantized a
-# chunk of rows at a time into one reused fp32 buffer and multiplied by oneDNN's GEMM,
+# With fp32 activations (opt-in), from this many rows of x on (long prefill chunks), a packed
+# weight is dequantized a chunk of rows at a time into one reused fp32 buffer and multiplied by oneDNN's GEMM,
 # whose register blocking then beats the kernel's. Below it the kernel runs in one
 # parallel region per layer where the GEMM path needs two per chunk, which costs
 # dearly when the cores are shared. Measured on all the default model's layers, two
@@ -135,10 +143,6 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
 # the GEMM path by 1.57x at 2048 rows.
 GEMM_MIN_ROWS = 1024
 _CHUNK_BYTES = 8 << 20  # of fp32 weight rows per GEMM chunk
-# Under this many rows of x the matmul reads the weights once and is bound by the
-# bytes it reads and the instructions per weight: integer activations make it a few
-# integer dots per 32 weights. From here on the fp32 kernels, on x rounded alike.
-INT_ACTIVATION_MAX_ROWS = 32
 ACTIVATIONS = ("int16", "int8", "fp32")
 
 
@@ -185,18 +189,15 @@ class _Kernel:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
             return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
-        if self._decode_op is not None and x.shape[0] < INT_ACTIVATION_MAX_ROWS:
-            # The op straight, without the wrapper's look-ups: at one row they cost a tenth of the call.
+        if self._decode_op is not None:
+            # Integer activations at every row count (batch invariance: the module's notes). The op
+            # straight, without the wrapper's look-ups: at one row they cost a tenth of the call.
             out = torch.empty(x.shape[0], w.qweight.shape[0])
             self._decode_op(x, w.qweight, w.scales, w.mins, w.group_size, out)
             return out
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear
 
-        if self.activations != "fp32":
-            # The same rounding of x before the fp32 kernels, so a row's result does not
-            # depend on how many rows share its step (speculative verify, chunked prefill).
-            dtype = torch.int8 if self.activations == "int8" else torch.int16
-            x = round_activations_ref(x, w.group_size, dtype)
+        w = w.with_fp32_scales()  # the fp32 kernels dequantize with fp32 scales
         if x.shape[0] < GEMM_MIN_ROWS:
             return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
         n, k = w.shape
@@ -219,7 +220,7 @@ _KERNEL = _Kernel()
 
 def choose_kernel(isa: str | None, activations: str) -> None:
     """Run this process's quantized layers on build ``isa`` (None: the default) with
-    ``activations`` (int16, int8 or fp32) under ``INT_ACTIVATION_MAX_ROWS`` rows."""
+    ``activations`` (int16, int8 or fp32)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
     _KERNEL.isa, _KERNEL.activations, _KERNEL._compiled = isa, activations, None
