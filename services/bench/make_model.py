@@ -224,7 +224,9 @@ def write_model(
     writer.add_float32(f"{arch}.rope.freq_base", shape.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", shape.rms_eps)
     for key, value, vtype, sub_type in fields:
-        writer.add_key_value(key, value, GGUFValueType(vtype), None if sub_type is None else GGUFValueType(sub_type))
+        writer.add_key_value(
+            key, value, GGUFValueType(vtype), None if sub_type is None else GGUFValueType(sub_type)
+        )
     for spec in plan:
         raw = qtype if spec.kind == "matrix" else None
         writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), _tensor_bytes(spec, qtype), raw)
@@ -239,7 +241,9 @@ def write_model(
                 data = np.ascontiguousarray(next(_values(spec, seed)), dtype=np.float32)
             writer.write_tensor_data(data)
             if spec.name.endswith("ffn_down.weight"):
-                log(f"make-model: layer {spec.name.split('.')[1]} of {layers} written ({i + 1}/{len(plan)} tensors)")
+                log(
+                    f"make-model: layer {spec.name.split('.')[1]} of {layers} written ({i + 1}/{len(plan)} tensors)"
+                )
         writer.close()
         partial.rename(out)
     finally:
@@ -279,7 +283,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="The GGUF file to write.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random weights (default 0).")
     parser.add_argument(
-        "--num-layers", type=int, default=None, help="Fewer (or more) layers than the shape's (default: its own)."
+        "--num-layers",
+        type=int,
+        default=None,
+        help="Fewer (or more) layers than the shape's (default: its own).",
     )
     parser.add_argument("--force", action="store_true", help="Overwrite --out if it exists.")
 
