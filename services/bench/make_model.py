@@ -26,6 +26,7 @@ not written here (the ``gguf`` package does not quantize them); the Gemma 3
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from collections.abc import Iterator
@@ -123,6 +124,7 @@ def parameter_count(plan: list[TensorSpec]) -> int:
     return sum(int(np.prod(t.shape)) for t in plan)
 
 
+@functools.cache  # the stock reader walks all 98k strings of SmolLM2's vocabulary and merges: once
 def tokenizer_fields(gguf_path: Path) -> tuple[list[tuple[str, object, object, object]], int]:
     """Every ``tokenizer.*`` field of a GGUF file as (key, value, type, element type), and its vocab size."""
     from gguf import GGUFReader, GGUFValueType
@@ -146,7 +148,8 @@ def _generator(seed: int, name: str):
     depend on which tensors come before it (--num-layers changes nothing else)."""
     import torch
 
-    return torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    # torch's CPU generator keeps 32 bits of a seed: hash both into those.
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
 
 
 def _values(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:

@@ -713,6 +713,11 @@ def _options(args, parser) -> dict[str, Any]:
     return options | {"systems": list(dict.fromkeys(names))}
 
 
+def default_max_model_len(hf_config: dict[str, Any]) -> int:
+    """The model's context, at most ``MAX_MODEL_LEN``."""
+    return min(hf_config.get("max_position_embeddings") or MAX_MODEL_LEN, MAX_MODEL_LEN)
+
+
 def _longest(workload: Workload) -> int:
     """Positions the longest request needs (llama.cpp splits its context evenly over its slots)."""
     return max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests) + 16
@@ -732,9 +737,7 @@ def run(args, parser) -> int:
     gguf = files.weights
     if not files.is_gguf and set(options["systems"]) - {"weft"}:
         parser.error(f"--model {gguf} is not a GGUF file: llama.cpp and vLLM's checkpoint are made from one.")
-    max_model_len = options["max_model_len"] or min(
-        files.hf_config().get("max_position_embeddings") or MAX_MODEL_LEN, MAX_MODEL_LEN
-    )
+    max_model_len = options["max_model_len"] or default_max_model_len(files.hf_config())
     args.output_dir.mkdir(parents=True, exist_ok=True)
     workload_file = args.output_dir / "workload.json"
     workload_file.write_bytes(msgspec.json.encode(workload))
