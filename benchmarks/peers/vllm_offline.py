@@ -22,7 +22,13 @@ def run(args: argparse.Namespace) -> dict:
 
     with open(args.workload) as f:
         requests = json.load(f)["requests"]
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in requests]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
@@ -46,6 +52,9 @@ def main() -> None:
     parser.add_argument("--workload", required=True, help="A weft workload JSON file.")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="Context to run with (default: the model's)."
+    )
     parser.add_argument("--output-json", required=True)
     args = parser.parse_args()
     result = run(args)

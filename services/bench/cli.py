@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bench import executor_overhead, gpu, make_workload, pd, peers, serve_cli, throughput
+from services.bench import executor_overhead, gpu, make_model, make_workload, pd, peers, serve_cli, throughput
 from services.bench import profile as profile_bench
 from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.throughput import BenchResult, warn_if_short
@@ -325,6 +325,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="Rebuild a generated workload file (pd-mixed, repetitive-8) in benchmarks/workloads.",
         add_arguments=make_workload.add_arguments,
         run=make_workload.run,
+    ),
+    "make-model": Subcommand(
+        help="Write a GGUF with random weights in the shape of a real model (Llama 3.x, Qwen2.5, Qwen3) "
+        "and the default model's tokenizer, for weft, llama.cpp and transformers alike.",
+        add_arguments=make_model.add_arguments,
+        run=make_model.run,
     ),
 }
 

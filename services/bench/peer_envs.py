@@ -89,24 +89,67 @@ def _imports(python: Path, package: str) -> bool:
     return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
-def hf_checkpoint(gguf: Path, dtype: str = "float32") -> Path:
-    """An HF checkpoint (weights, config, tokenizer) written from ``gguf`` by
-    transformers, under ``.peers/checkpoints/``; reused once written."""
+def hf_checkpoint(gguf: Path, dtype: str = "float32", shard_bytes: int = 2 * 2**30, log=print) -> Path:
+    """An HF checkpoint (safetensors weights, config, tokenizer) written from ``gguf`` under
+    ``.peers/checkpoints/``; reused once written.
+
+    The config and tokenizer are the folder ``services.model_files`` extracts from the GGUF; the
+    weights come from weft's own GGUF reader (the gguf package's dequantization, Llama's Q/K rows
+    in Hugging Face's order) one tensor at a time, cast to ``dtype`` and written in shards of about
+    ``shard_bytes``: memory stays about one shard, whatever the model's size."""
     out = PEERS_DIR / "checkpoints" / f"{gguf.stem}-{dtype}"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import json
+    import shutil
 
+    import torch
+    from safetensors.torch import save_file
+
+    from services.model_files import resolve
+    from services.worker.gguf_weights import GGUFCheckpoint
+    from services.worker.models.registry import architecture_of
+
+    log(f"peers: writing a {dtype} HF checkpoint of {gguf} to {out}")
+    files = resolve(str(gguf))
+    checkpoint = GGUFCheckpoint(gguf)
+    config = files.hf_config()
+    config["architectures"] = [architecture_of(config, checkpoint.architecture)]
+    config["tie_word_embeddings"] = not checkpoint.has_output_head
+    config["torch_dtype"] = config["dtype"] = dtype  # transformers 4's key and 5's
+    heads = config["num_attention_heads"]
     tmp = out.with_name(out.name + ".tmp")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
-    )
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its
-    # weights are already dequantized to ``dtype``, so drop the mark and save them plain.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(files.hf_dir, tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+
+    def flush() -> None:
+        save_file(shards[-1], str(tmp / f"shard-{len(shards)}.safetensors"), metadata={"format": "pt"})
+        shards[-1] = {name: None for name in shards[-1]}  # keep the names, let the tensors go
+        shards.append({})
+
+    for name, tensor in checkpoint.iter_weights(heads, config.get("num_key_value_heads") or heads):
+        tensor = tensor.to(getattr(torch, dtype)).contiguous()
+        if size and size + tensor.nbytes > shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+        total += tensor.nbytes
+    flush()
+    shards.pop()  # the empty one after the last flush
+    count = len(shards)
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        final = "model.safetensors" if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
+        (tmp / f"shard-{i}.safetensors").rename(tmp / final)
+        weight_map |= dict.fromkeys(names, final)
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a half-written checkpoint is never taken for a whole one
     return out

@@ -126,6 +126,8 @@ class PeerServer:
     def __init__(self, system: System, port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log_path.open("w")
+        self.startup_s: float | None = None  # process start to /health answering 200
+        self._started = time.monotonic()
         self.proc = subprocess.Popen(
             system.serve_argv(port),
             env=child_env(system),
@@ -145,11 +147,16 @@ class PeerServer:
                 )
             try:  # llama.cpp answers 503 while it loads the model
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - self._started
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)  # another process's start-up has no event to wait on
         raise RuntimeError(f"server not healthy within {deadline_s:.0f}s (log: {self.log.name}).")
+
+    def resident_bytes(self) -> int:
+        """What the server holds in memory now: the RSS of its process and all its descendants."""
+        return process_tree_rss(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -166,6 +173,41 @@ class PeerServer:
         self.log.close()
 
 
+def _parent_pids(proc: Path) -> dict[int, int]:
+    """pid -> parent pid of every process ``proc`` (a /proc) lists."""
+    parents = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it exited while we looked
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+        parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    return parents
+
+
+def process_tree_rss(pid: int, proc: Path = Path("/proc")) -> int:
+    """Bytes resident in process ``pid`` and all its descendants (the sum of their VmRSS; pages
+    two of them share count twice). A process that exits while it is read counts for nothing."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parent_pids(proc).items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            status = (proc / str(current) / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):  # "VmRSS:     1234 kB"; kernel threads have none
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def stream_workload(workload: Workload, concurrency: int, stream_requests: int) -> Workload:
     """At concurrency c, the first max(c, stream_requests) requests: one full wave,
     and a few requests (not the whole workload one by one) for a single stream."""
@@ -180,8 +222,10 @@ def run_served(
     port: int,
     log_dir: Path,
     deadline_s: float = _STARTUP_DEADLINE_S,
-) -> dict[str, Any]:
-    """Start the server, warm it up with one short request, stream the workload at each concurrency."""
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Start the server, warm it up with one short request, stream the workload at each concurrency.
+    Returns the figures per concurrency, and the server's start-up time and resident memory (the
+    process tree's RSS after the last concurrency)."""
     server = PeerServer(system, port, log_dir / f"{system.name}-serve-{port}.log")
     runs = {}
     try:
@@ -203,9 +247,10 @@ def run_served(
                     f"{report['failed']} requests failed at concurrency {c}: {report['errors']}"
                 )
             runs[str(c)] = _served_figures(report)
+        server_figures = {"startup_s": server.startup_s, "rss_bytes": server.resident_bytes()}
     finally:
         server.stop()
-    return runs
+    return runs, server_figures
 
 
 def _served_figures(report: dict[str, Any]) -> dict[str, float]:
@@ -241,6 +286,18 @@ def aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, flo
     }
 
 
+def server_summary(trials: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per system: the median over its served rounds of start-up time and resident memory."""
+    samples: dict[str, list[dict[str, float]]] = {}
+    for trial in trials:
+        if "server" in trial:
+            samples.setdefault(trial["system"], []).append(trial["server"])
+    return {
+        system: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for system, runs in samples.items()
+    }
+
+
 def ratios(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """weft's output tok/s over each peer's, row by row, where both ran."""
     weft = summary.get("weft", {})
@@ -268,6 +325,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"workload {report['workload']}: {report['num_requests']} requests, "
             f"{report['rounds']} round(s) interleaved; medians over rounds; load before: {report['load']}"
         ),
+        *(
+            [f"model {report['model']}, max model len {report['max_model_len']}"]
+            if report.get("model")
+            else []
+        ),
         *([f"weft engine flags: {' '.join(report['weft_args'])}"] if report.get("weft_args") else []),
         (
             f"{'system':<10}{'run':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -292,6 +354,12 @@ def format_table(report: dict[str, Any]) -> str:
             r = ratio.get(system, {}).get(row)
             lines.append(
                 f"{system:<10}{row:<14}{f['output_tokens_per_s']:>10.1f}{cells}{f'{r:.2f}x' if r else '':>11}"
+            )
+        server = report.get("servers", {}).get(system)
+        if server:
+            lines.append(
+                f"{system:<10}{'server':<14}start-up {server['startup_s']:.1f} s (to /health 200), "
+                f"resident {server['rss_bytes'] / 2**30:.2f} GiB (RSS of its process tree at the end)"
             )
     return "\n".join(lines)
 
@@ -358,7 +426,7 @@ def run_peers(
             if trial.mode == "offline":
                 record["result"] = run_offline(by_name[trial.system], workload_file, offline_timeout_s)
             else:
-                record["result"] = run_served(
+                record["result"], record["server"] = run_served(
                     by_name[trial.system], workload, concurrencies, stream_requests, port, out_dir
                 )
         except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as e:
@@ -377,6 +445,7 @@ def run_peers(
         "systems": [s.name for s in systems],
         "trials": done,
         "summary": summary,
+        "servers": server_summary(done),
         "ratios": ratios(summary),
         "errors": errors,
     }
@@ -405,9 +474,13 @@ NO_PROMPT_CACHE = {
 }
 
 
-def weft_system(model: str | None, dtype: str, extra_args: tuple[str, ...] = ()) -> System:
-    """``extra_args``: more engine flags for both of weft's runs (``--weft-args``)."""
+def weft_system(
+    model: str | None, dtype: str, extra_args: tuple[str, ...] = (), max_model_len: int | None = None
+) -> System:
+    """``extra_args``: more engine flags for both of weft's runs (``--weft-args``, after the others:
+    they win)."""
     model_args = ["--model", model] if model else []
+    model_args += ["--max-model-len", str(max_model_len)] if max_model_len else []
     model_args += list(extra_args)
 
     def offline(workload_file: Path, out: Path) -> list[str]:
@@ -453,18 +526,31 @@ def _bound_threads_env() -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "OMP_NUM_THREADS": str(cores)}
 
 
-def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
+def checkpoint_dtype(dtype: str, flags: set[str] | None = None) -> str:
+    """The dtype of the HF checkpoint vLLM reads: bf16 where the run is bf16 (asked for, or auto on
+    a CPU with bf16 in hardware), fp32 otherwise (the GGUF dequantized exactly)."""
+    from services.config.engine_args import cpu_has_fast_bf16
+
+    if dtype == "bfloat16" or (dtype == "auto" and cpu_has_fast_bf16(flags)):
+        return "bfloat16"
+    return "float32"
+
+
+def vllm_system(
+    gguf: Path, dtype: str, kv_cache_gib: int, log=print, max_model_len: int | None = None
+) -> System:
     from services.bench import peer_envs
 
     env = peer_envs.ENVS["vllm"]
     try:
         python = peer_envs.ensure(env, log)
-        checkpoint = peer_envs.hf_checkpoint(gguf)
+        checkpoint = peer_envs.hf_checkpoint(gguf, checkpoint_dtype(dtype), log=log)
     except (RuntimeError, OSError, ValueError) as e:
         return System("vllm", setup_error=f"setup: {e}")
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "vllm_offline.py"
     # vLLM's CPU backend sizes its KV cache from this (GiB) instead of probing memory.
     variables = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} | _bound_threads_env()
+    length_args = ["--max-model-len", str(max_model_len)] if max_model_len else []
 
     def offline(workload_file: Path, out: Path) -> list[str]:
         return [
@@ -478,6 +564,7 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
             dtype,
             "--output-json",
             str(out),
+            *length_args,
         ]
 
     def serve(port: int) -> list[str]:
@@ -499,6 +586,7 @@ def vllm_system(gguf: Path, dtype: str, kv_cache_gib: int, log=print) -> System:
             "--served-model-name",
             "vllm",
             *NO_PROMPT_CACHE["vllm"],
+            *length_args,
         ]
 
     return System("vllm", offline, serve, served_model="vllm", env=variables)
@@ -535,6 +623,7 @@ def llamacpp_system(gguf: Path, parallel: int, ctx_per_slot: int, log=print) -> 
 
 
 SYSTEMS = ("weft", "vllm", "llamacpp")
+MAX_MODEL_LEN = 8192  # the default model's context
 QUICK = {"num_prompts": 16, "max_tokens": 32, "concurrencies": [1, 16], "stream_requests": 2, "rounds": 1}
 
 
@@ -556,7 +645,20 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="Only the first N requests.")
     parser.add_argument("--max-tokens", type=int, default=None, help="Cap every request's output length.")
-    parser.add_argument("--model", default=None, help="weft's model (default: the default GGUF).")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="The GGUF file every system runs (default: the default model's): llama.cpp reads it, "
+        "weft too, vLLM an HF checkpoint written from it under .peers/checkpoints/ (bf16 where the run "
+        "is bf16, fp32 otherwise). `weft bench make-model` writes real models' shapes.",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"Context weft and vLLM are started with (default: the model's, at most {MAX_MODEL_LEN}, "
+        "so that a 128k-context model does not ask either for a 128k-token KV cache).",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -597,17 +699,23 @@ def _options(args, parser) -> dict[str, Any]:
         "rounds": args.rounds,
         "concurrencies": args.concurrencies,
         "stream_requests": args.stream_requests,
+        "max_model_len": args.max_model_len,
     }
     if args.quick:
         options |= {
             k: v for k, v in QUICK.items() if k not in ("num_prompts", "max_tokens") or options[k] is None
         }
-    for name in ("num_prompts", "max_tokens", "rounds", "stream_requests"):
+    for name in ("num_prompts", "max_tokens", "rounds", "stream_requests", "max_model_len"):
         if options[name] is not None and options[name] < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
     if min(options["concurrencies"]) < 1:
         parser.error("--concurrencies must be at least 1.")
     return options | {"systems": list(dict.fromkeys(names))}
+
+
+def default_max_model_len(hf_config: dict[str, Any]) -> int:
+    """The model's context, at most ``MAX_MODEL_LEN``."""
+    return min(hf_config.get("max_position_embeddings") or MAX_MODEL_LEN, MAX_MODEL_LEN)
 
 
 def _longest(workload: Workload) -> int:
@@ -623,15 +731,19 @@ def run(args, parser) -> int:
     try:
         weft_args = tuple(shlex.split(args.weft_args))
         workload = cap_output(load_any(args.dataset, None, options["num_prompts"]), options["max_tokens"])
-        gguf = model_files.resolve(args.model).weights
+        files = model_files.resolve(args.model)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    gguf = files.weights
+    if not files.is_gguf and set(options["systems"]) - {"weft"}:
+        parser.error(f"--model {gguf} is not a GGUF file: llama.cpp and vLLM's checkpoint are made from one.")
+    max_model_len = options["max_model_len"] or default_max_model_len(files.hf_config())
     args.output_dir.mkdir(parents=True, exist_ok=True)
     workload_file = args.output_dir / "workload.json"
     workload_file.write_bytes(msgspec.json.encode(workload))
     builders = {
-        "weft": lambda: weft_system(args.model, args.dtype, weft_args),
-        "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib),
+        "weft": lambda: weft_system(args.model, args.dtype, weft_args, max_model_len),
+        "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib, max_model_len=max_model_len),
         "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload)),
     }
     systems = [builders[name]() for name in options["systems"]]
@@ -648,6 +760,8 @@ def run(args, parser) -> int:
         args.port,
     )
     report["dtype"] = args.dtype
+    report["model"] = str(gguf)
+    report["max_model_len"] = max_model_len
     report["peer_openmp"] = args.peer_openmp
     report["weft_args"] = list(weft_args)
     print(format_table(report))

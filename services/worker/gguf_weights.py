@@ -51,7 +51,13 @@ _GEMMA3_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Qwen3: RMSNorm over each head of Q and K.
+_QWEN3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES}
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by the
 # weight alone); Hugging Face's keep w, and so do ours.
 _NORM_OFFSET_ARCHITECTURES = {"gemma3"}

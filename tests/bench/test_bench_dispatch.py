@@ -6,7 +6,18 @@ import pytest
 
 from services.bench import cli
 
-ALL = ("throughput", "latency", "compare", "serve", "executor", "pd", "gpu", "make-workload", "soak")
+ALL = (
+    "throughput",
+    "latency",
+    "compare",
+    "serve",
+    "executor",
+    "pd",
+    "gpu",
+    "make-workload",
+    "make-model",
+    "soak",
+)
 
 
 def test_the_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:

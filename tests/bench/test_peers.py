@@ -161,8 +161,15 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
         assert argv[argv.index("--dense-copy-dtype") + 1] == "int8" and "--model" not in argv
 
     monkeypatch.setattr(peer_envs, "ensure", lambda env, log=print: env.python)
-    monkeypatch.setattr(peer_envs, "hf_checkpoint", lambda gguf, dtype="float32": tmp_path / "ckpt")
+    asked: list[str] = []
+
+    def checkpoint(gguf: Path, dtype: str = "float32", log=print) -> Path:
+        asked.append(dtype)
+        return tmp_path / "ckpt"
+
+    monkeypatch.setattr(peer_envs, "hf_checkpoint", checkpoint)
     vllm = peers.vllm_system(Path("m.gguf"), "float32", kv_cache_gib=3)
+    assert asked == ["float32"] and "--max-model-len" not in vllm.serve_argv(9001)
     assert vllm.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and "OMP_NUM_THREADS" in vllm.env
     serve = vllm.serve_argv(9001)
     assert serve[0].endswith(".peers/vllm/bin/python") and serve[1:3] == [
@@ -172,6 +179,14 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     assert serve[serve.index("--model") + 1] == str(tmp_path / "ckpt") and "9001" in serve
     assert vllm.offline_argv(Path("w.json"), Path("o.json"))[1].endswith("benchmarks/peers/vllm_offline.py")
     assert "--no-enable-prefix-caching" in serve
+    short = peers.vllm_system(Path("m.gguf"), "bfloat16", kv_cache_gib=3, max_model_len=4096)
+    assert asked[-1] == "bfloat16"
+    for argv in (short.serve_argv(9001), short.offline_argv(Path("w.json"), Path("o.json"))):
+        assert argv[argv.index("--max-model-len") + 1] == "4096"
+    # weft: the context before --weft-args, so a --max-model-len there wins.
+    weft = peers.weft_system("m.gguf", "auto", ("--max-model-len", "512"), max_model_len=4096)
+    argv = weft.serve_argv(9000)
+    assert argv[argv.index("--max-model-len") + 1] == "4096" and argv[-2:] == ["--max-model-len", "512"]
 
     llama = peers.llamacpp_system(Path("m.gguf"), parallel=64, ctx_per_slot=700)
     assert llama.offline_argv is None  # llama.cpp is compared served only
@@ -260,8 +275,17 @@ def test_a_whole_run_with_stand_ins(tmp_path: Path) -> None:
     weft_c1 = report["summary"]["weft"]["serve c=1"]
     assert weft_c1["output_tokens"] == 15  # the first 3 requests, one at a time
     assert report["summary"]["llamacpp"]["serve c=4"]["output_tokens"] == 18  # all 4 requests in one wave
+    # Each server's start-up time and resident memory, medians over its two rounds.
+    assert set(report["servers"]) == {"weft", "llamacpp"}
+    for server in report["servers"].values():
+        assert server["startup_s"] > 0 and server["rss_bytes"] > 2**20  # a Python process holds MBs
+    served = [t for t in report["trials"] if t["mode"] == "serve"]
+    assert all(t["server"]["rss_bytes"] > 0 for t in served)
     table = peers.format_table(report)
     assert table.startswith("CPU: ") and "3.00x" in table and "failed: offline:" in table
+    assert (
+        "weft      server        start-up " in table and "GiB (RSS of its process tree at the end)" in table
+    )
     assert "weft engine flags" not in table
     flagged = peers.format_table(report | {"weft_args": ["--dense-copy-dtype", "int8"]})
     assert "weft engine flags: --dense-copy-dtype int8" in flagged
@@ -284,6 +308,7 @@ def _free_port() -> int:
         (["--systems", "weft,tgi"], "--systems takes names"),
         (["--rounds", "0"], "--rounds must be at least 1"),
         (["--concurrencies", "0"], "--concurrencies must be at least 1"),
+        (["--max-model-len", "0"], "--max-model-len must be at least 1"),
     ],
 )
 def test_bad_arguments_are_usage_errors(
@@ -320,3 +345,82 @@ def test_peers_take_weft_openmp_settings_unless_asked_for_their_own(monkeypatch:
     assert (
         "GOMP_SPINCOUNT" not in own and own["OMP_WAIT_POLICY"] == "ACTIVE" and own["OMP_NUM_THREADS"] == "2"
     )
+
+
+def _fake_proc(root: Path, processes: dict[int, tuple[int, str, int | None]]) -> Path:
+    """A /proc with ``pid: (parent pid, command name, VmRSS in kB or None)`` entries."""
+    for pid, (parent, comm, rss_kb) in processes.items():
+        entry = root / str(pid)
+        entry.mkdir(parents=True)
+        (entry / "stat").write_text(f"{pid} ({comm}) S {parent} {pid} {pid} 0 -1 4194560 0 0\n")
+        status = f"Name:\t{comm}\nPPid:\t{parent}\n"
+        if rss_kb is not None:
+            status += f"VmRSS:\t{rss_kb:>8} kB\n"
+        (entry / "status").write_text(status + "Threads:\t1\n")
+    (root / "self").mkdir()  # not a pid: skipped
+    return root
+
+
+def test_process_tree_rss_sums_a_process_and_its_descendants(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path / "proc",
+        {
+            1: (0, "init", 1000),
+            10: (1, "weft serve", 100),
+            11: (10, "api) (worker", 20),  # a name with spaces and parentheses
+            12: (10, "engine", 300),
+            13: (12, "engine thread", None),  # no VmRSS line (as a kernel thread)
+            20: (1, "someone else", 5000),
+        },
+    )
+    assert peers.process_tree_rss(10, proc) == (100 + 20 + 300) * 1024
+    assert peers.process_tree_rss(12, proc) == 300 * 1024
+    assert peers.process_tree_rss(99, proc) == 0  # gone
+
+
+def test_process_tree_rss_of_a_real_tree() -> None:
+    """A parent that started a child: its tree holds both (each a Python interpreter)."""
+    import subprocess
+
+    code = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+        "print(child.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+        "child.stdin.close()\n"
+        "child.wait()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        tree, alone = peers.process_tree_rss(parent.pid), peers.process_tree_rss(child)
+        assert alone > 2**20 and tree > alone
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=60)
+        parent.stdout.close()
+
+
+def test_vllm_checkpoint_dtype_follows_the_run() -> None:
+    assert peers.checkpoint_dtype("float32", {"avx512_bf16"}) == "float32"
+    assert peers.checkpoint_dtype("bfloat16", {"avx2"}) == "bfloat16"
+    assert peers.checkpoint_dtype("auto", {"avx2"}) == "float32"  # bf16 in software: fp32 runs
+    assert peers.checkpoint_dtype("auto", {"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert peers.checkpoint_dtype("auto", {"amx_bf16"}) == "bfloat16"
+
+
+def test_max_model_len_is_the_model_context_capped() -> None:
+    assert peers.default_max_model_len({"max_position_embeddings": 131072}) == peers.MAX_MODEL_LEN == 8192
+    assert peers.default_max_model_len({"max_position_embeddings": 4096}) == 4096
+    assert peers.default_max_model_len({}) == 8192
+
+
+def test_a_folder_model_runs_weft_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.bench.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["peers", "--model", str(tmp_path), "--systems", "weft,llamacpp", "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "is not a GGUF file" in capsys.readouterr().err

@@ -53,3 +53,11 @@ def test_gemma3_tensor_names():
     assert hf_name("output_norm.weight", "gemma3") == "model.norm.weight"
     with pytest.raises(ValueError, match="Unknown GGUF tensor"):
         hf_name("blk.0.attn_q_norm.weight")  # not a Llama tensor
+
+
+def test_qwen3_per_head_norm_names():
+    assert hf_name("blk.4.attn_q_norm.weight", "qwen3") == "model.layers.4.self_attn.q_norm.weight"
+    assert hf_name("blk.4.attn_k_norm.weight", "qwen3") == "model.layers.4.self_attn.k_norm.weight"
+    assert hf_name("blk.4.ffn_norm.weight", "qwen3") == "model.layers.4.post_attention_layernorm.weight"
+    with pytest.raises(ValueError, match="Unknown GGUF tensor"):
+        hf_name("blk.4.attn_q_norm.weight", "llama")  # Llama has no such norm
