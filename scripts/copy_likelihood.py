@@ -92,7 +92,6 @@ def mean_nll(settings: dict, texts: list[str], greedy: int = 0) -> tuple[float, 
     """The mean NLL over the texts' tokens, their count, and (``greedy`` > 0) each text's greedy
     continuation of its first 200 tokens."""
     from services import LLM
-
     from services.worker.layers.quantized_linear import activations_from_env, choose_kernel
 
     settings = dict(settings)
