@@ -78,9 +78,18 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="model: the dense copy in dtype (oneDNN GEMM); int8: an int8 copy beside it for the steps its GEMM takes (from services.config.dense_copy.INT8_MIN_ROWS rows on, every step on weft's AVX-512 VNNI GEMM, or up to AMX_INT8_MAX_ROWS on AMX int8 tiles; weights and activations rotated and rounded to int8 per row; integer GEMM).",
         ),
     ] = "model"
+    # Appended fields (positional encoding is a wire contract).
+    max_model_len_auto: Annotated[
+        bool,
+        Meta(
+            description="max_model_len is the model's own context (not given): the engine lowers it to what its KV cache holds when one such sequence does not fit."
+        ),
+    ] = False
 
 
-# The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).
+# The memory budget the dense-copy rule (services/config/dense_copy.py) weighs a copy against on
+# CPU when CacheConfig.kv_cache_memory is None (bytes). The KV cache's own budget there comes from
+# the node's available memory (services/config/memory_plan.py).
 CPU_DEFAULT_BUDGET = 2 << 30
 
 
@@ -92,7 +101,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_memory: Annotated[
         int | None,
         Meta(
-            description="Memory budget per worker in bytes (CPU default: 2 GiB): weights and the profiled activation peak come out of it, the rest is KV cache. Bypasses gpu_memory_utilization."
+            description="Bytes of KV cache per worker, as vLLM's --kv-cache-memory (weights and activations come on top). Bypasses cpu_memory_utilization and gpu_memory_utilization."
         ),
     ] = None
     gpu_memory_utilization: Annotated[
@@ -107,6 +116,24 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="What the KV cache stores: model (keys and values in dtype), int8 (one byte an element and an fp32 scale per token and KV head; the CPU attention backends only), or auto (int8 where the compiled CPU kernels run a bf16 model's decodes over it on int8 dot products; else model). Resolved by the worker, which knows the attention backend."
         ),
     ] = "model"
+    # Appended fields (positional encoding is a wire contract).
+    cpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="CPU: fraction of the memory available on the node when its engines start (MemAvailable, or the container's cgroup limit minus usage when lower) that its engine processes may use together; each gets an even share, and its KV cache what is left of it after its runtime, weights and profiled activation peak.",
+        ),
+    ] = 0.9
+    available_memory: Annotated[
+        int | None,
+        Meta(
+            description="CPU: bytes available on this node before its engines started, measured by their launcher (None: the worker measures it when it starts)."
+        ),
+    ] = None
+    engines_on_node: Annotated[
+        int, Meta(ge=1, description="Engine cores started on this node, which share its available memory.")
+    ] = 1
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

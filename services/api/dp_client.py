@@ -163,6 +163,10 @@ class DPLBEngineClient(EngineClient):
         # Utility calls sent and not answered: call id -> (rank, its answer).
         self._utility_calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count()
+        # Each rank's context as it reported it when ready (it may have lowered the config's).
+        self._max_model_len: dict[int, int] = {}
+        self._ever_ready: set[int] = set()
+        self._start_failure: str | None = None
 
     # ---- lifecycle
 
@@ -244,6 +248,15 @@ class DPLBEngineClient(EngineClient):
 
     def dropped_frames(self) -> dict[str, int]:
         return dict(self._dropped_frames)
+
+    @property
+    def max_model_len(self) -> int | None:
+        # The shortest: a request may go to any rank.
+        return min(self._max_model_len.values(), default=None)
+
+    @property
+    def start_failure(self) -> str | None:
+        return self._start_failure
 
     async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         request_id = request.request_id
@@ -456,6 +469,8 @@ class DPLBEngineClient(EngineClient):
         if stats.state != "waiting":
             return  # a late message of an instance declared dead
         stats.state = "ready"
+        self._ever_ready.add(ready.rank)
+        self._max_model_len[ready.rank] = ready.max_model_len
         self.local.on_ready(ready.rank)
         stats.num_blocks = ready.num_blocks
         stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
@@ -579,7 +594,14 @@ class DPLBEngineClient(EngineClient):
             self._quiet[rank] = set(stats.in_flight)
         if self.prefix_router is not None:
             self.prefix_router.rank_down(rank)
-        if not self._closing:
+        if not self._closing and rank in self.local and rank not in self._ever_ready:
+            # It never served: a configuration or memory error, which a restart would only repeat.
+            logger.error("Engine core rank %d failed to start: %s.", rank, reason)
+            if self._start_failure is None:
+                self._start_failure = f"engine core rank {rank} failed to start: {reason}"
+            self.local.restart = False
+            self.local.on_dead(rank, hung=hung)
+        elif not self._closing:
             level = logging.INFO if expected and not stats.in_flight else logging.ERROR
             logger.log(
                 level,
