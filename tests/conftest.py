@@ -53,6 +53,7 @@ SLOW = frozenset(
         "tests/test_llm.py",
         "tests/test_int8_dense_copy_llm.py",
         "tests/test_management_e2e.py",
+        "tests/test_memory_serve.py",
         "tests/test_reliability.py",
         "tests/test_serving.py",
         "tests/test_sliding_window_engine.py",

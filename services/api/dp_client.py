@@ -452,7 +452,11 @@ class DPLBEngineClient(EngineClient):
                 await self._on_draining(status)
             elif isinstance(status, EngineGoodbye):
                 self._quiet.pop(rank, None)  # it stops for good: nothing to rejoin
-                self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})", expected=True)
+                why = status.reason or "no reason given"
+                # One that never served says why it could not start; a serving one why it stopped.
+                self._mark_dead(
+                    rank, f"it stopped ({why})" if rank in self._ever_ready else why, expected=True
+                )
                 await self._send(rank, EngineCoreRequestType.SHUTDOWN)  # acknowledges the goodbye
 
     def _refuse_claim(self, rank: int, what: str) -> None:
@@ -602,7 +606,8 @@ class DPLBEngineClient(EngineClient):
             self.local.restart = False
             self.local.on_dead(rank, hung=hung)
         elif not self._closing:
-            level = logging.INFO if expected and not stats.in_flight else logging.ERROR
+            quiet_stop = expected and not stats.in_flight and rank in self._ever_ready
+            level = logging.INFO if quiet_stop else logging.ERROR
             logger.log(
                 level,
                 "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",

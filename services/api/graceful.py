@@ -49,7 +49,7 @@ class GracefulServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self._start_failure() is not None:
-            logger.error("Stopping: %s", self._start_failure())
+            logger.error("Stopping: an engine core failed to start.")
             self.should_exit = True
         return await super().on_tick(counter)
 

@@ -219,7 +219,7 @@ class MemoryPlan:
     def describe(self) -> str:
         weights = self.weights_packed + self.weights_dense + self.weights_other
         kv = self.num_blocks * self.block_bytes
-        tokens = (self.num_blocks - 1) * self.block_size
+        tokens = max(0, self.num_blocks - 1) * self.block_size
         context = (
             f"max_model_len {self.max_model_len}"
             if self.max_model_len == self.native_max_model_len
@@ -236,4 +236,6 @@ class MemoryPlan:
 
 def gib_text(nbytes: int) -> str:
     """Bytes for a log line: GiB with two decimals, KiB below a hundredth of one."""
-    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB // 100 else f"{math.ceil(nbytes / 1024):,} KiB"
+    if abs(nbytes) >= GIB // 100:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{math.ceil(nbytes / 1024):,} KiB" if abs(nbytes) >= 1024 else f"{nbytes} B"
