@@ -96,7 +96,7 @@ class Worker:
         packed, dense, other = runner.weights_by_kind
         plan = MemoryPlan(
             source=source,
-            runtime=self.runtime_bytes,
+            runtime=self.runtime_bytes if self.device.type == "cpu" else 0,  # host memory: not the GPU's
             weights_packed=packed,
             weights_dense=dense,
             weights_other=other,
