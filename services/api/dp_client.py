@@ -25,6 +25,14 @@ operator) is handed its config and rejoins once ready; a headless rank that
 was only silent (a network blip, a long stall) rejoins as soon as it is
 heard again, and is told to abort what it held.
 
+A local rank that dies before it was ever ready (a configuration or memory
+error: the engine's goodbye says which) is a start failure, not a crash:
+it is not restarted, and ``start_failure`` tells ``weft serve`` to stop
+with that error. Each rank's ready message carries the context it serves
+(it may have lowered the config's ``max_model_len`` to what its KV cache
+holds); ``max_model_len`` is the shortest of them, which the API checks
+prompts against.
+
 A rank is bound to the connection that shook hands for it: each engine
 process has its own identity (``instance_identity``), which the hello
 reveals and every later message must come from. A hello for a live rank, or

@@ -83,47 +83,59 @@ class Worker:
         runner = self.model_runner
         peak = peak_increase(runner.profile_run, self.device)
         kv_bytes, source = self.kv_budget(peak)
-        num_blocks = max(0, kv_bytes) // runner.kv_block_bytes
-        model, windows = self.config.model, group_windows(self.config.model)
-        step = self.config.scheduler.max_num_batched_tokens
-        if cache.kv_cache_memory is None and self.device.type == "cpu":
-            useful = useful_blocks(
-                self.config.scheduler.max_num_seqs, model.max_model_len, cache.block_size, windows, step
-            )
-            if num_blocks > useful:
-                source += f", capped at what {self.config.scheduler.max_num_seqs} sequences can use"
-                num_blocks = useful
-        packed, dense, other = runner.weights_by_kind
-        plan = MemoryPlan(
-            source=source,
-            runtime=self.runtime_bytes if self.device.type == "cpu" else 0,  # host memory: not the GPU's
-            weights_packed=packed,
-            weights_dense=dense,
-            weights_other=other,
-            activation_peak=peak,
-            num_blocks=num_blocks,
-            block_size=cache.block_size,
-            block_bytes=runner.kv_block_bytes,
-            kv_dtype="int8 with per-token scales"
-            if runner.kv_int8
-            else str(runner.dtype).removeprefix("torch."),
-            max_model_len=model.max_model_len,
-            native_max_model_len=model.max_model_len,
-        )
+        num_blocks, source = self._capped(max(0, kv_bytes) // runner.kv_block_bytes, source)
+        plan = self._memory_plan(source, peak, num_blocks)
+        model = self.config.model
         try:
             context = fit_max_model_len(
                 model.max_model_len,
                 auto=model.max_model_len_auto,
                 num_blocks=num_blocks,
                 block_size=cache.block_size,
-                group_windows=windows,
-                step_tokens=step,
+                group_windows=group_windows(model),
+                step_tokens=self.config.scheduler.max_num_batched_tokens,
                 block_bytes=runner.kv_block_bytes,
             )
         except ValueError as e:
             raise ValueError(f"{e} {plan.describe()}") from None
         logger.info("%s", dataclasses.replace(plan, max_model_len=context).describe())
         return num_blocks
+
+    def _capped(self, num_blocks: int, source: str) -> tuple[int, str]:
+        """No more blocks than the scheduler could ever use, where the budget is the machine's (CPU)."""
+        if self.config.cache.kv_cache_memory is not None or self.device.type != "cpu":
+            return num_blocks, source
+        scheduler, model, cache = self.config.scheduler, self.config.model, self.config.cache
+        useful = useful_blocks(
+            scheduler.max_num_seqs,
+            model.max_model_len,
+            cache.block_size,
+            group_windows(model),
+            scheduler.max_num_batched_tokens,
+        )
+        if num_blocks <= useful:
+            return num_blocks, source
+        return useful, f"{source}, capped at what {scheduler.max_num_seqs} sequences can use"
+
+    def _memory_plan(self, source: str, activation_peak: int, num_blocks: int) -> MemoryPlan:
+        runner = self.model_runner
+        packed, dense, other = runner.weights_by_kind
+        return MemoryPlan(
+            source=source,
+            runtime=self.runtime_bytes if self.device.type == "cpu" else 0,  # host memory: not the GPU's
+            weights_packed=packed,
+            weights_dense=dense,
+            weights_other=other,
+            activation_peak=activation_peak,
+            num_blocks=num_blocks,
+            block_size=self.config.cache.block_size,
+            block_bytes=runner.kv_block_bytes,
+            kv_dtype="int8 with per-token scales"
+            if runner.kv_int8
+            else str(runner.dtype).removeprefix("torch."),
+            max_model_len=self.config.model.max_model_len,
+            native_max_model_len=self.config.model.max_model_len,
+        )
 
     def kv_budget(self, activation_peak: int) -> tuple[int, str]:
         """Bytes for this worker's KV cache, and how they were chosen (in words, for the plan)."""
