@@ -87,10 +87,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hidden_size: Annotated[
         int, Meta(ge=0, description="Width of the model's hidden states (an embedding's size); 0: unknown.")
     ] = 0
-
-
-# The worker's memory budget on CPU when CacheConfig.kv_cache_memory is None (bytes).
-CPU_DEFAULT_BUDGET = 2 << 30
+    # Appended fields (positional encoding is a wire contract).
+    max_model_len_auto: Annotated[
+        bool,
+        Meta(
+            description="max_model_len is the model's own context (not given): the engine lowers it to what its KV cache holds when one such sequence does not fit."
+        ),
+    ] = False
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,7 +104,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_memory: Annotated[
         int | None,
         Meta(
-            description="Memory budget per worker in bytes (CPU default: 2 GiB): weights and the profiled activation peak come out of it, the rest is KV cache. Bypasses gpu_memory_utilization."
+            description="Bytes of KV cache per worker, as vLLM's --kv-cache-memory (weights and activations come on top). Bypasses cpu_memory_utilization and gpu_memory_utilization."
         ),
     ] = None
     gpu_memory_utilization: Annotated[
@@ -116,6 +119,24 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description="What the KV cache stores: model (keys and values in dtype), int8 (one byte an element and an fp32 scale per token and KV head; the CPU attention backends only), or auto (int8 where the compiled CPU kernels run a bf16 model's decodes over it on int8 dot products; else model). Resolved by the worker, which knows the attention backend."
         ),
     ] = "model"
+    # Appended fields (positional encoding is a wire contract).
+    cpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="CPU: fraction of the memory available on the node when its engines start (MemAvailable, or the container's cgroup limit minus usage when lower) that its engine processes may use together; each gets an even share, and its KV cache what is left of it after its runtime, weights and profiled activation peak.",
+        ),
+    ] = 0.9
+    available_memory: Annotated[
+        int | None,
+        Meta(
+            description="CPU: bytes available on this node before its engines started, measured by their launcher (None: the worker measures it when it starts)."
+        ),
+    ] = None
+    engines_on_node: Annotated[
+        int, Meta(ge=1, description="Engine cores started on this node, which share its available memory.")
+    ] = 1
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

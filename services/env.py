@@ -115,7 +115,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_KV_CACHE_MEMORY",
-        "Memory budget in bytes for the weights, activations and KV cache (default on CPU: 2 GiB).",
+        "Bytes of KV cache per worker (default: what the machine's available memory leaves, on CPU).",
         flag="--kv-cache-memory",
     ),
 )

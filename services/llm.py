@@ -68,6 +68,7 @@ class LLM:
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
         self.tokenizer = Tokenizer(self.config.model.tokenizer)
         self.engine = EngineCore(self.config)
+        self.config = self.engine.config  # with the context its KV cache holds
         self._ids = itertools.count()
 
     def generate(

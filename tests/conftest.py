@@ -57,6 +57,7 @@ SLOW = frozenset(
         "tests/test_int8_dense_copy_llm.py",
         "tests/test_management_e2e.py",
         "tests/test_queueing_e2e.py",
+        "tests/test_memory_serve.py",
         "tests/test_reliability.py",
         "tests/test_responses_serve.py",
         "tests/test_serving.py",

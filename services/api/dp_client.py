@@ -25,6 +25,14 @@ operator) is handed its config and rejoins once ready; a headless rank that
 was only silent (a network blip, a long stall) rejoins as soon as it is
 heard again, and is told to abort what it held.
 
+A local rank that dies before it was ever ready (a configuration or memory
+error: the engine's goodbye says which) is a start failure, not a crash:
+it is not restarted, and ``start_failure`` tells ``weft serve`` to stop
+with that error. Each rank's ready message carries the context it serves
+(it may have lowered the config's ``max_model_len`` to what its KV cache
+holds); ``max_model_len`` is the shortest of them, which the API checks
+prompts against.
+
 A rank is bound to the connection that shook hands for it: each engine
 process has its own identity (``instance_identity``), which the hello
 reveals and every later message must come from. A hello for a live rank, or
@@ -163,6 +171,10 @@ class DPLBEngineClient(EngineClient):
         # Utility calls sent and not answered: call id -> (rank, its answer).
         self._utility_calls: dict[int, tuple[int, asyncio.Future]] = {}
         self._call_ids = itertools.count()
+        # Each rank's context as it reported it when ready (it may have lowered the config's).
+        self._max_model_len: dict[int, int] = {}
+        self._ever_ready: set[int] = set()
+        self._start_failure: str | None = None
 
     # ---- lifecycle
 
@@ -244,6 +256,15 @@ class DPLBEngineClient(EngineClient):
 
     def dropped_frames(self) -> dict[str, int]:
         return dict(self._dropped_frames)
+
+    @property
+    def max_model_len(self) -> int | None:
+        # The shortest: a request may go to any rank.
+        return min(self._max_model_len.values(), default=None)
+
+    @property
+    def start_failure(self) -> str | None:
+        return self._start_failure
 
     async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         request_id = request.request_id
@@ -439,7 +460,11 @@ class DPLBEngineClient(EngineClient):
                 await self._on_draining(status)
             elif isinstance(status, EngineGoodbye):
                 self._quiet.pop(rank, None)  # it stops for good: nothing to rejoin
-                self._mark_dead(rank, f"it stopped ({status.reason or 'no reason given'})", expected=True)
+                why = status.reason or "no reason given"
+                # One that never served says why it could not start; a serving one why it stopped.
+                self._mark_dead(
+                    rank, f"it stopped ({why})" if rank in self._ever_ready else why, expected=True
+                )
                 await self._send(rank, EngineCoreRequestType.SHUTDOWN)  # acknowledges the goodbye
 
     def _refuse_claim(self, rank: int, what: str) -> None:
@@ -456,6 +481,8 @@ class DPLBEngineClient(EngineClient):
         if stats.state != "waiting":
             return  # a late message of an instance declared dead
         stats.state = "ready"
+        self._ever_ready.add(ready.rank)
+        self._max_model_len[ready.rank] = ready.max_model_len
         self.local.on_ready(ready.rank)
         stats.num_blocks = ready.num_blocks
         stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
@@ -579,8 +606,16 @@ class DPLBEngineClient(EngineClient):
             self._quiet[rank] = set(stats.in_flight)
         if self.prefix_router is not None:
             self.prefix_router.rank_down(rank)
-        if not self._closing:
-            level = logging.INFO if expected and not stats.in_flight else logging.ERROR
+        if not self._closing and rank in self.local and rank not in self._ever_ready:
+            # It never served: a configuration or memory error, which a restart would only repeat.
+            logger.error("Engine core rank %d failed to start: %s.", rank, reason)
+            if self._start_failure is None:
+                self._start_failure = f"engine core rank {rank} failed to start: {reason}"
+            self.local.restart = False
+            self.local.on_dead(rank, hung=hung)
+        elif not self._closing:
+            quiet_stop = expected and not stats.in_flight and rank in self._ever_ready
+            level = logging.INFO if quiet_stop else logging.ERROR
             logger.log(
                 level,
                 "Engine core rank %d is dead: %s. Failing its %d in-flight request(s).",

@@ -98,6 +98,18 @@ class EngineClient(ABC):
         """Malformed frames the client dropped, by socket (for /metrics)."""
         return {}
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context the engines serve, as they reported it when ready (they may have lowered the
+        config's to what their KV cache holds); None before any did."""
+        return None
+
+    @property
+    def start_failure(self) -> str | None:
+        """Why an engine this API started failed before it was ever ready (the server then stops
+        with an error instead of restarting it); None while none did."""
+        return None
+
     async def call_utility(self, method: UtilityMethod) -> dict[int, bool]:
         """Call ``method`` on every live rank and return each rank's answer.
         Raises ``EngineNotReadyError`` when no rank is live, ``EngineDeadError``

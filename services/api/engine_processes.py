@@ -4,7 +4,9 @@
 engine client and restarts one that exits, with exponential back-off for a
 rank that keeps dying soon after it became ready (a crash loop; a slow model
 load does not count as serving), and at once (``base_s``) for one that had
-served a while. Torch-free.
+served a while. A rank that never became ready is not restarted at all: the
+engine client stops the API instead (``DPLBEngineClient.start_failure``).
+Torch-free.
 
 Engines run in their own session, so a terminal's Ctrl-C reaches only the
 API, which stops them in order; each engine asks the kernel to kill it when

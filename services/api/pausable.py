@@ -106,6 +106,14 @@ class PausableEngineClient(EngineClient):
     def rank_stats(self) -> dict[int, RankStats]:
         return self.inner.rank_stats()
 
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    @property
+    def start_failure(self) -> str | None:
+        return self.inner.start_failure
+
     def dropped_frames(self) -> dict[str, int]:
         return self.inner.dropped_frames()
 

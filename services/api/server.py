@@ -38,6 +38,7 @@ from services.api.limits import (
 )
 from services.api.responses_store import ResponsesStore, add_responses_store_args, responses_store_from
 from services.config.cli_args import add_engine_args, engine_args_from
+from services.config.memory_plan import with_node_memory
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 from services.ports import free_port
@@ -347,6 +348,8 @@ def main(argv: list[str]) -> int:
     try:
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
+        if local:
+            config = with_node_memory(config, local, config.cache.available_memory)  # they share this node
         ports = data_ports(args)
         limits = serving_limits(args, config)
         chat = chat_settings_from(args)
@@ -466,4 +469,7 @@ def _run(
         # The app's shutdown already stopped them (restarted ones included);
         # this covers a failed start.
         stop_processes(list(client.local.processes.values()) if client else procs, grace_s=5.0)
+    if client.start_failure is not None:
+        print(f"weft serve: {client.start_failure}", file=sys.stderr)
+        return 1
     return 0

@@ -68,7 +68,9 @@ class ServingContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.config.model.max_model_len
+        """The engines' context: the config's, or what they lowered it to (their ready message)."""
+        reported = self.engine_client.max_model_len
+        return self.config.model.max_model_len if reported is None else reported
 
     @property
     def vocab_size(self) -> int:

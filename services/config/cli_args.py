@@ -22,11 +22,18 @@ _EXTRA_HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 "
     "where batched steps run dense weights; else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
-    "max_model_len": "Longest prompt + output in tokens (default: the model's).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048; 1024 on a CPU with "
     "neither AMX nor AVX-512 VNNI, where a 2048-token prefill takes seconds; without chunked prefill "
     "at least max_model_len).",
     "max_num_seqs": "Most requests running at once (default 128).",
+    "max_model_len": "Longest prompt + output in tokens (default: the model's, lowered to what the KV cache "
+    "holds when one such sequence does not fit, to no fewer than 2048 tokens).",
+    "kv_cache_memory": "Bytes of KV cache per worker, as vLLM's --kv-cache-memory: the weights and activations "
+    "come on top (default: on CPU, from --cpu-memory-utilization; on CUDA, from --gpu-memory-utilization).",
+    "cpu_memory_utilization": "CPU: fraction of the memory available when the engines start (MemAvailable, or "
+    "the container's cgroup limit minus usage when lower) that this node's engine processes may use "
+    "together, split evenly; each one's KV cache gets what its runtime, weights and activation peak leave "
+    "(default 0.9).",
     "block_size": "Tokens per KV cache block (default: 128 on CPU, as vLLM's CPU backend; 16 on CUDA).",
     "max_num_partial_prefills": "Prompts a step may leave partway through their prefill (default 1). Above 1, "
     "at most --max-long-partial-prefills of a step's prefills are long ones, so shorter prompts queued "

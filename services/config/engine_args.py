@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from kernels.cpu_build import AMX_INT8_FLAGS, AVX2_FLAGS, AVX512_VNNI_FLAGS  # torch-free: flag names only
 from protocol import (
     CacheConfig,
@@ -33,6 +35,11 @@ from services.config.dense_copy import (
     resolve_dense_min_rows,
 )
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
+from services.config.memory_plan import (
+    DEFAULT_CPU_MEMORY_UTILIZATION,
+    engine_share,
+    node_available_memory_or_none,
+)
 from services.config.parallel_args import check_tensor_parallel
 from services.config.pooler import resolve_pooler
 from services.config.speculative_args import resolve_speculative_config
@@ -56,7 +63,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int | None = None  # None: by device (default_block_size)
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = None  # bytes of KV cache; None: from the memory that is left
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int | None = None
@@ -83,6 +90,7 @@ class EngineArgs:
     dense_copy_dtype: str = "auto"  # auto | model | int8 (services/config/dense_copy.py)
     kv_cache_dtype: str = "auto"  # auto | model | int8 (resolve_kv_cache_dtype)
     pooler: str = "auto"  # auto | last | mean (services/config/pooler.py)
+    cpu_memory_utilization: float = DEFAULT_CPU_MEMORY_UTILIZATION
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -115,6 +123,7 @@ class EngineArgs:
                 served_model_name=_first(self.served_model_name) or files.name,
                 dtype=model_dtype,
                 max_model_len=self._max_model_len(hf_config),
+                max_model_len_auto=self.max_model_len is None,
                 seed=self.seed,
                 vocab_size=hf_config["vocab_size"],
                 eos_token_id=eos_token_id,
@@ -137,6 +146,9 @@ class EngineArgs:
                 cache_dtype=resolve_kv_cache_dtype(
                     self.kv_cache_dtype, device, model_dtype, kv_transfer=self.kv_transfer_config is not None
                 ),
+                cpu_memory_utilization=self._cpu_memory_utilization(),
+                available_memory=self._available_memory(device),
+                engines_on_node=self.data_parallel_size,
             ),
             scheduler=self._scheduler_config(self._max_model_len(hf_config), device),
             parallel=ParallelConfig(
@@ -157,6 +169,16 @@ class EngineArgs:
         )
         check_async_scheduling(config)
         return config
+
+    def _cpu_memory_utilization(self) -> float:
+        engine_share(1, self.cpu_memory_utilization, 1)  # refuses a value outside (0, 1]
+        return self.cpu_memory_utilization
+
+    def _available_memory(self, device: str) -> int | None:
+        """The node's available memory now, before any engine loads (CPU, without --kv-cache-memory)."""
+        if device != "cpu" or self.kv_cache_memory is not None or self.num_gpu_blocks_override is not None:
+            return None
+        return node_available_memory_or_none()
 
     def _kv_transfer_config(self, layer_windows: list[int]) -> KVTransferConfig | None:
         config = resolve_kv_transfer_config(self.kv_transfer_config)
@@ -258,8 +280,31 @@ class EngineArgs:
                 f"({self.max_num_partial_prefills}), got {self.max_long_partial_prefills}."
             )
         if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0:
-            return max(1, max_model_len * 4 // 100)
+            return default_long_prefill_threshold(max_model_len)
         return self.long_prefill_token_threshold
+
+
+def default_long_prefill_threshold(max_model_len: int) -> int:
+    return max(1, max_model_len * 4 // 100)
+
+
+def with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """``config`` serving ``max_model_len`` tokens instead (what its KV cache holds): the
+    threshold of long prefills follows it when it was derived from the old length."""
+    old = config.model.max_model_len
+    scheduler = config.scheduler
+    if (
+        scheduler.max_num_partial_prefills > 1
+        and scheduler.long_prefill_token_threshold == default_long_prefill_threshold(old)
+    ):
+        scheduler = msgspec.structs.replace(
+            scheduler, long_prefill_token_threshold=default_long_prefill_threshold(max_model_len)
+        )
+    return msgspec.structs.replace(
+        config,
+        model=msgspec.structs.replace(config.model, max_model_len=max_model_len),
+        scheduler=scheduler,
+    )
 
 
 def _first(value):

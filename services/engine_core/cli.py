@@ -19,6 +19,7 @@ import threading
 
 from protocol.zmq_sockets import tcp_address
 from services import config_file
+from services.config.memory_plan import node_available_memory_or_none
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
 from services.processes import STOP_GRACE_S, stop_processes
 
@@ -119,6 +120,8 @@ def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> 
         shutdown_timeout_s=args.shutdown_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_transfer_config=args.kv_transfer_config,
+        engines_on_node=args.data_parallel_size_local,
+        available_memory=getattr(args, "available_memory", None),
     )
 
 
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     ranks = range(args.start_rank, args.start_rank + args.data_parallel_size_local)
+    # Measured once, before any of them loads, so that they all size their KV caches alike.
+    args.available_memory = node_available_memory_or_none()
     processes = [subprocess.Popen(engine_args(args, rank, address).to_argv()) for rank in ranks]
     logger.info("Started engine cores %s for the API at %s", list(ranks), address)
     try:

@@ -13,7 +13,10 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from services.config.engine_args import with_max_model_len
+from services.config.memory_plan import fit_max_model_len
 from services.engine_core.async_scheduling import StepPipeline, check_async_scheduling, reaches_workers
+from services.engine_core.kv_cache_manager import group_windows
 from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
@@ -44,7 +47,11 @@ class EngineCore:
             config.cache.block_size,
             time.perf_counter() - start,
         )
-        _check_kv_capacity(config, self.num_blocks)
+        try:
+            config = self.config = fitted_config(config, self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config, self.num_blocks)
         self.engine_index = config.parallel.data_parallel_rank
         self.stats_logger = EngineStatsLogger(self.engine_index, spec_decode=config.speculative is not None)
@@ -182,13 +189,25 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: in
         raise ValueError("The engine core takes n=1 requests; the front end fans out n > 1.")
 
 
-def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
-    """One max_model_len request must fit, or it would wait forever (as vLLM checks)."""
-    block_size = config.cache.block_size
-    capacity = (num_blocks - 1) * block_size  # block 0 is the null block
-    if capacity < config.model.max_model_len:
-        raise ValueError(
-            f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of {block_size}), "
-            f"fewer than max_model_len={config.model.max_model_len}. Lower max_model_len or give "
-            f"the cache more memory (kv_cache_memory / gpu_memory_utilization)."
-        )
+def fitted_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
+    """``config`` with the context ``num_blocks`` KV blocks serve: its max_model_len, or less when
+    that was the model's own and does not fit (``fit_max_model_len``; a ValueError when nothing
+    useful fits, or an explicit max_model_len does not)."""
+    model, cache = config.model, config.cache
+    context = fit_max_model_len(
+        model.max_model_len,
+        auto=model.max_model_len_auto,
+        num_blocks=num_blocks,
+        block_size=cache.block_size,
+        group_windows=group_windows(model),
+        step_tokens=config.scheduler.max_num_batched_tokens,
+    )
+    if context == model.max_model_len:
+        return config
+    logger.warning(
+        "max_model_len %d -> %d: the KV cache holds %s tokens on this machine; pass --max-model-len to choose.",
+        model.max_model_len,
+        context,
+        f"{(num_blocks - 1) * cache.block_size:,}",
+    )
+    return with_max_model_len(config, context)

@@ -50,6 +50,7 @@ from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult, has_de
 from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.config.kv_transfer_args import with_default_keys_dir, with_kv_transfer_config
+from services.config.memory_plan import with_node_memory
 from services.engine_core.drain import Drain
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
 
@@ -108,7 +109,7 @@ class EngineCoreProc:
             self._input_sock,
             Encoder(),
             EngineReady(
-                rank=self.rank, num_blocks=engine.num_blocks, max_model_len=reply.config.model.max_model_len
+                rank=self.rank, num_blocks=engine.num_blocks, max_model_len=engine.config.model.max_model_len
             ),
         )
         self._executor_failed = False
@@ -384,6 +385,28 @@ def handshake(
         sock.close()
 
 
+def report_start_failure(
+    ctx: zmq.Context,
+    reply: EngineHandshakeReply,
+    rank: int,
+    reason: str,
+    *,
+    identity: bytes,
+    curve: CurveKeys | None = None,
+) -> None:
+    """Say goodbye, with why, to an API this engine shook hands with but never served; wait
+    (bounded) for its acknowledgement, as a stopping engine does."""
+    sock = make_socket(
+        ctx, zmq.DEALER, reply.input_address, bind=False, identity=identity, linger=1000, curve=curve
+    )
+    try:
+        send(sock, Encoder(), EngineGoodbye(rank=rank, reason=reason))
+        if not sock.poll(int(GOODBYE_ACK_S * 1000)):
+            logger.info("Rank %d: no acknowledgement of its goodbye; the API may be gone.", rank)
+    finally:
+        sock.close()
+
+
 def with_num_threads(config: EngineConfig, num_threads: int | None) -> EngineConfig:
     if num_threads is None:
         return config
@@ -416,6 +439,8 @@ def run_engine_core(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     tensor_parallel_size: int | None = None,
     kv_transfer_config: str | None = None,
+    engines_on_node: int | None = None,
+    available_memory: int | None = None,
 ) -> int:
     stop = threading.Event()
     drain = Drain(stop, shutdown_timeout_s)
@@ -439,13 +464,25 @@ def run_engine_core(
             return 0
         config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
         config = with_default_keys_dir(with_kv_transfer_config(config, kv_transfer_config), curve_keys)
+        if engines_on_node is not None:  # started by engine-core --headless: its node, not the API's
+            config = with_node_memory(config, engines_on_node, available_memory)
         reply = msgspec.structs.replace(reply, config=config)
         import torch  # the engine process is where torch lives
 
         torch.set_num_threads(config.device.num_threads)
         from services.engine_core.core import EngineCore
 
-        engine = EngineCore(config)
+        try:
+            engine = EngineCore(config)
+        except Exception as e:
+            # A configuration or memory error: say so to the API (it stops rather than restart
+            # an engine that never served), then exit non-zero.
+            if isinstance(e, ValueError):  # says what to change: no traceback needed
+                logger.error("Engine core rank %d failed to start: %s", rank, e)
+            else:
+                logger.exception("Engine core rank %d failed to start", rank)
+            report_start_failure(ctx, reply, rank, f"{type(e).__name__}: {e}", identity=identity, curve=curve)
+            return 1
         logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
         return EngineCoreProc(engine, ctx, reply, stop, identity=identity, drain=drain, curve=curve).run()
     finally:

@@ -55,6 +55,21 @@ class EngineCoreArgs:
             kind=float,
         ),
     )
+    engines_on_node: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Engine cores its launcher started on this node, which share its memory (default: the config's).",
+            kind=int,
+        ),
+    )
+    available_memory: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Bytes available on this node before its engines started, as their launcher measured "
+            "them (with --engines-on-node; default: measured by the worker).",
+            kind=int,
+        ),
+    )
     kv_transfer_config: str | None = field(
         default=None,
         metadata=_flag(

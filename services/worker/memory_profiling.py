@@ -17,17 +17,12 @@ from pathlib import Path
 
 import torch
 
-from protocol.config import CPU_DEFAULT_BUDGET
 
-
-def total_budget(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
-    """Bytes the worker may use for weights, activations and the KV cache."""
-    if kv_cache_memory is not None:
-        return kv_cache_memory
-    if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        return int(total * gpu_memory_utilization)
-    return CPU_DEFAULT_BUDGET
+def gpu_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes the worker may use on its GPU for weights, activations and the KV cache together
+    (the CPU's budget: ``services.config.memory_plan``)."""
+    _, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization)
 
 
 def peak_increase(fn: Callable[[], None], device: torch.device) -> int:
@@ -40,7 +35,7 @@ def peak_increase(fn: Callable[[], None], device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
     reset = _reset_cpu_peak()
-    before = _rss_bytes() if reset else _lifetime_peak_bytes()
+    before = rss_bytes() if reset else _lifetime_peak_bytes()
     fn()
     after = _proc_status_bytes("VmHWM") if reset else _lifetime_peak_bytes()
     return max(0, after - before)
@@ -54,8 +49,12 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
-def _rss_bytes() -> int:
-    return _proc_status_bytes("VmRSS")
+def rss_bytes() -> int:
+    """This process's resident bytes now (0 where /proc cannot tell: not Linux)."""
+    try:
+        return _proc_status_bytes("VmRSS")
+    except OSError:
+        return 0
 
 
 def _proc_status_bytes(key: str) -> int:

@@ -10,6 +10,8 @@ mid-prefill.
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 from collections.abc import Callable
 
 import numpy as np
@@ -94,8 +96,14 @@ class ModelRunner:
 
     @property
     def weights_bytes(self) -> int:
+        return sum(self.weights_by_kind)
+
+    @property
+    def weights_by_kind(self) -> tuple[int, int, int]:
+        """Bytes of the weights as the loader holds them: (packed GGUF blocks, parameters in the
+        model dtype, other: repacked layouts and int8 copies outside the parameters)."""
         dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return dense + packed_weights_bytes(self.model) + quantized_report(self.model).total_bytes
+        return quantized_report(self.model).total_bytes, dense, packed_weights_bytes(self.model)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -117,14 +125,8 @@ class ModelRunner:
         # Zeros, not empty: padded decode gathers read unwritten slots, and
         # garbage NaNs there would leak through the masked softmax (0 * NaN).
         cache_dtype = torch.int8 if self.kv_int8 else self.dtype
-        tensors = [
-            torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(self._layers_per_block)
-        ]
-        scales = (
-            [torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) for _ in tensors]
-            if self.kv_int8
-            else None
-        )
+        tensors = [self._zeros(shape, cache_dtype) for _ in range(self._layers_per_block)]
+        scales = [self._zeros(shape[:-1], torch.float32) for _ in tensors] if self.kv_int8 else None
         if self.kv_groups:  # layer j of every group shares tensor j (protocol.kv_cache_groups)
             placement = layer_placement(self.kv_groups)
             self.kv_caches = [tensors[placement[layer][1]] for layer in range(a.num_layers)]
@@ -143,6 +145,18 @@ class ModelRunner:
             max_model_len=self.config.model.max_model_len,
             device=self.device,
         )
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero KV tensor. On CPU its pages come from an anonymous private mapping: zero until
+        written, and resident only from their first write, so a cache sized to the machine's
+        memory costs what its blocks hold, not all of it at start (torch.zeros would write it all)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -8,14 +8,23 @@ this rank's shard.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
-from protocol.config import CPU_DEFAULT_BUDGET
+from services.config.memory_plan import (
+    MemoryPlan,
+    engine_share,
+    fit_max_model_len,
+    gib_text,
+    node_available_memory_or_none,
+    useful_blocks,
+)
+from services.engine_core.kv_cache_manager import group_windows
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
-from services.worker.memory_profiling import peak_increase, total_budget
+from services.worker.memory_profiling import gpu_budget, peak_increase, rss_bytes
 from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -35,6 +44,8 @@ class Worker:
         self.device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         self.model_runner: ModelRunner | None = None
         self.kv_connector = None  # disaggregated prefill/decode: set with the KV cache
+        self.runtime_bytes = 0  # resident bytes before the model loaded (set by load_model)
+        self.available_bytes: int | None = None  # the node's memory before this engine (CPU)
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -48,37 +59,108 @@ class Worker:
         if self.model_runner is None:
             self.init_device()
         if self.model_runner.model is None:
+            # What this process holds before its model, and (where its launcher did not measure it)
+            # the node's available memory as it was before this process: what the model comes out of.
+            self.runtime_bytes = rss_bytes()
+            self.available_bytes = self.config.cache.available_memory
+            if self.available_bytes is None and self.device.type == "cpu":
+                measured = node_available_memory_or_none()
+                self.available_bytes = None if measured is None else measured + self.runtime_bytes
             self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit, block 0 (the null block) included.
 
-        Budget (``kv_cache_memory``, else 2 GiB on CPU or
-        ``gpu_memory_utilization`` of the GPU) minus the weights minus the
-        peak of a profiling step at ``max_num_batched_tokens``, over the
-        bytes of one block. ``num_gpu_blocks_override`` skips the profiling.
+        The KV cache's bytes (``kv_budget``) over the bytes of one block, no more than
+        ``max_num_seqs`` sequences of ``max_model_len`` can use; one sequence of the
+        context the engine will serve must fit (``fit_max_model_len``).
+        ``num_gpu_blocks_override`` skips the profiling.
         """
         self.load_model()
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return _check_override(cache.num_gpu_blocks_override)
         runner = self.model_runner
-        budget = total_budget(self.device, cache.kv_cache_memory, cache.gpu_memory_utilization)
         peak = peak_increase(runner.profile_run, self.device)
-        num_blocks = kv_blocks_from_memory(budget, runner.weights_bytes, peak, runner.kv_block_bytes)
-        logger.info(
-            "KV cache: %d blocks of %s (budget %d B, weights %d B, profiled peak %d B, %d B per block)",
-            num_blocks,
-            "int8 with per-token scales" if runner.kv_int8 else runner.dtype,
-            budget,
-            runner.weights_bytes,
-            peak,
-            runner.kv_block_bytes,
-        )
-        _check_fits_one_sequence(
-            num_blocks, self.config, budget, runner.weights_bytes, peak, runner.kv_block_bytes
-        )
+        kv_bytes, source = self.kv_budget(peak)
+        num_blocks, source = self._capped(max(0, kv_bytes) // runner.kv_block_bytes, source)
+        plan = self._memory_plan(source, peak, num_blocks)
+        model = self.config.model
+        try:
+            context = fit_max_model_len(
+                model.max_model_len,
+                auto=model.max_model_len_auto,
+                num_blocks=num_blocks,
+                block_size=cache.block_size,
+                group_windows=group_windows(model),
+                step_tokens=self.config.scheduler.max_num_batched_tokens,
+                block_bytes=runner.kv_block_bytes,
+            )
+        except ValueError as e:
+            raise ValueError(f"{e} {plan.describe()}") from None
+        logger.info("%s", dataclasses.replace(plan, max_model_len=context).describe())
         return num_blocks
+
+    def _capped(self, num_blocks: int, source: str) -> tuple[int, str]:
+        """No more blocks than the scheduler could ever use, where the budget is the machine's (CPU)."""
+        if self.config.cache.kv_cache_memory is not None or self.device.type != "cpu":
+            return num_blocks, source
+        scheduler, model, cache = self.config.scheduler, self.config.model, self.config.cache
+        useful = useful_blocks(
+            scheduler.max_num_seqs,
+            model.max_model_len,
+            cache.block_size,
+            group_windows(model),
+            scheduler.max_num_batched_tokens,
+        )
+        if num_blocks <= useful:
+            return num_blocks, source
+        return useful, f"{source}, capped at what {scheduler.max_num_seqs} sequences can use"
+
+    def _memory_plan(self, source: str, activation_peak: int, num_blocks: int) -> MemoryPlan:
+        runner = self.model_runner
+        packed, dense, other = runner.weights_by_kind
+        return MemoryPlan(
+            source=source,
+            runtime=self.runtime_bytes if self.device.type == "cpu" else 0,  # host memory: not the GPU's
+            weights_packed=packed,
+            weights_dense=dense,
+            weights_other=other,
+            activation_peak=activation_peak,
+            num_blocks=num_blocks,
+            block_size=self.config.cache.block_size,
+            block_bytes=runner.kv_block_bytes,
+            kv_dtype="int8 with per-token scales"
+            if runner.kv_int8
+            else str(runner.dtype).removeprefix("torch."),
+            max_model_len=self.config.model.max_model_len,
+            native_max_model_len=self.config.model.max_model_len,
+        )
+
+    def kv_budget(self, activation_peak: int) -> tuple[int, str]:
+        """Bytes for this worker's KV cache, and how they were chosen (in words, for the plan)."""
+        cache, runner = self.config.cache, self.model_runner
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory, f"--kv-cache-memory {gib_text(cache.kv_cache_memory)}"
+        if self.device.type == "cuda":
+            budget = gpu_budget(self.device, cache.gpu_memory_utilization)
+            kv = budget - runner.weights_bytes - activation_peak
+            return (
+                kv,
+                f"gpu_memory_utilization {cache.gpu_memory_utilization} of the GPU = {gib_text(budget)}",
+            )
+        if self.available_bytes is None:
+            raise ValueError(
+                "The memory available on this machine could not be read (/proc/meminfo): "
+                "give the KV cache's bytes with --kv-cache-memory."
+            )
+        processes = cache.engines_on_node * self.world_size
+        share = engine_share(self.available_bytes, cache.cpu_memory_utilization, processes)
+        kv = share - self.runtime_bytes - runner.weights_bytes - activation_peak
+        return kv, (
+            f"{gib_text(self.available_bytes)} available at start x {cache.cpu_memory_utilization} / "
+            f"{processes} engine process(es) = {gib_text(share)} for this one"
+        )
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.load_model()
@@ -106,43 +188,9 @@ class Worker:
             destroy_tensor_parallel()
 
 
-def kv_blocks_from_memory(budget: int, weights: int, activation_peak: int, block_bytes: int) -> int:
-    return max(0, (budget - weights - activation_peak) // block_bytes)
-
-
 def _check_override(num_blocks: int) -> int:
     if num_blocks < 2:
         raise ValueError(
             f"num_gpu_blocks_override must be at least 2 (the null block and one block), got {num_blocks}."
         )
     return num_blocks
-
-
-def _check_fits_one_sequence(num_blocks, config: EngineConfig, budget, weights, peak, block_bytes) -> None:
-    """One max_model_len sequence must fit, or the scheduler could never finish it."""
-    needed = -(-config.model.max_model_len // config.cache.block_size) + 1  # + the null block
-    if num_blocks >= needed:
-        return
-    in_all = weights + peak + needed * block_bytes
-    raise ValueError(
-        f"The KV cache is too small: {num_blocks} blocks fit, but one sequence of max_model_len "
-        f"({config.model.max_model_len}) needs {needed} (with the null block), i.e. "
-        f"{in_all} bytes in all; the budget is {budget} bytes "
-        f"(weights {weights}, activation peak {peak}, {block_bytes} bytes per block). "
-        + budget_advice(config, in_all)
-    )
-
-
-def budget_advice(config: EngineConfig, needed_bytes: int) -> str:
-    """Which flag to raise, and to what: the budget holds the weights too."""
-    cache = config.cache
-    if config.device.device != "cuda" and cache.kv_cache_memory is None:
-        at_least = -(-needed_bytes // (1 << 30))  # whole GiB, rounded up
-        return (
-            f"On CPU the default budget is {CPU_DEFAULT_BUDGET >> 30} GiB for the weights, activations and "
-            f"KV cache together: raise it with --kv-cache-memory (bytes; at least {at_least} GiB = "
-            f"{at_least << 30} here), or lower --max-model-len."
-        )
-    if config.device.device == "cuda" and cache.kv_cache_memory is None:
-        return "Raise --gpu-memory-utilization (the share of the GPU's memory), or lower --max-model-len."
-    return f"Raise --kv-cache-memory (now {cache.kv_cache_memory} bytes), or lower --max-model-len."

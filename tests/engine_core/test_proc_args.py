@@ -20,6 +20,8 @@ def test_every_field_survives_to_argv_then_parse() -> None:
         curve_keys="/keys",
         shutdown_timeout_s=7.5,
         kv_transfer_config='{"kv_connector": "ZmqConnector"}',
+        engines_on_node=2,
+        available_memory=16 << 30,
     )
     argv = args.to_argv()
     assert argv[:3] == [sys.executable, "-m", PROC_MODULE]
@@ -53,3 +55,26 @@ def test_bad_command_lines_are_usage_errors(
         EngineCoreArgs.parse(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_headless_engines_size_their_caches_from_their_own_node(monkeypatch) -> None:
+    """engine-core --headless measures its node once and hands every engine it starts the
+    same number, with how many engines share it (the API's config holds the API node's)."""
+    from services.engine_core import cli
+
+    args = cli.parse_args(
+        [
+            "--headless",
+            "--data-parallel-size",
+            "4",
+            "--dp-start-rank",
+            "2",
+            "--data-parallel-address",
+            "10.0.0.1",
+            "--data-parallel-rpc-port",
+            "29550",
+        ]
+    )
+    args.available_memory = 12 << 30  # what main() measured before starting them
+    engine = cli.engine_args(args, 3, "tcp://10.0.0.1:29550")
+    assert (engine.engines_on_node, engine.available_memory) == (2, 12 << 30)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.worker.executor import UniProcExecutor
-from services.worker.worker import Worker, budget_advice, kv_blocks_from_memory
+from services.worker.worker import Worker
 
 MiB = 1 << 20
 
@@ -17,7 +18,7 @@ def tiny_config(make_engine_config, folder, **kwargs):
     )
 
 
-def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_config, tiny_llama_dir):
+def test_kv_cache_memory_is_the_caches_bytes_alone(make_engine_config, tiny_llama_dir):
     worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=256 * MiB))
     worker.init_device()
     num_blocks = worker.determine_num_blocks()
@@ -25,30 +26,36 @@ def test_blocks_are_the_budget_left_after_weights_and_activations(make_engine_co
     assert (
         runner.kv_block_bytes == 2 * 16 * 2 * 16 * 4 * 2
     )  # K/V x block x kv heads x head dim x fp32 x layers
-    upper = (256 * MiB - runner.weights_bytes) // runner.kv_block_bytes
-    # The profiled peak is a resident-set rise, so other tests in this process
-    # move it (freed memory reused from earlier tests can make it 0); allow up
-    # to 128 MiB (the gather workspace alone may take 64).
-    assert upper - (128 * MiB) // runner.kv_block_bytes < num_blocks <= upper
+    assert num_blocks == 256 * MiB // runner.kv_block_bytes  # weights and activations come on top
 
 
-def test_blocks_formula():
-    assert kv_blocks_from_memory(budget=1000, weights=100, activation_peak=100, block_bytes=100) == 8
-    assert kv_blocks_from_memory(budget=100, weights=100, activation_peak=100, block_bytes=100) == 0
-
-
-def test_too_small_a_budget_says_what_to_change(make_engine_config, tiny_llama_dir):
-    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=MiB // 4))
-    with pytest.raises(ValueError, match=r"max_model_len.*Raise --kv-cache-memory \(now 262144 bytes\)"):
-        worker.determine_num_blocks()
-
-
-def test_the_cpu_default_budget_error_names_the_flag_and_a_size(make_engine_config, tiny_llama_dir):
+def test_the_cpu_default_is_the_share_of_available_memory_left(make_engine_config, tiny_llama_dir):
     config = tiny_config(make_engine_config, tiny_llama_dir)
-    assert config.cache.kv_cache_memory is None and config.device.device == "cpu"
-    advice = budget_advice(config, needed_bytes=(2 << 30) + 1)
-    assert "default budget is 2 GiB for the weights" in advice
-    assert f"--kv-cache-memory (bytes; at least 3 GiB = {3 << 30} here)" in advice
+    available = 64 * MiB + 2 * MiB * 3 // 2  # two engines; the tiny model's plan fits in what is left
+    node = msgspec.structs.replace(
+        config.cache, available_memory=4 * available, cpu_memory_utilization=0.5, engines_on_node=2
+    )
+    worker = Worker(msgspec.structs.replace(config, cache=node))
+    worker.load_model()
+    share = available  # 4 x available x 0.5 / 2
+    kv, source = worker.kv_budget(activation_peak=MiB)
+    assert kv == share - worker.runtime_bytes - worker.model_runner.weights_bytes - MiB
+    assert "/ 2 engine process(es)" in source
+
+
+def test_the_cpu_default_never_allocates_more_than_the_sequences_can_use(make_engine_config, tiny_llama_dir):
+    config = tiny_config(make_engine_config, tiny_llama_dir)
+    lots = msgspec.structs.replace(config.cache, available_memory=1 << 40)  # a terabyte
+    num_blocks = Worker(msgspec.structs.replace(config, cache=lots)).determine_num_blocks()
+    assert num_blocks == config.scheduler.max_num_seqs * (256 // 16) + 1  # 256-token sequences, + null
+
+
+def test_too_small_a_cache_says_what_to_change(make_engine_config, tiny_llama_dir):
+    worker = Worker(tiny_config(make_engine_config, tiny_llama_dir, kv_cache_memory=10 * 8192))  # 10 blocks
+    with pytest.raises(
+        ValueError, match=r"--max-model-len \(256 tokens\) needs 17 blocks.*but 10 fit.*--kv-cache-memory"
+    ):
+        worker.determine_num_blocks()
 
 
 def test_override_wins_but_needs_two_blocks(make_engine_config, tiny_llama_dir):
