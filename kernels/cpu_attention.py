@@ -7,7 +7,12 @@ load the cached build). ``load()`` raises
 compiler, no ninja); the worker then falls back to the torch path.
 
 Their torch twin is ``kernels.reference.paged_attention_ref`` (decodes: one
-query token per sequence). Caches are of the query's dtype, or int8 with fp32
+query token per sequence). Both kernels are batch-invariant on their default
+paths: a query row's output is the same bits whatever else the call holds, on
+any thread count, and a prefill's (or verify step's) row equals the decode of
+that row at its context length (the rule heads ``csrc/cpu_paged_attention.cpp``;
+the bf16 dot products of ``ENV_BF16_DOT`` and the int8 cache's AVX-512 decodes
+are not, and are opt-in). Caches are of the query's dtype, or int8 with fp32
 scales per (token, KV head) (``write_kv_int8`` writes them; twins
 ``write_kv_int8_ref`` and ``dequantize_kv_cache`` in ``kernels.reference``).
 """
