@@ -1041,12 +1041,18 @@ void load_chunk8(const cache_t* keys, const cache_t* values, RowScales rs, const
                  int64_t tokens, int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   int64_t t = 0;
+  // Key base + t's block and offset in it, stepped along (a division per key cost a decode more
+  // than its scores).
+  int64_t blk = base / block_size, off = base % block_size;
   for (; t + kW <= tokens; t += kW) {
     const cache_t* kr[kW];
     float ks[kW];
     for (int i = 0; i < kW; ++i) {
-      const int64_t pos = base + t + i;
-      const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
+      const int64_t slot = static_cast<int64_t>(blocks[blk]) * block_size + off;
+      if (++off == block_size) {
+        off = 0;
+        ++blk;
+      }
       kr[i] = keys + slot * D;
       ks[i] = kInt8 ? rs.keys[slot] : 1.0f;
       if (vf32 == nullptr) continue;
