@@ -1212,8 +1212,11 @@ template <int NR, typename T>
   const int64_t c0 = t0 / kW * kW, c1 = (t1 + kW - 1) / kW * kW;
   const float* q = b.qf + r0 * D;
   float* s = b.s + r0 * kb;
+  // Tiles of 3 rows or fewer (a decode's) take 4 vectors a step: 12 accumulators still fit. Each
+  // lane's sum is the same whatever the tile's width.
+  constexpr int kVecs = NR <= 3 ? 2 * kTileVecs : kTileVecs;
   int64_t c = c0;
-  for (; c + kTileVecs * kW <= c1; c += kTileVecs * kW) score_tile<NR, kTileVecs>(q, D, kt + c, kb, s + c);
+  for (; c + kVecs * kW <= c1; c += kVecs * kW) score_tile<NR, kVecs>(q, D, kt + c, kb, s + c);
   for (; c < c1; c += kW) score_tile<NR, 1>(q, D, kt + c, kb, s + c);
 
   float alpha[NR];
@@ -1239,8 +1242,7 @@ template <int NR, typename T>
     if (u0 >= u1) continue;
     const T* rows = v.base[i];
     int64_t d = 0;
-    for (; d + kTileVecs * kW <= D; d += kTileVecs * kW)
-      value_tile<NR, kTileVecs>(s, kb, rows + d, D, u0, u1, scale, acc + d);
+    for (; d + kVecs * kW <= D; d += kVecs * kW) value_tile<NR, kVecs>(s, kb, rows + d, D, u0, u1, scale, acc + d);
     for (; d + kW <= D; d += kW) value_tile<NR, 1>(s, kb, rows + d, D, u0, u1, scale, acc + d);
     for (; d < D; ++d)  // head sizes not a multiple of kW
       for (int r = 0; r < NR; ++r) {
