@@ -7,7 +7,12 @@ load the cached build). ``load()`` raises
 compiler, no ninja); the worker then falls back to the torch path.
 
 Their torch twin is ``kernels.reference.paged_attention_ref`` (decodes: one
-query token per sequence). Caches are of the query's dtype, or int8 with fp32
+query token per sequence). Both kernels are batch-invariant on their default
+paths: a query row's output is the same bits whatever else the call holds, on
+any thread count, and a prefill's (or verify step's) row equals the decode of
+that row at its context length (the rule heads ``csrc/cpu_paged_attention.cpp``;
+the bf16 dot products of ``ENV_BF16_DOT`` and the int8 cache's AVX-512 decodes
+are not, and are opt-in). Caches are of the query's dtype, or int8 with fp32
 scales per (token, KV head) (``write_kv_int8`` writes them; twins
 ``write_kv_int8_ref`` and ``dequantize_kv_cache`` in ``kernels.reference``).
 """
@@ -26,7 +31,6 @@ from kernels.reference import check_kv_int8_write_args, check_query_and_cache
 __all__ = [
     "KernelUnavailable",
     "amx_prefills",
-    "avx2_tile_prefills",
     "bf16_dot_prefills",
     "int8_dot_queries",
     "int8_fast_decodes",
@@ -37,12 +41,14 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "target_isa",
+    "tile_prefills",
     "write_kv_int8",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-# "0" keeps bf16 prefills and decodes on the fp32 path where the bf16 dot products are built in, "1"
-# (or unset) uses them; read by the kernel itself on every call (services/env.py declares it).
+# "1" runs bf16 prefills and decodes on bf16 dot products where they are built in (AVX512_BF16), "0"
+# (or unset) keeps them on the fp32 path, the batch-invariant one; read by the kernel itself on every
+# call (services/env.py declares it).
 ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
 # "0" keeps bf16 prefills on vdpbf16ps where the build has AMX tiles, "1" (or unset) runs their products
 # on tiles; read by the kernel on every call, as ENV_BF16_DOT.
@@ -66,19 +72,19 @@ def check_bf16_dot_env() -> None:
 def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel runs this cache dtype's prefills on bf16 dot products here: a bf16
     cache (or a bf16 query over an int8 cache: pass the query's dtype), a head size it has them
-    for, an AVX512_BF16 build, and the switch not 0."""
+    for, an AVX512_BF16 build, and the switch set to 1 (they are not batch-invariant: opt-in)."""
     return (
         dtype == torch.bfloat16
         and head_dim in (64, 128, 256)
         and amx_isa()[0] in ("avx512bf16", "amxbf16")
-        and os.environ.get(ENV_BF16_DOT, "1") != "0"
+        and os.environ.get(ENV_BF16_DOT, "0") == "1"
     )
 
 
-def avx2_tile_prefills() -> bool:
-    """Whether the kernel runs prefills on its AVX2 register tiles here: a build without AVX-512
-    (``amx_isa()`` is not one of its variants), every query and cache dtype."""
-    return amx_isa()[0] not in ("avx512", "avx512bf16", "amxbf16")
+def tile_prefills(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs this query dtype's prefills on its register tiles (the fp32 path,
+    whose rows equal the decode kernel's bit for bit): every build, but where ``bf16_dot_prefills``."""
+    return not bf16_dot_prefills(dtype, head_dim)
 
 
 def amx_prefills(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

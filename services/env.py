@@ -46,14 +46,14 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_ATTENTION_BF16_DOT",
-        "0 keeps bf16 prefills and decodes of the CPU attention kernel on its fp32 path where the CPU has AVX512_BF16 "
-        "(the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp; for tests and "
-        "measurements).",
+        "1 runs bf16 prefills and decodes of the CPU attention kernel on bf16 dot products where the CPU has "
+        "AVX512_BF16 (faster, not batch-invariant); unset or 0 keeps them on its fp32 path, whose rows are the "
+        "same bits in any batch (the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp).",
     ),
     EnvVar(
         "WEFT_ATTENTION_AMX",
         "0 keeps bf16 prefills of the CPU attention kernel on AVX512_BF16 dot products where the CPU has AMX "
-        "tiles (read by the kernel on every call; for tests and measurements).",
+        "tiles and WEFT_ATTENTION_BF16_DOT=1 (read by the kernel on every call; for tests and measurements).",
     ),
     EnvVar(
         "WEFT_ATTENTION_INT8_FAST",

@@ -19,19 +19,31 @@
 //               keys (p - window, p] only, and blocks wholly before that are
 //               never read (the KV cache manager may have handed them to others)
 //
-// Decode work (flash-decoding, vLLM's "paged attention v2"): an item is one
-// partition of one (decode, KV head)'s keys. With few (decode, KV head) pairs
-// per thread — batch 1 of a model with 3 KV heads on 2 threads — each
-// sequence's keys are cut into partitions, each computing its own max, sum
-// and weighted values; a reduce then merges them. Items are claimed, longest
-// first, from a shared counter so that no thread idles while another works.
+// Batch invariance (the rule every default path keeps): a query row's output depends on its
+// query, its sequence's keys and values and its position only, bit for bit: not on the other
+// sequences or rows in the call, the thread count, how the work is cut, or whether the row comes
+// as a decode, a prefill, a prefill chunk or a speculative-decoding verify row. So every row, in
+// both kernels, takes the same steps ("one row's arithmetic"): its keys in segments of 256 at fixed
+// positions of the sequence, each in chunks of about 64 keys at fixed positions, on the same
+// register tiles (each row's own scores, max, sum and accumulator; explicit FMAs), the segments'
+// results folded in order. What may depend on the batch is only how rows are grouped into tiles
+// and items and which thread runs them, none of which changes a row's operations. Not invariant,
+// and opt-in: the bf16 dot-product and AMX paths (WEFT_ATTENTION_BF16_DOT=1, AVX512_BF16 builds)
+// and the int8 cache's AVX-512 decode paths (an int8 cache is itself opt-in).
+//
+// Decode work (flash-decoding, vLLM's "paged attention v2"): an item is a run of segments of one
+// (decode, KV head). With few (decode, KV head) pairs per thread — batch 1 of a model with 3 KV
+// heads on 2 threads — a pair's segments are cut into several items whose segment results a
+// reduce folds in order ("decode items"). Items are claimed, longest first, from a shared counter
+// so that no thread idles while another works.
 //
 // Prefill work: an item is a tile of consecutive query tokens of one
 // (sequence, KV head), i.e. tile x G query rows, run flash-attention style
 // (online softmax) over chunks of whole cache blocks (about 64 keys); each
 // chunk's keys are transposed once into fp32 so that a row's scores over the
-// chunk are vector FMAs. AVX2 builds run each chunk's two products on register
-// tiles of 6 query rows sized for their 16 registers ("prefill, AVX2 tiles").
+// chunk are vector FMAs, and both products run on register tiles of 6 query
+// rows sized for AVX2's 16 registers ("prefill, AVX2 tiles"; AVX-512 builds
+// run them too). A decode is the same computation for its one token's G rows.
 //
 // int8 caches (any query dtype) halve the bytes a decode reads from a bf16
 // one: key t's score is scale * kscale[t] * (q . k[t]) and value t weighs
@@ -46,7 +58,7 @@
 // Arithmetic is fp32 whatever the cache dtype, but for bf16 caches on
 // AVX512_BF16 CPUs (head sizes 64 and 128 for decodes, 64, 128 and 256 for
 // prefills): there both run on bf16 dot products ("decode, bf16 dot products",
-// "prefill, bf16 dot products"); WEFT_ATTENTION_BF16_DOT=0 keeps them on fp32.
+// "prefill, bf16 dot products") where WEFT_ATTENTION_BF16_DOT=1; unset or 0 keeps them on fp32.
 // On CPUs with AMX tiles those prefills run their two products on tiles ("prefill, AMX tiles";
 // block sizes of a multiple of 16, head sizes of 64); WEFT_ATTENTION_AMX=0 keeps vdpbf16ps.
 // Index bounds are checked here, on every call (the checks cost microseconds):
@@ -72,8 +84,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define WEFT_AVX512 1
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -94,10 +108,17 @@ inline bool switch_on(const char* name) {
   return false;
 }
 
-// WEFT_ATTENTION_BF16_DOT=0 keeps bf16 attention on the fp32 path, WEFT_ATTENTION_INT8_FAST=0 int8-cache
-// decodes on the generic one: to measure one against the other and to test the generic path on a
-// CPU that has the instructions.
-inline bool bf16_dot_enabled() { return switch_on("WEFT_ATTENTION_BF16_DOT"); }
+// A 0/1 switch read on every call, unset meaning 0.
+inline bool switch_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && switch_on(name);
+}
+
+// WEFT_ATTENTION_BF16_DOT=1 runs bf16 attention on bf16 dot products (AVX512_BF16 builds; not
+// batch-invariant, so opt-in); WEFT_ATTENTION_INT8_FAST=0 keeps int8-cache decodes on the generic
+// path: to measure one against the other and to test the generic path on a CPU that has the
+// instructions.
+inline bool bf16_dot_enabled() { return switch_set("WEFT_ATTENTION_BF16_DOT"); }
 // WEFT_ATTENTION_AMX=0 keeps bf16 prefills on vdpbf16ps where the build has AMX tiles.
 inline bool amx_enabled() { return switch_on("WEFT_ATTENTION_AMX"); }
 inline bool int8_fast_enabled() { return switch_on("WEFT_ATTENTION_INT8_FAST"); }
@@ -153,6 +174,27 @@ inline float hsum(vf v) {
   v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6});
   return v[0];
 }
+
+// a * b + c, rounded once where the build has FMA (twice otherwise), on eight lanes or a float.
+// Written out in the tiles rather than left to the compiler's contraction, which may fuse another
+// pair where the same source is inlined into another tile: a row must round alike in every tile.
+inline vf fmadd(vf a, vf b, vf c) {
+#ifdef __FMA__
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float fmadd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (no libm call), on a
 // float or on eight lanes (vf, the prefill tiles' softmax): x = n ln2 + r with
@@ -282,6 +324,17 @@ struct Prefetcher {
     }
   }
 
+  // The key and value blocks `distance` ahead of b, whole (the decode items read a block's keys and
+  // values together, a chunk at a time).
+  void whole_block(int64_t b) const {
+    const int64_t ahead = b + distance;
+    if (ahead > b_last) return;
+    const int64_t at = static_cast<int64_t>(blocks[ahead]) * block_elems;
+    prefetch_block(keys + at, block_elems);
+    prefetch_block(values + at, block_elems);
+    if (key_scales != nullptr) scales_of(ahead);
+  }
+
   void value_block(int64_t b) const {
     const int64_t ahead = b + distance;
     if (ahead <= b_last) prefetch_block(values + static_cast<int64_t>(blocks[ahead]) * block_elems, block_elems);
@@ -305,12 +358,6 @@ void load_rows(const scalar_t* src, int64_t stride, int64_t rows, int64_t D, flo
 
 // ---------------------------------------------------------------- decode
 
-struct DecodeItem {
-  int64_t seq, head;   // decode i, KV head h
-  int64_t lo, hi;      // keys [lo, hi) of the sequence
-  int64_t partial;     // slot in the partials buffer; -1: the only partition, written to out
-};
-
 // Partial result of one item: per query head g, the max score, the sum of
 // exp(score - max) and the exp-weighted value sum [D].
 struct PartialView {
@@ -318,86 +365,6 @@ struct PartialView {
   float* l;
   float* acc;
 };
-
-// Scores of NG query heads against one key row: NG independent FMA chains
-// per loaded chunk of the key, so the row is read from L1 once for all.
-template <int NG, int kC, typename scalar_t>
-inline void dot_heads(const float* qf, int64_t D, const scalar_t* k, float* s, int64_t s_stride) {
-  const int64_t nc = kC > 0 ? kC : D / kW;
-  vf acc[NG] = {};
-  for (int64_t c = 0; c < nc; ++c) {
-    const vf kv = load8(k + c * kW);
-    for (int g = 0; g < NG; ++g) acc[g] += loadu(qf + g * D + c * kW) * kv;
-  }
-  for (int g = 0; g < NG; ++g) {
-    float dot = hsum(acc[g]);
-    if (kC == 0)
-      for (int64_t d = nc * kW; d < D; ++d) dot += qf[g * D + d] * static_cast<float>(k[d]);
-    s[g * s_stride] = dot;
-  }
-}
-
-template <int kC, typename scalar_t>
-inline void dot_all_heads(const float* qf, int64_t G, int64_t D, const scalar_t* k, float* s, int64_t s_stride) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) dot_heads<4, kC>(qf + g * D, D, k, s + g * s_stride, s_stride);
-  switch (G - g) {
-    case 3: dot_heads<3, kC>(qf + g * D, D, k, s + g * s_stride, s_stride); break;
-    case 2: dot_heads<2, kC>(qf + g * D, D, k, s + g * s_stride, s_stride); break;
-    case 1: dot_heads<1, kC>(qf + g * D, D, k, s + g * s_stride, s_stride); break;
-    default: break;
-  }
-}
-
-// acc[D] += sum over rows t of p[t] * v[t], the accumulator in registers when
-// the head size is fixed at compile time.
-template <int kC, typename scalar_t>
-inline void weighted_rows(const float* p, const scalar_t* v, int64_t rows, int64_t D, float* acc) {
-  if constexpr (kC > 0) {
-    vf a[kC];
-    for (int c = 0; c < kC; ++c) a[c] = loadu(acc + c * kW);
-    for (int64_t t = 0; t < rows; ++t) {
-      const scalar_t* vr = v + t * kC * kW;
-      for (int c = 0; c < kC; ++c) a[c] += p[t] * load8(vr + c * kW);
-    }
-    for (int c = 0; c < kC; ++c) storeu(acc + c * kW, a[c]);
-  } else {
-    for (int64_t t = 0; t < rows; ++t) {
-      const scalar_t* vr = v + t * D;
-      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * static_cast<float>(vr[d]);
-    }
-  }
-}
-
-// weighted_rows for NG query heads at once: each value row is loaded (and, in
-// bf16, widened) once for all of them, their accumulators in registers. Head
-// g's weights are p[g * p_stride + t].
-template <int NG, int kC, typename scalar_t>
-inline void weighted_rows_heads(const float* p, int64_t p_stride, const scalar_t* v, int64_t rows, float* acc) {
-  constexpr int64_t D = kC * kW;
-  vf a[NG][kC];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < kC; ++c) a[g][c] = loadu(acc + g * D + c * kW);
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int c = 0; c < kC; ++c) {
-      const vf x = load8(v + t * D + c * kW);
-      for (int g = 0; g < NG; ++g) a[g][c] += p[g * p_stride + t] * x;
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < kC; ++c) storeu(acc + g * D + c * kW, a[g][c]);
-}
-
-// The value pass over one block's rows for all G heads: three heads at a time
-// where their accumulators fit in registers (head size 64), else one by one.
-template <int kC, typename scalar_t>
-inline void weighted_block(const float* p, int64_t p_stride, const scalar_t* v, int64_t rows, int64_t G, int64_t D,
-                           float* acc) {
-  int64_t g = 0;
-  if constexpr (kC > 0 && kC <= 8)
-    for (; g + 3 <= G; g += 3) weighted_rows_heads<3, kC>(p + g * p_stride, p_stride, v, rows, acc + g * D);
-  for (; g < G; ++g) weighted_rows<kC>(p + g * p_stride, v, rows, D, acc + g * D);
-}
 
 // One item's scores s [G, L] -> exp(s - max) in place, each head's max and sum into part.
 inline void softmax_numerators(float* s, int64_t L, int64_t G, PartialView part) {
@@ -430,52 +397,6 @@ struct RowScales {
   const float* keys = nullptr;
   const float* values = nullptr;
 };
-
-// One item: keys [lo, hi) of one (decode, KV head), for its G query heads.
-// Two passes over the item's blocks: scores from the keys, then the values
-// weighted; each block's rows stay in L1 while every query head reads them.
-// An int8 cache (cache_t int8_t) scales each block's scores by the key scales,
-// and the softmax numerators, once their sum is taken, by the value scales.
-template <typename scalar_t, typename cache_t, int kC>
-void decode_item(const scalar_t* query, int64_t q_stride_head, const cache_t* keys, const cache_t* values,
-                 RowScales rs, const int32_t* blocks, int64_t lo, int64_t hi, int64_t block_size, int64_t D,
-                 int64_t G, float scale, std::vector<float>& buf, PartialView part) {
-  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
-  const int64_t L = hi - lo;
-  const int64_t block_elems = block_size * D;
-  buf.resize(G * D + G * L);
-  float* qf = buf.data();  // [G, D] scaled queries
-  float* s = qf + G * D;   // [G, L] scores, then softmax numerators
-  load_rows(query, q_stride_head, G, D, scale, qf);
-  const int64_t b_first = lo / block_size, b_last = (hi - 1) / block_size;
-
-  Prefetcher<cache_t> ahead{keys, values, blocks, b_first, b_last, block_elems, rs.keys, rs.values, block_size};
-  ahead.start();
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    const cache_t* kb = keys + static_cast<int64_t>(blocks[b]) * block_elems;
-    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
-    for (int64_t t = t0; t < t1; ++t) {
-      ahead.key_block_of(b, t - t0, t1 - t0);
-      dot_all_heads<kC>(qf, G, D, kb + (t - b * block_size) * D, s + (t - lo), L);
-    }
-    if constexpr (kInt8)
-      scale_heads(s + (t0 - lo), L, G, rs.keys + static_cast<int64_t>(blocks[b]) * block_size + t0 - b * block_size,
-                  t1 - t0);
-  }
-
-  softmax_numerators(s, L, G, part);
-
-  std::fill(part.acc, part.acc + G * D, 0.0f);
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    const cache_t* vb = values + static_cast<int64_t>(blocks[b]) * block_elems;
-    ahead.value_block(b);
-    const int64_t t0 = std::max(lo, b * block_size), t1 = std::min(hi, (b + 1) * block_size);
-    if constexpr (kInt8)
-      scale_heads(s + (t0 - lo), L, G,
-                  rs.values + static_cast<int64_t>(blocks[b]) * block_size + t0 - b * block_size, t1 - t0);
-    weighted_block<kC>(s + (t0 - lo), L, vb + (t0 - b * block_size) * D, t1 - t0, G, D, part.acc);
-  }
-}
 
 #ifdef WEFT_AVX512
 // ------------------------------------------------------ decode, int8 cache
@@ -980,181 +901,6 @@ void write_heads(const float* acc, const float* l, int64_t G, int64_t D, scalar_
   }
 }
 
-// Each decode's first visible key and its block range, bounds checked.
-struct DecodePlan {
-  std::vector<DecodeItem> items;
-  std::vector<int64_t> part_begin;  // per (decode, KV head) with several partitions: its first partial slot
-  std::vector<int64_t> part_count;
-  int64_t num_partials = 0;
-};
-
-// Partitions per (decode, KV head): one when there are enough pairs to keep
-// every thread busy; otherwise keys are cut into partitions of equal size,
-// about kItemsPerThread per thread in all, none under kMinPartitionTokens
-// (shorter ones cost more in set-up and reduce than they gave: a batch-1 call
-// of 160 keys, out of cache, took 1.1x the unpartitioned time with 64-key ones).
-constexpr int64_t kItemsPerThread = 8;
-constexpr int64_t kMinPartitionTokens = 256;
-
-DecodePlan plan_decodes(const int64_t* rows, const int32_t* lens, const int32_t* table, int64_t n, int64_t max_blocks,
-                        int64_t num_tokens, int64_t KVH, int64_t num_cache_blocks, int64_t block_size,
-                        int64_t window, int64_t threads) {
-  std::vector<int64_t> start(n);
-  int64_t total_keys = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(rows[i] >= 0 && rows[i] < num_tokens, "token_idx must lie in [0, ", num_tokens, ").");
-    TORCH_CHECK_VALUE(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "seq_lens must lie in [1, ",
-                      max_blocks * block_size, "] (block_table columns x block size), got ", lens[i], ".");
-    start[i] = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
-    for (int64_t b = start[i] / block_size; b * block_size < lens[i]; ++b) {
-      const int32_t id = table[i * max_blocks + b];
-      TORCH_CHECK_VALUE(id >= 0 && id < num_cache_blocks, "block_table entries in use must lie in [0, ",
-                        num_cache_blocks, ").");
-    }
-    total_keys += lens[i] - start[i];
-  }
-  const int64_t target = kItemsPerThread * threads;
-  int64_t part_tokens = std::numeric_limits<int64_t>::max();
-  if (threads > 1 && n * KVH < target) {
-    const int64_t min_tokens = (kMinPartitionTokens + block_size - 1) / block_size * block_size;
-    part_tokens = std::max(min_tokens, (total_keys * KVH + target - 1) / target);
-  }
-  DecodePlan plan;
-  plan.part_begin.assign(n * KVH, -1);
-  plan.part_count.assign(n * KVH, 1);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t L = lens[i] - start[i];
-    const int64_t parts = part_tokens == std::numeric_limits<int64_t>::max() ? 1 : (L + part_tokens - 1) / part_tokens;
-    for (int64_t h = 0; h < KVH; ++h) {
-      if (parts > 1) {
-        plan.part_begin[i * KVH + h] = plan.num_partials;
-        plan.part_count[i * KVH + h] = parts;
-      }
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t lo = start[i] + L * p / parts, hi = start[i] + L * (p + 1) / parts;
-        plan.items.push_back({i, h, lo, hi, parts > 1 ? plan.num_partials++ : -1});
-      }
-    }
-  }
-  std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [](const DecodeItem& a, const DecodeItem& b) { return a.hi - a.lo > b.hi - b.lo; });
-  return plan;
-}
-
-// Merge the partitions of one (decode, KV head): rescale each to the overall max.
-template <typename scalar_t>
-void reduce_partitions(const float* partials, int64_t first, int64_t count, int64_t G, int64_t D, scalar_t* out,
-                       int64_t o_stride_head, std::vector<float>& buf) {
-  const int64_t stride = G * (D + 2);  // one partial: m [G], l [G], acc [G, D]
-  buf.assign(G * D + G, 0.0f);
-  float* acc = buf.data();
-  float* l = acc + G * D;
-  for (int64_t g = 0; g < G; ++g) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < count; ++p) m = std::max(m, partials[(first + p) * stride + g]);
-    for (int64_t p = 0; p < count; ++p) {
-      const float* part = partials + (first + p) * stride;
-      const float w = exp_nonpositive(part[g] - m);
-      l[g] += w * part[G + g];
-      const float* pa = part + 2 * G + g * D;
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w * pa[d];
-    }
-  }
-  write_heads(acc, l, G, D, out, o_stride_head);
-}
-
-template <typename Fn>
-void for_each_claimed(int64_t count, Fn&& fn) {
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t w = begin; w < end; ++w)
-      for (int64_t k = next.fetch_add(1); k < count; k = next.fetch_add(1)) fn(k, buf);
-  });
-}
-
-// Where head h's key and value scales start (null for a float cache, whose kv_scales is absent).
-RowScales head_scales(const std::optional<at::Tensor>& kv_scales, int64_t h) {
-  if (!kv_scales) return {};
-  const int64_t KVH = kv_scales->size(1), per_head = kv_scales->size(2) * kv_scales->size(3);
-  const float* base = kv_scales->data_ptr<float>();
-  return {base + h * per_head, base + (KVH + h) * per_head};
-}
-
-template <typename scalar_t, typename cache_t, int kC>
-void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
-                const at::Tensor& seq_lens, const at::Tensor& block_table, double scale, at::Tensor& out,
-                int64_t window, const std::optional<at::Tensor>& kv_scales) {
-  const int64_t n = token_idx.size(0);
-  const int64_t H = query.size(1), D = query.size(2);
-  const int64_t KVH = kv_cache.size(1), num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
-  const int64_t G = H / KVH;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t head_blocks = num_cache_blocks * block_size * D;  // elements per (K or V, KV head)
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const cache_t* cache = kv_cache.data_ptr<cache_t>();
-  const int64_t* rows = token_idx.data_ptr<int64_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-
-  const DecodePlan plan = plan_decodes(rows, seq_lens.data_ptr<int32_t>(), table, n, max_blocks, query.size(0), KVH,
-                                       num_cache_blocks, block_size, window, at::get_num_threads());
-  const int64_t stride = G * (D + 2);
-  std::vector<float> partials(plan.num_partials * stride);
-  [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
-  [[maybe_unused]] const bool int8_fast = std::is_same_v<cache_t, int8_t> && int8_fast_enabled();
-  for_each_claimed(static_cast<int64_t>(plan.items.size()), [&](int64_t k, std::vector<float>& buf) {
-    const DecodeItem& it = plan.items[k];
-    const int64_t row = rows[it.seq];
-    const RowScales rs = head_scales(kv_scales, it.head);
-    thread_local std::vector<float> own;  // a lone partition's result, before it is written out
-    PartialView part;
-    if (it.partial >= 0) {
-      float* base = partials.data() + it.partial * stride;
-      part = {base, base + G, base + 2 * G};
-    } else {
-      own.resize(stride);
-      part = {own.data(), own.data() + G, own.data() + 2 * G};
-    }
-    bool dot = false;  // run on bf16 dot products or 512-bit int8 rows (head sizes 64 and 128)
-#ifdef WEFT_AVX512
-    if constexpr (std::is_same_v<cache_t, int8_t> && (kC == 8 || kC == 16))
-      if (int8_fast) {
-        decode_item_int8<kC / 2>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
-                                 cache + (KVH + it.head) * head_blocks, rs, table + it.seq * max_blocks, it.lo,
-                                 it.hi, block_size, G, static_cast<float>(scale), buf, part);
-        dot = true;
-      }
-#endif
-#ifdef WEFT_BF16_DOT
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
-                  (kC == 8 || kC == 16))
-      if (bf16_dot) {
-        decode_item_bf16<kC / 4>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
-                                 cache + (KVH + it.head) * head_blocks, table + it.seq * max_blocks, it.lo, it.hi,
-                                 block_size, G, static_cast<float>(scale), buf, part);
-        dot = true;
-      }
-#endif
-    if (!dot)
-      decode_item<scalar_t, cache_t, kC>(q + row * qs0 + it.head * G * qs1, qs1, cache + it.head * head_blocks,
-                                         cache + (KVH + it.head) * head_blocks, rs, table + it.seq * max_blocks, it.lo,
-                                         it.hi, block_size, D, G, static_cast<float>(scale), buf, part);
-    if (it.partial < 0) write_heads(part.acc, part.l, G, D, o + row * os0 + it.head * G * os1, os1);
-  });
-  if (plan.num_partials == 0) return;
-  std::vector<int64_t> split;
-  for (int64_t p = 0; p < n * KVH; ++p)
-    if (plan.part_begin[p] >= 0) split.push_back(p);
-  for_each_claimed(static_cast<int64_t>(split.size()), [&](int64_t k, std::vector<float>& buf) {
-    const int64_t p = split[k], i = p / KVH, h = p % KVH;
-    reduce_partitions(partials.data(), plan.part_begin[p], plan.part_count[p], G, D,
-                      o + rows[i] * os0 + h * G * os1, os1, buf);
-  });
-}
-
 void check_layouts(const char* op, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& out) {
   TORCH_CHECK_VALUE(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && out.sizes() == query.sizes(),
                     op, ": query and out [T, H, D], kv_cache [2, KVH, num_blocks, block_size, D] expected");
@@ -1215,30 +961,6 @@ void dispatch_query_and_cache(const char* op, const at::Tensor& query, const at:
   });
 }
 
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
-                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                            at::Tensor out, int64_t window, const std::optional<at::Tensor>& kv_scales) {
-  const char* op = "paged_decode_attention";
-  check_layouts(op, query, kv_cache, out);
-  check_scales(op, kv_cache, kv_scales);
-  check_index(op, "token_idx", token_idx, at::kLong, 1);
-  check_index(op, "seq_lens", seq_lens, at::kInt, 1);
-  check_index(op, "block_table", block_table, at::kInt, 2);
-  const int64_t n = token_idx.size(0);
-  TORCH_CHECK_VALUE(seq_lens.size(0) == n && block_table.size(0) == n, op,
-                    ": token_idx, seq_lens and block_table need one entry (row) per decode");
-  TORCH_CHECK_VALUE(window >= 0, "window must be 0 (full attention) or positive, got ", window, ".");
-  if (n == 0) return;
-  dispatch_query_and_cache(op, query, kv_cache, [&](auto tag, auto cache_tag) {
-    using scalar_t = decltype(tag);
-    using cache_t = decltype(cache_tag);
-    dispatch_head_dim(query.size(2), [&](auto chunks) {
-      decode_all<scalar_t, cache_t, decltype(chunks)::value>(query, kv_cache, token_idx, seq_lens, block_table, scale,
-                                                              out, window, kv_scales);
-    });
-  });
-}
-
 // ---------------------------------------------------------------- prefill
 
 // A tile of query tokens times G heads is at most kMaxRows query rows: the
@@ -1257,78 +979,9 @@ struct PrefillItem {
 // and a call; over 16-key blocks those cost as much as the dot products.
 constexpr int64_t kChunkKeys = 64;
 
-// AVX2 builds run each chunk on register tiles of 6 query rows ("prefill, AVX2 tiles"); AVX-512 ones
-// keep the shapes tuned for their 32 registers, block_scores and weighted_block.
-#ifdef WEFT_AVX512
-constexpr bool kAvx2Tiles = false;
-#else
-constexpr bool kAvx2Tiles = true;
-#endif
-
-// Row r = (token j0 + r / G, head g = r % G). S[r, c0 + :kNB * kW] = Q[r, :] .
-// Kt[:, c0 + ...] for keys transposed to Kt [D, ld]: four rows at a time share
-// each loaded piece of Kt, 4 x kNB independent FMA chains.
-template <int kNB>
-[[gnu::always_inline]] inline void score_rows4(const float* q0, int64_t D, const float* kt, int64_t ld, float* s) {
-  vf a[4][kNB] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    vf k[kNB];
-    for (int c = 0; c < kNB; ++c) k[c] = loadu(kt + d * ld + c * kW);
-    for (int r = 0; r < 4; ++r)
-      for (int c = 0; c < kNB; ++c) a[r][c] += q0[r * D + d] * k[c];
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < kNB; ++c) storeu(s + r * ld + c * kW, a[r][c]);
-}
-
-// S [rows, kb] = Q [rows, D] . Kt [D, kb], kb a multiple of kW: 32 keys (16
-// accumulators) per pass where they fit, the remainder 8 at a time. Forced
-// inline, with score_rows4: GCC stopped inlining them once the bf16 code below
-// grew the file, and the fp32 prefill took 1.15x the time (512 and 64-after-448
-// tokens, interleaved against the build without it).
-[[gnu::always_inline]] inline void block_scores(const float* qf, int64_t rows, int64_t D, const float* kt, int64_t kb,
-                                                float* s) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    int64_t c = 0;
-    for (; c + 4 * kW <= kb; c += 4 * kW) score_rows4<4>(qf + r * D, D, kt + c, kb, s + r * kb + c);
-    for (; c < kb; c += kW) score_rows4<1>(qf + r * D, D, kt + c, kb, s + r * kb + c);
-  }
-  for (; r < rows; ++r)
-    for (int64_t c = 0; c < kb; c += kW) {
-      vf a = {};
-      for (int64_t d = 0; d < D; ++d) a += qf[r * D + d] * loadu(kt + d * kb + c);
-      storeu(s + r * kb + c, a);
-    }
-}
-
-// Online softmax of one row's block scores s [kb] (keys outside [vis_lo,
-// vis_hi) of the block hidden): rescales the row's running sum and
-// accumulator, leaves the weights in s. False when the row sees none.
-inline bool online_softmax_row(float* s, int64_t kb, int64_t vis_lo, int64_t vis_hi, float& m, float& l, float* acc,
-                               int64_t D) {
-  if (vis_lo >= vis_hi) return false;
-  float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t t = vis_lo; t < vis_hi; ++t) mx = std::max(mx, s[t]);
-  const float m_new = std::max(m, mx);
-  const float alpha = exp_nonpositive(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < kb; ++t) {
-    const float p = (t >= vis_lo && t < vis_hi) ? exp_nonpositive(s[t] - m_new) : 0.0f;
-    s[t] = p;
-    sum += p;
-  }
-  l = l * alpha + sum;
-  m = m_new;
-  if (alpha != 1.0f)
-    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-  return true;
-}
-
 // Converts the keys [base, base + tokens) of a sequence, a run of whole cache
-// blocks, to fp32: keys transposed into kt [D, kb], values into vf32 [kb, D];
+// blocks, to fp32: keys transposed into kt [D, kb], values into vf32 [kb, D]
+// (unless vf32 is null: the values are read in place);
 // an int8 cache's rows times their scales (the dequantized cache).
 template <typename cache_t>
 void load_chunk(const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t base,
@@ -1340,25 +993,22 @@ void load_chunk(const cache_t* keys, const cache_t* values, RowScales rs, const 
     const cache_t* vr = values + slot * D;
     if constexpr (std::is_same_v<cache_t, int8_t>) {
       const float ks = rs.keys[slot], vs = rs.values[slot];
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * kb + t] = static_cast<float>(kr[d]) * ks;
-        vf32[t * D + d] = static_cast<float>(vr[d]) * vs;
-      }
+      for (int64_t d = 0; d < D; ++d) kt[d * kb + t] = static_cast<float>(kr[d]) * ks;
+      if (vf32 != nullptr)
+        for (int64_t d = 0; d < D; ++d) vf32[t * D + d] = static_cast<float>(vr[d]) * vs;
     } else {
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * kb + t] = static_cast<float>(kr[d]);
-        vf32[t * D + d] = static_cast<float>(vr[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) kt[d * kb + t] = static_cast<float>(kr[d]);
+      if (vf32 != nullptr)
+        for (int64_t d = 0; d < D; ++d) vf32[t * D + d] = static_cast<float>(vr[d]);
     }
   }
 }
 
 // ------------------------------------------------------------ prefill, AVX2 tiles
 //
-// AVX2 has 16 vector registers. score_rows4<4> (16 accumulators, 4 key vectors and a broadcast) and
-// weighted_rows_heads<3, 8> (3 heads x 8 vectors of D = 24 accumulators) fit the 32 of AVX-512, where
-// they were tuned; here GCC spilled their accumulators to the stack on every step. AVX2 builds take
-// each chunk kTileRows query rows at a time instead, both products on tiles of 6 rows x 2 vectors:
+// AVX2 has 16 vector registers. The shapes first tuned for AVX-512's 32 (4 rows x 4 key vectors of
+// scores, 3 heads x 8 vectors of values) spilled their accumulators to the stack on every step here.
+// Each chunk is taken kTileRows query rows at a time instead, both products on tiles of 6 rows x 2 vectors:
 // 12 accumulators, the 2 vectors of keys (or values) of one step and the broadcast query element (or
 // weight), 15 registers, no spills. 6 rows is two tokens of SmolLM2's 3 heads per KV head; 2 vectors
 // divide 64-key chunks and head sizes of a multiple of 16. A tile's scores, softmax and values run
@@ -1369,7 +1019,10 @@ void load_chunk(const cache_t* keys, const cache_t* values, RowScales rs, const 
 // value vector loaded once for its 6 rows, whatever tokens they belong to. The accumulators' rescale
 // by the online softmax's alpha is folded into the tile's load of them. One consequence: a value
 // row that is not finite (an int8 row with a NaN scale) reaches, as 0 x NaN, the tile's rows that do
-// not see it too, where the per-token value pass left them finite.
+// not see it too, where the per-token value pass left them finite. Otherwise a row's result does not
+// depend on its tile's other rows: its scores are its own FMA chains, its softmax its own lanes
+// (keys it does not see add 0 to its sum), its value pass adds exact zeros for keys it does not see.
+// That is what lets a decode's G rows equal the same rows inside any prefill tile.
 //
 // Measured on a 2-core Zen 3 (scripts/prefill_kernel_vs_sdpa.py, SmolLM2's heads, 2 threads): fp32,
 // 2,048 new tokens from 67-70 ms on the shapes above to 37-38 ms; 64 after 448, 1.11-1.15 -> 0.61-0.76
@@ -1388,14 +1041,21 @@ void load_chunk8(const cache_t* keys, const cache_t* values, RowScales rs, const
                  int64_t tokens, int64_t block_size, int64_t D, int64_t kb, float* kt, float* vf32) {
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   int64_t t = 0;
+  // Key base + t's block and offset in it, stepped along (a division per key cost a decode more
+  // than its scores).
+  int64_t blk = base / block_size, off = base % block_size;
   for (; t + kW <= tokens; t += kW) {
     const cache_t* kr[kW];
     float ks[kW];
     for (int i = 0; i < kW; ++i) {
-      const int64_t pos = base + t + i;
-      const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size + pos % block_size;
+      const int64_t slot = static_cast<int64_t>(blocks[blk]) * block_size + off;
+      if (++off == block_size) {
+        off = 0;
+        ++blk;
+      }
       kr[i] = keys + slot * D;
       ks[i] = kInt8 ? rs.keys[slot] : 1.0f;
+      if (vf32 == nullptr) continue;
       const cache_t* vr = values + slot * D;
       const float vs = kInt8 ? rs.values[slot] : 1.0f;
       for (int64_t d = 0; d < D; ++d) vf32[(t + i) * D + d] = static_cast<float>(vr[d]) * vs;
@@ -1426,7 +1086,8 @@ void load_chunk8(const cache_t* keys, const cache_t* values, RowScales rs, const
       for (int i = 0; i < kW; ++i) kt[d * kb + t + i] = static_cast<float>(kr[i][d]) * ks[i];
   }
   if (t < tokens)
-    load_chunk(keys, values, rs, blocks, base + t, tokens - t, block_size, D, kb, kt + t, vf32 + t * D);
+    load_chunk(keys, values, rs, blocks, base + t, tokens - t, block_size, D, kb, kt + t,
+               vf32 == nullptr ? nullptr : vf32 + t * D);
 }
 
 // S[r, :NB * kW] = Q[r, :] . Kt[:, :NB * kW] for the NR rows from q (row stride D) and keys
@@ -1438,40 +1099,41 @@ template <int NR, int NB>
     vf k[NB];
     for (int c = 0; c < NB; ++c) k[c] = loadu(kt + d * ld + c * kW);
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < NB; ++c) a[r][c] += q[r * D + d] * k[c];
+      for (int c = 0; c < NB; ++c) a[r][c] = fmadd(splat(q[r * D + d]), k[c], a[r][c]);
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NB; ++c) storeu(s + r * ld + c * kW, a[r][c]);
 }
 
 // acc[r, :NV * kW] = acc[r, :NV * kW] * alpha[r] + sum over t in [t0, t1) of p[r * ld + t] * v[t, :NV * kW]
-// for NR rows (acc's and v's row stride D).
-template <int NR, int NV>
-[[gnu::always_inline]] inline void value_tile(const float* p, int64_t ld, const float* v, int64_t D, int64_t t0,
+// for NR rows (acc's and v's row stride D); v fp32, or a float cache's rows read in place (widened
+// exactly).
+template <int NR, int NV, typename T>
+[[gnu::always_inline]] inline void value_tile(const float* p, int64_t ld, const T* v, int64_t D, int64_t t0,
                                               int64_t t1, const float* alpha, float* acc) {
   vf a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = loadu(acc + r * D + c * kW) * alpha[r];
   for (int64_t t = t0; t < t1; ++t) {
     vf x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = loadu(v + t * D + c * kW);
+    for (int c = 0; c < NV; ++c) x[c] = load8(v + t * D + c * kW);
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < NV; ++c) a[r][c] += p[r * ld + t] * x[c];
+      for (int c = 0; c < NV; ++c) a[r][c] = fmadd(splat(p[r * ld + t]), x[c], a[r][c]);
   }
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NV; ++c) storeu(acc + r * D + c * kW, a[r][c]);
 }
 
 // The tiles' softmax is written in vectors (exp_nonpositive on eight lanes): the omp simd loops of
-// online_softmax_row compiled to a scalar max and peeled ends, and took the 2,048-token fp32 prefill
-// 81 ms against 75 on one thread.
+// the per-row softmax it replaced compiled to a scalar max and peeled ends, and took the 2,048-token
+// fp32 prefill 81 ms against 75 on one thread.
 inline float hmax(vf v) {
   v = v > __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3}) ? v : __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
   v = v > __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5}) ? v : __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
   return std::max(v[0], v[1]);
 }
 
-// online_softmax_row's step on whole vectors of a row's scores s[c0, c1) (c0 and c1 multiples of kW,
+// One online-softmax step on whole vectors of a row's scores s[c0, c1) (c0 and c1 multiples of kW,
 // the visible keys [vis_lo, vis_hi) among them, at least one): updates the row's max m and sum l,
 // leaves the weights in s[c0, c1), 0 outside the visible keys, and returns the factor alpha its
 // accumulator is to be rescaled by (value_tile applies it). Lanes outside the visible keys are masked
@@ -1509,6 +1171,17 @@ inline float softmax_weights8(float* s, int64_t c0, int64_t c1, int64_t vis_lo, 
   return softmax_lanes<false>(s, c0, c1, vis_lo, vis_hi, m, l);
 }
 
+// Where a chunk's value rows are: run i holds the chunk's keys [start[i], start[i + 1]), key t's
+// row at base[i] + t * D. One run over the chunk's fp32 copy, or one per cache block where the
+// values are read in place.
+template <typename T>
+struct ValueRuns {
+  static constexpr int kMax = 64;
+  const T* base[kMax];
+  int64_t start[kMax + 1];
+  int n = 0;
+};
+
 // Which keys of a chunk each of the item's tokens sees (prefill_item's rule).
 struct ChunkKeys {
   int64_t first_pos;  // the item's first token's position, less the chunk's first key's
@@ -1530,17 +1203,20 @@ struct TileBuffers {
 
 // NR rows from row r0 (token r / G, head r % G) over one chunk: the keys [c0, c1) of it that any of
 // them sees, rounded out to whole vectors, scored; each row's online softmax; then the weighted values.
-template <int NR>
+template <int NR, typename T>
 [[gnu::always_inline]] inline void chunk_tile(TileBuffers b, int64_t r0, int64_t G, int64_t D, const float* kt,
-                                              const float* v, int64_t kb, ChunkKeys keys) {
+                                              const ValueRuns<T>& v, int64_t kb, ChunkKeys keys) {
   // The first row's lo and the last row's hi bound the keys the tile's rows see.
   const int64_t t0 = keys.lo(r0 / G), t1 = keys.hi((r0 + NR - 1) / G);
   if (t0 >= t1) return;  // no row sees a key of the chunk: their state stays as it is
   const int64_t c0 = t0 / kW * kW, c1 = (t1 + kW - 1) / kW * kW;
   const float* q = b.qf + r0 * D;
   float* s = b.s + r0 * kb;
+  // Tiles of 3 rows or fewer (a decode's) take 4 vectors a step: 12 accumulators still fit. Each
+  // lane's sum is the same whatever the tile's width.
+  constexpr int kVecs = NR <= 3 ? 2 * kTileVecs : kTileVecs;
   int64_t c = c0;
-  for (; c + kTileVecs * kW <= c1; c += kTileVecs * kW) score_tile<NR, kTileVecs>(q, D, kt + c, kb, s + c);
+  for (; c + kVecs * kW <= c1; c += kVecs * kW) score_tile<NR, kVecs>(q, D, kt + c, kb, s + c);
   for (; c < c1; c += kW) score_tile<NR, 1>(q, D, kt + c, kb, s + c);
 
   float alpha[NR];
@@ -1555,22 +1231,33 @@ template <int NR>
     }
   }
 
+  // Run by run of value rows: the first scales the accumulators by alpha, the others by 1 (exact), so
+  // the sums are the same however the rows are laid out.
   float* acc = b.acc + r0 * D;
-  int64_t d = 0;
-  for (; d + kTileVecs * kW <= D; d += kTileVecs * kW)
-    value_tile<NR, kTileVecs>(s, kb, v + d, D, t0, t1, alpha, acc + d);
-  for (; d + kW <= D; d += kW) value_tile<NR, 1>(s, kb, v + d, D, t0, t1, alpha, acc + d);
-  for (; d < D; ++d)  // head sizes not a multiple of kW
-    for (int i = 0; i < NR; ++i) {
-      float x = acc[i * D + d] * alpha[i];
-      for (int64_t t = t0; t < t1; ++t) x += s[i * kb + t] * v[t * D + d];
-      acc[i * D + d] = x;
-    }
+  float ones[NR];
+  std::fill(ones, ones + NR, 1.0f);
+  const float* scale = alpha;
+  for (int i = 0; i < v.n; ++i) {
+    const int64_t u0 = std::max(t0, v.start[i]), u1 = std::min(t1, v.start[i + 1]);
+    if (u0 >= u1) continue;
+    const T* rows = v.base[i];
+    int64_t d = 0;
+    for (; d + kVecs * kW <= D; d += kVecs * kW) value_tile<NR, kVecs>(s, kb, rows + d, D, u0, u1, scale, acc + d);
+    for (; d + kW <= D; d += kW) value_tile<NR, 1>(s, kb, rows + d, D, u0, u1, scale, acc + d);
+    for (; d < D; ++d)  // head sizes not a multiple of kW
+      for (int r = 0; r < NR; ++r) {
+        float x = acc[r * D + d] * scale[r];
+        for (int64_t t = u0; t < u1; ++t) x = fmadd(s[r * kb + t], static_cast<float>(rows[t * D + d]), x);
+        acc[r * D + d] = x;
+      }
+    scale = ones;
+  }
 }
 
 // One chunk of keys for all the item's rows, kTileRows at a time, the last tile holding the rest.
+template <typename T>
 [[gnu::always_inline]] inline void chunk_tiles(TileBuffers b, int64_t rows, int64_t G, int64_t D, const float* kt,
-                                               const float* v, int64_t kb, ChunkKeys keys) {
+                                               const ValueRuns<T>& v, int64_t kb, ChunkKeys keys) {
   static_assert(kTileRows == 6, "the switch below holds the tiles of 1 to 5 rows");
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) chunk_tile<kTileRows>(b, r, G, D, kt, v, kb, keys);
@@ -1584,56 +1271,388 @@ template <int NR>
   }
 }
 
+// ------------------------------------------------ one row's arithmetic, decodes and prefills
+//
+// A row (one query token, one head) is computed by the same steps wherever it is: in a decode (one
+// token, its G heads), a prefill, a chunk of one or a speculative-decoding verify step (several
+// tokens). Keys are taken in segments of kSegmentKeys at fixed positions of the sequence (keys [0,
+// S), [S, 2S), ...), each segment in chunks at fixed positions too, on the tiles above: each row's
+// online softmax from a fresh state per segment, then the segment's max, sum and weighted values
+// folded into the row's running ones (fold_rows), segment after segment. A decode whose keys are
+// cut into partitions for the threads cuts them at segment boundaries and folds the partitions'
+// segments in the same order, so where the work went changes nothing.
+
+// Keys per segment: a multiple of the chunk, at least kSegmentKeys keys where a chunk is shorter.
+constexpr int64_t kSegmentKeys = 256;
+
+// Items of at most this many rows read a float cache's values in place (segment_rows).
+constexpr int64_t kInPlaceRows = 8;
+
+inline int64_t chunk_keys(int64_t block_size) { return std::max<int64_t>(1, kChunkKeys / block_size) * block_size; }
+
+inline int64_t segment_keys(int64_t block_size) {
+  const int64_t chunk = chunk_keys(block_size);
+  return std::max<int64_t>(1, kSegmentKeys / chunk) * chunk;
+}
+
+// Where a (sequence, KV head)'s keys and values are read: its caches, an int8 cache's scales, its
+// block table.
+template <typename cache_t>
+struct KeySource {
+  const cache_t* keys;
+  const cache_t* values;
+  RowScales rs;
+  const int32_t* blocks;
+  int64_t block_size;
+};
+
+// An item's buffers: the segment's state (TileBuffers: queries, scores, m, l, acc), the running
+// state the segments fold into (M, L, A), and a chunk's keys (transposed) and values in fp32.
+struct RowBuffers {
+  TileBuffers seg;
+  float* qf;  // seg.qf, written
+  float* A;  // [rows, D]
+  float* M;  // [rows]
+  float* L;  // [rows]
+  float* kt;
+  float* vf32;
+  int64_t kb;
+};
+
+inline RowBuffers row_buffers(std::vector<float>& buf, int64_t rows, int64_t D, int64_t block_size) {
+  const int64_t kb = (chunk_keys(block_size) + kW - 1) / kW * kW;
+  buf.resize(3 * rows * D + 4 * rows + 2 * D * kb + rows * kb);
+  float* p = buf.data();
+  auto take = [&](int64_t n) {
+    float* at = p;
+    p += n;
+    return at;
+  };
+  RowBuffers b;
+  float* qf = take(rows * D);
+  float* acc = take(rows * D);
+  float* m = take(rows);
+  float* l = take(rows);
+  b.A = take(rows * D);
+  b.M = take(rows);
+  b.L = take(rows);
+  b.kt = take(D * kb);
+  b.vf32 = take(kb * D);
+  b.seg = TileBuffers{qf, take(rows * kb), acc, m, l};
+  b.qf = qf;
+  b.kb = kb;
+  std::fill(b.A, b.A + rows * D, 0.0f);
+  std::fill(b.M, b.M + rows, -std::numeric_limits<float>::infinity());
+  std::fill(b.L, b.L + rows, 0.0f);
+  std::fill(b.kt, b.kt + D * kb, 0.0f);  // lanes no row sees are read: finite, whatever they hold
+  return b;
+}
+
+// The segment state (b.m, b.l, b.acc) of `rows` rows (row r: token r / G at position pos0 + r / G,
+// head r % G) over the keys [lo, hi) of one segment (lo past the segment's start only where a
+// window hides the keys before it): each chunk of the segment read from the cache (the blocks
+// holding [lo, hi) only), its keys and values converted to fp32, and run on the tiles.
+template <int kC, typename cache_t>
+void segment_rows(TileBuffers b, int64_t rows, int64_t G, int64_t D, const KeySource<cache_t>& src, int64_t pos0,
+                  int64_t window, int64_t lo, int64_t hi, float* kt, float* vf32, int64_t kb,
+                  const Prefetcher<cache_t>* ahead) {
+  const int64_t Dc = kC > 0 ? kC * kW : D;  // a constant where the head size is specialised
+  const int64_t bs = src.block_size, chunk = chunk_keys(bs);
+  // Few rows (a decode's) read a float cache's values in place rather than copy them first (a
+  // prefill's many rows share the copy); the sums are the same bits either way.
+  constexpr bool kInPlace = std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>;
+  [[maybe_unused]] const bool in_place = rows <= kInPlaceRows && bs >= kW && chunk / bs <= ValueRuns<cache_t>::kMax;
+  std::fill(b.acc, b.acc + rows * Dc, 0.0f);
+  std::fill(b.m, b.m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(b.l, b.l + rows, 0.0f);
+  for (int64_t cb = lo / chunk * chunk; cb < hi; cb += chunk) {
+    const int64_t ld0 = std::max(cb, lo / bs * bs), ld1 = std::min(cb + chunk, hi);
+    if (ahead != nullptr)
+      for (int64_t blk = ld0 / bs; blk * bs < ld1; ++blk) ahead->whole_block(blk);
+    const ChunkKeys keys{pos0 - cb, window, ld1 - cb};
+    if constexpr (kInPlace) {
+      if (in_place) {  // the values read from their blocks
+        load_chunk8(src.keys, src.values, src.rs, src.blocks, ld0, ld1 - ld0, bs, Dc, kb, kt + (ld0 - cb),
+                    static_cast<float*>(nullptr));
+        ValueRuns<cache_t> runs;
+        for (int64_t blk = ld0 / bs; blk * bs < ld1; ++blk) {
+          runs.base[runs.n] = src.values + (static_cast<int64_t>(src.blocks[blk]) * bs + cb - blk * bs) * Dc;
+          runs.start[runs.n++] = std::max(ld0, blk * bs) - cb;
+        }
+        runs.start[runs.n] = ld1 - cb;
+        chunk_tiles(b, rows, G, Dc, kt, runs, kb, keys);
+        continue;
+      }
+    }
+    load_chunk8(src.keys, src.values, src.rs, src.blocks, ld0, ld1 - ld0, bs, Dc, kb, kt + (ld0 - cb),
+                vf32 + (ld0 - cb) * Dc);
+    ValueRuns<float> copy;
+    copy.base[0] = vf32;
+    copy.start[0] = 0;
+    copy.start[1] = kb;
+    copy.n = 1;
+    chunk_tiles(b, rows, G, Dc, kt, copy, kb, keys);
+  }
+}
+
+// Folds each row's segment state (m, l, acc) into its running one (M, L, A): both rescaled to the
+// larger max. A segment the row saw no key of (l == 0) leaves it as it is. One compiled copy (not
+// inlined), so that every caller rounds alike.
+[[gnu::noinline]] void fold_rows(const float* m, const float* l, const float* acc, int64_t rows, int64_t D, float* M,
+                                 float* L, float* A) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (l[r] == 0.0f) continue;
+    const float m_new = std::max(M[r], m[r]);
+    const float a = exp_nonpositive(M[r] - m_new), w = exp_nonpositive(m[r] - m_new);
+    L[r] = L[r] * a + l[r] * w;
+    for (int64_t d = 0; d < D; ++d) A[r * D + d] = A[r * D + d] * a + acc[r * D + d] * w;
+    M[r] = m_new;
+  }
+}
+
+// ---------------------------------------------------------------- prefill items
+
 template <typename scalar_t, typename cache_t, int kC>
 void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out, int64_t os0, int64_t os1,
                   const cache_t* keys, const cache_t* values, RowScales rs, const int32_t* blocks, int64_t context,
                   int64_t j0, int64_t j1, int64_t block_size, int64_t D, int64_t G, float scale, int64_t window,
                   std::vector<float>& buf) {
   const int64_t rows = (j1 - j0) * G;
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;  // keys per chunk
-  const int64_t kb = (chunk + kW - 1) / kW * kW;
-  buf.resize(rows * D * 2 + 2 * rows + D * kb + kb * D + rows * kb);
-  float* qf = buf.data();       // [rows, D] scaled queries
-  float* acc = qf + rows * D;   // [rows, D]
-  float* m = acc + rows * D;    // [rows]
-  float* l = m + rows;          // [rows]
-  float* kt = l + rows;         // [D, kb] the chunk's keys, transposed
-  float* vf32 = kt + D * kb;    // [kb, D] the chunk's values
-  float* s = vf32 + kb * D;     // [rows, kb]
-  for (int64_t j = j0; j < j1; ++j) load_rows(query + j * qs0, qs1, G, D, scale, qf + (j - j0) * G * D);
-  std::fill(acc, acc + rows * D, 0.0f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.0f);
-  std::fill(kt, kt + D * kb, 0.0f);
-
-  // Token j sits at position context + j and sees keys (pos - window, pos].
-  // Chunks start at a block boundary: blocks wholly before the window are never read.
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, context + j0 - window + 1) : 0;
-  const int64_t last_key = context + j1 - 1;
-  for (int64_t base = first_key / block_size * block_size; base <= last_key; base += chunk) {
-    const int64_t tokens = std::min(chunk, last_key + 1 - base);
-    if constexpr (kAvx2Tiles) {
-      const int64_t Dc = kC > 0 ? kC * kW : D;  // a constant where the head size is specialised
-      load_chunk8(keys, values, rs, blocks, base, tokens, block_size, Dc, kb, kt, vf32);
-      chunk_tiles(TileBuffers{qf, s, acc, m, l}, rows, G, Dc, kt, vf32, kb,
-                  ChunkKeys{context + j0 - base, window, tokens});
-      continue;
-    }
-    load_chunk(keys, values, rs, blocks, base, tokens, block_size, D, kb, kt, vf32);
-    block_scores(qf, rows, D, kt, kb, s);
-    // A token's G rows see the same keys: their value pass reads each value row once for all.
-    for (int64_t j = 0; j < j1 - j0; ++j) {
-      const int64_t pos = context + j0 + j;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
-      const int64_t hi = std::min(tokens, pos + 1 - base);
-      if (lo >= hi) continue;
-      const int64_t r0 = j * G;
-      for (int64_t r = r0; r < r0 + G; ++r) online_softmax_row(s + r * kb, kb, lo, hi, m[r], l[r], acc + r * D, D);
-      weighted_block<kC>(s + r0 * kb + lo, kb, vf32 + lo * D, hi - lo, G, D, acc + r0 * D);
-    }
+  const int64_t Dc = kC > 0 ? kC * kW : D;
+  RowBuffers b = row_buffers(buf, rows, Dc, block_size);
+  for (int64_t j = j0; j < j1; ++j) load_rows(query + j * qs0, qs1, G, Dc, scale, b.qf + (j - j0) * G * Dc);
+  // Token j sits at position context + j and sees keys (pos - window, pos]: blocks wholly before
+  // the first token's window are never read.
+  const int64_t pos0 = context + j0;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, last = context + j1 - 1;
+  const KeySource<cache_t> src{keys, values, rs, blocks, block_size};
+  const int64_t S = segment_keys(block_size);
+  for (int64_t k = first / S; k * S <= last; ++k) {
+    segment_rows<kC>(b.seg, rows, G, Dc, src, pos0, window, std::max(first, k * S), std::min(last + 1, (k + 1) * S),
+                     b.kt, b.vf32, b.kb, static_cast<const Prefetcher<cache_t>*>(nullptr));
+    fold_rows(b.seg.m, b.seg.l, b.seg.acc, rows, Dc, b.M, b.L, b.A);
   }
   for (int64_t j = j0; j < j1; ++j)
-    write_heads(acc + (j - j0) * G * D, l + (j - j0) * G, G, D, out + j * os0, os1);
+    write_heads(b.A + (j - j0) * G * Dc, b.L + (j - j0) * G, G, Dc, out + j * os0, os1);
+}
+
+// ---------------------------------------------------------------- decode items
+//
+// An item is a run of segments [k0, k1) of one (decode, KV head). With few (decode, KV head) pairs
+// per thread (batch 1 of a model with 3 KV heads on 2 threads) a pair's segments are cut into
+// several items, each storing every segment's state in its slot of the partials buffer, and a
+// reduce folds them in order; otherwise an item holds all of a pair's segments and folds them as it
+// goes. Items are claimed, longest first, from a shared counter so that no thread idles while
+// another works.
+
+struct DecodeItem {
+  int64_t seq, head;  // decode i, KV head h
+  int64_t k0, k1;     // its segments [k0, k1)
+  int64_t slot;       // the first segment's slot in the partials buffer; -1: all segments, written to out
+  int64_t cost;       // keys read
+};
+
+struct DecodePlan {
+  std::vector<DecodeItem> items;
+  std::vector<int64_t> start;       // per decode: its first visible key
+  std::vector<int64_t> first_slot;  // per (decode, KV head) cut into items: its first slot, else -1
+  int64_t num_slots = 0;
+};
+
+// Pairs are cut when there are too few to keep every thread busy: into about kItemsPerThread items
+// per thread in all, none under kMinPartitionTokens keys (shorter ones cost more in set-up and
+// reduce than they gave: a batch-1 call of 160 keys, out of cache, took 1.1x the time uncut with
+// 64-key ones). Only the speed depends on these: the results are the same however a pair is cut.
+constexpr int64_t kItemsPerThread = 8;
+constexpr int64_t kMinPartitionTokens = 256;
+
+DecodePlan plan_decodes(const int64_t* rows, const int32_t* lens, const int32_t* table, int64_t n, int64_t max_blocks,
+                        int64_t num_tokens, int64_t KVH, int64_t num_cache_blocks, int64_t block_size,
+                        int64_t window, int64_t threads) {
+  DecodePlan plan;
+  plan.start.resize(n);
+  int64_t total_keys = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(rows[i] >= 0 && rows[i] < num_tokens, "token_idx must lie in [0, ", num_tokens, ").");
+    TORCH_CHECK_VALUE(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "seq_lens must lie in [1, ",
+                      max_blocks * block_size, "] (block_table columns x block size), got ", lens[i], ".");
+    plan.start[i] = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+    for (int64_t b = plan.start[i] / block_size; b * block_size < lens[i]; ++b) {
+      const int32_t id = table[i * max_blocks + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_cache_blocks, "block_table entries in use must lie in [0, ",
+                        num_cache_blocks, ").");
+    }
+    total_keys += lens[i] - plan.start[i];
+  }
+  const int64_t S = segment_keys(block_size);
+  const int64_t target = kItemsPerThread * threads;
+  int64_t per_item = std::numeric_limits<int64_t>::max();  // segments per item
+  if (threads > 1 && n * KVH < target) {
+    const int64_t part_tokens = std::max(kMinPartitionTokens, (total_keys * KVH + target - 1) / target);
+    per_item = (part_tokens + S - 1) / S;
+  }
+  plan.first_slot.assign(n * KVH, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k_first = plan.start[i] / S, k_end = (lens[i] - 1) / S + 1;
+    const bool cut = k_end - k_first > per_item;
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (!cut) {
+        plan.items.push_back({i, h, k_first, k_end, -1, lens[i] - plan.start[i]});
+        continue;
+      }
+      plan.first_slot[i * KVH + h] = plan.num_slots;
+      for (int64_t k = k_first; k < k_end; k += per_item) {
+        const int64_t k1 = std::min(k_end, k + per_item);
+        const int64_t cost = std::min<int64_t>(lens[i], k1 * S) - std::max(plan.start[i], k * S);
+        plan.items.push_back({i, h, k, k1, plan.num_slots + k - k_first, cost});
+      }
+      plan.num_slots += k_end - k_first;
+    }
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const DecodeItem& a, const DecodeItem& b) { return a.cost > b.cost; });
+  return plan;
+}
+
+template <typename Fn>
+void for_each_claimed(int64_t count, Fn&& fn) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t k = next.fetch_add(1); k < count; k = next.fetch_add(1)) fn(k, buf);
+  });
+}
+
+// Where head h's key and value scales start (null for a float cache, whose kv_scales is absent).
+RowScales head_scales(const std::optional<at::Tensor>& kv_scales, int64_t h) {
+  if (!kv_scales) return {};
+  const int64_t KVH = kv_scales->size(1), per_head = kv_scales->size(2) * kv_scales->size(3);
+  const float* base = kv_scales->data_ptr<float>();
+  return {base + h * per_head, base + (KVH + h) * per_head};
+}
+
+template <typename scalar_t, typename cache_t, int kC>
+void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
+                const at::Tensor& seq_lens, const at::Tensor& block_table, double scale, at::Tensor& out,
+                int64_t window, const std::optional<at::Tensor>& kv_scales) {
+  const int64_t n = token_idx.size(0);
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t Dc = kC > 0 ? kC * kW : D;
+  const int64_t KVH = kv_cache.size(1), num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t G = H / KVH;
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t head_blocks = num_cache_blocks * block_size * D;  // elements per (K or V, KV head)
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const cache_t* cache = kv_cache.data_ptr<cache_t>();
+  const int64_t* rows = token_idx.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+
+  const DecodePlan plan = plan_decodes(rows, lens, table, n, max_blocks, query.size(0), KVH, num_cache_blocks,
+                                       block_size, window, at::get_num_threads());
+  const int64_t S = segment_keys(block_size);
+  const int64_t stride = G * (D + 2);  // one slot: m [G], l [G], acc [G, D]
+  std::vector<float> partials(plan.num_slots * stride);
+  [[maybe_unused]] const bool bf16_dot = bf16_dot_enabled();
+  [[maybe_unused]] const bool int8_fast = std::is_same_v<cache_t, int8_t> && int8_fast_enabled();
+  for_each_claimed(static_cast<int64_t>(plan.items.size()), [&](int64_t k, std::vector<float>& buf) {
+    const DecodeItem& it = plan.items[k];
+    const int64_t row = rows[it.seq], len = lens[it.seq], first = plan.start[it.seq];
+    const scalar_t* qh = q + row * qs0 + it.head * G * qs1;
+    const cache_t* keys = cache + it.head * head_blocks;
+    const cache_t* values = cache + (KVH + it.head) * head_blocks;
+    const int32_t* blocks = table + it.seq * max_blocks;
+    const RowScales rs = head_scales(kv_scales, it.head);
+    RowBuffers b = row_buffers(buf, G, Dc, block_size);
+    load_rows(qh, qs1, G, Dc, static_cast<float>(scale), b.qf);
+    const int64_t lo = std::max(first, it.k0 * S), hi = std::min(len, it.k1 * S);
+    const Prefetcher<cache_t> ahead{keys, values, blocks, lo / block_size, (hi - 1) / block_size, block_size * D,
+                                    rs.keys, rs.values, block_size};
+    ahead.start();
+    const KeySource<cache_t> src{keys, values, rs, blocks, block_size};
+    for (int64_t seg = it.k0; seg < it.k1; ++seg) {
+      const int64_t s0 = std::max(first, seg * S), s1 = std::min(len, (seg + 1) * S);
+      [[maybe_unused]] const PartialView part{b.seg.m, b.seg.l, b.seg.acc};
+      [[maybe_unused]] thread_local std::vector<float> scores;
+      bool other = false;  // run on 512-bit int8 rows or bf16 dot products (neither batch-invariant; opt-in)
+#ifdef WEFT_AVX512
+      if constexpr (std::is_same_v<cache_t, int8_t> && (kC == 8 || kC == 16))
+        if (int8_fast) {
+          decode_item_int8<kC / 2>(qh, qs1, keys, values, rs, blocks, s0, s1, block_size, G, static_cast<float>(scale),
+                                   scores, part);
+          other = true;
+        }
+#endif
+#ifdef WEFT_BF16_DOT
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16> &&
+                    (kC == 8 || kC == 16))
+        if (bf16_dot) {
+          decode_item_bf16<kC / 4>(qh, qs1, keys, values, blocks, s0, s1, block_size, G, static_cast<float>(scale),
+                                   scores, part);
+          other = true;
+        }
+#endif
+      if (!other)
+        segment_rows<kC>(b.seg, G, G, Dc, src, len - 1, window, s0, s1, b.kt, b.vf32, b.kb, &ahead);
+      if (it.slot < 0) {
+        fold_rows(b.seg.m, b.seg.l, b.seg.acc, G, Dc, b.M, b.L, b.A);
+      } else {
+        float* slot = partials.data() + (it.slot + seg - it.k0) * stride;
+        std::copy(b.seg.m, b.seg.m + G, slot);
+        std::copy(b.seg.l, b.seg.l + G, slot + G);
+        std::copy(b.seg.acc, b.seg.acc + G * Dc, slot + 2 * G);
+      }
+    }
+    if (it.slot < 0) write_heads(b.A, b.L, G, Dc, o + row * os0 + it.head * G * os1, os1);
+  });
+  if (plan.num_slots == 0) return;
+  std::vector<int64_t> cut;
+  for (int64_t p = 0; p < n * KVH; ++p)
+    if (plan.first_slot[p] >= 0) cut.push_back(p);
+  for_each_claimed(static_cast<int64_t>(cut.size()), [&](int64_t k, std::vector<float>& buf) {
+    const int64_t p = cut[k], i = p / KVH, h = p % KVH;
+    const int64_t count = (lens[i] - 1) / S + 1 - plan.start[i] / S;
+    buf.resize(G * D + 2 * G);
+    float* A = buf.data();
+    float* M = A + G * D;
+    float* L = M + G;
+    std::fill(A, A + G * D, 0.0f);
+    std::fill(M, M + G, -std::numeric_limits<float>::infinity());
+    std::fill(L, L + G, 0.0f);
+    for (int64_t s = 0; s < count; ++s) {
+      const float* slot = partials.data() + (plan.first_slot[p] + s) * stride;
+      fold_rows(slot, slot + G, slot + 2 * G, G, D, M, L, A);
+    }
+    write_heads(A, L, G, D, o + rows[i] * os0 + h * G * os1, os1);
+  });
+}
+
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
+                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
+                            at::Tensor out, int64_t window, const std::optional<at::Tensor>& kv_scales) {
+  const char* op = "paged_decode_attention";
+  check_layouts(op, query, kv_cache, out);
+  check_scales(op, kv_cache, kv_scales);
+  check_index(op, "token_idx", token_idx, at::kLong, 1);
+  check_index(op, "seq_lens", seq_lens, at::kInt, 1);
+  check_index(op, "block_table", block_table, at::kInt, 2);
+  const int64_t n = token_idx.size(0);
+  TORCH_CHECK_VALUE(seq_lens.size(0) == n && block_table.size(0) == n, op,
+                    ": token_idx, seq_lens and block_table need one entry (row) per decode");
+  TORCH_CHECK_VALUE(window >= 0, "window must be 0 (full attention) or positive, got ", window, ".");
+  if (n == 0) return;
+  dispatch_query_and_cache(op, query, kv_cache, [&](auto tag, auto cache_tag) {
+    using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
+    dispatch_head_dim(query.size(2), [&](auto chunks) {
+      decode_all<scalar_t, cache_t, decltype(chunks)::value>(query, kv_cache, token_idx, seq_lens, block_table, scale,
+                                                              out, window, kv_scales);
+    });
+  });
 }
 
 // ------------------------------------------------- prefill, bf16 dot products
@@ -1658,7 +1677,7 @@ void prefill_item(const scalar_t* query, int64_t qs0, int64_t qs1, scalar_t* out
 // of the values with bf16 weights.
 //
 // Other dtypes, head sizes other than 64, 128 or 256, CPUs without the flag,
-// and WEFT_ATTENTION_BF16_DOT=0 take the fp32 path above.
+// and WEFT_ATTENTION_BF16_DOT unset or 0 take the fp32 path above.
 
 #ifdef WEFT_BF16_DOT
 

@@ -26,9 +26,9 @@ from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention import PagedAttention, kv_cache_shape
 from services.worker.layers.attention_metadata import (
-    AVX2_TILES_PREFILL_CAPS,
     BF16_DOT_PREFILL_CAPS,
     FP32_PREFILL_CAPS,
+    TILE_PREFILL_CAPS,
     PrefillCaps,
     build_attention_metadata,
 )
@@ -355,14 +355,14 @@ def resolve_kv_int8(cache_dtype: str, backend: str, dtype: torch.dtype, head_dim
 
 
 def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> PrefillCaps:
-    """Which prefills the cpu backend's kernel takes: all of them where it runs on bf16 dot
-    products or on its AVX2 tiles, else all but fresh prompts over 2,048 tokens
-    (``attention_metadata.py``)."""
+    """Which prefills the cpu backend's kernel takes: all of them, on bf16 dot products
+    (``WEFT_ATTENTION_BF16_DOT=1``, AVX512_BF16) or on its register tiles; the torch backend's
+    caps are unused (``attention_metadata.py``)."""
     if backend == "cpu":
-        from kernels.cpu_attention import avx2_tile_prefills, bf16_dot_prefills
+        from kernels.cpu_attention import bf16_dot_prefills, tile_prefills
 
         if bf16_dot_prefills(dtype, head_dim):
             return BF16_DOT_PREFILL_CAPS
-        if avx2_tile_prefills():
-            return AVX2_TILES_PREFILL_CAPS
+        if tile_prefills(dtype, head_dim):
+            return TILE_PREFILL_CAPS
     return FP32_PREFILL_CAPS

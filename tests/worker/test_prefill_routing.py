@@ -14,9 +14,9 @@ import torch
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import PagedAttention, kv_cache_shape, write_kv
 from services.worker.layers.attention_metadata import (
-    AVX2_TILES_PREFILL_CAPS,
     BF16_DOT_PREFILL_CAPS,
     FP32_PREFILL_CAPS,
+    TILE_PREFILL_CAPS,
     PrefillCaps,
     build_attention_metadata,
 )
@@ -85,22 +85,25 @@ def test_the_caps_follow_the_path_the_kernel_takes(monkeypatch):
     from kernels import cpu_attention
 
     monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx512bf16", []))
+    # The bf16 dot products are opt-in (not batch-invariant): unset, every prefill on the tiles.
+    monkeypatch.delenv("WEFT_ATTENTION_BF16_DOT", raising=False)
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is TILE_PREFILL_CAPS
+    monkeypatch.setenv("WEFT_ATTENTION_BF16_DOT", "1")
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
-    assert prefill_caps_for("cpu", torch.bfloat16, 96) is FP32_PREFILL_CAPS  # no bf16 dots for that head size
-    assert prefill_caps_for("cpu", torch.float32, 64) is FP32_PREFILL_CAPS
+    assert prefill_caps_for("cpu", torch.bfloat16, 96) is TILE_PREFILL_CAPS  # no bf16 dots for that head size
+    assert prefill_caps_for("cpu", torch.float32, 64) is TILE_PREFILL_CAPS
     assert prefill_caps_for("torch", torch.bfloat16, 64) is FP32_PREFILL_CAPS  # unused there: no kernel
-    monkeypatch.setenv("WEFT_ATTENTION_BF16_DOT", "0")
-    assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
-    monkeypatch.delenv("WEFT_ATTENTION_BF16_DOT")
     monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("amxbf16", []))  # AMX tiles: the bf16 path too
     assert prefill_caps_for("cpu", torch.bfloat16, 64) is BF16_DOT_PREFILL_CAPS
     monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx512", []))
-    assert prefill_caps_for("cpu", torch.bfloat16, 64) is FP32_PREFILL_CAPS
-    # An AVX2 build: every prefill on its register tiles, whatever the dtype (and none on the torch backend).
-    monkeypatch.setattr(cpu_attention, "amx_isa", lambda: ("avx2", []))
-    for dtype in (torch.float32, torch.bfloat16):
-        assert prefill_caps_for("cpu", dtype, 64) is AVX2_TILES_PREFILL_CAPS
-    assert AVX2_TILES_PREFILL_CAPS.fresh is None and AVX2_TILES_PREFILL_CAPS.chunk is None
+    assert prefill_caps_for("cpu", torch.bfloat16, 64) is TILE_PREFILL_CAPS
+    monkeypatch.setenv("WEFT_ATTENTION_BF16_DOT", "0")
+    # Every build: every prefill on the register tiles, whatever the dtype (and none on the torch backend).
+    for isa in ("avx2", "avx512", "avx512bf16"):
+        monkeypatch.setattr(cpu_attention, "amx_isa", lambda isa=isa: (isa, []))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert prefill_caps_for("cpu", dtype, 64) is TILE_PREFILL_CAPS
+    assert TILE_PREFILL_CAPS.fresh is None and TILE_PREFILL_CAPS.chunk is None
     assert prefill_caps_for("torch", torch.float32, 64) is FP32_PREFILL_CAPS
 
 

@@ -56,10 +56,13 @@ class PrefillCaps:
 # on every shape (up to 2,048 after 2,048); so fresh prompts up to 2,048 tokens and every chunk.
 FP32_PREFILL_CAPS = PrefillCaps(fresh=1 << 22, chunk=None)
 BF16_DOT_PREFILL_CAPS = PrefillCaps(fresh=None, chunk=None)
-# On AVX2 builds' register tiles (2026-12-06, Zen 3, the same script, fp32 and bf16 queries): fresh
-# prompts 1.09-1.34x at 2,048 tokens, 1.14-1.18x at 4,096, 1.01-1.09x at 8,192; chunks 1.22x at 256
-# after 3,840 and 1.6-2.4x at 16-64 after 448-2,000; so no cap.
-AVX2_TILES_PREFILL_CAPS = PrefillCaps(fresh=None, chunk=None)
+# On the kernel's register tiles, every build's fp32 path since they compute each row as the decode
+# kernel does (batch-invariant numerics, kernels/csrc/cpu_paged_attention.cpp): no cap, so that a
+# prompt takes the same path whether the scheduler runs it whole or in chunks. On AVX2 (2026-12-06,
+# Zen 3, the same script, fp32 and bf16 queries) the tiles beat SDPA anyway: fresh prompts
+# 1.09-1.34x at 2,048 tokens, 1.14-1.18x at 4,096, 1.01-1.09x at 8,192; chunks 1.22x at 256 after
+# 3,840 and 1.6-2.4x at 16-64 after 448-2,000. (FP32_PREFILL_CAPS is the torch backend's, unused.)
+TILE_PREFILL_CAPS = PrefillCaps(fresh=None, chunk=None)
 
 
 @dataclass(frozen=True)
