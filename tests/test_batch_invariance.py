@@ -105,3 +105,39 @@ def test_ngram_speculation_at_the_defaults_gives_plain_decodings_tokens(llm, spe
     # One at a time too: a verify step of one request alone.
     for prompt, expected in zip(prompts[:2], want[:2]):
         assert tokens(spec.generate([prompt], greedy(24), use_tqdm=False))[0] == expected
+
+
+# A generated shape (random weights, the default tokenizer): its logits are close to uniform, so
+# near-ties are everywhere, and a row whose bits moved with the batch would show.
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    from services.bench.make_model import write_model
+
+    path = tmp_path_factory.mktemp("generated") / "tiny-llama-q4_0.gguf"
+    write_model("tiny-llama", "Q4_0", path, log=lambda *args: None)
+    return path
+
+
+def test_a_generated_shape_keeps_one_copy_of_the_weights(generated):
+    loaded = weight_bytes(load_model(EngineArgs(model=str(generated)).create_engine_config().model))
+    assert loaded.total <= 1.15 * GGUFCheckpoint(generated).tensor_bytes, loaded.describe()
+
+
+def test_a_generated_shape_is_batch_invariant_and_speculation_keeps_its_tokens(generated):
+    plain = LLM(model=str(generated))
+    try:
+        targets = [prompt_of_length(plain.tokenizer, 40, 3), prompt_of_length(plain.tokenizer, 130, 50)]
+        alone = [tokens(plain.generate([t], greedy(), use_tqdm=False))[0] for t in targets]
+        for size in (8, 32, 64):
+            batch = [targets[0], *others(plain, size - 2), targets[1]]
+            got = tokens(plain.generate(batch, greedy(), use_tqdm=False))
+            assert [got[0], got[-1]] == alone, f"batch of {size}"
+        prompts = [*targets, *others(plain, 6)]
+        want = tokens(plain.generate(prompts, greedy(24), use_tqdm=False))
+    finally:
+        plain.shutdown()
+    spec = LLM(model=str(generated), speculative_config=SPEC)
+    try:
+        assert tokens(spec.generate(prompts, greedy(24), use_tqdm=False)) == want
+    finally:
+        spec.shutdown()
