@@ -222,6 +222,7 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   }
   Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), nullptr, nullptr, groups, group_size, K, N};
   if (half) {
+    TORCH_CHECK(groups <= 1024, "quant_linear: fp16 scales take at most 1024 groups a row (K <= 32768 at 32 a group)");
     w.scales_h = static_cast<const uint16_t*>(scales.data_ptr());
     if (int4) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
   } else {
@@ -242,18 +243,31 @@ inline void halves_to_floats(const uint16_t* h, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = c10::detail::fp16_ieee_to_fp32_value(h[i]);
 }
 
-// Row n's scales (which = 0) or mins (which = 1) as fp32: the tensor's own where they are fp32,
-// else converted into a per-thread buffer (slot: one per weight row a tile holds at once). The
-// conversion is exact, so fp16 and fp32 layouts of the same weights give the same bits.
-inline const float* row_floats(const Packed& w, int64_t n, int which, int slot = 0) {
-  const float* f32 = which == 0 ? w.scales : w.mins;
-  if (f32 != nullptr) return f32 + n * w.groups;
-  thread_local std::vector<float> buffers[16];
-  std::vector<float>& buf = buffers[2 * slot + which];
-  if (static_cast<int64_t>(buf.size()) < w.groups) buf.resize(w.groups);
-  halves_to_floats((which == 0 ? w.scales_h : w.mins_h) + n * w.groups, w.groups, buf.data());
-  return buf.data();
-}
+// Weight row n's scales and mins as fp32: pointers into the tensors where they are fp32, else
+// the row's fp16 values converted (exactly) into this object's buffers, on its owner's stack. Made
+// once per weight row and block of x rows, so the conversion is a small share of the row's work.
+// fp16 layouts come only from 32-column groups (gguf_repack), so K up to 32,768.
+struct RowScales {
+  static constexpr int64_t kMaxGroups = 1024;
+  const float* s = nullptr;
+  const float* m = nullptr;
+  alignas(32) float s_buf[kMaxGroups];
+  alignas(32) float m_buf[kMaxGroups];
+
+  RowScales(const Packed& w, int64_t n) {
+    if (w.scales != nullptr) {
+      s = w.scales + n * w.groups;
+      m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
+      return;
+    }
+    halves_to_floats(w.scales_h + n * w.groups, w.groups, s_buf);
+    s = s_buf;
+    if (w.mins_h != nullptr) {
+      halves_to_floats(w.mins_h + n * w.groups, w.groups, m_buf);
+      m = m_buf;
+    }
+  }
+};
 
 #ifdef WEFT_AVX2
 // The 8 weights of part p (0..3) of a group of 32, dequantized in registers.
@@ -540,10 +554,10 @@ inline __m256 halves(float lo, float hi) {
 // one FMA by the product of the weight's and x's scales; two accumulators per row of x hide
 // the FMA latency. G is the weight's group (int4: 32).
 template <int R, bool kInt4, int G>
-void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+void dot_row_i8(const Packed& w, const RowScales& rs, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = row_floats(w, n, 0);
+  const float* sw = rs.s;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   const int64_t whole = w.K / kBlock;  // blocks of 32 inside K; one half block may follow (int8, G 16)
   auto step = [&](int64_t b, int slot, bool half) {
@@ -608,15 +622,15 @@ void dot_row_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float*
   if (b < a.blocks) step(b, 1, true);
   for (int r = 0; r < R; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(row_floats(w, n, 1), a.sums.data() + (m0 + r) * w.groups, w.groups);
+    if constexpr (kInt4) total += min_term(rs.m, a.sums.data() + (m0 + r) * w.groups, w.groups);
     out[r * ldo] = total;
   }
 }
 #endif
 
 // The same sums in plain loops (targets without AVX2).
-void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, float* out) {
-  const float* sw = row_floats(w, n, 0);
+void dot_row_i8_scalar(const Packed& w, const RowScales& rs, int64_t n, const ActInt8& a, int64_t m, float* out) {
+  const float* sw = rs.s;
   const float* xs = a.srow(m);
   const int8_t* xq = a.qrow(m);
   const uint8_t* q = w.qweight + n * w.row_bytes;
@@ -635,7 +649,7 @@ void dot_row_i8_scalar(const Packed& w, int64_t n, const ActInt8& a, int64_t m, 
     }
     total += (sw[g] * xs[g]) * static_cast<float>(dot);
   }
-  if (w.int4()) total += min_term(row_floats(w, n, 1), a.sums.data() + m * w.groups, w.groups);
+  if (w.int4()) total += min_term(rs.m, a.sums.data() + m * w.groups, w.groups);
   *out = total;
 }
 
@@ -651,16 +665,17 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 
 template <bool kInt4, int G>
 void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
+  const RowScales rs(w, n);
   const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
   prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
   prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
   if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
   int64_t m = m0;
-  for (; m + 4 <= M; m += 4) dot_row_i8<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
+  for (; m + 4 <= M; m += 4) dot_row_i8<4, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo);
   switch (M - m) {
-    case 3: dot_row_i8<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
-    case 2: dot_row_i8<2, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
-    case 1: dot_row_i8<1, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 3: dot_row_i8<3, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
+    case 2: dot_row_i8<2, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
+    case 1: dot_row_i8<1, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
     default: break;
   }
 }
@@ -696,7 +711,8 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
           rows_i8<false, 16>(w, n, a, m0, m1, op, ldo);
         }
 #else
-        for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, n, a, m, op + m * ldo + n);
+        const RowScales rs(w, n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, rs, n, a, m, op + m * ldo + n);
 #endif
       }
     }
@@ -773,10 +789,10 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
 }
 
 template <int R, bool kInt4, int G>
-void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
+void dot_row_i16(const Packed& w, const RowScales& rs, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[R][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = row_floats(w, n, 0);
+  const float* sw = rs.s;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   alignas(32) float prod[R][kScaleChunk];
   auto step = [&](int64_t g, int64_t c0, int slot) {
@@ -801,7 +817,7 @@ void dot_row_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, floa
   }
   for (int r = 0; r < R; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(row_floats(w, n, 1), a.sums.data() + (m0 + r) * w.groups, w.groups);
+    if constexpr (kInt4) total += min_term(rs.m, a.sums.data() + (m0 + r) * w.groups, w.groups);
     out[r * ldo] = total;
   }
 }
@@ -814,8 +830,10 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   __m256 acc[P][2];
   for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
   alignas(32) float prod[P][kScaleChunk];
+  const RowScales rs[P] = {RowScales(w, n), RowScales(w, n + 1), RowScales(w, n + 2), RowScales(w, n + 3)};
+  static_assert(P == 4, "one RowScales per weight row above");
   const float* sw[P];
-  for (int r = 0; r < P; ++r) sw[r] = row_floats(w, n + r, 0, r);
+  for (int r = 0; r < P; ++r) sw[r] = rs[r].s;
   auto step = [&](int64_t g, int64_t c0, int slot) {
     const int16_t* xg = a.q.data() + g * G;
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
@@ -843,7 +861,7 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
   }
   for (int r = 0; r < P; ++r) {
     float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(row_floats(w, n + r, 1, r), a.sums.data(), w.groups);
+    if constexpr (kInt4) total += min_term(rs[r].m, a.sums.data(), w.groups);
     out[n + r] = total;
   }
 }
@@ -858,28 +876,32 @@ void rows_i16_single(const Packed& w, int64_t n, int64_t end, const ActInt16& a,
     if (kInt4) prefetch_bytes(w.min_row(ahead), kSingleRows * w.groups * w.scale_bytes());
     dot_rows_single_i16<kSingleRows, kInt4, G>(w, n, a, op);
   }
-  for (; n < end; ++n) dot_row_i16<1, kInt4, G>(w, n, a, 0, op + n, 1);
+  for (; n < end; ++n) {
+    const RowScales rs(w, n);
+    dot_row_i16<1, kInt4, G>(w, rs, n, a, 0, op + n, 1);
+  }
 }
 
 template <bool kInt4, int G>
 void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
+  const RowScales rs(w, n);
   const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
   prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
   prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
   if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
   int64_t m = m0;
-  for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo);
+  for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo);
   switch (M - m) {
-    case 3: dot_row_i16<3, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
-    case 2: dot_row_i16<2, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
-    case 1: dot_row_i16<1, kInt4, G>(w, n, a, m, op + m * ldo + n, ldo); break;
+    case 3: dot_row_i16<3, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
+    case 2: dot_row_i16<2, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
+    case 1: dot_row_i16<1, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
     default: break;
   }
 }
 #endif
 
-void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m, float* out) {
-  const float* sw = row_floats(w, n, 0);
+void dot_row_i16_scalar(const Packed& w, const RowScales& rs, int64_t n, const ActInt16& a, int64_t m, float* out) {
+  const float* sw = rs.s;
   const int16_t* xq = a.q.data() + m * w.K;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   float total = 0.f;
@@ -897,7 +919,7 @@ void dot_row_i16_scalar(const Packed& w, int64_t n, const ActInt16& a, int64_t m
     }
     total += (sw[g] * a.scales[m * a.groups + g]) * static_cast<float>(dot);
   }
-  if (w.int4()) total += min_term(row_floats(w, n, 1), a.sums.data() + m * w.groups, w.groups);
+  if (w.int4()) total += min_term(rs.m, a.sums.data() + m * w.groups, w.groups);
   *out = total;
 }
 
@@ -950,7 +972,8 @@ void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::
           rows_i16<false, 16>(w, n, a, m0, m1, op, ldo);
         }
 #else
-        for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, n, a, m, op + m * ldo + n);
+        const RowScales rs(w, n);
+        for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, rs, n, a, m, op + m * ldo + n);
 #endif
       }
     }

@@ -28,6 +28,7 @@ from services.worker.layers.quantized_linear import PackedWeight
 
 _QK = 32  # elements per block of the 32-element formats
 _QK_K = 256  # elements per super-block of the K formats
+_MAX_HALF_GROUPS = 1024
 
 
 def packable(type_name: str) -> bool:
@@ -40,8 +41,10 @@ def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
     block_elems = _QK_K if type_name.endswith("_K") else _QK
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, in_features // block_elems, -1)
     qweight, scales, mins, group = _REPACKERS[type_name](blocks)
-    # fp16 where the format's scales are its blocks' own halves, fp32 where they are products.
-    dtype = scales.dtype if scales.dtype == np.float16 else np.float32
+    # fp16 where the format's scales are its blocks' own halves, fp32 where they are products (and
+    # past the kernels' 1,024 fp16 groups a row: cpu_quant_linear.cpp, RowScales).
+    half = scales.dtype == np.float16 and in_features // group <= _MAX_HALF_GROUPS
+    dtype = np.float16 if half else np.float32
     return PackedWeight(
         qweight=torch.from_numpy(np.ascontiguousarray(qweight.reshape(rows, -1))),
         scales=torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=dtype)),
