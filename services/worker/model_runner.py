@@ -159,9 +159,25 @@ class ModelRunner:
         return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """The largest step the scheduler may send: max_num_batched_tokens of prefill, then sampling."""
-        hidden = self._profile_forward()
+    def profile_run(self, forward_tokens: int | None = None) -> None:
+        """The largest step the scheduler may send: max_num_batched_tokens of prefill (or
+        ``forward_tokens`` of it), then sampling."""
+        hidden = self._profile_forward(forward_tokens)
+        self._profile_sampling(hidden)
+
+    @torch.inference_mode()
+    def profile_forward(self, tokens: int) -> None:
+        """A prefill step of ``tokens`` tokens alone (the worker scales its peak)."""
+        self._profile_forward(tokens)
+
+    @torch.inference_mode()
+    def profile_sampling(self) -> None:
+        """The logits and sampling of the largest step, on a hidden state of its rows."""
+        a = self.model.args
+        rows = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
+        self._profile_sampling(torch.zeros(rows, a.hidden_size, dtype=self.dtype, device=self.device))
+
+    def _profile_sampling(self, hidden: torch.Tensor) -> None:
         a = self.model.args
         if self.attention_backend == "torch":
             # Its decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
@@ -185,9 +201,13 @@ class ModelRunner:
         if logits is not None:
             self.sampler(logits[:sample_rows], sampling)
 
-    def _profile_forward(self) -> torch.Tensor:
-        """Prefill max_num_batched_tokens tokens as max_model_len-long sequences, without a KV cache."""
-        total, max_len = self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len
+    def _profile_forward(self, tokens: int | None = None) -> torch.Tensor:
+        """Prefill max_num_batched_tokens (or ``tokens``) tokens as max_model_len-long sequences,
+        without a KV cache."""
+        total, max_len = (
+            tokens or self.config.scheduler.max_num_batched_tokens,
+            self.config.model.max_model_len,
+        )
         lens = np.array([max_len] * (total // max_len) + ([total % max_len] if total % max_len else []))
         meta = build_attention_metadata(
             query_lens=lens,

@@ -81,7 +81,7 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return _check_override(cache.num_gpu_blocks_override)
         runner = self.model_runner
-        peak = peak_increase(runner.profile_run, self.device)
+        peak = self.activation_peak()
         kv_bytes, source = self.kv_budget(peak)
         num_blocks, source = self._capped(max(0, kv_bytes) // runner.kv_block_bytes, source)
         plan = self._memory_plan(source, peak, num_blocks)
@@ -100,6 +100,21 @@ class Worker:
             raise ValueError(f"{e} {plan.describe()}") from None
         logger.info("%s", dataclasses.replace(plan, max_model_len=context).describe())
         return num_blocks
+
+    def activation_peak(self) -> int:
+        """Bytes the largest step adds above the loaded model, profiled.
+
+        On a GPU the whole step runs. On a CPU a step of max_num_batched_tokens is as slow as the
+        longest prefill (tens of seconds for a 1B model on 2 cores, at every start), so the forward
+        runs on ``CPU_PROFILE_TOKENS`` tokens and its peak is scaled to the step's tokens (a step's
+        activations grow linearly with its tokens: attention is paged, never T x T), and the logits
+        and sampling run at their full rows."""
+        runner, tokens = self.model_runner, self.config.scheduler.max_num_batched_tokens
+        if self.device.type != "cpu" or tokens <= CPU_PROFILE_TOKENS:
+            return peak_increase(runner.profile_run, self.device)
+        forward = peak_increase(lambda: runner.profile_forward(CPU_PROFILE_TOKENS), self.device)
+        sampling = peak_increase(runner.profile_sampling, self.device)
+        return -(-forward * tokens // CPU_PROFILE_TOKENS) + sampling
 
     def _capped(self, num_blocks: int, source: str) -> tuple[int, str]:
         """No more blocks than the scheduler could ever use, where the budget is the machine's (CPU)."""
@@ -186,6 +201,10 @@ class Worker:
         self.model_runner = None
         if self.world_size > 1:
             destroy_tensor_parallel()
+
+
+# Tokens of the forward profiled on CPU (Worker.activation_peak).
+CPU_PROFILE_TOKENS = 128
 
 
 def _check_override(num_blocks: int) -> int:
