@@ -216,6 +216,7 @@ def test_spaces_between_special_tokens_is_honoured(client, tokenizer, endpoint):
                 model=_model(client),
                 messages=[{"role": "user", "content": "Hi"}],
                 max_tokens=4,
+                temperature=0.0,
                 extra_body=extra,
             )
             texts.append(result.choices[0].message.content)

@@ -288,7 +288,12 @@ async def _trickled_post(port: int) -> tuple[bytes, int]:
         return sent
 
     trickler = asyncio.create_task(trickle())
-    answer = await asyncio.wait_for(reader.read(), 120)
+    answer = b""
+    # The server answers and closes while bytes are still on their way: its TCP then resets the
+    # connection, which would throw away an answer read whole; read it as it comes instead.
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := await asyncio.wait_for(reader.read(4096), 120):
+            answer += chunk
     sent = await asyncio.wait_for(trickler, 120)
     writer.close()
     return answer, sent
