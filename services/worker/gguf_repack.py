@@ -35,11 +35,17 @@ def packable(type_name: str) -> bool:
     return type_name in _REPACKERS
 
 
-def repack(type_name: str, data: np.ndarray, in_features: int) -> PackedWeight:
-    """``data``: the tensor's raw blocks, ``[N, bytes per row]`` uint8, as ``GGUFReader`` maps them."""
+def repack(
+    type_name: str, data: np.ndarray, in_features: int, row_order: np.ndarray | None = None
+) -> PackedWeight:
+    """``data``: the tensor's raw blocks, ``[N, bytes per row]`` uint8, as ``GGUFReader`` maps them;
+    ``row_order``: the rows to keep, in that order (default: all, as stored)."""
+    data = np.asarray(data, dtype=np.uint8)
+    if row_order is not None:
+        data = data[row_order]  # whole rows of blocks: one copy, before anything is split
     rows = data.shape[0]
     block_elems = _QK_K if type_name.endswith("_K") else _QK
-    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, in_features // block_elems, -1)
+    blocks = data.reshape(rows, in_features // block_elems, -1)
     qweight, scales, mins, group = _REPACKERS[type_name](blocks)
     # fp16 where the format's scales are its blocks' own halves, fp32 where they are products (and
     # past the kernels' 1,024 fp16 groups a row: cpu_quant_linear.cpp, RowScales).
@@ -64,7 +70,24 @@ def _half(blocks: np.ndarray, start: int) -> np.ndarray:
 
 def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte ``start`` of each block, ``[N, blocks]`` fp16."""
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+    return np.ascontiguousarray(_field(blocks, start, "<f2"))
+
+
+def _quants(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Bytes ``[start, stop)`` of each block, ``[N, blocks, stop - start]`` uint8, contiguous.
+
+    Copied as one ``stop - start``-byte item per block: numpy copies a strided byte slice a byte
+    at a time, several times slower, and a 1B model's load copies 600 MB this way."""
+    items = np.ascontiguousarray(_field(blocks, start, f"V{stop - start}"))
+    return items.view(np.uint8).reshape(*blocks.shape[:2], stop - start)
+
+
+def _field(blocks: np.ndarray, start: int, dtype: str) -> np.ndarray:
+    """The ``dtype`` item at byte ``start`` of each block, ``[N, blocks]``, a view of ``blocks``."""
+    if not blocks.flags.c_contiguous:
+        blocks = np.ascontiguousarray(blocks)
+    record = np.dtype({"names": ["f"], "formats": [dtype], "offsets": [start], "itemsize": blocks.shape[-1]})
+    return blocks.view(record)[..., 0]["f"]
 
 
 def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
@@ -73,7 +96,7 @@ def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(blocks):
-    return blocks[..., 2:].view(np.int8), _halves(blocks, 0), None, 32
+    return _quants(blocks, 2, 34).view(np.int8), _halves(blocks, 0), None, 32
 
 
 def _q5_0(blocks):
@@ -91,11 +114,11 @@ def _q4_0(blocks):
     if not np.isfinite(mins).all() and np.isfinite(d).all():
         d = d.astype(np.float32)
         mins = d * np.float32(-8)
-    return blocks[..., 2:18], d, mins, 32
+    return _quants(blocks, 2, 18), d, mins, 32
 
 
 def _q4_1(blocks):
-    return blocks[..., 4:20], _halves(blocks, 0), _halves(blocks, 2), 32
+    return _quants(blocks, 4, 20), _halves(blocks, 0), _halves(blocks, 2), 32
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -129,13 +129,11 @@ class GGUFCheckpoint:
             if name is None:
                 continue
             if keep_quantized and len(tensor.shape) == 2 and packable(tensor.tensor_type.name):
-                packed = repack(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]))
+                order = None
                 if permuted and (".q_proj." in name or ".k_proj." in name):
                     heads = num_heads if ".q_proj." in name else num_kv_heads
-                    packed = packed.select_rows(
-                        torch.from_numpy(_unpermute_rows(np.arange(packed.shape[0]), heads))
-                    )
-                yield name, packed
+                    order = _unpermute_rows(np.arange(tensor.data.shape[0]), heads)
+                yield name, repack(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]), order)
                 continue
             weights = dequantize(tensor.data, tensor.tensor_type)
             if permuted and ".q_proj." in name:

@@ -167,8 +167,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_forward(self, tokens: int) -> None:
-        """A prefill step of ``tokens`` tokens alone (the worker scales its peak)."""
-        self._profile_forward(tokens)
+        """A prefill step of ``tokens`` tokens alone (the worker scales its peak), through one
+        decoder layer of each kind: layers run one after another and free what they made, so
+        the step's peak is one layer's, and the other layers only cost time."""
+        layers = self.model.model.layers
+        self.model.model.layers = torch.nn.ModuleList(one_layer_per_kind(layers))
+        try:
+            self._profile_forward(tokens)
+        finally:
+            self.model.model.layers = layers
 
     @torch.inference_mode()
     def profile_sampling(self) -> None:
@@ -386,3 +393,12 @@ def prefill_caps_for(backend: str, dtype: torch.dtype, head_dim: int) -> Prefill
         if tile_prefills(dtype, head_dim):
             return TILE_PREFILL_CAPS
     return FP32_PREFILL_CAPS
+
+
+def one_layer_per_kind(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    """The first layer of each kind (its class, and the windows of its attention), in order."""
+    kept: dict[tuple, torch.nn.Module] = {}
+    for layer in layers:
+        windows = tuple(m.sliding_window for m in layer.modules() if isinstance(m, PagedAttention))
+        kept.setdefault((type(layer), windows), layer)
+    return list(kept.values())

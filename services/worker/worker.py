@@ -106,9 +106,10 @@ class Worker:
 
         On a GPU the whole step runs. On a CPU a step of max_num_batched_tokens is as slow as the
         longest prefill (tens of seconds for a 1B model on 2 cores, at every start), so the forward
-        runs on ``CPU_PROFILE_TOKENS`` tokens and its peak is scaled to the step's tokens (a step's
-        activations grow linearly with its tokens: attention is paged, never T x T), and the logits
-        and sampling run at their full rows."""
+        runs on ``CPU_PROFILE_TOKENS`` tokens through one layer of each kind (the peak is one
+        layer's) and its peak is scaled to the step's tokens (a step's activations grow linearly
+        with its tokens: attention is paged, never T x T), and the logits and sampling run at their
+        full rows."""
         runner, tokens = self.model_runner, self.config.scheduler.max_num_batched_tokens
         if self.device.type != "cpu" or tokens <= CPU_PROFILE_TOKENS:
             return peak_increase(runner.profile_run, self.device)

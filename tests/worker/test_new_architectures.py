@@ -126,3 +126,27 @@ def test_an_unsupported_checkpoint_is_refused_before_anything_starts(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="Unsupported model.*Supported architectures: LlamaForCausalLM"):
         EngineArgs(model=str(tmp_path)).create_engine_config()
+
+
+def test_the_cpu_profile_runs_one_layer_of_each_kind(tmp_path, make_tiny_hf_model, make_engine_config):
+    """Sizing the KV cache profiles a step through the first window layer and the first global
+    layer only (their peak is the step's), and leaves the model whole afterwards."""
+    from services.worker.model_runner import ModelRunner, one_layer_per_kind
+
+    folder = make_tiny_hf_model(tmp_path, "gemma3_text", **GEMMA3)
+    config = make_engine_config(str(folder), str(folder), max_model_len=64)
+    windows = layer_sliding_windows(_hf_config(folder))
+    config = msgspec.structs.replace(
+        config, model=msgspec.structs.replace(config.model, layer_sliding_windows=windows)
+    )
+    runner = ModelRunner(config, "cpu")
+    runner.load_model()
+    layers = runner.model.model.layers
+    kinds = one_layer_per_kind(layers)
+    assert [layer is layers[i] for i, layer in zip((0, 2), kinds, strict=True)] == [True, True]
+    seen = []
+    for layer in layers:
+        layer.register_forward_hook(lambda module, args, out: seen.append(module))
+    runner.profile_forward(16)
+    assert seen == kinds
+    assert runner.model.model.layers is layers

@@ -99,10 +99,6 @@ class PackedWeight:
             return self
         return self._map_rows(lambda t: torch.cat((t, t.new_zeros(extra, *t.shape[1:]))))
 
-    def select_rows(self, index: torch.Tensor) -> PackedWeight:
-        """Rows ``index`` in that order (a row permutation, as llama.cpp's Q/K reordering needs)."""
-        return self._map_rows(lambda t: t[index])
-
     def contiguous(self) -> PackedWeight:
         return self._map_rows(lambda t: t.contiguous())
 
