@@ -60,12 +60,19 @@ def add_operator_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Let those pages send cookies and HTTP authentication (CORS; default: off).",
     )
-    group.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM).")
-    group.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM).")
+    group.add_argument(
+        "--ssl-keyfile", default=None, help="TLS: the server's private key (PEM; default: none, plain HTTP)."
+    )
+    group.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="TLS: the server's certificate chain (PEM; default: none, plain HTTP).",
+    )
     group.add_argument(
         "--ssl-ca-certs",
         default=None,
-        help="TLS: CA certificates (PEM) that client certificates are checked against (with --ssl-cert-reqs).",
+        help="TLS: CA certificates (PEM) that client certificates are checked against (with --ssl-cert-reqs; "
+        "default: none).",
     )
     group.add_argument(
         "--ssl-cert-reqs",

@@ -202,7 +202,9 @@ class EngineCoreProc:
             self.engine.add_request(request)
         except ValueError as e:
             # The request failed on its own; the engine is fine and keeps serving.
-            logger.info("Rejected request %s: %s", request.request_id, e, extra={"request_id": request.request_id})
+            logger.info(
+                "Rejected request %s: %s", request.request_id, e, extra={"request_id": request.request_id}
+            )
             error = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=[],
@@ -468,6 +470,8 @@ def run_engine_core(
         if engines_on_node is not None:  # started by engine-core --headless: its node, not the API's
             config = with_node_memory(config, engines_on_node, available_memory)
         reply = msgspec.structs.replace(reply, config=config)
+        start = time.monotonic()
+        logger.info("Engine core rank %d: loading torch, its kernels and the model ...", rank)
         import torch  # the engine process is where torch lives
 
         torch.set_num_threads(config.device.num_threads)
@@ -484,7 +488,12 @@ def run_engine_core(
                 logger.exception("Engine core rank %d failed to start", rank)
             report_start_failure(ctx, reply, rank, f"{type(e).__name__}: {e}", identity=identity, curve=curve)
             return 1
-        logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
+        logger.info(
+            "Engine core rank %d ready (%d KV blocks) in %.1f s.",
+            rank,
+            engine.num_blocks,
+            time.monotonic() - start,
+        )
         return EngineCoreProc(engine, ctx, reply, stop, identity=identity, drain=drain, curve=curve).run()
     finally:
         ctx.term()
