@@ -72,7 +72,8 @@ def configure(
     fmt = log_format(fmt)
     handler = logging.StreamHandler()
     handler.setFormatter(JSONFormatter(rank, process) if fmt == "json" else logging.Formatter(text_format))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # As basicConfig always does: nothing where the root logger has handlers already (a test run).
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     env.export("WEFT_LOG_FORMAT", fmt)
     return fmt
 

@@ -211,7 +211,9 @@ def test_one_span_per_request_with_its_phase_times(stack, collector):
     for request_id in ("traced-1", "traced-2"):
         _complete(f"{stack.url}/v1", request_id, traceparent=TRACEPARENT)
     for request_id in ("traced-1", "traced-2"):
-        wait_for(lambda rid=request_id: collector.spans_of(f"cmpl-{rid}"), WAIT_S, f"the span of {request_id}")
+        wait_for(
+            lambda rid=request_id: collector.spans_of(f"cmpl-{rid}"), WAIT_S, f"the span of {request_id}"
+        )
     (span,) = collector.spans_of("cmpl-traced-1")
     assert len(collector.spans_of("cmpl-traced-2")) == 1
     attributes = _attributes(span)

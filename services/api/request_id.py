@@ -1,8 +1,9 @@
 """``X-Request-Id``: the id of each HTTP exchange, the client's or a new one.
 
 A client (or a proxy in front) may send ``X-Request-Id``; weft then uses it as the request's
-id: the completion's ``id`` (``cmpl-ID``, ``chatcmpl-ID``, ...), the engine requests
-(``ID-0``, ... with a suffix that keeps them unique if two clients send the same id), and
+id: the completion's ``id`` (``cmpl-ID``, ``chatcmpl-ID``, ``embd-ID``; a stored Responses
+API response keeps a random one), the engine requests (``cmpl-ID-NONCE-0``, ...: unique even
+when two clients send the same id), and
 ``request_id`` in JSON log lines. Without one, weft makes a random one. Either way the
 response carries it back in ``X-Request-Id``. An id that is empty, longer than
 ``MAX_REQUEST_ID_CHARS`` or holds a character outside ``A-Z a-z 0-9 . _ : -`` is refused

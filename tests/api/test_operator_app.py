@@ -43,6 +43,14 @@ async def test_request_id_is_echoed_and_becomes_the_completion_id():
     assert (await client.get("/v1/models")).headers["x-request-id"]  # every route, not only completions
 
 
+async def test_a_stored_response_keeps_an_id_of_the_servers_own():
+    client = http_client(make_app()[0])
+    body = {"model": MODEL_NAME, "input": "Hello", "max_output_tokens": 3}
+    response = await client.post("/v1/responses", json=body, headers={"X-Request-Id": "chosen"})
+    assert response.headers["x-request-id"] == "chosen"
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", response.json()["id"])
+
+
 async def test_two_requests_may_send_the_same_id():
     app, engine = make_app()
     client = http_client(app)
@@ -53,7 +61,9 @@ async def test_two_requests_may_send_the_same_id():
     assert len({r.request_id for r in engine.requests}) == 2  # the engine requests stay distinct
 
 
-@pytest.mark.parametrize("bad", ["", "has space", "semi;colon", "slash/x", "é", "x" * (MAX_REQUEST_ID_CHARS + 1)])
+@pytest.mark.parametrize(
+    "bad", ["", "has space", "semi;colon", "slash/x", "é", "x" * (MAX_REQUEST_ID_CHARS + 1)]
+)
 async def test_a_bad_request_id_is_a_400_naming_the_header(bad):
     app, engine = make_app()
     response = await http_client(app).post(
@@ -106,7 +116,9 @@ def test_tls_flags_are_checked_before_serving(tmp_path):
     with pytest.raises(ValueError, match="go together"):
         tls_options(_operator_args("--ssl-certfile", "cert.pem"))
     with pytest.raises(ValueError, match="not a readable file"):
-        tls_options(_operator_args("--ssl-keyfile", str(tmp_path / "no"), "--ssl-certfile", str(tmp_path / "no")))
+        tls_options(
+            _operator_args("--ssl-keyfile", str(tmp_path / "no"), "--ssl-certfile", str(tmp_path / "no"))
+        )
     with pytest.raises(ValueError, match="needs --ssl-ca-certs"):
         tls_options(_operator_args("--ssl-keyfile", "k", "--ssl-certfile", "c", "--ssl-cert-reqs", "2"))
     key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
