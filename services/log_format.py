@@ -74,6 +74,8 @@ def configure(
     handler.setFormatter(JSONFormatter(rank, process) if fmt == "json" else logging.Formatter(text_format))
     # As basicConfig always does: nothing where the root logger has handlers already (a test run).
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    if fmt == "json":
+        logging.captureWarnings(True)  # Python's warnings as log lines too, not bare text on stderr
     env.export("WEFT_LOG_FORMAT", fmt)
     return fmt
 

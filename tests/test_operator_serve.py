@@ -160,6 +160,7 @@ def test_root_path_serves_under_the_prefix_and_without_it(stack, http):
     assert docs.status_code == 200 and f'"{ROOT}/openapi.json"' in docs.text
     assert http.get(f"{ROOT}/openapi.json").json()["servers"] == [{"url": ROOT}]
     assert http.get("/weftish/v1/models", headers=AUTH).status_code == 404  # only the whole segment
+    assert http.get(f"{ROOT}/v1/models").status_code == 401  # the key is checked under the prefix too
 
 
 def test_request_id_round_trip_and_refusal(stack):

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 SPAN_NAME = "llm_request"
 # The export batch's delay: spans reach the collector within about this long of their end.
 EXPORT_DELAY_MS = 1000
+# How long one export may take (a collector that is gone holds up the last flush at shutdown this long).
+EXPORT_TIMEOUT_S = 5.0
 # The client's ``traceparent`` header of the HTTP request whose code is running.
 incoming_traceparent: contextvars.ContextVar[str | None] = contextvars.ContextVar("traceparent", default=None)
 INSTALL_HINT = "--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'weft[otel]'."
@@ -75,7 +77,8 @@ class Tracer:
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self._provider.add_span_processor(
             BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=traces_url(endpoint)), schedule_delay_millis=EXPORT_DELAY_MS
+                OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=EXPORT_TIMEOUT_S),
+                schedule_delay_millis=EXPORT_DELAY_MS,
             )
         )
         self._tracer = self._provider.get_tracer("weft")

@@ -18,6 +18,7 @@ from services.api.openapi import openapi_document
 from services.api.operator_options import add_operator_args, operator_options, tls_options
 from services.api.request_id import MAX_REQUEST_ID_CHARS
 from services.bench.cli import OWN_PARSERS, SUBCOMMANDS
+from services.engine_core.cli import parse_args as engine_core_args
 from tests.api.fake_engine_client import MODEL_NAME, FakeEngineClient, http_client, make_app
 from tests.utils import REPO_ROOT
 
@@ -133,6 +134,12 @@ def test_tls_flags_are_checked_before_serving(tmp_path):
 def test_otlp_endpoint_must_be_a_url():
     with pytest.raises(ValueError, match="http"):
         operator_options(_operator_args("--otlp-traces-endpoint", "collector:4318"))
+
+
+def test_headless_engine_cores_take_the_log_format_too():
+    argv = ["--headless", "--data-parallel-size", "1", "--data-parallel-address", "10.0.0.1"]
+    argv += ["--data-parallel-rpc-port", "29550", "--log-format", "json"]
+    assert engine_core_args(argv).log_format == "json"
 
 
 def test_weft_help_lists_every_subcommand_and_benchmark(capsys):
