@@ -228,6 +228,8 @@ def build(
             _load(cpp_extension, build, source, isa_flags, defines)
             if not built_before:
                 logger.info("Built %s in %.0f s.", what, time.monotonic() - start)
+            else:
+                logger.info("Loaded %s for %s, built before, in %.1f s.", what, isa, time.monotonic() - start)
     except Exception as exc:  # compiler or linker errors come as several exception types
         raise KernelUnavailable(f"building {what} failed: {exc}") from exc
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 
 
 def _generate(argv: list[str]) -> int:
@@ -104,7 +105,7 @@ COMMANDS = {
     "serve": (_serve, "Serve the OpenAI-compatible API and its engine cores."),
     "keys": (_keys, "Generate CurveZMQ keys for the links between the API and engine cores."),
     "generate": (_generate, "Complete a prompt with the offline engine."),
-    "bench": (_bench, "Benchmarks: throughput, serve."),
+    "bench": (_bench, "Benchmarks, one subcommand each (below; weft bench NAME --help)."),
     "kv-transfer": (_kv_transfer, "Run the KV transfer service of disaggregated prefill/decode."),
     "pd-proxy": (
         _pd_proxy,
@@ -113,12 +114,28 @@ COMMANDS = {
 }
 
 
+def _bench_lines() -> list[str]:
+    """Each ``weft bench`` subcommand with its help."""
+    from services.bench.cli import OWN_PARSERS, SUBCOMMANDS
+
+    texts = {name: sub.help for name, sub in SUBCOMMANDS.items()} | {
+        name: text for name, (text, _) in OWN_PARSERS.items()
+    }
+    return [
+        textwrap.fill(text, 100, initial_indent=f"  {name:15} ", subsequent_indent=" " * 18)
+        for name, text in texts.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:12} {text}" for name, (_, text) in COMMANDS.items()]
         print(
-            "usage: weft COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines),
+            "usage: weft COMMAND [ARGS]\n\ncommands:\n"
+            + "\n".join(lines)
+            + "\n\nbenchmarks (weft bench NAME):\n"
+            + "\n".join(_bench_lines()),
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -114,6 +114,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         flag="--zmq-curve-keys",
     ),
     EnvVar(
+        "WEFT_LOG_FORMAT",
+        "text or json: how every weft process logs (services/log_format.py); `weft serve` and "
+        "`engine-core` set it for the processes they start.",
+        flag="--log-format",
+    ),
+    EnvVar(
         "WEFT_KV_CACHE_MEMORY",
         "Bytes of KV cache per worker (default: what the machine's available memory leaves, on CPU).",
         flag="--kv-cache-memory",
@@ -127,6 +133,13 @@ def get(name: str, default: str | None = None) -> str | None:
     if name not in _BY_NAME:
         raise KeyError(f"{name} is not declared in services/env.py.")
     return os.environ.get(name) or default
+
+
+def export(name: str, value: str) -> None:
+    """Set declared variable ``name`` for the processes this one starts from now on."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not declared in services/env.py.")
+    os.environ[name] = value
 
 
 def flag_overrides(known_flags: set[str]) -> list[tuple[EnvVar, str]]:

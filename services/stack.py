@@ -64,9 +64,19 @@ def _children(pid: int) -> list[tuple[int, list[str]]]:
 class Stack:
     """``weft serve`` (API + local engine cores) on loopback, logs in ``log_dir``."""
 
-    def __init__(self, serve_args: list[str], log_dir: Path, *, startup_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        serve_args: list[str],
+        log_dir: Path,
+        *,
+        startup_timeout_s: float = 300.0,
+        tls: dict | None = None,
+    ) -> None:
+        """``tls``: the server serves HTTPS (its --ssl-* flags are in ``serve_args``); these are the
+        httpx settings that reach it (``verify``, and ``cert`` where it asks for a client's)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.http_options = tls or {}
         self.log_path = Path(log_dir) / "serve.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
@@ -102,7 +112,7 @@ class Stack:
             if self.api.poll() is not None:
                 raise RuntimeError(f"weft serve exited with code {self.api.returncode}:\n{self.log_tail()}")
             try:
-                response = httpx.get(self.url + "/health", timeout=5)
+                response = httpx.get(self.url + "/health", timeout=5, **self.http_options)
                 if response.status_code == 200:
                     return response.json()
             except httpx.TransportError:
@@ -112,7 +122,7 @@ class Stack:
             time.sleep(0.2)  # polling an outside process, with a deadline
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        return httpx.get(self.url + "/health", timeout=10, **self.http_options).json()
 
     def engines(self) -> list[EngineProcess]:
         """The live engine-core processes (children of the API)."""

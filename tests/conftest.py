@@ -58,6 +58,8 @@ SLOW = frozenset(
         "tests/test_management_e2e.py",
         "tests/test_queueing_e2e.py",
         "tests/test_memory_serve.py",
+        "tests/test_operator_serve.py",
+        "tests/test_tls_serve.py",
         "tests/test_reliability.py",
         "tests/test_responses_serve.py",
         "tests/test_serving.py",

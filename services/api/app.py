@@ -11,6 +11,7 @@ is what a graceful shutdown drains.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import time
@@ -48,6 +49,8 @@ from services.api.openai_schemas import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from services.api.openapi import OpenAPIRoutes, ping
+from services.api.operator_options import OperatorOptions, operator_middleware
 from services.api.pausable import PausableEngineClient
 from services.api.reliability_metrics import ReliabilityCollector
 from services.api.responses_schemas import ResponsesRequest
@@ -59,6 +62,7 @@ from services.api.serving_embeddings import EmbeddingServing
 from services.api.serving_responses import ResponsesServing
 from services.api.streaming import ClientDisconnected
 from services.api.tokenizer import Tokenizer
+from services.api.tracing import start_tracer
 from services.api.unknown_fields import decode_request
 
 # What a server answers to a request whose client is gone (nginx's code); nobody reads it.
@@ -276,6 +280,7 @@ def build_app(
     options: APIOptions | None = None,
     kv_transfer_secret: str | None = None,
     responses_store: ResponsesStore | None = None,
+    operator: OperatorOptions | None = None,
 ) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
@@ -283,7 +288,8 @@ def build_app(
     the chat template and tool-calling options. ``kv_transfer_secret``: the
     P/D proxy's, without which clients may not set kv_transfer_params.
     ``served_model_name``: one name or several; the first is the one responses
-    report, any is accepted."""
+    report, any is accepted. ``operator``: CORS, the root path, traces (``--allowed-origins``, ...)."""
+    operator = operator or OperatorOptions()
     if chat is not None and chat.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat.chat_template)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
@@ -310,6 +316,9 @@ def build_app(
         responses_store,
     )
     management = ManagementRoutes(engine_client, admission, routes.model_card)
+    table = [*routes.table(), *management.table(), Route("/ping", ping, methods=["GET"])]
+    table += OpenAPIRoutes(table, _version(), operator.root_path).table()  # it lists the whole table
+    metrics.tracer = start_tracer(operator.otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -318,10 +327,13 @@ def build_app(
             yield
         finally:
             await engine_client.shutdown()
+            if metrics.tracer is not None:
+                await asyncio.to_thread(metrics.tracer.shutdown)  # the last spans go out
 
     # Outermost first: every exchange returns its tickets; bodies are capped
     # in time and size before anything reads them; keys are checked before any work.
     middleware = [
+        *operator_middleware(operator, tracing=metrics.tracer is not None),
         Middleware(TicketReleaseMiddleware),
         Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
         Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes),
@@ -336,7 +348,7 @@ def build_app(
             )
         )
     app = Starlette(
-        routes=routes.table() + management.table(),
+        routes=table,
         middleware=middleware,
         exception_handlers={
             APIError: api_error_handler,

@@ -21,7 +21,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import prometheus_client
 from prometheus_client import (
@@ -44,6 +44,10 @@ from protocol import EngineConfig, EngineCoreEventType, EngineCoreOutput, Sampli
 from protocol.engine import ITERATION_TOKENS_BUCKETS
 from protocol.structured_outputs import COMPILE_TIME_BUCKETS, StructuredOutputStats
 from services.api.engine_client import RankStats
+from services.api.tracing import RequestTimes
+
+if TYPE_CHECKING:
+    from services.api.tracing import Tracer
 
 # vLLM does the same: the `*_created` series only double what scrapers see.
 # (A process-wide switch; the API process owns its metrics.)
@@ -413,6 +417,7 @@ class APIMetrics:
         self.max_model_len = config.model.max_model_len if config is not None else 65536
         self.registry.register(_RankCollector(rank_stats, model_name, config))
         self.families = {f.name: self._register(f) for f in REQUEST_FAMILIES}
+        self.tracer: Tracer | None = None  # --otlp-traces-endpoint: a span per finished request
 
     def _register(self, family: Family) -> Counter | Gauge | Histogram:
         labels = [*LABELS, *family.extra_labels]
@@ -437,11 +442,21 @@ class APIMetrics:
         return generate_latest(self.registry)
 
     def request(
-        self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams | None = None
+        self,
+        num_prompt_tokens: int,
+        arrival_time: float,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        sampling: SamplingParams | None = None,
     ) -> RequestMetrics:
         """``params``: the request's own parameters (``n``, ``max_tokens``), given
-        to exactly one of its engine requests, which observes them once."""
-        return RequestMetrics(self, num_prompt_tokens, arrival_time, params)
+        to exactly one of its engine requests, which observes them once. ``request_id``
+        and ``sampling`` (this engine request's parameters) go into its trace span."""
+        metrics = RequestMetrics(self, num_prompt_tokens, arrival_time, params)
+        if self.tracer is not None:
+            metrics.trace = (self.tracer, self.tracer.current_parent(), request_id, sampling)
+        return metrics
 
 
 class RequestMetrics:
@@ -466,6 +481,8 @@ class RequestMetrics:
         self._scheduled: float | None = None  # the first scheduling (a preemption does not move it)
         self._first_token: float | None = None
         self._last_token: float | None = None
+        self._first_token_api: float | None = None
+        self.trace: tuple | None = None  # (tracer, parent context, request id, sampling params)
 
     def on_output(self, output: EngineCoreOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -478,6 +495,7 @@ class RequestMetrics:
             m.inc("vllm:prompt_tokens", self._num_prompt_tokens, engine)
             m.observe("vllm:time_to_first_token_seconds", now - self._arrival, engine)
             self._first_token = output.timestamp
+            self._first_token_api = now
         else:
             for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
                 m.observe(name, now - self._last_output, engine)
@@ -498,6 +516,35 @@ class RequestMetrics:
             if self._params.max_tokens is not None:
                 m.observe("vllm:request_params_max_tokens", self._params.max_tokens, engine)
         self._observe_phases()
+        if self.trace is not None:
+            self._record_span(now)
+
+    def _record_span(self, now: float) -> None:
+        tracer, parent, request_id, sampling = self.trace
+        times = RequestTimes(
+            self._arrival,
+            now,
+            self._first_token_api,
+            self._queued,
+            self._scheduled,
+            self._first_token,
+            self._last_token,
+        )
+        attributes = {
+            "gen_ai.request.id": request_id,
+            "gen_ai.response.model": self._m.model_name,
+            "gen_ai.usage.prompt_tokens": self._num_prompt_tokens,
+            "gen_ai.usage.completion_tokens": self._num_generated,
+            "weft.engine": self._engine,
+        }
+        if sampling is not None:
+            attributes |= {
+                "gen_ai.request.temperature": sampling.temperature,
+                "gen_ai.request.top_p": sampling.top_p,
+                "gen_ai.request.max_tokens": sampling.max_tokens,
+                "gen_ai.request.n": self._params.n if self._params is not None else None,
+            }
+        tracer.record(attributes, times, parent)
 
     def _observe_phases(self) -> None:
         """vLLM's phases, on the engine's clock: prefill = scheduled -> first token,

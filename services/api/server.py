@@ -36,11 +36,13 @@ from services.api.limits import (
     ServingLimits,
     available_memory_bytes,
 )
+from services.api.operator_options import OperatorOptions, add_operator_args, operator_options, tls_options
 from services.api.responses_store import ResponsesStore, add_responses_store_args, responses_store_from
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.memory_plan import with_node_memory
 from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_arg
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
+from services.log_format import configure as configure_logging
 from services.ports import free_port
 
 logger = logging.getLogger("weft.serve")
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(parser)
     add_responses_store_args(parser)
     add_api_option_args(parser)
+    add_operator_args(parser)
     parser.add_argument(
         "--data-parallel-size-local",
         type=int,
@@ -344,8 +347,9 @@ def uvicorn_options(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> int:
     args = config_file.parse_args(build_parser(), argv)  # --config FILE.yaml and WEFT_* overrides too
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = configure_logging(args.log_format, process="api")  # and the engine cores started here
     try:
+        operator = operator_options(args)
         config = engine_args_from(args).create_engine_config()
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         if local:
@@ -361,12 +365,16 @@ def main(argv: list[str]) -> int:
         if any(not key for key in args.api_key or ()):
             raise ValueError("--api-key must not be empty.")
         keys = api_keys(args)
-        server_options = uvicorn_options(args)
+        server_options = uvicorn_options(args) | tls_options(args)
+        if log_format == "json":
+            server_options["log_config"] = None  # uvicorn's lines go through the root logger's JSON
         args.kv_transfer_secret = load_kv_transfer_secret(args.kv_transfer_secret_file)
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
-    return _run(args, config, local, handshake, limits, curve, chat, keys, server_options, ports, store)
+    return _run(
+        args, config, local, handshake, limits, curve, chat, keys, server_options, ports, store, operator
+    )
 
 
 def _local_ranks_and_handshake(args: argparse.Namespace, size: int) -> tuple[int, str]:
@@ -424,6 +432,7 @@ def _run(
     server_options: dict,
     ports: tuple[int, int] = (0, 0),
     store: ResponsesStore | None = None,
+    operator: OperatorOptions | None = None,
 ) -> int:
     from services.api.app import build_app
     from services.api.dp_client import DPLBEngineClient, launch_local_engines, stop_processes
@@ -463,6 +472,7 @@ def _run(
             options=api_options(args),
             kv_transfer_secret=args.kv_transfer_secret,
             responses_store=store,
+            operator=operator,
         )
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout, **server_options)
     finally:

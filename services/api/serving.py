@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
 from services.api.prefix_router import session_key_of
 from services.api.redact import redact
+from services.api.request_id import request_id_of
 from services.api.streaming import DONE, check_stream_options, sse
 from services.api.structured_outputs import structured_outputs_from
 from services.api.token_filters import token_filters
@@ -114,8 +116,18 @@ class ServingContext:
         return runner
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, request: Request | None = None) -> str:
+    """The response's id: ``prefix-`` and the exchange's X-Request-Id (the client's, or the one
+    ``services/api/request_id.py`` made), or a new one outside that middleware."""
+    given = request_id_of(request.scope) if request is not None else None
+    return f"{prefix}-{given or uuid.uuid4().hex}"
+
+
+def engine_request_ids(request_id: str, count: int) -> list[str]:
+    """The ids of a request's ``count`` engine requests: unique even when two clients send the
+    same X-Request-Id, and ending in the choice's index."""
+    nonce = secrets.token_hex(4)
+    return [f"{request_id}-{nonce}-{index}" for index in range(count)]
 
 
 def check_prompt_ids(
@@ -278,6 +290,7 @@ def make_choices(
     """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i.
     ``prompt_only``: the generated token is dropped (echo with max_tokens 0)."""
     choices = []
+    ids = engine_request_ids(request_id, sum(p.n for p in params))
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
         n = prompt_params.n
         for i in range(n):
@@ -285,7 +298,7 @@ def make_choices(
             seed = None if prompt_params.seed is None else _wrap_int64(prompt_params.seed + i)
             child = msgspec.structs.replace(prompt_params, n=1, seed=seed)
             engine_request = EngineCoreRequest(
-                request_id=f"{request_id}-{index}",
+                request_id=ids[index],
                 prompt_token_ids=prompt,
                 sampling_params=child,
                 arrival_time=time.time(),
@@ -299,7 +312,9 @@ def make_choices(
                 engine_request.request_id, child, ctx.tokenizer, ctx.eos_token_id, prompt_only
             )
             # The request's own parameters (n, max_tokens) are observed once, by its first choice.
-            metrics = ctx.metrics.request(len(prompt), arrival, prompt_params if i == 0 else None)
+            metrics = ctx.metrics.request(
+                len(prompt), arrival, prompt_params if i == 0 else None, request_id=request_id, sampling=child
+            )
             choices.append(Choice(index, p, engine_request, state, metrics))
     return choices
 

@@ -207,7 +207,7 @@ class ChatServing:
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
         params = _with_tool_constraint(params, tool_choice)
         params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
-        request_id = serving.new_request_id(id_prefix)
+        request_id = serving.new_request_id(id_prefix, request)
         choices = serving.make_choices(
             ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
         )

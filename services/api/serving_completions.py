@@ -90,7 +90,7 @@ class CompletionServing:
             params.append(
                 serving.make_sampling_params(ctx, body, max_tokens, body.logprobs, _prompt_logprobs(body))
             )
-        request_id = serving.new_request_id("cmpl")
+        request_id = serving.new_request_id("cmpl", request)
         choices = serving.make_choices(
             ctx, request_id, prompts, params, body, arrival, serving.session_key(request, body), prompt_only
         )

@@ -55,9 +55,10 @@ class EmbeddingServing:
         ctx.check_num_sequences(len(prompts), 1, _PARAM)
         for prompt in prompts:
             serving.check_prompt_ids(ctx, prompt, _PARAM, prompt_only=True)
-        request_id = serving.new_request_id("embd")
+        request_id = serving.new_request_id("embd", request)
         key = serving.session_key(request, body)
-        choices = [self._choice(request_id, i, prompt, arrival, key) for i, prompt in enumerate(prompts)]
+        ids = serving.engine_request_ids(request_id, len(prompts))
+        choices = [self._choice(ids[i], i, prompt, arrival, key) for i, prompt in enumerate(prompts)]
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         await unless_disconnected(request, serving.collect(runner))
         # Up to max_prompts vectors to format: off the event loop.
@@ -67,11 +68,11 @@ class EmbeddingServing:
         return Response(body_bytes, media_type="application/json")
 
     def _choice(
-        self, request_id: str, index: int, prompt: list[int], arrival: float, key: str | None
+        self, engine_request_id: str, index: int, prompt: list[int], arrival: float, key: str | None
     ) -> Choice:
         ctx = self.ctx
         engine_request = EngineCoreRequest(
-            request_id=f"{request_id}-{index}",
+            request_id=engine_request_id,
             prompt_token_ids=prompt,
             sampling_params=_NO_SAMPLING,
             arrival_time=time.time(),

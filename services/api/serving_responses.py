@@ -15,6 +15,7 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -141,7 +142,9 @@ class ResponsesServing:
             tool_choice = "auto" if body.tools else "none"
         text = body.text if body.text is not None and body.text.format is not None else None
         return ResponseObject(
-            id="resp_" + run.request_id.split("-", 1)[1],
+            # Always the server's own: a stored response's id must not be one a client chose
+            # (X-Request-Id), which another client of a key-less server could reuse.
+            id="resp_" + uuid.uuid4().hex,
             created_at=int(time.time()),
             model=self.ctx.served_model_name,
             status="in_progress",

@@ -21,6 +21,8 @@ from protocol.zmq_sockets import tcp_address
 from services import config_file
 from services.config.memory_plan import node_available_memory_or_none
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
+from services.log_format import add_log_format_arg
+from services.log_format import configure as configure_logging
 from services.processes import STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger("engine-core")
@@ -78,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Disaggregated prefill/decode role of these engine cores, as JSON "
         "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).",
     )
+    add_log_format_arg(parser)
     args = config_file.parse_args(parser, argv)  # --config FILE.yaml and WEFT_* overrides too
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
@@ -127,7 +130,7 @@ def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format, process="engine-core-launcher")  # its engine cores log the same way
     address = tcp_address(args.data_parallel_address, args.data_parallel_rpc_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

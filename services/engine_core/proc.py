@@ -53,6 +53,7 @@ from services.config.kv_transfer_args import with_default_keys_dir, with_kv_tran
 from services.config.memory_plan import with_node_memory
 from services.engine_core.drain import Drain
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
+from services.log_format import configure as configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,9 @@ class EngineCoreProc:
             self.engine.add_request(request)
         except ValueError as e:
             # The request failed on its own; the engine is fine and keeps serving.
-            logger.info("Rejected request %s: %s", request.request_id, e)
+            logger.info(
+                "Rejected request %s: %s", request.request_id, e, extra={"request_id": request.request_id}
+            )
             error = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=[],
@@ -467,6 +470,8 @@ def run_engine_core(
         if engines_on_node is not None:  # started by engine-core --headless: its node, not the API's
             config = with_node_memory(config, engines_on_node, available_memory)
         reply = msgspec.structs.replace(reply, config=config)
+        start = time.monotonic()
+        logger.info("Engine core rank %d: loading torch, its kernels and the model ...", rank)
         import torch  # the engine process is where torch lives
 
         torch.set_num_threads(config.device.num_threads)
@@ -483,7 +488,12 @@ def run_engine_core(
                 logger.exception("Engine core rank %d failed to start", rank)
             report_start_failure(ctx, reply, rank, f"{type(e).__name__}: {e}", identity=identity, curve=curve)
             return 1
-        logger.info("Engine core rank %d ready (%d KV blocks)", rank, engine.num_blocks)
+        logger.info(
+            "Engine core rank %d ready (%d KV blocks) in %.1f s.",
+            rank,
+            engine.num_blocks,
+            time.monotonic() - start,
+        )
         return EngineCoreProc(engine, ctx, reply, stop, identity=identity, drain=drain, curve=curve).run()
     finally:
         ctx.term()
@@ -507,8 +517,10 @@ def die_with_launcher() -> None:
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     args = EngineCoreArgs.parse(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s"
+    configure_logging(  # text or json, as the launcher's --log-format (WEFT_LOG_FORMAT)
+        rank=args.rank,
+        process="engine-core",
+        text_format=f"%(asctime)s %(levelname)s [engine {args.rank}] %(name)s: %(message)s",
     )
     if args.curve_keys is not None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -66,7 +67,10 @@ class Worker:
             if self.available_bytes is None and self.device.type == "cpu":
                 measured = node_available_memory_or_none()
                 self.available_bytes = None if measured is None else measured + self.runtime_bytes
+            start = time.monotonic()
+            logger.info("Loading the weights of %s ...", self.config.model.model)
             self.model_runner.load_model()
+            logger.info("Loaded the weights in %.1f s.", time.monotonic() - start)
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit, block 0 (the null block) included.
@@ -81,6 +85,8 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return _check_override(cache.num_gpu_blocks_override)
         runner = self.model_runner
+        start = time.monotonic()
+        logger.info("Sizing the KV cache (one profiled step) ...")
         peak = self.activation_peak()
         kv_bytes, source = self.kv_budget(peak)
         num_blocks, source = self._capped(max(0, kv_bytes) // runner.kv_block_bytes, source)
@@ -98,7 +104,11 @@ class Worker:
             )
         except ValueError as e:
             raise ValueError(f"{e} {plan.describe()}") from None
-        logger.info("%s", dataclasses.replace(plan, max_model_len=context).describe())
+        logger.info(
+            "KV cache sized in %.1f s: %s",
+            time.monotonic() - start,
+            dataclasses.replace(plan, max_model_len=context).describe(),
+        )
         return num_blocks
 
     def activation_peak(self) -> int:

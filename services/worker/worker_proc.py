@@ -21,7 +21,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import traceback
 
@@ -39,6 +38,7 @@ from protocol.executor import (
     WorkerReply,
 )
 from protocol.zmq_sockets import make_socket, recv, send
+from services.log_format import configure as configure_logging
 from services.worker.executor import import_worker_class
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,9 @@ def main(
     _die_with_parent(parent_pid)
     _set_process_name(f"weft-tp{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [tp worker {rank}] %(name)s: %(message)s",
+    configure_logging(  # text or json, as the engine core's (WEFT_LOG_FORMAT)
+        process=f"tp-worker-{rank}",
+        text_format=f"%(asctime)s %(levelname)s [tp worker {rank}] %(name)s: %(message)s",
     )
     config = msgspec.msgpack.decode(config_msgpack, type=EngineConfig)
     ctx = zmq.Context()
