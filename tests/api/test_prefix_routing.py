@@ -41,6 +41,7 @@ def events_config() -> KVEventsConfig:
         endpoint=ipc_address("kv"),
         replay_endpoint=ipc_address("kvr"),
         topic="weft",
+        include_token_ids=True,  # the external subscriber below reads the blocks' tokens
     )
 
 
