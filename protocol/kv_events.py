@@ -113,7 +113,7 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
     if endpoint.startswith("tcp://"):
         host, sep, port = endpoint.rpartition(":")
         if not sep or not port.isdigit():
-            raise ValueError(f"kv events endpoint {endpoint!r} needs a port, e.g. tcp://*:5557.")
+            raise ValueError(f"kv events endpoint {endpoint!r} needs a port, e.g. tcp://127.0.0.1:5557.")
         return f"{host}:{int(port) + rank}"
     if endpoint.startswith(("ipc://", "inproc://")):
         return endpoint if rank == 0 else f"{endpoint}_dp{rank}"
