@@ -41,8 +41,8 @@ a status message from another identity, is refused and counted
 traffic, nor say goodbye or draining for it. Outputs come over a ROUTER
 too, from the engine's same identity: outputs, stats and heartbeats for a
 rank from any other connection are refused and counted, so a peer cannot
-keep a hung rank "ready" or forge its results, CURVE or not. With CURVE the rank is also
-bound to the key its hello came with (``client`` or a per-node key, see
+keep a hung rank "ready" or forge its results, CURVE or not. With CURVE
+the rank is also bound to the key its hello came with (``client`` or a per-node key, see
 ``protocol.curve``): status messages and outputs for it must come over
 connections authenticated with that key, so one node cannot speak for a
 rank another node serves. The input ROUTER is
@@ -405,7 +405,7 @@ class DPLBEngineClient(EngineClient):
             try:
                 frames = await self._handshake_sock.recv_multipart(copy=False)
                 (identity,), body = split(frames, 1)
-                hello, key_name, frames_peer = decoder.decode(body), _key_name(frames[-1]), frames[-1]
+                hello = decoder.decode(body)
             except ValueError as e:
                 self._dropped("handshake", e)
                 continue
@@ -432,8 +432,8 @@ class DPLBEngineClient(EngineClient):
                 self._quiet.pop(rank, None)  # a new process: the old one's requests died with it
             # Bound until the rank dies: its ready and every later message must come from here.
             self._identity[rank] = identity
-            self._key_name[rank] = key_name
-            self._peer_host[rank] = _peer_host(frames_peer)
+            self._key_name[rank] = _key_name(frames[-1])
+            self._peer_host[rank] = _peer_host(frames[-1])  # where its KV events are subscribed to
             logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 

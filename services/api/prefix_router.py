@@ -43,7 +43,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import EngineConfig, EngineCoreRequest
-from protocol.curve import CLIENT, CurveKeys
+from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
@@ -276,8 +276,11 @@ class PrefixRouter:
         self._curve: CurveKeys | None = None
 
     def start(self, ctx: zmq.asyncio.Context, curve: CurveKeys | None = None) -> None:
-        """``curve``: the API's server keys (``--zmq-curve-keys``), which the ranks' event sockets let in."""
+        """``curve``: the API's server keys (``--zmq-curve-keys``), which the ranks' event sockets let
+        in; without them, those of the events' own ``keys_dir``, when it names one."""
         self._ctx = ctx
+        if curve is None and self.events_config.keys_dir is not None:
+            curve = load_keys(self.events_config.keys_dir, SERVER)
         self._curve = curve
 
     def rank_up(self, rank: int, *, host: str | None = None, key_name: str | None = None) -> None:

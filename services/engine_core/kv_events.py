@@ -51,7 +51,7 @@ REPLAYS_PER_S = 4.0
 REPLAY_BURST = 8
 MAX_REPLAY_BATCHES = 1000
 MAX_REPLAY_BYTES = 8 << 20
-_REPLAY_HWM = 2 * (MAX_REPLAY_BATCHES + 1)  # two answers queued per peer, then it is dropped to
+_REPLAY_HWM = 2 * (MAX_REPLAY_BATCHES + 1)  # two answers queued per peer; past that the ROUTER drops
 
 
 def event_server_keys(keys_dir: str) -> CurveKeys:

@@ -141,19 +141,18 @@ def test_with_keys_only_the_apis_key_reads_the_stream(curved, keys):
             assert _ask_replay(sock, 1000) is None, "an unauthenticated peer read the replay buffer"
             sock.close()
         wait_for(lambda: curved.auth.num_denied >= 1, 10, "the stranger to be refused")
-        # What the API's PrefixRouter hands its subscribers: its server key, the engine's client key.
-        router = PrefixRouter(
-            msgspec.structs.replace(
-                make_config(), kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")
-            )
-        )
-        router.start(ctx, api)
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        router._subscriber_keys("client").apply(sock)
-        sock.connect(curved.replay_endpoint)
-        assert _ask_replay(sock) == [0, 1, 2]
-        sock.close()
+        # What the API's PrefixRouter hands its subscribers: its server key (--zmq-curve-keys, or
+        # the events' own keys_dir), the engine's client key.
+        for keys_dir, api_keys in ((None, api), (str(keys), None)):
+            events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", keys_dir=keys_dir)
+            router = PrefixRouter(msgspec.structs.replace(make_config(), kv_events=events))
+            router.start(ctx, api_keys)
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            router._subscriber_keys("client").apply(sock)
+            sock.connect(curved.replay_endpoint)
+            assert _ask_replay(sock) == [0, 1, 2]
+            sock.close()
     finally:
         ctx.destroy(linger=0)
 
