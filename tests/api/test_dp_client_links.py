@@ -217,6 +217,8 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
     for node in ("a", "b"):
         generate_node_keys(keys, node)
     async with stack(keys=keys) as (client, _, ctx):
+        # Over tcp the API notes where the rank's connection came from: its KV events are read there.
+        assert client._peer_host[RANK] == "127.0.0.1"
         other_node = node_keys(keys, "b")  # a valid key of the deployment, for another node
         encoder = Encoder()
         hello = make_socket(
