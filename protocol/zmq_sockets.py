@@ -68,6 +68,7 @@ def make_socket(
     curve: CurveKeys | None = None,
     router_mandatory: bool = False,
     max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+    hwm: int | None = None,
 ) -> zmq.Socket:
     """Open, configure and bind or connect one socket.
 
@@ -80,13 +81,17 @@ def make_socket(
     message silently. No socket uses ROUTER_HANDOVER: a second connection
     with a connected peer's identity is refused, never handed the first's
     traffic (engine cores use a fresh identity per process, see
-    ``instance_identity``).
+    ``instance_identity``). ``hwm`` bounds both queues (messages) where the
+    socket's default would be unbounded or libzmq's.
     """
     sock = ctx.socket(socket_type)
     if socket_type in _NO_RCVHWM:
         sock.setsockopt(zmq.RCVHWM, 0)
     if socket_type in _NO_SNDHWM:
         sock.setsockopt(zmq.SNDHWM, 0)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)

@@ -46,6 +46,7 @@ SLOW = frozenset(
         "tests/kv_transfer/test_offline.py",
         "tests/kv_transfer/test_offline_forged.py",
         "tests/kv_transfer/test_pd_e2e.py",
+        "tests/kv_transfer/test_proxy_front.py",
         "tests/test_api_params_e2e.py",
         "tests/test_async_scheduling_llm.py",
         "tests/test_gemma3.py",

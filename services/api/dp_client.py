@@ -6,8 +6,8 @@ Sockets (all bound here; engines connect):
   data addresses;
 - input ROUTER: requests out, addressed by rank identity; engines' ready,
   draining and goodbye messages in;
-- output PULL: ``EngineCoreOutputs`` from every rank (outputs, load stats,
-  heartbeats).
+- output ROUTER: ``EngineCoreOutputs`` from every rank (outputs, load stats,
+  heartbeats), each taken only from the identity bound to its rank.
 
 With ``curve`` keys every socket is a CurveZMQ server and only engines
 holding the client key get in (``protocol.curve``); a frame that does not
@@ -38,8 +38,11 @@ process has its own identity (``instance_identity``), which the hello
 reveals and every later message must come from. A hello for a live rank, or
 a status message from another identity, is refused and counted
 (``dropped_frames()["rank_claim"]``): a peer cannot take over a rank's
-traffic, nor say goodbye or draining for it. With CURVE the rank is also
-bound to the key its hello came with (``client`` or a per-node key, see
+traffic, nor say goodbye or draining for it. Outputs come over a ROUTER
+too, from the engine's same identity: outputs, stats and heartbeats for a
+rank from any other connection are refused and counted, so a peer cannot
+keep a hung rank "ready" or forge its results, CURVE or not. With CURVE
+the rank is also bound to the key its hello came with (``client`` or a per-node key, see
 ``protocol.curve``): status messages and outputs for it must come over
 connections authenticated with that key, so one node cannot speak for a
 rank another node serves. The input ROUTER is
@@ -154,6 +157,7 @@ class DPLBEngineClient(EngineClient):
         self._stats = {rank: RankStats(rank=rank) for rank in range(num_ranks)}
         self._last_seen: dict[int, float] = {}
         self._identity: dict[int, bytes] = {}  # rank -> the identity that shook hands for it
+        self._peer_host: dict[int, str | None] = {}  # rank -> its handshake's tcp peer host (None: ipc)
         self._key_name: dict[int, str | None] = {}  # rank -> the CURVE key its hello came with
         # Ranks dead because they went quiet (or their connection dropped),
         # and the requests they held: heard again, they rejoin and abort those.
@@ -189,11 +193,11 @@ class DPLBEngineClient(EngineClient):
         self._input_sock = self._bind(
             zmq.ROUTER, self._data_address("input"), linger=1000, router_mandatory=True
         )
-        self._output_sock = self._bind(zmq.PULL, self._data_address("output"))
+        self._output_sock = self._bind(zmq.ROUTER, self._data_address("output"))
         self.input_address = bound_address(self._input_sock)
         self.output_address = bound_address(self._output_sock)
         if self.prefix_router is not None:
-            self.prefix_router.start(self._ctx)
+            self.prefix_router.start(self._ctx, self.curve)
         for coro in (self._handshake_loop(), self._status_loop(), self._output_loop(), self._monitor_loop()):
             task = asyncio.create_task(coro, name=coro.__name__)
             task.add_done_callback(_log_task_failure)
@@ -399,7 +403,9 @@ class DPLBEngineClient(EngineClient):
         decoder = Decoder(EngineHello)
         while True:
             try:
-                (identity,), hello, key_name = await self._recv(self._handshake_sock, decoder, 1)
+                frames = await self._handshake_sock.recv_multipart(copy=False)
+                (identity,), body = split(frames, 1)
+                hello = decoder.decode(body)
             except ValueError as e:
                 self._dropped("handshake", e)
                 continue
@@ -426,7 +432,8 @@ class DPLBEngineClient(EngineClient):
                 self._quiet.pop(rank, None)  # a new process: the old one's requests died with it
             # Bound until the rank dies: its ready and every later message must come from here.
             self._identity[rank] = identity
-            self._key_name[rank] = key_name
+            self._key_name[rank] = _key_name(frames[-1])
+            self._peer_host[rank] = _peer_host(frames[-1])  # where its KV events are subscribed to
             logger.info("Rank %d said hello (local=%s, headless=%s).", rank, hello.local, hello.headless)
             await asend(self._handshake_sock, self._encoder, self._reply_for(rank), identity)
 
@@ -488,7 +495,7 @@ class DPLBEngineClient(EngineClient):
         stats.num_free_blocks = ready.num_blocks - 1  # block 0 is the null block
         self._last_seen[ready.rank] = time.monotonic()
         if self.prefix_router is not None:
-            self.prefix_router.rank_up(ready.rank)
+            self._subscribe_events(ready.rank)
         logger.info(
             "Rank %d is ready (%d KV blocks, max_model_len %d).",
             ready.rank,
@@ -514,19 +521,23 @@ class DPLBEngineClient(EngineClient):
         decoder = Decoder(EngineCoreOutputs)
         while True:
             try:
-                _, batch, key_name = await self._recv(self._output_sock, decoder, 0)
+                (identity,), batch, key_name = await self._recv(self._output_sock, decoder, 1)
             except ValueError as e:
                 self._dropped("output", e)
                 continue
-            if key_name != self._key_name.get(batch.engine_index, key_name):
+            stats = self._stats.get(batch.engine_index)
+            if stats is None:
+                continue
+            if identity != self._identity.get(batch.engine_index) or key_name != self._key_name.get(
+                batch.engine_index
+            ):
                 self._refuse_claim(
-                    batch.engine_index, f"outputs for rank {batch.engine_index} under another key"
+                    batch.engine_index, f"outputs for rank {batch.engine_index} from another connection"
                 )
                 continue
-            stats = self._stats.get(batch.engine_index)
-            if stats is not None and batch.engine_index in self._quiet:
+            if batch.engine_index in self._quiet:
                 await self._rejoin(batch.engine_index)
-            if stats is None or stats.state not in _LIVE:
+            if stats.state not in _LIVE:
                 continue
             self._last_seen[batch.engine_index] = time.monotonic()
             if batch.scheduler_stats is not None:
@@ -549,9 +560,14 @@ class DPLBEngineClient(EngineClient):
             len(stale),
         )
         if self.prefix_router is not None:
-            self.prefix_router.rank_up(rank)  # its cache view is rebuilt from the replay
+            self._subscribe_events(rank)  # its cache view is rebuilt from the replay
         if stale:
             await self._send(rank, EngineCoreRequestType.ABORT, sorted(stale))
+
+    def _subscribe_events(self, rank: int) -> None:
+        """The prefix router subscribes to the rank's KV events at the rank's own host and key."""
+        assert self.prefix_router is not None
+        self.prefix_router.rank_up(rank, host=self._peer_host.get(rank), key_name=self._key_name.get(rank))
 
     def _dropped(self, socket_name: str, error: Exception) -> None:
         self._dropped_frames[socket_name] += 1
@@ -643,6 +659,15 @@ def _key_name(frame: zmq.Frame) -> str | None:
         return frame.get("User-Id")
     except zmq.ZMQError:
         return None
+
+
+def _peer_host(frame: zmq.Frame) -> str | None:
+    """The host a tcp connection came from (None for ipc, or when libzmq does not say)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    return address or None
 
 
 def _update_stats(stats: RankStats, new) -> None:

@@ -23,6 +23,11 @@ load-only balancer counts it:
 4. Otherwise the least loaded candidate (the load-only rule).
 
 Knobs: ``--dp-routing prefix|load`` and ``--dp-prefix-max-imbalance``.
+
+Each rank is subscribed to at its own address (a remote rank's host, as its
+handshake connection showed it, in place of a wildcard bind), and with
+``--zmq-curve-keys`` as a CurveZMQ client holding the API's server key,
+talking only to the key the rank shook hands with.
 Torch-free: nothing here may import torch.
 """
 
@@ -38,6 +43,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import EngineConfig, EngineCoreRequest
+from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,
@@ -50,6 +56,7 @@ from protocol.kv_events import (
     seq_bytes,
     seq_from,
 )
+from protocol.zmq_sockets import make_socket
 from services.engine_core.prefix_hash import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -147,8 +154,10 @@ class RankSubscriber:
         rank: int,
         view: RankCacheView,
         host: str = "127.0.0.1",
+        curve: CurveKeys | None = None,
     ) -> None:
         self.rank = rank
+        self._curve = curve
         self.view = view
         self.next_seq = 0
         self.num_replays = 0
@@ -164,11 +173,15 @@ class RankSubscriber:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
     async def run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
+        sub = make_socket(
+            self._ctx,
+            zmq.SUB,
+            self._address,
+            bind=False,
+            curve=self._curve,
+            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
+        )
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(self._address)
         try:
             await self._replay()  # whatever was published before this subscriber connected
             while True:
@@ -205,10 +218,14 @@ class RankSubscriber:
         if self._replay_address is None:
             return
         self.num_replays += 1
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
-        sock.connect(self._replay_address)
+        sock = make_socket(
+            self._ctx,
+            zmq.DEALER,
+            self._replay_address,
+            bind=False,
+            curve=self._curve,
+            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
+        )
         try:
             await sock.send_multipart([b"", seq_bytes(self.next_seq)])
             loop = asyncio.get_running_loop()
@@ -256,22 +273,39 @@ class PrefixRouter:
         self.subscribers: dict[int, RankSubscriber] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        self._curve: CurveKeys | None = None
 
-    def start(self, ctx: zmq.asyncio.Context) -> None:
+    def start(self, ctx: zmq.asyncio.Context, curve: CurveKeys | None = None) -> None:
+        """``curve``: the API's server keys (``--zmq-curve-keys``), which the ranks' event sockets let
+        in; without them, those of the events' own ``keys_dir``, when it names one."""
         self._ctx = ctx
+        if curve is None and self.events_config.keys_dir is not None:
+            curve = load_keys(self.events_config.keys_dir, SERVER)
+        self._curve = curve
 
-    def rank_up(self, rank: int) -> None:
-        """A rank became ready: a fresh view, rebuilt from its events (replay first)."""
+    def rank_up(self, rank: int, *, host: str | None = None, key_name: str | None = None) -> None:
+        """A rank became ready: a fresh view, rebuilt from its events (replay first).
+        ``host``: where the rank's connection came from (None: this node); ``key_name``: the
+        CURVE key it shook hands with (``client`` or ``node-NAME``)."""
         self.rank_down(rank)
         if self._ctx is None:
             return
         view = self.views[rank] = RankCacheView(self.max_hashes)
         subscriber = self.subscribers[rank] = RankSubscriber(
-            self._ctx, self.events_config, rank, view, self.host
+            self._ctx, self.events_config, rank, view, host or self.host, self._subscriber_keys(key_name)
         )
         task = asyncio.get_running_loop().create_task(subscriber.run(), name=f"kv-events-{rank}")
         task.add_done_callback(_log_failure)
         self._tasks[rank] = task
+
+    def _subscriber_keys(self, key_name: str | None) -> CurveKeys | None:
+        """The API's server keypair as a CURVE client of the rank's own key."""
+        curve = self._curve
+        if curve is None:
+            return None
+        by_name = {name: public for public, name in curve.node_keys.items()}
+        peer = by_name.get(key_name or "", curve.peer_public)
+        return CurveKeys(CLIENT, curve.public, curve.secret, peer)
 
     def rank_down(self, rank: int) -> None:
         """A rank died or restarts: what it cached is gone with it."""

@@ -264,9 +264,14 @@ def _add_routing_args(parser: argparse.ArgumentParser) -> None:
 
 def prefix_router_for(args: argparse.Namespace, config):
     """The balancer's PrefixRouter, or None for load-only routing."""
+    from protocol.kv_events import check_endpoints
     from services.api.prefix_router import PrefixRouter
 
     events_on = config.kv_events is not None and config.kv_events.publishes
+    if events_on:  # an endpoint other hosts reach needs CURVE: refused before any engine starts
+        check_endpoints(
+            config.kv_events, config.parallel.data_parallel_size, has_keys=args.zmq_curve_keys is not None
+        )
     routing = args.dp_routing or ("prefix" if events_on else "load")
     if routing == "load":
         return None

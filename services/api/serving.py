@@ -263,8 +263,11 @@ class Choice:
 
 
 def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> None:
-    """P/D parameters steer what an engine loads and saves: only the P/D proxy may set them (403)."""
-    if body.kv_transfer_params is not None and ctx.config.kv_transfer is not None:
+    """P/D parameters steer what an engine loads and saves: only the P/D proxy may set them (403).
+
+    Checked whatever the API's own config says: an engine core started with
+    its own ``--kv-transfer-config`` may be a consumer behind an API that has none."""
+    if body.kv_transfer_params is not None:
         require_trusted_caller(request.headers, ctx.kv_transfer_secret)
 
 

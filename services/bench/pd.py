@@ -141,11 +141,33 @@ def run_disaggregated(out: Path, rate: float) -> tuple[dict, dict]:
     kv_port, p_port, d_port, proxy_port = (free_port() for _ in range(4))
     prefill, decode, proxy = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, proxy_port))
 
+    from protocol.curve import generate_keys
+
+    keys = out / "keys"  # CurveZMQ to the service and a MAC on every block, as a deployment runs it
+    generate_keys(keys, overwrite=True)
+
     def kv(role: str) -> str:
-        return json.dumps({"kv_connector": "ZmqConnector", "kv_role": role, "kv_port": kv_port})
+        extra = {"keys_dir": str(keys)}
+        return json.dumps(
+            {
+                "kv_connector": "ZmqConnector",
+                "kv_role": role,
+                "kv_port": kv_port,
+                "kv_connector_extra_config": extra,
+            }
+        )
 
     try:
-        procs.weft("kv-transfer", "kv-transfer", "--host", "127.0.0.1", "--port", str(kv_port))
+        procs.weft(
+            "kv-transfer",
+            "kv-transfer",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(kv_port),
+            "--zmq-curve-keys",
+            str(keys),
+        )
         for name, port, role in (("prefill", p_port, "kv_producer"), ("decode", d_port, "kv_consumer")):
             procs.weft(
                 name,
@@ -224,7 +246,18 @@ def transfer_cost(num_blocks: int = 128) -> dict:
     results = {}
     port = free_port()
     service = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "kv-transfer", "--host", "127.0.0.1", "--port", str(port)],
+        # The transport alone (no CURVE), as before: what a block costs to move on loopback.
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "kv-transfer",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--insecure-no-curve",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=REPO_ROOT,

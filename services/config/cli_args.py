@@ -70,8 +70,9 @@ _EXTRA_HELP = {
     "L2-normalized vector: last (the last token's), mean, or auto (default: what a sentence-transformers "
     "checkpoint's modules.json and 1_Pooling/config.json say, else last, as decoder embedding models pool).",
     "kv_events_config": 'KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
-    '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}\' '
-    "(vLLM's names; each DP rank offsets the ports by its rank; default: off).",
+    '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5657", "topic": ""}\' '
+    "(vLLM's names; each DP rank offsets the ports by its rank; hashes only unless include_token_ids; "
+    "a host other than loopback needs --zmq-curve-keys; default: off).",
 }
 
 

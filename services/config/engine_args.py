@@ -165,7 +165,7 @@ class EngineArgs:
                 compile_timeout=self.structured_outputs_compile_timeout
             ),
             kv_transfer=self._kv_transfer_config(windows),
-            kv_events=resolve_kv_events_config(self.kv_events_config),
+            kv_events=resolve_kv_events_config(self.kv_events_config, self.data_parallel_size),
         )
         check_async_scheduling(config)
         return config

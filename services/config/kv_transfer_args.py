@@ -36,8 +36,12 @@ class SharedStorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
 class ZmqOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
     # A `weft keys` folder: CurveZMQ to the kv_transfer service, and a keyed MAC on every block.
+    # Required (by default the engine's --zmq-curve-keys) unless allow_unauthenticated.
     keys_dir: str | None = None
     max_concurrent: Annotated[int, Meta(ge=1, le=64)] = DEFAULT_MAX_CONCURRENT
+    # No keys: blocks from a service that authenticated no one, checked by CRC-32 only
+    # (any local user can forge them). For a `weft kv-transfer --insecure-no-curve` on loopback.
+    allow_unauthenticated: bool = False
 
 
 _OPTIONS: dict[str, type[msgspec.Struct]] = {

@@ -115,11 +115,14 @@ class BlockPool:
         self.kv_events: list[KVCacheEvent] | None = None
         self._event_block_size = 0
         self._event_medium = "GPU"
+        self._event_token_ids = True
 
-    def enable_kv_events(self, block_size: int, medium: str) -> None:
+    def enable_kv_events(self, block_size: int, medium: str, *, token_ids: bool = True) -> None:
+        """``token_ids`` False: BlockStored carries hashes only (no prompt text leaves the engine)."""
         self.kv_events = []
         self._event_block_size = block_size
         self._event_medium = medium
+        self._event_token_ids = token_ids
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, oldest first."""
@@ -193,7 +196,11 @@ class BlockPool:
                 BlockStored(
                     block_hashes=[request.block_hashes[i] for i in run],
                     parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,
-                    token_ids=list(request.all_token_ids[first * block_size : (last + 1) * block_size]),
+                    token_ids=(
+                        list(request.all_token_ids[first * block_size : (last + 1) * block_size])
+                        if self._event_token_ids
+                        else []
+                    ),
                     block_size=block_size,
                     medium=self._event_medium,
                 )

@@ -63,7 +63,9 @@ class EngineCore:
         if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
             return None
         medium = "GPU" if config.device.device == "cuda" else "CPU"
-        self.scheduler.kv_cache_manager.block_pool.enable_kv_events(config.cache.block_size, medium)
+        self.scheduler.kv_cache_manager.block_pool.enable_kv_events(
+            config.cache.block_size, medium, token_ids=config.kv_events.include_token_ids
+        )
         return make_publisher(config.kv_events, self.engine_index)
 
     def publish_kv_events(self) -> None:

@@ -9,7 +9,8 @@ the forward pass (both release the GIL):
 
 - the input thread owns the input DEALER: it decodes request frames onto
   ``_inputs``, dropping malformed ones, and at the end says goodbye;
-- the output thread owns the output PUSH: it sends what the busy loop puts on
+- the output thread owns the output DEALER (this process's identity, as on
+  the input socket: the API takes outputs for our rank only from it): it sends what the busy loop puts on
   ``_outputs``, and a heartbeat with the latest stats when nothing went out
   for ``HEARTBEAT_S``, so a long step never looks like a dead engine;
 - the main thread runs the busy loop: drain inputs (blocking only when
@@ -52,6 +53,7 @@ from protocol.zmq_sockets import instance_identity, make_socket, recv, send, spl
 from services.config.kv_transfer_args import with_default_keys_dir, with_kv_transfer_config
 from services.config.memory_plan import with_node_memory
 from services.engine_core.drain import Drain
+from services.engine_core.kv_events import with_default_keys_dir as with_default_events_keys
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
 from services.log_format import configure as configure_logging
 
@@ -103,7 +105,13 @@ class EngineCoreProc:
             ctx, zmq.DEALER, reply.input_address, bind=False, identity=identity, linger=1000, curve=curve
         )
         self._output_sock = make_socket(
-            ctx, zmq.PUSH, reply.output_address, bind=False, linger=OUTPUT_LINGER_MS, curve=curve
+            ctx,
+            zmq.DEALER,
+            reply.output_address,
+            bind=False,
+            identity=identity,
+            linger=OUTPUT_LINGER_MS,
+            curve=curve,
         )
         # First frame on the input socket: the API's ROUTER learns our identity from it.
         send(
@@ -467,6 +475,9 @@ def run_engine_core(
             return 0
         config = with_tensor_parallel_size(with_num_threads(reply.config, num_threads), tensor_parallel_size)
         config = with_default_keys_dir(with_kv_transfer_config(config, kv_transfer_config), curve_keys)
+        config = msgspec.structs.replace(
+            config, kv_events=with_default_events_keys(config.kv_events, curve_keys)
+        )
         if engines_on_node is not None:  # started by engine-core --headless: its node, not the API's
             config = with_node_memory(config, engines_on_node, available_memory)
         reply = msgspec.structs.replace(reply, config=config)

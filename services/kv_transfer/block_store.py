@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import zlib
 from abc import ABC, abstractmethod
 
@@ -21,6 +22,17 @@ import numpy as np
 from protocol.kv_transfer import KVBlock
 
 MAC_BYTES = 32
+# Bytes per element of the dtypes a KV cache may have (torch's names; numpy has no bfloat16).
+_ITEMSIZE = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def checksum(data: np.ndarray | memoryview | bytes) -> int:
@@ -55,6 +67,8 @@ def is_intact(block: KVBlock, dtype: str, shape: list[int], mac_key: bytes | Non
     expects; with ``mac_key`` only a block sealed with that key passes."""
     if not (block.dtype == dtype and list(block.shape) == list(shape) and block.data.dtype == np.uint8):
         return False
+    if block.data.nbytes != math.prod(shape) * _ITEMSIZE.get(dtype, 0):
+        return False  # bytes that do not fill the shape it claims (or an unknown dtype)
     if mac_key is None:
         return checksum(block.data) == block.checksum
     expected = block_mac(mac_key, block.key, block.dtype, block.shape, block.data)

@@ -26,7 +26,13 @@ body over ``--max-request-body-bytes`` is refused (413) before any leg runs;
 connecting to a server, and each wait for its next bytes, are bounded; a
 client that leaves mid-request closes both legs, so neither server keeps
 generating for no one; and errors name the role of a failed server, never
-its URL (which only the logs show).
+its URL (which only the logs show). As ``weft serve`` does, it closes a
+connection whose headers take over ``--body-timeout`` and answers 408 to a
+body that does, serves at most ``--max-connections`` at once (503 beyond),
+and on SIGTERM stops accepting, answers 503 to new requests and lets those
+in flight finish for ``--shutdown-timeout``. A client's ``Authorization``
+is the proxy's to check (``--api-key-file`` or ``$WEFT_API_KEY``), never
+passed on: the servers get the proxy's own key (``--backend-api-key-file``).
 Torch-free: Starlette, httpx and uvicorn only.
 """
 
@@ -35,21 +41,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
+import signal
+import stat
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services import env
+from services.api.errors import APIError
+from services.api.limits import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
 from services.kv_transfer import trust
 
 logger = logging.getLogger("weft.pd_proxy")
@@ -62,9 +76,13 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 # CPU take minutes), or the gap between two chunks of a stream.
 DEFAULT_READ_TIMEOUT_S = 600.0
 _CONNECT_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
+DEFAULT_KEEP_ALIVE_S = 5.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # Request headers worth passing on to the servers (never the client's own
-# X-Weft-KV-Transfer-Key: only the proxy sets that one).
-_FORWARDED_HEADERS = ("authorization", "x-request-id")
+# X-Weft-KV-Transfer-Key, which only the proxy sets, nor its Authorization,
+# which is the proxy's to check: the servers get the proxy's own key).
+_FORWARDED_HEADERS = ("x-request-id",)
 
 
 class ClientGone(Exception):
@@ -123,11 +141,18 @@ class PDProxy:
         secret: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        api_keys: list[str] | None = None,
+        backend_key: str | None = None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.client = client  # opened with the app when not given
         self.secret = secret  # sent to the servers with kv_transfer_params (trust.HEADER)
+        self.api_keys = [key.encode() for key in api_keys or []]  # what clients must present (none: open)
+        self.backend_key = backend_key  # the proxy's own Authorization to the servers
+        self.body_timeout_s = body_timeout_s
+        self.draining = False  # SIGTERM: new requests get 503, those in flight finish
         self.max_body_bytes = max_body_bytes
         self.timeout = httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S)
         self.num_prefill_failures = 0  # requests decoded without a transfer
@@ -139,7 +164,23 @@ class PDProxy:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, "/v1/chat/completions")
 
+    def _refusal(self, request: Request) -> Response | None:
+        """503 while draining; 401 without one of ``api_keys`` (when any is set)."""
+        if self.draining:
+            return JSONResponse(
+                {"error": {"message": "The proxy is shutting down.", "type": "proxy_error", "code": 503}},
+                status_code=503,
+                headers={"connection": "close", "retry-after": "1"},
+            )
+        if self.api_keys:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+            if not any(hmac.compare_digest(given, key) for key in self.api_keys):
+                return _error("A valid API key is needed (Authorization: Bearer KEY).", 401)
+        return None
+
     async def _handle(self, request: Request, path: str) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         raw = await self._read_body(request)
         if isinstance(raw, Response):
             return raw
@@ -170,15 +211,26 @@ class PDProxy:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return _error(f"The body is larger than {self.max_body_bytes} bytes.", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return _error(f"The body is larger than {self.max_body_bytes} bytes.", 413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return _error(f"The body is larger than {self.max_body_bytes} bytes.", 413)
+                chunks.append(chunk)
+        except APIError as e:  # the body took over --body-timeout (BodyDeadlineMiddleware)
+            response = _error(e.message, e.status)
+            response.headers["connection"] = "close"
+            return response
         return b"".join(chunks)
 
-    def _headers(self, request: Request) -> dict[str, str]:
+    def _backend_headers(self, request: Request) -> dict[str, str]:
         headers = _forwarded_headers(request)
+        if self.backend_key is not None:
+            headers["authorization"] = f"Bearer {self.backend_key}"
+        return headers
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        headers = self._backend_headers(request)
         if self.secret is not None:
             headers[trust.HEADER] = self.secret
         return headers
@@ -246,10 +298,12 @@ class PDProxy:
         )
 
     async def models(self, request: Request) -> Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         url = self.decode.urls[0]
         try:
             response = await self.client.get(
-                url + "/v1/models", headers=_forwarded_headers(request), timeout=self.timeout
+                url + "/v1/models", headers=self._backend_headers(request), timeout=self.timeout
             )
         except httpx.HTTPError as e:
             logger.warning("The decode server %s failed: %s: %s", url, type(e).__name__, e)
@@ -353,7 +407,8 @@ def build_app(proxy: PDProxy) -> Starlette:
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(BodyDeadlineMiddleware, timeout_s=proxy.body_timeout_s)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.proxy = proxy
     return app
 
@@ -398,8 +453,79 @@ def build_parser() -> argparse.ArgumentParser:
         help="Longest wait for a server's next bytes: a whole prefill, or between two "
         "chunks of a stream (default 600 s; connecting: 10 s).",
     )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="Seconds a request's headers, then its body, may take to arrive (beyond: the "
+        "connection is closed; 408 for a body; default 30).",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="Most connections and tasks served at once; more get 503 at once (default 2048).",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_S,
+        help="Seconds an idle keep-alive connection stays open (default 5).",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="On SIGTERM: seconds the requests in flight may take to finish; new ones get 503 (default 30).",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="Keys clients must present (Authorization: Bearer KEY), one per line (default: "
+        "$WEFT_API_KEY, comma-separated; neither: open). Never passed on to the servers.",
+    )
+    parser.add_argument(
+        "--backend-api-key-file",
+        default=None,
+        metavar="FILE",
+        help="The API key the proxy presents to the prefill and decode servers (default: none).",
+    )
     trust.add_secret_arg(parser)
     return parser
+
+
+def _private_lines(path: str, flag: str) -> list[str]:
+    """Non-comment lines of a key file that only its owner may read."""
+    file = Path(path)
+    mode = stat.S_IMODE(file.stat().st_mode)
+    if mode & 0o077:
+        raise ValueError(f"{flag} {file} is readable by others (mode {mode:o}); `chmod 600 {file}`.")
+    lines = [line.strip() for line in file.read_text(encoding="utf-8").splitlines()]
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ValueError(f"{flag} {file} holds no key.")
+    return keys
+
+
+def _client_keys(path: str | None) -> list[str]:
+    if path is not None:
+        return _private_lines(path, "--api-key-file")
+    return [key for key in (env.get("WEFT_API_KEY") or "").split(",") if key]
+
+
+def _draining_server(config, proxy: PDProxy):
+    """uvicorn's server, telling the proxy to refuse new requests once a signal stops it
+    (uvicorn then closes its listeners and waits ``timeout_graceful_shutdown`` for the rest)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            proxy.draining = True
+            logger.info("Draining: requests in flight have %ss to finish.", config.timeout_graceful_shutdown)
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
 
 
 def main(argv: list[str]) -> int:
@@ -414,7 +540,17 @@ def main(argv: list[str]) -> int:
             secret=trust.load_secret(args.kv_transfer_secret_file),
             max_body_bytes=args.max_request_body_bytes,
             read_timeout_s=args.backend_read_timeout,
+            api_keys=_client_keys(args.api_key_file),
+            backend_key=None
+            if args.backend_api_key_file is None
+            else _private_lines(args.backend_api_key_file, "--backend-api-key-file")[0],
+            body_timeout_s=args.body_timeout,
         )
+        if args.max_connections < 1 or not args.keep_alive_timeout > 0 or not args.shutdown_timeout >= 0:
+            raise ValueError(
+                "--max-connections must be at least 1, --keep-alive-timeout positive and "
+                "--shutdown-timeout not negative."
+            )
         if proxy.secret is None:
             logger.warning(
                 "No --kv-transfer-secret-file (nor $%s): P/D servers refuse this proxy's KV "
@@ -425,5 +561,23 @@ def main(argv: list[str]) -> int:
         print(f"weft pd-proxy: {e}", file=sys.stderr)
         return 2
     logger.info("P/D proxy: prefill %s, decode %s (%s)", proxy.prefill.urls, proxy.decode.urls, args.policy)
-    uvicorn.run(build_app(proxy), host=args.host, port=args.port, loop="uvloop", log_level="warning")
+    from services.api.slow_clients import header_deadline_protocol
+
+    config = uvicorn.Config(
+        build_app(proxy),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        log_level="warning",
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.keep_alive_timeout,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+        http=header_deadline_protocol(args.body_timeout),
+    )
+    server = _draining_server(config, proxy)
+    # uvicorn re-raises the signal it stopped for with the handlers it found: make those its
+    # own, so the proxy exits 0 after a drain rather than dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    server.run()
     return 0

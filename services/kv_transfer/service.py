@@ -20,6 +20,13 @@ shape) as well as its data, a frame over ``--max-msg-size`` disconnects its
 sender, a get asks for at most ``MAX_KEYS_PER_GET`` keys and waits at most
 ``MAX_WAIT_MS``, and at most ``MAX_PARKED_GETS`` gets wait at once (more are
 answered at once with what is there).
+
+libzmq limits each frame (``--max-msg-size``), not a message: a peer may
+send one message of many frames, which libzmq buffers whole before the
+service sees it. So the service refuses to start without CurveZMQ (only
+keyholders can send anything) unless ``--insecure-no-curve`` on a loopback
+host, and drops, unread and counted, any message of more than
+``MAX_FRAMES_PER_MESSAGE`` frames or ``--max-message-bytes`` in all.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ MAX_KEY_BYTES = 64  # namespace + block hash is 40
 MAX_KEYS_PER_GET = 256
 MAX_WAIT_MS = 60_000
 MAX_PARKED_GETS = 256
+MAX_BLOCKS_PER_PUT = 256  # producers put 16 per message (transfer_thread.CHUNK_BLOCKS)
+MAX_FRAMES_PER_MESSAGE = 2 + MAX_BLOCKS_PER_PUT  # identity, the Struct, one frame per block
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _IDLE_POLL_MS = 100  # how often a quiet service checks for a stop
 
 
@@ -146,8 +157,10 @@ class KVTransferService:
         *,
         curve: CurveKeys | None = None,
         max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.store = LRUBlockStore(max_bytes)
+        self.max_message_bytes = max_message_bytes
         self._ctx = zmq.Context()
         # Before the socket binds: no peer is let in unchecked.
         self.auth = ZapAuthenticator(self._ctx, curve) if curve is not None else None
@@ -159,7 +172,7 @@ class KVTransferService:
         self._decoder = Decoder(KVServiceRequest)
         self._parked: list[_ParkedGet] = []
         self._changed = False  # blocks arrived since the parked gets were last looked at
-        self.num_dropped = 0  # malformed messages
+        self.num_dropped = 0  # malformed messages, or over the frame count or byte limits
         self.num_refused_gets = 0  # over MAX_KEYS_PER_GET, or beyond MAX_PARKED_GETS (answered at once)
 
     def serve(self, stop: threading.Event) -> None:
@@ -183,6 +196,11 @@ class KVTransferService:
 
     def _handle(self, frames: list) -> None:
         try:
+            if len(frames) > MAX_FRAMES_PER_MESSAGE:
+                raise ValueError(f"{len(frames)} frames, more than {MAX_FRAMES_PER_MESSAGE}")
+            size = sum(len(frame) for frame in frames)
+            if size > self.max_message_bytes:
+                raise ValueError(f"{size} bytes, more than {self.max_message_bytes}")
             (identity,), body = split(frames, 1)
             request = self._decoder.decode(body)
         except (ValueError, DecodeError) as e:
@@ -266,25 +284,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="Largest frame accepted; a peer that sends a bigger one is disconnected (default 64 MiB).",
     )
     parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="Largest message (all its frames together) handled; a bigger one is dropped (default 256 MiB).",
+    )
+    parser.add_argument(
         "--zmq-curve-keys",
         default=None,
         metavar="DIR",
         help="A `weft keys` folder: only engines holding its client key may connect "
-        "(CurveZMQ); give the engines the same folder as keys_dir.",
+        "(CurveZMQ); give the engines the same folder as keys_dir. Required unless --insecure-no-curve.",
+    )
+    parser.add_argument(
+        "--insecure-no-curve",
+        action="store_true",
+        help="Run without CurveZMQ, on a loopback --host only: any local user can then read, "
+        "replace and flood blocks (default: off; CURVE is required).",
     )
     return parser
+
+
+def check_exposure(args: argparse.Namespace) -> None:
+    """CurveZMQ unless the operator opted out, and then only on loopback."""
+    if args.zmq_curve_keys is not None:
+        return
+    if not args.insecure_no_curve:
+        raise ValueError(
+            "needs --zmq-curve-keys DIR (a `weft keys --dir DIR` folder; give the engines the same "
+            "folder as keys_dir), or --insecure-no-curve on a loopback --host."
+        )
+    if args.host not in _LOOPBACK:
+        raise ValueError(f"--insecure-no-curve listens on loopback only, not on --host {args.host}.")
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_exposure(args)
         curve = service_curve_keys(args.zmq_curve_keys) if args.zmq_curve_keys is not None else None
         service = KVTransferService(
             tcp_address(args.host, args.port, bind=True),
             args.max_bytes,
             curve=curve,
             max_msg_size=args.max_msg_size,
+            max_message_bytes=args.max_message_bytes,
         )
     except (ValueError, zmq.ZMQError) as e:
         print(f"weft kv-transfer: {e}", file=sys.stderr)

@@ -24,11 +24,13 @@ import time
 
 import zmq
 
+from protocol import EngineConfig
 from protocol.codec import DecodeError, Decoder, Encoder
 from protocol.curve import CurveKeys
 from protocol.kv_transfer import KVBlock, KVGet, KVPut, KVServiceReply, KVServiceStats, KVStatsRequest
 from protocol.zmq_sockets import make_socket, recv, send, tcp_address
 from services.config.kv_transfer_args import ZmqOptions
+from services.kv_transfer.base import KVConnectorRole
 from services.kv_transfer.block_connector import BlockConnector
 from services.kv_transfer.block_store import BlockStore
 from services.kv_transfer.keys import engine_curve_keys
@@ -111,6 +113,19 @@ class ZmqBlockStore(BlockStore):
 
 
 class ZmqConnector(BlockConnector):
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        options = self.options
+        assert isinstance(options, ZmqOptions)
+        if role is KVConnectorRole.WORKER and options.keys_dir is None and not options.allow_unauthenticated:
+            # The worker moves the blocks: keyless ones would come from a service that
+            # authenticated no one, so it refuses to start without keys.
+            raise ValueError(
+                "ZmqConnector needs keys_dir in kv_connector_extra_config (or --zmq-curve-keys): "
+                "CurveZMQ to the kv_transfer service and a MAC on every block; "
+                '"allow_unauthenticated": true accepts CRC-checked blocks from any local user.'
+            )
+
     def _make_store(self) -> ZmqBlockStore:
         options = self.options
         assert isinstance(options, ZmqOptions)

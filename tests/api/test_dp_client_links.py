@@ -88,7 +88,9 @@ class StandInEngine:
         self.input = make_socket(
             self.ctx, zmq.DEALER, reply.input_address, bind=False, identity=self.identity, curve=self.curve
         )
-        self.output = make_socket(self.ctx, zmq.PUSH, reply.output_address, bind=False, curve=self.curve)
+        self.output = make_socket(
+            self.ctx, zmq.DEALER, reply.output_address, bind=False, identity=self.identity, curve=self.curve
+        )
         await asend(self.input, self.encoder, EngineReady(rank=RANK, num_blocks=64, max_model_len=512))
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._beat())]
 
@@ -215,6 +217,8 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
     for node in ("a", "b"):
         generate_node_keys(keys, node)
     async with stack(keys=keys) as (client, _, ctx):
+        # Over tcp the API notes where the rank's connection came from: its KV events are read there.
+        assert client._peer_host[RANK] == "127.0.0.1"
         other_node = node_keys(keys, "b")  # a valid key of the deployment, for another node
         encoder = Encoder()
         hello = make_socket(
@@ -230,7 +234,14 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
         in_flight = client.generate(make_request("held", max_tokens=1000))
         waiting = asyncio.ensure_future(anext(in_flight))
         await wait_until(lambda: client.rank_stats()[RANK].in_flight, WAIT_S, "the request to be routed")
-        injector = make_socket(ctx, zmq.PUSH, client.output_address, bind=False, curve=other_node)
+        injector = make_socket(
+            ctx,
+            zmq.DEALER,
+            client.output_address,
+            bind=False,
+            identity=instance_identity(RANK),
+            curve=other_node,
+        )
         forged = EngineCoreOutput(request_id="held", new_token_ids=[666], finish_reason=FinishReason.STOP)
         await asend(injector, encoder, EngineCoreOutputs(engine_index=RANK, outputs=[forged]))
         await wait_until(
@@ -245,3 +256,43 @@ async def test_with_node_keys_a_rank_is_bound_to_the_node_that_shook_hands(tmp_p
         assert tokens == [7, 7] and last.finished
         hello.close(linger=0)
         injector.close(linger=0)
+
+
+async def test_without_curve_forged_heartbeats_and_outputs_from_another_connection_are_refused():
+    """Issue 44 #10: a peer that reaches the output socket (no CURVE) sends
+    heartbeats, stats and outputs tagged with rank 0, from a fresh identity and
+    from the bare rank identity. Nothing is taken: a forged output never
+    reaches the request, and the real rank, hung, still goes dead."""
+    async with stack(silence_timeout_s=1.0) as (client, engine, ctx):
+        encoder = Encoder()
+        forgers = [
+            make_socket(ctx, zmq.DEALER, client.output_address, bind=False, identity=identity)
+            for identity in (instance_identity(RANK), rank_identity(RANK))
+        ]
+        in_flight = client.generate(make_request("held", max_tokens=1000))
+        waiting = asyncio.ensure_future(anext(in_flight))
+        await wait_until(lambda: client.rank_stats()[RANK].in_flight, WAIT_S, "the request to be routed")
+        engine.beating.clear()  # the real rank hangs: nothing more from it
+        forged = EngineCoreOutput(request_id="held", new_token_ids=[666], finish_reason=FinishReason.STOP)
+        busy = SchedulerStats(num_running_reqs=999)
+
+        async def forge() -> None:
+            while True:
+                for sock in forgers:
+                    await asend(sock, encoder, EngineCoreOutputs(engine_index=RANK, scheduler_stats=busy))
+                    await asend(sock, encoder, EngineCoreOutputs(engine_index=RANK, outputs=[forged]))
+                await asyncio.sleep(HEARTBEAT_S)  # a forger's heartbeat period
+
+        forging = asyncio.create_task(forge())
+        try:
+            with pytest.raises(EngineDeadError, match="sent nothing"):
+                await asyncio.wait_for(waiting, WAIT_S)  # never the forged token
+            assert client.rank_stats()[RANK].state == "dead"
+            assert client.rank_stats()[RANK].num_running != 999
+            assert client.dropped_frames()["rank_claim"] >= 4
+        finally:
+            forging.cancel()
+            await asyncio.gather(forging, return_exceptions=True)
+            await in_flight.aclose()
+            for sock in forgers:
+                sock.close(linger=0)

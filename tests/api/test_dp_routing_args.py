@@ -45,3 +45,14 @@ def test_prefix_routing_without_published_events_is_refused():
 def test_the_kv_events_flag_reaches_the_engine_args():
     value = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq"})
     assert parse("--kv-events-config", value).kv_events_config == value
+
+
+def test_weft_serve_refuses_events_other_hosts_reach_without_curve(tmp_path):
+    """Issue 44 #1: before, the default bound tcp://*:5557, unauthenticated."""
+    exposed = msgspec.structs.replace(
+        engine_config(), kv_events=msgspec.structs.replace(EVENTS, endpoint="tcp://*:5557")
+    )
+    for routing in ("prefix", "load"):  # refused whether or not the API itself subscribes
+        with pytest.raises(ValueError, match="needs CurveZMQ"):
+            prefix_router_for(parse("--dp-routing", routing), exposed)
+    assert prefix_router_for(parse("--zmq-curve-keys", str(tmp_path)), exposed) is not None

@@ -60,3 +60,19 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path, monke
     os.chmod(path, 0o644)
     with pytest.raises(ValueError, match="readable by others"):
         trust.load_secret(path)
+
+
+@pytest.mark.asyncio
+async def test_an_api_without_kv_transfer_config_still_requires_the_proxy_key():
+    """The engines behind this API may be consumers started with their own
+    ``engine-core --kv-transfer-config``: the API's config does not tell, so the
+    secret is required for any kv_transfer_params."""
+    app, engine = make_app(config=engine_config(), kv_transfer_secret=SECRET)
+    async with http_client(app) as client:
+        body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": PARK}
+        refused = await client.post("/v1/completions", json=body)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["param"] == "kv_transfer_params"
+        assert engine.requests == []
+        trusted = await client.post("/v1/completions", json=body, headers={trust.HEADER: SECRET})
+        assert trusted.status_code == 200

@@ -1,9 +1,10 @@
 """Prefix-aware routing over two real engine-core processes (a tiny random Llama).
 
 One stack for the module: two local ranks publishing KV cache events on
-ipc, a DPLBEngineClient with a PrefixRouter that restarts a killed rank.
-An external subscriber (plain pyzmq + msgspec Structs of its own) reads the
-same events. Every process is killed in a fixture.
+ipc, a DPLBEngineClient with a PrefixRouter that restarts a killed rank,
+every link (the events too) under one ``weft keys`` folder (CurveZMQ).
+An external subscriber (plain pyzmq + msgspec Structs of its own, holding
+the server key) reads the same events. Every process is killed in a fixture.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest_asyncio
 import zmq
 
 from protocol import EngineCoreRequest, FinishReason, SamplingParams
+from protocol.curve import CLIENT, SERVER, CurveKeys, generate_keys, load_keys
 from protocol.kv_events import KVEventsConfig
 from protocol.zmq_sockets import ipc_address
 from services.api.dp_client import DPLBEngineClient, launch_local_engines
@@ -41,6 +43,7 @@ def events_config() -> KVEventsConfig:
         endpoint=ipc_address("kv"),
         replay_endpoint=ipc_address("kvr"),
         topic="weft",
+        include_token_ids=True,  # the external subscriber below reads the blocks' tokens
     )
 
 
@@ -50,12 +53,25 @@ def tiny_config(tmp_path_factory, events_config):
     return msgspec.structs.replace(config, kv_events=events_config)
 
 
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys") / "keys"
+    generate_keys(folder)
+    return folder
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(tiny_config):
+async def client(tiny_config, keys):
     address = ipc_address("hs")
-    processes = launch_local_engines(2, 0, address, num_threads=1)
+    processes = launch_local_engines(2, 0, address, num_threads=1, curve_keys=str(keys))
     client = DPLBEngineClient(
-        tiny_config, address, 2, processes, restart_local=True, prefix_router=PrefixRouter(tiny_config)
+        tiny_config,
+        address,
+        2,
+        processes,
+        restart_local=True,
+        prefix_router=PrefixRouter(tiny_config),
+        curve=load_keys(keys, SERVER),
     )
     try:
         await client.start()
@@ -171,12 +187,17 @@ class _Batch(msgspec.Struct):
     data_parallel_rank: int | None = None
 
 
-async def test_an_external_pyzmq_subscriber_receives_a_real_engines_events(client, events_config):
+async def test_an_external_pyzmq_subscriber_receives_a_real_engines_events(client, events_config, keys):
     ctx = zmq.Context()
+    # The engines' event sockets let in the holder of the server key, talking to the engine's key.
+    api = load_keys(keys, SERVER)
+    router_keys = CurveKeys(CLIENT, api.public, api.secret, load_keys(keys, CLIENT).public)
     sub = ctx.socket(zmq.SUB)
+    router_keys.apply(sub)
     sub.setsockopt(zmq.SUBSCRIBE, b"weft")
     sub.connect(events_config.endpoint)  # rank 0 binds the endpoint as given
     replay = ctx.socket(zmq.DEALER)
+    router_keys.apply(replay)
     replay.connect(events_config.replay_endpoint)
     decoder = msgspec.msgpack.Decoder(_Batch)
     prompt = _prompt(9000, 2, tail=0)

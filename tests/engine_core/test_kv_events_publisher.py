@@ -127,7 +127,7 @@ def test_each_rank_binds_its_own_endpoint():
 
 def test_kv_events_config_as_users_give_it():
     config = resolve_kv_events_config('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}')
-    assert config.publishes and config.endpoint == "tcp://*:5557" and config.topic == "kv"
+    assert config.publishes and config.endpoint == "tcp://127.0.0.1:5557" and config.topic == "kv"
     assert config.buffer_steps == 10_000 and config.replay_endpoint is None
     assert resolve_kv_events_config(None) is None
     assert resolve_kv_events_config('{"enable_kv_cache_events": false}') is None

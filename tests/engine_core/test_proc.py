@@ -41,7 +41,7 @@ class FakeApi:
         self.ctx = zmq.Context()
         self.handshake = make_socket(self.ctx, zmq.ROUTER, ipc_address("hs"), bind=True)
         self.input = make_socket(self.ctx, zmq.ROUTER, ipc_address("in"), bind=True)
-        self.output = make_socket(self.ctx, zmq.PULL, ipc_address("out"), bind=True)
+        self.output = make_socket(self.ctx, zmq.ROUTER, ipc_address("out"), bind=True)
         self.encoder = Encoder()
         self.outputs_decoder = Decoder(EngineCoreOutputs)
         self.identity = b""  # the engine's own (``instance_identity``), learnt from its hello
@@ -57,7 +57,9 @@ class FakeApi:
             send(self.input, self.encoder, payload, self.identity, kind.value)
 
     def next_outputs(self, timeout_s: float = 10.0) -> EngineCoreOutputs:
-        return self.recv(self.output, self.outputs_decoder, timeout_s=timeout_s)[1]
+        (identity,), outputs = self.recv(self.output, self.outputs_decoder, 1, timeout_s=timeout_s)
+        assert identity == self.identity  # outputs come from the identity that said hello
+        return outputs
 
     def run_until_finished(self, request_ids: set[str], timeout_s: float = 30.0) -> dict:
         """Collect outputs per request until all of ``request_ids`` finished."""

@@ -65,7 +65,7 @@ class Api:
         self.handshake, self.input, self.output = (
             bind(zmq.ROUTER, "hs"),
             bind(zmq.ROUTER, "in"),
-            bind(zmq.PULL, "out"),
+            bind(zmq.ROUTER, "out"),
         )
         self.encoder = Encoder()
         self.identity = b""  # the engine's own (``instance_identity``), learnt from its hello
@@ -89,7 +89,9 @@ class Api:
 
     def outputs(self, timeout_s: float = 10.0) -> EngineCoreOutputs:
         assert self.output.poll(int(timeout_s * 1000)), "no outputs from the engine"
-        return recv(self.output, Decoder(EngineCoreOutputs))[1]
+        (identity,), outputs = recv(self.output, Decoder(EngineCoreOutputs), 1)
+        assert identity == self.identity
+        return outputs
 
     def run_until_finished(self, request_ids: set[str], timeout_s: float = 60.0) -> dict:
         """Tokens and last output per request, once all of ``request_ids`` finished."""
@@ -364,7 +366,7 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
             for sock_type, target, message in (
                 (zmq.DEALER, api.handshake, EngineHello(rank=RANK, local=False, headless=True)),
                 (zmq.DEALER, api.input, EngineGoodbye(rank=RANK, reason="forged")),
-                (zmq.PUSH, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[])),
+                (zmq.DEALER, api.output, EngineCoreOutputs(engine_index=RANK, outputs=[])),
             ):
                 sock = make_socket(
                     ctx,
