@@ -64,14 +64,22 @@ def _children(pid: int) -> list[tuple[int, list[str]]]:
 class Stack:
     """``weft serve`` (API + local engine cores) on loopback, logs in ``log_dir``."""
 
-    def __init__(self, serve_args: list[str], log_dir: Path, *, startup_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        serve_args: list[str],
+        log_dir: Path,
+        *,
+        startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``env``: variables added to this process's for the stack (tests' fault injection)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / "serve.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self._log = open(self.log_path, "wb")
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
         # Its own session: stop() and kill() reach the API alone; its engine
         # cores must go because the API stops them (or dies).
         self.api = subprocess.Popen(
