@@ -370,6 +370,8 @@ def main(argv: list[str]) -> int:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
         if any(not key for key in args.api_key or ()):
             raise ValueError("--api-key must not be empty.")
+        if not args.step_timeout > 0:
+            raise ValueError(f"--step-timeout must be positive, got {args.step_timeout:g}.")
         keys = api_keys(args)
         server_options = uvicorn_options(args)
         args.kv_transfer_secret = load_kv_transfer_secret(args.kv_transfer_secret_file)
