@@ -166,6 +166,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # their sum: vllm:iteration_tokens_total.
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    # Seconds the engine has spent in the step it is running now (0 between
+    # steps), as its output thread saw it when it sent these stats: a
+    # heartbeat during a stuck step says so (``step_counter`` is the last
+    # step that finished). The API marks a rank hung past ``--step-timeout``.
+    step_elapsed_s: float = 0.0
 
 
 # Upper bounds of the tokens-per-step histogram (vLLM's buckets); the engine

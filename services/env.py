@@ -77,6 +77,11 @@ VARIABLES: tuple[EnvVar, ...] = (
         "On CPU, steps of fewer than this many tokens run on one torch thread, others on --num-threads "
         "(default 0: every step on --num-threads) (services/worker/cpu_threads.py).",
     ),
+    EnvVar(
+        "WEFT_TEST_FAULT_FILE",
+        "Tests only: a file whose content makes each worker step hang or fail to allocate "
+        "(services/worker/fault_injection.py); unset in any real deployment.",
+    ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
         "WEFT_WORKLOADS_DIR",

@@ -71,9 +71,11 @@ class Stack:
         *,
         startup_timeout_s: float = 300.0,
         tls: dict | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``tls``: the server serves HTTPS (its --ssl-* flags are in ``serve_args``); these are the
-        httpx settings that reach it (``verify``, and ``cert`` where it asks for a client's)."""
+        httpx settings that reach it (``verify``, and ``cert`` where it asks for a client's).
+        ``env``: variables added to this process's for the stack (tests' fault injection)."""
         self.port = free_port()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.http_options = tls or {}
@@ -81,7 +83,7 @@ class Stack:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self._log = open(self.log_path, "wb")
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
         # Its own session: stop() and kill() reach the API alone; its engine
         # cores must go because the API stops them (or dies).
         self.api = subprocess.Popen(

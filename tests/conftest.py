@@ -38,6 +38,7 @@ SLOW = frozenset(
         "tests/bench/test_make_model.py::test_weft_greedy_matches_transformers",
         "tests/bench/test_latency_and_datasets.py::test_end_to_end_throughput_on_random_prompts",
         "tests/bench/test_step_phases.py::test_speculation_times_the_proposer",
+        "tests/engine_core/test_hung_step.py",
         "tests/engine_core/test_kv_events_publisher.py",
         "tests/engine_core/test_proc.py",
         "tests/engine_core/test_proc_hostile.py",

@@ -11,7 +11,12 @@ test spends its time on faults, not on matrix products), in this order:
 2. SIGTERM to one engine core during streams: every stream still completes,
    and the rank comes back;
 3. SIGTERM to the API during 32 streams: each ends with its full output or
-   an error event, the API exits 0 and no engine process outlives it.
+   an error event, the API exits 0 and no engine process outlives it;
+4. a worker that hangs inside a step (``WEFT_TEST_FAULT_FILE``): the API sees
+   the step run past ``--step-timeout`` in the rank's heartbeat, fails its
+   request with a 500 and restarts the rank;
+5. a step that fails to allocate memory: only the request that caused it
+   fails (500), a stream batched with it finishes whole, and the rank serves on.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ from tests.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"
 SHUTDOWN_TIMEOUT_S = 2.0
+# The tiny model's steps take milliseconds: a step this long is hung.
+STEP_TIMEOUT_S = 5.0
 
 
 @contextlib.contextmanager
 def running_stack(tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    fault_file = tmp_path_factory.mktemp("faults") / "fault"  # absent: no fault
     stack = Stack(
         [
             "--model",
@@ -55,10 +63,14 @@ def running_stack(tmp_path_factory):
             "1",
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
+            "--step-timeout",
+            str(STEP_TIMEOUT_S),
         ],
         tmp_path_factory.mktemp("logs"),
         startup_timeout_s=120,
+        env={"WEFT_TEST_FAULT_FILE": str(fault_file)},
     )
+    stack.fault_file = fault_file
     try:
         stack.wait_healthy()
         yield stack
@@ -181,3 +193,67 @@ def test_sigterm_on_the_api_during_32_streams(own_stack):
     assert any(r["error"] for r in results) and any(r["error"] is None for r in results)
     assert stack.api.wait(timeout=60) == 0
     assert stack.survivors() == []  # every engine core exited with the API
+
+
+def test_a_worker_hung_in_a_step_is_detected_and_its_rank_restarted(stack):
+    """Before: the output thread kept heartbeating while the step never ended, the rank
+    stayed ready and the request waited for ever."""
+    pids = {e.rank: e.pid for e in stack.engines()}
+    stack.fault_file.write_text("hang")  # every worker's next step sleeps until the file changes
+    try:
+        response = httpx.post(
+            stack.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4},
+            timeout=60,
+        )
+    finally:
+        stack.fault_file.unlink()
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "hung" in message and "--step-timeout" in message, message
+    health = stack.wait_healthy(timeout_s=90)  # the hung rank was killed and started again
+    assert health["ready"] == [0, 1]
+    assert {e.rank: e.pid for e in stack.engines()} != pids
+    ok = httpx.post(
+        stack.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_an_allocation_failure_fails_only_the_request_that_caused_it(stack):
+    """Before: the step's error stopped the engine and failed every request on the rank.
+    A step of more than 250 tokens for one request fails to allocate (injected): the long
+    prompt's (361 tokens). Streams started first hold both ranks, so the long prompt shares
+    a step with one: both go back to the queue (a preemption), each runs a step alone, and
+    the long prompt, failing again alone, is the one that fails."""
+    pids = {e.rank: e.pid for e in stack.engines()}
+    preemptions = _metric(stack, "vllm:num_preemptions_total")
+
+    async def run() -> tuple[list[dict], httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+            started = [asyncio.Event() for _ in range(2)]
+            streams = [asyncio.create_task(stream(client, 200, e)) for e in started]
+            await asyncio.gather(*(e.wait() for e in started))
+            stack.fault_file.write_text("oom 250")
+            try:
+                body = {"model": MODEL, "prompt": "Once upon a time " * 90, "max_tokens": 4}
+                big = await client.post("/v1/completions", json=body)
+            finally:
+                stack.fault_file.unlink()
+            return await asyncio.gather(*streams), big
+
+    results, big = asyncio.run(run())
+    assert big.status_code == 500, big.text
+    assert "could not allocate" in big.json()["error"]["message"]
+    assert all(r["done"] and r["error"] is None and r["tokens"] == 200 for r in results), results
+    assert _metric(stack, "vllm:num_preemptions_total") > preemptions  # it shared a step
+    assert {e.rank: e.pid for e in stack.engines()} == pids  # no engine stopped
+    assert stack.health()["ready"] == [0, 1]
+
+
+def _metric(stack: Stack, name: str) -> float:
+    """The sum of ``name``'s samples on /metrics."""
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))

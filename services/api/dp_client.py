@@ -18,12 +18,14 @@ vLLM's DPLBAsyncMPClient does, or, with a ``PrefixRouter``, by the prefix
 each rank caches within a load bound (``services/api/prefix_router.py``).
 A rank's life: ``waiting`` (until its hello and ready) -> ``ready`` ->
 ``draining`` (it was told to stop: it finishes what it holds, gets nothing new) -> ``dead`` (its process exited, it said
-goodbye, or it was silent for ``silence_timeout_s``): its in-flight requests
-then fail with ``EngineDeadError``. A dead rank that says hello again (a
+goodbye, it was silent for ``silence_timeout_s``, or it is hung: its heartbeat
+says one step has run past ``step_timeout_s``, ``--step-timeout``): its in-flight requests
+then fail with ``EngineDeadError`` (a 500), and a local one is killed and restarted. A dead rank that says hello again (a
 local one restarted by ``LocalEngines``, a headless one restarted by the
 operator) is handed its config and rejoins once ready; a headless rank that
 was only silent (a network blip, a long stall) rejoins as soon as it is
-heard again, and is told to abort what it held.
+heard again, and is told to abort what it held (a hung one once its heartbeat
+shows it left the stuck step).
 
 A local rank that dies before it was ever ready (a configuration or memory
 error: the engine's goodbye says which) is a start failure, not a crash:
@@ -96,6 +98,7 @@ from protocol.zmq_sockets import (
     tcp_host,
 )
 from services.api.engine_client import (
+    DEFAULT_STEP_TIMEOUT_S,
     EngineClient,
     EngineDeadError,
     EngineNotReadyError,
@@ -128,6 +131,7 @@ class DPLBEngineClient(EngineClient):
         *,
         local_start_rank: int = 0,
         silence_timeout_s: float = 3.0,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         curve: CurveKeys | None = None,
         restart_local: bool = False,
         prefix_router: PrefixRouter | None = None,
@@ -149,6 +153,9 @@ class DPLBEngineClient(EngineClient):
         self.handshake_address = handshake_address
         self.num_ranks = num_ranks
         self.silence_timeout_s = silence_timeout_s
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive, got {step_timeout_s}.")
+        self.step_timeout_s = step_timeout_s
         self.curve = curve
         self.data_ports = {"input": data_ports[0], "output": data_ports[1]}
         self.local = LocalEngines(
@@ -535,17 +542,32 @@ class DPLBEngineClient(EngineClient):
                     batch.engine_index, f"outputs for rank {batch.engine_index} from another connection"
                 )
                 continue
-            if batch.engine_index in self._quiet:
+            stuck = self._stuck_step(batch)
+            if batch.engine_index in self._quiet and stuck is None:
                 await self._rejoin(batch.engine_index)
             if stats.state not in _LIVE:
                 continue
             self._last_seen[batch.engine_index] = time.monotonic()
+            if stuck is not None:
+                # Its output thread still beats, but its busy loop is stuck in a step.
+                self._mark_dead(batch.engine_index, stuck, hung=True, quiet=True)
+                continue
             if batch.scheduler_stats is not None:
                 _update_stats(stats, batch.scheduler_stats)
             if batch.utility_output is not None:
                 self._on_utility_result(batch.engine_index, batch.utility_output)
             for output in batch.outputs:
                 self._route(output)
+
+    def _stuck_step(self, batch: EngineCoreOutputs) -> str | None:
+        """Why ``batch``'s rank is hung (its current step ran past ``step_timeout_s``), or None."""
+        stats = batch.scheduler_stats
+        if stats is None or stats.step_elapsed_s <= self.step_timeout_s:
+            return None
+        return (
+            f"it is hung: step {stats.step_counter + 1} has run for {stats.step_elapsed_s:.1f}s "
+            f"(--step-timeout {self.step_timeout_s:g}s)"
+        )
 
     async def _rejoin(self, rank: int) -> None:
         """A rank that went quiet is heard again: it serves again, after

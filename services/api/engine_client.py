@@ -16,6 +16,11 @@ from protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from protocol.engine import SCHEDULER_STATS_DELTAS, UtilityMethod
 from protocol.structured_outputs import StructuredOutputStats
 
+# --step-timeout: one engine step running longer is a hung rank. A step is one
+# forward over at most max_num_batched_tokens tokens: seconds even for a large
+# prefill on a few CPU cores, so minutes means a worker or collective that never returns.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine core holding a request died or stopped answering; the

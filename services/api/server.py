@@ -20,6 +20,7 @@ from protocol.zmq_sockets import ipc_address, tcp_address
 from services import config_file, env
 from services.api.api_options import add_api_option_args, api_options
 from services.api.chat_args import ChatSettings, add_chat_args, chat_settings_from
+from services.api.engine_client import DEFAULT_STEP_TIMEOUT_S
 from services.api.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -176,6 +177,15 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Restart a local engine core that dies (with back-off).",
+    )
+    group.add_argument(
+        "--step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        metavar="SECONDS",
+        help="An engine core whose current step has run longer is hung (a stuck worker or "
+        "tensor-parallel collective): its requests fail with a 500 and a local one is killed and "
+        "restarted (default: %(default)g).",
     )
     _add_request_size_args(group)
 
@@ -369,6 +379,8 @@ def main(argv: list[str]) -> int:
             load_keys(args.zmq_curve_keys, CLIENT)  # the local engines' keys
         if any(not key for key in args.api_key or ()):
             raise ValueError("--api-key must not be empty.")
+        if not args.step_timeout > 0:
+            raise ValueError(f"--step-timeout must be positive, got {args.step_timeout:g}.")
         keys = api_keys(args)
         server_options = uvicorn_options(args) | tls_options(args)
         if log_format == "json":
@@ -462,6 +474,7 @@ def _run(
             local_start_rank=args.data_parallel_start_rank,
             curve=curve,
             restart_local=args.restart_engines,
+            step_timeout_s=args.step_timeout,
             prefix_router=prefix_router_for(args, config),
             data_ports=ports,
         )

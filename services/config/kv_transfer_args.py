@@ -22,6 +22,8 @@ from services.config.json_arg import parse_json_object
 DEFAULT_TIMEOUT_S = 10.0
 # Loads and saves one worker runs at once (each on its own thread and store client).
 DEFAULT_MAX_CONCURRENT = 4
+# The shared folder's size cap: past it, the least recently used blocks are deleted.
+DEFAULT_SHARED_STORAGE_MAX_BYTES = 4 << 30
 
 
 class SharedStorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -31,6 +33,8 @@ class SharedStorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     # A `weft keys` folder: blocks are sealed with a keyed MAC (BLAKE2b) instead of a CRC-32.
     keys_dir: str | None = None
     max_concurrent: Annotated[int, Meta(ge=1, le=64)] = DEFAULT_MAX_CONCURRENT
+    # Bytes of block files the folder may hold (least recently used evicted past it).
+    max_bytes: Annotated[int, Meta(ge=1 << 20)] = DEFAULT_SHARED_STORAGE_MAX_BYTES
 
 
 class ZmqOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -126,7 +126,16 @@ class EngineCore:
         if not reaches_workers(scheduler_output) and scheduler_output.kv_connector_metadata is None:
             runner_output = ModelRunnerOutput()
         else:
-            runner_output = self.executor.execute_model(scheduler_output)
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except Exception as e:
+                if not (self.executor.survives_step_errors and is_allocation_failure(e)):
+                    raise  # the engine stops: the API fails its requests and restarts it
+                logger.warning(
+                    "A step failed to allocate memory (%s: %s); failing its request.", type(e).__name__, e
+                )
+                self.scheduler.fail_step(scheduler_output, f"{type(e).__name__}: {e}")
+                return self._batch(self.scheduler.take_error_outputs())
         return self._batch(self.scheduler.update_from_output(scheduler_output, runner_output))
 
     def _async_step(self) -> EngineCoreOutputs:
@@ -166,6 +175,15 @@ class EngineCore:
             self.pipeline.shutdown()
         self.executor.shutdown()
         self.scheduler.structured_output_manager.shutdown()
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's OutOfMemoryError (CUDA), or
+    the CPU allocator's RuntimeError. Torch-free: matched by name and message."""
+    if isinstance(error, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(error).__mro__):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:

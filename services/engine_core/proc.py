@@ -12,7 +12,10 @@ the forward pass (both release the GIL):
 - the output thread owns the output DEALER (this process's identity, as on
   the input socket: the API takes outputs for our rank only from it): it sends what the busy loop puts on
   ``_outputs``, and a heartbeat with the latest stats when nothing went out
-  for ``HEARTBEAT_S``, so a long step never looks like a dead engine;
+  for ``HEARTBEAT_S``, so a long step never looks like a dead engine; the
+  heartbeat says how long the current step has run (``step_elapsed_s``), so a
+  step that never ends (a hung worker, a TP collective that never returns)
+  is seen by the API, which restarts the rank past ``--step-timeout``;
 - the main thread runs the busy loop: drain inputs (blocking only when
   there is no work), ``engine.step()``, push outputs.
 
@@ -101,6 +104,9 @@ class EngineCoreProc:
         self._stats_dirty = True  # tell the API our (empty) load at once
         self._stalled = False
         self._latest_stats = SchedulerStats()
+        # time.monotonic() when the step now running began; None between steps.
+        # Written by the busy loop, read by the output thread (one reference: no lock).
+        self._step_started: float | None = None
         self._input_sock = make_socket(
             ctx, zmq.DEALER, reply.input_address, bind=False, identity=identity, linger=1000, curve=curve
         )
@@ -227,7 +233,11 @@ class EngineCoreProc:
         if not (self.engine.has_work() or self._stats_dirty):
             return
         self._stats_dirty = False
-        outputs = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._step_started = None
         stats = outputs.scheduler_stats
         # Stats carry deltas (prefix hits, preemptions): a step that counted
         # anything, or whose stats differ in anything but the step counter,
@@ -271,7 +281,11 @@ class EngineCoreProc:
 
     def _heartbeat(self) -> EngineCoreOutputs:
         # The counters in stats are deltas already reported: zero them here.
-        return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=without_deltas(self._latest_stats))
+        stats = without_deltas(self._latest_stats)
+        started = self._step_started
+        if started is not None:
+            stats.step_elapsed_s = time.monotonic() - started
+        return EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
 
     # ---- input thread
 

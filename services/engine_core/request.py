@@ -9,6 +9,7 @@ chunks, prefix-cache hits and decodes all just move that number towards
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -60,6 +61,10 @@ _FINISH_REASONS = {
 }
 
 
+# Every Request this process makes takes the next number: its place in arrival order.
+_ARRIVAL_ORDER = itertools.count()
+
+
 class Request:
     def __init__(
         self,
@@ -77,7 +82,12 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.arrival_time = arrival_time
+        self.arrival_time = arrival_time  # the client's wall clock: reported, never used to order
+        # The engine's own arrival order and clock: queues order by these, so a
+        # wall clock stepped back (or a front end's skewed one) cannot let a new
+        # arrival jump the queue.
+        self.arrival_order = next(_ARRIVAL_ORDER)
+        self.arrival_s = time.monotonic()
         self.priority = priority
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
@@ -110,6 +120,10 @@ class Request:
         self.error: str | None = None  # why a FINISHED_ERROR request failed
         self.error_is_internal = False  # the engine failed it, not its input
         self.prefix_lookup_counted = False  # its first prefix-cache lookup is in the stats
+        # Steps that failed to allocate memory with this request in them
+        # (Scheduler.fail_step); a suspect runs its next step alone.
+        self.num_failed_steps = 0
+        self.suspect = False
 
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []

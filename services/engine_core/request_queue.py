@@ -1,6 +1,10 @@
 """The scheduler's waiting queue, in three orders: arrival (fcfs), priority,
 or shortest-first.
 
+Arrival means the engine's own: ``Request.arrival_order`` (a counter) and
+``Request.arrival_s`` (its monotonic clock), never the wire's wall-clock
+``arrival_time``, which a clock stepped back would turn against the queue.
+
 All share one small interface so the scheduler never branches on policy
 except when it picks a preemption victim.
 """
@@ -79,7 +83,7 @@ class FCFSRequestQueue(RequestQueue):
         # Before the first request that arrived after it (preempted ones at the
         # front stay there: they arrived earlier, having already run).
         for index, queued in enumerate(self._queue):
-            if queued.arrival_time > request.arrival_time:
+            if queued.arrival_order > request.arrival_order:
                 self._queue.insert(index, request)
                 return
         self._queue.append(request)
@@ -100,7 +104,7 @@ class FCFSRequestQueue(RequestQueue):
 
 
 class PriorityRequestQueue(RequestQueue):
-    """A heap on (priority, arrival_time, request_id): smaller value first.
+    """A heap on (priority, arrival order, request_id): smaller value first.
 
     The request id is unique, so the heap never compares Request objects.
     A preempted request keeps its key, so ``prepend`` is a plain push: it
@@ -108,11 +112,11 @@ class PriorityRequestQueue(RequestQueue):
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, float, str, Request]] = []
+        self._heap: list[tuple[float, int, str, Request]] = []
 
     @staticmethod
-    def _entry(request: Request) -> tuple[float, float, str, Request]:
-        return (request.priority, request.arrival_time, request.request_id, request)
+    def _entry(request: Request) -> tuple[float, int, str, Request]:
+        return (request.priority, request.arrival_order, request.request_id, request)
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, self._entry(request))
@@ -129,7 +133,7 @@ class PriorityRequestQueue(RequestQueue):
         self.add(request)
 
     def requeue(self, request: Request) -> None:
-        self.add(request)  # its key holds its arrival time
+        self.add(request)  # its key holds its arrival order
 
     def remove(self, request: Request) -> None:
         size = len(self._heap)
@@ -156,8 +160,9 @@ SECONDS_PER_PROMPT_TOKEN = 0.001
 
 class ShortestFirstRequestQueue(PriorityRequestQueue):
     """Shortest prompt first, with a bounded head start: the key is
-    ``arrival_time + num_prompt_tokens * SECONDS_PER_PROMPT_TOKEN``, when the
-    request's prefill would end had it run alone from its arrival.
+    ``arrival_s + num_prompt_tokens * SECONDS_PER_PROMPT_TOKEN`` (the engine's
+    monotonic clock), when the request's prefill would end had it run alone
+    from its arrival.
 
     Requests that arrive together (a burst) run shortest first, which brings
     the median time to first token down to that of the shorter half of the
@@ -168,9 +173,9 @@ class ShortestFirstRequestQueue(PriorityRequestQueue):
     """
 
     @staticmethod
-    def _entry(request: Request) -> tuple[float, float, str, Request]:
-        finish = request.arrival_time + request.num_prompt_tokens * SECONDS_PER_PROMPT_TOKEN
-        return (finish, request.arrival_time, request.request_id, request)
+    def _entry(request: Request) -> tuple[float, int, str, Request]:
+        finish = request.arrival_s + request.num_prompt_tokens * SECONDS_PER_PROMPT_TOKEN
+        return (finish, request.arrival_order, request.request_id, request)
 
 
 _POLICIES: dict[str, type[RequestQueue]] = {

@@ -15,6 +15,7 @@ placeholder until its output comes back.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ from services.engine_core.request import Request, RequestStatus
 from services.engine_core.request_queue import create_request_queue
 from services.engine_core.spec_decode import SpecDecodeScheduling
 from services.engine_core.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,6 +139,8 @@ class Scheduler:
         # Constrained requests whose grammar compiles; they join `waiting` when it is done.
         self.waiting_for_grammar: list[Request] = []
         self._error_outputs: list[EngineCoreOutput] = []  # failed outside a step's outputs
+        # Requeued by fail_step: the worker must drop what it holds of them (next step's output).
+        self._failed_step_preempted: list[str] = []
         self._step_counter = 0
         # Tokens per step since the previous make_stats(), bucketed (see SchedulerStats).
         self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
@@ -202,12 +207,20 @@ class Scheduler:
         )
         self._admit_compiled_grammars()
         self.structured_output_manager.filter_drafts(self.running)
-        self._schedule_running(plan)
-        # After a preemption the pool is known to be short: admitting new
-        # work now would only preempt again next step.
-        if not plan.preempted:
+        if self.waiting and self.waiting.peek().suspect:
+            # After a step that failed to allocate, each of its requests runs one step
+            # alone: the one that fails again alone is the one that caused it.
             self._schedule_waiting(plan)
+        else:
+            self._schedule_running(plan)
+            # After a preemption the pool is known to be short: admitting new
+            # work now would only preempt again next step.
+            if not plan.preempted:
+                self._schedule_waiting(plan)
         output = self._make_output(plan)
+        if self._failed_step_preempted:
+            output.preempted_req_ids += self._failed_step_preempted
+            self._failed_step_preempted = []
         self._attach_grammar_bitmask(output)
         self.kv_transfer.build_connector_meta(output)
         # Advance now, so the next schedule() sees these tokens as computed
@@ -282,6 +295,8 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan, passed_over: list[Request]) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.suspect and plan.num_scheduled_tokens:
+                break  # a suspect of a failed step runs alone
             # A request back from a remote KV load already holds its blocks.
             hit_blocks, num_hit_tokens = (
                 ([], 0) if request.num_computed_tokens else self.kv_cache_manager.get_computed_blocks(request)
@@ -310,6 +325,8 @@ class Scheduler:
             self._admit(request, num_computed)
             plan.add(request, num_new, new_blocks, is_new=True)
             plan.prefills.add(num_left, num_new)
+            if request.suspect:
+                break  # alone
 
     def _waits_for_its_token(self, request: Request) -> bool:
         """Async scheduling: a request with a step in flight is not scheduled ahead when
@@ -344,7 +361,7 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             # Largest priority value is least important; later arrival loses ties.
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=lambda r: (r.priority, r.arrival_order))
         return self.running[-1]  # fcfs: the most recently admitted
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -441,6 +458,71 @@ class Scheduler:
             request.error_is_internal = True
         return ended
 
+    # ------------------------------------------------------- a failed step
+
+    def fail_step(self, scheduler_output: SchedulerOutput, reason: str) -> None:
+        """The step failed to allocate memory (the worker's state is unchanged past
+        the requests it was handed). A request alone in the step caused it and
+        fails (a 500 at the API); one in a step with others goes back to the queue
+        to recompute, a suspect that runs its next step alone -- unless it was in a
+        failed step before (each request gets one retry, never more). Running
+        requests the step did not hold are requeued too, so suspects run alone.
+        Their outputs come with the next ``take_error_outputs``."""
+        in_step = [
+            self.requests[r]
+            for r in scheduler_output.num_scheduled_tokens
+            if r in self.requests and not self.requests[r].is_finished
+        ]
+        alone = len(in_step) == 1
+        failed = []
+        for request in in_step:
+            request.num_failed_steps += 1
+            if alone or request.num_failed_steps > 1:
+                failed.append(request)
+        for request in failed:
+            self._remove_finished(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = (
+                f"The engine could not allocate the memory to run this request "
+                f"({reason}); it may be too long for this server."
+            )
+            request.error_is_internal = True
+            self._free_request(request)
+            self._error_outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    events=request.take_events(),
+                    error=request.error,
+                    error_is_internal=True,
+                )
+            )
+        # Back to the queue's front in the order they ran.
+        for request in reversed(list(self.running)):
+            request.suspect = request in in_step
+            self._requeue_after_failure(request)
+        # Blocks are published when allocated: the failed step's never got their KV.
+        if not self.kv_cache_manager.reset_prefix_cache():
+            logger.warning("The prefix cache could not be reset after a failed step (blocks in use).")
+
+    def _requeue_after_failure(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self._num_preemptions += 1
+        self.waiting.prepend(request)
+        self._failed_step_preempted.append(request.request_id)
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that failed outside a step's results (fail_step)."""
+        outputs, self._error_outputs = self._error_outputs, []
+        return outputs
+
     # ----------------------------------------------------------- outputs back
 
     def update_from_output(
@@ -463,6 +545,7 @@ class Scheduler:
                 continue  # aborted after it was scheduled (or, async, stopped by the step before)
             if scheduled_requests is not None and scheduled_requests.get(request_id) is not request:
                 continue
+            request.suspect = False  # its step ran: it may share steps again
             # Async scheduling: a request preempted while this step ran still takes its token.
             first_position = first_positions[request_id]
             self.spec_decode.apply_output(

@@ -15,11 +15,22 @@ someone else would let them read or plant blocks). Files are created 0600.
 A block file is opened without following links and without blocking (a
 FIFO named like a block must not hang the transfer thread), and read only if
 it is a regular file whose size is exactly what its own header describes.
+
+The folder is bounded: past ``max_bytes`` of block files (default 4 GiB) a
+writer deletes the least recently used blocks (a read refreshes a block's
+time) down to 90% of it; a write that fails (ENOSPC) deletes its temporary
+file, evicts half the folder and tries once more; temporary files that
+crashed writers left are deleted when the folder is next scanned. Several
+writers share the cap: each rescans the folder every ``_RESCAN_S``, so the
+cap holds to within a few seconds of their writes. The default folder is on
+disk (``~/.cache``), not a RAM-backed runtime folder.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import stat
 import struct
@@ -29,7 +40,7 @@ from pathlib import Path
 
 from protocol.kv_transfer import KVBlock
 from protocol.zmq_sockets import DEFAULT_MAX_MSG_SIZE
-from services.config.kv_transfer_args import SharedStorageOptions
+from services.config.kv_transfer_args import DEFAULT_SHARED_STORAGE_MAX_BYTES, SharedStorageOptions
 from services.kv_transfer.block_connector import BlockConnector
 from services.kv_transfer.block_store import BlockStore
 
@@ -38,14 +49,20 @@ _POLL_S = 0.01  # how often a load re-checks for files a producer is still writi
 MAX_BLOCK_FILE_BYTES = DEFAULT_MAX_MSG_SIZE
 _MAX_HEADER_BYTES = 1 << 16
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_SUFFIX = ".safetensors"
+# Eviction brings the folder down to this share of its cap, so it does not run at every write.
+_LOW_WATER = 0.9
+# How often a writer re-reads the folder's size (other writers add to it).
+_RESCAN_S = 5.0
+# A temporary file older than this is a crashed writer's: deleted on the next scan.
+_STALE_TMP_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 def default_storage_path() -> Path:
-    """This user's own folder: under $XDG_RUNTIME_DIR (a private tmpfs) when
-    there is one, else under ~/.cache."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime).is_dir():
-        return Path(runtime) / "weft-kv-cache"
+    """This user's own folder on disk, under ~/.cache (not a RAM-backed runtime folder:
+    blocks would take the machine's memory)."""
     return Path.home() / ".cache" / "weft" / "kv-cache"
 
 
@@ -69,7 +86,9 @@ def check_private_folder(path: Path) -> None:
 class FileBlockStore(BlockStore):
     discoverable = True
 
-    def __init__(self, path: str | os.PathLike | None) -> None:
+    def __init__(
+        self, path: str | os.PathLike | None, max_bytes: int = DEFAULT_SHARED_STORAGE_MAX_BYTES
+    ) -> None:
         self.path = Path(path) if path is not None else default_storage_path()
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
@@ -77,9 +96,14 @@ class FileBlockStore(BlockStore):
         except FileExistsError:
             pass
         check_private_folder(self.path)
+        self.max_bytes = max_bytes
+        self.num_evicted = 0  # block files this store deleted to keep the cap
+        self._bytes = 0  # the folder's block bytes, as of the last scan plus this store's writes
+        self._scanned_at = 0.0
+        self._scan(evict_to=None)
 
     def file_of(self, key: bytes) -> Path:
-        return self.path / f"{key.hex()}.safetensors"
+        return self.path / f"{key.hex()}{_SUFFIX}"
 
     def num_present(self, keys: list[bytes]) -> int:
         for i, key in enumerate(keys):
@@ -100,12 +124,59 @@ class FileBlockStore(BlockStore):
             raw = torch.frombuffer(bytearray(block.data), dtype=torch.uint8)
             tensor = raw.view(torch_dtype(block.dtype)).view(block.shape)
             metadata = {"checksum": str(block.checksum), "mac": bytes(block.mac).hex()}
+            payload = save({"kv": tensor}, metadata=metadata)
             final = self.file_of(block.key)
-            temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                self._write(final, payload)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                logger.warning("The KV folder %s is out of space: evicting half of it.", self.path)
+                self._scan(evict_to=self._bytes // 2)
+                self._write(final, payload)
+            self._bytes += len(payload)
+            if self._bytes > self.max_bytes or time.monotonic() - self._scanned_at > _RESCAN_S:
+                self._scan(evict_to=int(self.max_bytes * _LOW_WATER))
+
+    def _write(self, final: Path, payload: bytes) -> None:
+        """``payload`` into ``final`` through a temporary file, which never outlives a failure."""
+        temp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
             with os.fdopen(fd, "wb") as f:
-                f.write(save({"kv": tensor}, metadata=metadata))
+                write_all(f, payload)
             os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def _scan(self, evict_to: int | None) -> None:
+        """Re-read the folder's size, delete crashed writers' temporary files and, past
+        ``evict_to`` bytes, the least recently used blocks."""
+        now = time.time()
+        blocks = []
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # another writer's rename or eviction
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                if entry.name.endswith(".tmp"):
+                    if now - info.st_mtime > _STALE_TMP_S:
+                        _unlink(entry.path)
+                elif entry.name.endswith(_SUFFIX):
+                    blocks.append((info.st_mtime_ns, entry.name, info.st_size))
+        total = sum(size for _, _, size in blocks)
+        if evict_to is not None and total > evict_to:
+            for _, name, size in sorted(blocks):
+                if total <= evict_to:
+                    break
+                if _unlink(self.path / name):
+                    self.num_evicted += 1
+                total -= size
+        self._bytes, self._scanned_at = total, time.monotonic()
 
     def get(self, keys: list[bytes], wait_s: float) -> dict[bytes, KVBlock]:
         deadline = time.monotonic() + wait_s
@@ -120,13 +191,33 @@ class FileBlockStore(BlockStore):
 
     def _read(self, key: bytes) -> KVBlock | None:
         """The block in ``key``'s file; None if absent, not a regular file, or damaged."""
+        path = self.file_of(key)
         try:
-            raw = read_block_file(self.file_of(key))
+            raw = read_block_file(path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return None  # a damaged or hostile file is a block that is not there: the consumer computes it
-        return _decode(key, raw)
+        block = _decode(key, raw)
+        if block is not None:
+            try:
+                os.utime(path, follow_symlinks=False)  # used: the last to be evicted
+            except OSError:
+                pass  # evicted meanwhile: the block was read whole
+        return block
+
+
+def write_all(f, payload: bytes) -> None:
+    """Write ``payload`` to the open file ``f`` (a seam for tests that fill the disk)."""
+    f.write(payload)
+
+
+def _unlink(path: str | Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False  # another writer took it first
 
 
 def read_block_file(path: Path) -> bytes:
@@ -189,4 +280,4 @@ class SharedStorageConnector(BlockConnector):
     def _make_store(self) -> FileBlockStore:
         options = self.options
         assert isinstance(options, SharedStorageOptions)
-        return FileBlockStore(options.shared_storage_path)
+        return FileBlockStore(options.shared_storage_path, options.max_bytes)

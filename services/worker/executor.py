@@ -24,6 +24,12 @@ def import_worker_class(path: str) -> type:
 
 
 class Executor(ABC):
+    # Whether the engine may go on after ``execute_model`` raised an allocation
+    # failure: true where the one worker is in this process (its batch takes the
+    # requests back as the next step says); tensor-parallel ranks that failed apart
+    # may be stuck in a collective, so their engine stops instead.
+    survives_step_errors = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
@@ -55,6 +61,8 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     """One worker, in the engine-core process: no IPC on the step path."""
+
+    survives_step_errors = True
 
     def __init__(self, config: EngineConfig, worker_class: str = DEFAULT_WORKER_CLASS) -> None:
         super().__init__(config)

@@ -25,6 +25,7 @@ from services.config.memory_plan import (
 )
 from services.engine_core.kv_cache_manager import group_windows
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
+from services.worker.fault_injection import FaultInjector
 from services.worker.memory_profiling import gpu_budget, peak_increase, rss_bytes
 from services.worker.model_runner import ModelRunner
 
@@ -47,6 +48,7 @@ class Worker:
         self.kv_connector = None  # disaggregated prefill/decode: set with the KV cache
         self.runtime_bytes = 0  # resident bytes before the model loaded (set by load_model)
         self.available_bytes: int | None = None  # the node's memory before this engine (CPU)
+        self.faults = FaultInjector.from_env()  # tests only: None unless WEFT_TEST_FAULT_FILE is set
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -197,6 +199,8 @@ class Worker:
             self.kv_connector = create_worker_connector(self.config, self.model_runner.kv_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.faults is not None:
+            self.faults.before_step(scheduler_output)
         if self.kv_connector is not None:
             from services.kv_transfer.worker_step import execute_with_kv_connector
 

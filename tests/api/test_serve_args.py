@@ -117,3 +117,11 @@ def test_waiting_requests_default_to_a_fixed_bound_lowered_only_where_memory_is_
     each = 100000 + 4000 + 128 * 8191
     assert serving_limits(smaller, config).max_waiting_requests == short // 2 // each > 100
     assert limits_module.available_memory_bytes() > 0
+
+
+def test_the_step_timeout_defaults_to_minutes_and_zero_is_refused(capsys):
+    from services.api.server import main
+
+    assert parse().step_timeout == 300.0
+    assert main(["--step-timeout", "0"]) == 2
+    assert "--step-timeout must be positive" in capsys.readouterr().err

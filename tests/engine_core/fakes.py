@@ -9,6 +9,7 @@ scenario also checks the scheduler -> worker contract.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,16 +74,18 @@ def make_request(
         start = next(_prompt_starts)
         prompt = list(range(start, start + prompt))
     sampling_kwargs.setdefault("max_tokens", 8)
-    return Request(
+    request = Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling_params=SamplingParams(**sampling_kwargs),
-        arrival_time=float(next(_arrivals)),
+        arrival_time=time.time(),
         priority=priority,
         eos_token_id=EOS,
         cache_salt=cache_salt,
         block_hasher=scheduler.block_hasher,
     )
+    request.arrival_s = float(next(_arrivals))  # the engine's clock, 1 s between arrivals
+    return request
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int] | int, **kwargs) -> Request:

@@ -62,8 +62,15 @@ def test_finished_statuses_map_to_finish_reasons(status, reason):
     assert r.get_finish_reason() == reason
 
 
+def _staged(request: Request, arrival: float) -> Request:
+    """``request`` as if the engine had received it at ``arrival`` on its own clock (its
+    arrival order and monotonic time: what queues order by)."""
+    request.arrival_order, request.arrival_s = arrival, arrival
+    return request
+
+
 def _req(request_id: str, priority: int = 0, arrival: float = 0.0) -> Request:
-    return Request(request_id, [1], SamplingParams(), arrival, priority=priority)
+    return _staged(Request(request_id, [1], SamplingParams(), 0.0, priority=priority), arrival)
 
 
 def test_fcfs_queue_order_prepend_and_remove():
@@ -131,7 +138,20 @@ def test_priority_requeue_keeps_arrival_order_within_a_priority():
 
 
 def _prompt(request_id: str, num_tokens: int, arrival: float, priority: int = 0) -> Request:
-    return Request(request_id, [1] * num_tokens, SamplingParams(), arrival, priority=priority)
+    return _staged(Request(request_id, [1] * num_tokens, SamplingParams(), 0.0, priority=priority), arrival)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "shortest-first"])
+def test_a_clock_stepped_back_does_not_let_new_arrivals_jump_the_queue(policy):
+    """The wire's arrival_time is the front end's wall clock: stepped back an hour between
+    two arrivals, the second still queues behind the first (and a requeue keeps that)."""
+    q = create_request_queue(policy)
+    first = Request("first", [1] * 10, SamplingParams(), 1_700_003_600.0)
+    second = Request("second", [1] * 10, SamplingParams(), 1_700_000_000.0)  # the clock went back
+    q.add(second)
+    q.requeue(first)  # it waited off the queue (its grammar compiling) and comes back
+    assert [r.request_id for r in q] == ["first", "second"]
+    assert first.arrival_order < second.arrival_order and first.arrival_s <= second.arrival_s
 
 
 def test_shortest_first_orders_a_burst_by_prompt_length():

@@ -125,7 +125,7 @@ def _burst(s, lengths: dict[str, int]) -> None:
     """Requests that arrived together (the fakes space arrivals 1 s apart)."""
     for name, length in lengths.items():
         request = make_request(s, name, length)
-        request.arrival_time = 0.0
+        request.arrival_s = 0.0
         s.add_request(request)
 
 

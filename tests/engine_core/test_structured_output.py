@@ -300,3 +300,52 @@ def test_compiles_in_flight_are_bounded():
     compiled(first)
     _, failed, _ = manager.split_compiled([add(scheduler, "d", 4, structured_outputs=regex("4"))])
     assert failed == []  # room again once compiles end
+
+
+_STUCK_COMPILE_SCRIPT = """
+import threading
+
+import msgspec
+
+from protocol import SamplingParams, StructuredOutputsParams
+from services.engine_core.scheduler import Scheduler
+from services.engine_core.structured_output import StructuredOutputManager
+from tests.engine_core.fake_grammar import FakeBackend
+from tests.engine_core.fakes import EOS, add, make_config
+
+
+class StuckBackend(FakeBackend):
+    def compile(self, params):
+        self.started.set()
+        threading.Event().wait()  # never ends (the grammar that compiles for ever)
+
+
+config = make_config()
+config = msgspec.structs.replace(
+    config, structured_outputs=msgspec.structs.replace(config.structured_outputs, compile_timeout=0.01)
+)
+scheduler = Scheduler(config, 64)
+backend = StuckBackend(4096, EOS)
+scheduler.structured_output_manager = StructuredOutputManager(config, backend_factory=lambda: backend)
+add(scheduler, "stuck", 8, structured_outputs=StructuredOutputsParams(regex="1 2"))
+assert backend.started.wait(30)
+while not scheduler.schedule().finished_req_ids:  # the compile times out: the request fails
+    pass
+scheduler.structured_output_manager.shutdown()
+print("stopped", flush=True)
+"""
+
+
+def test_a_compile_that_never_ends_does_not_keep_the_process_from_exiting(tmp_path):
+    """Before: the compile's pool thread was joined at exit, so an engine whose compile
+    timed out ignored its stop until SIGKILLed. Now the process exits once stopped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck_compile.py"
+    script.write_text(_STUCK_COMPILE_SCRIPT)
+    try:  # run() kills it at the deadline
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process waits for a compile that never ends")
+    assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr

@@ -208,10 +208,10 @@ def test_a_storage_folder_another_user_owns_or_can_write_is_refused(tmp_path):
 
 
 def test_blocks_are_private_files_in_a_private_default_folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert default_storage_path() == tmp_path / "weft-kv-cache"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_storage_path() == tmp_path / ".cache" / "weft" / "kv-cache"
     store = FileBlockStore(None)
-    assert store.path == tmp_path / "weft-kv-cache"
+    assert store.path == tmp_path / ".cache" / "weft" / "kv-cache"
     assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o700
     store.put([seal(block(b"k", 1024), None)])
     assert stat.S_IMODE(os.stat(store.file_of(b"k")).st_mode) == 0o600

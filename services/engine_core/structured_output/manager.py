@@ -20,17 +20,25 @@ backend's one-time start-up is not counted), a compile that timed out while
 still queued never runs, and at most ``MAX_COMPILES_IN_FLIGHT`` distinct
 compiles are queued or running at once -- a request with a new constraint
 past that fails at once with a clear error instead of joining the queue.
+
+Compiles run on daemon threads (``_DaemonPool``), not a ThreadPoolExecutor,
+whose threads the interpreter joins at exit: a compile stuck past its timeout
+is abandoned when the engine stops, which then exits within its shutdown
+timeout instead of waiting for the compile (and being SIGKILLed). Until the
+engine stops, such a compile keeps its thread and a CPU (xgrammar has no
+cancellation); it counts against ``MAX_COMPILES_IN_FLIGHT`` until it ends.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +89,7 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._clock = clock
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: _DaemonPool | None = None
         self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
         self._in_flight: list[CompileJob] = []  # submitted, future not done yet
         self.max_compiles_in_flight = MAX_COMPILES_IN_FLIGHT
@@ -162,9 +170,7 @@ class StructuredOutputManager:
 
     def _submit(self, params: StructuredOutputsParams) -> CompileJob:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=_COMPILE_THREADS, thread_name_prefix="grammar-compile"
-            )
+            self._executor = _DaemonPool(_COMPILE_THREADS, "grammar-compile")
         job = CompileJob(submitted_at=self._clock())
         self._in_flight = [j for j in self._in_flight if not j.future.done()]
         if len(self._in_flight) >= self.max_compiles_in_flight:
@@ -285,10 +291,52 @@ class StructuredOutputManager:
             )
 
     def shutdown(self) -> None:
-        """Stop the pool; compiles already running finish on their own."""
+        """Stop the pool: queued compiles never run, running ones are abandoned (daemon
+        threads: they never hold up the process's exit)."""
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown()
             self._executor = None
+
+
+class _DaemonPool:
+    """A fixed pool of daemon threads running submitted calls into Futures."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued (timed out)
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Cancel what is queued and let each thread end after its current call."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 def _xgrammar_backend(config: EngineConfig) -> StructuredOutputBackend:
