@@ -38,11 +38,11 @@ def test_a_tp_rank_stuck_in_a_step_shows_in_the_heartbeat_and_the_api_calls_it_h
     engine = EngineCore(config, executor_class=lambda c: MultiprocExecutor(c, worker_class=FAKE_WORKER))
     ctx = zmq.Context()
     router = make_socket(ctx, zmq.ROUTER, ipc_address("in"), bind=True)
-    pull = make_socket(ctx, zmq.PULL, ipc_address("out"), bind=True)
+    outputs = make_socket(ctx, zmq.ROUTER, ipc_address("out"), bind=True)  # as the API's
     reply = EngineHandshakeReply(
         config=config,
         input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
-        output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT),
+        output_address=outputs.getsockopt_string(zmq.LAST_ENDPOINT),
     )
     identity = instance_identity(0)
     stop = threading.Event()
@@ -64,8 +64,8 @@ def test_a_tp_rank_stuck_in_a_step_shows_in_the_heartbeat_and_the_api_calls_it_h
         beats = []
         while not beats or beats[-1].step_elapsed_s < STUCK_S:
             assert time.monotonic() < deadline, "no heartbeat showed the stuck step"
-            if pull.poll(1000):
-                batch = recv(pull, decoder)[1]
+            if outputs.poll(1000):
+                batch = recv(outputs, decoder, 1)[1]  # after the engine's identity
                 if batch.scheduler_stats is not None and batch.scheduler_stats.step_elapsed_s > 0:
                     beats.append(batch.scheduler_stats)
                     last = batch
@@ -82,5 +82,5 @@ def test_a_tp_rank_stuck_in_a_step_shows_in_the_heartbeat_and_the_api_calls_it_h
         runner.join(timeout=DEADLINE_S)
         assert not runner.is_alive()
         router.close(linger=0)
-        pull.close(linger=0)
+        outputs.close(linger=0)
         ctx.term()
