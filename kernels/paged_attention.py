@@ -235,7 +235,8 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         whole = True
     if whole:
-        out = acc / l_i[:, None]
+        # Padding rows past a window layer's queries see no key (l = 0): keep them finite.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
