@@ -346,7 +346,7 @@ def main(argv: list[str]) -> int:
     args = config_file.parse_args(build_parser(), argv)  # --config FILE.yaml and WEFT_* overrides too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = engine_args_from(args).create_engine_config()
+        config = engine_args_from(args).create_engine_config(device_in_engine=True)
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         if local:
             config = with_node_memory(config, local, config.cache.available_memory)  # they share this node
