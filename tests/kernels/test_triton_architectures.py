@@ -110,3 +110,31 @@ def test_triton_backend_gives_the_torch_tokens(tmp_path, monkeypatch, architectu
     has_window = "sliding_window" in CHECKPOINTS[architecture][2]
     assert (WINDOW in windows) == has_window
     assert all(len(tokens) == 4 for tokens in expected)
+
+
+def test_profiling_runs_on_the_serving_backend(tmp_path, monkeypatch):
+    """The profiled step runs the Triton kernels (compiled at start on a GPU, and its peak theirs)."""
+    import msgspec
+
+    from services.config.engine_args import EngineArgs
+    from services.worker.forward_context import current_backend
+    from services.worker.model_runner import ModelRunner
+
+    monkeypatch.setenv("WEFT_ATTENTION_BACKEND", "triton")
+    folder = save_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    config = EngineArgs(
+        model=str(folder), device="cpu", dtype="float32", block_size=16, max_model_len=64,
+        max_num_batched_tokens=24, max_num_seqs=2, num_threads=1,
+    ).create_engine_config()  # fmt: skip
+    assert config.device.attention_backend == "triton"
+    runner = ModelRunner(msgspec.structs.replace(config), "cpu")
+    runner.load_model()
+    seen, kernel = [], kernels.paged_attention.paged_attention
+
+    def recording(query, *args, **kwargs):
+        seen.append((current_backend(), query.shape[0]))
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.paged_attention, "paged_attention", recording)
+    runner.profile_run()
+    assert seen == [("triton", 24)] * 2  # each layer, over the whole step
