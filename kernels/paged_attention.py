@@ -341,7 +341,9 @@ def paged_attention(
     splits = (num_kv_splits or _decode_splits(query.device, decodes, num_kv_heads)) if decodes else 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
-        part_acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(
+            num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=query.device
+        )
         part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
     else:

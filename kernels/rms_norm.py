@@ -84,7 +84,9 @@ def rms_norm(
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     if x.dim() < 1 or weight.shape != (x.shape[-1],):
-        raise ValueError(f"expected x [..., N] and weight [N], got {tuple(x.shape)} and {tuple(weight.shape)}.")
+        raise ValueError(
+            f"expected x [..., N] and weight [N], got {tuple(x.shape)} and {tuple(weight.shape)}."
+        )
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
             f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}."

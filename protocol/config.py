@@ -98,7 +98,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Annotated[
-        int, Meta(ge=0, description="Tokens per KV cache block (0: by device, decided in the engine process).")
+        int,
+        Meta(ge=0, description="Tokens per KV cache block (0: by device, decided in the engine process)."),
     ] = 16
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share full KV blocks between requests with the same prefix.")

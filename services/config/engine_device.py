@@ -75,10 +75,14 @@ def resolve_engine_device(config: EngineConfig, facts: CudaFacts | None = None) 
             "This engine runs on CUDA, where the API node planned for a CPU: GGUF weights are "
             "dequantized to the model dtype (no packed kernels on GPUs), and CPU-only choices are dropped."
         )
-        model = msgspec.structs.replace(model, quantization="none", dense_min_rows=0, dense_copy_dtype="model")
+        model = msgspec.structs.replace(
+            model, quantization="none", dense_min_rows=0, dense_copy_dtype="model"
+        )
     if device == "cuda" and config.device.device == AUTO:
         cache = msgspec.structs.replace(
-            cache, available_memory=None, cache_dtype="model" if cache.cache_dtype == AUTO else cache.cache_dtype
+            cache,
+            available_memory=None,
+            cache_dtype="model" if cache.cache_dtype == AUTO else cache.cache_dtype,
         )
     if model.dtype == AUTO:
         dtype = (

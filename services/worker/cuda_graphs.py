@@ -47,7 +47,13 @@ def graphs_wanted(
     device: torch.device, backend: str, enforce_eager: bool, tp_size: int = 1, kv_groups: int = 1
 ) -> bool:
     """Whether decode steps are captured (the module notes say when they are not)."""
-    return device.type == "cuda" and backend == "triton" and not enforce_eager and tp_size == 1 and kv_groups <= 1
+    return (
+        device.type == "cuda"
+        and backend == "triton"
+        and not enforce_eager
+        and tp_size == 1
+        and kv_groups <= 1
+    )
 
 
 class CudaGraphRunner:

@@ -13,9 +13,9 @@ earlier phase (weight loading) peaked higher.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -15,7 +15,11 @@ import torch
 
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, build_attention_metadata
-from services.worker.layers.triton_attention import StepStaging, TritonAttentionMetadata, build_triton_metadata
+from services.worker.layers.triton_attention import (
+    StepStaging,
+    TritonAttentionMetadata,
+    build_triton_metadata,
+)
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,9 @@ class Worker:
             return cache.kv_cache_memory, f"--kv-cache-memory {gib_text(cache.kv_cache_memory)}"
         if self.device.type == "cuda":
             # The graphs are captured after the cache, into a pool of their own: budget it now.
-            graph_pool = peak_increase(runner.profile_decode_graph, self.device) if runner.captures_graphs else 0
+            graph_pool = (
+                peak_increase(runner.profile_decode_graph, self.device) if runner.captures_graphs else 0
+            )
             budget = gpu_kv_budget(
                 self.gpu_start or gpu_snapshot(self.device),
                 gpu_snapshot(self.device),

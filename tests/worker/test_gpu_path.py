@@ -29,7 +29,9 @@ GIB = 1 << 30
 @pytest.fixture(scope="module")
 def api_config(tiny_llama_dir):
     """What an API node with device auto sends its engines."""
-    return EngineArgs(model=str(tiny_llama_dir), max_model_len=256).create_engine_config(device_in_engine=True)
+    return EngineArgs(model=str(tiny_llama_dir), max_model_len=256).create_engine_config(
+        device_in_engine=True
+    )
 
 
 def test_the_api_node_carries_auto(api_config):
@@ -93,7 +95,9 @@ class FakeGpu:
         monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.allocated)
         monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
-        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(
+            cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated)
+        )
         monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(cuda, "empty_cache", lambda: None)
         monkeypatch.setattr(cuda, "set_device", lambda device: None)
@@ -122,7 +126,9 @@ class FakeRunner:
 def cuda_worker(tiny_llama_dir, **cache):
     from services.worker.worker import Worker
 
-    config = EngineArgs(model=str(tiny_llama_dir), max_model_len=256, device="cuda", **cache).create_engine_config()
+    config = EngineArgs(
+        model=str(tiny_llama_dir), max_model_len=256, device="cuda", **cache
+    ).create_engine_config()
     return Worker(config)
 
 
@@ -219,4 +225,6 @@ def test_when_graphs_are_captured():
     assert not graphs_wanted(torch.device("cpu"), "triton", False)
     sizes = capture_sizes(512)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17  # vLLM's 51
-    assert np.all(np.diff(sizes[sizes.index(256) :]) == 16) and np.all(np.diff(sizes[3 : sizes.index(256)]) == 8)
+    assert np.all(np.diff(sizes[sizes.index(256) :]) == 16) and np.all(
+        np.diff(sizes[3 : sizes.index(256)]) == 8
+    )
