@@ -63,8 +63,9 @@ def save_checkpoint(path, architecture: str):
             if name.endswith("bias") or "norm" in name:
                 param.normal_(0.0 if name.endswith("bias") or "Gemma" in architecture else 1.0, 0.3)
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_files.resolve(None).hf_dir / name, path / name)
+    tokenizer_dir = model_files.models_dir() / model_files.DEFAULT_GGUF.replace(".gguf", ".hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the GPU check has them without the GGUF
+        shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 
