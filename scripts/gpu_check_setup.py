@@ -5,15 +5,17 @@
 Exit status 2 where the machine cannot run the check (no torch, Triton or CUDA device), 3 where
 there is no bundle, 1 where installing or importing failed. Only the wheels whose distribution
 this machine lacks are installed (``pip --no-index --no-deps --target``), so the image's own
-packages are never shadowed.
+packages are never shadowed. Without pip, the wheels are unzipped there (what pip would put).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 # What the check imports first that the device image lacks (scripts/gpu_bundle.py).
@@ -70,7 +72,10 @@ def main(bundle: Path, target: Path) -> int:
     wheels = missing_wheels(bundle / "wheels")
     names = " ".join(w.name.split("-", 2)[0] + "-" + w.name.split("-", 2)[1] for w in wheels)
     print(f"gpu_check | bundle: {len(wheels)} wheel(s) this machine lacks: {names or 'none'}")
-    if wheels:
+    if wheels and importlib.util.find_spec("pip") is None:  # a wheel is a zip of what --target holds
+        for wheel in wheels:
+            zipfile.ZipFile(wheel).extractall(target)
+    elif wheels:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
              "--target", str(target), *map(str, wheels)],

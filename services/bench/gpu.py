@@ -146,9 +146,12 @@ def serve(smoke: bool, model: str | None = None, load_format: str = "auto") -> i
         args += ["--max-num-seqs", "4", "--dtype", "float32"]
     else:
         args += ["--gpu-memory-utilization", "0.9"]
+    log_dir = Path(tempfile.mkdtemp(prefix="weft-gpu-serve-"))
+    if smoke:  # the tiny shape: interpreted kernels over the default model's 30 layers take minutes
+        write_dummy_model(log_dir, TINY)
+        model, args[args.index("--load-format") + 1] = str(log_dir), "dummy"
     if model is not None:
         args += ["--model", model]
-    log_dir = Path(tempfile.mkdtemp(prefix="weft-gpu-serve-"))
     stack = Stack(args, log_dir, startup_timeout_s=240)
     try:
         health = stack.wait_healthy()
@@ -391,7 +394,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
-        help="e2e and serve: dummy = random weights",
+        help="e2e and serve: dummy = random weights (default: auto)",
     )
 
 
