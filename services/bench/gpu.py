@@ -148,7 +148,7 @@ def serve(smoke: bool, model: str | None = None, load_format: str = "auto") -> i
         args += ["--gpu-memory-utilization", "0.9"]
     log_dir = Path(tempfile.mkdtemp(prefix="weft-gpu-serve-"))
     if smoke:  # the tiny shape: interpreted kernels over the default model's 30 layers take minutes
-        write_dummy_model(log_dir, TINY)
+        write_dummy_model(log_dir, {**TINY, "vocab_size": 49152})  # the tokenizer's ids
         model, args[args.index("--load-format") + 1] = str(log_dir), "dummy"
     if model is not None:
         args += ["--model", model]
