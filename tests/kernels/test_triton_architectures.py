@@ -69,12 +69,12 @@ def save_checkpoint(path, architecture: str):
     return path
 
 
-def greedy_tokens(monkeypatch, folder, backend: str) -> list[list[int]]:
+def greedy_tokens(monkeypatch, folder, backend: str, device: torch.device) -> list[list[int]]:
     monkeypatch.setenv("WEFT_ATTENTION_BACKEND", backend)
     llm = LLM(
         str(folder),
         dtype="float32",
-        device="cpu",
+        device=device.type,  # on a GPU (the device check), the Triton run replays CUDA graphs
         num_threads=1,
         block_size=16,
         max_model_len=128,
@@ -95,10 +95,10 @@ def test_every_registered_architecture_is_checked_here():
 
 
 @pytest.mark.parametrize("architecture", sorted(CHECKPOINTS))
-def test_triton_backend_gives_the_torch_tokens(tmp_path, monkeypatch, architecture):
+def test_triton_backend_gives_the_torch_tokens(tmp_path, monkeypatch, architecture, device):
     torch.set_num_threads(1)
     folder = save_checkpoint(tmp_path, architecture)
-    expected = greedy_tokens(monkeypatch, folder, "torch")
+    expected = greedy_tokens(monkeypatch, folder, "torch", device)
     windows, kernel = [], kernels.paged_attention.paged_attention
 
     def counting(*args, **kwargs):
@@ -106,17 +106,15 @@ def test_triton_backend_gives_the_torch_tokens(tmp_path, monkeypatch, architectu
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(kernels.paged_attention, "paged_attention", counting)
-    assert greedy_tokens(monkeypatch, folder, "triton") == expected
+    assert greedy_tokens(monkeypatch, folder, "triton", device) == expected
     assert windows, "the Triton kernel never ran"
     has_window = "sliding_window" in CHECKPOINTS[architecture][2]
     assert (WINDOW in windows) == has_window
     assert all(len(tokens) == 4 for tokens in expected)
 
 
-def test_profiling_runs_on_the_serving_backend(tmp_path, monkeypatch):
+def test_profiling_runs_on_the_serving_backend(tmp_path, monkeypatch, device):
     """The profiled step runs the Triton kernels (compiled at start on a GPU, and its peak theirs)."""
-    import msgspec
-
     from services.config.engine_args import EngineArgs
     from services.worker.forward_context import current_backend
     from services.worker.model_runner import ModelRunner
@@ -124,11 +122,11 @@ def test_profiling_runs_on_the_serving_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("WEFT_ATTENTION_BACKEND", "triton")
     folder = save_checkpoint(tmp_path, "Qwen3ForCausalLM")
     config = EngineArgs(
-        model=str(folder), device="cpu", dtype="float32", block_size=16, max_model_len=64,
+        model=str(folder), device=device.type, dtype="float32", block_size=16, max_model_len=64,
         max_num_batched_tokens=24, max_num_seqs=2, num_threads=1,
     ).create_engine_config()  # fmt: skip
     assert config.device.attention_backend == "triton"
-    runner = ModelRunner(msgspec.structs.replace(config), "cpu")
+    runner = ModelRunner(config, device)
     runner.load_model()
     seen, kernel = [], kernels.paged_attention.paged_attention
 
