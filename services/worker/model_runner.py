@@ -373,6 +373,7 @@ class ModelRunner:
                 vocab_size=logits.shape[1],
                 eos_token_id=self.config.model.eos_token_id,
                 device=self.device,
+                staging=self.staging,
             )
             out = self.sampler(logits, meta)
             token_ids, entries = tp.broadcast_from_driver(out.token_ids), out.logprobs

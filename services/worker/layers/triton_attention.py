@@ -87,12 +87,13 @@ def _plain_copy(device: torch.device | str):
 class StepStaging:
     """Pinned host buffers, one per named step tensor, kept for the worker's life: a step's small
     tensors reach the GPU by an asynchronous copy from page-locked memory instead of a synchronous one
-    from pageable memory (vLLM's persistent pinned buffers). A buffer is rewritten only by the next
-    step, after this one's results were read back (which waits for its copies)."""
+    from pageable memory (vLLM's persistent pinned buffers). A buffer is rewritten only once its last
+    copy has run (an event recorded after it: a step that samples nothing never waits for the GPU)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._host: dict[str, torch.Tensor] = {}
+        self._copied: dict[str, torch.cuda.Event] = {}
 
     def to_device(self, name: str, array: np.ndarray, dtype) -> torch.Tensor:
         array = np.ascontiguousarray(array, dtype=dtype)
@@ -104,9 +105,14 @@ class StepStaging:
             host = torch.from_numpy(np.empty(size, dtype=array.dtype))
             host = host.pin_memory() if self.device.type == "cuda" else host
             self._host[name] = host
+        if (copied := self._copied.get(name)) is not None:
+            copied.synchronize()  # the last copy out of this buffer has run
         staged = host[: array.size]
         staged.numpy()[:] = array.reshape(-1)
-        return staged.view(array.shape).to(self.device, non_blocking=True)
+        on_device = staged.view(array.shape).to(self.device, non_blocking=True)
+        event = self._copied[name] = torch.cuda.Event()
+        event.record()
+        return on_device
 
 
 def triton_attention(
