@@ -10,7 +10,7 @@ STAMP := $(VENV)/.weft-installed
 GEMMA3 := $(MODELS)/gemma-3-270m-q4_k_m.gguf
 GEMMA3_HF := $(MODELS)/gemma-3-270m-q4_k_m.hf
 
-.PHONY: install model model-gemma3 serve generate test test-fast test-slow lint bench clean
+.PHONY: install model model-gemma3 serve generate test test-fast test-slow lint bench gpu-bundle clean
 
 install: $(STAMP)
 
@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --upgrade pip
 	# CPU machines: this exact pin installs the CPU build; keep a torch that is already there.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	# The versions the tests passed with (torch is left out of the lock: kept or pinned above).
-	$(PY) -m pip install -q -r requirements.lock
+	# The versions the tests passed with (torch is left out of the lock: kept or pinned above). A CUDA
+	# torch keeps the Triton it was built with: the lock's triton line is the CPU machines'.
+	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
+		grep -v '^triton==' requirements.lock > $(VENV)/requirements-gpu.txt && \
+		$(PY) -m pip install -q -r $(VENV)/requirements-gpu.txt; \
+	else $(PY) -m pip install -q -r requirements.lock; fi
 	$(PY) -m pip install -q --no-deps -e .
 	# The CPU attention kernel, built now rather than by the first engine to start;
-	# without a compiler weft still runs, on the slower torch path.
+	# without a compiler weft still runs, on the slower torch path. (GPU workers build none.)
 	$(PY) -m kernels.cpu_attention || echo "warning: CPU attention kernel not built; decode attention uses the torch path"
 	$(PY) -m kernels.cpu_quant_linear || echo "warning: CPU quantized-linear kernel not built; GGUF weights kept quantized use the torch path"
 	$(PY) -m kernels.cpu_fused || echo "warning: fused CPU kernels not built; RMSNorm, SiLU-and-mul and rotary use torch ops"
@@ -77,6 +81,12 @@ lint: install
 
 bench: install model
 	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf
+
+# The device check's bundle (needs PyPI): cp312 manylinux wheels of what a bare GPU machine lacks,
+# and the default model's config and tokenizer, in .gpu-bundle/ (scripts/gpu_bundle.py); then on
+# the GPU machine, from a copy of the repo with it: scripts/gpu_check.sh (README "On a GPU").
+gpu-bundle: install model
+	$(PY) scripts/gpu_bundle.py .gpu-bundle
 
 clean:
 	rm -rf $(VENV) $(MODELS)

@@ -18,7 +18,12 @@ Long decodes are split over the keys ("split-K"): a third grid axis gives
 each program a slice of the key tiles, and ``_reduce_splits_kernel`` merges
 the slices' partial softmax states. The split count depends only on the
 batch's shape, never on sequence lengths, so a CUDA graph captured once
-replays for any lengths.
+replays for any lengths. In a mixed step the decode rows are split the same
+way; the rows of several queries run whole in the first split.
+
+A sliding-window layer passes its ``window``: a query sees its last
+``window`` keys, and no key tile before the window of a program's first
+query is read.
 
 Cache layout: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``.
 """
@@ -68,7 +73,9 @@ def _attend_key_tiles(
     table_ptr,
     tile_lo,
     tile_hi,
+    kv_start,
     kv_end,
+    window,
     scale_log2,
     stride_kb,
     stride_ks,
@@ -82,6 +89,9 @@ def _attend_key_tiles(
 ):
     """Online softmax of queries ``q [M, Dp]`` over key tiles ``[tile_lo, tile_hi)`` of one sequence.
 
+    Keys outside ``[kv_start, kv_end)`` are never loaded; with ``window > 0`` a query at position
+    ``p`` sees the keys ``p - window < key <= p`` (a sliding-window layer).
+
     Returns the running max (log2 units), the running sum of ``exp2(score - max)``
     and the unnormalized output ``[M, Dp]``, all fp32.
     """
@@ -93,7 +103,7 @@ def _attend_key_tiles(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     for tile in range(tile_lo, tile_hi):
         keys = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = keys < kv_end
+        key_ok = (keys >= kv_start) & (keys < kv_end)
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
         slot = block.to(tl.int64) * stride_kb + (keys % BLOCK_SIZE) * stride_ks  # [N]
         # Masked loads matter beyond the mask below: 0 * NaN from an unwritten slot is NaN.
@@ -107,7 +117,9 @@ def _attend_key_tiles(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N]
-        s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))  # causal
+        visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])  # causal
+        visible = visible & ((keys[None, :] > q_pos[:, None] - window) | (window == 0))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 then, not by -inf (NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -132,6 +144,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [R] int32
     scale_log2,  # softmax scale * log2(e): scores are exponentiated base 2
     num_seqs,
+    window,  # > 0: a sliding-window layer's window, in keys
     stride_qt,
     stride_qh,
     stride_ot,
@@ -148,7 +161,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two
     TILE_N: tl.constexpr,  # keys per loop iteration
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # split-K factor of the decode rows (one query); other rows are not split
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # the interpreter's tl.dot reads bf16 as raw integers
 ):
@@ -180,12 +193,20 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     q_pos = context + q_local  # [M] absolute positions
 
-    # The tile's last query sees the most keys; the keys past it are masked for all rows.
+    # The tile's last query sees the most keys; the keys past it are masked for all rows. In a
+    # window layer the tile's first query sees the earliest key: none before it is loaded.
     kv_end = tl.minimum(seq_len, context + first + BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
+    kv_start = tl.where(window > 0, tl.maximum(context + first - window + 1, 0), 0)
+    first_tile = kv_start // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
+    # Only decode rows are split: a mixed step's rows of several queries run whole, in split 0.
+    if NUM_SPLITS > 1:
+        if (q_len > 1) & (split > 0):
+            return
+    splits = tl.where(q_len > 1, 1, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, splits)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(first_tile + num_tiles, tile_lo + tiles_per_split)
 
     m_i, l_i, acc = _attend_key_tiles(
         q,
@@ -195,7 +216,9 @@ def _paged_attention_kernel(
         block_table_ptr + seq * stride_bt,
         tile_lo,
         tile_hi,
+        kv_start,
         kv_end,
+        window,
         scale_log2,
         stride_kb,
         stride_ks,
@@ -208,16 +231,21 @@ def _paged_attention_kernel(
         UPCAST_DOT,
     )
 
+    whole = q_len > 1
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
+        whole = True
+    if whole:
+        # Padding rows past a window layer's queries see no key (l = 0): keep them finite.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
-        # Partial states: [T, H, S] for max and sum, [T, H, S, D] for the unnormalized output.
-        state = (token * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
+        # Partial states of a decode row, by request: [R, H, S] for max and sum, [R, H, S, D] for the
+        # unnormalized output.
+        state = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + state, m_i, mask=row_ok)
         tl.store(part_sum_ptr + state, l_i, mask=row_ok)
         tl.store(
@@ -233,6 +261,7 @@ def _reduce_splits_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    query_start_ptr,
     num_heads,
     stride_ot,
     stride_oh,
@@ -241,14 +270,19 @@ def _reduce_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_P: tl.constexpr,
 ):
-    """Merge one (token, head)'s split softmax states: rescale each to the global max and add."""
-    token = tl.program_id(0).to(tl.int64)
+    """Merge one decode row's (request, head) split softmax states: rescale each to the global max
+    and add. Rows of more than one query were not split and are skipped."""
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    q_start = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) - q_start != 1:
+        return
+    token = q_start.to(tl.int64)
     splits = tl.arange(0, NUM_SPLITS_P)
     split_ok = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM_P)
     dim_ok = dims < HEAD_DIM
-    state = (token * num_heads + head) * NUM_SPLITS + splits  # [S]
+    state = (seq * num_heads + head) * NUM_SPLITS + splits  # [S]
     m = tl.load(part_max_ptr + state, mask=split_ok, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + state, mask=split_ok, other=0.0)
     acc = tl.load(
@@ -276,13 +310,17 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    num_decodes: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of query ``[T, H, D]`` over the paged cache -> ``[T, H, D]`` (into ``out`` if given).
 
     ``query_start_loc [R + 1]``, ``seq_lens [R]`` and ``block_table [R, max_blocks]``
     are int32; ``max_query_len`` picks the tiling (1: a decode-only batch).
-    ``num_kv_splits`` forces the split-K factor of a decode-only batch
-    (default: enough programs to fill the GPU).
+    ``num_kv_splits`` forces the split-K factor of the decode rows (default: enough programs to
+    fill the GPU); ``num_decodes``, the decode rows of a mixed step (None: none unless the whole
+    batch decodes), lets them be split there too. ``window > 0``: each query sees its last
+    ``window`` keys (a sliding-window layer).
     """
     check_paged_attention_args(query, kv_cache, query_start_loc, seq_lens, block_table)
     num_tokens, num_heads, head_dim = query.shape
@@ -297,13 +335,16 @@ def paged_attention(
     if num_tokens == 0:
         return out
     block_m, block_q = _query_tiling(group, max_query_len)
-    splits = 1 if max_query_len > 1 else num_kv_splits or _decode_splits(query.device, num_seqs, num_kv_heads)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention), got {window}.")
+    decodes = num_seqs if max_query_len == 1 else (num_decodes or 0)
+    splits = (num_kv_splits or _decode_splits(query.device, decodes, num_kv_heads)) if decodes else 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
         part_acc = torch.empty(
-            num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device
+            num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=query.device
         )
-        part_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused
@@ -319,6 +360,7 @@ def paged_attention(
         seq_lens,
         scale * _LOG2E,
         num_seqs,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -340,11 +382,12 @@ def paged_attention(
         UPCAST_DOT=interpreting() and query.dtype == torch.bfloat16,
     )
     if splits > 1:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
+        _reduce_splits_kernel[(num_seqs, num_heads)](
             out,
             part_acc,
             part_max,
             part_sum,
+            query_start_loc,
             num_heads,
             out.stride(0),
             out.stride(1),

@@ -48,9 +48,18 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, N]`` -> ``norm(x) * weight``; with ``residual [T, N]``,
-    ``(norm(x + residual) * weight, x + residual)``. Inputs are not modified."""
+    """``x [..., N]`` -> ``norm(x) * weight`` over the last dimension (per-head norms, QK-norm, are
+    ``[T, heads, D]``); with ``residual`` shaped like ``x``, ``(norm(x + residual) * weight,
+    x + residual)``. Inputs are not modified."""
     _check(x, weight, residual)
+    if x.dim() != 2:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])  # a view where the rows are evenly strided, else a copy
+        res = None if residual is None else residual.reshape(-1, shape[-1])
+        result = rms_norm(rows, weight, eps, res)
+        if residual is None:
+            return result.view(shape)
+        return result[0].view(shape), result[1].view(shape)
     num_rows, n = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else out
@@ -74,8 +83,10 @@ def rms_norm(
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(f"expected x [T, N] and weight [N], got {tuple(x.shape)} and {tuple(weight.shape)}.")
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"expected x [..., N] and weight [N], got {tuple(x.shape)} and {tuple(weight.shape)}."
+        )
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
             f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}."

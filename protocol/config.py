@@ -26,9 +26,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokenizer: Annotated[str, Meta(description="Folder holding the Hugging Face tokenizer files.")]
     served_model_name: Annotated[str, Meta(description="Model name reported by the API.")]
     dtype: Annotated[
-        Literal["float32", "bfloat16", "float16"],
+        Literal["float32", "bfloat16", "float16", "auto"],
         Meta(
-            description="Weights and activations dtype (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 where batched steps run dense weights; else fp32)."
+            description="Weights and activations dtype (auto: bf16 on GPUs of compute capability 8.0 and up, fp16 on older ones, and on CPUs bf16 with AMX or AVX-512 bf16 where batched steps run dense weights, else fp32; decided in the engine process)."
         ),
     ]
     max_model_len: Annotated[int, Meta(ge=1, description="Longest prompt + output, in tokens.")]
@@ -97,7 +97,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    block_size: Annotated[int, Meta(ge=1, description="Tokens per KV cache block.")] = 16
+    block_size: Annotated[
+        int,
+        Meta(ge=0, description="Tokens per KV cache block (0: by device, decided in the engine process)."),
+    ] = 16
     enable_prefix_caching: Annotated[
         bool, Meta(description="Share full KV blocks between requests with the same prefix.")
     ] = True
@@ -203,10 +206,13 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class DeviceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    device: Annotated[Literal["cpu", "cuda"], Meta(description="Device the workers run on.")] = "cpu"
+    device: Annotated[
+        Literal["cpu", "cuda", "auto"],
+        Meta(description="Device the workers run on (auto: CUDA where the engine process's torch sees it)."),
+    ] = "cpu"
     num_threads: Annotated[int, Meta(ge=1, description="torch threads per worker process.")] = 1
     attention_backend: Annotated[
-        Literal["torch", "cpu", "triton"],
+        Literal["torch", "cpu", "triton", "auto"],
         Meta(description="Attention implementation (cpu: compiled decode kernel on CPU; triton on CUDA)."),
     ] = "torch"
     enforce_eager: Annotated[

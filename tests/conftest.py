@@ -44,6 +44,7 @@ SLOW = frozenset(
         "tests/engine_core/test_proc_hostile.py",
         "tests/engine_core/test_structured_output_xgrammar.py",
         "tests/kernels/test_e2e_triton.py",
+        "tests/kernels/test_triton_architectures.py",
         "tests/kv_transfer/test_offline.py",
         "tests/kv_transfer/test_offline_forged.py",
         "tests/kv_transfer/test_pd_e2e.py",

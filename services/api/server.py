@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
     log_format = configure_logging(args.log_format, process="api")  # and the engine cores started here
     try:
         operator = operator_options(args)
-        config = engine_args_from(args).create_engine_config()
+        config = engine_args_from(args).create_engine_config(device_in_engine=True)
         local, handshake = _local_ranks_and_handshake(args, config.parallel.data_parallel_size)
         if local:
             config = with_node_memory(config, local, config.cache.available_memory)  # they share this node

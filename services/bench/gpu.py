@@ -1,8 +1,13 @@
 """``weft bench gpu``: the GPU figures of scripts/gpu_check.sh, one line each ("gpu_check | ...").
 
-    weft bench gpu e2e          # default model, greedy: Triton + CUDA graphs vs torch (fp32)
+    weft bench gpu e2e          # default model, greedy: Triton + CUDA graphs vs eager torch, fp32 and bf16
     weft bench gpu kernels      # paged attention kernel vs torch SDPA, Llama-3-8B heads, bf16
-    weft bench gpu throughput   # dummy-weight Llama-3-8B: decode tok/s at batch 1/32/256, prefill tok/s
+    weft bench gpu serve        # weft serve --gpu-memory-utilization 0.9: 64 concurrent streams over HTTP
+    weft bench gpu throughput   # dummy-weight Llama-3-8B: decode tok/s at batch 1/32/256, prefill tok/s,
+                                # TTFT, peak memory
+
+``--model`` and ``--load-format dummy`` run e2e and serve on another model (the GPU bundle carries
+the default model's config and tokenizer without its GGUF: its shape with random weights).
 
 ``--smoke`` runs the same code on CPU with tiny shapes (Triton interpreted),
 to check the script itself where there is no GPU; its figures mean nothing.
@@ -77,7 +82,16 @@ E2E_PROMPTS = [
 ]
 
 
-def e2e(smoke: bool) -> int:
+def e2e(smoke: bool, model: str | None = None, load_format: str = "auto") -> int:
+    """fp32: every token identical. bf16: every prompt's first token identical (later ones may part
+    where two logits tie within bf16's rounding), and the share of identical tokens reported."""
+    failed = 0
+    for dtype in ("float32",) if smoke else ("float32", "bfloat16"):
+        failed += _e2e_parity(smoke, model, load_format, dtype)
+    return 1 if failed else 0
+
+
+def _e2e_parity(smoke: bool, model: str | None, load_format: str, dtype: str) -> int:
     from services import LLM, SamplingParams
 
     prompts = E2E_PROMPTS[:1] if smoke else E2E_PROMPTS
@@ -86,9 +100,10 @@ def e2e(smoke: bool) -> int:
     for backend in ("torch", "triton"):
         os.environ["WEFT_ATTENTION_BACKEND"] = backend
         llm = LLM(
-            None,
+            model,
             device=device_kind(smoke),
-            dtype="float32",
+            dtype=dtype,
+            load_format=load_format,
             max_model_len=512,
             kv_cache_memory=4 << 30,
             max_num_seqs=8,
@@ -99,14 +114,88 @@ def e2e(smoke: bool) -> int:
         release(llm)
     pairs = [(a, b) for want, got in zip(tokens["torch"], tokens["triton"]) for a, b in zip(want, got)]
     same = sum(a == b for a, b in pairs)
-    ok = tokens["torch"] == tokens["triton"]
+    if dtype == "float32":
+        ok = tokens["torch"] == tokens["triton"]
+    else:
+        ok = all(want[:1] == got[:1] for want, got in zip(tokens["torch"], tokens["triton"]))
+    weights = "random weights" if load_format == "dummy" else "weights"
     report(
-        f"e2e greedy, default model fp32, {len(prompts)} prompts x {params.max_tokens} tokens, "
-        f"triton + CUDA graphs vs torch: {same}/{len(pairs)} tokens identical -> {'OK' if ok else 'MISMATCH'}"
+        f"e2e greedy {dtype}, {model or 'default model'} ({weights}), {len(prompts)} prompts x "
+        f"{params.max_tokens} tokens, triton + CUDA graphs vs eager torch: {same}/{len(pairs)} tokens "
+        f"identical -> {'OK' if ok else 'MISMATCH'}"
     )
     if not ok:
         report(f"  torch:  {tokens['torch']}\n  triton: {tokens['triton']}")
     return 0 if ok else 1
+
+
+# --- serving over HTTP ------------------------------------------------------------------------------
+
+SERVE_REQUESTS = 64
+
+
+def serve(smoke: bool, model: str | None = None, load_format: str = "auto") -> int:
+    """``weft serve --gpu-memory-utilization 0.9`` answering 64 concurrent streamed completions."""
+    import asyncio
+
+    from services.stack import Stack
+
+    args = ["--max-model-len", "1024", "--load-format", load_format]
+    if smoke:  # interpreted kernels: small steps
+        args += ["--device", "cpu", "--kv-cache-memory", str(1 << 28), "--max-num-batched-tokens", "32"]
+        args += ["--max-num-seqs", "4", "--dtype", "float32"]
+    else:
+        args += ["--gpu-memory-utilization", "0.9"]
+    log_dir = Path(tempfile.mkdtemp(prefix="weft-gpu-serve-"))
+    if smoke:  # the tiny shape: interpreted kernels over the default model's 30 layers take minutes
+        write_dummy_model(log_dir, {**TINY, "vocab_size": 49152})  # the tokenizer's ids
+        model, args[args.index("--load-format") + 1] = str(log_dir), "dummy"
+    if model is not None:
+        args += ["--model", model]
+    stack = Stack(args, log_dir, startup_timeout_s=240)
+    try:
+        health = stack.wait_healthy()
+        requests = 4 if smoke else SERVE_REQUESTS
+        start = time.perf_counter()
+        errors, tokens = asyncio.run(_streams(stack.url, requests, max_tokens=4 if smoke else 64))
+        seconds = time.perf_counter() - start
+    except Exception as exc:
+        report(f"serve: FAILED ({type(exc).__name__}: {str(exc)[-2000:]})")
+        return 1
+    finally:
+        stack.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
+    report(
+        f"serve --gpu-memory-utilization 0.9: {requests} concurrent streamed completions, {len(errors)} errors, "
+        f"{tokens} tokens in {seconds:.1f} s ({tokens / seconds:.0f} tokens/s); health {json.dumps(health)[:200]}"
+    )
+    for error in errors[:3]:
+        report(f"  error: {error}")
+    return 1 if errors else 0
+
+
+async def _streams(url: str, n: int, max_tokens: int) -> tuple[list[str], int]:
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = (await client.models.list()).data[0].id
+
+    async def one(i: int) -> int:
+        stream = await client.completions.create(
+            model=model, prompt=f"Request {i}: the numbers from one to ten are", max_tokens=max_tokens,
+            temperature=0.0, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        count = 0
+        async for chunk in stream:
+            count += sum(1 for choice in chunk.choices if choice.text)
+        return count
+
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    await client.close()
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    return errors, sum(r for r in results if isinstance(r, int))
 
 
 # --- kernel timings -------------------------------------------------------------------------------
@@ -217,6 +306,8 @@ def throughput(smoke: bool) -> int:
         )
         shape = "tiny smoke model" if smoke else "Llama-3-8B shape, dummy weights, bf16"
         _generate(llm, batch=1, prompt_len=16, max_tokens=4)  # warm-up
+        ttft = min(_generate(llm, batch=1, prompt_len=128, max_tokens=1) for _ in range(3))
+        report(f"TTFT {shape}: one 128-token prompt alone: {ttft * 1e3:.1f} ms")
         steps = 4 if smoke else 128
         for batch in (1, 2) if smoke else (1, 32, 256):
             rate = _decode_rate(llm, batch, prompt_len=32 if smoke else 128, steps=steps)
@@ -224,10 +315,24 @@ def throughput(smoke: bool) -> int:
         batch, prompt_len = (2, 64) if smoke else (32, 1024)
         seconds = _generate(llm, batch=batch, prompt_len=prompt_len, max_tokens=1)
         report(f"prefill {shape}: {batch} x {prompt_len} tokens: {batch * prompt_len / seconds:.0f} tokens/s")
+        _report_peak_memory(shape)
         release(llm)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def _report_peak_memory(shape: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
+    free, total = torch.cuda.mem_get_info()
+    report(
+        f"memory {shape}: peak allocated {peak / 2**30:.1f} GiB, reserved {reserved / 2**30:.1f} GiB, "
+        f"device in use {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB"
+    )
 
 
 def write_dummy_model(folder: Path, config: dict) -> None:
@@ -280,9 +385,16 @@ def _generate(llm, batch: int, prompt_len: int, max_tokens: int) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["e2e", "kernels", "throughput"])
+    parser.add_argument("what", choices=["e2e", "kernels", "serve", "throughput"])
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreted): checks the script"
+    )
+    parser.add_argument("--model", default=None, help="e2e and serve: the model (default: the default model)")
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="e2e and serve: dummy = random weights (default: auto)",
     )
 
 
@@ -290,4 +402,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
         os.environ.setdefault("WEFT_ATTENTION_BACKEND", "triton")  # CPU would pick torch
-    return {"e2e": e2e, "kernels": kernels, "throughput": throughput}[args.what](args.smoke)
+    if args.what in ("e2e", "serve"):
+        return {"e2e": e2e, "serve": serve}[args.what](args.smoke, args.model, args.load_format)
+    return {"kernels": kernels, "throughput": throughput}[args.what](args.smoke)

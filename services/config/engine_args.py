@@ -100,7 +100,25 @@ class EngineArgs:
             raise TypeError(f"Unknown engine argument(s) {unknown}; known: {sorted(known)}.")
         return cls(**kwargs)
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, *, device_in_engine: bool = False) -> EngineConfig:
+        """The checked config. ``device_in_engine`` (the API server's): with ``device auto``, the
+        device, attention backend, block size and dtype left ``auto`` for each engine process to
+        decide where it runs (``services/config/engine_device.py``); the rest is planned for the device
+        this node's torch-free probe sees."""
+        config = self._create_engine_config()
+        if not device_in_engine or self.device == "cpu":
+            return config
+        model, cache, device = config.model, config.cache, config.device
+        if self.dtype == "auto":  # on a GPU, by its compute capability
+            model = msgspec.structs.replace(model, dtype="auto")
+        if self.device == "auto":
+            if self.block_size is None and config.kv_events is None:  # with events the API hashes in it
+                cache = msgspec.structs.replace(cache, block_size=0)
+            backend = device.attention_backend if _forced_backend() else "auto"
+            device = msgspec.structs.replace(device, device="auto", attention_backend=backend)
+        return msgspec.structs.replace(config, model=model, cache=cache, device=device)
+
+    def _create_engine_config(self) -> EngineConfig:
         files = model_files.resolve(self.model)
         hf_config = files.hf_config()
         # Refuse an unsupported model before anything starts (for a GGUF, its config's model_type is
@@ -384,10 +402,14 @@ def resolve_kv_cache_dtype(value: str, device: str, model_dtype: str, *, kv_tran
 def resolve_attention_backend(device: str) -> str:
     """Triton kernels on CUDA, the compiled CPU kernel elsewhere (services/worker/layers/backends.py);
     ``WEFT_ATTENTION_BACKEND=torch|cpu|triton`` forces one."""
+    return _forced_backend() or ("triton" if device == "cuda" else "cpu")
+
+
+def _forced_backend() -> str:
     forced = (env.get("WEFT_ATTENTION_BACKEND") or "").strip().lower()
     if forced and forced not in ("torch", "cpu", "triton"):
         raise ValueError(f"WEFT_ATTENTION_BACKEND must be 'torch', 'cpu' or 'triton', got {forced!r}.")
-    return forced or ("triton" if device == "cuda" else "cpu")
+    return forced
 
 
 def resolve_device(device: str) -> str:
@@ -492,6 +514,6 @@ def resolve_dtype(dtype: str, device: str, quantization: str = "none", dense_cop
     if dtype != "auto":
         return dtype
     if device == "cuda":
-        return "bfloat16"
+        return "bfloat16"  # on the API node; the engine process lowers it to fp16 below sm80 (engine_device)
     dense = quantization == "none" or dense_copy
     return "bfloat16" if dense and cpu_has_fast_bf16() else "float32"

@@ -14,6 +14,7 @@ import time
 
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
 from services.config.engine_args import with_max_model_len
+from services.config.engine_device import resolve_engine_device
 from services.config.memory_plan import fit_max_model_len
 from services.engine_core.async_scheduling import StepPipeline, check_async_scheduling, reaches_workers
 from services.engine_core.kv_cache_manager import group_windows
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        config = resolve_engine_device(config)  # the API's "auto" decided here, where the model runs
         check_async_scheduling(config)
         if executor_class is None:
             executor_class = executor_class_for(config)  # worker processes when tensor parallel

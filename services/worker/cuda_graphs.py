@@ -12,7 +12,10 @@ the batch size alone, and its decode split count likewise, so one graph
 per size serves any sequence lengths. Steps that are not pure decode
 (prefill chunks, speculative verification) and batches larger than the
 largest size run eagerly. ``--enforce-eager`` turns graphs off; on CPU
-there are none.
+there are none. Nor under tensor parallelism (the graphs would record
+torch.distributed's NCCL all-reduces, a known failure path: vLLM captures a
+communicator of its own) or with several KV cache groups (the replay holds
+one block table). A capture that raises leaves the engine eager, logged.
 """
 
 from __future__ import annotations
@@ -33,10 +36,24 @@ MAX_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8, up to max_num_seqs (itself included)."""
+    """vLLM's list: 1, 2, 4, the multiples of 8 below 256, then every 16th size from 256, up to
+    max_num_seqs (itself included, so the largest batch replays too)."""
     limit = min(max_num_seqs, MAX_CAPTURE_SIZE)
-    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
-    return sorted(set(sizes) | {limit})
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, MAX_CAPTURE_SIZE + 1, 16)]
+    return sorted({s for s in sizes if s <= limit} | {limit})
+
+
+def graphs_wanted(
+    device: torch.device, backend: str, enforce_eager: bool, tp_size: int = 1, kv_groups: int = 1
+) -> bool:
+    """Whether decode steps are captured (the module notes say when they are not)."""
+    return (
+        device.type == "cuda"
+        and backend == "triton"
+        and not enforce_eager
+        and tp_size == 1
+        and kv_groups <= 1
+    )
 
 
 class CudaGraphRunner:
@@ -137,11 +154,20 @@ def maybe_capture_decode_graphs(
     block_size: int,
     max_model_len: int,
     device: torch.device,
+    tp_size: int = 1,
+    kv_groups: int = 1,
+    runner_class: type[CudaGraphRunner] = CudaGraphRunner,
 ) -> CudaGraphRunner | None:
-    """Captured graphs on a CUDA device with the Triton backend; None elsewhere or with enforce_eager."""
-    if device.type != "cuda" or enforce_eager or backend != "triton":
+    """Captured graphs on a CUDA device with the Triton backend, one worker and one KV cache group;
+    None elsewhere, with enforce_eager, or when capturing raised (logged: the engine runs eagerly)."""
+    if not graphs_wanted(device, backend, enforce_eager, tp_size, kv_groups):
+        if device.type == "cuda" and backend == "triton" and not enforce_eager:
+            logger.info(
+                "Decode CUDA graphs off: %s; decode steps run eagerly.",
+                "tensor parallel" if tp_size > 1 else "several KV cache groups (sliding-window layers)",
+            )
         return None
-    runner = CudaGraphRunner(
+    runner = runner_class(
         model,
         kv_caches,
         sizes=capture_sizes(max_num_seqs),
@@ -149,5 +175,18 @@ def maybe_capture_decode_graphs(
         max_blocks_per_seq=-(-max_model_len // block_size),
         device=device,
     )
-    runner.capture()
+    try:
+        runner.capture()
+    except Exception as exc:  # a capture failure costs speed, never the engine
+        logger.warning(
+            "CUDA graph capture failed (%s: %s); decode steps run eagerly (--enforce-eager skips the "
+            "attempt).",
+            type(exc).__name__,
+            exc,
+        )
+        runner.graphs.clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        return None
     return runner

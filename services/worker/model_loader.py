@@ -27,6 +27,7 @@ from protocol import ModelConfig
 from services.model_files import ModelFiles, resolve
 from services.worker.dummy_weights import fill_dummy_weights
 from services.worker.gguf_weights import GGUFCheckpoint
+from services.worker.layers.kernel_device import building_for
 from services.worker.layers.quantized_linear import finalize_quantized, quantized_report
 from services.worker.models.registry import model_class
 
@@ -61,7 +62,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
         )
     else:
         weights = iter_safetensors(files.weights)
-    with torch.device(device):
+    with building_for(device), torch.device(device):
         model = cls(args, config.max_model_len, DTYPES[config.dtype])
     if weights is None:
         fill_dummy_weights(model, config.seed)

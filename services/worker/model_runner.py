@@ -20,7 +20,7 @@ import torch
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_placement
 from services.worker.cpu_threads import StepThreads
-from services.worker.cuda_graphs import maybe_capture_decode_graphs
+from services.worker.cuda_graphs import capture_sizes, graphs_wanted, maybe_capture_decode_graphs
 from services.worker.distributed import get_tp_group
 from services.worker.forward_context import set_forward_context
 from services.worker.input_batch import InputBatch
@@ -35,6 +35,7 @@ from services.worker.layers.attention_metadata import (
 from services.worker.layers.backends import check_backend
 from services.worker.layers.linear import pack_linear_weights, packed_weights_bytes
 from services.worker.layers.quantized_linear import quantized_report
+from services.worker.layers.triton_attention import StepStaging, build_triton_metadata
 from services.worker.model_loader import DTYPES, load_model
 from services.worker.pooler import pool_step
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
@@ -69,6 +70,8 @@ class ModelRunner:
         self.sampler = Sampler(config.model.seed, self.device)
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
+        # The Triton backend's step tensors go through pinned host buffers kept for the worker's life.
+        self.staging = StepStaging(self.device) if self.attention_backend == "triton" else None
         self.step_threads = StepThreads(config.device.num_threads) if self.device.type == "cpu" else None
         self.spec_decoder = (
             SpecDecoder(config, self.sampler.generator, self.device)
@@ -78,9 +81,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.device)
-        place_layers_in_kv_groups(
-            self.model, self.config.model.layer_sliding_windows, self.kv_groups, self.attention_backend
-        )
+        place_layers_in_kv_groups(self.model, self.config.model.layer_sliding_windows, self.kv_groups)
         if self.attention_backend == "cpu":
             pack_linear_weights(self.model, self.dtype, self.device)
         a = self.model.args
@@ -144,6 +145,8 @@ class ModelRunner:
             block_size=self.block_size,
             max_model_len=self.config.model.max_model_len,
             device=self.device,
+            tp_size=get_tp_group().world_size,
+            kv_groups=len(self.kv_groups),
         )
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -225,8 +228,66 @@ class ModelRunner:
             device=self.device,
         )
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(self.device)
+        if self.attention_backend == "triton":
+            return self._profile_forward_triton(lens, positions)
+        # The CPU backends profile a fresh prefill on torch ops, without a cache.
         with set_forward_context(meta, None):
             return self.model(torch.zeros(total, dtype=torch.long, device=self.device), positions)
+
+    def _profile_forward_triton(self, lens: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        """The profiled prefill on the Triton kernels that will serve it (compiled now, not in the first
+        requests), over a scratch cache just large enough for its sequences, shared by the layers (each
+        writes its K/V before reading them back). Its bytes count in the peak, a slight overstatement."""
+        meta, cache = self._scratch_triton_step(lens)
+        total = int(lens.sum())
+        with set_forward_context(meta, [cache] * self.model.args.num_layers, "triton"):
+            return self.model(torch.zeros(total, dtype=torch.long, device=self.device), positions)
+
+    def _scratch_triton_step(self, lens: np.ndarray, context_lens: np.ndarray | None = None):
+        """Triton metadata for sequences of ``lens`` new tokens after ``context_lens`` cached ones, each
+        on blocks of its own in a zeroed scratch cache (block 0 the null block)."""
+        context = np.zeros_like(lens) if context_lens is None else np.asarray(context_lens, dtype=np.int64)
+        bs, a = self.block_size, self.model.args
+        blocks_per_seq = -(-(context + lens) // bs)
+        table = np.zeros((len(lens), max(1, int(blocks_per_seq.max(initial=1)))), dtype=np.int32)
+        first = 1 + np.concatenate(([0], np.cumsum(blocks_per_seq)[:-1]))
+        for i, (start, n) in enumerate(zip(first, blocks_per_seq)):
+            table[i, :n] = np.arange(start, start + n)
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(context, lens)])
+        rows = np.repeat(np.arange(len(lens)), lens)
+        slots = table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        meta = build_triton_metadata(
+            query_lens=lens,
+            context_lens=context,
+            block_table=table,
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+        )
+        shape = kv_cache_shape(1 + int(blocks_per_seq.sum()), bs, a.num_kv_heads, a.head_dim)
+        return meta, torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def profile_decode_graph(self) -> None:
+        """A decode step of the largest CUDA-graph batch over one block of context each: its peak is what
+        the graphs' memory pool will hold (captured after the KV cache, so it is budgeted before)."""
+        rows = max(capture_sizes(self.config.scheduler.max_num_seqs))
+        lens = np.ones(rows, dtype=np.int64)
+        meta, cache = self._scratch_triton_step(lens, np.full(rows, self.block_size - 1))
+        positions = torch.full((rows,), self.block_size - 1, dtype=torch.long, device=self.device)
+        with set_forward_context(meta, [cache] * self.model.args.num_layers, "triton"):
+            self.model(torch.zeros(rows, dtype=torch.long, device=self.device), positions)
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether ``initialize_kv_cache`` will capture decode CUDA graphs (``cuda_graphs.graphs_wanted``)."""
+        return graphs_wanted(
+            self.device,
+            self.attention_backend,
+            self.config.device.enforce_eager,
+            get_tp_group().world_size,
+            len(self.kv_groups),
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -251,6 +312,7 @@ class ModelRunner:
             num_drafts,
             self.attention_backend,
             self.prefill_caps,
+            self.staging,
         )
         hidden = self._forward(step)  # [T, H]
         pooled_req_ids, pooled = [], None
@@ -318,6 +380,7 @@ class ModelRunner:
                 vocab_size=logits.shape[1],
                 eos_token_id=self.config.model.eos_token_id,
                 device=self.device,
+                staging=self.staging,
             )
             out = self.sampler(logits, meta)
             token_ids, entries = tp.broadcast_from_driver(out.token_ids), out.logprobs
@@ -341,9 +404,7 @@ class ModelRunner:
         return result
 
 
-def place_layers_in_kv_groups(
-    model, layer_windows: list[int], groups: list[KVCacheGroup], backend: str
-) -> None:
+def place_layers_in_kv_groups(model, layer_windows: list[int], groups: list[KVCacheGroup]) -> None:
     """Point each attention layer at its KV cache group, after checking that the model's own
     windows are the ones the scheduler was configured with (one config, read twice)."""
     layers = sorted((m for m in model.modules() if isinstance(m, PagedAttention)), key=lambda m: m.layer_idx)
@@ -351,11 +412,6 @@ def place_layers_in_kv_groups(
     if (layer_windows or [0] * len(layers)) != ours:
         raise ValueError(
             f"The model's sliding windows per layer {ours} differ from the configured {layer_windows}."
-        )
-    if any(ours) and backend == "triton":
-        raise ValueError(
-            "Sliding-window attention is not implemented in the triton backend; "
-            "use the torch backend (WEFT_ATTENTION_BACKEND=torch)."
         )
     for layer_idx, (group, index) in layer_placement(groups).items():
         layers[layer_idx].kv_group = group

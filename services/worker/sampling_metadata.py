@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from protocol import SamplingParams, SamplingType
 
 _MASK64 = (1 << 64) - 1
+_NUMPY = {torch.bool: np.bool_, torch.float32: np.float32, torch.long: np.int64}
 
 
 def seed_for_output(seed: int, output_index: int) -> int:
@@ -81,11 +83,16 @@ def build_sampling_metadata(
     vocab_size: int,
     eos_token_id: int | None,
     device: torch.device | str = "cpu",
+    staging=None,
 ) -> SamplingMetadata:
+    """``staging``: the Triton backend's pinned host buffers (``triton_attention.StepStaging``), for
+    a builder called once per step."""
     params = [r.params for r in requests]
     greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
 
-    def column(values, dtype=torch.float32) -> torch.Tensor:
+    def column(name: str, values, dtype=torch.float32) -> torch.Tensor:
+        if staging is not None:
+            return staging.to_device(f"sampling.{name}", np.asarray(values), _NUMPY[dtype])
         return torch.tensor(values, dtype=dtype, device=device)
 
     top_k = [vocab_size if p.top_k <= 0 or g else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
@@ -94,11 +101,11 @@ def build_sampling_metadata(
     return SamplingMetadata(
         num_rows=len(requests),
         all_greedy=all(greedy),
-        greedy=column(greedy, torch.bool),
-        temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-        top_k=column(top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
-        top_p=column(top_p) if any(p < 1.0 for p in top_p) else None,
-        min_p=column(min_p) if any(p > 0.0 for p in min_p) else None,
+        greedy=column("greedy", greedy, torch.bool),
+        temperature=column("temperature", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        top_k=column("top_k", top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
+        top_p=column("top_p", top_p) if any(p < 1.0 for p in top_p) else None,
+        min_p=column("min_p", min_p) if any(p > 0.0 for p in min_p) else None,
         penalties=_penalties(requests, vocab_size, device),
         banned=_banned_tokens(requests, eos_token_id),
         allowed=[(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids],

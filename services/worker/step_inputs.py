@@ -15,7 +15,11 @@ import torch
 
 from services.worker.input_batch import InputBatch
 from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, build_attention_metadata
-from services.worker.layers.triton_attention import TritonAttentionMetadata, build_triton_metadata
+from services.worker.layers.triton_attention import (
+    StepStaging,
+    TritonAttentionMetadata,
+    build_triton_metadata,
+)
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,12 @@ def prepare_step(
     num_drafts: dict[str, int] | None = None,
     attention_backend: str = "torch",
     prefill_caps: PrefillCaps | None = None,
+    staging: StepStaging | None = None,
 ) -> StepInputs:
     """``num_drafts``: draft tokens written after a request's known tokens, to verify.
     ``attention_backend`` picks the metadata the layers get (``layers/backends.py``);
-    ``prefill_caps`` which prefills the cpu backend's kernel takes (``attention_metadata.py``)."""
+    ``prefill_caps`` which prefills the cpu backend's kernel takes (``attention_metadata.py``);
+    ``staging``, the Triton backend's pinned host buffers (``triton_attention.StepStaging``)."""
     rows = np.array([batch.requests[r].row for r in req_ids], dtype=np.int64)
     query_lens = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)
     context = batch.num_computed_tokens[rows]
@@ -65,7 +71,7 @@ def prepare_step(
     positions = np.repeat(context - query_start[:-1], query_lens) + np.arange(query_start[-1])
     bs = batch.block_size
 
-    def metadata(table: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
+    def metadata(table: np.ndarray, group: int) -> AttentionMetadata | TritonAttentionMetadata:
         slot_mapping = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         if attention_backend == "triton":
             return build_triton_metadata(
@@ -75,6 +81,8 @@ def prepare_step(
                 slot_mapping=slot_mapping,
                 block_size=bs,
                 device=device,
+                staging=staging,
+                staging_prefix=f"group{group}.",
             )
         return build_attention_metadata(
             query_lens=query_lens,
@@ -88,11 +96,18 @@ def prepare_step(
             prefill_caps=prefill_caps,
         )
 
-    groups = tuple(metadata(table) for table in batch.block_tables)
+    groups = tuple(metadata(table, g) for g, table in enumerate(batch.block_tables))
+    token_ids = batch.token_ids[token_rows, positions]
+    if staging is not None:
+        input_ids = staging.to_device("input_ids", token_ids, np.int64)
+        positions_tensor = staging.to_device("positions", positions, np.int64)
+    else:
+        input_ids = torch.from_numpy(token_ids.astype(np.int64)).to(device)
+        positions_tensor = torch.from_numpy(positions).to(device)
     return StepInputs(
         req_ids=req_ids,
-        input_ids=torch.from_numpy(batch.token_ids[token_rows, positions].astype(np.int64)).to(device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=input_ids,
+        positions=positions_tensor,
         attn_metadata=groups[0],
         query_start=query_start,
         context_lens=context,

@@ -26,13 +26,24 @@ from services.config.memory_plan import (
 from services.engine_core.kv_cache_manager import group_windows
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
 from services.worker.fault_injection import FaultInjector
-from services.worker.memory_profiling import gpu_budget, peak_increase, rss_bytes
+from services.worker.memory_profiling import (
+    GpuSnapshot,
+    check_free_memory,
+    gpu_kv_budget,
+    gpu_snapshot,
+    peak_increase,
+    rss_bytes,
+)
 from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class Worker:
+    # CUDA: the device's memory before the model loaded, and what loading it allocated.
+    gpu_start: GpuSnapshot | None = None
+    model_bytes = 0
+
     def __init__(
         self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None
     ) -> None:
@@ -52,7 +63,13 @@ class Worker:
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
+            check_device_visible(self.device, self.world_size)
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            self.gpu_start = gpu_snapshot(self.device)
+            cache = self.config.cache
+            if cache.kv_cache_memory is None and cache.num_gpu_blocks_override is None:
+                check_free_memory(self.gpu_start, cache.gpu_memory_utilization, self.device)
         torch.set_num_threads(self.config.device.num_threads)
         torch.manual_seed(self.config.model.seed)
         init_tensor_parallel(self.rank, self.world_size, self.distributed_init_method, self.device)
@@ -71,7 +88,10 @@ class Worker:
                 self.available_bytes = None if measured is None else measured + self.runtime_bytes
             start = time.monotonic()
             logger.info("Loading the weights of %s ...", self.config.model.model)
+            allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             self.model_runner.load_model()
+            if self.device.type == "cuda":  # parameters and buffers (rotary tables) alike
+                self.model_bytes = torch.cuda.memory_allocated(self.device) - allocated
             logger.info("Loaded the weights in %.1f s.", time.monotonic() - start)
 
     def determine_num_blocks(self) -> int:
@@ -171,12 +191,19 @@ class Worker:
         if cache.kv_cache_memory is not None:
             return cache.kv_cache_memory, f"--kv-cache-memory {gib_text(cache.kv_cache_memory)}"
         if self.device.type == "cuda":
-            budget = gpu_budget(self.device, cache.gpu_memory_utilization)
-            kv = budget - runner.weights_bytes - activation_peak
-            return (
-                kv,
-                f"gpu_memory_utilization {cache.gpu_memory_utilization} of the GPU = {gib_text(budget)}",
+            # The graphs are captured after the cache, into a pool of their own: budget it now.
+            graph_pool = (
+                peak_increase(runner.profile_decode_graph, self.device) if runner.captures_graphs else 0
             )
+            budget = gpu_kv_budget(
+                self.gpu_start or gpu_snapshot(self.device),
+                gpu_snapshot(self.device),
+                utilization=cache.gpu_memory_utilization,
+                weights=max(self.model_bytes, runner.weights_bytes),
+                activation_peak=activation_peak,
+                graph_pool=graph_pool,
+            )
+            return budget.kv, budget.describe(cache.gpu_memory_utilization)
         if self.available_bytes is None:
             raise ValueError(
                 "The memory available on this machine could not be read (/proc/meminfo): "
@@ -220,6 +247,17 @@ class Worker:
 
 # Tokens of the forward profiled on CPU (Worker.activation_peak).
 CPU_PROFILE_TOKENS = 128
+
+
+def check_device_visible(device: torch.device, tensor_parallel_size: int) -> None:
+    """A clear error where a worker's GPU is past the visible ones (CUDA says "invalid device ordinal")."""
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"This worker runs on {device}, but {count} GPU(s) are visible (tensor_parallel_size "
+            f"{tensor_parallel_size}, one GPU per worker; CUDA_VISIBLE_DEVICES selects them). Lower "
+            "--tensor-parallel-size (or the data-parallel ranks on this node), or make more GPUs visible."
+        )
 
 
 def _check_override(num_blocks: int) -> int:

@@ -142,3 +142,17 @@ def test_refuses_bad_arguments(generator):
         paged_attention(**{**batch, "query": torch.randn(3, 3, 64)})
     with pytest.raises(ValueError, match="dtype"):
         paged_attention_ref(**{**batch, "query": batch["query"].half()})
+
+
+@pytest.mark.parametrize("window", [0, 5, 20])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_mixed_step_splits_its_decodes_and_keeps_a_window(window, num_kv_splits, device, generator, close):
+    """Decode rows of a mixed step split over their keys, the other rows whole; a sliding window
+    (shorter and longer than a block) hides the keys before it, and the NaN slots past the cache's
+    written keys stay unread."""
+    batch = make_batch(MIXED, num_heads=4, head_dim=64, block_size=16, dtype=torch.float32, gen=generator)
+    decodes = sum(r.new == 1 for r in MIXED)
+    ours, twin = run_both(batch, device, num_kv_splits=num_kv_splits, num_decodes=decodes, window=window)
+    close(ours, paged_attention_ref(**batch, window=window), torch.float32)
+    if window == 0:
+        close(ours, twin, torch.float32)

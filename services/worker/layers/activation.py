@@ -8,6 +8,7 @@ from torch import nn
 
 from kernels import cpu_fused
 from services.worker.forward_context import current_backend
+from services.worker.layers.kernel_device import cpu_fused_for_model
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cpu_fused = cpu_fused.available()
+        self._cpu_fused = cpu_fused_for_model()
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if (

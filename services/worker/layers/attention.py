@@ -182,18 +182,13 @@ class PagedAttention(nn.Module):
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cache = None if context.kv_caches is None else context.kv_caches[self.layer_idx]
         scales = None if context.kv_scales is None else context.kv_scales[self.layer_idx]
-        if self.sliding_window is not None:
-            if context.backend == "triton":
-                raise ValueError(
-                    "Sliding-window attention is not implemented in the triton backend; "
-                    "use the torch backend (WEFT_ATTENTION_BACKEND=torch)."
-                )
-            meta = window_metadata(meta, self.sliding_window)
-        if context.backend == "triton":
+        if context.backend == "triton":  # a window is the kernel's argument
             from services.worker.layers.triton_attention import triton_attention
 
-            out = triton_attention(q, k, v, cache, meta, self.scale)
+            out = triton_attention(q, k, v, cache, meta, self.scale, self.sliding_window or 0)
             return out.view(num_tokens, self.num_heads * self.head_dim)
+        if self.sliding_window is not None:
+            meta = window_metadata(meta, self.sliding_window)
         if scales is not None and context.backend == "cpu":
             write_kv_int8(k, v, cache, scales, meta.slot_mapping, check=self.checks_decode_args)
         elif scales is not None:  # the torch backend (no compiled kernels): the twin's torch ops

@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import cpu_fused
 from services.worker.forward_context import current_backend
+from services.worker.layers.kernel_device import cpu_fused_for_model
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
         # Chosen once: the compiled CPU kernels exist for these dtypes, and built here (or not).
-        self._cpu_fused = dtype in cpu_fused.DTYPES and cpu_fused.available()
+        self._cpu_fused = cpu_fused_for_model(dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import cpu_fused
 from services.worker.forward_context import current_backend
+from services.worker.layers.kernel_device import cpu_fused_for_model
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -62,7 +63,7 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never read from a checkpoint.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-        self._cpu_fused = cpu_fused.available()  # chosen once: one compiled pass on CPU
+        self._cpu_fused = cpu_fused_for_model()  # chosen once: one compiled pass on CPU
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

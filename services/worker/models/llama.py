@@ -29,6 +29,7 @@ from services.worker.distributed import TensorParallelGroup, divide, get_tp_grou
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
+from services.worker.layers.kernel_device import cpu_fused_for_model
 from services.worker.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -165,7 +166,7 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
         # The one-pass path between the int8 GEMMs: one worker, no gate/up bias, the kernels built.
-        self._fused_int8 = tp.world_size == 1 and not args.mlp_bias and cpu_fused.available()
+        self._fused_int8 = tp.world_size == 1 and not args.mlp_bias and cpu_fused_for_model()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
