@@ -29,6 +29,7 @@ from services.api.admission import Admission, TicketReleaseMiddleware
 from services.api.api_options import APIOptions
 from services.api.auth import APIKeyMiddleware
 from services.api.chat_args import ChatSettings
+from services.api.content_type import JSONContentTypeMiddleware
 from services.api.engine_client import EngineClient
 from services.api.errors import (
     APIError,
@@ -38,7 +39,7 @@ from services.api.errors import (
     internal_error_handler,
 )
 from services.api.limits import BodyDeadlineMiddleware, BodySizeLimitMiddleware, ServingLimits, check_depth
-from services.api.management import MANAGEMENT_PATHS, ManagementRoutes
+from services.api.management import ManagementRoutes
 from services.api.metrics import CONTENT_TYPE, APIMetrics
 from services.api.offload import run_blocking
 from services.api.openai_schemas import (
@@ -195,6 +196,10 @@ class _Routes:
             )
         admission = self.ctx.admission
         load = {"admitted": admission.in_use, "capacity": admission.capacity()}
+        if getattr(client, "is_paused", False):
+            reason = "Generation is paused (POST /resume continues it); new requests wait."
+            body = {"status": "paused", "reason": reason, **by_state, **load, "ranks": ranks}
+            return JSONResponse(body, status_code=503)
         if client.ready and not admission.draining:
             return JSONResponse({"status": "ok", **by_state, **load, "ranks": ranks})
         status = (
@@ -276,6 +281,7 @@ def build_app(
     options: APIOptions | None = None,
     kv_transfer_secret: str | None = None,
     responses_store: ResponsesStore | None = None,
+    admin_api_key: str | Sequence[str] | None = None,
 ) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
@@ -289,7 +295,7 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     name, aliases = (names or [config.model.served_model_name])[0], tuple(dict.fromkeys(names[1:]))
     limits = limits or ServingLimits()
-    engine_client = PausableEngineClient(engine_client)
+    engine_client = PausableEngineClient(engine_client, limits.pause_hold_timeout_s)
     metrics = APIMetrics(engine_client.rank_stats, name, config)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
@@ -309,7 +315,8 @@ def build_app(
         chat,
         responses_store,
     )
-    management = ManagementRoutes(engine_client, admission, routes.model_card)
+    admin_keys = [admin_api_key] if isinstance(admin_api_key, str) else list(admin_api_key or ())
+    management = ManagementRoutes(engine_client, admission, routes.model_card, admin_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -325,6 +332,7 @@ def build_app(
         Middleware(TicketReleaseMiddleware),
         Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
         Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes),
+        Middleware(JSONContentTypeMiddleware),
     ]
     if api_key:
         middleware.append(
@@ -332,7 +340,6 @@ def build_app(
                 APIKeyMiddleware,
                 api_keys=api_key,
                 protect_tokenize=protect_tokenize,
-                also_protect=MANAGEMENT_PATHS,
             )
         )
     app = Starlette(
