@@ -197,19 +197,11 @@ class ChatServing:
         prompt = await run_blocking(
             chat_prompt_ids, ctx, body.messages, body.add_generation_prompt, **self.template_args(body)
         )
-        serving.check_prompt_ids(ctx, prompt, "messages")
-        if body.max_completion_tokens is not None:
-            max_tokens = serving.resolve_max_tokens(
-                ctx, body.max_completion_tokens, len(prompt), "max_completion_tokens"
-            )
-        else:
-            max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
-        params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
-        params = _with_tool_constraint(params, tool_choice)
-        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
         request_id = serving.new_request_id(id_prefix)
-        choices = serving.make_choices(
-            ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
+        session = serving.session_key(request, body)
+        # Checks, sampling parameters and engine requests, once for the whole request, off the loop.
+        params, choices = await run_blocking(
+            self._choices, request_id, body, prompt, tool_choice, arrival, session
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         tool_output = (
@@ -220,6 +212,28 @@ class ChatServing:
         # A constraint binds from the first token, so a constrained reply holds no thinking to split off.
         reasoning = None if params.structured_outputs is not None else self.settings.reasoning_parser_class
         return ChatRun(request_id, choices, runner, tool_output, reasoning)
+
+    def _choices(
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+        tool_choice: ToolChoice,
+        arrival: float,
+        session: str | None,
+    ) -> tuple[SamplingParams, list[Choice]]:
+        ctx = self.ctx
+        serving.check_prompt_ids(ctx, prompt, "messages")
+        if body.max_completion_tokens is not None:
+            max_tokens = serving.resolve_max_tokens(
+                ctx, body.max_completion_tokens, len(prompt), "max_completion_tokens"
+            )
+        else:
+            max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
+        params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
+        params = _with_tool_constraint(params, tool_choice)
+        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
+        return params, serving.make_choices(ctx, request_id, [prompt], [params], body, arrival, session)
 
     def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
