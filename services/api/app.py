@@ -54,7 +54,7 @@ from services.api.reliability_metrics import ReliabilityCollector
 from services.api.responses_schemas import ResponsesRequest
 from services.api.responses_store import ResponsesStore
 from services.api.serving import ServingContext
-from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
+from services.api.serving_chat import ChatServing, check_messages_size, render_prompt_ids
 from services.api.serving_completions import CompletionServing
 from services.api.serving_embeddings import EmbeddingServing
 from services.api.serving_responses import ResponsesServing
@@ -221,12 +221,8 @@ class _Routes:
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
             check_messages_size(self.ctx, body.messages)
-            tokens = await run_blocking(
-                chat_prompt_ids,
-                self.ctx,
-                body.messages,
-                body.add_generation_prompt,
-                **self.chat.template_args(body),
+            tokens = await render_prompt_ids(
+                self.ctx, body.messages, body.add_generation_prompt, **self.chat.template_args(body)
             )
         else:
             self.ctx.limits.check_text_size([body.prompt], "prompt")
