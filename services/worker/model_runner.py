@@ -308,7 +308,8 @@ class ModelRunner:
                 [
                     RequestSamplingInput(
                         s.sampling_params,
-                        s.prompt_token_ids,
+                        # The batch's copy of the prompt: a repetition penalty reads it in one copy.
+                        self.input_batch.token_ids[s.row, : s.num_prompt_tokens],
                         s.output_token_ids,
                         cached_filters(s, vocab, self.device),
                         filters_given=True,

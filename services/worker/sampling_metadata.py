@@ -209,7 +209,11 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        if len(row):
+            # A list, or a numpy view of the worker's token ids (one copy in C, however long the prompt).
+            out[i, : len(row)] = torch.as_tensor(
+                row if hasattr(row, "dtype") else list(row), dtype=torch.long
+            )
     return out.to(device)
 
 
