@@ -30,6 +30,10 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("WEFT_API_KEY", "API keys the /v1 routes accept, comma-separated, when no --api-key is given."),
     EnvVar(
+        "WEFT_ADMIN_API_KEY",
+        "Admin keys the management POSTs accept, comma-separated, when no --admin-api-key is given.",
+    ),
+    EnvVar(
         "WEFT_KV_TRANSFER_SECRET",
         "The P/D proxy's shared secret, when no --kv-transfer-secret-file is given "
         "(services/kv_transfer/trust.py).",

@@ -27,6 +27,7 @@ SLOW = frozenset(
         "tests/api/test_dp_client_rejoin.py",
         "tests/api/test_prefix_routing.py",
         "tests/api/test_structured_api.py",
+        "tests/api/test_template_sandbox.py::test_sigterm_stops_a_server_rendering_an_endless_template",
         "tests/bench/test_bench_cli.py",
         "tests/bench/test_bench_serve.py",
         "tests/bench/test_bench_spec.py",

@@ -27,7 +27,8 @@ from tests.test_monitoring import dashboard_metric_names, served_sample_names
 
 KEY = "mgmt-key"
 NAMES = ["smol", "smol-alias"]
-AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "mgmt-admin-key"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the management POSTs take only the admin key
 # Two full KV blocks (38 tokens), so a repeat hits the prefix cache.
 LONG_PROMPT = (
     "The history of the city begins with a small settlement on the river, where traders met "
@@ -43,6 +44,8 @@ def stack(tmp_path_factory):
             *NAMES,
             "--api-key",
             KEY,
+            "--admin-api-key",
+            ADMIN_KEY,
             "--dtype",
             "float32",
             "--max-model-len",
@@ -102,7 +105,9 @@ async def test_reset_prefix_cache_sends_cached_tokens_to_zero(client, http):
     await _complete(client)
     repeat = await _complete(client)
     assert repeat.usage.prompt_tokens_details.cached_tokens == 32  # both full blocks
-    assert (await http.post("/reset_prefix_cache")).status_code == 401  # behind --api-key
+    assert (await http.post("/reset_prefix_cache")).status_code == 401  # behind --admin-api-key
+    tenant = {"Authorization": f"Bearer {KEY}"}
+    assert (await http.post("/reset_prefix_cache", headers=tenant)).status_code == 401
     response = await http.post("/reset_prefix_cache", headers=AUTH)
     assert response.status_code == 200 and response.json() == {"reset": True, "ranks": [0]}
     after = await _complete(client)

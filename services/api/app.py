@@ -30,6 +30,7 @@ from services.api.admission import Admission, TicketReleaseMiddleware
 from services.api.api_options import APIOptions
 from services.api.auth import APIKeyMiddleware
 from services.api.chat_args import ChatSettings
+from services.api.content_type import JSONContentTypeMiddleware
 from services.api.engine_client import EngineClient
 from services.api.errors import (
     APIError,
@@ -39,7 +40,7 @@ from services.api.errors import (
     internal_error_handler,
 )
 from services.api.limits import BodyDeadlineMiddleware, BodySizeLimitMiddleware, ServingLimits, check_depth
-from services.api.management import MANAGEMENT_PATHS, ManagementRoutes
+from services.api.management import ManagementRoutes
 from services.api.metrics import CONTENT_TYPE, APIMetrics
 from services.api.offload import run_blocking
 from services.api.openai_schemas import (
@@ -56,7 +57,7 @@ from services.api.reliability_metrics import ReliabilityCollector
 from services.api.responses_schemas import ResponsesRequest
 from services.api.responses_store import ResponsesStore
 from services.api.serving import ServingContext
-from services.api.serving_chat import ChatServing, chat_prompt_ids, check_messages_size
+from services.api.serving_chat import ChatServing, check_messages_size, render_prompt_ids
 from services.api.serving_completions import CompletionServing
 from services.api.serving_embeddings import EmbeddingServing
 from services.api.serving_responses import ResponsesServing
@@ -199,6 +200,10 @@ class _Routes:
             )
         admission = self.ctx.admission
         load = {"admitted": admission.in_use, "capacity": admission.capacity()}
+        if getattr(client, "is_paused", False):
+            reason = "Generation is paused (POST /resume continues it); new requests wait."
+            body = {"status": "paused", "reason": reason, **by_state, **load, "ranks": ranks}
+            return JSONResponse(body, status_code=503)
         if client.ready and not admission.draining:
             return JSONResponse({"status": "ok", **by_state, **load, "ranks": ranks})
         status = (
@@ -220,12 +225,8 @@ class _Routes:
             raise bad_request("Send exactly one of `prompt` or `messages`.", "prompt")
         if body.messages is not None:
             check_messages_size(self.ctx, body.messages)
-            tokens = await run_blocking(
-                chat_prompt_ids,
-                self.ctx,
-                body.messages,
-                body.add_generation_prompt,
-                **self.chat.template_args(body),
+            tokens = await render_prompt_ids(
+                self.ctx, body.messages, body.add_generation_prompt, **self.chat.template_args(body)
             )
         else:
             self.ctx.limits.check_text_size([body.prompt], "prompt")
@@ -281,6 +282,7 @@ def build_app(
     kv_transfer_secret: str | None = None,
     responses_store: ResponsesStore | None = None,
     operator: OperatorOptions | None = None,
+    admin_api_key: str | Sequence[str] | None = None,
 ) -> Starlette:
     """The app; its lifespan starts and shuts down ``engine_client``.
     ``api_key``: one key or several (any of them is accepted); with
@@ -295,7 +297,7 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     name, aliases = (names or [config.model.served_model_name])[0], tuple(dict.fromkeys(names[1:]))
     limits = limits or ServingLimits()
-    engine_client = PausableEngineClient(engine_client)
+    engine_client = PausableEngineClient(engine_client, limits.pause_hold_timeout_s)
     metrics = APIMetrics(engine_client.rank_stats, name, config)
     admission = Admission(engine_client, config.scheduler.max_num_seqs, limits)
     metrics.registry.register(ReliabilityCollector(engine_client, admission, name))
@@ -315,7 +317,8 @@ def build_app(
         chat,
         responses_store,
     )
-    management = ManagementRoutes(engine_client, admission, routes.model_card)
+    admin_keys = [admin_api_key] if isinstance(admin_api_key, str) else list(admin_api_key or ())
+    management = ManagementRoutes(engine_client, admission, routes.model_card, admin_keys)
     table = [*routes.table(), *management.table(), Route("/ping", ping, methods=["GET"])]
     table += OpenAPIRoutes(table, _version(), operator.root_path).table()  # it lists the whole table
     metrics.tracer = start_tracer(operator.otlp_traces_endpoint)
@@ -337,6 +340,7 @@ def build_app(
         Middleware(TicketReleaseMiddleware),
         Middleware(BodyDeadlineMiddleware, timeout_s=limits.body_timeout_s),
         Middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes),
+        Middleware(JSONContentTypeMiddleware),
     ]
     if api_key:
         middleware.append(
@@ -344,7 +348,6 @@ def build_app(
                 APIKeyMiddleware,
                 api_keys=api_key,
                 protect_tokenize=protect_tokenize,
-                also_protect=MANAGEMENT_PATHS,
             )
         )
     app = Starlette(

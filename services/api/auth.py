@@ -4,7 +4,7 @@
 scrapers carry no key). /tokenize and /detokenize cost CPU and show how a
 prompt tokenizes, so they are protected unless ``protect_tokenize`` is
 off (``--no-api-key-protects-tokenize``); ``also_protect`` names more exact
-paths that need a key (the management routes that change serving). Several
+paths that need a key. Several
 keys may be valid at
 once (to rotate them). Keys are compared as SHA-256 digests with a
 constant-time compare, against every key each time, so neither a key's
@@ -76,12 +76,21 @@ class APIKeyMiddleware:
 
     def _tenant(self, header: str) -> str | None:
         """Who the key's holder is (its digest, in hex), or None for a missing or wrong key."""
-        scheme, _, token = header.partition(" ")
-        # Always compare with every key, even on a bad scheme, so every
-        # answer costs the same.
-        digest = _digest(token.strip())
-        matches = [hmac.compare_digest(digest, known) for known in self._digests]
-        return digest.hex() if any(matches) and scheme.lower() == "bearer" else None
+        return bearer_match(header, self._digests)
+
+
+def key_digests(keys: Sequence[str]) -> list[bytes]:
+    return [_digest(key) for key in keys]
+
+
+def bearer_match(header: str, digests: Sequence[bytes]) -> str | None:
+    """The digest (hex) of the ``Authorization: Bearer`` key when it is one of ``digests``, else None."""
+    scheme, _, token = header.partition(" ")
+    # Always compare with every key, even on a bad scheme, so every
+    # answer costs the same.
+    digest = _digest(token.strip())
+    matches = [hmac.compare_digest(digest, known) for known in digests]
+    return digest.hex() if any(matches) and scheme.lower() == "bearer" else None
 
 
 def tenant_of(scope: Scope) -> str:

@@ -31,6 +31,10 @@ RESERVED_KWARGS = frozenset(
 )
 # A string with none of these is meant as a file path (vLLM's rule for --chat-template).
 _JINJA_CHARS = "{}\n"
+# The longest string or list ``*`` may make, and the most bits ``**`` may: a template's
+# ``'a' * 1000000000`` or ``10 ** 10 ** 9`` is refused before it costs anything.
+MAX_REPEAT_LENGTH = 1 << 20
+MAX_POWER_BITS = 1 << 16
 
 
 class ChatTemplateError(ValueError):
@@ -68,10 +72,38 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, with ``*`` and ``**`` checked before they run."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            _check_repeat(left, right)
+            _check_repeat(right, left)
+        elif operator == "**":
+            _check_power(left, right)
+        return super().call_binop(context, operator, left, right)
+
+
+def _check_repeat(sequence: Any, times: Any) -> None:
+    if isinstance(sequence, (str, list, tuple, range)) and isinstance(times, int):
+        if len(sequence) * times > MAX_REPEAT_LENGTH:
+            raise jinja2.sandbox.SecurityError(
+                f"a repetition of {len(sequence)} x {times} items, more than {MAX_REPEAT_LENGTH}"
+            )
+
+
+def _check_power(base: Any, exponent: Any) -> None:
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
+        if abs(base).bit_length() * exponent > MAX_POWER_BITS:
+            raise jinja2.sandbox.SecurityError(f"a power of more than {MAX_POWER_BITS} bits")
+
+
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template (cached: the model's is compiled once, per-request ones a few at a time)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson

@@ -31,6 +31,9 @@ DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGES = 4096
 DEFAULT_MAX_TOOLS = 128  # OpenAI's own bound on a request's tools
+DEFAULT_PAUSE_HOLD_TIMEOUT_S = 600.0
+# n x prompt tokens x (top logprobs + 1), over a request's prompts: about 80 bytes of JSON each.
+DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 65536
 # Requests past the running batch wait in the engine's queue, as in vLLM; this
 # many per rank at most (fewer where memory is short: fitting_waiting_requests).
 DEFAULT_MAX_WAITING_REQUESTS = 1024
@@ -79,6 +82,10 @@ class ServingLimits:
     """Most chat messages (or Responses input items) in one request (checked before the chat template runs)."""
     max_tools: int = DEFAULT_MAX_TOOLS
     """Most tools in one request."""
+    pause_hold_timeout_s: float | None = DEFAULT_PAUSE_HOLD_TIMEOUT_S
+    """How long a request waits for a resume while generation is paused (then 503; None: for ever)."""
+    max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    """Most prompt logprob entries one request may ask for: n x prompt tokens x (prompt_logprobs + 1)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +100,7 @@ class ServingLimits:
             "max_stop_token_ids",
             "max_messages",
             "max_tools",
+            "max_prompt_logprob_entries",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -103,6 +111,8 @@ class ServingLimits:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}.")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be non-negative, got {self.shutdown_timeout_s}.")
+        if self.pause_hold_timeout_s is not None and not self.pause_hold_timeout_s > 0:
+            raise ValueError(f"pause_hold_timeout_s must be positive, got {self.pause_hold_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}.")
 
@@ -181,6 +191,24 @@ class ServingLimits:
                 f"{self.max_stop_token_ids} (--max-stop-token-ids).",
                 "stop_token_ids",
             )
+
+
+def add_cost_args(group) -> None:
+    """The flags of the limits on what one request may cost the others."""
+    group.add_argument(
+        "--pause-hold-timeout",
+        type=float,
+        default=DEFAULT_PAUSE_HOLD_TIMEOUT_S,
+        help="While generation is paused, seconds a new request waits for a resume before it gets "
+        "503 (0: for ever; default: %(default)s).",
+    )
+    group.add_argument(
+        "--max-prompt-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+        help="Most prompt logprob entries one request may ask for, n x prompt tokens x "
+        "(prompt_logprobs + 1) over its prompts (400 beyond; default: %(default)s).",
+    )
 
 
 def available_memory_bytes() -> int:

@@ -11,13 +11,15 @@
   that rank), so a caller pauses first or retries when idle.
 - ``GET /v1/models/{model}``: one model card, a 404 for a name not served.
 
-The POST routes change serving for every user: with ``--api-key`` they need
-the key (``MANAGEMENT_PATHS``); the GET ones stay open, like /health.
+The POST routes change serving for every user: they need the admin key
+(``--admin-api-key``), never a tenant's ``--api-key``, and answer 403 on a
+server started without one; the GET ones stay open, like /health.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,13 +27,50 @@ from starlette.routing import Route
 
 from protocol.engine import UtilityMethod
 from services.api.admission import Admission
+from services.api.auth import bearer_match, key_digests
 from services.api.engine_client import EngineDeadError, EngineNotReadyError
 from services.api.errors import APIError, bad_request
 from services.api.pausable import PausableEngineClient, PauseMode
+from services.env import get as env_get
 
 MANAGEMENT_PATHS = ("/pause", "/resume", "/reset_prefix_cache")
 
 _BOOLS = {"true": True, "false": False}
+
+
+def add_admin_args(group) -> None:
+    group.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=None,
+        help="The key the management POSTs (/pause, /resume, /reset_prefix_cache) need, as "
+        "'Authorization: Bearer KEY'; tenants' --api-key keys do not open them; without an admin "
+        "key they answer 403 (default: $WEFT_ADMIN_API_KEY, comma-separated; none). A key here shows "
+        "in `ps`: prefer --admin-api-key-file or the environment variable.",
+    )
+    group.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="Read the admin keys from this file, one per line (#-comments allowed; default: none).",
+    )
+
+
+def admin_api_keys(args: argparse.Namespace) -> list[str]:
+    """--admin-api-key and --admin-api-key-file together; only without either, $WEFT_ADMIN_API_KEY."""
+    if any(not key for key in args.admin_api_key or ()):
+        raise ValueError("--admin-api-key must not be empty.")
+    keys = list(args.admin_api_key or [])
+    if args.admin_api_key_file is not None:
+        with open(args.admin_api_key_file, encoding="utf-8") as f:
+            in_file = [line.strip() for line in f]
+        in_file = [key for key in in_file if key and not key.startswith("#")]
+        if not in_file:
+            raise ValueError(f"--admin-api-key-file {args.admin_api_key_file} holds no key.")
+        keys += in_file
+    if args.admin_api_key or args.admin_api_key_file is not None:
+        return keys
+    return [key for key in (env_get("WEFT_ADMIN_API_KEY") or "").split(",") if key]
 
 
 def _query(request: Request, allowed: dict[str, str]) -> dict[str, str]:
@@ -80,18 +119,45 @@ async def _engines(call):
         raise APIError(str(e), 500) from e
 
 
+def _admin_only(handler):
+    """The route needs the admin key: 403 on a server without one, 401 for a missing or wrong key."""
+
+    async def endpoint(self: ManagementRoutes, request: Request) -> Response:
+        if not self._admin_digests:
+            raise APIError(
+                "Management routes are off: start the server with --admin-api-key to use them.", 403
+            )
+        if bearer_match(request.headers.get("authorization", ""), self._admin_digests) is None:
+            raise APIError(
+                "This route needs the admin key: send `Authorization: Bearer <admin key>`.",
+                401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(self, request)
+
+    return endpoint
+
+
 class ManagementRoutes:
     def __init__(
-        self, client: PausableEngineClient, admission: Admission, model_card: Callable[[str], dict | None]
+        self,
+        client: PausableEngineClient,
+        admission: Admission,
+        model_card: Callable[[str], dict | None],
+        admin_keys: Sequence[str] = (),
     ) -> None:
         self.client = client
         self.admission = admission
         self.model_card = model_card
+        if not all(admin_keys):
+            raise ValueError("Admin API keys must be non-empty strings.")
+        self._admin_digests = key_digests(admin_keys)
 
     async def load(self, request: Request) -> Response:
         _query(request, {})
         return JSONResponse({"server_load": self.admission.num_requests})
 
+    @_admin_only
     async def pause(self, request: Request) -> Response:
         query = _query(request, {"mode": "", "clear_cache": "true", "wait_for_inflight_requests": ""})
         mode = _pause_mode(query["mode"], query["wait_for_inflight_requests"])
@@ -101,6 +167,7 @@ class ManagementRoutes:
             {"is_paused": self.client.is_paused, "mode": mode.value, "cache_cleared": cleared}
         )
 
+    @_admin_only
     async def resume(self, request: Request) -> Response:
         _query(request, {})
         await _engines(self.client.resume())
@@ -110,6 +177,7 @@ class ManagementRoutes:
         _query(request, {})
         return JSONResponse({"is_paused": self.client.is_paused})
 
+    @_admin_only
     async def reset_prefix_cache(self, request: Request) -> Response:
         _query(request, {})
         results = await _engines(self.client.call_utility(UtilityMethod.RESET_PREFIX_CACHE))

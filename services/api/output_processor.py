@@ -83,8 +83,8 @@ class RequestState:
         """Take one engine output; True when a stop string ended the request here
         (the caller must then abort it in the engine)."""
         self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
-        if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(self._convert(e) if e else None for e in output.new_prompt_logprobs)
+        if output.new_prompt_logprobs is not None:
+            self.add_prompt_logprobs(output.new_prompt_logprobs)
         if self.prompt_only:
             self._end_prompt_only(output)
             return False
@@ -107,6 +107,11 @@ class RequestState:
             self.kv_transfer_params = output.kv_transfer_params
             self.pooled = output.pooled
         return False
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> None:
+        """Take the prompt logprob entries of an output (the API does it off its event loop)."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._convert(e) if e else None for e in entries)
 
     def _end_prompt_only(self, output: EngineCoreOutput) -> None:
         if output.finish_reason is None:

@@ -13,6 +13,10 @@ pause's ``mode``:
 
 Then, with ``clear_cache``, every rank's prefix cache is reset (refused,
 and reported, while a kept request holds blocks).
+
+A held request waits at most ``hold_timeout_s`` (``--pause-hold-timeout``):
+past it, it fails as "no engine can take it" (503), so a pause nobody
+resumes does not hold clients for ever.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from collections.abc import AsyncIterator
 
 from protocol import EngineCoreOutput, EngineCoreRequest
 from protocol.engine import UtilityMethod
-from services.api.engine_client import EngineClient, RankStats
+from services.api.engine_client import EngineClient, EngineNotReadyError, RankStats
+
+DEFAULT_HOLD_TIMEOUT_S = 600.0
 
 
 class PauseMode(enum.StrEnum):
@@ -33,8 +39,9 @@ class PauseMode(enum.StrEnum):
 
 
 class PausableEngineClient(EngineClient):
-    def __init__(self, inner: EngineClient) -> None:
+    def __init__(self, inner: EngineClient, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S) -> None:
         self.inner = inner
+        self.hold_timeout_s = hold_timeout_s
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._in_flight: set[str] = set()  # engine requests past the gate
@@ -72,7 +79,11 @@ class PausableEngineClient(EngineClient):
         if not self._resumed.is_set():
             self.num_held += 1
             try:
-                await self._resumed.wait()
+                await asyncio.wait_for(self._resumed.wait(), self.hold_timeout_s)
+            except TimeoutError:
+                raise EngineNotReadyError(
+                    f"Generation is paused, and the request waited {self.hold_timeout_s:g} s for a resume."
+                ) from None
             finally:
                 self.num_held -= 1
         self._in_flight.add(request.request_id)

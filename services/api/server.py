@@ -35,8 +35,10 @@ from services.api.limits import (
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServingLimits,
+    add_cost_args,
     available_memory_bytes,
 )
+from services.api.management import add_admin_args, admin_api_keys
 from services.api.operator_options import OperatorOptions, add_operator_args, operator_options, tls_options
 from services.api.responses_store import ResponsesStore, add_responses_store_args, responses_store_from
 from services.config.cli_args import add_engine_args, engine_args_from
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="With an API key, require it on /tokenize and /detokenize too.",
     )
+    add_admin_args(parser.add_argument_group("administration"))
     _add_hardening_args(parser)
     add_chat_args(parser)
     add_responses_store_args(parser)
@@ -249,6 +252,7 @@ def _add_request_size_args(group) -> None:
         default=DEFAULT_KEEP_ALIVE_S,
         help="Seconds an idle keep-alive connection stays open.",
     )
+    add_cost_args(group)
 
 
 def _add_routing_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +329,8 @@ def _limits_from(args: argparse.Namespace) -> ServingLimits:
         body_timeout_s=args.body_timeout,
         max_messages=args.max_messages,
         max_tools=args.max_tools,
+        pause_hold_timeout_s=args.pause_hold_timeout or None,
+        max_prompt_logprob_entries=args.max_prompt_logprob_entries,
     )
 
 
@@ -382,6 +388,7 @@ def main(argv: list[str]) -> int:
         if not args.step_timeout > 0:
             raise ValueError(f"--step-timeout must be positive, got {args.step_timeout:g}.")
         keys = api_keys(args)
+        admin_keys = admin_api_keys(args)
         server_options = uvicorn_options(args) | tls_options(args)
         if log_format == "json":
             server_options["log_config"] = None  # uvicorn's lines go through the root logger's JSON
@@ -389,6 +396,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, TypeError, OSError) as e:
         print(f"weft serve: {e}", file=sys.stderr)
         return 2
+    args.admin_keys = admin_keys
     return _run(
         args, config, local, handshake, limits, curve, chat, keys, server_options, ports, store, operator
     )
@@ -491,6 +499,7 @@ def _run(
             kv_transfer_secret=args.kv_transfer_secret,
             responses_store=store,
             operator=operator,
+            admin_api_key=args.admin_keys,
         )
         serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout, **server_options)
     finally:

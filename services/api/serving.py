@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -33,6 +34,7 @@ from services.api.engine_client import EngineClient, EngineDeadError, EngineNotR
 from services.api.errors import APIError, bad_request, error_body, unavailable
 from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
+from services.api.offload import run_blocking
 from services.api.openai_schemas import PromptTokensDetails, UsageInfo
 from services.api.output_processor import RequestState
 from services.api.prefix_router import session_key_of
@@ -223,7 +225,13 @@ def make_sampling_params(
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured_outputs,
-            **token_filters(ctx.tokenizer, ctx.vocab_size, body),
+            **token_filters(
+                ctx.tokenizer,
+                ctx.vocab_size,
+                body,
+                ctx.limits,
+                ctx.limits.max_prompt_tokens or ctx.max_model_len,
+            ),
         )
         return with_extra_eos(params, ctx.config.model.extra_eos_token_ids)
     except ValueError as e:
@@ -233,6 +241,37 @@ def make_sampling_params(
 
 def _or(value, default):
     return default if value is None else value
+
+
+def per_prompt(params: SamplingParams, max_tokens: list[int]) -> list[SamplingParams]:
+    """One prompt's parameters each: ``params`` with that prompt's ``max_tokens`` (shared where
+    they agree, so a request's filters are checked once, not once a prompt)."""
+    made = {params.max_tokens: params}
+    try:
+        for m in max_tokens:
+            if m not in made:
+                made[m] = msgspec.structs.replace(params, max_tokens=m)
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+    return [made[m] for m in max_tokens]
+
+
+def check_prompt_logprobs_budget(
+    ctx: ServingContext, prompts: list[list[int]], n: int, k: int | None
+) -> None:
+    """400 when ``n x prompt tokens x (k + 1)``, over the prompts, passes --max-prompt-logprob-entries:
+    that many entries are computed, converted and sent back (k = -1: the whole vocabulary)."""
+    if k is None:
+        return
+    per_token = (ctx.vocab_size if k == -1 else k) + 1
+    entries = n * sum(len(p) for p in prompts) * per_token
+    limit = ctx.limits.max_prompt_logprob_entries
+    if entries > limit:
+        raise bad_request(
+            f"prompt_logprobs would return {entries} entries (n x prompt tokens x (prompt_logprobs + 1)); "
+            f"this server returns at most {limit} (--max-prompt-logprob-entries).",
+            "prompt_logprobs",
+        )
 
 
 @dataclass
@@ -249,10 +288,18 @@ class Choice:
     # may be further on (``state`` already finished) while earlier updates
     # are still being shown, so views must go by this flag, not by ``state``.
     done: bool = False
+    # The sibling (same prompt) whose engine request computes the prompt's logprobs for both.
+    prompt_logprobs_from: Choice | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's logprob entries (computed once per prompt, by its first choice)."""
+        source = self.prompt_logprobs_from or self
+        return source.state.prompt_logprobs
 
     def take_logprobs(self) -> list:
         """Logprob entries not shown yet (one dict per token)."""
@@ -289,17 +336,22 @@ def make_choices(
     arrival: float,
     session_key: str | None = None,
     prompt_only: bool = False,
+    share_prompt_logprobs: bool = False,
 ) -> list[Choice]:
     """Fan each prompt out into ``n`` engine requests; seeded ones get seed + i.
-    ``prompt_only``: the generated token is dropped (echo with max_tokens 0)."""
+    ``prompt_only``: the generated token is dropped (echo with max_tokens 0).
+    ``share_prompt_logprobs``: only a prompt's first choice computes its prompt logprobs
+    (the others read them from it, and may take the prompt from the prefix cache)."""
     choices = []
     ids = engine_request_ids(request_id, sum(p.n for p in params))
     for p, (prompt, prompt_params) in enumerate(zip(prompts, params)):
         n = prompt_params.n
+        first = None
         for i in range(n):
             index = p * n + i
             seed = None if prompt_params.seed is None else _wrap_int64(prompt_params.seed + i)
-            child = msgspec.structs.replace(prompt_params, n=1, seed=seed)
+            shares = share_prompt_logprobs and i > 0
+            child = _child(prompt_params, seed, None if shares else prompt_params.prompt_logprobs)
             engine_request = EngineCoreRequest(
                 request_id=ids[index],
                 prompt_token_ids=prompt,
@@ -318,8 +370,21 @@ def make_choices(
             metrics = ctx.metrics.request(
                 len(prompt), arrival, prompt_params if i == 0 else None, request_id=request_id, sampling=child
             )
-            choices.append(Choice(index, p, engine_request, state, metrics))
+            choice = Choice(index, p, engine_request, state, metrics)
+            if shares and prompt_params.prompt_logprobs is not None:
+                choice.prompt_logprobs_from = first
+            first = first or choice
+            choices.append(choice)
     return choices
+
+
+def _child(params: SamplingParams, seed: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """One choice's parameters: a copy of the checked ``params`` with n = 1 and its seed. Not
+    ``structs.replace``, which would check every filter list again for each of up to 256 choices;
+    these fields cannot make checked parameters invalid."""
+    child = copy.copy(params)
+    child.n, child.seed, child.prompt_logprobs = 1, seed, prompt_logprobs
+    return child
 
 
 def _wrap_int64(value: int) -> int:
@@ -428,6 +493,10 @@ class ChoiceRunner:
         # is what aborts the engine request: the client's generator owns ABORT.
         async with contextlib.aclosing(self.engine_client.generate(choice.request)) as outputs:
             async for output in outputs:
+                if output.new_prompt_logprobs and choice.state.prompt_logprobs is not None:
+                    # Up to n x prompt x (k + 1) entries to decode: not on the loop.
+                    await run_blocking(choice.state.add_prompt_logprobs, output.new_prompt_logprobs)
+                    output.new_prompt_logprobs = None
                 choice.metrics.on_output(output)
                 hit_stop = choice.state.process(output)
                 if hit_stop or output.finished:

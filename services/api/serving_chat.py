@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from protocol import SamplingParams
-from services.api import serving
+from services.api import serving, template_sandbox
 from services.api.chat_args import ChatSettings
 from services.api.chat_template import RESERVED_KWARGS, ChatTemplateError, ContinueFinalMessageError
 from services.api.errors import bad_request
@@ -119,10 +120,52 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The prompt's token ids; ``template_args`` go to ``Tokenizer.apply_chat_template``."""
     dicts = message_dicts(messages)
-    try:
+    with _template_errors():
         text = ctx.tokenizer.apply_chat_template(
             dicts, add_generation_prompt=add_generation_prompt, **template_args
         )
+    return rendered_prompt_ids(ctx, text)
+
+
+async def render_prompt_ids(
+    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args
+) -> list[int]:
+    """``chat_prompt_ids`` off the event loop; a request's own template renders in a subprocess
+    (``services.api.template_sandbox``), the server's in the thread pool."""
+    source = template_args.pop("chat_template", None)
+    if source is None:
+        return await run_blocking(chat_prompt_ids, ctx, messages, add_generation_prompt, **template_args)
+    dicts = message_dicts(messages)
+    continue_final = template_args.pop("continue_final_message", False)
+    tools = template_args.pop("tools", None)
+    job = template_sandbox.RenderJob(
+        source,
+        dicts,
+        add_generation_prompt,
+        continue_final,
+        tools,
+        ctx.tokenizer.bos_token or "",
+        ctx.tokenizer.eos_token or "",
+        template_args,
+        ctx.limits.max_prompt_chars,
+    )
+    with _template_errors():
+        text = await template_sandbox.render(job)
+    return await run_blocking(rendered_prompt_ids, ctx, text)
+
+
+def rendered_prompt_ids(ctx: ServingContext, text: str) -> list[int]:
+    # Short messages can still render into a long text: bound what gets tokenized.
+    ctx.limits.check_text_size([text], "messages")
+    # The template already wrote the special tokens it wants.
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+@contextlib.contextmanager
+def _template_errors():
+    """The chat template's failures as 400s."""
+    try:
+        yield
     except ChatTemplateError as e:  # the template's raise_exception: its words are for the client
         raise bad_request(str(e), "messages") from e
     except ContinueFinalMessageError as e:
@@ -131,6 +174,8 @@ def chat_prompt_ids(
         raise bad_request(
             f"The chat template does not compile: {e.message} (line {e.lineno}).", "chat_template"
         ) from e
+    except template_sandbox.TemplateSandboxError as e:
+        raise bad_request(str(e), "chat_template") from e
     # The template is code run on the client's messages: whatever else it
     # raises (a None where it wants a string...) is a bad request. Only the
     # template's own message is shown: other errors' text describes the
@@ -138,10 +183,6 @@ def chat_prompt_ids(
     except Exception as e:
         logger.info("The chat template failed on a request's messages: %r", e)
         raise bad_request("The chat template could not render these messages.", "messages") from e
-    # Short messages can still render into a long text: bound what gets tokenized.
-    ctx.limits.check_text_size([text], "messages")
-    # The template already wrote the special tokens it wants.
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclass
@@ -194,22 +235,14 @@ class ChatServing:
         ctx.limits.check_tool_count(len(body.tools or ()), "tools")
         tool_choice = resolve_tool_choice(body, self.settings.auto_parser)
         check_messages_size(ctx, body.messages)
-        prompt = await run_blocking(
-            chat_prompt_ids, ctx, body.messages, body.add_generation_prompt, **self.template_args(body)
+        prompt = await render_prompt_ids(
+            ctx, body.messages, body.add_generation_prompt, **self.template_args(body)
         )
-        serving.check_prompt_ids(ctx, prompt, "messages")
-        if body.max_completion_tokens is not None:
-            max_tokens = serving.resolve_max_tokens(
-                ctx, body.max_completion_tokens, len(prompt), "max_completion_tokens"
-            )
-        else:
-            max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
-        params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
-        params = _with_tool_constraint(params, tool_choice)
-        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
         request_id = serving.new_request_id(id_prefix, request)
-        choices = serving.make_choices(
-            ctx, request_id, [prompt], [params], body, arrival, serving.session_key(request, body)
+        session = serving.session_key(request, body)
+        # Checks, sampling parameters and engine requests, once for the whole request, off the loop.
+        params, choices = await run_blocking(
+            self._choices, request_id, body, prompt, tool_choice, arrival, session
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         tool_output = (
@@ -220,6 +253,28 @@ class ChatServing:
         # A constraint binds from the first token, so a constrained reply holds no thinking to split off.
         reasoning = None if params.structured_outputs is not None else self.settings.reasoning_parser_class
         return ChatRun(request_id, choices, runner, tool_output, reasoning)
+
+    def _choices(
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+        tool_choice: ToolChoice,
+        arrival: float,
+        session: str | None,
+    ) -> tuple[SamplingParams, list[Choice]]:
+        ctx = self.ctx
+        serving.check_prompt_ids(ctx, prompt, "messages")
+        if body.max_completion_tokens is not None:
+            max_tokens = serving.resolve_max_tokens(
+                ctx, body.max_completion_tokens, len(prompt), "max_completion_tokens"
+            )
+        else:
+            max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
+        params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
+        params = _with_tool_constraint(params, tool_choice)
+        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
+        return params, serving.make_choices(ctx, request_id, [prompt], [params], body, arrival, session)
 
     def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
@@ -233,6 +288,12 @@ class ChatServing:
             raise bad_request(
                 "This server does not run chat templates sent with requests "
                 "(start it with --trust-request-chat-template to allow them).",
+                "chat_template",
+            )
+        if body.chat_template is not None and len(body.chat_template) > template_sandbox.MAX_TEMPLATE_CHARS:
+            raise bad_request(
+                f"chat_template is {len(body.chat_template)} characters; a request's template may "
+                f"have at most {template_sandbox.MAX_TEMPLATE_CHARS}.",
                 "chat_template",
             )
         kwargs = body.chat_template_kwargs or {}

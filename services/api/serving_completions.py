@@ -82,17 +82,11 @@ class CompletionServing:
         prompt_only = body.echo and body.max_tokens == 0
         if prompt_only and body.min_tokens:
             raise bad_request("min_tokens must be 0 when max_tokens is 0.", "min_tokens")
-        params = []
-        for prompt in prompts:
-            serving.check_prompt_ids(ctx, prompt, "prompt")
-            asked = 1 if prompt_only else body.max_tokens
-            max_tokens = serving.resolve_max_tokens(ctx, asked, len(prompt), "max_tokens")
-            params.append(
-                serving.make_sampling_params(ctx, body, max_tokens, body.logprobs, _prompt_logprobs(body))
-            )
         request_id = serving.new_request_id("cmpl", request)
-        choices = serving.make_choices(
-            ctx, request_id, prompts, params, body, arrival, serving.session_key(request, body), prompt_only
+        session = serving.session_key(request, body)
+        # Checks, sampling parameters and engine requests, once for the whole request, off the loop.
+        choices = await run_blocking(
+            completion_choices, ctx, request_id, body, prompts, prompt_only, arrival, session
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
         include_usage, continuous = usage_modes(ctx.options, body)
@@ -109,7 +103,44 @@ class CompletionServing:
             usage = (lambda: view.usage_chunk(choices)) if include_usage else None
             return SSEResponse(serving.sse_events(runner, view.chunk, usage_chunk=usage))
         await unless_disconnected(request, serving.collect(runner))
-        return Response(encode(view.response(choices)), media_type="application/json")
+        if view.shows_prompt_logprobs:  # up to --max-prompt-logprob-entries to encode
+            body_bytes = await run_blocking(lambda: encode(view.response(choices)))
+        else:
+            body_bytes = encode(view.response(choices))
+        return Response(body_bytes, media_type="application/json")
+
+
+def completion_choices(
+    ctx: ServingContext,
+    request_id: str,
+    body: CompletionRequest,
+    prompts: list[list[int]],
+    prompt_only: bool,
+    arrival: float,
+    session: str | None,
+) -> list[Choice]:
+    """The request's engine requests: every prompt checked, the sampling parameters built
+    once (bad words tokenized once, filters checked once) and given each prompt's max_tokens."""
+    asked = 1 if prompt_only else body.max_tokens
+    max_tokens = []
+    for prompt in prompts:
+        serving.check_prompt_ids(ctx, prompt, "prompt")
+        max_tokens.append(serving.resolve_max_tokens(ctx, asked, len(prompt), "max_tokens"))
+    num_prompt_logprobs = _prompt_logprobs(body)
+    serving.check_prompt_logprobs_budget(ctx, prompts, body.n, num_prompt_logprobs)
+    params = serving.make_sampling_params(ctx, body, max_tokens[0], body.logprobs, num_prompt_logprobs)
+    return serving.make_choices(
+        ctx,
+        request_id,
+        prompts,
+        serving.per_prompt(params, max_tokens),
+        body,
+        arrival,
+        session,
+        prompt_only,
+        # A stream shows each choice's echo as it goes: each computes its own there.
+        share_prompt_logprobs=not body.stream,
+    )
 
 
 def check_completion_fields(body: CompletionRequest) -> None:
@@ -164,6 +195,10 @@ class _CompletionView:
         self._echoed: set[int] = set()  # choices whose prompt text went out
         self._prompt_entries_sent: dict[int, int] = {}  # choice index -> prompt logprobs shown
 
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        return self._show_prompt_logprobs or self._echo_logprobs
+
     def chunk(self, choice: Choice) -> CompletionChunk | None:
         echo = self._take_echo(choice)
         text = echo + choice.state.detokenizer.take_delta(choice.done)
@@ -193,7 +228,7 @@ class _CompletionView:
         """Prompt logprob entries not shown yet, when echo shows them (None for the first token)."""
         if not self._echo_logprobs:
             return []
-        entries = choice.state.prompt_logprobs or []
+        entries = choice.prompt_logprobs or []
         sent = self._prompt_entries_sent.get(choice.index, 0)
         self._prompt_entries_sent[choice.index] = len(entries)
         return entries[sent:]
@@ -263,7 +298,7 @@ def _first_prompt_token(choice: Choice) -> str:
 
 def _prompt_logprobs_shown(choice: Choice) -> list[dict[str, PromptLogprob] | None] | None:
     """vLLM's ``prompt_logprobs``: per position, token id (as a JSON key) -> its entry."""
-    entries = choice.state.prompt_logprobs
+    entries = choice.prompt_logprobs
     if entries is None:
         return None
     return [

@@ -65,6 +65,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(token_ids) < _DECODE_OFF_GIL_FROM:  # the hot path (one token's logprob text)
             return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

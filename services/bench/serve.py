@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -86,8 +87,13 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        # The management routes (the sweeps' /reset_prefix_cache) need an admin key: a fresh one,
+        # handed over in the environment (a flag would show in `ps`).
+        self.admin_key = secrets.token_urlsafe(24)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", *argv], start_new_session=True
+            [sys.executable, "-m", "services.cli", "serve", *argv],
+            start_new_session=True,
+            env={**os.environ, "WEFT_ADMIN_API_KEY": self.admin_key},
         )
 
     def wait_healthy(self, deadline_s: float = _STARTUP_DEADLINE_S) -> None:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services import env
 from services.bench.dataset_args import add_dataset_arguments, load_dataset
 from services.bench.metrics import parse_goodput
 from services.bench.serve_client import (
@@ -148,12 +149,15 @@ def _parse_sweep(items: list[str] | None) -> tuple[str, list[float]] | None:
     return items[0], values
 
 
-def reset_prefix_cache(base_url: str) -> bool:
-    """POST /reset_prefix_cache (weft's and vLLM's route); False where the server refuses or lacks it."""
+def reset_prefix_cache(base_url: str, admin_key: str | None = None) -> bool:
+    """POST /reset_prefix_cache (weft's and vLLM's route) with the server's admin key (``admin_key``,
+    else the first of $WEFT_ADMIN_API_KEY); False where the server refuses or lacks it."""
     import httpx
 
+    key = admin_key or next(iter((env.get("WEFT_ADMIN_API_KEY") or "").split(",")), "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        return httpx.post(base_url + "/reset_prefix_cache", timeout=30).status_code == 200
+        return httpx.post(base_url + "/reset_prefix_cache", headers=headers, timeout=30).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -166,12 +170,13 @@ def _run_sweep(
     values: list[float],
     plot: Path,
     require_reset: bool = False,
+    admin_key: str | None = None,
 ) -> dict[str, Any]:
     runs = []
     for value in values:
         # The points share one server: without a reset, the prompts a point sent
         # would be prefix hits for the next one, whose TTFT would then be a cache read.
-        reset = reset_prefix_cache(config.base_url)
+        reset = reset_prefix_cache(config.base_url, admin_key=admin_key)
         if not reset and require_reset:
             raise RuntimeError(f"{config.base_url} did not reset its prefix cache before a sweep point.")
         if not reset:
@@ -232,6 +237,7 @@ def _run_launched_sweep(
             *sweep,
             plot=args.plot or Path("bench-serve-sweep.png"),
             require_reset=True,  # weft serve has the route: a refusal is a fault
+            admin_key=getattr(server, "admin_key", None),
         )
     report["engine_args"] = {
         f.name: getattr(engine_args, f.name)

@@ -26,6 +26,9 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None
     # Mean pooling: the sum of the hidden states of the prompt chunks run so far (a tensor).
     pooled_sum: Any = None
+    # Its token filters as tensors (sampling_metadata.TokenFilters), built on its first sampled step.
+    token_filters: Any = None
+    token_filters_built: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

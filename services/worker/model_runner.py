@@ -40,7 +40,7 @@ from services.worker.model_loader import DTYPES, load_model
 from services.worker.pooler import pool_step
 from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
-from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
+from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata, cached_filters
 from services.worker.spec_decode.spec_decoder import SpecDecoder
 from services.worker.step_inputs import StepInputs, prepare_step
 from services.worker.structured_output import with_grammar_bitmask
@@ -372,12 +372,20 @@ class ModelRunner:
             token_ids = tp.broadcast_from_driver(torch.empty(len(rows), dtype=torch.long, device=self.device))
             entries = [None] * len(rows)
         else:
+            vocab = logits.shape[1]
             meta = build_sampling_metadata(
                 [
-                    RequestSamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                    RequestSamplingInput(
+                        s.sampling_params,
+                        # The batch's copy of the prompt: a repetition penalty reads it in one copy.
+                        self.input_batch.token_ids[s.row, : s.num_prompt_tokens],
+                        s.output_token_ids,
+                        cached_filters(s, vocab, self.device),
+                        filters_given=True,
+                    )
                     for s in states
                 ],
-                vocab_size=logits.shape[1],
+                vocab_size=vocab,
                 eos_token_id=self.config.model.eos_token_id,
                 device=self.device,
                 staging=self.staging,

@@ -31,28 +31,21 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     return logits - penalties.presence[:, None] * (output_counts > 0).to(logits.dtype)
 
 
-def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
-    """Set the logits of tokens a row may not produce now (min_tokens, bad_words) to -inf, in place."""
-    vocab = logits.shape[1]
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, torch.Tensor | list[int]]]) -> None:
+    """Set the logits of tokens a row may not produce now (min_tokens, bad_words) to -inf, in
+    place (the ids are in the vocabulary: ``build_sampling_metadata`` left the others out)."""
     for row, tokens in banned:
-        ids = [t for t in tokens if t < vocab]
-        logits[row, ids] = float("-inf")
+        logits[row, tokens] = float("-inf")
 
 
-def restrict_tokens(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
-    """Leave each listed row only its allowed tokens (allowed_token_ids), in place."""
-    vocab = logits.shape[1]
-    for row, tokens in allowed:
-        keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
-        keep[[t for t in tokens if t < vocab]] = False
-        logits[row].masked_fill_(keep, float("-inf"))
+def restrict_tokens(logits: torch.Tensor, allowed: list[tuple[int, torch.Tensor]]) -> None:
+    """Leave each listed row only its allowed tokens (allowed_token_ids), in place: each row
+    comes with its [V] mask of the tokens it may not sample, built once per request."""
+    for row, disallowed in allowed:
+        logits[row].masked_fill_(disallowed, float("-inf"))
 
 
-def add_logit_bias(logits: torch.Tensor, biases: list[tuple[int, list[int], list[float]]]) -> None:
-    """Add OpenAI's logit_bias to each listed row, in place."""
-    vocab = logits.shape[1]
-    for row, tokens, values in biases:
-        pairs = [(t, v) for t, v in zip(tokens, values) if t < vocab]
-        if pairs:
-            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
-            logits[row, ids] += torch.tensor([v for _, v in pairs], dtype=logits.dtype, device=logits.device)
+def add_logit_bias(logits: torch.Tensor, biases: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    """Add OpenAI's logit_bias (token ids [B], biases [B], built once per request) to each listed row, in place."""
+    for row, ids, values in biases:
+        logits[row].index_add_(0, ids, values.to(logits.dtype))

@@ -105,7 +105,7 @@ async def test_limits_on_n_max_tokens_and_prompt_length():
 
 async def test_bodies_over_the_limit_get_413():
     app, engine = app_with(ServingLimits(max_body_bytes=100))
-    client = http_client(app)
+    client = http_client(app, headers={"content-type": "application/json"})
     big = json.dumps({"prompt": "x" * 200}).encode()
     assert_error(await client.post(COMPLETIONS, content=big), 413)
 

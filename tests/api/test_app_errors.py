@@ -96,16 +96,19 @@ async def test_bad_chat_bodies(served, body, param):
     assert engine.requests == []
 
 
+JSON = {"content-type": "application/json"}
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize", "/detokenize"])
 @pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe garbage", b"[1, 2]", b"null", b'"str"'])
 async def test_malformed_bodies(served, path, raw):
     client, _ = served
-    assert_error(await client.post(path, content=raw), 400)
+    assert_error(await client.post(path, content=raw, headers=JSON), 400)
 
 
 async def test_out_of_range_float(served):
     client, _ = served
-    response = await client.post(COMPLETIONS, content=b'{"prompt": "Hi", "temperature": 1e999}')
+    response = await client.post(COMPLETIONS, content=b'{"prompt": "Hi", "temperature": 1e999}', headers=JSON)
     assert_error(response, 400, "temperature")
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from protocol.engine import UtilityMethod
 from services.api.engine_client import EngineNotReadyError
+from services.api.limits import ServingLimits
 from tests.api.fake_engine_client import (
     MODEL_NAME,
     FakeEngineClient,
@@ -20,12 +21,14 @@ from tests.api.fake_engine_client import (
 from tests.polling import wait_until
 
 KEY = "secret"
+ADMIN = "admin-secret"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
 @pytest.fixture
 def served():
-    app, engine = make_app()
-    return http_client(app), engine, app.state.engine_client
+    app, engine = make_app(admin_api_key=ADMIN)
+    return http_client(app, headers=ADMIN_AUTH), engine, app.state.engine_client
 
 
 async def _complete(client, max_tokens: int = 3):
@@ -138,7 +141,7 @@ async def test_engine_trouble_is_a_5xx_not_a_client_error():
         raise EngineNotReadyError("No engine core is ready.")
 
     engine.call_utility = no_rank
-    client = http_client(make_app(engine)[0])
+    client = http_client(make_app(engine, admin_api_key=ADMIN)[0], headers=ADMIN_AUTH)
     response = await client.post("/reset_prefix_cache")
     assert response.status_code == 503 and response.headers["retry-after"]
 
@@ -162,15 +165,59 @@ async def test_models_by_id_and_several_served_names():
         assert response.status_code == 200 and response.json()["model"] == "first"
 
 
-async def test_management_posts_need_the_key_and_reads_do_not():
-    app, engine = make_app(api_key=KEY)
+async def test_management_posts_need_the_admin_key_and_reads_do_not():
+    app, engine = make_app(api_key=KEY, admin_api_key=ADMIN)
     client = http_client(app)
+    authorized = {"Authorization": f"Bearer {KEY}"}
     for path in ("/pause", "/resume", "/reset_prefix_cache"):
         assert (await client.post(path)).status_code == 401, path
+        assert (await client.post(path, headers=authorized)).status_code == 401, path  # a tenant's key
     assert engine.utility_calls == []
     assert (await client.get("/load")).status_code == 200
     assert (await client.get("/is_paused")).status_code == 200
-    authorized = {"Authorization": f"Bearer {KEY}"}
-    assert (await client.post("/reset_prefix_cache", headers=authorized)).status_code == 200
+    assert (await client.post("/reset_prefix_cache", headers=ADMIN_AUTH)).status_code == 200
     assert (await client.get(f"/v1/models/{MODEL_NAME}")).status_code == 401
     assert (await client.get(f"/v1/models/{MODEL_NAME}", headers=authorized)).status_code == 200
+
+
+async def test_without_an_admin_key_no_caller_may_pause_or_reset():
+    """The attack: any tenant key, or with no key at all a cross-site POST, paused every
+    tenant's generation. Without --admin-api-key the management POSTs are off (403)."""
+    app, engine = make_app(api_key=KEY)
+    client = http_client(app, headers={"Authorization": f"Bearer {KEY}"})
+    for path in ("/pause?mode=abort", "/resume", "/reset_prefix_cache"):
+        response = await client.post(path)
+        assert response.status_code == 403 and "--admin-api-key" in response.json()["error"]["message"]
+    open_app, open_engine = make_app()
+    assert (await http_client(open_app).post("/pause?mode=abort")).status_code == 403
+    assert engine.utility_calls == open_engine.utility_calls == []
+
+
+async def test_a_cross_site_simple_post_is_refused():
+    """A browser sends text/plain or form POSTs cross-site without a preflight: any POST with a
+    body must be application/json (415), before the route reads it."""
+    app, engine = make_app()
+    client = http_client(app)
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        headers = {} if content_type is None else {"content-type": content_type}
+        response = await client.post("/v1/completions", content=body, headers=headers)
+        assert response.status_code == 415, content_type
+    assert engine.requests == []
+    typed = {"content-type": "application/json; charset=utf-8"}
+    assert (await client.post("/v1/completions", content=body, headers=typed)).status_code == 200
+
+
+async def test_health_says_paused_and_held_requests_have_a_deadline():
+    app, engine = make_app(admin_api_key=ADMIN, limits=ServingLimits(pause_hold_timeout_s=0.2))
+    client = http_client(app, headers=ADMIN_AUTH)
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+    health = await client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "paused"
+    assert "paused" in health.json()["reason"]
+    held = await _complete(client)  # waits its hold deadline, then is turned away
+    assert held.status_code == 503 and "paused" in held.json()["error"]["message"]
+    assert engine.requests == [] and app.state.engine_client.num_held == 0
+    await client.post("/resume")
+    assert (await client.get("/health")).status_code == 200

@@ -262,7 +262,7 @@ def test_a_launched_sweep_stops_when_the_cache_is_not_reset(
         yield types.SimpleNamespace(url=url)
 
     monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
-    monkeypatch.setattr("services.bench.serve_cli.reset_prefix_cache", lambda base_url: False)
+    monkeypatch.setattr("services.bench.serve_cli.reset_prefix_cache", lambda base_url, admin_key=None: False)
     argv = ["serve", "--dataset", _workload(tmp_path / "w.json", [2]), "--sweep", "concurrencies", "1"]
     with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
         cli.main([*argv, "--quiet", "--plot", str(tmp_path / "p.png")])

@@ -18,7 +18,7 @@ import torch
 from protocol import EngineConfig, TokenLogprobs
 from services.worker.distributed import get_tp_group
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata
+from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata, cached_filters
 from services.worker.spec_decode.ngram import NgramProposer
 from services.worker.spec_decode.rejection_sampler import RejectionSampler
 from services.worker.step_inputs import StepInputs
@@ -95,7 +95,7 @@ class SpecDecoder:
         for first, end in request_chunks(drafts, self.max_chunk_rows):
             num_rows = sum(len(d) + 1 for d in drafts[first:end])
             meta = build_sampling_metadata(
-                per_position_inputs(states[first:end], drafts[first:end]),
+                per_position_inputs(states[first:end], drafts[first:end], logits.shape[1], self.device),
                 vocab_size=logits.shape[1],
                 eos_token_id=self.eos_token_id,
                 device=self.device,
@@ -145,17 +145,24 @@ def request_chunks(drafts: list[list[int]], max_rows: int) -> list[tuple[int, in
 
 
 def per_position_inputs(
-    states: list[CachedRequestState], drafts: list[list[int]]
+    states: list[CachedRequestState],
+    drafts: list[list[int]],
+    vocab_size: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> list[RequestSamplingInput]:
     """One sampling row per verified position: row ``j`` of a request sees the drafts
     before it as outputs, so penalties, min_tokens and per-output seeds apply as
-    they would had those tokens been emitted one step at a time."""
-    return [
-        RequestSamplingInput(
-            state.sampling_params,
-            state.prompt_token_ids,
-            state.output_token_ids + d[:j] if j else state.output_token_ids,
-        )
-        for state, d in zip(states, drafts)
-        for j in range(len(d) + 1)
-    ]
+    they would had those tokens been emitted one step at a time. With ``vocab_size``,
+    every row of a request shares its token filters, kept with it between steps."""
+    inputs = []
+    for state, d in zip(states, drafts):
+        given = vocab_size is not None
+        filters = cached_filters(state, vocab_size, device) if given else None
+        for j in range(len(d) + 1):
+            output = state.output_token_ids + d[:j] if j else state.output_token_ids
+            inputs.append(
+                RequestSamplingInput(
+                    state.sampling_params, state.prompt_token_ids, output, filters, filters_given=given
+                )
+            )
+    return inputs
