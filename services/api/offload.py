@@ -11,6 +11,7 @@ is at least preempted every switch interval, so the loop keeps turning.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,9 @@ _executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="weft-ap
 
 
 async def run_blocking(fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` on the pool; its exception (an APIError too) is raised here."""
+    """``fn(*args, **kwargs)`` on the pool, in a copy of the caller's context variables (the
+    request's trace parent, as ``asyncio.to_thread`` does); its exception (an APIError too) is
+    raised here."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
+    context = contextvars.copy_context()
+    return await loop.run_in_executor(_executor, functools.partial(context.run, fn, *args, **kwargs))
