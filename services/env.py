@@ -77,6 +77,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "On CPU, steps of fewer than this many tokens run on one torch thread, others on --num-threads "
         "(default 0: every step on --num-threads) (services/worker/cpu_threads.py).",
     ),
+    EnvVar(
+        "CUDA_VISIBLE_DEVICES",
+        "The GPUs weft may use (CUDA's own variable). A node's data-parallel engine cores split the devices it "
+        "lists, tensor-parallel size each, and each narrows it to its own share for its workers "
+        "(services/engine_core/devices.py).",
+    ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
         "WEFT_WORKLOADS_DIR",
@@ -127,6 +133,20 @@ def get(name: str, default: str | None = None) -> str | None:
     if name not in _BY_NAME:
         raise KeyError(f"{name} is not declared in services/env.py.")
     return os.environ.get(name) or default
+
+
+def get_raw(name: str) -> str | None:
+    """The value of declared variable ``name`` as set, empty included; ``None`` when unset."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not declared in services/env.py.")
+    return os.environ.get(name)
+
+
+def put(name: str, value: str) -> None:
+    """Set declared variable ``name`` for this process and the processes it starts."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not declared in services/env.py.")
+    os.environ[name] = value
 
 
 def flag_overrides(known_flags: set[str]) -> list[tuple[EnvVar, str]]:

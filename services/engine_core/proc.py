@@ -51,6 +51,7 @@ from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeRep
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.config.kv_transfer_args import with_default_keys_dir, with_kv_transfer_config
 from services.config.memory_plan import with_node_memory
+from services.engine_core.devices import narrow_visible_devices
 from services.engine_core.drain import Drain
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
 
@@ -441,6 +442,7 @@ def run_engine_core(
     kv_transfer_config: str | None = None,
     engines_on_node: int | None = None,
     available_memory: int | None = None,
+    local_dp_rank: int | None = None,
 ) -> int:
     stop = threading.Event()
     drain = Drain(stop, shutdown_timeout_s)
@@ -467,6 +469,8 @@ def run_engine_core(
         if engines_on_node is not None:  # started by engine-core --headless: its node, not the API's
             config = with_node_memory(config, engines_on_node, available_memory)
         reply = msgspec.structs.replace(reply, config=config)
+        if config.device.device == "cuda":  # before torch reads it, and before any worker starts
+            narrow_visible_devices(local_dp_rank, config.parallel.tensor_parallel_size)
         import torch  # the engine process is where torch lives
 
         torch.set_num_threads(config.device.num_threads)
