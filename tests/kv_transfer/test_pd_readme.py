@@ -161,7 +161,8 @@ def test_weft_pd_up_transfers_the_prompt_and_answers_as_one_server_would(pd_up, 
     expected = oracle.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
     assert response.choices[0].text == expected
     loaded = counter(decode, EXTERNAL_HITS) - before
-    assert 0 < loaded < len(prompt)  # loaded, not computed; at least the last token is the decode's own
+    # Loaded, not computed: every prompt token but the last (the partial block too), as vLLM's connectors.
+    assert loaded == len(prompt) - 1
     assert response.usage.prompt_tokens_details.cached_tokens == loaded
     # The proxy alone holds the secret: a client cannot hand the decode server parameters of its own.
     forged = httpx.post(
