@@ -193,3 +193,18 @@ def test_the_readmes_commands_read_the_key_the_api_uses(compose, role_folders):
     published = compose["services"]["api"]["ports"][0]
     assert (published["host_ip"], published["published"]) == ("127.0.0.1", "8000")
     assert any("localhost:8000/health" in c for c in commands)
+
+
+def test_the_image_owns_every_folder_the_keys_service_writes(compose):
+    """Docker seeds a new named volume with the image folder's owner and mode: each folder the keys
+    service mounts a volume on must exist in the image, owned by its user (else it cannot write)."""
+    import dockerfile
+
+    runs = " ".join(
+        c.value[0] for c in dockerfile.parse_file(str(REPO_ROOT / "Dockerfile")) if c.cmd == "RUN"
+    )
+    made = set(re.search(r"mkdir -p ([^&]+)&&", runs)[1].split())
+    owned = re.search(r"chown -R weft:weft ([^&]+)(?:&&|$)", runs)[1].split()
+    for volume in compose["services"]["keys"]["volumes"]:
+        target = volume["target"]
+        assert target in made and any(target == o or target.startswith(o + "/") for o in owned), target
