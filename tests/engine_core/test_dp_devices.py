@@ -51,17 +51,31 @@ def engine_sees(local_dp_rank: int, tp: int, inherited: str | None) -> list[str]
     return json.loads(result.stdout).split(",")
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), (2, 2), (4, 1), (2, 4)])
-@pytest.mark.parametrize("user", [None, "4,5,6,7,0,1,2,3", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h"])
+USERS = [None, "4,5,6,7,0,1,2,3", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h"]
+
+
+def node_devices(user: str | None) -> list[str]:
+    return [str(i) for i in range(8)] if user is None else user.split(",")
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("user", USERS)
 def test_every_worker_of_every_rank_gets_its_own_device(dp, tp, user):
-    node = [str(i) for i in range(8)] if user is None else user.split(",")
     used = []
     for local_dp_rank in range(dp):
-        seen = engine_sees(local_dp_rank, tp, user)
+        seen = devices_of_rank(local_dp_rank, tp, user).split(",")
         assert len(seen) == tp  # each engine core sees exactly its share
-        used += [seen[tp_rank] for tp_rank in range(tp)]
+        used += [seen[tp_rank] for tp_rank in range(tp)]  # worker tp_rank takes cuda:tp_rank
     # Each share is cut from what the node offers (or the user listed), in order, without overlap.
-    assert used == node[: dp * tp]
+    assert used == node_devices(user)[: dp * tp]
+
+
+@pytest.mark.parametrize("user", USERS[:2])
+def test_each_engine_process_narrows_and_its_workers_inherit(user):
+    """Real processes: the engine core narrows its own environment; a worker it starts sees that."""
+    dp, tp = 2, 2
+    seen = [engine_sees(local_dp_rank, tp, user) for local_dp_rank in range(dp)]
+    assert [d for share in seen for d in share] == node_devices(user)[: dp * tp]
 
 
 def test_a_user_list_too_short_for_the_layout_is_refused():
