@@ -6,12 +6,15 @@
 # g++ builds the CPU attention kernel, here once for every container (the
 # build targets AVX2, not the build machine's own CPU).
 # Everything runs as the unprivileged user `weft` (uid 10001): it owns /app
-# (the venv, the models and the kernel build) and the folder compose mounts
-# the keys volume on; nothing in the image needs root at run time.
+# (the venv, the models and the kernel build) and the folders compose mounts
+# the keys volumes on (/keys, and each role's share under /roles: Docker
+# seeds a new volume with the folder's owner and mode); nothing in the image
+# needs root at run time.
 FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends make g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 --user-group weft \
-    && mkdir -p /app /keys && chown weft:weft /app /keys && chmod 0700 /keys
+    && mkdir -p /app /keys /roles/api /roles/engine /roles/kv-transfer /roles/pd-server /roles/pd-proxy /roles/grafana \
+    && chown -R weft:weft /app /keys /roles && chmod 0700 /keys /roles/*
 WORKDIR /app
 COPY --chown=weft:weft . /app
 USER weft

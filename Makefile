@@ -7,24 +7,35 @@ MODELS := models
 GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 HF_DIR := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.hf
 STAMP := $(VENV)/.weft-installed
+DEV_STAMP := $(VENV)/.weft-dev-installed
+# The CPU build of torch, from PyTorch's CPU index (PyPI's Linux wheels are CUDA builds).
+# GPU users install their CUDA torch first (README, "On a GPU"): a torch already there is kept.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 GEMMA3 := $(MODELS)/gemma-3-270m-q4_k_m.gguf
 GEMMA3_HF := $(MODELS)/gemma-3-270m-q4_k_m.hf
 
-.PHONY: install model model-gemma3 serve generate test test-fast test-slow lint bench gpu-bundle clean
+.PHONY: install install-dev model model-gemma3 serve generate test test-fast test-slow lint bench gpu-bundle clean
 
+# pip install -r LOCK, less its triton line under a CUDA torch (which keeps the Triton it was built with).
+install_lock = if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
+	grep -v '^triton==' $(1) > $(VENV)/$(1).cuda && $(PY) -m pip install -q -r $(VENV)/$(1).cuda; \
+	else $(PY) -m pip install -q -r $(1); fi
+
+# The runtime only (requirements.lock): what `make serve` and the images need.
 install: $(STAMP)
+
+# Plus the tests, the linters and the benchmarks' plots (requirements-dev.lock).
+install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU machines: this exact pin installs the CPU build; keep a torch that is already there.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	# The versions the tests passed with (torch is left out of the lock: kept or pinned above). A CUDA
+	# torch alone from its index (its own requirements are in the lock); keep a torch already there.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX) $(TORCH)
+	# The versions the tests passed with, runtime packages only (torch is left out of the lock). A CUDA
 	# torch keeps the Triton it was built with: the lock's triton line is the CPU machines'.
-	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
-		grep -v '^triton==' requirements.lock > $(VENV)/requirements-gpu.txt && \
-		$(PY) -m pip install -q -r $(VENV)/requirements-gpu.txt; \
-	else $(PY) -m pip install -q -r requirements.lock; fi
+	$(call install_lock,requirements.lock)
 	$(PY) -m pip install -q --no-deps -e .
 	# The CPU attention kernel, built now rather than by the first engine to start;
 	# without a compiler weft still runs, on the slower torch path. (GPU workers build none.)
@@ -34,6 +45,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m kernels.cpu_amx_int8 || echo "warning: AMX int8 GEMM kernel not built; the int8 copy uses oneDNN's int8 matmul on AMX"
 	$(PY) -m kernels.cpu_vnni_int8 || echo "warning: VNNI int8 GEMM kernel not built; the int8 copy uses torch._int_mm on AVX-512 VNNI"
 	$(PY) -m kernels.cpu_avx2_int8 || echo "warning: AVX2 int8 GEMM kernel not built; the int8 copy uses torch._int_mm on AVX2"
+	touch $@
+
+$(DEV_STAMP): $(STAMP) requirements-dev.lock
+	$(call install_lock,requirements-dev.lock)
 	touch $@
 
 model: $(HF_DIR)/config.json
@@ -63,23 +78,23 @@ serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
 # Every test (about 10 minutes on 2 cores; CI runs the same tests as test-fast + test-slow).
-test: install model model-gemma3
+test: install-dev model model-gemma3
 	$(PY) -m pytest -q
 
 # The edit-test loop: tests that start no model process (under 2 minutes).
 # `slow` is assigned in tests/conftest.py (SLOW) or by @pytest.mark.slow.
-test-fast: install model
+test-fast: install-dev model
 	$(PY) -m pytest -q -m "not slow"
 
 # The rest: engines, servers and stacks (CI runs test-fast, then this).
-test-slow: install model model-gemma3
+test-slow: install-dev model model-gemma3
 	$(PY) -m pytest -q -m slow
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench: install model
+bench: install-dev model
 	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf
 
 # The device check's bundle (needs PyPI): cp312 manylinux wheels of what a bare GPU machine lacks,

@@ -95,6 +95,12 @@ def _kv_transfer(argv: list[str]) -> int:
     return service_main(argv)
 
 
+def _pd(argv: list[str]) -> int:
+    from services.kv_transfer.pd_up import main as pd_main
+
+    return pd_main(argv)
+
+
 def _pd_proxy(argv: list[str]) -> int:
     from services.kv_transfer.proxy import main as proxy_main
 
@@ -107,6 +113,7 @@ COMMANDS = {
     "generate": (_generate, "Complete a prompt with the offline engine."),
     "bench": (_bench, "Benchmarks, one subcommand each (below; weft bench NAME --help)."),
     "kv-transfer": (_kv_transfer, "Run the KV transfer service of disaggregated prefill/decode."),
+    "pd": (_pd, "`weft pd up`: disaggregated prefill/decode on this machine, keys and secret generated."),
     "pd-proxy": (
         _pd_proxy,
         "Run the disaggregated prefill/decode proxy in front of prefill and decode servers.",

@@ -85,6 +85,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "WEFT_TEST_FAULT_FILE",
         "Tests only: a file whose content makes each worker step hang or fail to allocate "
         "(services/worker/fault_injection.py); unset in any real deployment.",
+        "CUDA_VISIBLE_DEVICES",
+        "The GPUs weft may use (CUDA's own variable). A node's data-parallel engine cores split the devices it "
+        "lists, tensor-parallel size each, and each narrows it to its own share for its workers "
+        "(services/engine_core/devices.py).",
     ),
     EnvVar("WEFT_MODELS_DIR", "Folder of the default model's files (default: models/ in the repository)."),
     EnvVar(
@@ -144,8 +148,15 @@ def get(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name) or default
 
 
-def export(name: str, value: str) -> None:
-    """Set declared variable ``name`` for the processes this one starts from now on."""
+def get_raw(name: str) -> str | None:
+    """The value of declared variable ``name`` as set, empty included; ``None`` when unset."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not declared in services/env.py.")
+    return os.environ.get(name)
+
+
+def put(name: str, value: str) -> None:
+    """Set declared variable ``name`` for this process and the processes it starts."""
     if name not in _BY_NAME:
         raise KeyError(f"{name} is not declared in services/env.py.")
     os.environ[name] = value

@@ -76,7 +76,7 @@ def configure(
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     if fmt == "json":
         logging.captureWarnings(True)  # Python's warnings as log lines too, not bare text on stderr
-    env.export("WEFT_LOG_FORMAT", fmt)
+    env.put("WEFT_LOG_FORMAT", fmt)
     return fmt
 
 

@@ -50,6 +50,7 @@ SLOW = frozenset(
         "tests/kv_transfer/test_offline_forged.py",
         "tests/kv_transfer/test_pd_e2e.py",
         "tests/kv_transfer/test_proxy_front.py",
+        "tests/kv_transfer/test_pd_readme.py::test_weft_pd_up_transfers_the_prompt_and_answers_as_one_server_would",
         "tests/test_api_params_e2e.py",
         "tests/test_async_scheduling_llm.py",
         "tests/test_gemma3.py",

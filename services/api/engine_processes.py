@@ -36,8 +36,9 @@ def engine_command(
     num_threads: int | None = None,
     curve_keys: str | None = None,
     shutdown_timeout_s: float | None = None,
+    local_dp_rank: int | None = None,
 ) -> list[str]:
-    """The command that starts local engine core ``rank``."""
+    """The command that starts local engine core ``rank`` (``local_dp_rank``-th on this node)."""
     timeout_s = DEFAULT_SHUTDOWN_TIMEOUT_S if shutdown_timeout_s is None else shutdown_timeout_s
     return EngineCoreArgs(
         rank=rank,
@@ -46,6 +47,7 @@ def engine_command(
         num_threads=num_threads,
         curve_keys=None if curve_keys is None else str(curve_keys),
         shutdown_timeout_s=timeout_s,
+        local_dp_rank=local_dp_rank,
     ).to_argv()
 
 
@@ -70,6 +72,7 @@ def launch_local_engines(
                 num_threads=num_threads,
                 curve_keys=curve_keys,
                 shutdown_timeout_s=shutdown_timeout_s,
+                local_dp_rank=rank - start_rank,
             ),
             start_new_session=True,
         )

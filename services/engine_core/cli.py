@@ -125,6 +125,7 @@ def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> 
         kv_transfer_config=args.kv_transfer_config,
         engines_on_node=args.data_parallel_size_local,
         available_memory=getattr(args, "available_memory", None),
+        local_dp_rank=rank - args.start_rank,
     )
 
 

@@ -57,6 +57,7 @@ class KVTransferScheduling:
         self.abandon_timeout_s = max(ABANDON_TIMEOUT_S, 3 * transfer_timeout_s + 30.0)
         self.waiting_for_remote: dict[str, Request] = {}
         self._load_tried: set[str] = set()  # a request loads at most once
+        self._num_external: dict[str, int] = {}  # parked request -> the tokens its load may bring
         self._held: dict[str, tuple[Request, float]] = {}  # finished; blocks kept until saved (deadline)
         # Aborted mid-load; blocks kept until the load ends (or the deadline passes).
         self._abandoned: dict[str, tuple[Request, float]] = {}
@@ -86,6 +87,7 @@ class KVTransferScheduling:
         self._load_tried.add(request.request_id)
         self.waiting_for_remote[request.request_id] = request
         self._queries += num_external
+        self._num_external[request.request_id] = num_external
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
@@ -93,12 +95,14 @@ class KVTransferScheduling:
     def _on_loaded(self, request_id: str, num_blocks: int) -> Request | None:
         """A load ended: the request, ready to schedule again (None if it was aborted)."""
         request = self.waiting_for_remote.pop(request_id, None)
+        num_external = self._num_external.pop(request_id, 0)
         if request is None:
             abandoned = self._abandoned.pop(request_id, None)
             if abandoned is not None:
                 self.kv_cache_manager.free(abandoned[0])
             return None
-        num_loaded = num_blocks * self.block_size
+        # The last block may be a prompt's partial one: it brings only the tokens asked for.
+        num_loaded = min(num_blocks * self.block_size, num_external)
         request.num_computed_tokens += num_loaded
         self._hits += num_loaded
         request.status = RequestStatus.WAITING
@@ -148,6 +152,7 @@ class KVTransferScheduling:
                 self.abandon_timeout_s,
             )
             self.kv_cache_manager.free(self._abandoned.pop(request_id)[0])
+            self._num_external.pop(request_id, None)
             self.connector.forget(request_id)
 
     # ---- each step

@@ -55,6 +55,7 @@ from protocol.handshake import EngineDraining, EngineGoodbye, EngineHandshakeRep
 from protocol.zmq_sockets import instance_identity, make_socket, recv, send, split
 from services.config.kv_transfer_args import with_default_keys_dir, with_kv_transfer_config
 from services.config.memory_plan import with_node_memory
+from services.engine_core.devices import narrow_visible_devices
 from services.engine_core.drain import Drain
 from services.engine_core.kv_events import with_default_keys_dir as with_default_events_keys
 from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
@@ -466,6 +467,7 @@ def run_engine_core(
     kv_transfer_config: str | None = None,
     engines_on_node: int | None = None,
     available_memory: int | None = None,
+    local_dp_rank: int | None = None,
 ) -> int:
     stop = threading.Event()
     drain = Drain(stop, shutdown_timeout_s)
@@ -497,6 +499,15 @@ def run_engine_core(
         reply = msgspec.structs.replace(reply, config=config)
         start = time.monotonic()
         logger.info("Engine core rank %d: loading torch, its kernels and the model ...", rank)
+        if config.device.device in ("cuda", "auto"):  # before torch reads it, and any worker starts
+            try:
+                narrow_visible_devices(local_dp_rank, config.parallel.tensor_parallel_size)
+            except ValueError as e:
+                if config.device.device == "cuda":
+                    raise
+                # auto: this node may have no GPU at all; a GPU node short of devices is refused
+                # with the count once the engine resolves auto (services/config/engine_device.py).
+                logger.warning("%s", e)
         import torch  # the engine process is where torch lives
 
         torch.set_num_threads(config.device.num_threads)

@@ -79,6 +79,15 @@ class EngineCoreArgs:
         ),
     )
 
+    local_dp_rank: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Index of this engine core among those its launcher started on this node: on CUDA its workers "
+            "take that share of the visible devices, tensor-parallel size each (default: leave them as given).",
+            kind=int,
+        ),
+    )
+
     def to_argv(self) -> list[str]:
         """The whole command that starts this engine core."""
         argv = [sys.executable, "-m", PROC_MODULE]

@@ -1,14 +1,17 @@
 """A connector that moves whole KV blocks, named by their prefix hashes,
 through a ``BlockStore``; the two connectors differ only in the store.
 
-Producer: when a request ends normally, its full prompt blocks (all but the
-last prompt token, which the consumer must compute to sample) are saved
-under ``namespace + block hash``, and the request's response says how many
-tokens that covers. The scheduler keeps the blocks until the worker reports
+Producer: when a request ends normally, the KV of every prompt token but the
+last (which the consumer must compute to sample) is saved, as vLLM's
+connectors do: its full blocks under ``namespace + block hash``, and the last,
+partial block (if the tokens do not fill whole blocks) under a hash of its
+parent and its own tokens (``partial_block_hash``); the request's response
+says how many tokens that covers. The scheduler keeps the blocks until the worker reports
 the save done.
 
 Consumer: a request with ``do_remote_prefill`` claims the announced tokens
-past its local prefix hit; a discoverable store (files) is also probed for
+past its local prefix hit (the partial block too when all but its last
+prompt token are announced: it then computes one token); a discoverable store (files) is also probed for
 requests that announce nothing. The claim is always asynchronous: the
 request waits in WAITING_FOR_REMOTE_KVS while the worker's transfer thread
 fetches the blocks, waiting up to ``timeout_s`` for a producer that is still
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from protocol import EngineConfig, SchedulerOutput
 from protocol.kv_transfer import KVBlockTransfer, KVConnectorMetadata, KVTransferParams
 from services.config.kv_transfer_args import connector_options
+from services.engine_core.prefix_hash import hash_block_tokens
 from services.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from services.kv_transfer.block_store import BlockStore
 from services.kv_transfer.keys import mac_key
@@ -44,7 +48,23 @@ if TYPE_CHECKING:
 _SAVED_ENDINGS = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
-__all__ = ["BlockConnector", "block_namespace"]
+# In a partial block's hash only: it never equals a full block's.
+_PARTIAL = "weft: a prompt's last, partial block"
+
+__all__ = ["BlockConnector", "block_namespace", "partial_block_hash"]
+
+
+def partial_block_hash(request: Any, block_size: int, num_tokens: int) -> bytes | None:
+    """The name of the block that holds tokens ``[num_tokens // block_size * block_size,
+    num_tokens)`` of ``request``, when ``num_tokens`` does not fill whole blocks (else None):
+    its parent full block's hash chained with its own tokens, as a full block's is."""
+    num_full, rest = divmod(num_tokens, block_size)
+    if rest == 0 or len(request.block_hashes) < num_full:
+        return None
+    parent = request.block_hashes[num_full - 1] if num_full else None
+    salt = (request.cache_salt,) if num_full == 0 and request.cache_salt is not None else ()
+    tokens = request.all_token_ids[num_full * block_size : num_tokens]
+    return hash_block_tokens(parent, tokens, (_PARTIAL, *salt))
 
 
 class BlockConnector(KVConnectorBase):
@@ -76,23 +96,33 @@ class BlockConnector(KVConnectorBase):
         if not self.kv_config.is_consumer or request.sampling_params.prompt_logprobs is not None:
             return 0, False  # prompt logprobs need every prompt position computed
         # The last prompt token is always computed: its logits give the first output.
-        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        num_blocks = min(self._announced_tokens(request) // self.block_size, max_blocks)
+        num_tokens = request.num_tokens - 1
+        max_blocks = min(num_tokens // self.block_size, len(request.block_hashes))
+        announced = self._announced_tokens(request)
+        num_blocks = min(announced // self.block_size, max_blocks)
+        loadable = num_blocks * self.block_size
+        partial = partial_block_hash(request, self.block_size, num_tokens)
         if num_blocks == 0 and (probe := self._store_for_probing()) is not None:
             num_blocks = probe.num_present([self.key_of(h) for h in request.block_hashes[:max_blocks]])
-        num_external = num_blocks * self.block_size - num_computed_tokens
+            loadable = num_blocks * self.block_size
+            if num_blocks == num_tokens // self.block_size and partial is not None:
+                loadable += (num_tokens - loadable) * probe.num_present([self.key_of(partial)])
+        elif announced == num_tokens and num_blocks == num_tokens // self.block_size and partial is not None:
+            loadable = num_tokens  # the partial block as well: everything but the last token
+        num_external = loadable - num_computed_tokens
         return (num_external, True) if num_external > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         first = request.num_computed_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
+        end = request.num_computed_tokens + num_external_tokens
+        last = end // self.block_size
+        ids, hashes = block_ids[first:last], list(request.block_hashes[first:last])
+        if (partial := partial_block_hash(request, self.block_size, end)) is not None:
+            ids.append(block_ids[last])
+            hashes.append(partial)
         # Announced blocks may still be on their way: wait for them; found ones are there.
         wait_s = self.options.timeout_s if self._announced_tokens(request) else 0.0
-        self._loads.append(
-            KVBlockTransfer(
-                request.request_id, block_ids[first:last], request.block_hashes[first:last], wait_s
-            )
-        )
+        self._loads.append(KVBlockTransfer(request.request_id, ids, hashes, wait_s))
         self._in_flight.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
@@ -105,16 +135,24 @@ class BlockConnector(KVConnectorBase):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         if not self._should_save(request):
             return False, None
-        num_blocks = min(
-            (request.num_prompt_tokens - 1) // self.block_size, len(block_ids), len(request.block_hashes)
-        )
-        if num_blocks == 0:
+        num_tokens = request.num_prompt_tokens - 1  # the consumer computes the last one, to sample
+        num_blocks = min(num_tokens // self.block_size, len(block_ids), len(request.block_hashes))
+        ids, hashes = block_ids[:num_blocks], list(request.block_hashes[:num_blocks])
+        num_sent = num_blocks * self.block_size
+        partial = partial_block_hash(request, self.block_size, num_tokens)
+        if (
+            partial is not None
+            and num_blocks == num_tokens // self.block_size
+            and len(block_ids) > num_blocks
+        ):
+            ids.append(block_ids[num_blocks])
+            hashes.append(partial)
+            num_sent = num_tokens
+        if not ids:
             return False, KVTransferParams(do_remote_prefill=True, remote_num_tokens=0)
-        self._saves.append(
-            KVBlockTransfer(request.request_id, block_ids[:num_blocks], request.block_hashes[:num_blocks])
-        )
+        self._saves.append(KVBlockTransfer(request.request_id, ids, hashes))
         self._in_flight.add(request.request_id)
-        return True, KVTransferParams(do_remote_prefill=True, remote_num_tokens=num_blocks * self.block_size)
+        return True, KVTransferParams(do_remote_prefill=True, remote_num_tokens=num_sent)
 
     def update_connector_output(self, finished_sending: list[str], finished_recving: dict[str, int]) -> None:
         self._in_flight.difference_update(finished_sending)

@@ -42,7 +42,8 @@ class TransferWorker:
             return out
         for save in meta.saves:
             for block_id, block_hash in zip(save.block_ids, save.block_hashes):
-                self.store[block_hash] = [self.worker.kv[block_id * BS + i] for i in range(BS)]
+                # A prompt's partial last block has slots no forward wrote: they travel as None.
+                self.store[block_hash] = [self.worker.kv.get(block_id * BS + i) for i in range(BS)]
             if not self.hold_sends:
                 out.finished_sending.append(save.req_id)
         for load in meta.loads:
@@ -55,7 +56,8 @@ class TransferWorker:
             if block_hash not in self.store:
                 return n
             for i, token in enumerate(self.store[block_hash]):
-                self.worker.kv[block_id * BS + i] = token
+                if token is not None:
+                    self.worker.kv[block_id * BS + i] = token
         return len(block_ids)
 
 
@@ -76,7 +78,8 @@ def prefill_request(scheduler: Scheduler, request_id: str, prompt: list[int]):
     return request
 
 
-PROMPT = list(range(700, 760))  # 60 tokens: 3 full blocks a consumer may load
+PROMPT = list(range(700, 760))  # 60 tokens: 3 full blocks and 11 tokens of a 4th a consumer may load
+SENT = 59  # every prompt token but the last, which the consumer computes to sample
 
 
 def produce(store: dict, prompt=PROMPT) -> KVTransferParams:
@@ -98,12 +101,12 @@ def test_producer_keeps_the_blocks_until_they_are_saved_and_hands_on_the_params(
     _, outputs = step(s, w)
     (out,) = outputs
     assert out.finished and out.kv_transfer_params == KVTransferParams(
-        do_remote_prefill=True, remote_num_tokens=48
+        do_remote_prefill=True, remote_num_tokens=SENT
     )
     assert s.has_unfinished_requests() and not s.kv_cache_manager.all_blocks_free()
     so, _ = step(s, w)  # an empty step carries the save plan to the worker
     assert so.is_empty and [t.req_id for t in so.kv_connector_metadata.saves] == ["p"]
-    assert len(so.kv_connector_metadata.saves[0].block_ids) == 3 and len(w.store) == 3
+    assert len(so.kv_connector_metadata.saves[0].block_ids) == 4 and len(w.store) == 4  # the partial too
     w.hold_sends = False
     so, _ = step(s, w)  # still polling: the save is in flight
     assert so.kv_connector_metadata is not None and not so.kv_connector_metadata.saves
@@ -145,15 +148,15 @@ def test_consumer_loads_the_announced_blocks_and_computes_only_the_rest():
     params = produce(store)
     s, w = make("kv_consumer"), TransferWorker(store)
     decode_request(s, "d", PROMPT, params.remote_num_tokens, max_tokens=4)
-    so, outputs = step(s, w)  # parked: nothing scheduled, the plan loads 3 blocks
+    so, outputs = step(s, w)  # parked: nothing scheduled, the plan loads 3 full blocks and the partial one
     assert so.is_empty and not outputs
     (load,) = so.kv_connector_metadata.loads
-    assert len(load.block_ids) == 3 and load.wait_s > 0
+    assert len(load.block_ids) == 4 and load.wait_s > 0
     so, first = step(s, w)
     (new,) = so.scheduled_new_reqs
-    assert new.num_computed_tokens == 48 and so.num_scheduled_tokens == {"d": 12}
+    assert new.num_computed_tokens == SENT and so.num_scheduled_tokens == {"d": 1}  # one token computed
     outputs = first + run_to_completion(s, w)["d"]
-    assert outputs[-1].num_cached_tokens == 48 and len([t for o in outputs for t in o.new_token_ids]) == 4
+    assert outputs[-1].num_cached_tokens == SENT and len([t for o in outputs for t in o.new_token_ids]) == 4
 
 
 def test_other_requests_run_while_one_waits_for_its_kv():
@@ -167,7 +170,7 @@ def test_other_requests_run_while_one_waits_for_its_kv():
     assert s.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert s.get_request_counts() == (1, 1)
     stats = s.make_stats()
-    assert (stats.num_waiting_reqs, stats.external_prefix_cache_queries) == (1, 48)
+    assert (stats.num_waiting_reqs, stats.external_prefix_cache_queries) == (1, SENT)
 
 
 def test_external_hits_are_counted_once_loaded():
@@ -176,7 +179,7 @@ def test_external_hits_are_counted_once_loaded():
     s, w = make("kv_consumer"), TransferWorker(store)
     decode_request(s, "d", PROMPT, params.remote_num_tokens)
     step(s, w)
-    assert s.make_stats().external_prefix_cache_hits == 48
+    assert s.make_stats().external_prefix_cache_hits == SENT
     run_to_completion(s, w)
 
 
@@ -189,7 +192,7 @@ def test_a_short_load_leaves_more_to_compute():
     step(s, w)
     so, _ = step(s, w)
     computed = so.scheduled_new_reqs[0].num_computed_tokens
-    assert computed in (0, 16, 32) and so.num_scheduled_tokens["d"] == 60 - computed
+    assert computed in (0, 16, 32, 48) and so.num_scheduled_tokens["d"] == 60 - computed
     run_to_completion(s, w)
 
 
@@ -300,3 +303,42 @@ def test_the_abandon_timeout_outlasts_any_load_the_worker_may_still_write():
     assert make("kv_consumer").kv_transfer.abandon_timeout_s == 120.0
     slow = make("kv_consumer", timeout_s=100.0)  # a load may write until 2 x 100 s after submission
     assert slow.kv_transfer.abandon_timeout_s > 2 * 100.0
+
+
+def test_an_older_producers_whole_blocks_load_as_before():
+    """Announced tokens that stop at a block boundary (no partial block sent): those blocks only."""
+    store: dict = {}
+    produce(store)
+    s, w = make("kv_consumer"), TransferWorker(store)
+    decode_request(s, "d", PROMPT, 48)
+    so, _ = step(s, w)
+    assert len(so.kv_connector_metadata.loads[0].block_ids) == 3
+    so, _ = step(s, w)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 48 and so.num_scheduled_tokens == {"d": 12}
+    run_to_completion(s, w)
+
+
+@pytest.mark.parametrize("length", [2, 10, 17, 33])
+def test_prompts_of_any_length_hand_on_all_but_their_last_token(length):
+    """A prompt shorter than a block, or one token past a boundary, still sends its partial block."""
+    store: dict = {}
+    prompt = list(range(900, 900 + length))
+    params = produce(store, prompt)
+    assert params.remote_num_tokens == length - 1 and len(store) == -(-(length - 1) // BS)
+    s, w = make("kv_consumer"), TransferWorker(store)
+    decode_request(s, "d", prompt, params.remote_num_tokens, max_tokens=3)
+    step(s, w)
+    so, _ = step(s, w)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == length - 1 and so.num_scheduled_tokens == {"d": 1}
+    run_to_completion(s, w)  # the fake worker checks every position read holds this request's token
+
+
+def test_a_partial_block_is_named_by_its_prefix_and_its_own_tokens():
+    from services.kv_transfer.block_connector import partial_block_hash
+
+    s = make("kv_consumer")
+    a, b = make_request(s, "a", PROMPT), make_request(s, "b", PROMPT[:-3] + [1, 2, 3])
+    assert partial_block_hash(a, BS, 59) != partial_block_hash(b, BS, 59)  # the partial tokens differ
+    assert partial_block_hash(a, BS, 56) == partial_block_hash(b, BS, 56)  # the same first 56 tokens
+    assert partial_block_hash(a, BS, 48) is None  # whole blocks: no partial one
+    assert partial_block_hash(a, BS, 59) not in a.block_hashes

@@ -85,8 +85,8 @@ def expected_text(oracle, prompt: list[int]) -> str:
 
 
 def transferable(prompt_len: int) -> int:
-    """Prompt tokens a producer hands on: its full blocks, all but the last token."""
-    return (prompt_len - 1) // BS * BS
+    """Prompt tokens a producer hands on: all but the last (its full blocks and the partial one)."""
+    return prompt_len - 1
 
 
 def test_greedy_outputs_equal_an_ordinary_engine(stack, client, oracle):
@@ -122,7 +122,7 @@ def test_chat_streams_through_the_proxy(stack, client, oracle):
 
 
 def test_a_damaged_block_is_recomputed(stack, oracle):
-    prompt = fresh_prompt(oracle, 70)  # 4 transferable blocks
+    prompt = fresh_prompt(oracle, 70)  # 69 transferable tokens: 4 full blocks and 5 tokens of a 5th
     hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
     body = {
         "model": MODEL.name,
@@ -135,14 +135,14 @@ def test_a_damaged_block_is_recomputed(stack, oracle):
         stack.prefill_url + "/v1/completions", json=body, headers=stack.trusted, timeout=120
     ).json()
     params = prefill["kv_transfer_params"]
-    assert params == {"do_remote_prefill": True, "remote_num_tokens": 64}
+    assert params == {"do_remote_prefill": True, "remote_num_tokens": 69}
     damage_block(stack, prompt, index=2)
     body.update(max_tokens=MAX_TOKENS, kv_transfer_params=params)
     decoded = httpx.post(
         stack.decode_url + "/v1/completions", json=body, headers=stack.trusted, timeout=120
     ).json()
     assert decoded["choices"][0]["text"] == expected_text(oracle, prompt)
-    # Blocks 0 and 1 were loaded; block 2 failed its check, so it and block 3 were computed.
+    # Blocks 0 and 1 were loaded; block 2 failed its check, so it and the later ones were computed.
     assert stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before == 2 * BS
 
 
