@@ -7,7 +7,7 @@ and the distributions in ``IMAGE``; ``scripts/gpu_check.sh`` runs weft there fro
 repository. This writes, into one folder (ignored by git, under ``LIMIT_BYTES``):
 
 - ``wheels/``: cp312 manylinux wheels (``--only-binary=:all: --no-deps``) of every distribution in
-  ``BUNDLE``, at the versions of ``requirements.lock``. ``BUNDLE`` is what the check imports (weft's
+  ``BUNDLE``, at the versions of ``requirements-dev.lock`` (the tests' too). ``BUNDLE`` is what the check imports (weft's
   runtime, the kernel tests, the openai client its serve step uses) and the device image lacks, its
   dependencies included, resolved against the packages' metadata
   (``tests/repo/test_gpu_bundle.py`` recomputes it). The check installs only the wheels whose
@@ -68,7 +68,7 @@ def normalized(name: str) -> str:
 
 def locked_versions() -> dict[str, str]:
     pins = {}
-    for line in (REPO / "requirements.lock").read_text().splitlines():
+    for line in (REPO / "requirements-dev.lock").read_text().splitlines():
         name, sep, version = line.strip().partition("==")
         if sep and not name.startswith("#"):
             pins[normalized(name)] = version
@@ -80,7 +80,7 @@ def pinned_bundle() -> list[str]:
     pins = locked_versions()
     missing = [name for name in BUNDLE if normalized(name) not in pins]
     if missing:
-        raise ValueError(f"requirements.lock pins none of {missing}: pin them or drop them from BUNDLE.")
+        raise ValueError(f"requirements-dev.lock pins none of {missing}: pin them or drop them from BUNDLE.")
     return [f"{name}=={pins[normalized(name)]}" for name in BUNDLE]
 
 

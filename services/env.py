@@ -85,6 +85,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "WEFT_TEST_FAULT_FILE",
         "Tests only: a file whose content makes each worker step hang or fail to allocate "
         "(services/worker/fault_injection.py); unset in any real deployment.",
+    ),
+    EnvVar(
         "CUDA_VISIBLE_DEVICES",
         "The GPUs weft may use (CUDA's own variable). A node's data-parallel engine cores split the devices it "
         "lists, tensor-parallel size each, and each narrows it to its own share for its workers "
