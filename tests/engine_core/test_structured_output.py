@@ -7,6 +7,8 @@ by a fake clock, so nothing here sleeps.
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from protocol import FinishReason, SamplingParams, StructuredOutputsParams
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.structured_output import StructuredOutputManager
+from services.model_files import REPO_ROOT
 from tests.engine_core.fake_grammar import FakeBackend, lowest_allowed
 from tests.engine_core.fakes import EOS, FakeWorker, add, make_config, run_to_completion, step
 
@@ -305,11 +308,14 @@ def test_compiles_in_flight_are_bounded():
 _STUCK_COMPILE_SCRIPT = """
 import threading
 
+import os
+
 import msgspec
 
 from protocol import SamplingParams, StructuredOutputsParams
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.structured_output import StructuredOutputManager
+from services.model_files import REPO_ROOT
 from tests.engine_core.fake_grammar import FakeBackend
 from tests.engine_core.fakes import EOS, add, make_config
 
@@ -345,7 +351,14 @@ def test_a_compile_that_never_ends_does_not_keep_the_process_from_exiting(tmp_pa
     script = tmp_path / "stuck_compile.py"
     script.write_text(_STUCK_COMPILE_SCRIPT)
     try:  # run() kills it at the deadline
-        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},  # it imports tests.engine_core
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the process waits for a compile that never ends")
     assert result.returncode == 0 and result.stdout.strip() == "stopped", result.stderr
