@@ -26,6 +26,9 @@ README = REPO_ROOT / "README.md"
 BEGIN = "<!-- BEGIN GENERATED: model-defaults -->"
 END = "<!-- END GENERATED: model-defaults -->"
 SHELL_ENDS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1"}
+ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")  # a word shaped otherwise is not a flag (a diagram's `--x)`)
+DOCS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 
 
 class _Caught(Exception):
@@ -76,12 +79,23 @@ def command_lines(text: str) -> list[list[str]]:
             except ValueError:
                 continue  # not shell (a log line, YAML)
             for start in (i for i, w in enumerate(words) if w in ("weft", "engine-core")):
-                if start and words[start - 1] not in SHELL_ENDS:
+                before = words[start - 1] if start else None
+                if before is not None and before not in SHELL_ENDS and not ENV_WORD.match(before):
+                    continue  # not a command: a word of prose or of a diagram
+                if before is not None and ENV_WORD.match(before) and not _starts_command(words, start):
                     continue
                 rest = words[start:]
                 end = next((i for i, w in enumerate(rest) if w in SHELL_ENDS), len(rest))
                 commands.append(rest[:end])
     return commands
+
+
+def _starts_command(words: list[str], start: int) -> bool:
+    """Only ``VAR=value`` words (after a shell operator, or none) before ``words[start]``."""
+    i = start - 1
+    while i >= 0 and ENV_WORD.match(words[i]):
+        i -= 1
+    return i < 0 or words[i] in SHELL_ENDS
 
 
 def _flags_of(parser: argparse.ArgumentParser) -> set[str]:
@@ -98,28 +112,30 @@ def parser_of(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> set[str]:
     # `weft bench soak` hands its words to a parser of its own; others are subparsers.
     head = [w for w in words[:2] if not w.startswith("-")]
     parser = _catch(monkeypatch, lambda: cli.main([*head, "--help"]))
-    parser = _subparser(parser, words)
+    parser = _subparser(parser, words[len(parser.prog.split()) - 1 :])  # past `weft bench`
     flags = _flags_of(parser)
     if words[:2] == ["pd", "up"]:  # the words it does not take go to both `weft serve`s
         flags |= _flags_of(_catch(monkeypatch, lambda: cli.main(["serve", "--help"])))
     return flags
 
 
-def test_every_readme_command_uses_flags_its_parser_has(monkeypatch: pytest.MonkeyPatch) -> None:
-    commands = command_lines(README.read_text())
-    assert len(commands) >= 15  # the extraction still finds them
-    assert {c[1] for c in commands if c[0] == "weft"} >= {"serve", "generate", "keys", "pd", "pd-proxy"}
+def test_every_documented_command_uses_flags_its_parser_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's commands, and those of the docs/ pages it links."""
+    readme = command_lines(README.read_text())
+    assert len(readme) >= 15  # the extraction still finds them
+    assert {c[1] for c in readme if c[0] == "weft"} >= {"serve", "generate", "keys", "pd", "pd-proxy"}
     cache: dict[tuple[str, ...], set[str]] = {}
     unknown = []
-    for argv in commands:
-        key = tuple(w for w in argv[:3] if not w.startswith("-"))
-        if key not in cache:
-            cache[key] = parser_of(argv, monkeypatch)
-        for word in argv[1:]:
-            flag = word.split("=", 1)[0]
-            if flag.startswith("--") and flag not in cache[key]:
-                unknown.append((" ".join(argv[:2]), flag))
-    assert not unknown, f"README commands use flags their parsers lack: {unknown}"
+    for doc in DOCS:
+        for argv in command_lines(doc.read_text()):
+            key = tuple(w for w in argv[:3] if not w.startswith("-"))
+            if key not in cache:
+                cache[key] = parser_of(argv, monkeypatch)
+            for word in argv[1:]:
+                flag = word.split("=", 1)[0]
+                if FLAG.match(flag) and flag not in cache[key]:
+                    unknown.append((doc.name, " ".join(argv[:3]), flag))
+    assert not unknown, f"documented commands use flags their parsers lack: {unknown}"
 
 
 def test_the_check_catches_a_flag_that_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
