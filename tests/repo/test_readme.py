@@ -223,6 +223,27 @@ def test_the_readme_is_for_users() -> None:
     assert len(re.findall(r"\bpeers-r\d+", text)) <= 1
 
 
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_of_the_readme_and_docs_resolves() -> None:
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append((doc.name, target))
+            elif anchor and file.is_file() and anchor not in _anchors(file.read_text()):
+                broken.append((doc.name, target))
+    assert not broken, f"links to nothing: {broken}"
+
+
 if __name__ == "__main__":
     write()
     sys.exit(0)
