@@ -19,6 +19,7 @@ import pytest
 
 from services import cli
 from services.config import engine_args
+from services.worker import gguf_repack
 from services.worker.models import registry
 from tests.utils import REPO_ROOT
 
@@ -167,6 +168,7 @@ def model_defaults_markdown() -> str:
     gguf_cuda = engine_args.resolve_quantization(None, is_gguf=True, device="cuda", load_format="auto")
     folder = engine_args.resolve_quantization(None, is_gguf=False, device="cpu", load_format="auto")
     flags = " or ".join(f"`{f}`" for f in bf16_flags())
+    packed = ", ".join(sorted(gguf_repack._REPACKERS))
     return "\n".join(
         [
             f"Supported architectures ({len(registry.ARCHITECTURES)}):",
@@ -177,6 +179,7 @@ def model_defaults_markdown() -> str:
             "",
             f"- `--quantization` default: `{gguf_cpu}` for a GGUF file on CPU (its weights stay packed), "
             f"`{gguf_cuda}` for a GGUF file on CUDA (dequantized at load), `{folder}` for safetensors.",
+            f"- GGUF types kept packed on CPU: {packed}; other types are dequantized at load.",
             f"- `--dtype auto`: `{engine_args.resolve_dtype('auto', 'cuda')}` on CUDA (fp16 below compute "
             f"capability 8.0); on CPU `bfloat16` only where the CPU has bf16 math ({flags} in its flags) "
             "and steps run dense weights (safetensors, `--quantization none`, or a dense copy); "
