@@ -52,6 +52,8 @@
 #include <vector>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -681,6 +683,153 @@ void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, int64_t M
 }
 #endif
 
+#ifdef WEFT_AVX2
+// ---- int4 weights against int8 activations in register tiles (quant_linear_i8's int4 path) ----
+//
+// A tile is RW weight rows by RX rows of x. Per pair of 32-blocks, each weight row's 32 bytes
+// are unpacked once (low and high nibbles) for all RX rows of x, and each row of x's paired
+// blocks (ActInt8::paired) are read once for all RW weight rows: RW * RX integer dots, each
+// with one FMA by the product of the two scales into that (weight row, x row)'s own
+// accumulator. Every (weight row, x row) pair runs the same operations in the same order
+// whatever tile it falls in: one accumulator, pairs of blocks in order, a lone last block,
+// then one horizontal sum plus the min term. So a row's output does not depend on the tile
+// shape, on M, or on the other rows of x (batch invariance).
+
+// Scales and mins are read where they lie, fp16 (the 32-element GGUF formats) or fp32 (the K
+// formats), and converted in registers: exact either way, so both give the same bits.
+template <bool kHalf>
+struct Int4Scales {
+  const void* s;
+  const void* m;
+  // Pair p's two block scales as lanes 0-3 (block 2p) and 4-7 (block 2p + 1).
+  __m256 pair(int64_t p) const {
+    __m128 two;
+    if constexpr (kHalf) {
+      int32_t bits;
+      std::memcpy(&bits, static_cast<const uint16_t*>(s) + 2 * p, 4);
+      two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    } else {
+      two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const float*>(s) + 2 * p)));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  float scale(int64_t b) const {
+    return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
+                 : static_cast<const float*>(s)[b];
+  }
+  // sum over groups of min[g] * xsums[g]: eight lanes of FMAs, one horizontal sum, then the rest in order.
+  float min_term(const float* xsums, int64_t groups) const {
+    int64_t g = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+      __m256 mv;
+      if constexpr (kHalf) {
+        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
+      } else {
+        mv = _mm256_loadu_ps(static_cast<const float*>(m) + g);
+      }
+      acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsums + g), acc);
+    }
+    float total = hsum(acc);
+    for (; g < groups; ++g) {
+      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
+                             : static_cast<const float*>(m)[g];
+      total = std::fma(mg, xsums[g], total);
+    }
+    return total;
+  }
+};
+
+template <bool kHalf>
+Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
+  return {w.scale_row(n), w.min_row(n)};
+}
+
+template <int RW, int RX, bool kHalf>
+void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const int64_t groups = w.groups, pairs = groups / 2;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const uint8_t* q[RW];
+  Int4Scales<kHalf> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    sc[i] = int4_scales<kHalf>(w, n + i);
+  }
+  const int8_t* xp[RX];
+  const float* xl[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xl[r] = a.lanes_row(m0 + r);
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int i = 0; i < RW; ++i) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
+      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      const __m256 ws = sc[i].pair(p);
+      for (int r = 0; r < RX; ++r) {
+        const int8_t* x = xp[r] + p * 2 * kBlock;
+        const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock)));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_loadu_ps(xl[r] + p * 8)),
+                                    acc[i][r]);
+      }
+    }
+  }
+  if (groups % 2) {
+    const int64_t b = groups - 1;
+    for (int i = 0; i < RW; ++i) {
+      const __m256i u = int4_block(q[i] + b * (kBlock / 2));
+      const __m256 ws = _mm256_set1_ps(sc[i].scale(b));
+      for (int r = 0; r < RX; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
+        const __m256 xs = _mm256_set1_ps(a.srow(m0 + r)[b]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_mul_ps(ws, xs), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) {
+      out[r * ldo + i] = hsum(acc[i][r]) + sc[i].min_term(a.sums.data() + (m0 + r) * groups, groups);
+    }
+  }
+}
+
+// Weight rows [begin, end) against rows [m0, m1) of x, int4 layout, four weight rows at a time:
+// four rows of x as two tiles of 2 x 4 (eight accumulators), then two rows as 4 x 2, the last
+// one as 4 x 1 (a batch-1 decode step: each x block loaded once for four weight rows). Weight
+// rows past a multiple of four go one at a time. Rows of W kPrefetchRows ahead are prefetched
+// (the hardware prefetcher alone leaves a batch-1 step short of the read bandwidth).
+template <bool kHalf>
+void rows_i8_int4(const Packed& w, int64_t begin, int64_t end, const ActInt8& a, int64_t m0, int64_t m1, float* op,
+                  int64_t ldo) {
+  auto tile = [&](auto rw, auto rx, int64_t n, int64_t m) {
+    tile_i8_int4<decltype(rw)::value, decltype(rx)::value, kHalf>(w, n, a, m, op + m * ldo + n, ldo);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  int64_t n = begin;
+  for (; n + 4 <= end; n += 4) {
+    const int64_t ahead = std::min(n + kPrefetchRows, w.N - 4);
+    prefetch_bytes(w.qweight + ahead * w.row_bytes, 4 * w.row_bytes);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+      tile(Two{}, Four{}, n, m);
+      tile(Two{}, Four{}, n + 2, m);
+    }
+    for (; m + 2 <= m1; m += 2) tile(Four{}, Two{}, n, m);
+    if (m < m1) tile(Four{}, One{}, n, m);
+  }
+  for (; n < end; ++n) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile(One{}, Four{}, n, m);
+    for (; m < m1; ++m) tile(One{}, One{}, n, m);
+  }
+}
+#endif
+
 // out [M, N] = x [M, K] @ W^T with x rounded to int8 per weight group (see the top of the file).
 void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
@@ -699,6 +848,19 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int64_t ldo = out.stride(0);
   const int64_t rows_per_block = x_rows_per_block(K * (w.int4() ? 2 : 1));
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#ifdef WEFT_AVX2
+    if (w.int4()) {
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
+        const int64_t m1 = std::min(M, m0 + rows_per_block);
+        if (w.scales_h != nullptr) {
+          rows_i8_int4<true>(w, begin, end, a, m0, m1, op, ldo);
+        } else {
+          rows_i8_int4<false>(w, begin, end, a, m0, m1, op, ldo);
+        }
+      }
+      return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
       for (int64_t n = begin; n < end; ++n) {
