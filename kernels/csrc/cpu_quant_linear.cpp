@@ -624,6 +624,14 @@ struct Int4Scales {
     }
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   }
+  // The scales of blocks b..b + 7, in order.
+  __m256 eight(int64_t b) const {
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s) + b)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(s) + b);
+    }
+  }
   float scale(int64_t b) const {
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
                  : static_cast<const float*>(s)[b];
@@ -674,19 +682,36 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
     xp[r] = a.paired_row(m0 + r);
     xl[r] = a.lanes_row(m0 + r);
   }
-  for (int64_t p = 0; p < pairs; ++p) {
+  // One pair of blocks for every (weight row, x row) of the tile, the scale products given.
+  auto pair_step = [&](int64_t p, auto&& scale_of) {
     for (int i = 0; i < RW; ++i) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
       const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-      const __m256 ws = sc[i].pair(p);
       for (int r = 0; r < RX; ++r) {
         const int8_t* x = xp[r] + p * 2 * kBlock;
         const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), hi,
                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock)));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_loadu_ps(xl[r] + p * 8)),
-                                    acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale_of(i, r), acc[i][r]);
       }
     }
+  };
+  // Four pairs at a time: the eight blocks' scales of each weight row and each x row loaded as one
+  // vector, multiplied once, and each pair's two products spread over its lanes by a permute. The
+  // products are the same floats the one-pair steps below make: only the route differs.
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {
+    __m256 ws8[RW], xs8[RX];
+    for (int i = 0; i < RW; ++i) ws8[i] = sc[i].eight(2 * p);
+    for (int r = 0; r < RX; ++r) xs8[r] = _mm256_loadu_ps(a.srow(m0 + r) + 2 * p);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+      pair_step(p + j, [&](int i, int r) { return _mm256_permutevar8x32_ps(_mm256_mul_ps(ws8[i], xs8[r]), spread); });
+    }
+  }
+  for (; p < pairs; ++p) {
+    __m256 ws[RW];
+    for (int i = 0; i < RW; ++i) ws[i] = sc[i].pair(p);
+    pair_step(p, [&](int i, int r) { return _mm256_mul_ps(ws[i], _mm256_loadu_ps(xl[r] + p * 8)); });
   }
   if (groups % 2) {
     const int64_t b = groups - 1;
