@@ -219,10 +219,10 @@ class _Kernel:
 _KERNEL = _Kernel()
 
 
-def choose_kernel(isa: str | None, activations: str) -> None:
+def choose_kernel(isa: str | None, activations: str | None) -> None:
     """Run this process's quantized layers on build ``isa`` (None: the default) with
-    ``activations`` (int16, int8 or fp32)."""
-    if activations not in ACTIVATIONS:
+    ``activations`` (int8, int16 or fp32; None: ``WEFT_QUANT_ACTIVATIONS``, read at next use)."""
+    if activations is not None and activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}.")
     _KERNEL.isa, _KERNEL.activations, _KERNEL._compiled = isa, activations, None
 
