@@ -1,6 +1,6 @@
 """What a dense copy's (or the KV cache's) rounding costs: mean negative log likelihood of text, per setting.
 
-    python scripts/copy_likelihood.py --settings dequantized packed packed-int8   # the packed default
+    python scripts/copy_likelihood.py --settings dequantized packed packed-int16   # the packed default
     python scripts/copy_likelihood.py                       # fp32, bf16 copy, int8 copy
     python scripts/copy_likelihood.py --settings bf16 int8 --chars 6000 README.md docs/architecture.md
     python scripts/copy_likelihood.py --settings bf16 int8-kv --greedy 128   # the int8 KV cache
@@ -33,9 +33,10 @@ from pathlib import Path
 SETTINGS = {
     # The GGUF dequantized to fp32 at load: the oracle the packed default is held to (+0.01 nats).
     "dequantized": {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "model"},
-    # The defaults: packed weights alone, activations rounded to int16 per group (or int8, opt-in).
+    # The defaults: packed weights alone, activations rounded to int8 per group (or int16, opt-in).
     "packed": {"kv_cache_dtype": "model"},
     "packed-int8": {"kv_cache_dtype": "model", "activations": "int8"},
+    "packed-int16": {"kv_cache_dtype": "model", "activations": "int16"},
     "fp32": {"dtype": "float32"},
     # "model": the bf16 copy alone (dense_copy_dtype auto adds the int8 copy on some CPUs), and the
     # KV cache in bf16 (kv_cache_dtype auto makes it int8 on CPU).

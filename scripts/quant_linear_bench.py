@@ -9,10 +9,10 @@ inputs and prints the best of ``--repeats`` times of each variant:
 - ``old``: the quantized model on the AVX2 build with fp32 activations (the
   kernel before int8 activations),
 - ``int16``: the default build (AVX-512 VNNI where the CPU has it) with
-  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, the default),
+  int16 activations (``WEFT_QUANT_ACTIVATIONS=int16``, opt-in),
 - ``i16rw``: the same, one row of x taken against W row by row (the loop
   before batch-1 steps took four weight rows at a time),
-- ``int8``: the default build with int8 activations (opt-in),
+- ``int8``: the default build with int8 activations (the default),
 - ``dense``: the dequantized model through the oneDNN-packed fp32 weights the
   CPU worker uses.
 

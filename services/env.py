@@ -71,9 +71,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
-        "int16 (default), int8 or fp32: the activations of the quantized matmul rounded to int16 or int8 "
-        "per weight group, which makes the decode matmul integer dot products (int8 is fastest but off "
-        "the greedy-parity tests), or kept fp32 (exact up to the order of sums) "
+        "int8 (default), int16 or fp32: the activations of the quantized matmul rounded to int8 or int16 "
+        "per weight group, which makes the matmul integer dot products at every row count (int8 is fastest, "
+        "int16 half as fast and closer to fp32), or kept fp32 (exact up to the order of sums) "
         "(services/worker/layers/quantized_linear.py).",
     ),
     EnvVar(

@@ -44,6 +44,6 @@ def test_int8_copy_costs_little_likelihood(prompts):
         finally:
             llm.shutdown()
     # Measured: 3.570 (bf16 copy) and 3.578 (int8) nats a token here, 3.617 without the
-    # Hadamard rotation (README "int8 dense copy"). A wrong scale costs whole nats.
+    # Hadamard rotation (docs/cpu-backend.md, "int8 dense copy"). A wrong scale costs whole nats.
     assert nll["model"] < 5.0
     assert abs(nll["int8"] - nll["model"]) < 0.03, nll

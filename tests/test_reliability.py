@@ -6,8 +6,8 @@ test spends its time on faults, not on matrix products), in this order:
 1. a chaos soak (``services.bench.soak``): random clients for 60 s while an
    engine core is SIGKILLed every 15 s (the issue's size) -- nothing lost, no
    error outside the chaos windows, no KV block leaked, every killed rank
-   back and serving (the 10-minute run with ``weft bench soak`` is in the
-   README);
+   back and serving (the 10-minute run with ``weft bench soak`` is in
+   benchmarks/results/2026-11-30-soak.md);
 2. SIGTERM to one engine core during streams: every stream still completes,
    and the rank comes back;
 3. SIGTERM to the API during 32 streams: each ends with its full output or

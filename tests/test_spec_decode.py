@@ -183,7 +183,7 @@ def test_stop_strings_cut_the_accepted_run(spec: LLM, prompts, reference) -> Non
 
 
 # A verify step's attention differs from a decode step's by ~1e-6; with the packed weights'
-# activations rounded to int16 (the default) that can move a value across a rounding step,
+# activations rounded to int8 (the default) or int16 that can move a value across a rounding step,
 # which reaches the logprobs as ~1e-3. Wrong positions or tokens would be off by far more.
 LOGPROB_TOLERANCE = {"fp32": 1e-3, "int16": 3e-3, "int8": 3e-2}
 

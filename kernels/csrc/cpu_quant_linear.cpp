@@ -17,15 +17,18 @@
 // has the same bits whatever other rows share the call (prefill chunks,
 // speculative verify steps, other requests). They serve every row count.
 //
-// quant_linear_i8 (as llama.cpp does it): each
-// row of x is rounded to int8 per group of G (one fp32 scale, amax / 127), then
-// every group is one integer dot product of 32 int8 pairs (VNNI vpdpbusd, or
-// AVX2 maddubs + madd) and one fp32 FMA by the two scales. The int4 min term is
-// folded: sum_j x_j (q_j s + m) = s * sum_j x_j q_j + m * sum_j x_j, with the
-// group sums of the rounded x computed once per call. The weights are read once per
-// call, packed, in registers; nothing is stored. Numerics: x is rounded to
-// int8 (an error of up to amax / 254 per element); the rest is exact integer
-// arithmetic and fp32 sums in another order than the twin's.
+// quant_linear_i8 (as llama.cpp does it; weft's default): each row of x is rounded to int8 per
+// group of G (one fp32 scale, amax / 127), then every block of 32 is one integer dot product of
+// 32 int8 pairs (VNNI vpdpbusd, or AVX2 maddubs + madd) and one fp32 FMA by the product of the
+// two scales. The int4 min term is folded: sum_j x_j (q_j s + m) = s * sum_j x_j q_j + m * sum_j
+// x_j, with the group sums of the rounded x computed once per call. It runs in register tiles of
+// weight rows by rows of x (tile_i8_int4, tile_i8_int8): 4 x 1 at batch 1 (each x block loaded
+// once for four weight rows), 2 x 4 and 4 x 2 above, each (x row, weight row) pair with its own
+// accumulator and the same operations in the same order in every tile shape. fp16 scales and
+// mins are converted in registers as they are read. The weights are read once per block of x
+// rows, packed; nothing is stored. Numerics: x is rounded to int8 (an error of up to amax / 254
+// per element); the rest is exact integer arithmetic and fp32 sums in another order than the
+// twin's.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
 // vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
@@ -52,6 +55,8 @@
 #include <vector>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -550,82 +555,6 @@ inline __m256 halves(float lo, float hi) {
   return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lo)), _mm_set1_ps(hi), 1);
 }
 
-// out[r * ldo] = dot(x[m0 + r], W[n]) for R rows of x: per block of 32, one integer dot and
-// one FMA by the product of the weight's and x's scales; two accumulators per row of x hide
-// the FMA latency. G is the weight's group (int4: 32).
-template <int R, bool kInt4, int G>
-void dot_row_i8(const Packed& w, const RowScales& rs, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
-  __m256 acc[R][2];
-  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = rs.s;
-  const uint8_t* q = w.qweight + n * w.row_bytes;
-  const int64_t whole = w.K / kBlock;  // blocks of 32 inside K; one half block may follow (int8, G 16)
-  auto step = [&](int64_t b, int slot, bool half) {
-    __m256i u, sgn;
-    if constexpr (kInt4) {
-      u = int4_block(q + b * (kBlock / 2));
-    } else {
-      const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
-      sgn = half ? _mm256_inserti128_si256(_mm256_setzero_si256(),
-                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
-                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
-      u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
-    }
-    __m256 ws;
-    if constexpr (G == 16) ws = halves(sw[2 * b], half ? 0.f : sw[2 * b + 1]);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
-      const __m256i dot = kInt4 ? dot_u8s8(u, xv) : dot_u8s8(u, _mm256_sign_epi8(xv, sgn));
-      const float* xs = a.srow(m0 + r);
-      __m256 scale;
-      if constexpr (G == 16) {
-        scale = _mm256_mul_ps(ws, halves(xs[2 * b], xs[2 * b + 1]));
-      } else {
-        scale = _mm256_set1_ps(sw[b] * xs[b]);
-      }
-      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
-    }
-  };
-  int64_t b = 0;
-  if constexpr (kInt4) {
-    // Two blocks per step: their 32 bytes unpack to the low nibbles of both (elements 0-15
-    // of each) and the high ones (16-31), which a.paired holds x in the order of.
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    auto pair_step = [&](int64_t p, int slot) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * kBlock));
-      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-      const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sw + 2 * p)));
-      const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xp = a.paired_row(m0 + r) + p * 2 * kBlock;
-        const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)), hi,
-                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kBlock)));
-        const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(a.lanes_row(m0 + r) + p * 8));
-        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][slot]);
-      }
-    };
-    const int64_t pairs = whole / 2;
-    int64_t p = 0;
-    for (; p + 2 <= pairs; p += 2) {
-      pair_step(p, 0);
-      pair_step(p + 1, 1);
-    }
-    if (p < pairs) pair_step(p, 0);
-    b = 2 * pairs;
-  }
-  for (; b + 2 <= whole; b += 2) {
-    step(b, 0, false);
-    step(b + 1, 1, false);
-  }
-  if (b < whole) step(b++, 0, false);
-  if (b < a.blocks) step(b, 1, true);
-  for (int r = 0; r < R; ++r) {
-    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(rs.m, a.sums.data() + (m0 + r) * w.groups, w.groups);
-    out[r * ldo] = total;
-  }
-}
 #endif
 
 // The same sums in plain loops (targets without AVX2).
@@ -663,20 +592,257 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-template <bool kInt4, int G>
-void rows_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
-  const RowScales rs(w, n);
-  const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
-  prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
-  prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
-  if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
-  int64_t m = m0;
-  for (; m + 4 <= M; m += 4) dot_row_i8<4, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo);
-  switch (M - m) {
-    case 3: dot_row_i8<3, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    case 2: dot_row_i8<2, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    case 1: dot_row_i8<1, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    default: break;
+#endif
+
+#ifdef WEFT_AVX2
+// ---- int4 weights against int8 activations in register tiles (quant_linear_i8's int4 path) ----
+//
+// A tile is RW weight rows by RX rows of x. Per pair of 32-blocks, each weight row's 32 bytes
+// are unpacked once (low and high nibbles) for all RX rows of x, and each row of x's paired
+// blocks (ActInt8::paired) are read once for all RW weight rows: RW * RX integer dots, each
+// with one FMA by the product of the two scales into that (weight row, x row)'s own
+// accumulator. Every (weight row, x row) pair runs the same operations in the same order
+// whatever tile it falls in: one accumulator, pairs of blocks in order, a lone last block,
+// then one horizontal sum plus the min term. So a row's output does not depend on the tile
+// shape, on M, or on the other rows of x (batch invariance).
+
+// Scales and mins are read where they lie, fp16 (the 32-element GGUF formats) or fp32 (the K
+// formats), and converted in registers: exact either way, so both give the same bits.
+template <bool kHalf>
+struct Int4Scales {
+  const void* s;
+  const void* m;
+  // Pair p's two block scales as lanes 0-3 (block 2p) and 4-7 (block 2p + 1).
+  __m256 pair(int64_t p) const {
+    __m128 two;
+    if constexpr (kHalf) {
+      int32_t bits;
+      std::memcpy(&bits, static_cast<const uint16_t*>(s) + 2 * p, 4);
+      two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    } else {
+      two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const float*>(s) + 2 * p)));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  // The scales of blocks b..b + 7, in order.
+  __m256 eight(int64_t b) const {
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s) + b)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(s) + b);
+    }
+  }
+  float scale(int64_t b) const {
+    return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
+                 : static_cast<const float*>(s)[b];
+  }
+  // sum over groups of min[g] * xsums[g]: eight lanes of FMAs, one horizontal sum, then the rest in order.
+  float min_term(const float* xsums, int64_t groups) const {
+    int64_t g = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+      __m256 mv;
+      if constexpr (kHalf) {
+        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
+      } else {
+        mv = _mm256_loadu_ps(static_cast<const float*>(m) + g);
+      }
+      acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsums + g), acc);
+    }
+    float total = hsum(acc);
+    for (; g < groups; ++g) {
+      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
+                             : static_cast<const float*>(m)[g];
+      total = std::fma(mg, xsums[g], total);
+    }
+    return total;
+  }
+};
+
+template <bool kHalf>
+Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
+  return {w.scale_row(n), w.min_row(n)};
+}
+
+template <int RW, int RX, bool kHalf>
+void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const int64_t groups = w.groups, pairs = groups / 2;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const uint8_t* q[RW];
+  Int4Scales<kHalf> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    sc[i] = int4_scales<kHalf>(w, n + i);
+  }
+  const int8_t* xp[RX];
+  const float* xl[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xl[r] = a.lanes_row(m0 + r);
+  }
+  // One pair of blocks for every (weight row, x row) of the tile, the scale products given.
+  auto pair_step = [&](int64_t p, auto&& scale_of) {
+    for (int i = 0; i < RW; ++i) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
+      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      for (int r = 0; r < RX; ++r) {
+        const int8_t* x = xp[r] + p * 2 * kBlock;
+        const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), hi,
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock)));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale_of(i, r), acc[i][r]);
+      }
+    }
+  };
+  // Four pairs at a time: the eight blocks' scales of each weight row and each x row loaded as one
+  // vector, multiplied once, and each pair's two products spread over its lanes by a permute. The
+  // products are the same floats the one-pair steps below make: only the route differs.
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {
+    __m256 ws8[RW], xs8[RX];
+    for (int i = 0; i < RW; ++i) ws8[i] = sc[i].eight(2 * p);
+    for (int r = 0; r < RX; ++r) xs8[r] = _mm256_loadu_ps(a.srow(m0 + r) + 2 * p);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+      pair_step(p + j, [&](int i, int r) { return _mm256_permutevar8x32_ps(_mm256_mul_ps(ws8[i], xs8[r]), spread); });
+    }
+  }
+  for (; p < pairs; ++p) {
+    __m256 ws[RW];
+    for (int i = 0; i < RW; ++i) ws[i] = sc[i].pair(p);
+    pair_step(p, [&](int i, int r) { return _mm256_mul_ps(ws[i], _mm256_loadu_ps(xl[r] + p * 8)); });
+  }
+  if (groups % 2) {
+    const int64_t b = groups - 1;
+    for (int i = 0; i < RW; ++i) {
+      const __m256i u = int4_block(q[i] + b * (kBlock / 2));
+      const __m256 ws = _mm256_set1_ps(sc[i].scale(b));
+      for (int r = 0; r < RX; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
+        const __m256 xs = _mm256_set1_ps(a.srow(m0 + r)[b]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_mul_ps(ws, xs), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) {
+      out[r * ldo + i] = hsum(acc[i][r]) + sc[i].min_term(a.sums.data() + (m0 + r) * groups, groups);
+    }
+  }
+}
+
+// The int8 layout in the same tiles: per block of 32, a weight row's bytes loaded once (their
+// magnitudes for maddubs, their signs moved onto x), one integer dot per (weight row, x row) and
+// one FMA by the product of the scales (per half block where the group is 16). A half block at
+// the end (K a multiple of 16 only) reads x's zero padding.
+template <bool kHalf, int G>
+struct Int8Scales {
+  const void* s;
+  // Block b's scale in all lanes (G 32), or group 2b's in lanes 0-3 and 2b + 1's in 4-7 (G 16;
+  // the second 0 in a half block, whose x lanes are zero).
+  __m256 block(int64_t b, bool half) const {
+    if constexpr (G == 32) {
+      if constexpr (kHalf) {
+        return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<const uint16_t*>(s)[b])));
+      } else {
+        return _mm256_broadcast_ss(static_cast<const float*>(s) + b);
+      }
+    } else {
+      float lo, hi;
+      if constexpr (kHalf) {
+        const uint16_t* h = static_cast<const uint16_t*>(s);
+        const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(h[2 * b] | (half ? 0 : int32_t{h[2 * b + 1]} << 16)));
+        lo = _mm_cvtss_f32(two);
+        hi = _mm_cvtss_f32(_mm_movehdup_ps(two));
+      } else {
+        lo = static_cast<const float*>(s)[2 * b];
+        hi = half ? 0.f : static_cast<const float*>(s)[2 * b + 1];
+      }
+      return halves(lo, hi);
+    }
+  }
+};
+
+template <int RW, int RX, bool kHalf, int G>
+void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const int8_t* q[RW];
+  Int8Scales<kHalf, G> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
+    sc[i] = {w.scale_row(n + i)};
+  }
+  const int64_t whole = w.K / kBlock;
+  auto step = [&](int64_t b, bool half) {
+    for (int i = 0; i < RW; ++i) {
+      const int8_t* qb = q[i] + b * kBlock;
+      const __m256i sgn = half ? _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+      const __m256i u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      const __m256 ws = sc[i].block(b, half);
+      for (int r = 0; r < RX; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
+        const float* xs = a.srow(m0 + r);
+        __m256 scale;
+        if constexpr (G == 16) {
+          scale = _mm256_mul_ps(ws, halves(xs[2 * b], xs[2 * b + 1]));
+        } else {
+          scale = _mm256_mul_ps(ws, _mm256_broadcast_ss(xs + b));
+        }
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, _mm256_sign_epi8(xv, sgn))), scale, acc[i][r]);
+      }
+    }
+  };
+  for (int64_t b = 0; b < whole; ++b) step(b, false);
+  if (whole < a.blocks) step(whole, true);
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
+  }
+}
+
+// One tile of RW weight rows by RX rows of x, in the layout's kernel.
+template <int RW, int RX, bool kInt4, bool kHalf, int G>
+inline void tile_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+  if constexpr (kInt4) {
+    tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo);
+  } else {
+    tile_i8_int8<RW, RX, kHalf, G>(w, n, a, m0, out, ldo);
+  }
+}
+
+// Weight rows [begin, end) against rows [m0, m1) of x, four weight rows at a time:
+// four rows of x as two tiles of 2 x 4 (eight accumulators), then two rows as 4 x 2, the last
+// one as 4 x 1 (a batch-1 decode step: each x block loaded once for four weight rows). Weight
+// rows past a multiple of four go one at a time. Rows of W kPrefetchRows ahead are prefetched
+// (the hardware prefetcher alone leaves a batch-1 step short of the read bandwidth).
+template <bool kInt4, bool kHalf, int G>
+void rows_i8_tiles(const Packed& w, int64_t begin, int64_t end, const ActInt8& a, int64_t m0, int64_t m1, float* op,
+                   int64_t ldo) {
+  auto tile = [&](auto rw, auto rx, int64_t n, int64_t m) {
+    tile_i8<decltype(rw)::value, decltype(rx)::value, kInt4, kHalf, G>(w, n, a, m, op + m * ldo + n, ldo);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  int64_t n = begin;
+  for (; n + 4 <= end; n += 4) {
+    const int64_t ahead = std::min(n + kPrefetchRows, w.N - 4);
+    prefetch_bytes(w.qweight + ahead * w.row_bytes, 4 * w.row_bytes);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+      tile(Two{}, Four{}, n, m);
+      tile(Two{}, Four{}, n + 2, m);
+    }
+    for (; m + 2 <= m1; m += 2) tile(Four{}, Two{}, n, m);
+    if (m < m1) tile(Four{}, One{}, n, m);
+  }
+  for (; n < end; ++n) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile(One{}, Four{}, n, m);
+    for (; m < m1; ++m) tile(One{}, One{}, n, m);
   }
 }
 #endif
@@ -701,20 +867,24 @@ void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
-      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-        if (w.int4()) {
-          rows_i8<true, 32>(w, n, a, m0, m1, op, ldo);
-        } else if (group_size == 32) {
-          rows_i8<false, 32>(w, n, a, m0, m1, op, ldo);
-        } else {
-          rows_i8<false, 16>(w, n, a, m0, m1, op, ldo);
-        }
+      const bool half = w.scales_h != nullptr;
+      if (w.int4()) {
+        half ? rows_i8_tiles<true, true, 32>(w, begin, end, a, m0, m1, op, ldo)
+             : rows_i8_tiles<true, false, 32>(w, begin, end, a, m0, m1, op, ldo);
+      } else if (group_size == 32) {
+        half ? rows_i8_tiles<false, true, 32>(w, begin, end, a, m0, m1, op, ldo)
+             : rows_i8_tiles<false, false, 32>(w, begin, end, a, m0, m1, op, ldo);
+      } else {
+        half ? rows_i8_tiles<false, true, 16>(w, begin, end, a, m0, m1, op, ldo)
+             : rows_i8_tiles<false, false, 16>(w, begin, end, a, m0, m1, op, ldo);
+      }
 #else
+      for (int64_t n = begin; n < end; ++n) {
         const RowScales rs(w, n);
         for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, rs, n, a, m, op + m * ldo + n);
-#endif
       }
+#endif
     }
   });
 }

@@ -241,7 +241,7 @@ def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fmt):
-    """WEFT_QUANT_ACTIVATIONS: the int16 or int8 kernel (their twin's numbers; unset means int16)
+    """WEFT_QUANT_ACTIVATIONS: the int8 or int16 kernel (their twin's numbers; unset means int8)
     at every row count, so a row's result has the same bits whatever rows share its step; or fp32."""
     from kernels.reference import quant_linear_i8_ref
     from services.worker.layers import quantized_linear
@@ -257,7 +257,7 @@ def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fm
     for activations, dtype in (
         ("int8", torch.int8),
         ("int16", torch.int16),
-        ("", torch.int16),
+        ("", torch.int8),
         ("fp32", None),
     ):
         monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", activations)
@@ -277,7 +277,7 @@ def test_a_bad_activations_setting_is_refused_by_name(monkeypatch):
 
     monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "int4")
     with pytest.raises(
-        ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int16, int8, fp32, got 'int4'"
+        ValueError, match="WEFT_QUANT_ACTIVATIONS must be one of int8, int16, fp32, got 'int4'"
     ):
         quantized_linear.activations_from_env()
     with pytest.raises(ValueError, match="activations must be one of"):
