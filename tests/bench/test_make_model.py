@@ -220,6 +220,7 @@ def test_the_vllm_checkpoint_is_the_same_model(
     assert again == tmp_path / "checkpoints" / "tiny-llama-bfloat16" and not logged  # reused
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_weft_greedy_matches_transformers(tiny_files: dict[str, Path], shape: str) -> None:
     """weft (dequantized, fp32) and transformers read the file as the same model: the same greedy tokens."""

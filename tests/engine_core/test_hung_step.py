@@ -16,6 +16,7 @@ import threading
 import time
 
 import msgspec
+import pytest
 import zmq
 
 from protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, SamplingParams
@@ -27,6 +28,8 @@ from services.engine_core.core import EngineCore
 from services.engine_core.proc import EngineCoreProc
 from services.worker.multiproc_executor import MultiprocExecutor
 from tests.worker.executor_fakes import FAKE_WORKER, fake_config
+
+pytestmark = pytest.mark.slow
 
 DEADLINE_S = 60.0
 STUCK_S = 1.0  # heartbeats come every 0.5 s: a step this old is well past one

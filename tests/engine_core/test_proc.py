@@ -29,6 +29,8 @@ from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello,
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, rank_identity, recv, send
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 
+pytestmark = pytest.mark.slow
+
 RANK = 1
 NUM_BLOCKS = 64
 DEADLINE_S = 60.0  # engine start-up on two busy cores

@@ -46,6 +46,8 @@ from services.engine_core.proc import _decode_request
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.utils import KeepingContext
 
+pytestmark = pytest.mark.slow
+
 RANK = 1
 DEADLINE_S = 60.0  # engine start-up on two busy cores
 QUIET_MS = 800  # how long a refused peer gets to push a message through

@@ -38,6 +38,8 @@ from tests.kv_transfer.pd_stack import MODEL, PDStack
 from tests.polling import wait_for
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 BS = 16
 MAX_TOKENS = 10

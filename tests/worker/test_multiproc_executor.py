@@ -18,6 +18,8 @@ from protocol import CachedRequestData, SchedulerOutput
 from services.worker.multiproc_executor import MultiprocExecutor, WorkerFailedError, worker_config
 from tests.worker.executor_fakes import FAKE_WORKER, fake_config
 
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Deadline after which a step or a shutdown counts as hung; what is checked is
 # that it ends at all (the failure comes from the dead rank's sentinel).
