@@ -171,3 +171,57 @@ def test_the_check_sees_a_starter_through_a_helper_and_a_fixture(tmp_path: Path)
     ]
     module.write_text("import pytest\npytestmark = [pytest.mark.slow]\n" + module.read_text())
     assert unmarked_starters(module) == []
+
+
+CLOCKS = frozenset({"monotonic", "time", "perf_counter", "monotonic_ns", "time_ns"})
+
+
+def deadline_loops(path: Path) -> list[str]:
+    """The ``while`` loops of ``path`` that keep a deadline of their own: a clock read, or a
+    name holding a deadline, compared in the loop's condition or its body."""
+
+    def keeps_time(node: ast.AST) -> bool:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and _called_name(n) in CLOCKS and "time" in ast.unparse(n.func):
+                return True
+            if isinstance(n, ast.Name) and "deadline" in n.id.lower():
+                return True
+        return False
+
+    found = []
+    for loop in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.While)):
+        compares = [n for n in ast.walk(loop) if isinstance(n, ast.Compare)]
+        if keeps_time(loop.test) or any(keeps_time(c) for c in compares):
+            where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path.name
+            found.append(f"{where}:{loop.lineno}")
+    return found
+
+
+def test_tests_wait_through_polling_not_deadline_loops_of_their_own() -> None:
+    loops = [
+        loop
+        for path in sorted(TESTS.rglob("*.py"))
+        if path != TESTS / "polling.py"
+        for loop in deadline_loops(path)
+    ]
+    assert not loops, f"wait with tests/polling.py (wait_for, wait_until, keep_for) instead: {loops}"
+
+
+def test_the_check_sees_both_shapes_of_deadline_loop(tmp_path: Path) -> None:
+    module = tmp_path / "test_example.py"
+    module.write_text(
+        "import time\n"
+        "def a(ready):\n"
+        "    deadline = time.monotonic() + 5\n"
+        "    while time.monotonic() < deadline:\n"
+        "        if ready():\n"
+        "            return\n"
+        "def b(ready):\n"
+        "    end = time.time() + 5\n"
+        "    while not ready():\n"
+        "        assert time.time() < end\n"
+        "def c(queue):\n"
+        "    while queue:\n"
+        "        queue.pop()\n"
+    )
+    assert deadline_loops(module) == ["test_example.py:4", "test_example.py:9"]
