@@ -38,6 +38,12 @@ ONE_SHOT_WORDS = ("--help", "--version")
 STARTING_FIXTURES = frozenset({"default_server", "hf_default_model", "smollm_runner"})
 
 
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    """One parse per file's text, for both checks."""
+    return ast.parse(source)
+
+
 def _called_name(call: ast.Call) -> str | None:
     func = call.func
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
@@ -93,7 +99,7 @@ def _module_marked_slow(tree: ast.Module) -> bool:
 def unmarked_starters(path: Path) -> list[str]:
     """The tests of ``path`` that start a process (themselves, through a helper or a fixture)
     and are not marked slow, each with what it starts."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     if _module_marked_slow(tree):
         return []
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
@@ -189,7 +195,7 @@ def deadline_loops(path: Path) -> list[str]:
         return False
 
     found = []
-    for loop in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.While)):
+    for loop in (n for n in ast.walk(_parse(path.read_text())) if isinstance(n, ast.While)):
         compares = [n for n in ast.walk(loop) if isinstance(n, ast.Compare)]
         if keeps_time(loop.test) or any(keeps_time(c) for c in compares):
             where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path.name
