@@ -82,7 +82,7 @@ test: install-dev model model-gemma3
 	$(PY) -m pytest -q
 
 # The edit-test loop: tests that start no model process (under 2 minutes).
-# `slow` is assigned in tests/conftest.py (SLOW) or by @pytest.mark.slow.
+# `slow`: modules that start engines, servers or stacks mark themselves (pytestmark = pytest.mark.slow).
 test-fast: install-dev model
 	$(PY) -m pytest -q -m "not slow"
 

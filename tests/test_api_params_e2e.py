@@ -20,6 +20,8 @@ import pytest
 from services.api.tokenizer import Tokenizer
 from services.model_files import resolve
 
+pytestmark = pytest.mark.slow
+
 MODEL = resolve(None)
 PROMPT = "The capital of France is"
 

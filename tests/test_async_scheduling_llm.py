@@ -14,6 +14,8 @@ from services import LLM
 from tests.text_corpus import prompt_of_length
 from tests.utils import recorded_steps
 
+pytestmark = pytest.mark.slow
+
 # (length, offset) into the corpus; two share a long prefix.
 PROMPT_SHAPES = [(9, 300), (40, 500), (150, 700), (300, 0), (220, 0), (70, 900)]
 

@@ -21,6 +21,8 @@ from services.worker.gguf_weights import GGUFCheckpoint
 from services.worker.model_loader import load_model, weight_bytes
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CODE = (

@@ -19,6 +19,8 @@ from services.api.limits import DEFAULT_MAX_PROMPTS
 from services.api.tokenizer import Tokenizer
 from services.model_files import resolve
 
+pytestmark = pytest.mark.slow
+
 MODEL = resolve(None)
 HIDDEN_SIZE = MODEL.hf_config()["hidden_size"]
 TEXTS = ["The capital of France is Paris.", "Bananas are yellow.", "Paris is the capital of France."]

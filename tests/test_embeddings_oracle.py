@@ -19,6 +19,8 @@ from services import LLM
 from services.api.tokenizer import Tokenizer
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 MAX_COSINE_DISTANCE = 1e-4
 
 

@@ -29,6 +29,8 @@ from tests.polling import wait_healthy
 from tests.text_corpus import prompt_of_length
 from tests.utils import GreedyOracle, gguf_parsed_once, recorded_steps
 
+pytestmark = pytest.mark.slow
+
 GGUF = models_dir() / "gemma-3-270m-q4_k_m.gguf"
 NEW_TOKENS = 16
 # (length, offset) into the corpus: two prompts longer than the window, sharing a long

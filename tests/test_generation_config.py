@@ -22,6 +22,8 @@ from tests.api.fake_engine_client import (
     openai_client,
 )
 
+pytestmark = pytest.mark.slow
+
 
 def write(folder, name, value) -> None:
     folder.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,8 @@ from tests.api.test_app_fuzz import FIELDS, MODEL_NAME, field_changes, json_valu
 from tests.polling import wait_for
 from tests.tiny_model import build_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 KEYS = ["first-key", "second-key"]
 MAX_NUM_SEQS = MAX_WAITING = 4
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING

@@ -15,6 +15,8 @@ from services import LLM
 from services.api.tokenizer import Tokenizer
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 
 def mean_nll(llm: LLM, prompts: list[list[int]]) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

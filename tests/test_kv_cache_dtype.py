@@ -79,6 +79,7 @@ def prompts(default_model) -> list[list[int]]:
     return [prompt_of_length(tokenizer, 400, offset) for offset in (0, 300, 600)]
 
 
+@pytest.mark.slow  # the real model, twice: its likelihood of real text is the measure
 def test_an_int8_cache_holds_1_9_times_the_tokens_at_no_measurable_likelihood_cost(prompts):
     nll, block_bytes, texts = {}, {}, {}
     greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)

@@ -15,6 +15,8 @@ from services import LLM
 from tests.text_corpus import prompt_of_length
 from tests.utils import GreedyOracle, recorded_steps
 
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 32
 # (length, offset) into the corpus: prompts 3, 4 and 6 start at offset 0,
 # so they share long prefixes (many full blocks) with each other.

@@ -25,6 +25,8 @@ from services.stack import Stack
 from tests.polling import wait_until
 from tests.test_monitoring import dashboard_metric_names, served_sample_names
 
+pytestmark = pytest.mark.slow
+
 KEY = "mgmt-key"
 NAMES = ["smol", "smol-alias"]
 ADMIN_KEY = "mgmt-admin-key"

@@ -25,6 +25,8 @@ from services.model_files import models_dir, resolve
 from services.ports import free_port
 from tests.polling import wait_healthy
 
+pytestmark = pytest.mark.slow
+
 GEMMA3 = models_dir() / "gemma-3-270m-q4_k_m.gguf"
 # The default model's KV block in fp32: K and V x 128 tokens x 3 KV heads x 64 x 4 bytes x 30 layers.
 DEFAULT_FP32_BLOCK_BYTES = 2 * 128 * 3 * 64 * 4 * 30

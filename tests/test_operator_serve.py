@@ -20,6 +20,8 @@ from services.stack import Stack
 from tests.api.fake_engine_client import make_app
 from tests.polling import wait_for
 
+pytestmark = pytest.mark.slow
+
 KEY = "operator-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://app.example"

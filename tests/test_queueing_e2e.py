@@ -19,6 +19,8 @@ import pytest
 from services import model_files
 from services.stack import Stack
 
+pytestmark = pytest.mark.slow
+
 BURST = 256
 DEADLINE_S = 600
 

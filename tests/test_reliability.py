@@ -33,6 +33,8 @@ from services.bench.soak import SoakConfig, run_soak
 from services.stack import Stack
 from tests.tiny_model import build_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 SHUTDOWN_TIMEOUT_S = 2.0
 # The tiny model's steps take milliseconds: a step this long is hung.

@@ -12,6 +12,8 @@ import pytest
 from services import model_files
 from services.stack import Stack
 
+pytestmark = pytest.mark.slow
+
 MODEL = model_files.resolve(None)
 KEYS = ("tenant-a-key", "tenant-b-key")
 WEATHER = {

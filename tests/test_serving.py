@@ -34,6 +34,8 @@ from services.model_files import resolve
 from services.ports import free_port
 from tests.polling import wait_for, wait_healthy
 
+pytestmark = pytest.mark.slow
+
 MODEL = resolve(None)
 STARTUP_DEADLINE_S = 180.0
 ENGINE_ARGS = ["--dtype", "float32", "--max-num-batched-tokens", "512"]

@@ -19,6 +19,8 @@ from services import LLM, model_files
 from services.api.tokenizer import Tokenizer
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 WINDOW = 16
 NEW_TOKENS = 24
 PROMPT_SHAPES = [(12, 300), (90, 0), (150, 500), (60, 0), (130, 0), (40, 900)]

@@ -17,6 +17,8 @@ from protocol import SamplingParams
 from services import LLM
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 32
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 CODE = (

@@ -15,6 +15,8 @@ import pytest
 
 from services import LLM, SamplingParams, StructuredOutputsParams
 
+pytestmark = pytest.mark.slow
+
 REVIEWS = [
     "I loved every minute of it.",
     "Terrible, a waste of money.",

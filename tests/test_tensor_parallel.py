@@ -37,6 +37,8 @@ from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from tests.polling import wait_for, wait_healthy
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 DEFAULT = model_files.resolve(None)
 # Small, fixed KV cache (no profiling) and a 64-token step budget, so
 # 200-token prompts prefill in chunks.

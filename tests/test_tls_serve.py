@@ -19,6 +19,8 @@ from cryptography.x509.oid import NameOID
 
 from services.stack import Stack
 
+pytestmark = pytest.mark.slow
+
 
 def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for ``name`` and 127.0.0.1, and its key: (cert, key) PEM files."""

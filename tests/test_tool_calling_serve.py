@@ -17,6 +17,8 @@ import pytest
 
 from services.model_files import resolve
 
+pytestmark = pytest.mark.slow
+
 MODEL = resolve(None)
 WEATHER = {
     "type": "object",

@@ -54,7 +54,7 @@ from tests.api.dp_requests import collect, make_request
 from tests.engine_core.fakes import make_config
 from tests.polling import wait_until
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 RANK = 0
 WAIT_S = 10.0

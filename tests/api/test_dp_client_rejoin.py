@@ -25,7 +25,7 @@ from tests.api.dp_requests import collect, make_request
 from tests.polling import wait_until
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 START_S = 90.0  # engine start-up on two busy cores
 

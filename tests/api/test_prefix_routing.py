@@ -27,7 +27,7 @@ from tests.api.dp_requests import collect
 from tests.polling import wait_until
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 NUM_BLOCKS = 64
 BLOCK = 16

@@ -19,6 +19,8 @@ from protocol import StructuredOutputsParams
 from services.model_files import resolve
 from tests.api.fake_engine_client import MODEL_NAME, make_app, openai_client
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -118,6 +118,7 @@ _SERVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_server_rendering_an_endless_template():
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], env=os.environ.copy())

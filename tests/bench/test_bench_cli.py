@@ -12,6 +12,8 @@ from services.bench import cli, throughput
 from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
+pytestmark = pytest.mark.slow
+
 FIGURES = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
 
 

@@ -14,6 +14,8 @@ from services.bench import cli
 from services.bench.serve import serve_argv
 from services.config.engine_args import EngineArgs
 
+pytestmark = pytest.mark.slow
+
 
 def test_end_to_end_serve_bench_on_smoke8(
     tmp_path: Path, workloads_dir: Path, capsys: pytest.CaptureFixture[str]

@@ -12,6 +12,8 @@ from services.bench import cli, spec_decode, throughput
 from services.bench.throughput import BenchResult
 from services.bench.workload import Workload
 
+pytestmark = pytest.mark.slow
+
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
 

@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import jsonschema
+import pytest
 
 from services.bench import cli
 from services.bench.structured import BENCH_SCHEMA
+
+pytestmark = pytest.mark.slow
 
 
 def test_structured_bench_on_smoke8(tmp_path: Path, workloads_dir: Path, capsys) -> None:

@@ -12,6 +12,8 @@ from services.bench import cli, hf_baseline
 from services.bench.compare import run_hf_continuous, spread_subset
 from services.bench.workload import load_workload
 
+pytestmark = pytest.mark.slow
+
 
 def test_end_to_end_compare(
     tmp_path: Path,

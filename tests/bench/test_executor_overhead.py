@@ -9,6 +9,8 @@ import pytest
 from services.bench import cli
 from services.bench.executor_overhead import decode_step, format_executor_bench, run_executor_bench
 
+pytestmark = pytest.mark.slow
+
 
 def test_decode_steps_look_like_the_schedulers():
     step = decode_step(32, 0)

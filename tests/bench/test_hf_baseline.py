@@ -15,6 +15,8 @@ import pytest
 from services.bench.hf_baseline import generate_batch, run_hf_baseline
 from services.bench.workload import Workload, load_workload
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hf_model(hf_default_model) -> Any:

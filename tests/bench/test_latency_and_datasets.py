@@ -14,6 +14,7 @@ from services.bench.datasets import default_tokenizer, load_any, load_sharegpt, 
 TINY_ENGINE = ["--dtype", "float32", "--num-threads", "1", "--max-num-batched-tokens", "64", "--quiet"]
 
 
+@pytest.mark.slow
 def test_end_to_end_latency(tmp_path: Path) -> None:
     out = tmp_path / "latency.json"
     argv = [
@@ -47,6 +48,7 @@ def test_end_to_end_latency(tmp_path: Path) -> None:
     assert report["ttft_ms"]["mean"] < report["batch_latency_ms"]["mean"]
 
 
+@pytest.mark.slow
 def test_end_to_end_throughput_on_random_prompts(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [

@@ -61,6 +61,7 @@ def shapes(monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_step_phases_on_a_tiny_model(llm, shapes):
     decode, prefill = step_phases.measure_shapes(llm, ["decode-4", "prefill-64"], rounds=2)
     assert decode["steps"] == 6 and decode["tokens"] == 4 * 6  # 4 sequences, one token each step
@@ -78,6 +79,7 @@ def test_step_phases_on_a_tiny_model(llm, shapes):
     assert "decode-4" in text and "step/forward" in text
 
 
+@pytest.mark.slow
 def test_instrumentation_is_removed_after(llm):
     from services.worker import model_runner
 
@@ -89,6 +91,7 @@ def test_instrumentation_is_removed_after(llm):
     assert "_forward" not in vars(runner) and "schedule" not in vars(llm.engine.scheduler)
 
 
+@pytest.mark.slow
 def test_speculation_times_the_proposer(tiny, shapes):
     """With speculation on, the proposer runs after every step, and each step emits its
     sampled token plus the drafts it accepted (a random tiny model rarely accepts any)."""

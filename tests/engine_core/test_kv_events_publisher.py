@@ -19,6 +19,8 @@ from protocol.zmq_sockets import ipc_address
 from services.engine_core.kv_events import ZmqEventPublisher, resolve_kv_events_config
 from tests.polling import wait_for
 
+pytestmark = pytest.mark.slow
+
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 

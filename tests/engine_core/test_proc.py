@@ -27,7 +27,10 @@ from protocol.codec import Decoder, Encoder
 from protocol.engine import UtilityMethod, UtilityRequest, UtilityResult
 from protocol.handshake import EngineGoodbye, EngineHandshakeReply, EngineHello, EngineReady, EngineStatus
 from protocol.zmq_sockets import bound_address, ipc_address, make_socket, rank_identity, recv, send
+from tests.polling import wait_for
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
+
+pytestmark = pytest.mark.slow
 
 RANK = 1
 NUM_BLOCKS = 64
@@ -65,16 +68,36 @@ class FakeApi:
         """Collect outputs per request until all of ``request_ids`` finished."""
         tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
         last = {}
-        deadline = time.monotonic() + timeout_s
-        while any(not (rid in last and last[rid].finished) for rid in request_ids):
-            assert time.monotonic() < deadline, f"requests did not finish: {tokens}"
+
+        def all_finished() -> bool:
             batch = self.next_outputs()
             assert batch.engine_index == RANK
             for out in batch.outputs:
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
                     last[out.request_id] = out
+            return all(rid in last and last[rid].finished for rid in request_ids)
+
+        wait_for(all_finished, timeout_s, lambda: f"the requests to finish: {tokens}", interval_s=0)
         return {rid: (tokens[rid], last[rid]) for rid in request_ids}
+
+    def wait_for_tokens_of(self, request_id: str, timeout_s: float = 20.0) -> None:
+        """Until an output carries tokens of ``request_id`` (it is running)."""
+        wait_for(
+            lambda: any(o.request_id == request_id and o.new_token_ids for o in self.next_outputs().outputs),
+            timeout_s,
+            f"tokens of {request_id}",
+            interval_s=0,
+        )
+
+    def stats_until(self, predicate, timeout_s: float = 20.0, what: str = "the engine's stats to match"):
+        """The first scheduler stats that match ``predicate``."""
+
+        def matching():
+            stats = self.next_outputs().scheduler_stats
+            return stats if stats is not None and predicate(stats) else None
+
+        return wait_for(matching, timeout_s, what, interval_s=0)
 
 
 def make_request(request_id: str, max_tokens: int = 5, prompt_len: int = 8) -> EngineCoreRequest:
@@ -166,40 +189,34 @@ def test_malformed_frames_are_dropped(started):
 
 def test_idle_engine_sends_heartbeats_with_stats(started):
     api, _, _ = started
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def idle_heartbeat():
         batch = api.next_outputs()
-        if not batch.outputs and batch.scheduler_stats is not None:
-            assert batch.scheduler_stats.num_running_reqs == 0
-            return
-    pytest.fail("no heartbeat from an idle engine")
+        return None if batch.outputs else batch.scheduler_stats
+
+    stats = wait_for(idle_heartbeat, 10, "a heartbeat from an idle engine", interval_s=0)
+    assert stats.num_running_reqs == 0
 
 
 def test_abort_frees_the_blocks(started):
     api, _, _ = started
     api.send(EngineCoreRequestType.ADD, make_request("long", max_tokens=400, prompt_len=40))
-    deadline = time.monotonic() + 20
-    while not any(o.request_id == "long" and o.new_token_ids for o in api.next_outputs().outputs):
-        assert time.monotonic() < deadline
+    api.wait_for_tokens_of("long")
     api.send(EngineCoreRequestType.ABORT, ["long"])
-    while time.monotonic() < deadline:
-        stats = api.next_outputs().scheduler_stats
-        if stats is not None and stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0:
-            assert stats.num_free_blocks == stats.num_total_blocks == NUM_BLOCKS - 1
-            return
-    pytest.fail("the aborted request kept running")
+    stats = api.stats_until(
+        lambda s: s.num_running_reqs == 0 and s.num_waiting_reqs == 0, what="the aborted request to stop"
+    )
+    assert stats.num_free_blocks == stats.num_total_blocks == NUM_BLOCKS - 1
 
 
 def call(api: FakeApi, call_id: int, method: UtilityMethod) -> UtilityResult:
     """A utility call, answered by a batch of its own (other batches are skipped)."""
     api.send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        result = api.next_outputs().utility_output
-        if result is not None:
-            assert result.call_id == call_id
-            return result
-    pytest.fail(f"no answer to {method.value}")
+    result = wait_for(
+        lambda: api.next_outputs().utility_output, 10, f"an answer to {method.value}", interval_s=0
+    )
+    assert result.call_id == call_id
+    return result
 
 
 def test_paused_engine_holds_a_request_until_resumed(started):
@@ -220,9 +237,7 @@ def test_paused_engine_holds_a_request_until_resumed(started):
 def test_reset_prefix_cache_is_refused_while_blocks_are_in_use(started):
     api, _, _ = started
     api.send(EngineCoreRequestType.ADD, make_request("busy", max_tokens=400, prompt_len=40))
-    deadline = time.monotonic() + 20
-    while not any(o.request_id == "busy" and o.new_token_ids for o in api.next_outputs().outputs):
-        assert time.monotonic() < deadline
+    api.wait_for_tokens_of("busy")
     assert call(api, 3, UtilityMethod.RESET_PREFIX_CACHE) == UtilityResult(3, ok=False)
     api.send(EngineCoreRequestType.ABORT, ["busy"])
     # The ABORT is handled before the next call on the same link: every block is free again.

@@ -43,8 +43,11 @@ from protocol.zmq_sockets import (
     tcp_address,
 )
 from services.engine_core.proc import _decode_request
+from tests.polling import keep_for, wait_for
 from tests.tiny_model import build_tiny_llama, tiny_engine_config
 from tests.utils import KeepingContext
+
+pytestmark = pytest.mark.slow
 
 RANK = 1
 DEADLINE_S = 60.0  # engine start-up on two busy cores
@@ -97,34 +100,39 @@ class Api:
         """Tokens and last output per request, once all of ``request_ids`` finished."""
         tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
         last: dict = {}
-        deadline = time.monotonic() + timeout_s
-        while any(rid not in last or not last[rid].finished for rid in request_ids):
-            assert time.monotonic() < deadline, f"requests did not finish: {tokens}"
+
+        def all_finished() -> bool:
             for out in self.outputs().outputs:
                 if out.request_id in tokens:
                     tokens[out.request_id] += out.new_token_ids
                     last[out.request_id] = out
+            return all(rid in last and last[rid].finished for rid in request_ids)
+
+        wait_for(all_finished, timeout_s, lambda: f"the requests to finish: {tokens}", interval_s=0)
         return {rid: (tokens[rid], last[rid]) for rid in request_ids}
 
     def wait_for_output_of(self, request_id: str, timeout_s: float = DEADLINE_S) -> None:
         """Until the engine sent an output of ``request_id`` (heartbeats alone do not end the wait)."""
-        deadline = time.monotonic() + timeout_s
-        while not any(o.request_id == request_id for o in self.outputs().outputs):
-            assert time.monotonic() < deadline, f"no output of {request_id} in {timeout_s}s"
+        wait_for(
+            lambda: any(o.request_id == request_id for o in self.outputs().outputs),
+            timeout_s,
+            f"an output of {request_id}",
+            interval_s=0,
+        )
 
     def wait_for_utility_answer(self, call_id: int, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while (answer := self.outputs().utility_output) is None or answer.call_id != call_id:
-            assert time.monotonic() < deadline, f"no answer to utility call {call_id} in {timeout_s}s"
-        assert answer.ok
+        def answer():
+            result = self.outputs().utility_output
+            return result if result is not None and result.call_id == call_id else None
+
+        assert wait_for(answer, timeout_s, f"an answer to utility call {call_id}", interval_s=0).ok
 
     def stats_until(self, predicate, timeout_s: float = 10.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def matching():
             stats = self.outputs().scheduler_stats
-            if stats is not None and predicate(stats):
-                return stats
-        pytest.fail("the engine's stats never matched")
+            return stats if stats is not None and predicate(stats) else None
+
+        return wait_for(matching, timeout_s, "the engine's stats to match", interval_s=0)
 
 
 def make_request(request_id: str, max_tokens: int = 4) -> EngineCoreRequest:
@@ -383,12 +391,14 @@ def test_without_the_keys_nothing_gets_through(curved, keys, config):
             )
         assert not api.handshake.poll(QUIET_MS) and not api.input.poll(QUIET_MS)
         assert api.auth.denied.wait(5)
+
         # Only the real engine's outputs arrive, and the engine never saw the injected request.
-        deadline = time.monotonic() + QUIET_MS / 1000
-        while time.monotonic() < deadline:
+        def only_the_engines_outputs() -> None:
             batch = api.outputs()
             assert all(o.request_id != "injected" for o in batch.outputs)
             assert batch.scheduler_stats is None or batch.scheduler_stats.num_dropped_frames == 0
+
+        keep_for(only_the_engines_outputs, QUIET_MS / 1000)
         # An impostor API (its own keys) never hears an engine that holds the real ones.
         impostor = Api(CurveKeys(SERVER, *zmq.curve_keypair(), load_keys(keys, CLIENT).public))
         fooled = subprocess.Popen(

@@ -16,6 +16,8 @@ from services.engine_core.structured_output.backend import bitmask_words
 from services.engine_core.structured_output.xgrammar_backend import XgrammarBackend, choice_ebnf
 from tests.engine_core.fakes import make_config
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 49152
 EOS = 2
 

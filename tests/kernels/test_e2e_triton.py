@@ -6,11 +6,14 @@ a prefill chunk over cached context with decodes, as serving does.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kernels.paged_attention
 from protocol import SamplingParams
 from services.llm import LLM
+
+pytestmark = pytest.mark.slow
 
 ENGINE = dict(
     num_threads=1,

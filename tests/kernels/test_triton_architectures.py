@@ -20,6 +20,8 @@ from protocol import SamplingParams
 from services import LLM, model_files
 from services.worker.models.registry import ARCHITECTURES
 
+pytestmark = pytest.mark.slow
+
 WINDOW = 24
 SHAPE = dict(
     vocab_size=512,

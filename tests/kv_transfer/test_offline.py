@@ -6,9 +6,13 @@ outputs are the ordinary ones."""
 
 from __future__ import annotations
 
+import pytest
+
 from protocol import SamplingParams
 from services.model_files import resolve
 from tests.text_corpus import prompt_of_length
+
+pytestmark = pytest.mark.slow
 
 ENGINE = dict(
     dtype="float32", max_model_len=256, num_gpu_blocks_override=64, block_size=16, max_num_batched_tokens=256

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from protocol import SamplingParams
 from protocol.curve import generate_keys
@@ -19,6 +20,8 @@ from services.kv_transfer.block_store import block_mac
 from services.kv_transfer.shared_storage import FileBlockStore
 from services.model_files import resolve
 from tests.text_corpus import prompt_of_length
+
+pytestmark = pytest.mark.slow
 
 ENGINE = {
     "dtype": "float32",

@@ -19,7 +19,6 @@ another, and every count below is exact.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -37,6 +36,8 @@ from services.kv_transfer.zmq_connector import DOWN_RETRY_S, ServiceDownError, Z
 from tests.kv_transfer.pd_stack import MODEL, PDStack
 from tests.polling import wait_for
 from tests.text_corpus import prompt_of_length
+
+pytestmark = pytest.mark.slow
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 BS = 16
@@ -198,11 +199,12 @@ def test_a_lost_transfer_path_costs_only_speed(stack, client, oracle):
         stack.wait_until_idle()
     finally:
         restore_transfer_path(stack)
+
     # Transfers resume. The servers take a service that did not answer for down a few
     # seconds more (DOWN_RETRY_S: they fail fast meanwhile, and compute), so the first
     # request back may still be computed; a later one within the deadline transfers.
-    deadline = time.monotonic() + 10 * DOWN_RETRY_S
-    while True:
+    def transferred() -> tuple[int, int] | None:
+        """(blocks' tokens gained, prompt length) of a request that transferred, else None."""
         prompt = fresh_prompt(oracle, 60)
         hits_before = stack.counter(stack.decode_url, EXTERNAL_HITS)
         response = client.completions.create(
@@ -210,9 +212,12 @@ def test_a_lost_transfer_path_costs_only_speed(stack, client, oracle):
         )
         assert response.choices[0].text == expected_text(oracle, prompt)
         gained = stack.counter(stack.decode_url, EXTERNAL_HITS) - hits_before
-        if gained or time.monotonic() > deadline:
-            break
-    assert gained == transferable(len(prompt))
+        return (gained, len(prompt)) if gained else None
+
+    gained, prompt_len = wait_for(
+        transferred, 10 * DOWN_RETRY_S, "a transfer once the path is back", interval_s=0
+    )
+    assert gained == transferable(prompt_len)
 
 
 def lose_transfer_path(stack: PDStack) -> None:

@@ -151,6 +151,7 @@ def counter(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+@pytest.mark.slow
 def test_weft_pd_up_transfers_the_prompt_and_answers_as_one_server_would(pd_up, oracle):
     url, decode = pd_up
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)

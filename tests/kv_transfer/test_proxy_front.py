@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,6 +23,8 @@ from starlette.routing import Route
 from services.ports import free_port
 from tests.polling import wait_until
 from tests.utils import REPO_ROOT
+
+pytestmark = pytest.mark.slow
 
 DEADLINE_S = 0.5
 MAX_CONNECTIONS = 3

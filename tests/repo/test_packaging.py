@@ -64,11 +64,12 @@ def fresh_venv(tmp_path_factory) -> Path:
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, source], check=True)
     (wheel,) = wheels.glob("weft-*.whl")
     venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    # No pip of its own (seeding one costs seconds): this pip installs into it (--python).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = venv / "bin" / "python"
     # Without this checkout on PYTHONPATH: its weft.egg-info would read as weft installed already.
     subprocess.run(
-        [python, *pip[1:], "install", "--no-deps", "--no-index", wheel], check=True, env=clean_env()
+        [*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], check=True, env=clean_env()
     )
     link_runtime_packages(work / "runtime")
     site = Path(

@@ -262,11 +262,16 @@ def int8_model():
     return loaded
 
 
-def int8_twin(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    """The int8 copy's computation from the twins: W and x rotated and rounded per row, an exact
-    integer product."""
+def int8_weight_twin(layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """W rotated and rounded per row, as the int8 copy holds it (by the twins)."""
     assert layer.int8.hadamard_block == 64  # every width of the default model is a multiple of 64
-    qw, sw = quantize_rows_int8_ref(layer.quant.dequantize(), 64)
+    return quantize_rows_int8_ref(layer.quant.dequantize(), 64)
+
+
+def int8_twin(weight_twin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The int8 copy's computation from the twins: x rotated and rounded per row, an exact
+    integer product with ``int8_weight_twin``'s W."""
+    qw, sw = weight_twin
     qx, sx = quantize_rows_int8_ref(x, 64)
     return scale_int32_ref(torch._int_mm(qx, qw.t()), sx, sw, None, x.dtype)
 
@@ -282,6 +287,8 @@ def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
         k = layer.quant.shape[1]
         x = torch.randn(7, k).to(dtype)
         assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
+        weight = layer.quant.dequantize()  # once a layer: the LM head's is 49152 rows
+        weight_twin = int8_weight_twin(layer)
         for rows in (
             8,
             INT8_MIN_ROWS - 1,
@@ -298,10 +305,10 @@ def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
                 continue
             got = layer.linear(x, None)
             assert got.dtype == dtype
-            assert torch.equal(got, int8_twin(layer, x))
+            assert torch.equal(got, int8_twin(weight_twin, x))
             # Both roundings together: about 1% of the product (x's step, amax / 127, is about
             # 3% of a Gaussian row's spread; its rounding error a third of that).
-            want = x.float() @ layer.quant.dequantize().T
+            want = x.float() @ weight.T
             assert float((got.float() - want).norm() / want.norm()) < 0.03
     taken = [layer.int8.takes(rows) for rows in (8, 300)]
     # weft's VNNI and AVX2 GEMMs take both ends, its AMX GEMM the short steps, the others the long ones

@@ -9,6 +9,8 @@ from services.worker.gguf_weights import GGUFCheckpoint
 from services.worker.layers.linear import pack_linear_weights
 from services.worker.model_loader import load_model
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",

@@ -10,6 +10,8 @@ import torch
 
 from protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 PROMPT = [
     1,

@@ -156,6 +156,7 @@ def rank_main(rank: int, world_size: int, init_method: str) -> None:
         destroy_tensor_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_layers_match_unsharded_over_gloo(world_size):
     torch.multiprocessing.spawn(

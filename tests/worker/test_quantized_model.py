@@ -19,6 +19,8 @@ from services import LLM
 from services.worker.layers.quantized_linear import quantized_report
 from tests.text_corpus import prompt_of_length
 
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 32
 # (length, offset) into the 1185-token corpus: short to long, different starting points.
 PROMPT_SHAPES = [
