@@ -366,8 +366,13 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Recompute-style preemption: drop the KV, queue again at the front."""
-        self.running.remove(request)
         plan.drop(request)
+        self._requeue_at_front(request)
+        plan.preempted.append(request)
+
+    def _requeue_at_front(self, request: Request) -> None:
+        """Out of the running batch, its KV freed, first in the waiting queue to be computed again."""
+        self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -376,7 +381,6 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
         self._num_preemptions += 1
         self.waiting.prepend(request)
-        plan.preempted.append(request)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         block_ids = self.kv_cache_manager.get_block_ids
@@ -507,15 +511,7 @@ class Scheduler:
             logger.warning("The prefix cache could not be reset after a failed step (blocks in use).")
 
     def _requeue_after_failure(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        request.record_event(EngineCoreEventType.PREEMPTED)
-        self._num_preemptions += 1
-        self.waiting.prepend(request)
+        self._requeue_at_front(request)
         self._failed_step_preempted.append(request.request_id)
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
