@@ -431,17 +431,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.requeue(request)
         for request, error in failed:
-            request.status = RequestStatus.FINISHED_ERROR
-            self._free_request(request)
-            self._error_outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    events=request.take_events(),
-                    error=error,
-                )
-            )
+            self._finish_with_error(request, error)
 
     def _attach_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Token masks of the constrained requests that sample this step."""
@@ -485,23 +475,12 @@ class Scheduler:
                 failed.append(request)
         for request in failed:
             self._remove_finished(request)
-            request.status = RequestStatus.FINISHED_ERROR
             request.error = (
                 f"The engine could not allocate the memory to run this request "
                 f"({reason}); it may be too long for this server."
             )
             request.error_is_internal = True
-            self._free_request(request)
-            self._error_outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    events=request.take_events(),
-                    error=request.error,
-                    error_is_internal=True,
-                )
-            )
+            self._finish_with_error(request, request.error, internal=True)
         # Back to the queue's front in the order they ran.
         for request in reversed(list(self.running)):
             request.suspect = request in in_step
@@ -509,6 +488,21 @@ class Scheduler:
         # Blocks are published when allocated: the failed step's never got their KV.
         if not self.kv_cache_manager.reset_prefix_cache():
             logger.warning("The prefix cache could not be reset after a failed step (blocks in use).")
+
+    def _finish_with_error(self, request: Request, error: str, internal: bool = False) -> None:
+        """End ``request`` with ``error`` (a 5xx at the API when ``internal``), its blocks freed."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        self._error_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                events=request.take_events(),
+                error=error,
+                error_is_internal=internal,
+            )
+        )
 
     def _requeue_after_failure(self, request: Request) -> None:
         self._requeue_at_front(request)

@@ -18,6 +18,7 @@ from services.api import serving
 from services.api.limits import ServingLimits
 from services.api.output_processor import RequestState
 from tests.api.fake_engine_client import http_client, make_app, tokenizer
+from tests.polling import wait_until
 
 COMPLETIONS = "/v1/completions"
 
@@ -55,8 +56,7 @@ async def test_sampling_parameters_are_built_once_and_off_the_loop(monkeypatch):
     bad_words = [f"b{i}" for i in range(32)]
     body = {"prompt": [f"prompt {i}" for i in range(64)], "max_tokens": 1, "bad_words": bad_words}
     big = asyncio.ensure_future(client.post(COMPLETIONS, json=body, timeout=60))
-    while not calls and not big.done():
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: calls or big.done(), 30, "the request's parameters to be built")
     assert (await client.get("/version")).status_code == 200
     version_answered.set()
     response = await big
