@@ -59,7 +59,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JSONSchemaFormat | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -108,7 +108,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
+class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     prompt: Prompt
     max_tokens: Count | None = 16
     logprobs: NumLogprobs | None = None
@@ -172,7 +172,7 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None

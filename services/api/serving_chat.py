@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -41,16 +39,13 @@ from services.api.output_processor import Logprob
 from services.api.reasoning_parsers import ReasoningParser
 from services.api.serving import Choice, ServingContext
 from services.api.streaming import SSEResponse, unless_disconnected, usage_modes
-from services.api.structured_outputs import check_constraint
 from services.api.tool_calling import (
-    ToolChoice,
     ToolOutput,
-    constraint_for,
+    ToolStrategy,
     history_tool_calls,
     resolve_tool_choice,
     tool_dicts,
 )
-from services.api.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +187,7 @@ class ChatRun:
     request_id: str
     choices: list[Choice]
     runner: serving.ChoiceRunner
-    tool_output: Callable[[], ToolOutput] | None  # a fresh reader of one choice's tool calls
+    tools: ToolStrategy  # what tool_choice asks: ``tools.output()`` reads one choice's calls
     reasoning_parser: type[ReasoningParser] | None  # splits thinking off (None: no split)
 
 
@@ -209,9 +204,9 @@ class ChatServing:
             run.request_id,
             int(time.time()),
             ctx.served_model_name,
+            run.tools,
             _reply_role(body),
             _echo_text(body, _reply_role(body)),
-            run.tool_output,
             continuous,
             run.reasoning_parser,
         )
@@ -245,21 +240,16 @@ class ChatServing:
             self._choices, request_id, body, prompt, tool_choice, arrival, session
         )
         runner = ctx.admit(request, choices)  # 503 + Retry-After when the engines are full
-        tool_output = (
-            None
-            if tool_choice.kind == "none"
-            else (lambda: ToolOutput(tool_choice, self.settings.auto_parser))
-        )
         # A constraint binds from the first token, so a constrained reply holds no thinking to split off.
         reasoning = None if params.structured_outputs is not None else self.settings.reasoning_parser_class
-        return ChatRun(request_id, choices, runner, tool_output, reasoning)
+        return ChatRun(request_id, choices, runner, tool_choice, reasoning)
 
     def _choices(
         self,
         request_id: str,
         body: ChatCompletionRequest,
         prompt: list[int],
-        tool_choice: ToolChoice,
+        tool_choice: ToolStrategy,
         arrival: float,
         session: str | None,
     ) -> tuple[SamplingParams, list[Choice]]:
@@ -272,8 +262,7 @@ class ChatServing:
         else:
             max_tokens = serving.resolve_max_tokens(ctx, body.max_tokens, len(prompt), "max_tokens")
         params = serving.make_sampling_params(ctx, body, max_tokens, _num_logprobs(body))
-        params = _with_tool_constraint(params, tool_choice)
-        params = _keeping_call_markers(params, tool_choice, self.settings.auto_parser)
+        params = tool_choice.sampling(params)  # forced calls' constraint, a parser's special tokens
         return params, serving.make_choices(ctx, request_id, [prompt], [params], body, arrival, session)
 
     def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
@@ -316,34 +305,6 @@ class ChatServing:
         }
 
 
-def _with_tool_constraint(params: SamplingParams, tool_choice: ToolChoice) -> SamplingParams:
-    """``required`` and named choices are forced to be calls by a JSON schema."""
-    constraint = constraint_for(tool_choice)
-    if constraint is None:
-        return params
-    if params.structured_outputs is not None:
-        raise bad_request(
-            "tool_choice required or a named function already constrains the output; "
-            "drop the structured-output field.",
-            "tool_choice",
-        )
-    try:
-        check_constraint(constraint)
-    except ValueError as e:
-        raise bad_request(f"The tools' parameters do not make a usable JSON schema: {e}", "tools") from e
-    return msgspec.structs.replace(params, structured_outputs=constraint)
-
-
-def _keeping_call_markers(
-    params: SamplingParams, tool_choice: ToolChoice, parser: type[ToolParser] | None
-) -> SamplingParams:
-    """A parser whose call markers are special tokens must see them in the text (as vLLM's
-    mistral parser turns skip_special_tokens off)."""
-    if tool_choice.kind != "auto" or parser is None or not parser.keeps_special_tokens:
-        return params
-    return msgspec.structs.replace(params, skip_special_tokens=False)
-
-
 def _reply_role(body: ChatCompletionRequest) -> str:
     # vLLM: without a generation prompt the reply goes on in the final message's role.
     return "assistant" if body.add_generation_prompt else body.messages[-1].role
@@ -370,15 +331,15 @@ class _ChatView:
         request_id: str,
         created: int,
         model: str,
+        tools: ToolStrategy,
         role: str = "assistant",
         echo: str = "",
-        tool_output: Callable[[], ToolOutput] | None = None,
         continuous_usage: bool = False,
         reasoning_parser: type[ReasoningParser] | None = None,
     ) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.role, self.echo = role, echo
-        self.make_tool_output = tool_output
+        self.tools = tools
         self.tool_outputs: dict[int, ToolOutput] = {}
         self._continuous_usage = continuous_usage
         self.reasoning_parser = reasoning_parser
@@ -391,11 +352,9 @@ class _ChatView:
             self.reasoning[choice.index] = self.reasoning_parser()
         return self.reasoning[choice.index]
 
-    def _tools(self, choice: Choice) -> ToolOutput | None:
-        if self.make_tool_output is None:
-            return None
+    def _tools(self, choice: Choice) -> ToolOutput:
         if choice.index not in self.tool_outputs:
-            self.tool_outputs[choice.index] = self.make_tool_output()
+            self.tool_outputs[choice.index] = self.tools.output()
         return self.tool_outputs[choice.index]
 
     def head_chunks(self, choices: list[Choice]) -> tuple[ChatCompletionChunk, ...]:
@@ -422,9 +381,7 @@ class _ChatView:
         if parser is not None:
             reasoning, text = parser.feed(text, choice.done)
         tools = self._tools(choice)
-        tool_deltas = []
-        if tools is not None:
-            text, tool_deltas = tools.feed(text, choice.done)
+        text, tool_deltas = tools.feed(text, choice.done)
         entries = choice.take_logprobs()
         if not text and not reasoning and not tool_deltas and not entries and not choice.done:
             return None
@@ -461,10 +418,7 @@ class _ChatView:
             if parser is not None:
                 reasoning, content = parser.split(content)
             tools = self._tools(c)
-            if tools is not None:
-                content, calls = tools.complete(content or "")
-            else:
-                calls = []
+            content, calls = tools.complete(content)
             if self.echo:
                 content = self.echo + (content or "")
             message = (
@@ -493,11 +447,11 @@ class _ChatView:
         return ChatChoiceLogprobs([_entry(e, top_n) for e in entries])
 
 
-def _finish(choice: Choice, tools: ToolOutput | None = None) -> tuple[str | None, int | str | None]:
+def _finish(choice: Choice, tools: ToolOutput) -> tuple[str | None, int | str | None]:
     if not choice.done:
         return None, None
     reason = choice.state.finish_reason
-    if reason == "stop" and tools is not None and tools.called:
+    if reason == "stop" and tools.called:
         reason = "tool_calls"  # the reply ended after calling tools: the client runs them next
     return reason, choice.state.stop_reason
 

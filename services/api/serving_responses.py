@@ -77,7 +77,7 @@ class ResponsesServing:
         events = EventLog(enabled=body.stream)
         output = ResponseOutput(
             events,
-            None if run.tool_output is None else run.tool_output(),
+            run.tools.output(),
             None if run.reasoning_parser is None else run.reasoning_parser(),
         )
         kept = (tenant, conversation) if keep else None

@@ -7,17 +7,21 @@ object, or the older ``guided_json`` / ``guided_regex`` / ``guided_choice``
 constraint that fails the cheap syntax checks, before anything is
 scheduled. A constraint that passes them but still fails to compile in the
 engine fails that request alone, with the compiler's message.
+
+``requested_fields`` names the fields that ask without building or checking
+anything, so a conflict (forced tool calls plus a ``response_format``) is
+found before either constraint is looked at in full.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
 
 from protocol import StructuredOutputsParams
 from services.api.constraint_checks import check_grammar, check_json_schema, check_regex, check_size
 from services.api.errors import bad_request
-from services.api.openai_schemas import ResponseFormat
+from services.api.openai_schemas import ResponseFormat, SamplingFields
 
 # The legacy fields: body attribute -> StructuredOutputsParams field.
 _GUIDED = {
@@ -28,7 +32,7 @@ _GUIDED = {
 }
 
 
-def structured_outputs_from(body: Any) -> StructuredOutputsParams | None:
+def structured_outputs_from(body: SamplingFields) -> StructuredOutputsParams | None:
     """The request's constraint, or None; an APIError (400) naming the field
     if several fields ask for one or the one asked for is invalid."""
     asked = _requested(body)
@@ -54,33 +58,46 @@ def check_constraint(params: StructuredOutputsParams) -> None:
     if kind == "regex":
         _named("regex", check_regex, params.regex)
     elif kind == "json":
-        _named("JSON schema", check_size, params.json, "JSON schema")  # before parsing it again
-        _named("JSON schema", check_json_schema, json.loads(params.json))
+        text = params.spec  # the schema as text (StructuredOutputsParams keeps it so)
+        _named("JSON schema", check_size, text, "JSON schema")  # before parsing it again
+        _named("JSON schema", check_json_schema, json.loads(text))
     elif kind == "grammar":
         _named("grammar", check_grammar, params.grammar)
     elif kind == "choice":  # compiled into a grammar: bounded like one
         _named("choice list", check_size, params.spec, "choice list")
 
 
-def _named(what: str, check, *args) -> None:
+def _named(what: str, check: Callable[..., None], *args: object) -> None:
     try:
         check(*args)
     except ValueError as e:
         raise ValueError(f"the {what} is not valid: {e}.") from None
 
 
-def _requested(body: Any) -> list[tuple[str, Any]]:
+def requested_fields(body: SamplingFields) -> list[str]:
+    """The fields of ``body`` that ask for a constraint (nothing is built or checked)."""
+    return [field for field, _ in _requested(body)]
+
+
+_Builder = Callable[[], StructuredOutputsParams]
+
+
+def _requested(body: SamplingFields) -> list[tuple[str, _Builder]]:
     """(field, a builder of its StructuredOutputsParams) for every field that asks."""
-    asked: list[tuple[str, Any]] = []
-    if body.structured_outputs is not None:
-        asked.append(("structured_outputs", lambda: body.structured_outputs))
-    if body.response_format is not None and body.response_format.type != "text":
-        asked.append(("response_format", lambda: _from_response_format(body.response_format)))
+    asked: list[tuple[str, _Builder]] = []
+    if (params := body.structured_outputs) is not None:
+        asked.append(("structured_outputs", lambda: params))
+    if (response_format := body.response_format) is not None and response_format.type != "text":
+        asked.append(("response_format", lambda: _from_response_format(response_format)))
     for attr, field in _GUIDED.items():
         value = getattr(body, attr)
         if value is not None:
-            asked.append((attr, lambda field=field, value=value: StructuredOutputsParams(**{field: value})))
+            asked.append((attr, _guided_builder(field, value)))
     return asked
+
+
+def _guided_builder(field: str, value: object) -> _Builder:
+    return lambda: StructuredOutputsParams(**{field: value})
 
 
 def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:

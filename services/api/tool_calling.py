@@ -1,23 +1,39 @@
 """Tool calling on chat completions: what ``tool_choice`` asks, and the calls in the output.
 
-``none``: plain text (the tools still reach the template). ``auto``: the
-model decides, and the server's ``--tool-call-parser`` finds the calls in
-its text. ``required`` and a named function: structured outputs force the
-text to be calls, so they always parse (a JSON array of
-``{"name", "parameters"}`` objects, or the named function's arguments), as
-vLLM does. ``ToolOutput`` turns one choice's text into content and calls,
-streamed as OpenAI's tool-call deltas or whole. Forced calls stream their
-arguments as they are written; ``auto`` shows a call once it is complete,
-so a malformed one is never half-shown.
+``resolve_tool_choice`` turns the request's ``tool_choice`` into one of four
+strategies, and the chat path asks the strategy, never the string:
+
+- ``NoTools`` (``none``, or no tools): plain text (the tools still reach the template).
+- ``AutoCalls`` (``auto``): the model decides, and the server's ``--tool-call-parser``
+  finds the calls in its text; a call shows once it is complete, so a malformed one
+  is never half-shown.
+- ``RequiredCalls`` (``required``): structured outputs force a JSON array of
+  ``{"name", "parameters"}`` objects, as vLLM does, so the text always parses.
+- ``NamedCall`` (a named function): structured outputs force the function's arguments.
+
+Each strategy has its ``constraint`` (the structured-output schema that forces
+calls, or None), ``sampling`` (the request's SamplingParams with what it needs),
+and ``output``: a fresh ``ToolOutput`` for one choice, whose ``feed`` turns
+streamed text into content and OpenAI's tool-call deltas and whose ``complete``
+reads a whole reply. Forced calls stream their arguments as they are written.
+
+A request that forces calls and also asks for structured output through
+another field is refused by ``resolve_tool_choice``, before either
+constraint is built or checked: only the fields' presence is looked at.
 """
 
 from __future__ import annotations
 
+import abc
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from protocol import StructuredOutputsParams
-from services.api.errors import bad_request
+import msgspec
+
+from protocol import SamplingParams, StructuredOutputsParams
+from services.api.errors import APIError, bad_request
 from services.api.openai_schemas import (
     ChatCompletionRequest,
     ChatTool,
@@ -27,27 +43,97 @@ from services.api.openai_schemas import (
     ToolCall,
 )
 from services.api.required_tool_calls import RequiredCallsParser, RequiredCallsStream
+from services.api.structured_outputs import check_constraint, requested_fields
 from services.api.tool_parsers import ParsedCall, Segment, ToolParser
 
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+NewCallId = Callable[[], str]
+new_tool_call_id: NewCallId = ToolParser.new_call_id
+
+
+def _names(tools: tuple[ChatTool, ...]) -> frozenset[str]:
+    return frozenset(t.function.name for t in tools)
 
 
 @dataclass(frozen=True)
-class ToolChoice:
-    """``tool_choice`` resolved: ``kind`` is none, auto, required or named (then ``name``)."""
+class NoTools:
+    """``tool_choice: "none"`` (or no tools): the reply is text."""
 
-    kind: str
-    tools: tuple[ChatTool, ...] = ()
-    name: str | None = None
+    def constraint(self) -> StructuredOutputsParams | None:
+        return None
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        return params
+
+    def output(self) -> ToolOutput:
+        return PlainOutput()
+
+
+@dataclass(frozen=True)
+class AutoCalls:
+    """``tool_choice: "auto"``: the model decides; ``parser`` finds the calls in its text."""
+
+    tools: tuple[ChatTool, ...]
+    parser: type[ToolParser]
     parallel: bool = True
 
-    @property
-    def tool_names(self) -> frozenset[str]:
-        return frozenset(t.function.name for t in self.tools)
+    def constraint(self) -> StructuredOutputsParams | None:
+        return None
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """A parser whose call markers are special tokens must see them in the text (as vLLM's
+        mistral parser turns skip_special_tokens off)."""
+        if not self.parser.keeps_special_tokens:
+            return params
+        return msgspec.structs.replace(params, skip_special_tokens=False)
+
+    def output(self) -> ToolOutput:
+        return ParsedOutput(self.parser, _names(self.tools), self.parallel, self.parser.new_call_id)
 
 
-def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParser] | None) -> ToolChoice:
-    """What the request asks of tools; 400 naming the field when it cannot be done."""
+@dataclass(frozen=True)
+class RequiredCalls:
+    """``tool_choice: "required"``: a JSON schema forces an array of calls."""
+
+    tools: tuple[ChatTool, ...]
+    parallel: bool = True
+    new_id: NewCallId = new_tool_call_id  # the server's model family's shape of call ids
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        return _forced(params, self.constraint())
+
+    def output(self) -> ToolOutput:
+        return RequiredOutput(_names(self.tools), self.parallel, self.new_id)
+
+
+@dataclass(frozen=True)
+class NamedCall:
+    """``tool_choice`` naming a function: its parameters' schema forces the whole reply."""
+
+    tool: ChatTool
+    new_id: NewCallId = new_tool_call_id
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.tool.function.parameters or _EMPTY_PARAMETERS)
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        return _forced(params, self.constraint())
+
+    def output(self) -> ToolOutput:
+        return NamedOutput(self.tool.function.name, self.new_id())
+
+
+ToolStrategy = NoTools | AutoCalls | RequiredCalls | NamedCall
+
+
+def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParser] | None) -> ToolStrategy:
+    """What the request asks of tools; 400 naming the field when it cannot be done.
+
+    Only looks at the request's fields: no schema is built or checked here."""
     tools = tuple(body.tools or ())
     choice = body.tool_choice
     if choice is None:
@@ -55,18 +141,32 @@ def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParse
     if choice != "none" and not tools:
         raise bad_request("tool_choice needs tools: give the functions the model may call.", "tool_choice")
     _check_unique_names(tools)
-    if choice == "auto" and auto_parser is None:
-        raise bad_request(
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-            "to be set on the server.",
-            "tool_choice",
-        )
-    if isinstance(choice, str):
-        return ToolChoice(choice, tools, parallel=body.parallel_tool_calls)
-    name = choice.function.name
-    if name not in {t.function.name for t in tools}:
+    # Ids in the shape the server's model family wants (Mistral's templates check theirs).
+    new_id = auto_parser.new_call_id if auto_parser is not None else new_tool_call_id
+    strategy: ToolStrategy
+    if choice == "none":
+        return NoTools()
+    if choice == "auto":
+        if auto_parser is None:
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set on the server.",
+                "tool_choice",
+            )
+        return AutoCalls(tools, auto_parser, body.parallel_tool_calls)
+    if choice == "required":
+        strategy = RequiredCalls(tools, body.parallel_tool_calls, new_id)
+    else:
+        strategy = NamedCall(_named_tool(tools, choice.function.name), new_id)
+    _refuse_second_constraint(body)
+    return strategy
+
+
+def _named_tool(tools: tuple[ChatTool, ...], name: str) -> ChatTool:
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools.", "tool_choice")
-    return ToolChoice("named", tools, name, parallel=body.parallel_tool_calls)
+    return tool
 
 
 def _check_unique_names(tools: tuple[ChatTool, ...]) -> None:
@@ -77,13 +177,39 @@ def _check_unique_names(tools: tuple[ChatTool, ...]) -> None:
         seen.add(tool.function.name)
 
 
-def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+def _refuse_second_constraint(body: ChatCompletionRequest) -> None:
+    """Forced calls are the output's constraint: a request asking for another one is a 400,
+    found from the fields alone (neither constraint is built or checked first)."""
+    if requested_fields(body):
+        raise _conflict()
+
+
+def _conflict() -> APIError:
+    return bad_request(
+        "tool_choice required or a named function already constrains the output; "
+        "drop the structured-output field.",
+        "tool_choice",
+    )
+
+
+def _forced(params: SamplingParams, constraint: StructuredOutputsParams) -> SamplingParams:
+    """``params`` bound by the forced calls' ``constraint``, after its syntax checks."""
+    if params.structured_outputs is not None:
+        raise _conflict()  # resolve_tool_choice refuses it first; never overwrite one silently
+    try:
+        check_constraint(constraint)
+    except ValueError as e:
+        raise bad_request(f"The tools' parameters do not make a usable JSON schema: {e}", "tools") from e
+    return msgspec.structs.replace(params, structured_outputs=constraint)
+
+
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template sees them (transformers passes the JSON as sent)."""
     return None if not tools else [_to_dict(t) for t in tools]
 
 
-def _to_dict(tool: ChatTool) -> dict:
-    function = {"name": tool.function.name}
+def _to_dict(tool: ChatTool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.function.name}
     for key in ("description", "parameters", "strict"):
         value = getattr(tool.function, key)
         if value is not None:
@@ -91,17 +217,7 @@ def _to_dict(tool: ChatTool) -> dict:
     return {"type": tool.type, "function": function}
 
 
-def constraint_for(choice: ToolChoice) -> StructuredOutputsParams | None:
-    """The JSON schema that forces a required or named choice's output to be calls."""
-    if choice.kind == "named":
-        tool = next(t for t in choice.tools if t.function.name == choice.name)
-        return StructuredOutputsParams(json=tool.function.parameters or _EMPTY_PARAMETERS)
-    if choice.kind == "required":
-        return StructuredOutputsParams(json=required_schema(choice.tools, choice.parallel))
-    return None
-
-
-def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
+def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict[str, Any]:
     """An array of one or more ``{"name": N, "parameters": P}``, with P following N's schema.
 
     Each tool's ``$defs`` move to the root, where its ``#/$defs/...`` references
@@ -126,7 +242,7 @@ def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
                 "required": ["name", "parameters"],
             }
         )
-    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
     if not parallel:
         schema["maxItems"] = 1
     if defs:
@@ -134,40 +250,50 @@ def required_schema(tools: tuple[ChatTool, ...], parallel: bool = True) -> dict:
     return schema
 
 
-new_tool_call_id = ToolParser.new_call_id
-
-
-class ToolOutput:
+class ToolOutput(abc.ABC):
     """One choice's text as content and calls: ``feed`` for a stream, ``complete`` for a whole reply."""
 
-    def __init__(self, choice: ToolChoice, auto_parser: type[ToolParser] | None) -> None:
-        self.choice = choice
+    def __init__(self) -> None:
         self.num_calls = 0  # calls shown so far
-        # How a whole reply is read (None: it is all content, or for "named" all arguments).
-        self.parser_class = {"auto": auto_parser, "required": RequiredCallsParser}.get(choice.kind)
-        self.auto_parser = auto_parser(choice.tool_names) if choice.kind == "auto" else None
-        self.required_stream = (
-            RequiredCallsStream(choice.tool_names, None if choice.parallel else 1)
-            if choice.kind == "required"
-            else None
-        )
-        # Ids in the shape the server's model family wants (Mistral's templates check theirs).
-        self.new_id = auto_parser.new_call_id if auto_parser is not None else new_tool_call_id
-        self.named_id = self.new_id() if choice.kind == "named" else None
-        self.buffer = ""  # streamed text the auto parser has not settled yet
 
     @property
     def called(self) -> bool:
         return self.num_calls > 0
 
-    def complete(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    @abc.abstractmethod
+    def feed(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
+        """The content and tool-call deltas that ``delta`` (the next streamed text) settles."""
+
+    @abc.abstractmethod
+    def complete(self, text: str | None) -> tuple[str | None, list[ToolCall]]:
         """The content (None when there is none) and the calls of a whole reply."""
-        if self.choice.kind == "named":
-            self.num_calls = 1
-            return None, [ToolCall(id=self.named_id, function=FunctionCall(self.choice.name, text))]
-        if self.parser_class is None:
-            return text, []
-        segments, _ = self.parser_class(self.choice.tool_names).split(text, final=True)
+
+
+class PlainOutput(ToolOutput):
+    """``NoTools``: all of it is content."""
+
+    def feed(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
+        return delta, []
+
+    def complete(self, text: str | None) -> tuple[str | None, list[ToolCall]]:
+        return text, []
+
+
+class ParsedOutput(ToolOutput):
+    """Calls a parser finds in the text (``AutoCalls``' parser, or the required array's)."""
+
+    def __init__(
+        self, parser: type[ToolParser], tool_names: frozenset[str], parallel: bool, new_id: NewCallId
+    ) -> None:
+        super().__init__()
+        self.parser_class, self.tool_names = parser, tool_names
+        self.parser = parser(tool_names)  # reads a stream
+        self.parallel, self.new_id = parallel, new_id
+        self.buffer = ""  # streamed text the parser has not settled yet
+
+    def complete(self, text: str | None) -> tuple[str | None, list[ToolCall]]:
+        # A parser of its own: one instance reads one reply.
+        segments, _ = self.parser_class(self.tool_names).split(text or "", final=True)
         calls = [
             ToolCall(id=self.new_id(), function=FunctionCall(s.name, s.arguments))
             for s in self._allowed_calls(segments)
@@ -177,15 +303,8 @@ class ToolOutput:
         return (content if content.strip() or not calls else None), calls
 
     def feed(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
-        """The content and tool-call deltas that ``delta`` (the next streamed text) settles."""
-        if self.choice.kind == "named":
-            return "", self._named_delta(delta)
-        if self.required_stream is not None:
-            return self._required_deltas(delta, done)
-        if self.auto_parser is None:
-            return delta, []
         self.buffer += delta
-        segments, settled = self.auto_parser.split(self.buffer, final=done)
+        segments, settled = self.parser.split(self.buffer, final=done)
         self.buffer = self.buffer[settled:]
         content = "".join(s for s in segments if isinstance(s, str))
         deltas = []
@@ -195,7 +314,7 @@ class ToolOutput:
 
     def _allowed_calls(self, segments: list[Segment]) -> list[ParsedCall]:
         calls = [s for s in segments if isinstance(s, ParsedCall)]
-        if not self.choice.parallel:
+        if not self.parallel:
             calls = calls[: max(0, 1 - self.num_calls)]  # parallel_tool_calls=false: the first call only
         return calls
 
@@ -213,8 +332,16 @@ class ToolOutput:
             DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)),
         ]
 
-    def _required_deltas(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
-        content, pieces = self.required_stream.feed(delta, done)
+
+class RequiredOutput(ParsedOutput):
+    """``RequiredCalls``: the forced array, each call's arguments streamed as they are written."""
+
+    def __init__(self, tool_names: frozenset[str], parallel: bool, new_id: NewCallId) -> None:
+        super().__init__(RequiredCallsParser, tool_names, parallel, new_id)
+        self.stream = RequiredCallsStream(tool_names, None if parallel else 1)
+
+    def feed(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
+        content, pieces = self.stream.feed(delta, done)
         deltas = []
         for index, name, arguments in pieces:
             if name is not None:
@@ -231,21 +358,27 @@ class ToolOutput:
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
         return content, deltas
 
-    def _named_delta(self, delta: str) -> list[DeltaToolCall]:
+
+class NamedOutput(ToolOutput):
+    """``NamedCall``: the whole reply is one call's arguments."""
+
+    def __init__(self, name: str, call_id: str) -> None:
+        super().__init__()
+        self.name, self.call_id = name, call_id
+
+    def complete(self, text: str | None) -> tuple[str | None, list[ToolCall]]:
+        self.num_calls = 1
+        return None, [ToolCall(id=self.call_id, function=FunctionCall(self.name, text or ""))]
+
+    def feed(self, delta: str, done: bool) -> tuple[str, list[DeltaToolCall]]:
         if not self.num_calls:
             self.num_calls = 1
-            return [
-                DeltaToolCall(
-                    index=0,
-                    id=self.named_id,
-                    type="function",
-                    function=DeltaFunctionCall(name=self.choice.name, arguments=delta),
-                )
-            ]
-        return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
+            head = DeltaFunctionCall(name=self.name, arguments=delta)
+            return "", [DeltaToolCall(index=0, id=self.call_id, type="function", function=head)]
+        return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta))] if delta else []
 
 
-def history_tool_calls(calls) -> list[dict]:
+def history_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """An assistant message's earlier calls as templates expect them: arguments
     as a dict (Llama's and Qwen's templates write them with ``tojson``)."""
     return [

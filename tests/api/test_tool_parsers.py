@@ -14,7 +14,7 @@ import random
 import pytest
 
 from services.api.openai_schemas import ChatTool, FunctionDefinition
-from services.api.tool_calling import ToolChoice, ToolOutput
+from services.api.tool_calling import AutoCalls, NamedCall, NoTools, RequiredCalls, ToolOutput
 from services.api.tool_parsers import TOOL_PARSERS, tool_parser_class
 
 TOOLS = tuple(ChatTool(function=FunctionDefinition(name=name)) for name in ("get_weather", "get_time"))
@@ -168,7 +168,7 @@ CASES = (
 
 
 def auto_output(parser: str, parallel: bool = True) -> ToolOutput:
-    return ToolOutput(ToolChoice("auto", TOOLS, parallel=parallel), tool_parser_class(parser))
+    return AutoCalls(TOOLS, tool_parser_class(parser), parallel).output()
 
 
 def whole(parser: str, text: str, parallel: bool = True):
@@ -276,7 +276,7 @@ CUT_SHORT = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "p
 
 
 def required_output(parallel: bool = True) -> ToolOutput:
-    return ToolOutput(ToolChoice("required", TOOLS, parallel=parallel), None)
+    return RequiredCalls(TOOLS, parallel).output()
 
 
 @pytest.mark.parametrize("text,calls", REQUIRED)
@@ -325,7 +325,7 @@ def test_required_without_parallel_calls_shows_one():
 
 
 def test_named_choice_streams_arguments_as_they_come():
-    output = ToolOutput(ToolChoice("named", TOOLS, name="get_weather"), None)
+    output = NamedCall(TOOLS[0]).output()
     first, second = output.feed('{"city": ', done=False), output.feed('"Paris"}', done=True)
     [head], [rest] = first[1], second[1]
     assert first[0] == second[0] == ""
@@ -341,7 +341,7 @@ def test_named_choice_streams_arguments_as_they_come():
 
 
 def test_no_tool_choice_passes_text_through():
-    output = ToolOutput(ToolChoice("none", TOOLS), None)
+    output = NoTools().output()
     assert output.feed('<tool_call>{"name": "get_time"}</tool_call>', done=True) == (
         '<tool_call>{"name": "get_time"}</tool_call>',
         [],
