@@ -248,6 +248,14 @@ async def test_store_false_keeps_nothing_and_a_disabled_store_refuses_store_true
         ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tools[0].type"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_stock"}}, "tool_choice"),
         ({"tools": TOOLS}, "tool_choice"),  # auto without --enable-auto-tool-choice
+        (  # forced calls and a second constraint: the conflict, not the schema's error
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}},
+            },
+            "tool_choice",
+        ),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

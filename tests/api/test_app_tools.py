@@ -8,6 +8,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from services.api import structured_outputs, tool_calling
 from services.api.chat_args import ChatSettings
 from services.api.errors import APIError
 from services.api.openai_schemas import ChatTool, decode_body
@@ -94,6 +95,39 @@ async def test_tool_requests_that_cannot_be_served(kwargs, param):
     with pytest.raises(openai.BadRequestError) as error:
         await create(client, **kwargs)
     assert_400(error, param)
+    assert engine.requests == []
+
+
+# Another field asking for structured output, each invalid: checked, it would be a 400 naming itself.
+SECOND_CONSTRAINTS = [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+    {"response_format": {"type": "json_object"}},
+    {"extra_body": {"guided_regex": "(unclosed"}},
+    {"extra_body": {"structured_outputs": {"grammar": "root ::= undefined_rule"}}},
+]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+@pytest.mark.parametrize("asked", SECOND_CONSTRAINTS)
+async def test_forced_calls_with_another_constraint_are_refused_before_either_is_built(
+    monkeypatch, tool_choice, asked
+):
+    def never(*args, **kwargs):
+        raise AssertionError("a constraint was built or checked before the conflict was found")
+
+    for module, name in [
+        (structured_outputs, "check_constraint"),
+        (structured_outputs, "_from_response_format"),
+        (tool_calling, "check_constraint"),
+        (tool_calling, "required_schema"),
+    ]:
+        monkeypatch.setattr(module, name, never)
+    client, engine = scripted("Hi")
+    with pytest.raises(openai.BadRequestError, match="already constrains the output") as error:
+        await create(client, tools=TOOLS, tool_choice=tool_choice, **asked)
+    assert_400(error, "tool_choice")
     assert engine.requests == []
 
 
