@@ -17,6 +17,8 @@ anything over ``MAX_CONSTRAINT_CHARS`` before looking at it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import Any
 from urllib.parse import unquote
 
 # The largest regex, grammar or schema text checked (a constraint of this
@@ -180,7 +182,7 @@ def _check_schema(schema: object, path: str, root: object, depth: int) -> None:
         _check_schema(sub, f"{path}.{key}", root, depth + 1)
 
 
-def _subschemas(schema: dict, path: str):
+def _subschemas(schema: dict[str, Any], path: str) -> Iterator[tuple[str, object]]:
     for key in _SCHEMA_MAPS:
         value = schema.get(key)
         if key == "properties" and value is not None and not isinstance(value, dict):
@@ -198,7 +200,7 @@ def _subschemas(schema: dict, path: str):
             yield key, schema[key]
 
 
-def _check_keywords(schema: dict, path: str, root: object) -> None:
+def _check_keywords(schema: dict[str, Any], path: str, root: object) -> None:
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
     for k in kinds:
@@ -282,8 +284,10 @@ def _ebnf_tokens(grammar: str) -> list[tuple[str, str, int]]:
         match = _EBNF_TOKEN.match(grammar, i)
         if match is None:
             raise ValueError(f"{_where(grammar, i)}: {_describe(grammar, i)}")
-        if match.lastgroup != "space":
-            tokens.append((match.lastgroup, match.group(), i))
+        kind = match.lastgroup
+        assert kind is not None  # every alternative of _EBNF_TOKEN is a named group
+        if kind != "space":
+            tokens.append((kind, match.group(), i))
         i = match.end()
     return tokens
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import re
 
-from services.api.tool_parsers.base import ParsedCall, Segment, ToolParser, decode_json_at
+from services.api.tool_parsers.base import Segment, ToolParser, decode_json_at
 
 # A call's head, when the schema's key order held: the name, then the start of an object.
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?=\{)')
 _BETWEEN = " \t\n\r,}"  # what may separate calls: whitespace, commas, the last call's closing brace
 _WHITESPACE = " \t\n\r"
+
+# What a stream shows: (call index, its name when this starts it else None, arguments text).
+Piece = tuple[int, str | None, str]
 
 
 class RequiredCallsParser(ToolParser):
@@ -46,8 +49,8 @@ class RequiredCallsParser(ToolParser):
         while True:
             pos = _skip(text, pos, " \t\n\r,")
             decoded = decode_json_at(text, pos)
-            call = decoded and self.call_from(decoded[0], ("parameters",))
-            if call is not None:
+            call = None if decoded is None else self.call_from(decoded[0], ("parameters",))
+            if decoded is not None and call is not None:
                 segments.append(call)
                 pos = decoded[1]
                 continue
@@ -97,9 +100,9 @@ class RequiredCallsStream:
         self.arguments: _ObjectEnd | None = None  # set while a call's parameters stream
         self.num_calls = 0
 
-    def feed(self, delta: str, done: bool) -> tuple[str, list[tuple[int, str | None, str]]]:
+    def feed(self, delta: str, done: bool) -> tuple[str, list[Piece]]:
         self.pending += delta
-        pieces: list[tuple[int, str | None, str]] = []
+        pieces: list[Piece] = []
         while self._step(pieces):
             pass
         if done and self.pending.strip(_BETWEEN + "]"):
@@ -107,7 +110,7 @@ class RequiredCallsStream:
             return content, pieces
         return "", pieces
 
-    def _step(self, pieces: list) -> bool:
+    def _step(self, pieces: list[Piece]) -> bool:
         """Show what the pending text settles; whether to look again."""
         if not self.opened:
             start = _skip(self.pending, 0, _WHITESPACE)
@@ -115,21 +118,20 @@ class RequiredCallsStream:
                 return False
             self.opened, self.pending = True, self.pending[start + 1 :]
         if self.arguments is not None:
-            return self._stream_arguments(pieces)
+            return self._stream_arguments(self.arguments, pieces)
         start = _skip(self.pending, 0, _BETWEEN)
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             self.pending = ""  # parallel_tool_calls=false: the rest is not shown
             return False
         head = _HEAD.match(self.pending, start)
-        name = json.loads(head.group(1)) if head is not None else None
-        if name in self.parser.tool_names:
+        if head is not None and (name := json.loads(head.group(1))) in self.parser.tool_names:
             pieces.append((self.num_calls, name, ""))
             self.pending, self.arguments = self.pending[head.end() :], _ObjectEnd()
             return True
         return self._whole_call(start, pieces)
 
-    def _stream_arguments(self, pieces: list) -> bool:
-        end = self.arguments.scan(self.pending)
+    def _stream_arguments(self, arguments: _ObjectEnd, pieces: list[Piece]) -> bool:
+        end = arguments.scan(self.pending)
         shown = self.pending if end is None else self.pending[:end]
         if shown:
             pieces.append((self.num_calls, None, shown))
@@ -140,11 +142,11 @@ class RequiredCallsStream:
         self.num_calls += 1
         return True
 
-    def _whole_call(self, start: int, pieces: list) -> bool:
+    def _whole_call(self, start: int, pieces: list[Piece]) -> bool:
         # Keys in another order: the call is shown once it is complete.
         decoded = decode_json_at(self.pending, start)
-        call = decoded and self.parser.call_from(decoded[0], ("parameters",))
-        if not isinstance(call, ParsedCall):
+        call = None if decoded is None else self.parser.call_from(decoded[0], ("parameters",))
+        if decoded is None or call is None:
             return False
         pieces += [(self.num_calls, call.name, ""), (self.num_calls, None, call.arguments)]
         self.pending, self.num_calls = self.pending[decoded[1] :], self.num_calls + 1

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from starlette.requests import Request
@@ -33,6 +35,7 @@ from services.api.openai_schemas import (
     DeltaMessage,
     TokenizeRequest,
     TopLogprob,
+    UsageInfo,
     encode,
 )
 from services.api.output_processor import Logprob
@@ -50,18 +53,18 @@ from services.api.tool_calling import (
 logger = logging.getLogger(__name__)
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template sees them (text parts joined)."""
     if not messages:
         raise bad_request("messages must hold at least one message.", "messages")
     return [_message_dict(i, m) for i, m in enumerate(messages)]
 
 
-def _message_dict(i: int, m: ChatMessage) -> dict:
+def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     content = message_text(i, m)
     if content is None and m.role == "assistant":
         content = ""  # an assistant turn of only tool calls (vLLM renders it so)
-    message = {"role": m.role, "content": content}
+    message: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         message["name"] = m.name
     if m.reasoning_content is not None:
@@ -99,7 +102,7 @@ def check_messages_size(ctx: ServingContext, messages: list[ChatMessage]) -> Non
     ctx.limits.check_text_size(message_texts(messages), "messages")
 
 
-def message_texts(messages: list[ChatMessage]):
+def message_texts(messages: list[ChatMessage]) -> Iterator[str]:
     """Every piece of text the messages hold."""
     for m in messages:
         if isinstance(m.content, str):
@@ -111,7 +114,7 @@ def message_texts(messages: list[ChatMessage]):
 
 
 def chat_prompt_ids(
-    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args
+    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args: Any
 ) -> list[int]:
     """The prompt's token ids; ``template_args`` go to ``Tokenizer.apply_chat_template``."""
     dicts = message_dicts(messages)
@@ -123,7 +126,7 @@ def chat_prompt_ids(
 
 
 async def render_prompt_ids(
-    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args
+    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool, **template_args: Any
 ) -> list[int]:
     """``chat_prompt_ids`` off the event loop; a request's own template renders in a subprocess
     (``services.api.template_sandbox``), the server's in the thread pool."""
@@ -157,7 +160,7 @@ def rendered_prompt_ids(ctx: ServingContext, text: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def _template_errors():
+def _template_errors() -> Iterator[None]:
     """The chat template's failures as 400s."""
     try:
         yield
@@ -265,7 +268,7 @@ class ChatServing:
         params = tool_choice.sampling(params)  # forced calls' constraint, a parser's special tokens
         return params, serving.make_choices(ctx, request_id, [prompt], [params], body, arrival, session)
 
-    def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict:
+    def template_args(self, body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         """What the chat template gets besides the messages; 400 for options that do not fit."""
         if body.continue_final_message and body.add_generation_prompt:
             raise bad_request(
@@ -371,7 +374,7 @@ class _ChatView:
             ]
         return tuple(head)
 
-    def _usage(self, choice: Choice):
+    def _usage(self, choice: Choice) -> UsageInfo | None:
         """Usage of one choice so far, on every chunk with continuous_usage_stats (vLLM)."""
         return serving.choice_usage(choice) if self._continuous_usage else None
 
@@ -413,10 +416,11 @@ class _ChatView:
     def response(self, choices: list[Choice]) -> ChatCompletionResponse:
         shown = []
         for c in choices:
-            reasoning, content = None, c.state.text
+            reasoning: str | None = None
+            content: str | None = c.state.text
             parser = self._reasoning(c)
             if parser is not None:
-                reasoning, content = parser.split(content)
+                reasoning, content = parser.split(c.state.text)
             tools = self._tools(c)
             content, calls = tools.complete(content)
             if self.echo:
@@ -437,7 +441,7 @@ class _ChatView:
             kv_transfer_params=serving.kv_transfer_params_of(choices),
         )
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage=None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.request_id, self.created, self.model, choices, usage)
 
     def _logprobs(self, choice: Choice, entries: list[dict[int, Logprob]]) -> ChatChoiceLogprobs | None:
@@ -459,7 +463,7 @@ def _finish(choice: Choice, tools: ToolOutput) -> tuple[str | None, int | str | 
 def _entry(entry: dict[int, Logprob], top_n: int) -> ChatLogprobEntry:
     chosen = next(iter(entry.values()))  # the sampled token comes first
     ranked = sorted(
-        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank
+        (lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank or 0
     )
     top = [TopLogprob(_token(lp), serving.shown_logprob(lp.logprob), _bytes(lp)) for lp in ranked]
     return ChatLogprobEntry(_token(chosen), serving.shown_logprob(chosen.logprob), _bytes(chosen), top)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 from protocol import StructuredOutputsParams
 from services.api.constraint_checks import check_grammar, check_json_schema, check_regex, check_size
@@ -96,7 +97,7 @@ def _requested(body: SamplingFields) -> list[tuple[str, _Builder]]:
     return asked
 
 
-def _guided_builder(field: str, value: object) -> _Builder:
+def _guided_builder(field: str, value: Any) -> _Builder:
     return lambda: StructuredOutputsParams(**{field: value})
 
 

@@ -66,6 +66,12 @@ class ToolParser(abc.ABC):
         return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def all_calls(calls: list[ParsedCall | None]) -> list[ParsedCall] | None:
+    """``calls`` when every one is a call, else None (one item that is not makes the whole text content)."""
+    found = [c for c in calls if c is not None]
+    return found if len(found) == len(calls) else None
+
+
 def partial_prefix_length(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that ``marker`` starts with
     (text a stream must hold back: it may be the start of the marker)."""

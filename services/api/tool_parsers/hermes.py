@@ -5,7 +5,13 @@ Any number of call blocks, with text around them; the text is the reply's conten
 
 from __future__ import annotations
 
-from services.api.tool_parsers.base import Segment, ToolParser, decode_json_at, partial_prefix_length
+from services.api.tool_parsers.base import (
+    ParsedCall,
+    Segment,
+    ToolParser,
+    decode_json_at,
+    partial_prefix_length,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -33,7 +39,7 @@ class HermesToolParser(ToolParser):
             segments.append(self._call(text[start + len(START) : stop]) or text[start : stop + len(END)])
             pos = stop + len(END)
 
-    def _call(self, body: str):
+    def _call(self, body: str) -> ParsedCall | None:
         body = body.strip()
         decoded = decode_json_at(body, 0)
         if decoded is None or decoded[1] != len(body):

@@ -44,12 +44,12 @@ class Llama3JsonToolParser(ToolParser):
             if pos == len(text):
                 return segments, pos
             decoded = decode_json_at(text, pos)
-            call = decoded and self.call_from(decoded[0])
+            call = None if decoded is None else self.call_from(decoded[0])
             if decoded is not None and call is None:  # complete JSON, but not a call: content
                 segments.append(text[pos : decoded[1]])
                 pos = decoded[1]
                 continue
-            if call is None:
+            if decoded is None or call is None:
                 if not final:
                     self.held = len(text) - pos
                     return segments, pos  # an object still being written, perhaps

@@ -11,14 +11,17 @@ are not 9 letters and digits, so the calls get such ids.
 
 from __future__ import annotations
 
+import enum
 import random
 import re
 import string
+from typing import Literal
 
 from services.api.tool_parsers.base import (
     ParsedCall,
     Segment,
     ToolParser,
+    all_calls,
     decode_json_at,
     partial_prefix_length,
 )
@@ -28,6 +31,13 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 # What may stand between [TOOL_CALLS] and [ARGS]: a function name (OpenAI allows these characters).
 _NAME = re.compile(r"\s*([A-Za-z0-9_.\-]{1,256})\s*")
 _SPACE = re.compile(r"\s*")
+
+
+class _Decoded(enum.Enum):
+    NOT_JSON = enum.auto()  # the text is complete, and what starts at the position is not JSON
+
+
+_JsonAt = tuple[object, int] | Literal[_Decoded.NOT_JSON] | None
 
 
 class MistralToolParser(ToolParser):
@@ -68,16 +78,16 @@ class MistralToolParser(ToolParser):
         None while more text may yet make them calls. No calls: the end is where
         content goes on (after a complete JSON value that is not a call, else
         after the marker), so a stream and the whole text agree."""
-        start = _SPACE.match(text, pos).end()
+        start = _space_end(text, pos)
         if start == len(text):
             return ([], pos) if final else None
         if text[start] == "[":
             decoded = self._json_at(text, start, final)
-            if decoded is None or decoded is _NOT_JSON:
+            if decoded is None or decoded is _Decoded.NOT_JSON:
                 return None if decoded is None else ([], pos)
             value, end = decoded
-            calls = [self.call_from(item) for item in value] if isinstance(value, list) else []
-            return ([], end) if not calls or None in calls else (calls, end)
+            calls = all_calls([self.call_from(item) for item in value]) if isinstance(value, list) else None
+            return (calls, end) if calls else ([], end)
         args = text.find(ARGS, start)
         if args < 0:
             # A name still being written (perhaps with "[ARGS]" half-way in) may yet make a call.
@@ -85,25 +95,28 @@ class MistralToolParser(ToolParser):
             waiting = not final and _NAME.fullmatch(text, start, cut) is not None
             return None if waiting else ([], pos)
         name = _NAME.fullmatch(text, start, args)
-        value_at = _SPACE.match(text, args + len(ARGS)).end()
+        value_at = _space_end(text, args + len(ARGS))
         if name is None or value_at < len(text) and text[value_at] != "{":
             return [], pos
         decoded = self._json_at(text, value_at, final)
-        if decoded is None or decoded is _NOT_JSON:
+        if decoded is None or decoded is _Decoded.NOT_JSON:
             return None if decoded is None else ([], pos)
         call = self.call_from({"name": name.group(1), "arguments": decoded[0]})
         return ([call] if call else []), decoded[1]
 
-    def _json_at(self, text: str, pos: int, final: bool):
+    def _json_at(self, text: str, pos: int, final: bool) -> _JsonAt:
         """The JSON value at ``pos`` and its end; None (held) while it may still
         be written, _NOT_JSON once the text is complete and it is not."""
         decoded = decode_json_at(text, pos)
         if decoded is not None:
             return decoded
         if final:
-            return _NOT_JSON
+            return _Decoded.NOT_JSON
         self.held = len(text) - text.rfind(BOT, 0, pos)
         return None
 
 
-_NOT_JSON = object()
+def _space_end(text: str, pos: int) -> int:
+    match = _SPACE.match(text, pos)
+    assert match is not None  # \s* matches everywhere
+    return match.end()

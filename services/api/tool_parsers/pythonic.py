@@ -21,7 +21,7 @@ import keyword
 import re
 import tokenize
 
-from services.api.tool_parsers.base import ParsedCall, Segment, ToolParser
+from services.api.tool_parsers.base import ParsedCall, Segment, ToolParser, all_calls
 
 MAX_DEPTH = 32  # brackets inside one another
 MAX_CHARS = 256 * 1024  # longest list of calls parsed
@@ -74,8 +74,8 @@ class PythonicToolParser(ToolParser):
         end = self.list_end.find(text, start, final)
         if end is None and not final:
             return [], 0  # the list is still being written
-        calls = None if end in (None, NEVER) else self._parse(text[start:end])
-        if calls is None:  # never closed, too deep or too long, or not a list of calls
+        calls = None if end is None or end == NEVER else self._parse(text[start:end])
+        if end is None or calls is None:  # never closed, too deep or too long, or not a list of calls
             self.state = "content"
             return [text], len(text)
         self.state = "closed"
@@ -92,8 +92,7 @@ class PythonicToolParser(ToolParser):
             return None
         if not isinstance(tree.body, ast.List) or not tree.body.elts:
             return None
-        calls = [self._call(node) for node in tree.body.elts]
-        return None if None in calls else calls
+        return all_calls([self._call(node) for node in tree.body.elts])
 
     def _call(self, node: ast.expr) -> ParsedCall | None:
         if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
@@ -208,7 +207,7 @@ def _literal(node: ast.expr) -> object:
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):  # {**other}
             raise ValueError("a dict unpacking")
-        keys = [_literal(k) for k in node.keys]
+        keys = [_literal(k) for k in node.keys if k is not None]  # none is (checked above)
         if not all(isinstance(k, str) for k in keys):
             raise ValueError("a dict key that is not a string")
         return dict(zip(keys, (_literal(v) for v in node.values)))
