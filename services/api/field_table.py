@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from services.api.errors import bad_request
 
 HONOURED = "honoured"
@@ -214,7 +216,7 @@ RESPONSES: dict[str, FieldRule] = {
 }
 
 
-def refuse_unsupported(body: Any, table: dict[str, FieldRule]) -> None:
+def refuse_unsupported(body: msgspec.Struct, table: dict[str, FieldRule]) -> None:
     """400 for the first field the table refuses that the body sets."""
     for name, rule in table.items():
         if rule.status == REFUSED and getattr(body, name, None) is not None:

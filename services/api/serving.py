@@ -35,7 +35,7 @@ from services.api.errors import APIError, bad_request, error_body, unavailable
 from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.offload import run_blocking
-from services.api.openai_schemas import PromptTokensDetails, UsageInfo
+from services.api.openai_schemas import EmbeddingRequest, PromptTokensDetails, SamplingFields, UsageInfo
 from services.api.output_processor import RequestState
 from services.api.prefix_router import session_key_of
 from services.api.redact import redact
@@ -188,7 +188,11 @@ def check_finite(body: msgspec.Struct, fields: tuple[str, ...]) -> None:
 
 
 def make_sampling_params(
-    ctx: ServingContext, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ctx: ServingContext,
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from the fields completions and chat share; 400 on bad values."""
     check_finite(
@@ -309,7 +313,7 @@ class Choice:
         return new
 
 
-def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> None:
+def check_kv_transfer_caller(ctx: ServingContext, request: Request, body: SamplingFields) -> None:
     """P/D parameters steer what an engine loads and saves: only the P/D proxy may set them (403).
 
     Checked whatever the API's own config says: an engine core started with
@@ -318,7 +322,7 @@ def check_kv_transfer_caller(ctx: ServingContext, request: Request, body) -> Non
         require_trusted_caller(request.headers, ctx.kv_transfer_secret)
 
 
-def session_key(request: Request, body) -> str | None:
+def session_key(request: Request, body: SamplingFields | EmbeddingRequest) -> str | None:
     """The sticky-session key the balancer falls back on: ``x-session-id``, else ``user`` (400 if huge)."""
     header = request.headers.get("x-session-id")
     try:
@@ -332,7 +336,7 @@ def make_choices(
     request_id: str,
     prompts: list[list[int]],
     params: list[SamplingParams],
-    body,
+    body: SamplingFields,
     arrival: float,
     session_key: str | None = None,
     prompt_only: bool = False,

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.api.api_options import APIOptions
 from services.api.errors import bad_request
-from services.api.openai_schemas import encode
+from services.api.openai_schemas import SamplingFields, encode
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,12 @@ def sse(obj: Any) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
 
-def check_stream_options(body: Any) -> None:
+def check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
 
-def usage_modes(options: APIOptions, body: Any) -> tuple[bool, bool]:
+def usage_modes(options: APIOptions, body: SamplingFields) -> tuple[bool, bool]:
     """(a usage chunk at the end, usage on every chunk), as vLLM decides them: the
     server flag forces the first; continuous usage needs include_usage."""
     asked = body.stream_options

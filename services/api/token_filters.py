@@ -15,6 +15,7 @@ from typing import Any
 
 from services.api.errors import bad_request
 from services.api.limits import ServingLimits
+from services.api.openai_schemas import SamplingFields
 from services.api.tokenizer import Tokenizer
 
 # The sampler checks every bad word of a request at every step: keep that bounded.
@@ -26,7 +27,7 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 def token_filters(
     tokenizer: Tokenizer,
     vocab_size: int,
-    body: Any,
+    body: SamplingFields,
     limits: ServingLimits | None = None,
     max_bad_word_tokens: int | None = None,
 ) -> dict[str, Any]:
