@@ -141,9 +141,6 @@ def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParse
     if choice != "none" and not tools:
         raise bad_request("tool_choice needs tools: give the functions the model may call.", "tool_choice")
     _check_unique_names(tools)
-    # Ids in the shape the server's model family wants (Mistral's templates check theirs).
-    new_id = auto_parser.new_call_id if auto_parser is not None else new_tool_call_id
-    strategy: ToolStrategy
     if choice == "none":
         return NoTools()
     if choice == "auto":
@@ -154,6 +151,9 @@ def resolve_tool_choice(body: ChatCompletionRequest, auto_parser: type[ToolParse
                 "tool_choice",
             )
         return AutoCalls(tools, auto_parser, body.parallel_tool_calls)
+    # Ids in the shape the server's model family wants (Mistral's templates check theirs).
+    new_id = auto_parser.new_call_id if auto_parser is not None else new_tool_call_id
+    strategy: ToolStrategy
     if choice == "required":
         strategy = RequiredCalls(tools, body.parallel_tool_calls, new_id)
     else:
