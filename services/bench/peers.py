@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import shlex
 import signal
@@ -536,6 +537,19 @@ def checkpoint_dtype(dtype: str, flags: set[str] | None = None) -> str:
     return "float32"
 
 
+def vllm_memory_utilization(checkpoint: Path, kv_cache_gib: int) -> float:
+    """The fraction of this machine's memory vLLM's CPU backend is told to reserve.
+
+    It refuses to start unless that fraction is free (its default, 0.92, fails beside any other
+    process), so ask for what the run needs: the checkpoint, the KV cache and 2 GiB for activations
+    and the runtime.
+    """
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    need = weights + (kv_cache_gib + 2) * 2**30
+    return min(0.9, math.ceil(100 * need / total) / 100)
+
+
 def vllm_system(
     gguf: Path, dtype: str, kv_cache_gib: int, log=print, max_model_len: int | None = None
 ) -> System:
@@ -551,6 +565,7 @@ def vllm_system(
     # vLLM's CPU backend sizes its KV cache from this (GiB) instead of probing memory.
     variables = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)} | _bound_threads_env()
     length_args = ["--max-model-len", str(max_model_len)] if max_model_len else []
+    utilization = vllm_memory_utilization(checkpoint, kv_cache_gib)
 
     def offline(workload_file: Path, out: Path) -> list[str]:
         return [
@@ -564,6 +579,8 @@ def vllm_system(
             dtype,
             "--output-json",
             str(out),
+            "--memory-utilization",
+            str(utilization),
             *length_args,
         ]
 
@@ -586,6 +603,8 @@ def vllm_system(
             "--served-model-name",
             "vllm",
             *NO_PROMPT_CACHE["vllm"],
+            "--gpu-memory-utilization",
+            str(utilization),
             *length_args,
         ]
 
