@@ -116,6 +116,7 @@ class DPLBEngineClient(EngineClient):
     def local(self) -> LocalEngines:
         return self.members.local
 
+    # Tests look at these two through the client.
     @property
     def _peer_host(self) -> dict[int, str | None]:
         return self.members.peer_host
