@@ -51,6 +51,9 @@ from services.config.speculative_args import resolve_speculative_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "shortest-first")
+DEFAULT_MAX_NUM_SEQS = 128
+# Several partial prefills and no threshold: prompts longer than this percentage of max_model_len are long.
+LONG_PREFILL_PERCENT = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -274,7 +277,7 @@ class EngineArgs:
                 )
         return SchedulerConfig(
             max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs or 128,
+            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
@@ -285,7 +288,7 @@ class EngineArgs:
 
     def _long_prefill_token_threshold(self, max_model_len: int) -> int:
         """Check the partial-prefill limits; as vLLM, several of them need a
-        threshold to tell long prompts from short ones: 4% of max_model_len unless given."""
+        threshold to tell long prompts from short ones: LONG_PREFILL_PERCENT of max_model_len unless given."""
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be at least 0, got {self.long_prefill_token_threshold}."
@@ -305,7 +308,7 @@ class EngineArgs:
 
 
 def default_long_prefill_threshold(max_model_len: int) -> int:
-    return max(1, max_model_len * 4 // 100)
+    return max(1, max_model_len * LONG_PREFILL_PERCENT // 100)
 
 
 def with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
