@@ -8,12 +8,14 @@ The graph is read with ``ast``, so nothing is imported to build it.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "services", "kernels")
 
 
+@functools.cache
 def module_files() -> dict[str, Path]:
     modules = {}
     for package in PACKAGES:
@@ -46,6 +48,7 @@ def longest_known(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
+@functools.cache  # read once for all the tests here; none changes it
 def import_graph() -> dict[str, set[str]]:
     modules = module_files()
     graph = {}
