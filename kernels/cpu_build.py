@@ -26,7 +26,7 @@ from pathlib import Path
 
 # The CPU's flags, and what each build needs of them, are kernels/cpu_caps.py's; the kernel
 # wrappers import them from here beside the builds' compiler flags.
-from kernels.cpu_caps import AMX_BF16_FLAGS, AVX2_FLAGS, AVX512_BF16_FLAGS, AVX512_FLAGS, cpu_flags
+from kernels.cpu_caps import AMX_BF16_FLAGS, AVX2_FLAGS, AVX512_BF16_FLAGS, AVX512_FLAGS, cpu_flags, has_all
 from kernels.cpu_caps import AMX_INT8_FLAGS as AMX_INT8_FLAGS
 from kernels.cpu_caps import AVX512_VNNI_FLAGS as AVX512_VNNI_FLAGS
 from services import env
@@ -56,7 +56,7 @@ def target_isa() -> tuple[str, list[str]]:
     traffic, and AVX-512 measured no faster here. Each target builds under
     its own name, so builds for different CPUs do not replace each other.
     """
-    if all(f in cpu_flags() for f in AVX2_FLAGS):
+    if has_all(AVX2_FLAGS):
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
@@ -69,7 +69,7 @@ AVX512 = ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-m
 
 def wide_isa() -> tuple[str, list[str]]:
     """``AVX512`` where the CPU has its flags, else ``target_isa()``."""
-    if all(f in cpu_flags() for f in AVX512_FLAGS):
+    if has_all(AVX512_FLAGS):
         return AVX512
     return target_isa()
 
@@ -81,7 +81,7 @@ AVX512_BF16 = ("avx512bf16", [*AVX512[1], "-mavx512bf16"])
 
 def bf16_isa() -> tuple[str, list[str]]:
     """``AVX512_BF16`` where the CPU has its flags, else ``wide_isa()``."""
-    if all(f in cpu_flags() for f in AVX512_BF16_FLAGS):
+    if has_all(AVX512_BF16_FLAGS):
         return AVX512_BF16
     return wide_isa()
 
@@ -93,7 +93,7 @@ AMX_BF16 = ("amxbf16", [*AVX512_BF16[1], "-mamx-tile", "-mamx-bf16"])
 
 def amx_isa() -> tuple[str, list[str]]:
     """``AMX_BF16`` where the CPU has its flags, else ``bf16_isa()``."""
-    if all(f in cpu_flags() for f in AMX_BF16_FLAGS):
+    if has_all(AMX_BF16_FLAGS):
         return AMX_BF16
     return bf16_isa()
 
