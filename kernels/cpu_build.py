@@ -24,6 +24,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# The CPU's flags, and what each build needs of them, are kernels/cpu_caps.py's; the kernel
+# wrappers import them from here beside the builds' compiler flags.
+from kernels.cpu_caps import AMX_BF16_FLAGS, AVX2_FLAGS, AVX512_BF16_FLAGS, AVX512_FLAGS, cpu_flags, has_all
+from kernels.cpu_caps import AMX_INT8_FLAGS as AMX_INT8_FLAGS
+from kernels.cpu_caps import AVX512_VNNI_FLAGS as AVX512_VNNI_FLAGS
+from services import env
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -33,25 +40,11 @@ class KernelUnavailable(RuntimeError):
     """The kernel could not be built or loaded here."""
 
 
-def cpu_flags() -> set[str]:
-    """The flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
-
-# AVX-512 with VNNI for the kernels that use integer dot products (vpdpbusd on 256-bit
-# vectors needs AVX512VL); the AVX2 flags come along for the code they share.
-AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
+# AVX-512 with VNNI (AVX512_VNNI_FLAGS) for the kernels that use integer dot products.
 AVX512_VNNI = (
     "avx512vnni",
     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
 )
-
-
-# AVX2 + FMA (+ F16C), the default target where the CPU has them.
-AVX2_FLAGS = ("avx2", "fma", "f16c")
 
 
 def target_isa() -> tuple[str, list[str]]:
@@ -63,11 +56,7 @@ def target_isa() -> tuple[str, list[str]]:
     traffic, and AVX-512 measured no faster here. Each target builds under
     its own name, so builds for different CPUs do not replace each other.
     """
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    if all(f in flags for f in AVX2_FLAGS):
+    if has_all(AVX2_FLAGS):
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
@@ -75,45 +64,41 @@ def target_isa() -> tuple[str, list[str]]:
 # AVX-512 (F, VL, BW) for kernels whose loops want its 32 vector registers even on 256-bit
 # vectors (the attention kernel keeps every query head's chunks in registers: about 1.4x the
 # AVX2 build's speed on cached keys here).
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")
 AVX512 = ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"])
 
 
 def wide_isa() -> tuple[str, list[str]]:
     """``AVX512`` where the CPU has its flags, else ``target_isa()``."""
-    if all(f in cpu_flags() for f in AVX512_FLAGS):
+    if has_all(AVX512_FLAGS):
         return AVX512
     return target_isa()
 
 
 # AVX512 plus AVX512_BF16 (vdpbf16ps: bf16 pair dot products into fp32) for the attention kernel's
 # bf16 prefills; only kernels that guard their bf16 code with __AVX512BF16__ ask for it.
-AVX512_BF16_FLAGS = (*AVX512_FLAGS, "avx512_bf16")
 AVX512_BF16 = ("avx512bf16", [*AVX512[1], "-mavx512bf16"])
 
 
 def bf16_isa() -> tuple[str, list[str]]:
     """``AVX512_BF16`` where the CPU has its flags, else ``wide_isa()``."""
-    if all(f in cpu_flags() for f in AVX512_BF16_FLAGS):
+    if has_all(AVX512_BF16_FLAGS):
         return AVX512_BF16
     return wide_isa()
 
 
 # AVX512_BF16 plus AMX tiles with bf16 products (tdpbf16ps) for the attention kernel's bf16 prefills;
 # its code guards them with __AMX_TILE__ and __AMX_BF16__.
-AMX_BF16_FLAGS = (*AVX512_BF16_FLAGS, "amx_tile", "amx_bf16")
 AMX_BF16 = ("amxbf16", [*AVX512_BF16[1], "-mamx-tile", "-mamx-bf16"])
 
 
 def amx_isa() -> tuple[str, list[str]]:
     """``AMX_BF16`` where the CPU has its flags, else ``bf16_isa()``."""
-    if all(f in cpu_flags() for f in AMX_BF16_FLAGS):
+    if has_all(AMX_BF16_FLAGS):
         return AMX_BF16
     return bf16_isa()
 
 
 # AVX512 plus AMX tiles with int8 products (tdpbssd) for the int8 linear's integer GEMM.
-AMX_INT8_FLAGS = (*AVX512_FLAGS, "amx_tile", "amx_int8")
 AMX_INT8 = ("amxint8", [*AVX512[1], "-mamx-tile", "-mamx-int8"])
 
 
@@ -176,7 +161,7 @@ def build_folder(build: str) -> Path:
     ``_get_build_directory`` names it (without making the folder)."""
     import torch
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = env.get_raw("TORCH_EXTENSIONS_DIR")
     if root is None:
         if torch.version.hip is not None:
             accelerator = f"rocm{torch.version.hip.replace('.', '')}"
@@ -195,7 +180,7 @@ def extensions_root() -> str:
     a changed source beside the shared one) shares neither the builds nor their source copies."""
     from torch.utils import cpp_extension
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return env.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def build(
@@ -212,9 +197,10 @@ def build(
 
     # The venv's ninja, when weft is run through .venv/bin/python without activating it.
     bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
+    path = env.get_raw("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        env.put("PATH", bin_dir + os.pathsep + path)
+    missing = [tool for tool in ("ninja", env.get_raw("CXX", "c++")) if shutil.which(tool) is None]
     if missing:
         raise KernelUnavailable(f"building {what} needs {' and '.join(missing)} on PATH.")
     isa, isa_flags = isa or target_isa()
@@ -307,7 +293,7 @@ def loaded_if_on(env_name: str, load, what: str, logger):
 
 def switch_on(env_name: str) -> bool:
     """A kernel's on/off switch in the environment: "1" (the default) or "0"; else ValueError."""
-    value = os.environ.get(env_name, "1").strip().lower()
+    value = env.get_raw(env_name, "1").strip().lower()
     if value not in ("0", "1"):
         raise ValueError(f"{env_name} must be 0 or 1, got {value!r}.")
     return value == "1"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from kernels.reference import (
     check_scale_silu_quantize_int8_args,
     check_silu_and_mul_args,
 )
+from services import env
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_fused.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 def enabled_by_env() -> bool:
-    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    value = env.get_raw(ENV_SWITCH, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {value!r}.")
     return value in ("1", "true", "on")

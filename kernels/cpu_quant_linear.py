@@ -21,12 +21,12 @@ numerics are described in the C++ source.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from kernels.cpu_build import AVX512_VNNI, AVX512_VNNI_FLAGS, KernelUnavailable, build, cpu_flags
+from services import env
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_quant_linear.cpp"
 ENV_ISA = "WEFT_QUANT_ISA"  # forces one build (avx512vnni, avx2 or generic); read only by default_isa()
@@ -60,7 +60,7 @@ def supported_isas() -> list[str]:
 def default_isa() -> str:
     """``WEFT_QUANT_ISA`` when set, else the fastest supported build. An unknown name is a
     ValueError; one the CPU cannot run, ``KernelUnavailable``."""
-    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    forced = env.get_raw(ENV_ISA, "").strip().lower()
     supported = supported_isas()
     if not forced:
         return supported[0]
@@ -79,7 +79,7 @@ def load(isa: str | None = None):
     the AVX-512 flags; the next build is then tried, and every reason is in the error)."""
     if isa is not None:
         return _load_build(isa)
-    candidates = [default_isa()] if os.environ.get(ENV_ISA, "").strip() else supported_isas()
+    candidates = [default_isa()] if env.get_raw(ENV_ISA, "").strip() else supported_isas()
     reasons = []
     for name in candidates:
         try:

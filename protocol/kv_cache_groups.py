@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from protocol.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,9 @@ def kv_cache_groups(layer_windows: list[int], num_layers: int) -> list[KVCacheGr
 def layer_placement(groups: list[KVCacheGroup]) -> dict[int, tuple[int, int]]:
     """layer -> (group index, KV tensor index)."""
     return {layer: (g, j) for g, group in enumerate(groups) for j, layer in enumerate(group.layers)}
+
+
+def group_windows(model: ModelConfig) -> list[int | None]:
+    """Each KV cache group's sliding window (None: full) for the model's layers."""
+    windows = model.layer_sliding_windows
+    return [g.window for g in kv_cache_groups(windows, len(windows))] if windows else [None]

@@ -7,8 +7,9 @@ pay for torch.
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from services import env
 
 # Engine processes share few cores (several per machine, next to the API).
 # OpenMP's default wait policy spins a thread for about 300,000 iterations
@@ -26,8 +27,9 @@ from typing import Any
 # names the ones weft put there, so that a child that is not weft (a peer in
 # `weft bench peers --peer-openmp own`) can start with its own defaults.
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
-OPENMP_SET_BY_WEFT = tuple(name for name in OPENMP_DEFAULTS if name not in os.environ)
-os.environ.update({name: OPENMP_DEFAULTS[name] for name in OPENMP_SET_BY_WEFT})
+OPENMP_SET_BY_WEFT = tuple(name for name in OPENMP_DEFAULTS if not env.is_set(name))
+for _name in OPENMP_SET_BY_WEFT:
+    env.put(_name, OPENMP_DEFAULTS[_name])
 
 _LAZY = {
     "LLM": ("services.llm", "LLM"),

@@ -11,7 +11,10 @@ Two kinds:
 
 Reading a name that is not declared here is a ``KeyError``, so a new
 variable cannot be read without being listed (and documented) first.
-Torch-free: the API process imports it.
+``PLATFORM`` lists the variables of other tools that weft reads too (the
+compiler, Triton, torch's build folder, OpenMP). Stdlib only and imports no
+other weft module: ``kernels/`` reads its switches through it, and the API
+process imports it.
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_CPU_FUSED",
-        "0 turns the fused CPU element-wise kernels off (kernels/cpu_fused.py reads it itself: "
-        "kernels/ imports nothing from services/).",
+        "0 turns the fused CPU element-wise kernels off (kernels/cpu_fused.py).",
     ),
     EnvVar(
         "WEFT_LEAN_DECODE",
@@ -65,9 +67,24 @@ VARIABLES: tuple[EnvVar, ...] = (
         "path is built (read by the kernel on every call; for tests and measurements).",
     ),
     EnvVar(
+        "WEFT_AVX2_INT8",
+        "0 keeps the int8 dense copy's GEMMs on torch._int_mm instead of weft's AVX2 int8 GEMM kernel "
+        "(kernels/cpu_avx2_int8.py; to measure what it gains).",
+    ),
+    EnvVar(
+        "WEFT_VNNI_INT8",
+        "0 keeps the int8 dense copy's GEMMs on torch._int_mm instead of weft's AVX-512 VNNI int8 GEMM kernel "
+        "(kernels/cpu_vnni_int8.py; to measure what it gains).",
+    ),
+    EnvVar(
+        "WEFT_AMX_INT8",
+        "0 keeps the int8 dense copy's GEMMs on oneDNN's int8 matmul instead of weft's AMX int8 GEMM kernel "
+        "(kernels/cpu_amx_int8.py; to measure what it gains).",
+    ),
+    EnvVar(
         "WEFT_QUANT_ISA",
         "Force one build of the quantized-linear kernel: avx512vnni, avx2 or generic (default: the fastest "
-        "the CPU runs; kernels/cpu_quant_linear.py reads it itself).",
+        "the CPU runs; kernels/cpu_quant_linear.py).",
     ),
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
@@ -140,27 +157,56 @@ VARIABLES: tuple[EnvVar, ...] = (
         flag="--kv-cache-memory",
     ),
 )
-_BY_NAME = {variable.name: variable for variable in VARIABLES}
+# Other tools' variables that weft reads (or, for OpenMP's, sets where unset).
+PLATFORM: tuple[EnvVar, ...] = (
+    EnvVar("PATH", "Where the C++ kernel builds find ninja and the compiler (kernels/cpu_build.py)."),
+    EnvVar("CXX", "The C++ compiler for the kernel builds (default: c++; kernels/cpu_build.py)."),
+    EnvVar(
+        "TORCH_EXTENSIONS_DIR",
+        "Where torch builds and caches the C++ kernels (default: torch's own folder; kernels/cpu_build.py).",
+    ),
+    EnvVar(
+        "TRITON_INTERPRET",
+        "1 runs the Triton kernels in Triton's CPU interpreter (kernels/__init__.py reads it as Triton does).",
+    ),
+    EnvVar(
+        "OMP_WAIT_POLICY",
+        "OpenMP's wait policy; weft sets PASSIVE where it is unset (services/__init__.py).",
+    ),
+    EnvVar(
+        "GOMP_SPINCOUNT",
+        "How long libgomp's threads spin before they sleep; weft sets 10000 where it is unset "
+        "(services/__init__.py).",
+    ),
+)
+_BY_NAME = {variable.name: variable for variable in (*VARIABLES, *PLATFORM)}
+
+
+def _check_declared(name: str) -> None:
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not declared in services/env.py.")
 
 
 def get(name: str, default: str | None = None) -> str | None:
     """The value of declared variable ``name``, or ``default`` when it is unset or empty."""
-    if name not in _BY_NAME:
-        raise KeyError(f"{name} is not declared in services/env.py.")
+    _check_declared(name)
     return os.environ.get(name) or default
 
 
-def get_raw(name: str) -> str | None:
-    """The value of declared variable ``name`` as set, empty included; ``None`` when unset."""
-    if name not in _BY_NAME:
-        raise KeyError(f"{name} is not declared in services/env.py.")
-    return os.environ.get(name)
+def get_raw(name: str, default: str | None = None) -> str | None:
+    """The value of declared variable ``name`` as set, empty included; ``default`` when unset."""
+    _check_declared(name)
+    return os.environ.get(name, default)
+
+
+def is_set(name: str) -> bool:
+    """Whether declared variable ``name`` is in the environment (empty included)."""
+    return get_raw(name) is not None
 
 
 def put(name: str, value: str) -> None:
     """Set declared variable ``name`` for this process and the processes it starts."""
-    if name not in _BY_NAME:
-        raise KeyError(f"{name} is not declared in services/env.py.")
+    _check_declared(name)
     os.environ[name] = value
 
 

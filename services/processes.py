@@ -10,6 +10,9 @@ from collections.abc import Sequence
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
+# On SIGTERM, how long a server (the API, an engine core, the P/D proxy) lets the requests it holds
+# finish before it stops anyway (each one's --shutdown-timeout).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def stop_processes(

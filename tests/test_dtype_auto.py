@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernels import cpu_caps
 from services.config import engine_args
 
 AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}
@@ -30,9 +31,9 @@ def test_fast_bf16_and_the_int8_copy_per_flag_set(flags, fast, int8_pays):
     """The int8 copy pays beside a bf16 copy where it was measured: AVX-512 VNNI with bf16 dot
     products, or AMX int8 tiles; weft's own GEMMs run it (from 2 rows a step) on AMX, on AVX-512
     VNNI and on AVX2 alone."""
-    assert engine_args.cpu_has_fast_bf16(flags) is fast
-    assert engine_args.cpu_int8_copy_pays(flags) is int8_pays
-    assert engine_args.cpu_own_int8_gemm(flags) is (flags != set())
+    assert cpu_caps.cpu_has_fast_bf16(flags) is fast
+    assert cpu_caps.cpu_int8_copy_pays(flags) is int8_pays
+    assert cpu_caps.cpu_own_int8_gemm(flags) is (flags != set())
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_auto_is_bf16_on_cuda(monkeypatch):
 def _cpuinfo(tmp_path, monkeypatch, text: str) -> None:
     path = tmp_path / "cpuinfo"
     path.write_text(text)
-    monkeypatch.setattr(engine_args, "Path", lambda _: path)
+    monkeypatch.setattr(cpu_caps, "Path", lambda _: path)
 
 
 def test_flags_come_from_the_flags_line_of_cpuinfo(tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ def test_flags_come_from_the_flags_line_of_cpuinfo(tmp_path, monkeypatch):
         monkeypatch,
         "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\nbugs\t\t: sysret_ss_attrs\n",
     )
-    assert engine_args.cpu_has_fast_bf16()
+    assert cpu_caps.cpu_has_fast_bf16()
 
 
 def test_a_name_outside_the_flags_line_does_not_count(tmp_path, monkeypatch):
@@ -91,12 +92,12 @@ def test_a_name_outside_the_flags_line_does_not_count(tmp_path, monkeypatch):
     _cpuinfo(
         tmp_path, monkeypatch, "model name\t: has avx512_bf16 in its name\nflags\t\t: fpu avx2 xavx512_bf16\n"
     )
-    assert not engine_args.cpu_has_fast_bf16()
+    assert not cpu_caps.cpu_has_fast_bf16()
 
 
 def test_no_cpuinfo_means_fp32(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_args, "Path", lambda _: tmp_path / "missing")
-    assert not engine_args.cpu_has_fast_bf16()
+    monkeypatch.setattr(cpu_caps, "Path", lambda _: tmp_path / "missing")
+    assert not cpu_caps.cpu_has_fast_bf16()
 
 
 def test_unknown_dtype_is_refused():

@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from services.config import engine_args
+from kernels import cpu_caps
 from services.config.cli_args import add_engine_args, engine_args_from
 from services.config.engine_args import AVX2_STEP_BUDGET, DEFAULT_STEP_BUDGET, EngineArgs, default_step_budget
 from tests.test_dtype_auto import AMX, AVX2_ONLY, AVX512_BF16, AVX512_NO_BF16
@@ -29,7 +29,7 @@ def test_the_cpu_budget_follows_the_flags(flags, budget):
 
 
 def budget_of(monkeypatch, flags: set[str], *argv: str) -> int:
-    monkeypatch.setattr(engine_args, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(cpu_caps, "cpu_flags", lambda: set(flags))
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     config = engine_args_from(parser.parse_args(["--device", "cpu", *argv])).create_engine_config()

@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
 
-Routes raise ``APIError`` (or one of its helpers) for anything a client did
+Routes raise ``APIError`` (``protocol/errors.py``, or one of the helpers here) for anything a client did
 wrong or anything the engines cannot serve now; the app turns it into JSON
 with the HTTP status as ``code``, the way vLLM does.
 """
@@ -14,6 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from protocol.errors import APIError
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -23,17 +25,6 @@ _TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-
-
-class APIError(Exception):
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.headers = headers or {}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -19,10 +19,10 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.errors import APIError, bad_request, error_response
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_N = 16
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_PROMPT_CHARS = 1024 * 1024
 DEFAULT_MAX_STOP = 64

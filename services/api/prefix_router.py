@@ -43,6 +43,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import EngineConfig, EngineCoreRequest
+from protocol.block_hashes import prompt_block_hashes
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.kv_events import (
     END_OF_REPLAY,
@@ -57,7 +58,6 @@ from protocol.kv_events import (
     seq_from,
 )
 from protocol.zmq_sockets import make_socket
-from services.engine_core.prefix_hash import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from services.api.limits import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     DEFAULT_MAX_TOOLS,
     DEFAULT_MAX_WAITING_REQUESTS,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServingLimits,
     add_cost_args,
     available_memory_bytes,
@@ -47,6 +46,7 @@ from services.kv_transfer.trust import add_secret_arg as add_kv_transfer_secret_
 from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 from services.log_format import configure as configure_logging
 from services.ports import free_port
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 logger = logging.getLogger("weft.serve")
 
@@ -146,7 +146,8 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="On SIGTERM, seconds in-flight requests may run before they are ended with an error.",
+        help="On SIGTERM, seconds in-flight requests may run before they are ended with an error "
+        "(default: %(default)g).",
     )
     group.add_argument(
         "--max-request-body-bytes",

@@ -1,7 +1,8 @@
 """Engine arguments on the command line, named as vLLM names them.
 
 Flags are generated from ``EngineArgs``; their help comes from the field
-descriptions of the protocol config tree, so the two cannot drift apart.
+descriptions of the protocol config tree, so the two cannot drift apart, and
+every default it states is rendered from the field or constant that holds it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,23 @@ import dataclasses
 import typing
 
 from protocol import config as config_module
-from services.config.engine_args import EngineArgs
+from services.config.dense_copy import (
+    AMX_INT8_MAX_ROWS,
+    AVX2_INT8_DENSE_MIN_ROWS,
+    DEFAULT_DENSE_MIN_ROWS,
+    INT8_MIN_ROWS,
+    OWN_INT8_GEMM_DENSE_MIN_ROWS,
+)
+from services.config.engine_args import (
+    AVX2_STEP_BUDGET,
+    CPU_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_STEP_BUDGET,
+    GPU_BLOCK_SIZE,
+    LONG_PREFILL_PERCENT,
+    EngineArgs,
+)
+from services.config.memory_plan import MIN_FITTED_MAX_MODEL_LEN
 
 _EXTRA_HELP = {
     "model": "GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct).",
@@ -22,35 +39,42 @@ _EXTRA_HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 "
     "where batched steps run dense weights; else fp32).",
     "num_threads": "torch threads per engine process (default: cores / local engines).",
-    "max_num_batched_tokens": "Token budget of one engine step (default 2048; 1024 on a CPU with "
-    "neither AMX nor AVX-512 VNNI, where a 2048-token prefill takes seconds; without chunked prefill "
-    "at least max_model_len).",
-    "max_num_seqs": "Most requests running at once (default 128).",
+    "max_num_batched_tokens": f"Token budget of one engine step (default {DEFAULT_STEP_BUDGET}; "
+    f"{AVX2_STEP_BUDGET} on a CPU with neither AMX nor AVX-512 VNNI, where a {DEFAULT_STEP_BUDGET}-token "
+    "prefill takes seconds; without chunked prefill at least max_model_len).",
+    "max_num_seqs": f"Most requests running at once (default {DEFAULT_MAX_NUM_SEQS}).",
     "max_model_len": "Longest prompt + output in tokens (default: the model's, lowered to what the KV cache "
-    "holds when one such sequence does not fit, to no fewer than 2048 tokens).",
+    f"holds when one such sequence does not fit, to no fewer than {MIN_FITTED_MAX_MODEL_LEN} tokens).",
     "kv_cache_memory": "Bytes of KV cache per worker, as vLLM's --kv-cache-memory: the weights and activations "
     "come on top (default: on CPU, from --cpu-memory-utilization; on CUDA, from --gpu-memory-utilization).",
     "cpu_memory_utilization": "CPU: fraction of the memory available when the engines start (MemAvailable, or "
     "the container's cgroup limit minus usage when lower) that this node's engine processes may use "
-    "together, split evenly; each one's KV cache gets what its runtime, weights and activation peak leave "
-    "(default 0.9).",
-    "block_size": "Tokens per KV cache block (default: 128 on CPU, as vLLM's CPU backend; 16 on CUDA).",
-    "max_num_partial_prefills": "Prompts a step may leave partway through their prefill (default 1). Above 1, "
+    "together, split evenly; each one's KV cache gets what its runtime, weights and activation peak "
+    "leave.",
+    "block_size": f"Tokens per KV cache block (default: {CPU_BLOCK_SIZE} on CPU, as vLLM's CPU backend; "
+    f"{GPU_BLOCK_SIZE} on CUDA).",
+    "max_num_partial_prefills": "Prompts a step may leave partway through their prefill. Above 1, "
     "at most --max-long-partial-prefills of a step's prefills are long ones, so shorter prompts queued "
     "behind a long one start first.",
     "max_long_partial_prefills": "Long prefills (over --long-prefill-token-threshold tokens left; default "
-    "4%% of --max-model-len) a step may carry when --max-num-partial-prefills is above 1 (default 1).",
+    f"{LONG_PREFILL_PERCENT}%% of --max-model-len) a step may carry when --max-num-partial-prefills is "
+    "above 1.",
+    "generation_config": "Where requests' sampling defaults and extra stop tokens come from, as vLLM's: "
+    "auto (the model folder's generation_config.json), vllm (none: vLLM's own defaults), or a folder "
+    "holding a generation_config.json.",
     "load_format": "auto (read the checkpoint) or dummy (random weights of the config's shape; benchmarks).",
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
     "or none (dequantize to --dtype at load).",
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
     "weight, fewer rows the packed kernels; 0 keeps no copy (default auto: where the copy takes at most "
-    "half of the memory budget, --kv-cache-memory, 1 with the int8 copy on weft's own AVX2 int8 GEMM, 2 "
-    "on its AMX int8 tiles or AVX-512 VNNI GEMMs, and 8 otherwise; else 0).",
+    f"half of the memory budget, --kv-cache-memory, {AVX2_INT8_DENSE_MIN_ROWS} with the int8 copy on weft's "
+    f"own AVX2 int8 GEMM, {OWN_INT8_GEMM_DENSE_MIN_ROWS} on its AMX int8 tiles or AVX-512 VNNI GEMMs, and "
+    f"{DEFAULT_DENSE_MIN_ROWS} otherwise; else 0).",
     "dense_copy_dtype": "model (the dense copy in --dtype alone), int8 (an int8 copy beside it, one more "
     "byte a weight: activations rotated and rounded to int8 per row, then integer GEMMs at a small cost "
-    "in accuracy; weft's own GEMMs run it for the dense copy's steps, up to 128 rows on AMX int8 tiles "
-    "and every step on AVX-512 VNNI or AVX2, elsewhere torch's for steps of 32 rows and more), or auto "
+    f"in accuracy; weft's own GEMMs run it for the dense copy's steps, up to {AMX_INT8_MAX_ROWS} rows on AMX "
+    f"int8 tiles and every step on AVX-512 VNNI or AVX2, elsewhere torch's for steps of {INT8_MIN_ROWS} rows "
+    "and more), or auto "
     "(default: int8 with a bf16 --dtype on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16, "
     "and with the float32 that --dtype auto picks where weft's own int8 GEMM runs; one worker, where "
     "both copies fit the memory rule; else model).",
@@ -59,7 +83,8 @@ _EXTRA_HELP = {
     "decode attention; CPU only), or auto (default: int8 on CPU for a bf16 model where the compiled "
     "attention kernels run its decodes on int8 dot products: head sizes 64 and 128, AVX-512 bf16 and "
     "VNNI; else model). fp8 is refused.",
-    "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the request fails (default 5).",
+    "structured_outputs_compile_timeout": "Seconds a request's grammar may take to compile before the "
+    "request fails.",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
     "(default: off).",
@@ -103,15 +128,27 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        text = help_text.get(f.name)
         if f.name in _SEVERAL:
-            group.add_argument(flag, nargs="+", default=f.default, help=help_text.get(f.name))
+            group.add_argument(flag, nargs="+", default=f.default, help=text)
         elif f.type in ("bool", bool):
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text.get(f.name)
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=with_default(text, f.default),
             )
         else:
             kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
-            group.add_argument(flag, type=kind, default=f.default, help=help_text.get(f.name))
+            group.add_argument(flag, type=kind, default=f.default, help=with_default(text, f.default))
+
+
+def with_default(text: str | None, default: object) -> str | None:
+    """``text`` ending with the flag's default, unless the default is None (the text says what
+    decides it then) or the text already tells it."""
+    if text is None or default is None or "default" in text:
+        return text
+    return f"{text.removesuffix('.')} (default: %(default)s)."
 
 
 def engine_args_from(namespace: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineArgs:

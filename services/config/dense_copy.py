@@ -27,8 +27,8 @@ every step of the dense copy instead, up to ``AMX_INT8_MAX_ROWS`` rows on AMX (t
 model dtype's copy the longer ones there). With a copy asked for,
 ``--dense-copy-dtype auto`` adds the int8 copy where it was measured to pay — a bf16
 model dtype on a CPU with AMX int8 tiles, or with AVX-512 VNNI and bf16 dot products
-(``engine_args.cpu_int8_copy_pays``), or the float32 that dtype auto picks on a
-CPU without bf16 math where weft's own GEMM runs (``engine_args.cpu_own_int8_gemm``;
+(``kernels.cpu_caps.cpu_int8_copy_pays``), or the float32 that dtype auto picks on a
+CPU without bf16 math where weft's own GEMM runs (``kernels.cpu_caps.cpu_own_int8_gemm``;
 an fp32 asked for stays fp32 at every step), one engine per model (no tensor parallelism:
 the shards' rows would round differently from one worker's); "model": the model
 dtype's copy alone (an fp32 or bf16 run whose batched steps match dequantized

@@ -1,8 +1,10 @@
 """Engine arguments with vLLM's names, resolved once into an EngineConfig.
 
 Every ``"auto"`` and every ``None`` default is decided here, so the frozen
-config that processes receive holds only concrete values. Torch-free: the
-API process builds the config too.
+config that processes receive holds only concrete values; what the CPU can do
+comes from ``kernels/cpu_caps.py``. Torch-free, and imports nothing from the
+processes' packages (api, engine_core, worker, kv_transfer): the API process
+builds the config too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from kernels.cpu_build import AMX_INT8_FLAGS, AVX2_FLAGS, AVX512_VNNI_FLAGS  # torch-free: flag names only
+from kernels.cpu_caps import cpu_has_fast_bf16, cpu_has_wide_int8_dot, cpu_int8_copy_pays, cpu_own_int8_gemm
 from protocol import (
     CacheConfig,
     DeviceConfig,
@@ -26,6 +28,8 @@ from protocol import (
 )
 from protocol.kv_transfer import KVTransferConfig
 from services import env, model_files
+from services.config.architectures import architecture_of, layer_sliding_windows
+from services.config.async_scheduling_args import check_async_scheduling
 from services.config.dense_copy import (
     AVX2_INT8_DENSE_MIN_ROWS,
     DEFAULT_DENSE_MIN_ROWS,
@@ -34,6 +38,7 @@ from services.config.dense_copy import (
     check_int8_copy_kept,
     resolve_dense_min_rows,
 )
+from services.config.kv_events_args import resolve_kv_events_config
 from services.config.kv_transfer_args import check_engine_supports, resolve_kv_transfer_config
 from services.config.memory_plan import (
     DEFAULT_CPU_MEMORY_UTILIZATION,
@@ -43,12 +48,12 @@ from services.config.memory_plan import (
 from services.config.parallel_args import check_tensor_parallel
 from services.config.pooler import resolve_pooler
 from services.config.speculative_args import resolve_speculative_config
-from services.engine_core.async_scheduling import check_async_scheduling
-from services.engine_core.kv_events import resolve_kv_events_config
 from services.generation_config import extra_eos_token_ids, read_generation_config, sampling_defaults
-from services.worker.models.registry import architecture_of, layer_sliding_windows
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "shortest-first")
+DEFAULT_MAX_NUM_SEQS = 128
+# Several partial prefills and no threshold: prompts longer than this percentage of max_model_len are long.
+LONG_PREFILL_PERCENT = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -272,7 +277,7 @@ class EngineArgs:
                 )
         return SchedulerConfig(
             max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs or 128,
+            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
@@ -283,7 +288,7 @@ class EngineArgs:
 
     def _long_prefill_token_threshold(self, max_model_len: int) -> int:
         """Check the partial-prefill limits; as vLLM, several of them need a
-        threshold to tell long prompts from short ones: 4% of max_model_len unless given."""
+        threshold to tell long prompts from short ones: LONG_PREFILL_PERCENT of max_model_len unless given."""
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be at least 0, got {self.long_prefill_token_threshold}."
@@ -303,7 +308,7 @@ class EngineArgs:
 
 
 def default_long_prefill_threshold(max_model_len: int) -> int:
-    return max(1, max_model_len * 4 // 100)
+    return max(1, max_model_len * LONG_PREFILL_PERCENT // 100)
 
 
 def with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
@@ -421,43 +426,6 @@ def resolve_device(device: str) -> str:
     return "cuda" if Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").exists() else "cpu"
 
 
-def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
-    """bf16 math in hardware makes bf16 faster than fp32: AMX tiles (``amx_bf16``), or AVX-512's
-    bf16 dot products (``avx512_bf16``), where weft ran the default model dequantized 1.3-2x
-    faster in bf16 (README). With AVX2 only, bf16 is converted in software: fp32 is faster.
-    ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
-    flags = cpu_flags() if flags is None else flags
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def cpu_int8_copy_pays(flags: set[str] | None = None) -> bool:
-    """The int8 dense copy was measured faster than the bf16 one from 32 rows on (README, "int8
-    dense copy") on AVX-512 VNNI with bf16 dot products and no AMX, and on weft's own VNNI GEMM
-    from 2 rows on. With AMX tiles oneDNN's bf16 GEMM beat the int8 copy on oneDNN's int8 matmul
-    (level at best over a forward), but weft's own GEMM on AMX int8 tiles beats both up to 128
-    rows. ``flags``: the CPU's feature flags (``/proc/cpuinfo``'s when None)."""
-    flags = cpu_flags() if flags is None else flags
-    if set(AMX_INT8_FLAGS) <= flags:
-        return True
-    return {"avx512_vnni", "avx512_bf16"} <= flags and not flags & {"amx_int8", "amx_bf16", "amx_tile"}
-
-
-def cpu_own_int8_gemm(flags: set[str] | None = None) -> bool:
-    """Whether the int8 copy's GEMMs run on one of weft's kernels here, by the flags they are built
-    for: AMX int8 tiles (``kernels.cpu_amx_int8``), or else AVX-512 VNNI (``kernels.cpu_vnni_int8``),
-    or else AVX2 (``kernels.cpu_avx2_int8``); then auto's copies start at
-    ``OWN_INT8_GEMM_DENSE_MIN_ROWS``, and a float32 that dtype auto picked keeps an int8 copy too
-    (on AVX2 alone weft's GEMM ran the default model's matmuls 1.5-2.7x the fp32 GEMM from 2 rows
-    a step). (The worker falls back to torch's GEMMs where it cannot build them, and the model
-    dtype's copy takes the steps those lose.)"""
-    flags = cpu_flags() if flags is None else flags
-    if "amx_int8" in flags:
-        return set(AMX_INT8_FLAGS) <= flags
-    if "avx512_vnni" in flags:
-        return set(AVX512_VNNI_FLAGS) <= flags
-    return set(AVX2_FLAGS) <= flags
-
-
 # A step's token budget where --max-num-batched-tokens is not given. A prefill chunk holds up the
 # next token of every running request for the whole step, so the budget is a step time: 2,048 tokens
 # are about half a second where the CPU has AMX or AVX-512 VNNI (two Zen 5 cores prefilled 4,450
@@ -475,10 +443,7 @@ def default_step_budget(device: str, flags: set[str] | None = None) -> int:
     AVX-512 VNNI, else ``DEFAULT_STEP_BUDGET``)."""
     if device != "cpu":
         return DEFAULT_STEP_BUDGET
-    flags = cpu_flags() if flags is None else flags
-    if "amx_int8" in flags or "avx512_vnni" in flags:
-        return DEFAULT_STEP_BUDGET
-    return AVX2_STEP_BUDGET
+    return DEFAULT_STEP_BUDGET if cpu_has_wide_int8_dot(flags) else AVX2_STEP_BUDGET
 
 
 def own_int8_gemm_first_rows(flags: set[str] | None = None) -> int:
@@ -486,20 +451,7 @@ def own_int8_gemm_first_rows(flags: set[str] | None = None) -> int:
     AVX2 alone (``AVX2_INT8_DENSE_MIN_ROWS``: there the int8 copy's one-call layers and the lean
     decode path beat the packed kernels at one row too), from ``OWN_INT8_GEMM_DENSE_MIN_ROWS`` on AMX
     and AVX-512 VNNI (the packed kernels were as fast or faster at one row there)."""
-    flags = cpu_flags() if flags is None else flags
-    if "amx_int8" in flags or "avx512_vnni" in flags:
-        return OWN_INT8_GEMM_DENSE_MIN_ROWS
-    return AVX2_INT8_DENSE_MIN_ROWS
-
-
-def cpu_flags() -> set[str]:
-    """The flags line of ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return OWN_INT8_GEMM_DENSE_MIN_ROWS if cpu_has_wide_int8_dot(flags) else AVX2_INT8_DENSE_MIN_ROWS
 
 
 def resolve_dtype(dtype: str, device: str, quantization: str = "none", dense_copy: bool = False) -> str:

@@ -17,7 +17,7 @@ grammar mask depends on the token still in flight, so it waits for it.
 
 Speculative decoding (the drafts of step N+1 come from the tokens step N
 accepts) and disaggregated prefill/decode (KV transfers finish between steps)
-are refused at start-up.
+are refused at start-up (``services/config/async_scheduling_args.py``).
 """
 
 from __future__ import annotations
@@ -26,30 +26,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from protocol import ModelRunnerOutput, SchedulerOutput
 from services.engine_core.request import Request
 
-if TYPE_CHECKING:  # the API process builds configs with this module: it stays free of the worker side
+if TYPE_CHECKING:
     from services.worker.executor import Executor
 
 # Steps in flight: the one running and the one scheduled behind it.
 PIPELINE_DEPTH = 2
-
-
-def check_async_scheduling(config: EngineConfig) -> None:
-    """ValueError for a combination async scheduling does not support."""
-    if not config.scheduler.async_scheduling:
-        return
-    if config.speculative is not None:
-        raise ValueError(
-            "async_scheduling does not support speculative decoding (speculative_config): the drafts of "
-            "step N+1 depend on the tokens step N accepts. Turn one of them off."
-        )
-    if config.kv_transfer is not None:
-        raise ValueError(
-            "async_scheduling does not support disaggregated prefill/decode (kv_transfer_config). "
-            "Turn one of them off."
-        )
 
 
 class ScheduledStep:

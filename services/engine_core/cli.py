@@ -20,7 +20,7 @@ import threading
 from protocol.zmq_sockets import tcp_address
 from services import config_file
 from services.config.memory_plan import node_available_memory_or_none
-from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
+from services.engine_core.proc_args import EngineCoreArgs, add_flags, flag_dest
 from services.log_format import add_log_format_arg
 from services.log_format import configure as configure_logging
 from services.processes import STOP_GRACE_S, stop_processes
@@ -28,9 +28,11 @@ from services.processes import STOP_GRACE_S, stop_processes
 logger = logging.getLogger("engine-core")
 
 _WATCH_S = 0.2
+# The engine cores' own flags (services/engine_core/proc_args.py) this command passes on to each.
+PASSED_ON = ("num_threads", "tensor_parallel_size", "curve_keys", "shutdown_timeout_s", "kv_transfer_config")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--headless", action="store_true", required=True, help="Serve an API on another node (the only mode)."
@@ -54,33 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--data-parallel-rpc-port", type=int, required=True, help="Port of the API node's handshake socket."
     )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per engine process.")
-    parser.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=None,
-        help="Worker processes per engine core on this node (default: the API's config).",
-    )
-    parser.add_argument(
-        "--zmq-curve-keys",
-        default=None,
-        metavar="DIR",
-        help="Authenticate and encrypt the links to the API with CurveZMQ (keys from `weft keys`).",
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="On SIGTERM, seconds each engine core may take to finish its requests.",
-    )
-    parser.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        metavar="JSON",
-        help="Disaggregated prefill/decode role of these engine cores, as JSON "
-        "(kv_connector, kv_role, kv_connector_extra_config; default: the API's config).",
-    )
+    add_flags(parser, PASSED_ON)
     add_log_format_arg(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = config_file.parse_args(parser, argv)  # --config FILE.yaml and WEFT_* overrides too
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
@@ -118,11 +100,7 @@ def engine_args(args: argparse.Namespace, rank: int, handshake_address: str) -> 
         rank=rank,
         handshake_address=handshake_address,
         headless=True,
-        num_threads=args.num_threads,
-        curve_keys=args.zmq_curve_keys,
-        shutdown_timeout_s=args.shutdown_timeout,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_transfer_config=args.kv_transfer_config,
+        **{name: getattr(args, flag_dest(name)) for name in PASSED_ON},
         engines_on_node=args.data_parallel_size_local,
         available_memory=getattr(args, "available_memory", None),
         local_dp_rank=rank - args.start_rank,

@@ -13,11 +13,12 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from protocol.kv_cache_groups import group_windows
+from services.config.async_scheduling_args import check_async_scheduling
 from services.config.engine_args import with_max_model_len
 from services.config.engine_device import resolve_engine_device
 from services.config.memory_plan import fit_max_model_len
-from services.engine_core.async_scheduling import StepPipeline, check_async_scheduling, reaches_workers
-from services.engine_core.kv_cache_manager import group_windows
+from services.engine_core.async_scheduling import StepPipeline, reaches_workers
 from services.engine_core.kv_events import make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler

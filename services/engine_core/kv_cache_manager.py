@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protocol import ModelConfig
-from protocol.kv_cache_groups import kv_cache_groups
 from services.engine_core.block_pool import BlockPool, KVCacheBlock
 from services.engine_core.request import Request
 
@@ -40,12 +38,6 @@ class GroupBlocks(list):
     def __init__(self, groups: list[list[KVCacheBlock]]) -> None:
         super().__init__(groups[0])
         self.groups = groups
-
-
-def group_windows(model: ModelConfig) -> list[int | None]:
-    """Each KV cache group's sliding window (None: full) for the model's layers."""
-    windows = model.layer_sliding_windows
-    return [g.window for g in kv_cache_groups(windows, len(windows))] if windows else [None]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -21,7 +21,6 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 import zmq
@@ -38,7 +37,6 @@ from protocol.kv_events import (
     seq_from,
 )
 from protocol.zmq_sockets import bound_address, make_socket
-from services.config.json_arg import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -237,23 +235,3 @@ def with_default_keys_dir(config: KVEventsConfig | None, curve_keys: str | None)
     if config is None or curve_keys is None or config.keys_dir is not None:
         return config
     return msgspec.structs.replace(config, keys_dir=str(curve_keys))
-
-
-def resolve_kv_events_config(
-    value: dict[str, Any] | str | None, data_parallel_size: int = 1, *, has_keys: bool = True
-) -> KVEventsConfig | None:
-    """``--kv-events-config`` (a dict or JSON) as a checked config; None when off."""
-    value = parse_json_object(value, "kv_events_config")
-    if value is None:
-        return None
-    try:
-        config = msgspec.convert(value, KVEventsConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"kv_events_config is not valid: {e}.") from e
-    if not config.enable_kv_cache_events:
-        return None
-    endpoint_for_rank(config.endpoint, 0)  # a malformed endpoint fails now, not in the engine
-    if config.replay_endpoint is not None:
-        endpoint_for_rank(config.replay_endpoint, 0)
-    check_endpoints(config, data_parallel_size, has_keys=has_keys)
-    return config

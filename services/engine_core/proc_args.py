@@ -5,7 +5,10 @@ local-engine launcher (``services/api/engine_processes.py``), ``engine-core
 --headless`` (``services/engine_core/cli.py``) and tests. They build an
 ``EngineCoreArgs`` and call ``to_argv()``; the process reads it back with
 ``EngineCoreArgs.parse``. Each flag is one field below, so a new one cannot
-be passed by one side and unknown to the other. Torch-free: the API imports it.
+be passed by one side and unknown to the other; ``engine-core --headless``
+takes the flags it passes on to its engine cores from here too (``add_flags``),
+and each flag's help shows the default its field holds. Torch-free: the API
+imports it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.config.cli_args import with_default
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
+
 PROC_MODULE = "services.engine_core.proc"
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def _flag(text: str, *, flag: str | None = None, kind: type | None = None, metavar: str | None = None) -> Any:
@@ -32,11 +38,11 @@ class EngineCoreArgs:
     local: bool = field(default=False, metadata=_flag("Started by the API's launcher on its node."))
     headless: bool = field(default=False, metadata=_flag("Started by `engine-core --headless`."))
     num_threads: int | None = field(
-        default=None, metadata=_flag("torch threads (default: the config's).", kind=int)
+        default=None, metadata=_flag("torch threads per engine core (default: the API's config).", kind=int)
     )
     tensor_parallel_size: int | None = field(
         default=None,
-        metadata=_flag("Worker processes of this engine core (default: the config's).", kind=int),
+        metadata=_flag("Worker processes per engine core (default: the API's config).", kind=int),
     )
     curve_keys: str | None = field(
         default=None,
@@ -50,7 +56,7 @@ class EngineCoreArgs:
     shutdown_timeout_s: float = field(
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         metadata=_flag(
-            "On SIGTERM, seconds to finish the requests held before stopping anyway.",
+            "On SIGTERM, seconds each engine core may take to finish its requests before it stops anyway.",
             flag="--shutdown-timeout",
             kind=float,
         ),
@@ -73,7 +79,8 @@ class EngineCoreArgs:
     kv_transfer_config: str | None = field(
         default=None,
         metadata=_flag(
-            "Disaggregated prefill/decode role of this engine, as JSON (default: the API's config).",
+            "Disaggregated prefill/decode role of the engine cores, as JSON (kv_connector, kv_role, "
+            "kv_connector_extra_config; default: the API's config).",
             kind=str,
             metavar="JSON",
         ),
@@ -114,23 +121,38 @@ def _flag_name(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
+def flag_dest(name: str) -> str:
+    """Where argparse puts field ``name``'s flag by default (``curve_keys``: ``zmq_curve_keys``)."""
+    field = next(f for f in dataclasses.fields(EngineCoreArgs) if f.name == name)
+    return _flag_name(field)[2:].replace("-", "_")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PROC_MODULE}", description="One data-parallel engine-core process."
     )
-    for f in dataclasses.fields(EngineCoreArgs):
+    add_flags(parser, [f.name for f in dataclasses.fields(EngineCoreArgs)], into_fields=True)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, into_fields: bool = False) -> None:
+    """The flags of ``EngineCoreArgs``' fields ``names`` on ``parser``: each into its field's name
+    with ``into_fields``, else where argparse puts a flag (``flag_dest``)."""
+    fields = {f.name: f for f in dataclasses.fields(EngineCoreArgs)}
+    for name in names:
+        f = fields[name]
         meta = f.metadata
+        dest = f.name if into_fields else flag_dest(f.name)
         if meta["type"] is None:  # a switch
-            parser.add_argument(_flag_name(f), dest=f.name, action="store_true", help=meta["help"])
+            parser.add_argument(_flag_name(f), dest=dest, action="store_true", help=meta["help"])
             continue
         required = f.default is dataclasses.MISSING
         parser.add_argument(
             _flag_name(f),
-            dest=f.name,
+            dest=dest,
             type=meta["type"],
             required=required,
             default=None if required else f.default,
             metavar=meta["metavar"],
-            help=meta["help"],
+            help=meta["help"] if required else with_default(meta["help"], f.default),
         )
-    return parser

@@ -32,9 +32,10 @@ from protocol import (
     TokenLogprobs,
 )
 from protocol.engine import ITERATION_TOKENS_BUCKETS
+from protocol.kv_cache_groups import group_windows
 from protocol.kv_transfer import KVTransferParams
 from services.engine_core.block_pool import KVCacheBlock
-from services.engine_core.kv_cache_manager import KVCacheManager, group_windows
+from services.engine_core.kv_cache_manager import KVCacheManager
 from services.engine_core.kv_transfer_scheduling import KVTransferScheduling
 from services.engine_core.partial_prefills import PartialPrefillLimits, PrefillCount
 from services.engine_core.prefix_hash import make_block_hasher

@@ -30,9 +30,9 @@ from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from protocol import EngineConfig, SchedulerOutput
+from protocol.block_hashes import hash_block_tokens
 from protocol.kv_transfer import KVBlockTransfer, KVConnectorMetadata, KVTransferParams
 from services.config.kv_transfer_args import connector_options
-from services.engine_core.prefix_hash import hash_block_tokens
 from services.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from services.kv_transfer.block_store import BlockStore
 from services.kv_transfer.keys import mac_key

@@ -65,6 +65,7 @@ from services import env
 from services.api.errors import APIError
 from services.api.limits import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
 from services.kv_transfer import trust
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 logger = logging.getLogger("weft.pd_proxy")
 T = TypeVar("T")
@@ -78,7 +79,6 @@ DEFAULT_READ_TIMEOUT_S = 600.0
 _CONNECT_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 2048
 DEFAULT_KEEP_ALIVE_S = 5.0
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # Request headers worth passing on to the servers (never the client's own
 # X-Weft-KV-Transfer-Key, which only the proxy sets, nor its Authorization,
 # which is the proxy's to check: the servers get the proxy's own key).
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="On SIGTERM: seconds the requests in flight may take to finish; new ones get 503 (default 30).",
+        help="On SIGTERM: seconds the requests in flight may take to finish; new ones get 503 (default %(default)g).",
     )
     parser.add_argument(
         "--api-key-file",

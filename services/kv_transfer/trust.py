@@ -20,7 +20,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from services.api.errors import APIError
+from protocol.errors import APIError
+from services import env
 
 HEADER = "x-weft-kv-transfer-key"
 ENV = "WEFT_KV_TRANSFER_SECRET"
@@ -41,7 +42,7 @@ def add_secret_arg(parser: argparse.ArgumentParser) -> None:
 def load_secret(path: str | os.PathLike | None) -> str | None:
     """The shared secret from ``path`` (a file only its owner may read), else the environment."""
     if path is None:
-        return os.environ.get(ENV) or None
+        return env.get(ENV)
     file = Path(path)
     mode = stat.S_IMODE(file.stat().st_mode)
     if mode & 0o077:

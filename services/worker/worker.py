@@ -15,6 +15,7 @@ import time
 import torch
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from protocol.kv_cache_groups import group_windows
 from services.config.memory_plan import (
     MemoryPlan,
     engine_share,
@@ -23,7 +24,6 @@ from services.config.memory_plan import (
     node_available_memory_or_none,
     useful_blocks,
 )
-from services.engine_core.kv_cache_manager import group_windows
 from services.worker.distributed import destroy_tensor_parallel, init_tensor_parallel
 from services.worker.fault_injection import FaultInjector
 from services.worker.memory_profiling import (

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from protocol import EngineCoreRequest, SamplingParams
+from protocol.block_hashes import prompt_block_hashes
 from protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,7 +23,7 @@ from services.api.prefix_router import (
     choose_rank,
     session_key_of,
 )
-from services.engine_core.prefix_hash import make_block_hasher, prompt_block_hashes
+from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request
 from tests.api.fake_engine_client import engine_config
 

@@ -17,12 +17,12 @@ import pytest_asyncio
 import zmq
 
 from protocol import EngineCoreRequest, FinishReason, SamplingParams
+from protocol.block_hashes import prompt_block_hashes
 from protocol.curve import CLIENT, SERVER, CurveKeys, generate_keys, load_keys
 from protocol.kv_events import KVEventsConfig
 from protocol.zmq_sockets import ipc_address
 from services.api.dp_client import DPLBEngineClient, launch_local_engines
 from services.api.prefix_router import PrefixRouter
-from services.engine_core.prefix_hash import prompt_block_hashes
 from tests.api.dp_requests import collect
 from tests.polling import wait_until
 from tests.tiny_model import build_tiny_llama, tiny_engine_config

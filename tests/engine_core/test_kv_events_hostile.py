@@ -22,8 +22,9 @@ from protocol.kv_events import (
 )
 from protocol.zmq_sockets import ipc_address
 from services.api.prefix_router import PrefixRouter, RankCacheView, RankSubscriber
+from services.config.kv_events_args import resolve_kv_events_config
 from services.engine_core import kv_events
-from services.engine_core.kv_events import ZmqEventPublisher, make_publisher, resolve_kv_events_config
+from services.engine_core.kv_events import ZmqEventPublisher, make_publisher
 from tests.engine_core.fakes import make_config
 from tests.engine_core.test_kv_events_state import BLOCK, make_request, make_scheduler
 from tests.polling import wait_for

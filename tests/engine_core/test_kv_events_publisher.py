@@ -16,7 +16,8 @@ from protocol.kv_events import (
     endpoint_for_rank,
 )
 from protocol.zmq_sockets import ipc_address
-from services.engine_core.kv_events import ZmqEventPublisher, resolve_kv_events_config
+from services.config.kv_events_args import resolve_kv_events_config
+from services.engine_core.kv_events import ZmqEventPublisher
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow

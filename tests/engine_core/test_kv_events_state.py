@@ -10,8 +10,8 @@ import random
 
 import pytest
 
+from protocol.block_hashes import hash_block_tokens
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from services.engine_core.prefix_hash import hash_block_tokens
 from services.engine_core.request import RequestStatus
 from tests.engine_core.fakes import FakeWorker, make_request, make_scheduler, step
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from protocol import SamplingParams
-from services.engine_core.prefix_hash import NONE_HASH, hash_block_tokens, make_block_hasher
+from protocol.block_hashes import NONE_HASH, hash_block_tokens
+from services.engine_core.prefix_hash import make_block_hasher
 from services.engine_core.request import Request
 
 BLOCK = 4
@@ -31,7 +32,7 @@ def test_hash_is_sha256_sized_and_depends_on_every_input():
 
 def test_hashes_are_the_same_in_another_process():
     code = (
-        "from services.engine_core.prefix_hash import NONE_HASH, hash_block_tokens;"
+        "from protocol.block_hashes import NONE_HASH, hash_block_tokens;"
         "print(NONE_HASH.hex(), hash_block_tokens(None, [7, 8], ('s',)).hex())"
     )
     out = subprocess.run(

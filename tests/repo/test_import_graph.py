@@ -1,4 +1,4 @@
-"""The product packages import each other without a cycle.
+"""The product packages import each other without a cycle, and only downwards through their layers.
 
 Lazy imports (inside functions) and ``TYPE_CHECKING`` blocks count: a cycle
 hidden behind a late import still ties the two modules' designs together.
@@ -8,12 +8,14 @@ The graph is read with ``ast``, so nothing is imported to build it.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "services", "kernels")
 
 
+@functools.cache
 def module_files() -> dict[str, Path]:
     modules = {}
     for package in PACKAGES:
@@ -46,6 +48,7 @@ def longest_known(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
+@functools.cache  # read once for all the tests here; none changes it
 def import_graph() -> dict[str, set[str]]:
     modules = module_files()
     graph = {}
@@ -93,3 +96,113 @@ def test_the_cycle_finder_finds_lazy_and_relative_imports() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The folders in layers, lowest first: a module imports only from its own layer and those below
+# it (docs/architecture.md, "Layers"). A module is in the layer of its longest listed prefix.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("env", ("services", "services.env")),  # the services package's __init__ is stdlib only too
+    ("protocol", ("protocol",)),
+    ("kernels", ("kernels",)),
+    (
+        "config",
+        (
+            "services.config",
+            "services.config_file",
+            "services.generation_config",
+            "services.log_format",
+            "services.model_files",
+            "services.ports",
+            "services.processes",
+        ),
+    ),
+    ("kv_transfer", ("services.kv_transfer",)),
+    ("worker", ("services.worker",)),
+    ("engine_core", ("services.engine_core",)),
+    ("api", ("services.api",)),
+    (
+        "entry points",
+        (
+            "services.cli",
+            "services.llm",
+            "services.bench",
+            "services.stack",
+            "services.kv_transfer.proxy",  # the P/D proxy is an HTTP front of its own
+            "services.kv_transfer.pd_up",
+        ),
+    ),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of ``module``'s layer (``services`` alone is the package's __init__)."""
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or (prefix != "services" and module.startswith(prefix + "."))
+            if matches and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_protocol_and_env_stand_alone() -> None:
+    """protocol/ imports nothing from services/ or kernels/; services/env.py nothing of weft's
+    (kernels/ reads its switches through it)."""
+    graph = import_graph()
+    protocol_out = {t for m, ts in graph.items() if m.split(".")[0] == "protocol" for t in ts}
+    assert {t for t in protocol_out if t.split(".")[0] != "protocol"} == set()
+    assert graph["services.env"] == set()
+    assert graph["services"] <= {"services.env"}
+
+
+def reachable(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        module = stack.pop()
+        if module not in seen:
+            seen.add(module)
+            stack.extend(graph[module])
+    return seen
+
+
+def test_the_api_reaches_neither_the_worker_nor_torch() -> None:
+    """Every module the API process may import (lazy imports included) is outside services/worker
+    and imports no torch or triton."""
+    graph, modules = import_graph(), module_files()
+    api = reachable(graph, [m for m in graph if m.startswith("services.api")])
+    assert not [m for m in api if m.startswith("services.worker")]
+    torch_users = []
+    for module in sorted(api):
+        path = modules[module]
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names = imported_names(ast.parse(path.read_text()), package)
+        torch_users += [f"{module}: {n}" for n in sorted(names) if n.split(".")[0] in ("torch", "triton")]
+    assert torch_users == []
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {
+        "services.config.engine_args": {"services.worker.models.registry"},
+        "services.worker.worker": set(),
+    }
+    assert upward_imports(graph) == [
+        "services.config.engine_args (config) -> services.worker.models.registry (worker)"
+    ]
+    assert upward_imports({"services.worker.worker": {"services.config.engine_args"}}) == []
+    assert LAYERS[layer_of("services.kv_transfer.proxy")][0] == "entry points"
+    assert LAYERS[layer_of("services.kv_transfer.trust")][0] == "kv_transfer"

@@ -18,9 +18,8 @@ import sys
 import pytest
 
 from services import cli
-from services.config import engine_args
+from services.config import architectures, engine_args
 from services.worker import gguf_repack
-from services.worker.models import registry
 from tests.utils import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
@@ -161,9 +160,9 @@ def bf16_flags() -> list[str]:
 
 def model_defaults_markdown() -> str:
     names = {}
-    for model_type, architecture in registry._MODEL_TYPES.items():
+    for model_type, architecture in architectures._MODEL_TYPES.items():
         names.setdefault(architecture, []).append(f"`{model_type}`")
-    rows = [f"| `{a}` | {', '.join(names.get(a, []))} |" for a in registry.ARCHITECTURES]
+    rows = [f"| `{a}` | {', '.join(names.get(a, []))} |" for a in architectures.ARCHITECTURES]
     gguf_cpu = engine_args.resolve_quantization(None, is_gguf=True, device="cpu", load_format="auto")
     gguf_cuda = engine_args.resolve_quantization(None, is_gguf=True, device="cuda", load_format="auto")
     folder = engine_args.resolve_quantization(None, is_gguf=False, device="cpu", load_format="auto")
@@ -171,7 +170,7 @@ def model_defaults_markdown() -> str:
     packed = ", ".join(sorted(gguf_repack._REPACKERS))
     return "\n".join(
         [
-            f"Supported architectures ({len(registry.ARCHITECTURES)}):",
+            f"Supported architectures ({len(architectures.ARCHITECTURES)}):",
             "",
             "| architecture | `model_type` / GGUF `general.architecture` |",
             "|---|---|",

@@ -39,9 +39,9 @@ import functools
 import torch
 
 from kernels import cpu_amx_int8, cpu_avx2_int8, cpu_fused, cpu_vnni_int8
+from kernels.cpu_caps import cpu_flags
 from kernels.reference import HADAMARD_BLOCKS, quantize_rows_int8_ref, scale_int32_ref
 from services.config.dense_copy import AMX_INT8_MAX_ROWS, INT8_MIN_ROWS
-from services.config.engine_args import cpu_flags
 
 INT8_GEMMS = ("int_mm", "onednn", "amx", "vnni", "avx2")
 

@@ -24,6 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services.config.gemma3_config import (
+    FULL,
+    SLIDING,
+    gemma3_layer_types,
+    gemma3_sliding_window,
+)
 from services.worker.distributed import TensorParallelGroup, get_tp_group
 from services.worker.layers.activation import gelu_tanh_and_mul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
@@ -36,12 +42,6 @@ from services.worker.layers.linear import (
 from services.worker.layers.norm import GemmaRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-from services.worker.models.gemma3_config import (
-    FULL,
-    SLIDING,
-    gemma3_layer_types,
-    gemma3_sliding_window,
-)
 from services.worker.models.llama import LlamaForCausalLM, rank_args
 
 

@@ -1,73 +1,26 @@
 """Which model class serves a checkpoint, by the architecture it declares.
 
-Hugging Face folders name theirs in ``config.json``'s ``architectures``;
-GGUF files in ``general.architecture`` (the config written beside a GGUF
-by ``services.model_files`` carries only a ``model_type``, so that is the
-fallback). Torch-free: the engine arguments check the model before any
-process starts; the classes are imported only when one is built.
+The architectures and how a checkpoint names one are ``services/config/architectures.py``'s
+(the engine arguments check the model before any process starts); this maps each model
+family to its class, imported only when one is built. Torch-free.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from services.worker.models.gemma3_config import (
-    SLIDING,
-    gemma3_layer_types,
-    gemma3_sliding_window,
-)
+from services.config.architectures import ARCHITECTURES, architecture_of, layer_sliding_windows
 
-_LLAMA = "services.worker.models.llama:LlamaForCausalLM"
-_GEMMA3 = "services.worker.models.gemma3:Gemma3ForCausalLM"
+__all__ = ["ARCHITECTURES", "architecture_of", "layer_sliding_windows", "model_class"]
 
-# Hugging Face ``architectures`` entries -> "module:class".
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": _LLAMA,
-    "MistralForCausalLM": _LLAMA,
-    "Qwen2ForCausalLM": _LLAMA,
-    "Qwen3ForCausalLM": _LLAMA,
-    "Gemma3ForCausalLM": _GEMMA3,
+# Model family (``ARCHITECTURES``' values) -> "module:class".
+_FAMILY_CLASSES = {
+    "llama": "services.worker.models.llama:LlamaForCausalLM",
+    "gemma3": "services.worker.models.gemma3:Gemma3ForCausalLM",
 }
-# ``model_type`` (and GGUF ``general.architecture``) -> the architecture it stands for.
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
-
-
-def architecture_of(hf_config: dict, gguf_architecture: str | None = None) -> str:
-    """The supported architecture the checkpoint declares, or a ValueError naming the supported ones."""
-    declared = list(hf_config.get("architectures") or [])
-    for arch in declared:
-        if arch in ARCHITECTURES:
-            return arch
-    model_type = gguf_architecture or hf_config.get("model_type")
-    if not declared and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    what = f"architectures={declared}" if declared else f"architecture {model_type!r}"
-    raise ValueError(f"Unsupported model: {what}. Supported architectures: {', '.join(ARCHITECTURES)}.")
 
 
 def model_class(hf_config: dict, gguf_architecture: str | None = None) -> type:
-    module_name, _, class_name = ARCHITECTURES[architecture_of(hf_config, gguf_architecture)].partition(":")
+    family = ARCHITECTURES[architecture_of(hf_config, gguf_architecture)]
+    module_name, _, class_name = _FAMILY_CLASSES[family].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
-
-
-def layer_sliding_windows(hf_config: dict) -> list[int]:
-    """Per layer, the sliding window it attends over (0: full attention); empty when all are full.
-
-    The model classes decide the same from the same config; the worker checks that they agree.
-    """
-    layers = hf_config.get("num_hidden_layers") or 0
-    window = hf_config.get("sliding_window") or 0
-    model_type = hf_config.get("model_type")
-    if model_type in ("gemma3", "gemma3_text"):
-        window = gemma3_sliding_window(hf_config)
-        return [window if kind == SLIDING else 0 for kind in gemma3_layer_types(hf_config, layers)]
-    if model_type in ("qwen2", "qwen3") and not hf_config.get("use_sliding_window", False):
-        return []
-    return [window] * layers if window else []

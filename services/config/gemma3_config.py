@@ -1,4 +1,4 @@
-"""Gemma 3's layer layout read from its config, torch-free (the scheduler needs it too)."""
+"""Gemma 3's layer layout read from its config, torch-free (the engine arguments and the scheduler need it, and the model)."""
 
 from __future__ import annotations
 
