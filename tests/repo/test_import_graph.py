@@ -1,4 +1,4 @@
-"""The product packages import each other without a cycle.
+"""The product packages, and the benchmarks beside them, import each other without a cycle.
 
 Lazy imports (inside functions) and ``TYPE_CHECKING`` blocks count: a cycle
 hidden behind a late import still ties the two modules' designs together.
@@ -11,13 +11,19 @@ import ast
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "services", "kernels")
+PRODUCT = ("protocol", "services", "kernels")
+# Outside the product, importing it (tests/repo/test_benchmarks_layout.py: never the other way).
+PACKAGES = (*PRODUCT, "benchmarks")
 
 
-def module_files() -> dict[str, Path]:
+def module_files(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Each module of ``packages`` by dotted name; files in folders that are not packages
+    (``benchmarks/scripts/``, programs run by path) are left out."""
     modules = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in (REPO_ROOT / package).rglob("*.py"):
+            if not (path.parent / "__init__.py").is_file():
+                continue
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
