@@ -45,7 +45,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from services.bench.cli import main as bench_main
+    from benchmarks.bench.cli import main as bench_main
 
     return bench_main(argv)
 
@@ -123,7 +123,7 @@ COMMANDS = {
 
 def _bench_lines() -> list[str]:
     """Each ``weft bench`` subcommand with its help."""
-    from services.bench.cli import OWN_PARSERS, SUBCOMMANDS
+    from benchmarks.bench.cli import OWN_PARSERS, SUBCOMMANDS
 
     texts = {name: sub.help for name, sub in SUBCOMMANDS.items()} | {
         name: text for name, (text, _) in OWN_PARSERS.items()

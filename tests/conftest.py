@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.stack import Stack
 from services import model_files
-from services.stack import Stack
 from tests.utils import REPO_ROOT, gguf_parsed_once
 
 
@@ -31,7 +31,7 @@ def hf_default_model():
     Loaded once per session (transformers reads the GGUF in Python: seconds
     to tens of seconds on this machine). Tests only run it, never change it.
     """
-    from services.bench.hf_baseline import load_hf_model
+    from benchmarks.bench.hf_baseline import load_hf_model
 
     with gguf_parsed_once():
         return load_hf_model(None, "float32")

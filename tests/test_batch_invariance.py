@@ -113,7 +113,7 @@ def test_ngram_speculation_at_the_defaults_gives_plain_decodings_tokens(llm, spe
 # near-ties are everywhere, and a row whose bits moved with the batch would show.
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
-    from services.bench.make_model import write_model
+    from benchmarks.bench.make_model import write_model
 
     path = tmp_path_factory.mktemp("generated") / "tiny-llama-q4_0.gguf"
     write_model("tiny-llama", "Q4_0", path, log=lambda *args: None)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.stack import Stack
+from benchmarks.stack import Stack
 from tests.api.test_app_fuzz import FIELDS, MODEL_NAME, field_changes, json_values
 from tests.polling import wait_for
 from tests.tiny_model import build_tiny_llama

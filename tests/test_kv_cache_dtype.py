@@ -116,7 +116,7 @@ def test_an_int8_cache_holds_1_9_times_the_tokens_at_no_measurable_likelihood_co
     assert block_bytes == {"model": 2 * 128 * 3 * 64 * 2 * 30, "int8": 2 * 128 * 3 * (64 + 4) * 30}, (
         block_bytes
     )
-    # Measured: 3.086 and 3.086 nats a token (scripts/copy_likelihood.py's texts); a wrong scale or a
+    # Measured: 3.086 and 3.086 nats a token (benchmarks/scripts/copy_likelihood.py's texts); a wrong scale or a
     # misread row costs whole nats.
     assert nll["model"] < 5.0
     assert abs(nll["int8"] - nll["model"]) < 0.01, nll

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from services.stack import Stack
+from benchmarks.stack import Stack
 from tests.polling import wait_until
 from tests.test_monitoring import dashboard_metric_names, served_sample_names
 

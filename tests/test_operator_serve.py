@@ -16,7 +16,7 @@ import pytest
 from openapi_spec_validator import validate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from services.stack import Stack
+from benchmarks.stack import Stack
 from tests.api.fake_engine_client import make_app
 from tests.polling import wait_for
 

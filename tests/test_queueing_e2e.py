@@ -16,8 +16,8 @@ import re
 import httpx
 import pytest
 
+from benchmarks.stack import Stack
 from services import model_files
-from services.stack import Stack
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 One ``weft serve`` with two local engine cores (a tiny random Llama, so the
 test spends its time on faults, not on matrix products), in this order:
 
-1. a chaos soak (``services.bench.soak``): random clients for 60 s while an
+1. a chaos soak (``benchmarks.bench.soak``): random clients for 60 s while an
    engine core is SIGKILLed every 15 s (the issue's size) -- nothing lost, no
    error outside the chaos windows, no KV block leaked, every killed rank
    back and serving (the 10-minute run with ``weft bench soak`` is in
@@ -29,8 +29,8 @@ import signal
 import httpx
 import pytest
 
-from services.bench.soak import SoakConfig, run_soak
-from services.stack import Stack
+from benchmarks.bench.soak import SoakConfig, run_soak
+from benchmarks.stack import Stack
 from tests.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import jsonschema
 import openai
 import pytest
 
+from benchmarks.stack import Stack
 from services import model_files
-from services.stack import Stack
 
 pytestmark = pytest.mark.slow
 

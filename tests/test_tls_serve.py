@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from services.stack import Stack
+from benchmarks.stack import Stack
 
 pytestmark = pytest.mark.slow
 

@@ -45,14 +45,14 @@ from __future__ import annotations
 DEFAULT_DENSE_MIN_ROWS = 8
 DENSE_COPY_DTYPES = ("auto", "model", "int8")
 # From this many rows a step on, the int8 copy beat the bf16 one on all the default model's
-# matmuls (`python scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
+# matmuls (`python benchmarks/scripts/dense_rows_bench.py`: 0.97x at 24 rows, 1.05-1.11x at 32, 1.20x at 64,
 # 1.40x at 128, since the rounding pass's rotation runs two stages at a time).
 INT8_MIN_ROWS = 32
 # weft's own integer GEMMs stream the int8 copy at close to the read bandwidth at a few rows.
 # On AMX int8 tiles (kernels/cpu_amx_int8.py) the int8 copy beat the packed Q4_1 kernels from 2
 # rows a step on (7.9 against 7.7-12.1 ms for all the default model's matmuls at 2-4 rows; 8.2
 # against 6.6 at 1) and the bf16 copy up to 128 (1.8x at 1-4 rows, 1.4x at 32, 1.2x at 64, level
-# at 128, 0.86x at 256: `python scripts/dense_rows_bench.py`). On AVX-512 VNNI (Zen 4,
+# at 128, 0.86x at 256: `python benchmarks/scripts/dense_rows_bench.py`). On AVX-512 VNNI (Zen 4,
 # kernels/cpu_vnni_int8.py) it beat the packed kernels from 2 rows (6.7-7.9 against 7.2-12.2 ms;
 # 6.8-8.2 against 6.2-9.9 at 1, a tie) and the bf16 copy at every row count measured (2.1x at 2
 # rows, 1.5x at 8, 1.2x at 32, 1.5x at 64, 1.3-1.4x at 256-2048). So auto keeps the packed weight

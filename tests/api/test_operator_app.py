@@ -12,12 +12,12 @@ import ssl
 import pytest
 from openapi_spec_validator import validate
 
+from benchmarks.bench.cli import OWN_PARSERS, SUBCOMMANDS
 from services import cli
 from services.api.engine_client import RankStats
 from services.api.openapi import openapi_document
 from services.api.operator_options import add_operator_args, operator_options, tls_options
 from services.api.request_id import MAX_REQUEST_ID_CHARS
-from services.bench.cli import OWN_PARSERS, SUBCOMMANDS
 from services.engine_core.cli import parse_args as engine_core_args
 from tests.api.fake_engine_client import MODEL_NAME, FakeEngineClient, http_client, make_app
 from tests.utils import REPO_ROOT

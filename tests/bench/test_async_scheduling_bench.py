@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.bench.async_scheduling import ExecuteClock, one_batch, summarize
+from benchmarks.bench.async_scheduling import ExecuteClock, one_batch, summarize
 from tests.engine_core.test_async_scheduling import make_engine
 
 

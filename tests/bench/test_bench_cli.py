@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from services.bench import cli, throughput
-from services.bench.throughput import BenchResult
-from services.bench.workload import Workload
+from benchmarks.bench import cli, throughput
+from benchmarks.bench.throughput import BenchResult
+from benchmarks.bench.workload import Workload
 
 pytestmark = pytest.mark.slow
 

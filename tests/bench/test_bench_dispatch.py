@@ -1,10 +1,10 @@
-"""``weft bench``: every benchmark is a subcommand of the one package (nothing to run from scripts/)."""
+"""``weft bench``: every benchmark is a subcommand of the one package (benchmarks/bench/)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.bench import cli
+from benchmarks.bench import cli
 
 ALL = (
     "throughput",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench import cli
+from benchmarks.bench.serve import serve_argv
 from services.api.server import build_parser as serve_parser
-from services.bench import cli
-from services.bench.serve import serve_argv
 from services.config.engine_args import EngineArgs
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from services.bench import cli
-from services.bench.structured import BENCH_SCHEMA
+from benchmarks.bench import cli
+from benchmarks.bench.structured import BENCH_SCHEMA
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import cli, hf_baseline
-from services.bench.compare import run_hf_continuous, spread_subset
-from services.bench.workload import load_workload
+from benchmarks.bench import cli, hf_baseline
+from benchmarks.bench.compare import run_hf_continuous, spread_subset
+from benchmarks.bench.workload import load_workload
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.bench import cli
-from services.bench.executor_overhead import decode_step, format_executor_bench, run_executor_bench
+from benchmarks.bench import cli
+from benchmarks.bench.executor_overhead import decode_step, format_executor_bench, run_executor_bench
 
 pytestmark = pytest.mark.slow
 

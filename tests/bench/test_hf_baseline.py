@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from services.bench.hf_baseline import generate_batch, run_hf_baseline
-from services.bench.workload import Workload, load_workload
+from benchmarks.bench.hf_baseline import generate_batch, run_hf_baseline
+from benchmarks.bench.workload import Workload, load_workload
 
 pytestmark = pytest.mark.slow
 

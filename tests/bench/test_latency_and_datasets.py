@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import cli
-from services.bench.datasets import default_tokenizer, load_any, load_sharegpt, random_workload
+from benchmarks.bench import cli
+from benchmarks.bench.datasets import default_tokenizer, load_any, load_sharegpt, random_workload
 
 TINY_ENGINE = ["--dtype", "float32", "--num-threads", "1", "--max-num-batched-tokens", "64", "--quiet"]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench import cli, make_random_workload
 from services.api.tokenizer import Tokenizer
-from services.bench import cli, make_random_workload
 
 
 @pytest.mark.parametrize("name", ["pd-mixed", "repetitive-8", "smoke-8", "offline-64", "shared-prefix-96"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.metrics import RequestRecord, parse_goodput, percentile, summarize
+from benchmarks.bench.metrics import RequestRecord, parse_goodput, percentile, summarize
 
 # Request A: sent at 0, four one-token chunks, stream ends at 0.32 s.
 A = RequestRecord(prompt_tokens=10, output_tokens=4, sent=0.0, chunk_times=[0.1, 0.15, 0.25, 0.3], ended=0.32)

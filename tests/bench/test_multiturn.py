@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.multiturn import multiturn_workload
+from benchmarks.bench.multiturn import multiturn_workload
 
 
 def test_each_turn_extends_the_previous_turns_prompt_and_answer():

@@ -15,9 +15,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.bench import peer_envs, peers
-from services.bench.peers import System, Trial
-from services.bench.workload import Workload, WorkloadRequest
+from benchmarks.bench import peer_envs, peers
+from benchmarks.bench.peers import System, Trial
+from benchmarks.bench.workload import Workload, WorkloadRequest
 
 # An offline runner: writes the figures it is told to (tokens, seconds) where the harness asks.
 FAKE_OFFLINE = """
@@ -151,7 +151,7 @@ def test_cpu_summary_reads_the_flags_that_matter() -> None:
 def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     weft = peers.weft_system("m.gguf", "float32")
     argv = weft.offline_argv(Path("w.json"), Path("o.json"))
-    assert argv[1:4] == ["-m", "services.bench.cli", "throughput"]
+    assert argv[1:4] == ["-m", "benchmarks.bench.cli", "throughput"]
     assert ["--dataset", "w.json"] == argv[4:6] and "--model" in argv and "float32" in argv
     assert "--port" in weft.serve_argv(9000) and "9000" in weft.serve_argv(9000)
     # Served runs repeat prompts across concurrencies: no server may answer them from a cache.
@@ -314,7 +314,7 @@ def _free_port() -> int:
 def test_bad_arguments_are_usage_errors(
     extra: list[str], why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.bench.cli import main
+    from benchmarks.bench.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["peers", *extra])
@@ -418,7 +418,7 @@ def test_max_model_len_is_the_model_context_capped() -> None:
 
 
 def test_a_folder_model_runs_weft_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from services.bench.cli import main
+    from benchmarks.bench.cli import main
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:

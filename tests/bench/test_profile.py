@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench import profile as profile_bench
+from benchmarks.bench import step_shapes
 from kernels import cpu_fused
-from services.bench import profile as profile_bench
-from services.bench import step_shapes
 from tests.tiny_model import build_tiny_llama
 
 needs_compiler = pytest.mark.skipif(

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.bench import cli
+from benchmarks.bench import cli
 
 FAIL_MAX_TOKENS = 7  # the stub answers HTTP 500 to requests asking for this many tokens
 
@@ -214,7 +214,7 @@ def test_sweep_without_base_url_runs_every_point_through_one_launched_server(
         launches.append((engine_args, model_name, len(workload.requests)))
         yield types.SimpleNamespace(url=url)
 
-    monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
+    monkeypatch.setattr("benchmarks.bench.serve.launched_server", stand_in)
     out = tmp_path / "sweep.json"
     argv = [
         "serve",
@@ -261,8 +261,10 @@ def test_a_launched_sweep_stops_when_the_cache_is_not_reset(
     def stand_in(engine_args, model_name, workload):
         yield types.SimpleNamespace(url=url)
 
-    monkeypatch.setattr("services.bench.serve.launched_server", stand_in)
-    monkeypatch.setattr("services.bench.serve_cli.reset_prefix_cache", lambda base_url, admin_key=None: False)
+    monkeypatch.setattr("benchmarks.bench.serve.launched_server", stand_in)
+    monkeypatch.setattr(
+        "benchmarks.bench.serve_cli.reset_prefix_cache", lambda base_url, admin_key=None: False
+    )
     argv = ["serve", "--dataset", _workload(tmp_path / "w.json", [2]), "--sweep", "concurrencies", "1"]
     with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
         cli.main([*argv, "--quiet", "--plot", str(tmp_path / "p.png")])
@@ -346,8 +348,8 @@ def _whole_request(data: bytes) -> bool:
 def _send_one(url: str):
     import httpx
 
-    from services.bench.serve_client import ClientConfig, send_one
-    from services.bench.workload import WorkloadRequest
+    from benchmarks.bench.serve_client import ClientConfig, send_one
+    from benchmarks.bench.workload import WorkloadRequest
 
     async def go():
         async with httpx.AsyncClient(timeout=30) as http:

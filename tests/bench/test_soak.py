@@ -11,8 +11,8 @@ import random
 
 import httpx
 
-from services.bench.soak import ChaosEvent, SoakReport, _count, parse_args
-from services.bench.soak_clients import ClientParams, RequestResult, error_kind, random_body, run_one
+from benchmarks.bench.soak import ChaosEvent, SoakReport, _count, parse_args
+from benchmarks.bench.soak_clients import ClientParams, RequestResult, error_kind, random_body, run_one
 
 
 def result(outcome: str, end: float, cause: str = "") -> RequestResult:

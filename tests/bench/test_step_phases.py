@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from services.bench import step_phases, step_shapes
+from benchmarks.bench import step_phases, step_shapes
 from tests.tiny_model import build_tiny_llama
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bench.sweep import sweep_point, sweep_table
+from benchmarks.bench.sweep import sweep_point, sweep_table
 
 
 def _run(value, tok_s, ttft, itl):

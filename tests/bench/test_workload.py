@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.bench.workload import load_workload, resolve_dataset
+from benchmarks.bench.workload import load_workload, resolve_dataset
 
 
 @pytest.fixture

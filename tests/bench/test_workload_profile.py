@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from services.bench import workload_profile
-from services.bench.workload import Workload, WorkloadRequest
+from benchmarks.bench import workload_profile
+from benchmarks.bench.workload import Workload, WorkloadRequest
 from tests.tiny_model import build_tiny_llama
 
 needs_compiler = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def test_weft_bench_profile_takes_a_workload_file(tmp_path, capsys):
 
     import msgspec
 
-    from services.bench import profile as profile_bench
+    from benchmarks.bench import profile as profile_bench
 
     model = build_tiny_llama(tmp_path / "tiny")
     requests = [WorkloadRequest(prompt="", prompt_token_ids=list(range(200, 240)), max_tokens=3)]

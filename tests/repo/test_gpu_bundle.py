@@ -18,11 +18,15 @@ from packaging.requirements import Requirement
 
 from tests.utils import REPO_ROOT
 
-# The code the check runs: weft itself, the kernel tests and the helpers they import, its scripts.
+# The code the check runs: weft itself and `weft bench gpu`, the kernel tests and the helpers they
+# import, its scripts.
 CHECK_CODE = (
     "services",
     "protocol",
     "kernels",
+    "benchmarks/__init__.py",
+    "benchmarks/stack.py",
+    "benchmarks/bench",
     "tests/kernels",
     "tests/conftest.py",
     "tests/utils.py",
@@ -30,7 +34,7 @@ CHECK_CODE = (
     "tests/tiny_model.py",
     "scripts/gpu_check_setup.py",
 )
-LOCAL = {"services", "protocol", "kernels", "tests", "scripts"}
+LOCAL = {"services", "protocol", "kernels", "benchmarks", "tests", "scripts"}
 # Imported somewhere in that code, on paths the check never takes.
 OFF_THE_CHECK_PATH = {
     "matplotlib": "weft bench plots",

@@ -1,4 +1,5 @@
-"""The product packages import each other without a cycle, and only downwards through their layers.
+"""The product packages, and the benchmarks beside them, import each other without a cycle;
+the product's packages import only downwards through their layers.
 
 Lazy imports (inside functions) and ``TYPE_CHECKING`` blocks count: a cycle
 hidden behind a late import still ties the two modules' designs together.
@@ -12,14 +13,20 @@ import functools
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "services", "kernels")
+PRODUCT = ("protocol", "services", "kernels")
+# Outside the product, importing it (tests/repo/test_benchmarks_layout.py: never the other way).
+PACKAGES = (*PRODUCT, "benchmarks")
 
 
 @functools.cache
-def module_files() -> dict[str, Path]:
+def module_files(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Each module of ``packages`` by dotted name; files in folders that are not packages
+    (``benchmarks/scripts/``, programs run by path) are left out."""
     modules = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in (REPO_ROOT / package).rglob("*.py"):
+            if not (path.parent / "__init__.py").is_file():
+                continue
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
@@ -125,8 +132,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "services.cli",
             "services.llm",
-            "services.bench",
-            "services.stack",
+            "benchmarks",  # outside the product; `weft bench` dispatches into it lazily
             "services.kv_transfer.proxy",  # the P/D proxy is an HTTP front of its own
             "services.kv_transfer.pd_up",
         ),

@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 
 from tests.utils import REPO_ROOT
 
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "protocol", "kernels", "services")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "protocol", "kernels", "services", "benchmarks")
 
 
 def runtime_distributions() -> list[str]:
@@ -114,8 +114,21 @@ def test_the_installed_commands_are_the_wheels_not_the_checkouts(fresh_venv):
         ("weft", "pd-proxy", "--help"),
         ("weft", "kv-transfer", "--help"),
         ("weft", "--help"),
+        ("weft", "bench", "throughput", "--help"),
     ],
 )
 def test_every_command_starts(fresh_venv, argv):
     result = run(fresh_venv, *argv)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_installed_benchmarks_carry_their_workloads_and_peer_scripts(fresh_venv):
+    code = (
+        "from benchmarks import BENCHMARKS_DIR; from benchmarks.bench.workload import load_workload, "
+        "resolve_dataset; print(len(load_workload(resolve_dataset('smoke-8')).requests)); "
+        "print(sorted(p.name for p in (BENCHMARKS_DIR / 'peers').glob('*.py'))); "
+        "print((BENCHMARKS_DIR / 'scripts').exists(), (BENCHMARKS_DIR / 'results').exists())"
+    )
+    result = run(fresh_venv, "python", "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["8", "['llamacpp_server.py', 'vllm_offline.py']", "False False"]

@@ -46,7 +46,7 @@ PROMPT_SHAPES = [
 # int8 activations (the default, as llama.cpp) move this 135M model's logits by up to ~0.1 nats:
 # measured, 7 of 16 prompts matched fully and the other 9 left the dequantized model's greedy
 # path at its top-2 token, at gaps of 0.009-0.139 nats. Their cost as a whole is the mean NLL
-# the issue bounds (+0.01 nats; +0.004 measured by scripts/copy_likelihood.py), so under int8
+# the issue bounds (+0.01 nats; +0.004 measured by benchmarks/scripts/copy_likelihood.py), so under int8
 # this test holds the divergences to near-ties of the dequantized top 2 at a looser bound.
 AGREEMENT = {"int16": (0.05, 12), "fp32": (0.05, 12), "int8": (0.2, 6)}
 # Bytes per parameter of the packed layouts (services/worker/gguf_repack.py).

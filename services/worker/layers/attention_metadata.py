@@ -48,7 +48,7 @@ class PrefillCaps:
     chunk: int | None
 
 
-# The kernel against SDPA (``python scripts/prefill_kernel_vs_sdpa.py``, 2 threads, SmolLM2's heads,
+# The kernel against SDPA (``python benchmarks/scripts/prefill_kernel_vs_sdpa.py``, 2 threads, SmolLM2's heads,
 # 2026-12-02, README "Which prefills go to the kernel"). On bf16 dot products (a bf16 cache on an
 # AVX512_BF16 CPU): 2.7-5.3x on every shape measured, fresh prompts of 512-4,096 tokens and chunks
 # of 16-2,048 after 1,024-2,048 cached; so no cap. On the fp32 path (fp32, or bf16 elsewhere):

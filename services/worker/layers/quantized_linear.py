@@ -18,7 +18,7 @@ dequantization exactly. Activations (``WEFT_QUANT_ACTIVATIONS``): by default
 (``int8``, as llama.cpp does it) x is rounded per weight group to int8 (one
 scale amax / 127 per group), and each group is an integer dot product times
 the two scales, at every row count: a mean NLL cost of +0.004 nats on the
-default model against its dequantized weights (scripts/copy_likelihood.py).
+default model against its dequantized weights (benchmarks/scripts/copy_likelihood.py).
 One kernel at every row count, whose sums for
 one (row, weight row) pair run in one fixed order whatever the other rows
 are, makes the layer **batch invariant**: a row's output has the same bits

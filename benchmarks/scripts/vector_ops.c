@@ -1,0 +1,133 @@
+// What the AVX2 vector pipes of this CPU issue per cycle, alone and in the instruction mixes of
+// int8 GEMMs: the evidence for what bounds weft's AVX2 int8 GEMM (kernels/csrc/cpu_avx2_int8.cpp).
+// Built and run by benchmarks/scripts/vector_ops_bench.py; one thread, registers only (no memory traffic but
+// the broadcasts' L1 hits). Cycles are counted by a chain of dependent scalar adds (one a cycle) run
+// in the same process, so no clock speed is assumed.
+
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static int64_t row[64] __attribute__((aligned(64)));
+static const long kIters = 50000000;
+
+// Each loop body is one asm string run kIters times; the ymm registers it names are its own.
+#define LOOP(body)                                                                       \
+  do {                                                                                   \
+    long n = kIters;                                                                     \
+    __asm__ volatile("1:\n\t" body "dec %0\n\tjnz 1b" : "+r"(n) : "r"(row) : "memory"); \
+  } while (0)
+
+static double seconds_of(void (*fn)(void)) {
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    double t = now();
+    fn();
+    t = now() - t;
+    if (t < best) best = t;
+  }
+  return best;
+}
+
+// Eight dependent adds an iteration: eight cycles.
+static void clock_chain(void) {
+  long x = 0, n = kIters;
+  __asm__ volatile(
+      "1:\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+      "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tdec %1\n\tjnz 1b"
+      : "+r"(x), "+r"(n));
+}
+
+#define EIGHT(op) \
+  op " %%ymm14, %%ymm15, %%ymm0\n\t" op " %%ymm14, %%ymm15, %%ymm1\n\t" op " %%ymm14, %%ymm15, %%ymm2\n\t" \
+  op " %%ymm14, %%ymm15, %%ymm3\n\t" op " %%ymm14, %%ymm15, %%ymm4\n\t" op " %%ymm14, %%ymm15, %%ymm5\n\t" \
+  op " %%ymm14, %%ymm15, %%ymm6\n\t" op " %%ymm14, %%ymm15, %%ymm7\n\t"
+
+static void paddd(void) { LOOP(EIGHT("vpaddd")); }
+static void pmaddubsw(void) { LOOP(EIGHT("vpmaddubsw")); }
+static void pmaddwd(void) { LOOP(EIGHT("vpmaddwd")); }
+static void psignb(void) { LOOP(EIGHT("vpsignb")); }
+static void fmadd(void) { LOOP(EIGHT("vfmadd231ps")); }
+static void pabsb(void) {
+  LOOP("vpabsb %%ymm15, %%ymm0\n\tvpabsb %%ymm15, %%ymm1\n\tvpabsb %%ymm15, %%ymm2\n\tvpabsb %%ymm15, %%ymm3\n\t"
+       "vpabsb %%ymm15, %%ymm4\n\tvpabsb %%ymm15, %%ymm5\n\tvpabsb %%ymm15, %%ymm6\n\tvpabsb %%ymm15, %%ymm7\n\t");
+}
+static void broadcast(void) {
+  LOOP("vpbroadcastd (%1), %%ymm0\n\tvpbroadcastd 4(%1), %%ymm1\n\tvpbroadcastd 8(%1), %%ymm2\n\t"
+       "vpbroadcastd 12(%1), %%ymm3\n\t");
+}
+
+// One row of the 4-row x 16-output tile of weft's AVX2 int8 GEMM, per word (4 columns): |x| once,
+// then for each of the two weight vectors (ymm14, ymm15) vpsignb, vpmaddubsw, vpmaddwd by ones
+// (ymm13), vpaddd into the row's two sums.
+#define SIGNED_ROW(off, s0, s1)                                                                       \
+  "vpbroadcastd " off "(%1), %%ymm8\n\tvpabsb %%ymm8, %%ymm9\n\t"                                   \
+  "vpsignb %%ymm8, %%ymm14, %%ymm10\n\tvpmaddubsw %%ymm10, %%ymm9, %%ymm10\n\t"                    \
+  "vpmaddwd %%ymm13, %%ymm10, %%ymm10\n\tvpaddd %%ymm10, " s0 ", " s0 "\n\t"                       \
+  "vpsignb %%ymm8, %%ymm15, %%ymm11\n\tvpmaddubsw %%ymm11, %%ymm9, %%ymm11\n\t"                    \
+  "vpmaddwd %%ymm13, %%ymm11, %%ymm11\n\tvpaddd %%ymm11, " s1 ", " s1 "\n\t"
+static void gemm_signed(void) {
+  LOOP(SIGNED_ROW("0", "%%ymm0", "%%ymm1") SIGNED_ROW("4", "%%ymm2", "%%ymm3") SIGNED_ROW("8", "%%ymm4", "%%ymm5")
+           SIGNED_ROW("12", "%%ymm6", "%%ymm7"));
+}
+
+// The same tile with x already unsigned (x + 64 for 7-bit x): no vpabsb, no vpsignb.
+#define UNSIGNED_ROW(off, s0, s1)                                                                    \
+  "vpbroadcastd " off "(%1), %%ymm8\n\t"                                                             \
+  "vpmaddubsw %%ymm14, %%ymm8, %%ymm10\n\tvpmaddwd %%ymm13, %%ymm10, %%ymm10\n\t"                  \
+  "vpaddd %%ymm10, " s0 ", " s0 "\n\t"                                                             \
+  "vpmaddubsw %%ymm15, %%ymm8, %%ymm11\n\tvpmaddwd %%ymm13, %%ymm11, %%ymm11\n\t"                  \
+  "vpaddd %%ymm11, " s1 ", " s1 "\n\t"
+static void gemm_unsigned(void) {
+  LOOP(UNSIGNED_ROW("0", "%%ymm0", "%%ymm1") UNSIGNED_ROW("4", "%%ymm2", "%%ymm3")
+           UNSIGNED_ROW("8", "%%ymm4", "%%ymm5") UNSIGNED_ROW("12", "%%ymm6", "%%ymm7"));
+}
+
+// int16 pairs: the 4 x 8 tile per word, W's 32 bytes widened (vpmovsxbw) and each row's 4
+// columns broadcast as int16: vpmaddwd + vpaddd for 16 products.
+#define INT16_ROW(off, s0, s1)                                                                       \
+  "vpbroadcastq " off "(%1), %%ymm8\n\t"                                                             \
+  "vpmaddwd %%ymm8, %%ymm14, %%ymm10\n\tvpaddd %%ymm10, " s0 ", " s0 "\n\t"                        \
+  "vpmaddwd %%ymm8, %%ymm15, %%ymm11\n\tvpaddd %%ymm11, " s1 ", " s1 "\n\t"
+static void gemm_int16(void) {
+  LOOP("vpmovsxbw 64(%1), %%ymm14\n\tvpmovsxbw 80(%1), %%ymm15\n\t" INT16_ROW("0", "%%ymm0", "%%ymm1")
+           INT16_ROW("8", "%%ymm2", "%%ymm3") INT16_ROW("16", "%%ymm4", "%%ymm5") INT16_ROW("24", "%%ymm6", "%%ymm7"));
+}
+
+int main(void) {
+  const double cycle = seconds_of(clock_chain) / (8.0 * kIters);  // seconds a cycle
+  printf("clock %.2f GHz (a chain of dependent adds)\n", 1e-9 / cycle);
+  struct {
+    const char* name;
+    void (*fn)(void);
+    int ops;   // vector instructions an iteration, loads included
+    int macs;  // int8 products an iteration (0: not a GEMM mix)
+  } cases[] = {
+      {"vpaddd", paddd, 8, 0},
+      {"vpmaddubsw", pmaddubsw, 8, 0},
+      {"vpmaddwd", pmaddwd, 8, 0},
+      {"vpsignb", psignb, 8, 0},
+      {"vpabsb", pabsb, 8, 0},
+      {"vpbroadcastd (from L1)", broadcast, 4, 0},
+      {"vfmadd231ps", fmadd, 8, 0},
+      {"GEMM word, signed x (weft's)", gemm_signed, 4 * 10, 256},
+      {"GEMM word, 7-bit x + 64", gemm_unsigned, 4 * 7, 256},
+      {"GEMM word, int16 pairs", gemm_int16, 2 + 4 * 5, 128},
+  };
+  printf("%-30s %12s %12s %14s\n", "instructions", "ops/cycle", "MAC/cycle", "cycles/256 MAC");
+  for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
+    const double cycles = seconds_of(cases[i].fn) / cycle / kIters;  // an iteration's
+    if (cases[i].macs)
+      printf("%-30s %12.2f %12.1f %14.1f\n", cases[i].name, cases[i].ops / cycles, cases[i].macs / cycles,
+             cycles * 256.0 / cases[i].macs);
+    else
+      printf("%-30s %12.2f\n", cases[i].name, cases[i].ops / cycles);
+  }
+  return 0;
+}

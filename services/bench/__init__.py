@@ -1,1 +1,0 @@
-"""Benchmarks behind ``weft bench`` (see ``services.bench.cli``)."""
