@@ -45,7 +45,7 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
     return APIError(message, 503, headers={"Retry-After": str(retry_after_s)})
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict:
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, dict[str, object]]:
     err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
