@@ -93,6 +93,8 @@ test-slow: install-dev model model-gemma3
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	# Strict typing where [tool.mypy] in pyproject.toml says (its `files`).
+	$(VENV)/bin/mypy
 
 bench: install-dev model
 	$(VENV)/bin/weft bench throughput --dataset offline-64 --compare-hf

@@ -39,6 +39,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -69,7 +70,7 @@ class CurveKeys:
     def __repr__(self) -> str:  # never print a secret key into a log
         return f"CurveKeys(role={self.role!r}, public={self.public.decode()!r})"
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CURVE server or client; call before bind/connect."""
         sock.curve_publickey = self.public
         sock.curve_secretkey = self.secret
@@ -80,7 +81,7 @@ class CurveKeys:
             sock.curve_serverkey = self.peer_public
 
 
-def generate_keys(directory: str | os.PathLike, *, overwrite: bool = False) -> list[Path]:
+def generate_keys(directory: str | os.PathLike[str], *, overwrite: bool = False) -> list[Path]:
     """Write the server and client keypairs into ``directory`` (created 0700)."""
     folder = Path(directory)
     names = [folder / f"{role}.{ext}" for role in (SERVER, CLIENT) for ext in ("key", "key_secret")]
@@ -103,7 +104,9 @@ def generate_keys(directory: str | os.PathLike, *, overwrite: bool = False) -> l
     return names
 
 
-def generate_node_keys(directory: str | os.PathLike, node: str, *, overwrite: bool = False) -> list[Path]:
+def generate_node_keys(
+    directory: str | os.PathLike[str], node: str, *, overwrite: bool = False
+) -> list[Path]:
     """Add the keypair of engine node ``node`` to a ``weft keys`` folder."""
     if not _NODE_NAME.fullmatch(node):
         raise ValueError(f"A node name is 1 to 64 letters, digits, '.', '_' or '-'; got {node!r}.")
@@ -126,7 +129,7 @@ def generate_node_keys(directory: str | os.PathLike, node: str, *, overwrite: bo
     return paths
 
 
-def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
+def load_keys(directory: str | os.PathLike[str], role: str) -> CurveKeys:
     """The keys ``role`` needs from a ``weft keys`` folder; ValueError if missing or too open."""
     if role not in (SERVER, CLIENT):
         raise ValueError(f"role must be {SERVER!r} or {CLIENT!r}, got {role!r}.")
@@ -138,10 +141,10 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     if role == CLIENT:
         node_secrets = sorted(folder.glob(f"{NODE_PREFIX}*.key_secret"))
         own = node_secrets[0] if len(node_secrets) == 1 else folder / f"{CLIENT}.key_secret"
-        public, secret = _load(own, secret=True)
+        public, secret = _load_pair(own)
         peer_public, _ = _load(folder / f"{SERVER}.key", secret=False)
         return CurveKeys(role, public, secret, peer_public)
-    public, secret = _load(folder / f"{SERVER}.key_secret", secret=True)
+    public, secret = _load_pair(folder / f"{SERVER}.key_secret")
     client_key = folder / f"{CLIENT}.key"
     peer_public = _load(client_key, secret=False)[0] if client_key.is_file() else b""
     nodes = {
@@ -150,7 +153,6 @@ def load_keys(directory: str | os.PathLike, role: str) -> CurveKeys:
     }
     if not peer_public and not nodes:
         raise ValueError(f"Missing CURVE key file {client_key} (create the folder with `weft keys`).")
-    assert secret is not None
     return CurveKeys(role, public, secret, peer_public, nodes)
 
 
@@ -166,6 +168,13 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
+def _load_pair(path: Path) -> tuple[bytes, bytes]:
+    """A keypair file's public and secret key; ValueError if it holds no secret key."""
+    public, secret_key = _load(path, secret=True)
+    assert secret_key is not None  # _load refuses a secret file without one
+    return public, secret_key
+
+
 class ZapAuthenticator:
     """Answers libzmq's ZAP requests in one context: a CURVE connection is
     allowed only when its client key is the one in the keys folder.
@@ -176,7 +185,7 @@ class ZapAuthenticator:
     first (for logs, metrics and tests).
     """
 
-    def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[Any]], keys: CurveKeys) -> None:
         assert keys.role == SERVER, "only the binding side authenticates peers"
         # Raw public key -> the User-Id its connections' frames carry.
         self._allowed = {z85.decode(public): name.encode() for public, name in keys.node_keys.items()}
@@ -184,7 +193,7 @@ class ZapAuthenticator:
             self._allowed[z85.decode(keys.peer_public)] = CLIENT.encode()
         # A plain (non-asyncio) context over the same libzmq context: the
         # handler's socket lives in its own thread.
-        self._ctx = zmq.Context.shadow(ctx.underlying)
+        self._ctx: zmq.SyncContext = zmq.Context.shadow(ctx.underlying)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self.num_denied = 0

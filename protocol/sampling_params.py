@@ -8,6 +8,7 @@ that names the field and what is allowed.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import msgspec
 
@@ -105,7 +106,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self._validate_token_filters(bad)
 
-    def _validate_token_filters(self, bad) -> None:
+    def _validate_token_filters(self, bad: Callable[[str, str], ValueError]) -> None:
         # min() walks the long lists in C: a request's filters are checked again wherever it is decoded.
         if self.logit_bias:
             if min(self.logit_bias) < 0:

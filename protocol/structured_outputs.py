@@ -71,7 +71,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
             return _json.dumps(self.choice)
         if kind == "json_object":
             return ""
-        return getattr(self, kind)
+        text: str = getattr(self, kind)  # regex, grammar, or json (text since __post_init__)
+        return text
 
     @property
     def cache_key(self) -> tuple[str, str, bool]:
@@ -84,7 +85,7 @@ def _is_set(value: object) -> bool:
     return value is not None and value is not False
 
 
-def _schema_text(schema: str | dict) -> str:
+def _schema_text(schema: str | dict[str, Any]) -> str:
     """A JSON schema as JSON text (a dict written compactly); ValueError if it is not JSON."""
     if isinstance(schema, str):
         try:

@@ -26,7 +26,7 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -35,6 +35,7 @@ from protocol.codec import Decoder, Encoder
 from protocol.curve import CurveKeys
 
 T = TypeVar("T")
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
 
 # Data sockets queue without bound: back-pressure is the scheduler's job, and
 # a high-water mark would silently drop (PUSH blocks, ROUTER drops) messages.
@@ -58,7 +59,7 @@ _IPC_OWNER_FILE = "owner"  # "<pid> <start time>" of the process that made the f
 
 
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[SocketT],
     socket_type: int,
     address: str,
     *,
@@ -69,7 +70,7 @@ def make_socket(
     router_mandatory: bool = False,
     max_msg_size: int = DEFAULT_MAX_MSG_SIZE,
     hwm: int | None = None,
-) -> zmq.Socket:
+) -> SocketT:
     """Open, configure and bind or connect one socket.
 
     ``linger`` (ms) is how long closing waits for unsent messages; 0 drops
@@ -109,7 +110,7 @@ def make_socket(
     return sock
 
 
-def _keep_alive(sock: zmq.Socket) -> None:
+def _keep_alive(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
@@ -123,7 +124,7 @@ def is_unreachable(error: zmq.ZMQError) -> bool:
     return error.errno == errno.EHOSTUNREACH
 
 
-def bound_address(sock: zmq.Socket) -> str:
+def bound_address(sock: zmq.Socket[Any]) -> str:
     """The address a bound socket listens on (the real port for ``tcp_address(host, 0)``)."""
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -151,7 +152,7 @@ def remove_stale_ipc_dirs(parent: str | None = None) -> list[str]:
     gone. Folders of live processes, of other users, or without an owner file
     are left alone. Returns the folders removed."""
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:
@@ -170,7 +171,7 @@ def remove_stale_ipc_dirs(parent: str | None = None) -> list[str]:
     return removed
 
 
-def _owned_dir(entry: os.DirEntry) -> bool:
+def _owned_dir(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
     except OSError:
@@ -235,11 +236,11 @@ def identity_rank(identity: bytes) -> int:
     return int.from_bytes(identity[:2], "little")
 
 
-def _frames(encoder: Encoder, obj: object, header: Sequence[bytes]) -> list:
+def _frames(encoder: Encoder, obj: object, header: Sequence[bytes]) -> list[bytes | memoryview]:
     return [*header, *encoder.encode(obj)]
 
 
-def send(sock: zmq.Socket, encoder: Encoder, obj: object, *header: bytes) -> None:
+def send(sock: zmq.Socket[bytes], encoder: Encoder, obj: object, *header: bytes) -> None:
     sock.send_multipart(_frames(encoder, obj, header), copy=False)
 
 
@@ -256,7 +257,7 @@ def split(frames: Sequence[zmq.Frame | bytes], num_header: int) -> tuple[list[by
     return header, body
 
 
-def recv(sock: zmq.Socket, decoder: Decoder[T], num_header: int = 0) -> tuple[list[bytes], T]:
+def recv(sock: zmq.Socket[bytes], decoder: Decoder[T], num_header: int = 0) -> tuple[list[bytes], T]:
     """Receive one message; raises ``codec.DecodeError`` (or ValueError) if it is malformed."""
     header, body = split(sock.recv_multipart(copy=False), num_header)
     return header, decoder.decode(body)

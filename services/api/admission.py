@@ -123,10 +123,10 @@ class Admission:
             return 0
         except TimeoutError:
             pass
-        stopped = [t for t in self._tickets if t.runner is not None]
+        stopped = [t.runner for t in self._tickets if t.runner is not None]
         logger.warning("Shutdown timeout: stopping %d request(s) still running.", len(stopped))
-        for ticket in stopped:
-            ticket.runner.fail(shutting_down_error())
+        for runner in stopped:
+            runner.fail(shutting_down_error())
         return len(stopped)
 
 

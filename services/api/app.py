@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import importlib.metadata
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -68,6 +69,7 @@ from services.api.unknown_fields import decode_request
 
 # What a server answers to a request whose client is gone (nginx's code); nobody reads it.
 _CLIENT_CLOSED = 499
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 def _version() -> str:
@@ -77,7 +79,7 @@ def _version() -> str:
         return "unknown"
 
 
-async def _read(request: Request, type: type, allow_unknown: bool = False) -> object:
+async def _read(request: Request, type: type[S], allow_unknown: bool = False) -> S:
     """The body as ``type`` (unknown fields: see ``decode_request``), every nesting bounded."""
     try:
         body = decode_request(await request.body(), type, allow_unknown)
@@ -114,7 +116,9 @@ def _check_schema_depth(schema: object, param: str) -> None:
     check_depth(schema, param)
 
 
-def _client_may_leave(handler: Callable[[Request], Awaitable[Response]]):
+def _client_may_leave(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
     """A client gone before the response is ready gets nothing, not a 500."""
 
     async def endpoint(request: Request) -> Response:
@@ -159,7 +163,7 @@ class _Routes:
         body = await _read(request, EmbeddingRequest, self.ctx.options.allow_unknown_fields)
         return await self.embeddings.create(request, body)
 
-    def model_card(self, name: str) -> dict | None:
+    def model_card(self, name: str) -> dict[str, object] | None:
         """The card of a served name (the first of --served-model-name, or an alias); None if not served."""
         if name != self.ctx.served_model_name and name not in self.ctx.model_aliases:
             return None
@@ -229,8 +233,10 @@ class _Routes:
                 self.ctx, body.messages, body.add_generation_prompt, **self.chat.template_args(body)
             )
         else:
-            self.ctx.limits.check_text_size([body.prompt], "prompt")
-            tokens = await run_blocking(self.ctx.tokenizer.encode, body.prompt, body.add_special_tokens)
+            prompt = body.prompt
+            assert prompt is not None  # exactly one of the two, checked above
+            self.ctx.limits.check_text_size([prompt], "prompt")
+            tokens = await run_blocking(self.ctx.tokenizer.encode, prompt, body.add_special_tokens)
         # msgspec, not json.dumps: a million token ids encode in milliseconds, on the loop.
         return Response(
             msgspec.json.encode(
@@ -308,8 +314,8 @@ def build_app(
             config,
             name,
             metrics,
-            limits,
             admission,
+            limits,
             options or APIOptions(),
             kv_transfer_secret,
             tuple(a for a in aliases if a != name),
@@ -324,7 +330,7 @@ def build_app(
     metrics.tracer = start_tracer(operator.otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine_client.start()
         try:
             yield

@@ -95,4 +95,5 @@ def bearer_match(header: str, digests: Sequence[bytes]) -> str | None:
 
 def tenant_of(scope: Scope) -> str:
     """The tenant a request was made as: its API key's digest, or "" on a server without keys."""
-    return scope.get("state", {}).get(TENANT_STATE, "")
+    tenant: str = scope.get("state", {}).get(TENANT_STATE, "")
+    return tenant

@@ -39,7 +39,9 @@ class ChatSettings:
     @property
     def auto_parser(self) -> type[ToolParser] | None:
         """The parser class for ``auto``, or None when auto is not served."""
-        return tool_parser_class(self.tool_call_parser) if self.enable_auto_tool_choice else None
+        if not self.enable_auto_tool_choice or self.tool_call_parser is None:  # auto needs a parser
+            return None
+        return tool_parser_class(self.tool_call_parser)
 
     @property
     def reasoning_parser_class(self) -> type[ReasoningParser] | None:

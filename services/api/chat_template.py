@@ -20,6 +20,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+from jinja2.exceptions import SecurityError
+from jinja2.runtime import Context
 
 # What transformers appends to the final message to find where it ends in the
 # rendered text (``continue_final_message``): cut there, and the model goes on
@@ -62,7 +64,11 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     # jinja's own tojson escapes HTML characters, which a prompt must not see.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -77,7 +83,7 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**"})
 
-    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             _check_repeat(left, right)
             _check_repeat(right, left)
@@ -89,7 +95,7 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 def _check_repeat(sequence: Any, times: Any) -> None:
     if isinstance(sequence, (str, list, tuple, range)) and isinstance(times, int):
         if len(sequence) * times > MAX_REPEAT_LENGTH:
-            raise jinja2.sandbox.SecurityError(
+            raise SecurityError(
                 f"a repetition of {len(sequence)} x {times} items, more than {MAX_REPEAT_LENGTH}"
             )
 
@@ -97,7 +103,7 @@ def _check_repeat(sequence: Any, times: Any) -> None:
 def _check_power(base: Any, exponent: Any) -> None:
     if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
         if abs(base).bit_length() * exponent > MAX_POWER_BITS:
-            raise jinja2.sandbox.SecurityError(f"a power of more than {MAX_POWER_BITS} bits")
+            raise SecurityError(f"a power of more than {MAX_POWER_BITS} bits")
 
 
 @functools.lru_cache(maxsize=16)
@@ -114,11 +120,11 @@ def compile_template(source: str) -> jinja2.Template:
 
 def render(
     source: str,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool,
     continue_final_message: bool = False,
-    tools: list[dict] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     bos_token: str = "",
     eos_token: str = "",
     **kwargs: Any,
@@ -140,7 +146,7 @@ def render(
     return _cut_at_tag(text) if continue_final_message else text
 
 
-def _tag_final_message(messages: list[dict]) -> list[dict]:
+def _tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages or not isinstance(messages[-1].get("content"), str):
         raise ContinueFinalMessageError(
             "continue_final_message needs a final message with text content to continue."

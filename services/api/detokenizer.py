@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
             piece = self._stream.step(self._tokenizer.backend, token_id)
             if self._added is not None:
-                piece = self._joined(token_id, piece)
+                piece = self._joined(self._added, token_id, piece)
             if not piece:
                 continue
             # A stop string may begin up to len(stop) - 1 characters back.
@@ -55,8 +55,8 @@ class IncrementalDetokenizer:
                 return True
         return False
 
-    def _joined(self, token_id: int, piece: str | None) -> str | None:
-        added = self._added.get(token_id)
+    def _joined(self, added_tokens: dict[int, str], token_id: int, piece: str | None) -> str | None:
+        added = added_tokens.get(token_id)
         if added is not None and self._after_added:
             piece = added
         self._after_added = added is not None

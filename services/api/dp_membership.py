@@ -249,7 +249,7 @@ class RankMembership:
             curve=self.curve,
             router_mandatory=router_mandatory,
         )
-        return cast(zmq.asyncio.Socket, sock)
+        return sock
 
     def _data_address(self, name: str) -> str:
         # Remote ranks reach the data sockets on the host they reached the handshake on.

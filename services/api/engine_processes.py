@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs
-from services.processes import STOP_GRACE_S, stop_processes
+from services.engine_core.proc_args import EngineCoreArgs
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S, STOP_GRACE_S, stop_processes
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def launch_local_engines(
     *,
     curve_keys: str | None = None,
     shutdown_timeout_s: float | None = None,
-) -> list[subprocess.Popen]:
+) -> list[subprocess.Popen[bytes]]:
     """Start ranks ``start_rank..start_rank+num-1`` on this node (stdout/stderr inherited).
 
     Plain subprocesses: the config reaches them over the handshake, never pickled.
@@ -93,7 +93,7 @@ class RestartBackoff:
     def delay(self, rank: int, lifetime_s: float) -> float:
         quick = self._quick_deaths.get(rank, 0) + 1 if lifetime_s < self.stable_s else 0
         self._quick_deaths[rank] = quick
-        return min(self.max_s, self.base_s * 2 ** max(0, quick - 1))
+        return min(self.max_s, self.base_s * 2.0 ** max(0, quick - 1))
 
 
 class LocalEngines:
@@ -101,7 +101,7 @@ class LocalEngines:
 
     def __init__(
         self,
-        processes: dict[int, subprocess.Popen],
+        processes: dict[int, subprocess.Popen[bytes]],
         *,
         restart: bool = False,
         backoff: RestartBackoff | None = None,

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from protocol.errors import APIError
+from protocol.errors import APIError as APIError  # re-exported: routes raise it from here
 
 _TYPES = {
     400: "BadRequestError",
@@ -36,7 +36,7 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
     return APIError(message, 503, headers={"Retry-After": str(retry_after_s)})
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict:
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, dict[str, object]]:
     err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 

@@ -49,14 +49,12 @@ def _x(example: Any, note: str = "") -> FieldRule:
     return FieldRule(NO_EFFECT, example, note)
 
 
-_WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
+_WEATHER_FUNCTION: dict[str, object] = {
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+_WEATHER_TOOL = {"type": "function", "function": _WEATHER_FUNCTION}
 
 # Fields both endpoints take, with the same meaning.
 _SHARED: dict[str, FieldRule] = {
@@ -145,7 +143,7 @@ CHAT: dict[str, FieldRule] = {
     "audio": _r({"voice": "alloy", "format": "wav"}, "text-only models"),
     "modalities": _r(["audio"], "text-only models: leave it out"),
     "prediction": _r({"type": "content", "content": "x"}, "predicted outputs are not supported"),
-    "functions": _r([_WEATHER_TOOL["function"]], "deprecated by OpenAI: use tools"),
+    "functions": _r([_WEATHER_FUNCTION], "deprecated by OpenAI: use tools"),
     "function_call": _r("auto", "deprecated by OpenAI: use tool_choice"),
     "reasoning_effort": _h(
         "low",
@@ -162,7 +160,7 @@ CHAT: dict[str, FieldRule] = {
 }
 
 
-_FLAT_WEATHER_TOOL = {"type": "function", **_WEATHER_TOOL["function"]}
+_FLAT_WEATHER_TOOL = {"type": "function", **_WEATHER_FUNCTION}
 
 # POST /v1/responses: what each field of OpenAI's ResponseCreateParams does here.
 RESPONSES: dict[str, FieldRule] = {

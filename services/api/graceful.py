@@ -18,6 +18,7 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -45,7 +46,7 @@ class GracefulServer(uvicorn.Server):
         self.admission = admission
         self.shutdown_timeout_s = shutdown_timeout_s
         self._start_failure = start_failure
-        self._drain: asyncio.Task | None = None
+        self._drain: asyncio.Task[int] | None = None
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self._start_failure() is not None:
@@ -71,7 +72,7 @@ def serve(
     port: int,
     shutdown_timeout_s: float,
     log_level: str = "info",
-    **uvicorn_options,
+    **uvicorn_options: Any,
 ) -> None:
     """Run ``app`` until SIGTERM/SIGINT, then stop gracefully; returns normally.
     ``uvicorn_options``: more ``uvicorn.Config`` settings (connection limits)."""

@@ -9,6 +9,7 @@ body, 408 for the slow one) before any work is done.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import time
@@ -193,7 +194,7 @@ class ServingLimits:
             )
 
 
-def add_cost_args(group) -> None:
+def add_cost_args(group: argparse._ActionsContainer) -> None:
     """The flags of the limits on what one request may cost the others."""
     group.add_argument(
         "--pause-hold-timeout",
@@ -229,6 +230,7 @@ def check_depth(value: object, param: str, limit: int = MAX_JSON_DEPTH) -> None:
     pending = [(value, 1)]
     while pending:
         node, depth = pending.pop()
+        children: Iterable[object]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

@@ -19,7 +19,8 @@ server started without one; the GET ones stay open, like /health.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,9 +37,11 @@ from services.env import get as env_get
 MANAGEMENT_PATHS = ("/pause", "/resume", "/reset_prefix_cache")
 
 _BOOLS = {"true": True, "false": False}
+T = TypeVar("T")
+Handler = Callable[["ManagementRoutes", Request], Awaitable[Response]]
 
 
-def add_admin_args(group) -> None:
+def add_admin_args(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--admin-api-key",
         action="append",
@@ -88,7 +91,7 @@ def _query(request: Request, allowed: dict[str, str]) -> dict[str, str]:
     return {name: params.get(name, default) for name, default in allowed.items()}
 
 
-def _choice(value: str, name: str, choices: dict[str, object]) -> object:
+def _choice(value: str, name: str, choices: Mapping[str, T]) -> T:
     if value not in choices:
         raise bad_request(f"`{name}` must be one of {', '.join(choices)}, got {value!r}.", name)
     return choices[value]
@@ -107,7 +110,7 @@ def _pause_mode(mode: str, wait_for_inflight: str) -> PauseMode:
     return _choice(mode or PauseMode.ABORT.value, "mode", {m.value: m for m in PauseMode})
 
 
-async def _engines(call):
+async def _engines(call: Awaitable[T]) -> T:
     """Await an engine-wide call; engine trouble is a 5xx, never a client error."""
     try:
         return await call
@@ -119,7 +122,7 @@ async def _engines(call):
         raise APIError(str(e), 500) from e
 
 
-def _admin_only(handler):
+def _admin_only(handler: Handler) -> Handler:
     """The route needs the admin key: 403 on a server without one, 401 for a missing or wrong key."""
 
     async def endpoint(self: ManagementRoutes, request: Request) -> Response:
@@ -143,7 +146,7 @@ class ManagementRoutes:
         self,
         client: PausableEngineClient,
         admission: Admission,
-        model_card: Callable[[str], dict | None],
+        model_card: Callable[[str], dict[str, object] | None],
         admin_keys: Sequence[str] = (),
     ) -> None:
         self.client = client

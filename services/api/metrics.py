@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -143,12 +143,15 @@ class Family:
     buckets: tuple[float, ...] | str | None = None  # histograms only
 
     def bucket_bounds(self, max_model_len: int) -> tuple[float, ...]:
-        return one_two_five_buckets(max_model_len) if self.buckets == MODEL_LEN_BUCKETS else self.buckets
+        if self.buckets == MODEL_LEN_BUCKETS:
+            return one_two_five_buckets(max_model_len)
+        assert isinstance(self.buckets, tuple), f"{self.name}: only histograms have buckets"
+        return self.buckets
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
-    bounds = []
+    bounds: list[int] = []
     for exponent in itertools.count():
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent
@@ -158,7 +161,9 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
     raise AssertionError("unreachable")
 
 
-def _histogram_of(counts: list[int], total: float, bounds: tuple[float, ...]):
+def _histogram_of(
+    counts: list[int], total: float, bounds: tuple[float, ...]
+) -> tuple[list[tuple[str, float]], float]:
     """(cumulative buckets, sum) for a HistogramMetricFamily from per-bucket counts."""
     counts = counts or [0] * (len(bounds) + 1)
     edges = [*map(floatToGoString, bounds), "+Inf"]
@@ -172,7 +177,8 @@ def _structured(stats: RankStats) -> StructuredOutputStats:
 # Read from each rank's RankStats at scrape time. A reader returns the value,
 # a list (one sample per index of the one extra label), or, for histograms,
 # (per-bucket counts, sum).
-RANK_FAMILIES: tuple[tuple[Family, Callable[[RankStats], object]], ...] = (
+Sample = float | list[int] | list[float] | tuple[Sequence[int], float]
+RANK_FAMILIES: tuple[tuple[Family, Callable[[RankStats], Sample]], ...] = (
     (
         Family("vllm:num_requests_running", "gauge", "Requests running on the engine."),
         lambda s: s.num_running,
@@ -350,16 +356,24 @@ REQUEST_FAMILIES: tuple[Family, ...] = (
 CACHE_CONFIG_INFO = Family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
 
 
-def metric_family(family: Family, labels: list[str]) -> Metric:
+MetricFamily = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
+_FAMILY_CLASSES: dict[Kind, type[MetricFamily]] = {
+    "counter": CounterMetricFamily,
+    "gauge": GaugeMetricFamily,
+    "histogram": HistogramMetricFamily,
+}
+
+
+def metric_family(family: Family, labels: list[str]) -> MetricFamily:
     """An empty scrape-time family for a table row."""
-    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[
-        family.kind
-    ]
-    return cls(family.name, family.doc, labels=labels)
+    return _FAMILY_CLASSES[family.kind](family.name, family.doc, labels=labels)
 
 
-def add_sample(metric: Metric, family: Family, label_values: list[str], value, max_model_len: int) -> None:
-    if family.kind == "histogram":
+def add_sample(
+    metric: MetricFamily, family: Family, label_values: list[str], value: Sample, max_model_len: int
+) -> None:
+    if isinstance(metric, HistogramMetricFamily):  # the family's kind is histogram
+        assert isinstance(value, tuple), f"{family.name}: a histogram reads (counts, sum)"
         counts, total = value
         buckets, total = _histogram_of(list(counts), total, family.bucket_bounds(max_model_len))
         metric.add_metric(label_values, buckets, total)
@@ -367,6 +381,7 @@ def add_sample(metric: Metric, family: Family, label_values: list[str], value, m
         for index, item in enumerate(value):
             metric.add_metric([*label_values, str(index)], item)
     else:
+        assert not isinstance(value, tuple), f"{family.name}: only histograms read (counts, sum)"
         metric.add_metric(label_values, value)
 
 
@@ -388,18 +403,17 @@ class _RankCollector(Collector):
                 add_sample(metric, family, [self._model_name, str(rank)], read(stats), 0)
             yield metric
         if self._config is not None:
-            yield self._cache_config_info(ranks)
+            yield self._cache_config_info(self._config, ranks)
 
-    def _cache_config_info(self, ranks: list[tuple[int, RankStats]]) -> Metric:
+    @staticmethod
+    def _cache_config_info(config: EngineConfig, ranks: list[tuple[int, RankStats]]) -> Metric:
         """An info gauge (always 1) whose labels are the cache config, per rank (vLLM's way)."""
         cache = {
             name: str(value)
-            for name, value in (
-                (f, getattr(self._config.cache, f)) for f in self._config.cache.__struct_fields__
-            )
+            for name, value in ((f, getattr(config.cache, f)) for f in config.cache.__struct_fields__)
         }
         labels = [*sorted(cache), "num_gpu_blocks", "engine"]
-        metric = metric_family(CACHE_CONFIG_INFO, labels)
+        metric = GaugeMetricFamily(CACHE_CONFIG_INFO.name, CACHE_CONFIG_INFO.doc, labels=labels)
         for rank, stats in ranks:
             metric.add_metric([*(cache[k] for k in sorted(cache)), str(stats.num_blocks), str(rank)], 1)
         return metric
@@ -433,10 +447,14 @@ class APIMetrics:
         return cls(family.name, family.doc, labels, registry=self.registry)
 
     def observe(self, name: str, value: float, engine: int, **extra: str) -> None:
-        self.families[name].labels(model_name=self.model_name, engine=str(engine), **extra).observe(value)
+        family = self.families[name]
+        assert isinstance(family, Histogram), f"{name} is not a histogram"
+        family.labels(model_name=self.model_name, engine=str(engine), **extra).observe(value)
 
     def inc(self, name: str, value: float, engine: int, **extra: str) -> None:
-        self.families[name].labels(model_name=self.model_name, engine=str(engine), **extra).inc(value)
+        family = self.families[name]
+        assert not isinstance(family, Histogram), f"{name} is a histogram"
+        family.labels(model_name=self.model_name, engine=str(engine), **extra).inc(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -482,7 +500,8 @@ class RequestMetrics:
         self._first_token: float | None = None
         self._last_token: float | None = None
         self._first_token_api: float | None = None
-        self.trace: tuple | None = None  # (tracer, parent context, request id, sampling params)
+        # (tracer, parent context, request id, sampling params)
+        self.trace: tuple[Tracer, object, str | None, SamplingParams | None] | None = None
 
     def on_output(self, output: EngineCoreOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -520,6 +539,7 @@ class RequestMetrics:
             self._record_span(now)
 
     def _record_span(self, now: float) -> None:
+        assert self.trace is not None
         tracer, parent, request_id, sampling = self.trace
         times = RequestTimes(
             self._arrival,
@@ -530,7 +550,7 @@ class RequestMetrics:
             self._first_token,
             self._last_token,
         )
-        attributes = {
+        attributes: dict[str, object] = {
             "gen_ai.request.id": request_id,
             "gen_ai.response.model": self._m.model_name,
             "gen_ai.usage.prompt_tokens": self._num_prompt_tokens,
@@ -550,8 +570,8 @@ class RequestMetrics:
         """vLLM's phases, on the engine's clock: prefill = scheduled -> first token,
         decode = first -> last token, inference = scheduled -> last token."""
         m, engine = self._m, self._engine
-        if self._scheduled is None or self._first_token is None:
-            return  # never ran (aborted while queued, or refused)
+        if self._scheduled is None or self._first_token is None or self._last_token is None:
+            return  # never ran (aborted while queued, or refused); the first and last tokens come together
         decode = max(0.0, self._last_token - self._first_token)
         m.observe("vllm:request_prefill_time_seconds", max(0.0, self._first_token - self._scheduled), engine)
         m.observe("vllm:request_decode_time_seconds", decode, engine)

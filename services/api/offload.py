@@ -15,9 +15,10 @@ import contextvars
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # A few threads: enough that one huge request does not queue the small ones
 # behind it, few enough that they cannot crowd out the loop's own thread.
@@ -25,7 +26,7 @@ _WORKERS = 4
 _executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="weft-api-cpu")
 
 
-async def run_blocking(fn: Callable[..., T], *args, **kwargs) -> T:
+async def run_blocking(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)`` on the pool, in a copy of the caller's context variables (the
     request's trace parent, as ``asyncio.to_thread`` does); its exception (an APIError too) is
     raised here."""

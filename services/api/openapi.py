@@ -88,7 +88,7 @@ def openapi_document(routes: list[Route], version: str, root_path: str = "") -> 
         path = route.path.replace("{model:path}", "{model}")
         for method in sorted((route.methods or set()) - {"HEAD"}):
             paths.setdefault(path, {})[method.lower()] = _operation(path, method, ref_of)
-    document = {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "weft", "version": version, "description": "An OpenAI-compatible LLM server."},
         "paths": paths,
@@ -102,7 +102,7 @@ def openapi_document(routes: list[Route], version: str, root_path: str = "") -> 
     return document
 
 
-def _operation(path: str, method: str, ref_of: dict[type, dict]) -> dict[str, Any]:
+def _operation(path: str, method: str, ref_of: dict[type, dict[str, Any]]) -> dict[str, Any]:
     request_type, response_type = _BODIES.get(path, (None, None)) if method == "POST" else (None, None)
     content: dict[str, Any]
     if path in _TEXT_ROUTES:

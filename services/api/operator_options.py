@@ -13,6 +13,7 @@ import os
 import re
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -134,7 +135,7 @@ def operator_options(args: argparse.Namespace) -> OperatorOptions:
     )
 
 
-def tls_options(args: argparse.Namespace) -> dict:
+def tls_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config's TLS settings; ValueError for a half-given or unreadable set."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together.")
@@ -151,7 +152,7 @@ def tls_options(args: argparse.Namespace) -> dict:
     ):
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"{flag} {path} is not a readable file.")
-    options = {
+    options: dict[str, Any] = {
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
         "ssl_cert_reqs": args.ssl_cert_reqs,

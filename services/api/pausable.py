@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from protocol import EngineCoreOutput, EngineCoreRequest
 from protocol.engine import UtilityMethod
@@ -75,7 +75,7 @@ class PausableEngineClient(EngineClient):
 
     # ---- EngineClient, delegated; generate waits at the gate
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         if not self._resumed.is_set():
             self.num_held += 1
             try:

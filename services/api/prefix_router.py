@@ -271,7 +271,7 @@ class PrefixRouter:
         self.host = host
         self.views: dict[int, RankCacheView] = {}
         self.subscribers: dict[int, RankSubscriber] = {}
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._curve: CurveKeys | None = None
 
@@ -332,6 +332,6 @@ class PrefixRouter:
         return choose_rank(loads, hits, request.session_key, self.max_imbalance)
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("KV event subscriber %s failed", task.get_name(), exc_info=task.exception())

@@ -29,7 +29,8 @@ _VALID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 
 def request_id_of(scope: Scope) -> str | None:
     """The id the middleware gave this exchange (None outside it, as in unit tests)."""
-    return scope.get("state", {}).get("request_id")
+    request_id: str | None = scope.get("state", {}).get("request_id")
+    return request_id
 
 
 class RequestIdMiddleware:

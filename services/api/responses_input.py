@@ -12,6 +12,7 @@ both.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeGuard
 
 from services.api.errors import bad_request
 from services.api.openai_schemas import (
@@ -25,8 +26,16 @@ from services.api.openai_schemas import (
     NamedToolChoice,
     ResponseFormat,
     ToolCall,
+    ToolChoice,
 )
-from services.api.responses_schemas import ContentPart, InputItem, OutputItem, ResponsesRequest
+from services.api.responses_schemas import (
+    ContentPart,
+    FunctionCallItem,
+    InputItem,
+    MessageItem,
+    OutputItem,
+    ResponsesRequest,
+)
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text"})
 
@@ -96,7 +105,7 @@ def _add_call(messages: list[ChatMessage], item: InputItem, param: str) -> None:
         messages.append(ChatMessage("assistant", None, tool_calls=[call]))
 
 
-def _open_assistant(message: ChatMessage | None) -> bool:
+def _open_assistant(message: ChatMessage | None) -> TypeGuard[ChatMessage]:
     """An assistant turn holding only thinking so far."""
     return message is not None and message.role == "assistant" and not message.content
 
@@ -104,20 +113,22 @@ def _open_assistant(message: ChatMessage | None) -> bool:
 def _text(content: str | list[ContentPart], param: str) -> str:
     if isinstance(content, str):
         return content
+    texts = []
     for j, part in enumerate(content):
         if part.type not in _TEXT_PARTS or part.text is None:
             raise bad_request(f"Only text content parts are supported, got {part.type!r}.", f"{param}[{j}]")
-    return "".join(part.text for part in content)
+        texts.append(part.text)
+    return "".join(texts)
 
 
 def output_as_input(items: list[OutputItem]) -> list[InputItem]:
     """A response's output items as input items, for the conversation the store keeps."""
-    converted = []
+    converted: list[InputItem] = []
     for item in items:
-        if item.__struct_config__.tag == "message":
+        if isinstance(item, MessageItem):
             parts = [ContentPart(type="output_text", text=p.text) for p in item.content]
             converted.append(InputItem(role="assistant", content=parts, id=item.id))
-        elif item.__struct_config__.tag == "function_call":
+        elif isinstance(item, FunctionCallItem):
             converted.append(
                 InputItem(
                     type="function_call",
@@ -167,7 +178,7 @@ def _tools(body: ResponsesRequest) -> list[ChatTool] | None:
     return tools
 
 
-def _tool_choice(body: ResponsesRequest):
+def _tool_choice(body: ResponsesRequest) -> ToolChoice | None:
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
         return choice

@@ -36,7 +36,8 @@ def new_item_id(prefix: str) -> str:
 
 def sse_event(event: dict[str, Any]) -> bytes:
     """One SSE event as OpenAI sends them: its type named on the ``event:`` line too."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
 class EventLog:
@@ -91,7 +92,7 @@ class ResponseOutput:
     def _index(self, item: OutputItem) -> int:
         return next(i for i, it in enumerate(self.items) if it is item)
 
-    def _start(self, item: OutputItem, part: Any | None = None) -> None:
+    def _start(self, item: OutputItem, part: OutputText | ReasoningText | None = None) -> None:
         if self._open is not None:
             self._close(self._open, "completed")
         self.items.append(item)
@@ -103,16 +104,17 @@ class ResponseOutput:
                 "response.content_part.added", item_id=item.id, output_index=index, content_index=0, part=part
             )
         # The snapshots above are encoded; the item grows from here.
-        if isinstance(item, (MessageItem, ReasoningItem)):
+        if isinstance(item, MessageItem) and isinstance(part, OutputText):
+            item.content = [msgspec.structs.replace(part)]
+        elif isinstance(item, ReasoningItem) and isinstance(part, ReasoningText):
             item.content = [msgspec.structs.replace(part)]
 
     def _add_reasoning(self, text: str) -> None:
         self.reasoning_text += text
-        if not isinstance(self._open, ReasoningItem):
-            self._start(
-                ReasoningItem(id=new_item_id("rs"), content=[], status="in_progress"), ReasoningText(text="")
-            )
         item = self._open
+        if not isinstance(item, ReasoningItem):
+            item = ReasoningItem(id=new_item_id("rs"), content=[], status="in_progress")
+            self._start(item, ReasoningText(text=""))
         item.content[0].text += text
         self.events.emit(
             "response.reasoning_text.delta",
@@ -123,15 +125,14 @@ class ResponseOutput:
         )
 
     def _add_content(self, text: str) -> None:
-        if not isinstance(self._open, MessageItem):
+        item = self._open
+        if not isinstance(item, MessageItem):
             if not text.strip():
                 self._space += text
                 return
             text, self._space = self._space + text, ""
-            self._start(
-                MessageItem(id=new_item_id("msg"), content=[], status="in_progress"), OutputText(text="")
-            )
-        item = self._open
+            item = MessageItem(id=new_item_id("msg"), content=[], status="in_progress")
+            self._start(item, OutputText(text=""))
         item.content[0].text += text
         self.events.emit(
             "response.output_text.delta",
@@ -146,6 +147,7 @@ class ResponseOutput:
         function = delta.function
         arguments = (function.arguments if function is not None else None) or ""
         if delta.id is not None:  # a call's first delta names it
+            assert function is not None and function.name is not None, "a call's first delta has its name"
             item = FunctionCallItem(
                 id=new_item_id("fc"), call_id=delta.id, name=function.name, arguments="", status="in_progress"
             )
@@ -176,7 +178,7 @@ class ResponseOutput:
         else:
             part = item.content[0]
             kind = "output_text" if isinstance(item, MessageItem) else "reasoning_text"
-            extra = {"logprobs": []} if kind == "output_text" else {}
+            extra: dict[str, list[object]] = {"logprobs": []} if kind == "output_text" else {}
             self.events.emit(
                 f"response.{kind}.done",
                 item_id=item.id,

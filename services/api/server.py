@@ -14,7 +14,9 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
+from protocol import EngineConfig
 from protocol.curve import CLIENT, SERVER, CurveKeys, load_keys
 from protocol.zmq_sockets import ipc_address, tcp_address
 from services import config_file, env
@@ -47,6 +49,9 @@ from services.kv_transfer.trust import load_secret as load_kv_transfer_secret
 from services.log_format import configure as configure_logging
 from services.ports import free_port
 from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from services.api.prefix_router import PrefixRouter
 
 logger = logging.getLogger("weft.serve")
 
@@ -194,7 +199,7 @@ def _add_hardening_args(parser: argparse.ArgumentParser) -> None:
     _add_request_size_args(group)
 
 
-def _add_request_size_args(group) -> None:
+def _add_request_size_args(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--max-prompts",
         type=int,
@@ -277,23 +282,24 @@ def _add_routing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def prefix_router_for(args: argparse.Namespace, config):
+def prefix_router_for(args: argparse.Namespace, config: EngineConfig) -> PrefixRouter | None:
     """The balancer's PrefixRouter, or None for load-only routing."""
     from protocol.kv_events import check_endpoints
     from services.api.prefix_router import PrefixRouter
 
-    events_on = config.kv_events is not None and config.kv_events.publishes
-    if events_on:  # an endpoint other hosts reach needs CURVE: refused before any engine starts
-        check_endpoints(
-            config.kv_events, config.parallel.data_parallel_size, has_keys=args.zmq_curve_keys is not None
-        )
+    events = config.kv_events
+    events_on = events is not None and events.publishes
+    if (
+        events is not None and events_on
+    ):  # an endpoint other hosts reach needs CURVE: refused before any engine starts
+        check_endpoints(events, config.parallel.data_parallel_size, has_keys=args.zmq_curve_keys is not None)
     routing = args.dp_routing or ("prefix" if events_on else "load")
     if routing == "load":
         return None
     return PrefixRouter(config, max_imbalance=args.dp_prefix_max_imbalance)
 
 
-def serving_limits(args: argparse.Namespace, config=None) -> ServingLimits:
+def serving_limits(args: argparse.Namespace, config: EngineConfig | None = None) -> ServingLimits:
     """The limits the flags set; with the engine ``config``, --max-waiting-requests' default resolved
     against the memory available now."""
     limits = _limits_from(args)
@@ -354,7 +360,7 @@ def _keys_in_file(path: str) -> list[str]:
     return keys
 
 
-def uvicorn_options(args: argparse.Namespace) -> dict:
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """Connection limits for uvicorn.Config (the body timeout is checked by ServingLimits)."""
     from services.api.slow_clients import header_deadline_protocol  # uvicorn: only once serving
 
@@ -430,10 +436,11 @@ def data_ports(args: argparse.Namespace) -> tuple[int, int]:
     """The TCP ports of the request and output sockets, for remote ranks: fixed, so that a
     firewall can let them through (the rpc port + 1 and + 2 unless given; 0: any free port)."""
     rpc = args.data_parallel_rpc_port
-    ports = tuple(
+    input_port, output_port = (
         given if given is not None else (rpc + offset if rpc else 0)
         for given, offset in ((args.data_parallel_input_port, 1), (args.data_parallel_output_port, 2))
     )
+    ports = (input_port, output_port)
     for name, port in zip(("input", "output"), ports, strict=True):
         if not 0 <= port <= 65535:
             raise ValueError(f"--data-parallel-{name}-port must be in [0, 65535], got {port}.")
@@ -448,14 +455,14 @@ def data_ports(args: argparse.Namespace) -> tuple[int, int]:
 
 def _run(
     args: argparse.Namespace,
-    config,
+    config: EngineConfig,
     local: int,
     handshake: str,
     limits: ServingLimits,
     curve: CurveKeys | None,
     chat: ChatSettings,
     keys: list[str],
-    server_options: dict,
+    server_options: dict[str, Any],
     ports: tuple[int, int] = (0, 0),
     store: ResponsesStore | None = None,
     operator: OperatorOptions | None = None,

@@ -19,9 +19,9 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -36,7 +36,7 @@ from services.api.limits import ServingLimits
 from services.api.metrics import APIMetrics, RequestMetrics
 from services.api.offload import run_blocking
 from services.api.openai_schemas import EmbeddingRequest, PromptTokensDetails, SamplingFields, UsageInfo
-from services.api.output_processor import RequestState
+from services.api.output_processor import Logprob, RequestState
 from services.api.prefix_router import session_key_of
 from services.api.redact import redact
 from services.api.request_id import request_id_of
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 _INT64_MOD = 2**64
 _LOGPROB_FLOOR = -9999.0  # what -inf is shown as: JSON has no infinities
+T = TypeVar("T")
+# What a runner's queue carries: a choice that changed (and whether it is done), or the error that ends all.
+_Update = tuple["Choice", bool] | BaseException
 
 
 @dataclass
@@ -60,15 +63,11 @@ class ServingContext:
     config: EngineConfig
     served_model_name: str
     metrics: APIMetrics
+    admission: Admission  # built from the same limits
     limits: ServingLimits = field(default_factory=ServingLimits)
-    admission: Admission | None = None  # made from the limits when not given
     options: APIOptions = field(default_factory=APIOptions)
     kv_transfer_secret: str | None = None  # the P/D proxy's (services.kv_transfer.trust)
     model_aliases: tuple[str, ...] = ()  # more names accepted in `model` (--served-model-name A B ...)
-
-    def __post_init__(self) -> None:
-        if self.admission is None:
-            self.admission = Admission(self.engine_client, self.config.scheduler.max_num_seqs, self.limits)
 
     @property
     def max_model_len(self) -> int:
@@ -167,7 +166,7 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, prompt_len: i
     room = ctx.max_model_len - prompt_len
     cap = ctx.limits.max_tokens
     if requested is None:
-        room = min(room, model_default(ctx.config.model, "max_tokens", room))
+        room = min(room, int(model_default(ctx.config.model, "max_tokens", room)))
         return room if cap is None else min(room, cap)
     if cap is not None and requested > cap:
         raise bad_request(f"{param} ({requested}) is more than this server allows ({cap}).", param)
@@ -243,7 +242,7 @@ def make_sampling_params(
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
 
-def _or(value, default):
+def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
@@ -300,12 +299,12 @@ class Choice:
         return len(self.request.prompt_token_ids)
 
     @property
-    def prompt_logprobs(self) -> list | None:
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprob entries (computed once per prompt, by its first choice)."""
         source = self.prompt_logprobs_from or self
         return source.state.prompt_logprobs
 
-    def take_logprobs(self) -> list:
+    def take_logprobs(self) -> list[dict[int, Logprob]]:
         """Logprob entries not shown yet (one dict per token)."""
         entries = self.state.logprobs or []
         new = entries[self.logprobs_sent :]
@@ -447,10 +446,10 @@ class ChoiceRunner:
     engine_client: EngineClient
     choices: list[Choice]
     deadline: float | None = None  # time.monotonic() past which the request times out
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _queue: asyncio.Queue[_Update] = field(default_factory=asyncio.Queue)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    async def updates(self) -> AsyncIterator[Choice]:
+    async def updates(self) -> AsyncGenerator[Choice, None]:
         assert not self._tasks, "a runner runs once"
         self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
         try:
@@ -471,7 +470,7 @@ class ChoiceRunner:
         """End the request with ``error`` (the server stops); its engine requests are aborted."""
         self._queue.put_nowait(error)
 
-    async def _next_item(self):
+    async def _next_item(self) -> _Update:
         if self.deadline is None:
             return await self._queue.get()
         try:
@@ -487,9 +486,10 @@ class ChoiceRunner:
         except Exception as e:  # surfaced to the route through the queue
             self._queue.put_nowait(e)
             return
-        if not choice.state.finished:  # the stream ended without saying why
-            choice.state.finish_reason = "abort"
-        choice.metrics.on_finish(choice.state.finish_reason)
+        finish_reason = choice.state.finish_reason
+        if finish_reason is None:  # the stream ended without saying why
+            finish_reason = choice.state.finish_reason = "abort"
+        choice.metrics.on_finish(finish_reason)
         self._queue.put_nowait((choice, True))
 
     async def _run(self, choice: Choice) -> None:
@@ -534,10 +534,10 @@ async def collect(runner: ChoiceRunner) -> list[Choice]:
 
 async def sse_events(
     runner: ChoiceRunner,
-    chunk_for: Callable[[Choice], Any],
-    head: tuple = (),
-    usage_chunk: Callable[[], Any] | None = None,
-) -> AsyncIterator[bytes]:
+    chunk_for: Callable[[Choice], object],
+    head: Sequence[object] = (),
+    usage_chunk: Callable[[], object] | None = None,
+) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``head`` events, a chunk per update (when ``chunk_for``
     gives one), the usage chunk, then ``[DONE]``. Errors after the headers
     went out can only be told in the stream: an error event, then ``[DONE]``."""

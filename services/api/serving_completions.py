@@ -240,7 +240,7 @@ class _CompletionView:
         shown = []
         for c in choices:
             choice = self._choice(
-                c, self._take_echo(c) + c.state.text, self._take_prompt_entries(c) + c.take_logprobs()
+                c, self._take_echo(c) + c.state.text, [*self._take_prompt_entries(c), *c.take_logprobs()]
             )
             if self._show_prompt_logprobs:
                 choice.prompt_logprobs = _prompt_logprobs_shown(c)

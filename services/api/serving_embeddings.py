@@ -107,4 +107,5 @@ def _encode_response(choices: list[Choice], model: str, encoding_format: str) ->
 def _format(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+    values: list[float] = vector.tolist()
+    return values

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 from starlette.requests import Request
@@ -28,7 +28,7 @@ from services.api.engine_client import EngineDeadError, EngineNotReadyError
 from services.api.errors import APIError, bad_request
 from services.api.field_table import RESPONSES, refuse_unsupported
 from services.api.offload import run_blocking
-from services.api.openai_schemas import encode
+from services.api.openai_schemas import ChatMessage, encode
 from services.api.responses_input import chat_messages, chat_request, input_items, item_texts, output_as_input
 from services.api.responses_output import EventLog, ResponseOutput
 from services.api.responses_schemas import (
@@ -48,6 +48,10 @@ from services.api.serving_chat import ChatRun, ChatServing
 from services.api.streaming import SSEResponse, unless_disconnected
 
 logger = logging.getLogger(__name__)
+# A response the store keeps: its tenant, and the conversation it answered.
+_Kept = tuple[str, list[InputItem]] | None
+# The status of a response whose reply ended for this reason (else completed).
+_STATUS_OF = {"length": "incomplete", "abort": "cancelled"}
 
 # The chat request's names for what the Responses request calls otherwise (in 400s).
 _PARAM_NAMES = {
@@ -122,7 +126,7 @@ class ResponsesServing:
             raise _not_found(previous_id, "previous_response_id")
         return entry.conversation
 
-    async def _start(self, request: Request, body: ResponsesRequest, messages) -> ChatRun:
+    async def _start(self, request: Request, body: ResponsesRequest, messages: list[ChatMessage]) -> ChatRun:
         """The chat path's run of the request; its 400s name the Responses request's fields."""
         try:
             return await self.chat.start(request, chat_request(body, messages), "resp")
@@ -163,16 +167,20 @@ class ResponsesServing:
             text=text or TextConfig(format=TextFormat(type="text")),
         )
 
-    async def _complete(self, response: ResponseObject, output: ResponseOutput, run: ChatRun, kept) -> None:
+    async def _complete(
+        self, response: ResponseObject, output: ResponseOutput, run: ChatRun, kept: _Kept
+    ) -> None:
         """Fill in the finished response (status, items, usage) and store it."""
         choice = run.choices[0]
         reason = choice.state.finish_reason
-        response.status = {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
+        response.status = "completed" if reason is None else _STATUS_OF.get(reason, "completed")
         if reason == "length":
             response.incomplete_details = IncompleteDetails("max_output_tokens")
         output.finish(response.status)
         response.output = output.items
         usage = serving.usage_of(run.choices)
+        details = usage.prompt_tokens_details
+        cached_tokens = details.cached_tokens if details is not None else 0
         reasoning_tokens = 0
         if output.reasoning_text:  # the engine does not tell thinking tokens apart: count them again
             reasoning_tokens = len(
@@ -182,7 +190,7 @@ class ResponsesServing:
             usage.prompt_tokens,
             usage.completion_tokens,
             usage.total_tokens,
-            InputTokensDetails(usage.prompt_tokens_details.cached_tokens),
+            InputTokensDetails(cached_tokens),
             OutputTokensDetails(min(reasoning_tokens, usage.completion_tokens)),
         )
         if kept is not None:
@@ -192,8 +200,8 @@ class ResponsesServing:
                 logger.warning("Response %s is larger than the whole store; it is not kept.", response.id)
 
     async def _events(
-        self, run: ChatRun, response: ResponseObject, output: ResponseOutput, kept
-    ) -> AsyncIterator[bytes]:
+        self, run: ChatRun, response: ResponseObject, output: ResponseOutput, kept: _Kept
+    ) -> AsyncGenerator[bytes, None]:
         events = output.events
         snapshot = msgspec.structs.replace(response)
         events.emit("response.created", response=snapshot)

@@ -45,7 +45,7 @@ class _HeaderDeadlineH11Protocol(H11Protocol):
             self._header_deadline.cancel()
             self._header_deadline = None
 
-    def _close_if_still_waiting(self, waiting_on) -> None:
+    def _close_if_still_waiting(self, waiting_on: object) -> None:
         if self.cycle is waiting_on and not self.transport.is_closing():
             self.timeout_keep_alive_handler()  # uvicorn's own way to drop an idle connection
 

@@ -156,7 +156,7 @@ def _limit(memory_bytes: int, timeout_s: float) -> None:
 
 def _render(job: RenderJob) -> RenderResult:
     import jinja2
-    import jinja2.sandbox
+    from jinja2.exceptions import SecurityError
 
     from services.api.chat_template import ChatTemplateError, ContinueFinalMessageError
     from services.api.chat_template import render as render_template
@@ -178,7 +178,7 @@ def _render(job: RenderJob) -> RenderResult:
         return RenderResult(error_kind="continue", message=str(e))
     except jinja2.TemplateSyntaxError as e:
         return RenderResult(error_kind="syntax", message=str(e.message)[:_MAX_MESSAGE_CHARS], lineno=e.lineno)
-    except jinja2.sandbox.SecurityError as e:
+    except SecurityError as e:
         return RenderResult(error_kind="refused", message=str(e)[:_MAX_MESSAGE_CHARS])
     except MemoryError:
         return RenderResult(error_kind="memory")

@@ -12,6 +12,7 @@ import copy
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
@@ -78,10 +79,10 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
-        **extra,
+        **extra: Any,
     ) -> str:
         """The prompt text; ``chat_template`` replaces the model's (see ``chat_template.render``)."""
         source = chat_template if chat_template is not None else self.chat_template

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 logger = logging.getLogger(__name__)
 
 SPAN_NAME = "llm_request"
@@ -127,10 +129,10 @@ def _latencies(t: RequestTimes) -> dict[str, float]:
 class TraceParentMiddleware:
     """Keeps the request's ``traceparent`` header where ``Tracer.current_parent`` reads it."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

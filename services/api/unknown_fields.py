@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 
@@ -61,9 +61,13 @@ def _is_top_level_unknown(e: msgspec.ValidationError) -> bool:
     return message.startswith(_UNKNOWN) and "at `$." not in message
 
 
+def _lenient(struct: type[T]) -> type[T]:
+    """A subclass of ``struct`` that ignores unknown fields (same fields, same behaviour)."""
+    return cast("type[T]", _lenient_subclass(struct))  # a subclass of ``struct``: its only base
+
+
 @functools.cache
-def _lenient(type: type[T]) -> type[T]:
-    """A subclass of ``type`` that ignores unknown fields (same fields, same behaviour)."""
+def _lenient_subclass(struct: type[msgspec.Struct]) -> type[msgspec.Struct]:
     return msgspec.defstruct(
-        f"Lenient{type.__name__}", [], bases=(type,), forbid_unknown_fields=False, kw_only=True
+        f"Lenient{struct.__name__}", [], bases=(struct,), forbid_unknown_fields=False, kw_only=True
     )

@@ -39,7 +39,12 @@ PIPELINE_DEPTH = 2
 class ScheduledStep:
     """A step handed to the executor: what was scheduled, for whom, and its result to come."""
 
-    def __init__(self, scheduler_output: SchedulerOutput, requests: dict[str, Request], result: Future):
+    def __init__(
+        self,
+        scheduler_output: SchedulerOutput,
+        requests: dict[str, Request],
+        result: Future[ModelRunnerOutput],
+    ):
         self.scheduler_output = scheduler_output
         # The Request objects scheduled, so an output is never applied to a
         # later request that reused a finished one's id.

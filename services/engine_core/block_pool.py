@@ -52,6 +52,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free_block
+        assert block is not None  # the head links to the tail at least
         if block is self._tail:
             raise ValueError("No free blocks available")
         self.remove(block)
@@ -74,6 +75,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         assert block.prev_free_block is None and block.next_free_block is None, block
         last = self._tail.prev_free_block
+        assert last is not None  # the tail links back to the head at least
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self._tail
@@ -87,7 +89,7 @@ class FreeKVCacheBlockQueue:
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Free blocks from head (evicted first) to tail."""
         block = self._head.next_free_block
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free_block
 
@@ -183,6 +185,8 @@ class BlockPool:
 
     def _record_stored(self, request: Request, indexes: list[int]) -> None:
         """One BlockStored per run of consecutive new hashes (a run chains to its parent)."""
+        events = self.kv_events
+        assert events is not None, "called only with KV cache events enabled"
         runs: list[list[int]] = []
         for index in indexes:
             if runs and runs[-1][-1] == index - 1:
@@ -192,7 +196,7 @@ class BlockPool:
         for run in runs:
             first, last = run[0], run[-1]
             block_size = self._event_block_size
-            self.kv_events.append(
+            events.append(
                 BlockStored(
                     block_hashes=[request.block_hashes[i] for i in run],
                     parent_block_hash=request.block_hashes[first - 1] if first > 0 else None,

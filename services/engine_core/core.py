@@ -19,7 +19,7 @@ from services.config.engine_args import with_max_model_len
 from services.config.engine_device import resolve_engine_device
 from services.config.memory_plan import fit_max_model_len
 from services.engine_core.async_scheduling import StepPipeline, reaches_workers
-from services.engine_core.kv_events import make_publisher
+from services.engine_core.kv_events import ZmqEventPublisher, make_publisher
 from services.engine_core.request import Request, RequestStatus
 from services.engine_core.scheduler import Scheduler
 from services.engine_core.stats_logger import EngineStatsLogger
@@ -62,7 +62,7 @@ class EngineCore:
         # Async scheduling: steps run on a thread of their own, one scheduled ahead.
         self.pipeline = StepPipeline(self.executor) if config.scheduler.async_scheduling else None
 
-    def _start_kv_events(self, config: EngineConfig):
+    def _start_kv_events(self, config: EngineConfig) -> ZmqEventPublisher | None:
         if config.kv_events is None or not config.kv_events.enable_kv_cache_events:
             return None
         medium = "GPU" if config.device.device == "cuda" else "CPU"
@@ -143,9 +143,11 @@ class EngineCore:
 
     def _async_step(self) -> EngineCoreOutputs:
         """Keep two steps in flight, then collect the oldest: step N+1 is scheduled while N runs."""
+        pipeline = self.pipeline
+        assert pipeline is not None, "async scheduling only"
         outputs: list[EngineCoreOutput] = []
         scheduler = self.scheduler
-        while not self.pipeline.full and scheduler.has_unfinished_requests() and not scheduler.paused:
+        while not pipeline.full and scheduler.has_unfinished_requests() and not scheduler.paused:
             scheduler_output = scheduler.schedule()
             if not reaches_workers(scheduler_output):
                 # Nothing runs; requests that failed outside a step (grammars) still report.
@@ -155,11 +157,11 @@ class EngineCore:
                 request_id: scheduler.requests[request_id]
                 for request_id in scheduler_output.num_scheduled_tokens
             }
-            self.pipeline.submit(scheduler_output, scheduled)
-        if not self.pipeline and not outputs:
+            pipeline.submit(scheduler_output, scheduled)
+        if not pipeline and not outputs:
             return EngineCoreOutputs(engine_index=self.engine_index, scheduler_stats=scheduler.make_stats())
-        if self.pipeline:
-            step, runner_output = self.pipeline.pop_oldest()
+        if pipeline:
+            step, runner_output = pipeline.pop_oldest()
             outputs += scheduler.update_from_output(step.scheduler_output, runner_output, step.requests)
         return self._batch(outputs)
 

@@ -37,7 +37,7 @@ class Drain:
     def begin_serving(self) -> None:
         self._serving = True
 
-    def on_signal(self, *_) -> None:
+    def on_signal(self, *_: object) -> None:
         """Signal handler: drain if serving, else (or the second time) stop now."""
         if not self._serving or self.requested.is_set():
             self.stop.set()

@@ -31,7 +31,7 @@ class PrefixCacheStats:
     hits: int = 0  # tokens found in the cache
 
 
-class GroupBlocks(list):
+class GroupBlocks(list[KVCacheBlock]):
     """Blocks of KV cache group 0, as a plain list (what single-group callers use), with
     every group's blocks, group 0's included, in ``groups``."""
 
@@ -144,8 +144,12 @@ class KVCacheManager:
 
     def _hit_blocks(self, group: int, hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock]:
         first = self._first_needed(group, num_blocks * self.block_size)
-        null = self.block_pool.null_block
-        return [null] * first + [self._cached(group, h) for h in hashes[first:num_blocks]]
+        blocks = [self.block_pool.null_block] * first
+        for block_hash in hashes[first:num_blocks]:
+            block = self._cached(group, block_hash)
+            assert block is not None, "_longest_hit found each of them cached"
+            blocks.append(block)
+        return blocks
 
     # ---------------------------------------------------------------- allocation
 

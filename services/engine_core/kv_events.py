@@ -76,7 +76,7 @@ class _TokenBucket:
 
 
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig, rank: int, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, rank: int, ctx: zmq.SyncContext | None = None) -> None:
         self.topic = config.topic.encode()
         self.rank = rank
         self._own_ctx = ctx is None
@@ -100,7 +100,7 @@ class ZmqEventPublisher:
             hwm=config.hwm,
         )
         self.endpoint = bound_address(self._pub)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.SyncSocket | None = None
         self.replay_endpoint: str | None = None
         if config.replay_endpoint is not None:
             self._replay = make_socket(
@@ -160,10 +160,10 @@ class ZmqEventPublisher:
                 try:
                     batch = self._queue.get(timeout=_POLL_MS / 1000 if self._replay is not None else None)
                 except queue.Empty:
-                    batch = False
-                if batch is None:
-                    return
-                if batch:
+                    pass  # no batch this time: serve the replay requests
+                else:
+                    if batch is None:
+                        return
                     self._send(encoder, batch)
                 self._serve_replays()
         except zmq.ContextTerminated:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TypedDict
 
 from protocol import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from protocol.kv_transfer import KVTransferParams
@@ -44,6 +45,13 @@ HOLD_TIMEOUT_S = 120.0
 # default): the timeout is at least 3 x timeout_s + 30 s, so no late write can
 # land in blocks handed to another request.
 ABANDON_TIMEOUT_S = 120.0
+
+
+class ExternalPrefixStats(TypedDict):
+    """``SchedulerStats``' external prefix cache fields (tokens, since the previous stats)."""
+
+    external_prefix_cache_queries: int
+    external_prefix_cache_hits: int
 
 
 class KVTransferScheduling:
@@ -77,6 +85,7 @@ class KVTransferScheduling:
         self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int, num_external: int
     ) -> bool:
         """Allocate blocks for the external tokens and wait for them; False if the pool is short."""
+        assert self.connector is not None, "only num_external_tokens > 0 parks a request"
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_external, num_hit_tokens, hit_blocks, delay_cache_blocks=True
         )
@@ -153,6 +162,7 @@ class KVTransferScheduling:
             )
             self.kv_cache_manager.free(self._abandoned.pop(request_id)[0])
             self._num_external.pop(request_id, None)
+            assert self.connector is not None, "only a connector's loads are abandoned"
             self.connector.forget(request_id)
 
     # ---- each step
@@ -175,7 +185,10 @@ class KVTransferScheduling:
     def has_pending(self) -> bool:
         return bool(self.waiting_for_remote or self._held or self._abandoned)
 
-    def take_stats(self) -> dict[str, int]:
-        stats = {"external_prefix_cache_queries": self._queries, "external_prefix_cache_hits": self._hits}
+    def take_stats(self) -> ExternalPrefixStats:
+        stats: ExternalPrefixStats = {
+            "external_prefix_cache_queries": self._queries,
+            "external_prefix_cache_hits": self._hits,
+        }
         self._queries = self._hits = 0
         return stats

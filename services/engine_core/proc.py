@@ -35,6 +35,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -58,10 +60,16 @@ from services.config.memory_plan import with_node_memory
 from services.engine_core.devices import narrow_visible_devices
 from services.engine_core.drain import Drain
 from services.engine_core.kv_events import with_default_keys_dir as with_default_events_keys
-from services.engine_core.proc_args import DEFAULT_SHUTDOWN_TIMEOUT_S, EngineCoreArgs, build_parser
+from services.engine_core.proc_args import EngineCoreArgs, build_parser
 from services.log_format import configure as configure_logging
+from services.processes import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from services.engine_core.core import EngineCore
 
 logger = logging.getLogger(__name__)
+# The payload decoder of each request type an engine accepts.
+_Decoders = dict[EngineCoreRequestType, Decoder[Any]]
 
 HEARTBEAT_S = 0.5
 HANDSHAKE_TIMEOUT_S = 300.0
@@ -84,8 +92,8 @@ class EngineCoreProc:
 
     def __init__(
         self,
-        engine,
-        ctx: zmq.Context,
+        engine: EngineCore,
+        ctx: zmq.SyncContext,
         reply: EngineHandshakeReply,
         stop: threading.Event,
         *,
@@ -175,11 +183,14 @@ class EngineCoreProc:
             idle, wait_s = False, 0.0
             self._handle(kind, payload)
 
-    def _handle(self, kind: EngineCoreRequestType, payload) -> None:
+    def _handle(self, kind: EngineCoreRequestType, payload: object) -> None:
+        # Each kind's payload is what its decoder in _input_loop produced.
         self._stats_dirty = True
         if kind is EngineCoreRequestType.ADD:
+            assert isinstance(payload, EngineCoreRequest)
             self._add(payload)
         elif kind is EngineCoreRequestType.ABORT:
+            assert isinstance(payload, list)
             self.engine.abort_requests(payload)
         elif kind is EngineCoreRequestType.SHUTDOWN:
             self._reason = "the API asked it to stop"
@@ -187,6 +198,7 @@ class EngineCoreProc:
         elif kind is EngineCoreRequestType.DRAIN:
             self._drain.acknowledged = True  # every ADD the API sent is handled by now
         elif kind is EngineCoreRequestType.UTILITY:
+            assert isinstance(payload, UtilityRequest)
             self._outputs.put(EngineCoreOutputs(engine_index=self.rank, utility_output=self._call(payload)))
 
     def _call(self, call: UtilityRequest) -> UtilityResult:
@@ -291,7 +303,7 @@ class EngineCoreProc:
     # ---- input thread
 
     def _input_loop(self) -> None:
-        decoders = {
+        decoders: _Decoders = {
             EngineCoreRequestType.ADD: Decoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: Decoder(list[str]),
             EngineCoreRequestType.UTILITY: Decoder(UtilityRequest),
@@ -308,7 +320,7 @@ class EngineCoreProc:
                 self._drain.announced = True
         self._say_goodbye()
 
-    def _read_input(self, decoders: dict) -> None:
+    def _read_input(self, decoders: _Decoders) -> None:
         frames = self._input_sock.recv_multipart(copy=False)
         try:
             kind, payload = _decode_request(frames, decoders)
@@ -341,7 +353,9 @@ class EngineCoreProc:
         logger.info("Rank %d: no acknowledgement of its goodbye; the API may be gone.", self.rank)
 
 
-def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType, object]:
+def _decode_request(
+    frames: Sequence[zmq.Frame | bytes], decoders: _Decoders
+) -> tuple[EngineCoreRequestType, object]:
     """``[type byte, payload...]`` -> (type, decoded payload); ValueError if malformed."""
     if not frames:
         raise ValueError("empty message")
@@ -361,7 +375,7 @@ def _decode_request(frames: list, decoders: dict) -> tuple[EngineCoreRequestType
 
 
 def handshake(
-    ctx: zmq.Context,
+    ctx: zmq.SyncContext,
     *,
     rank: int,
     address: str,
@@ -412,7 +426,7 @@ def handshake(
 
 
 def report_start_failure(
-    ctx: zmq.Context,
+    ctx: zmq.SyncContext,
     reply: EngineHandshakeReply,
     rank: int,
     reason: str,

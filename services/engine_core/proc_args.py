@@ -117,7 +117,7 @@ class EngineCoreArgs:
         return args
 
 
-def _flag_name(f: dataclasses.Field) -> str:
+def _flag_name(f: dataclasses.Field[object]) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 

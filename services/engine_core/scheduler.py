@@ -34,8 +34,7 @@ from protocol import (
 from protocol.engine import ITERATION_TOKENS_BUCKETS
 from protocol.kv_cache_groups import group_windows
 from protocol.kv_transfer import KVTransferParams
-from services.engine_core.block_pool import KVCacheBlock
-from services.engine_core.kv_cache_manager import KVCacheManager
+from services.engine_core.kv_cache_manager import GroupBlocks, KVCacheManager
 from services.engine_core.kv_transfer_scheduling import KVTransferScheduling
 from services.engine_core.partial_prefills import PartialPrefillLimits, PrefillCount
 from services.engine_core.prefix_hash import make_block_hasher
@@ -52,6 +51,7 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far."""
 
     budget: int
+    prefills: PrefillCount  # partial and long prefills so far
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)  # the worker does not hold them
     cached_reqs: list[Request] = field(default_factory=list)  # the worker holds them
@@ -59,9 +59,8 @@ class _StepPlan:
     new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # KV cache groups 1..
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
-    prefills: PrefillCount | None = None  # partial and long prefills so far
 
-    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], is_new: bool) -> None:
+    def add(self, request: Request, num_tokens: int, new_blocks: GroupBlocks, is_new: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
         (self.new_reqs if is_new else self.cached_reqs).append(request)
@@ -528,8 +527,8 @@ class Scheduler:
         first_positions = _first_positions(scheduler_output)
         pooled_rows = {req_id: i for i, req_id in enumerate(model_runner_output.pooled_req_ids)}
         outputs, self._error_outputs = self._error_outputs, []
-        for request in self.kv_transfer.update_from_output(model_runner_output):
-            self.waiting.requeue(request)  # its remote KV load ended
+        for resumed in self.kv_transfer.update_from_output(model_runner_output):
+            self.waiting.requeue(resumed)  # its remote KV load ended
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -598,6 +597,7 @@ class Scheduler:
         out, its blocks back to the pool at once (nothing will read its KV again)."""
         if row is None:
             return None  # mid-prefill
+        assert runner_output.pooled is not None, "a step with pooled rows carries their vectors"
         request.status = RequestStatus.FINISHED_STOPPED
         self._remove_finished(request)
         self._free_request(request)

@@ -11,8 +11,19 @@ steps back over them; the next step overwrites those slots.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from protocol import ModelRunnerOutput, SpeculativeConfig
 from services.engine_core.request import Request
+
+
+class SpecDecodeStats(TypedDict):
+    """``SchedulerStats``' speculative-decoding fields."""
+
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: list[int]
 
 
 class SpecDecodeScheduling:
@@ -79,9 +90,9 @@ class SpecDecodeScheduling:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.num_spec_tokens
 
-    def take_stats(self) -> dict[str, int | list[int]]:
+    def take_stats(self) -> SpecDecodeStats:
         """The counters since the previous call, as ``SchedulerStats`` fields."""
-        stats = {
+        stats: SpecDecodeStats = {
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,

@@ -28,7 +28,7 @@ ENV = "WEFT_KV_TRANSFER_SECRET"
 _MAX_SECRET_BYTES = 4096
 
 
-def add_secret_arg(parser: argparse.ArgumentParser) -> None:
+def add_secret_arg(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--kv-transfer-secret-file",
         default=None,

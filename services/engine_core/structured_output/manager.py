@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._clock = clock
         self._executor: _DaemonPool | None = None
-        self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], CompileJob] = OrderedDict()
         self._in_flight: list[CompileJob] = []  # submitted, future not done yet
         self.max_compiles_in_flight = MAX_COMPILES_IN_FLIGHT
         self._backend_ready_at: float | None = None  # compile timeouts count from here at the earliest
@@ -123,17 +123,20 @@ class StructuredOutputManager:
         A compile fails on a bad constraint, or once it has run longer than
         ``compile_timeout`` since it was submitted (queueing counts).
         """
-        ready, failed, pending = [], [], []
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        pending: list[Request] = []
         for request in requests:
             if request.is_finished:
                 continue  # aborted while compiling
-            error = self._compile_error(request.structured_output)
+            so_request = request.structured_output
+            assert so_request is not None, "only constrained requests wait for grammars"
+            error = self._compile_error(so_request)
             if error is not None:
                 failed.append((request, error))
-            elif request.structured_output.job.future.done():
-                request.structured_output.grammar = self._backend.new_grammar(
-                    request.structured_output.job.future.result()
-                )
+            elif so_request.job.future.done():
+                assert self._backend is not None, "a compile that succeeded has built the backend"
+                so_request.grammar = self._backend.new_grammar(so_request.job.future.result())
                 ready.append(request)
             else:
                 pending.append(request)
@@ -174,7 +177,6 @@ class StructuredOutputManager:
         job = CompileJob(submitted_at=self._clock())
         self._in_flight = [j for j in self._in_flight if not j.future.done()]
         if len(self._in_flight) >= self.max_compiles_in_flight:
-            job.future = Future()
             job.future.set_exception(
                 ValueError(
                     f"{len(self._in_flight)} constraints are compiling already (at most "
@@ -182,7 +184,7 @@ class StructuredOutputManager:
                 )
             )
             return job
-        job.future = self._executor.submit(self._compile, job, params)
+        self._executor.submit(job.future, self._compile, job, params)
         self._in_flight.append(job)
         return job
 
@@ -251,6 +253,7 @@ class StructuredOutputManager:
     def _fill_rows(request: Request, drafts: list[int], bitmask: np.ndarray, row: int) -> int:
         """Rows ``row..row + len(drafts)``: the mask before each draft and after
         the last, walking the grammar through the drafts and back."""
+        assert request.structured_output is not None, "only constrained requests get masks"
         grammar = request.structured_output.grammar
         assert grammar is not None, "a request is scheduled only once its grammar compiled"
         num_accepted = 0
@@ -268,7 +271,9 @@ class StructuredOutputManager:
         """Advance ``request``'s grammar over a token it just produced; True if
         that ends the request (its status says how: the grammar is complete,
         or -- a broken invariant, the mask forbade it -- refused the token)."""
+        assert request.structured_output is not None, "only constrained requests have grammars"
         grammar = request.structured_output.grammar
+        assert grammar is not None, "a request runs only once its grammar compiled"
         if not grammar.accept_tokens([token_id]):
             request.status = RequestStatus.FINISHED_ERROR
             request.error = f"The grammar refused token {token_id} that the model produced."
@@ -298,21 +303,25 @@ class StructuredOutputManager:
             self._executor = None
 
 
+R = TypeVar("R")
+# A queued call: the future it resolves, the function and its arguments.
+_Job = tuple[Future[Any], Callable[..., Any], tuple[object, ...]]
+
+
 class _DaemonPool:
     """A fixed pool of daemon threads running submitted calls into Futures."""
 
     def __init__(self, num_threads: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(num_threads)
         ]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
+    def submit(self, future: Future[R], fn: Callable[..., R], *args: object) -> None:
+        """Run ``fn(*args)`` on a pool thread into ``future`` (unless it is cancelled first)."""
         self._jobs.put((future, fn, args))
-        return future
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -7,7 +7,8 @@ importing the manager, which imports ``Request``.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from protocol import StructuredOutputsParams
 from services.engine_core.structured_output.backend import StructuredOutputGrammar
@@ -15,8 +16,9 @@ from services.engine_core.structured_output.backend import StructuredOutputGramm
 
 @dataclass
 class CompileJob:
-    future: Future | None = None
-    submitted_at: float = 0.0
+    submitted_at: float
+    # Resolves to the backend's compiled grammar (an opaque object only its backend reads).
+    future: Future[Any] = field(default_factory=Future)
     started_at: float | None = None  # set by the pool thread when compiling begins
 
 

@@ -80,16 +80,17 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"Invalid {params.kind}: {_clean(e)}") from None
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = params.kind
+        # Exactly one field is set (StructuredOutputsParams checks it): the one that is, is the kind.
         any_whitespace = not params.disable_any_whitespace
-        if kind == "json":
+        if params.json is not None:
             return self._compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
-        if kind == "json_object":
+        if params.json_object:
             return self._compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=any_whitespace)
-        if kind == "regex":
+        if params.regex is not None:
             return self._compiler.compile_regex(params.regex)
-        if kind == "choice":
+        if params.choice is not None:
             return self._compiler.compile_grammar(choice_ebnf(params.choice))
+        assert params.grammar is not None
         if is_ebnf(params.grammar):
             return self._compiler.compile_grammar(params.grammar)
         return self._compiler.compile_lark(params.grammar)
