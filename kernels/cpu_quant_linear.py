@@ -134,8 +134,9 @@ quant_linear_i16 = functools.partial(quant_linear, activations="int16")
 
 
 def set_single_row_blocks(on: bool, isa: str | None = None) -> None:
-    """Whether ``quant_linear_i16`` at one row of x takes four weight rows at a time (the default)
-    or row by row (the loop before it): process-wide, so a benchmark can compare the two."""
+    """Whether ``quant_linear_i8`` and ``quant_linear_i16`` take four weight rows at a time (the
+    default) or row by row (the loop batch-1 steps ran before): the same bits either way;
+    process-wide, so a benchmark can compare the two."""
     load(isa).set_single_row_blocks(on)
 
 

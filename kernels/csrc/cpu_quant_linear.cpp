@@ -22,8 +22,9 @@
 // 32 int8 pairs (VNNI vpdpbusd, or AVX2 maddubs + madd) and one fp32 FMA by the product of the
 // two scales. The int4 min term is folded: sum_j x_j (q_j s + m) = s * sum_j x_j q_j + m * sum_j
 // x_j, with the group sums of the rounded x computed once per call. It runs in register tiles of
-// weight rows by rows of x (tile_i8_int4, tile_i8_int8): 4 x 1 at batch 1 (each x block loaded
-// once for four weight rows), 2 x 4 and 4 x 2 above, each (x row, weight row) pair with its own
+// weight rows by rows of x (tile_i8_int4, tile_i8_int8): 2 x 1 at batch 1 (each x block loaded
+// once for two weight rows, the next rows prefetched a share per step), 2 x 4, 4 x 2 and 4 x 1
+// above, each (x row, weight row) pair with its own
 // accumulator and the same operations in the same order in every tile shape. fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
 // rows, packed; nothing is stored. Numerics: x is rounded to int8 (an error of up to amax / 254
@@ -32,8 +33,10 @@
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
 // vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
-// and close enough to it that the default model keeps its greedy tokens. One row of x (batch-1
-// decode) takes four weight rows at a time: x loaded once for the four, eight FMA chains.
+// and close enough to it that the default model keeps its greedy tokens. Both ops are one
+// template (quant_linear_integer): the same checks, the same walk of weight rows in tiles
+// (rows_tiles), the same scalar loop for builds without AVX2; only the rounding of x and the
+// tile kernels (TilesI8, TilesI16) differ.
 // quant_linear (fp32 activations): a weight row dequantized in registers, or a
 // tile of kTileRows rows into an L1 buffer for more rows of x; differs from a
 // float matmul over the dequantized weight only in the order of the sums.
@@ -259,7 +262,9 @@ struct RowScales {
   alignas(32) float s_buf[kMaxGroups];
   alignas(32) float m_buf[kMaxGroups];
 
-  RowScales(const Packed& w, int64_t n) {
+  RowScales() = default;
+  RowScales(const Packed& w, int64_t n) { read(w, n); }
+  void read(const Packed& w, int64_t n) {
     if (w.scales != nullptr) {
       s = w.scales + n * w.groups;
       m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
@@ -483,26 +488,55 @@ inline int64_t x_rows_per_block(int64_t row_bytes) {
   return std::max(kMinBlockRows, kBlockBytes / std::max<int64_t>(1, row_bytes) / 4 * 4);
 }
 
+// Rows of x rounded to int16 per weight group (quant_linear_i16): no padding, no paired copy.
+struct ActInt16 {
+  int64_t group = 0, groups = 0;
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> scales;  // [M, K / group]
+  std::vector<float> sums;    // [M, K / group]: sums of the rounded x per group (int4: 32)
+  const int16_t* qrow(int64_t m) const { return q.data() + m * groups * group; }
+  const float* srow(int64_t m) const { return scales.data() + m * groups; }
+};
+
+// Rows [0, M) of x rounded per group (quantize_group) into q, scales and sums, each row's
+// values q_stride and s_stride apart (sums K / group apart; none when sums is null). Each row is
+// rounded alone (its result does not depend on the others'), so rows go in parallel.
+template <typename T>
+void round_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, T* q, int64_t q_stride, float* scales,
+                int64_t s_stride, float* sums) {
+  const int64_t groups = K / group;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum;
+        scales[m * s_stride + g] = quantize_group(x + m * ldx + g * group, group, q + m * q_stride + g * group, &sum);
+        if (sums != nullptr) sums[m * groups + g] = sum;
+      }
+    }
+  });
+}
+
 ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums) {
   ActInt8 a;
   a.blocks = (K + kBlock - 1) / kBlock;
   a.group = group;
   a.q.assign(M * a.blocks * kBlock, 0);
   a.scales.assign(M * a.row_scales(), 0.f);
-  if (sums) a.sums.assign(M * (K / kBlock), 0.f);
-  // Each row is rounded alone (its result does not depend on the others'), so rows go in parallel.
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      int8_t* q = a.q.data() + m * a.blocks * kBlock;
-      float* s = a.scales.data() + m * a.row_scales();
-      for (int64_t g = 0; g < K / group; ++g) {
-        float sum;
-        s[g] = quantize_group(x + m * ldx + g * group, group, q + g * group, &sum);
-        if (sums) a.sums[m * (K / kBlock) + g] = sum;  // int4: group == 32
-      }
-    }
-  });
+  if (sums) a.sums.assign(M * (K / kBlock), 0.f);  // int4: group == 32
+  round_rows(x, ldx, M, K, group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
+             sums ? a.sums.data() : nullptr);
   if (sums) pair_blocks(a, M);
+  return a;
+}
+
+ActInt16 quantize_activations_i16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group) {
+  ActInt16 a;
+  a.group = group;
+  a.groups = K / group;
+  a.q.assign(M * K, 0);
+  a.scales.assign(M * a.groups, 0.f);
+  a.sums.assign(M * a.groups, 0.f);
+  round_rows(x, ldx, M, K, group, a.q.data(), K, a.scales.data(), a.groups, a.sums.data());
   return a;
 }
 
@@ -557,11 +591,12 @@ inline __m256 halves(float lo, float hi) {
 
 #endif
 
-// The same sums in plain loops (targets without AVX2).
-void dot_row_i8_scalar(const Packed& w, const RowScales& rs, int64_t n, const ActInt8& a, int64_t m, float* out) {
+// The same sums in plain loops (targets without AVX2), for int8 or int16 activations.
+template <class Act>
+void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& a, int64_t m, float* out) {
   const float* sw = rs.s;
   const float* xs = a.srow(m);
-  const int8_t* xq = a.qrow(m);
+  const auto* xq = a.qrow(m);
   const uint8_t* q = w.qweight + n * w.row_bytes;
   float total = 0.f;
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -590,6 +625,18 @@ constexpr int64_t kPrefetchRows = 8;
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// Step `step` of a tile that reads `bytes` of each of its RW weight rows a step: prefetches the
+// matching share of the RW rows at ahead (contiguous, RW * bytes a step), so a batch-1 tile asks
+// for the next tile's weights a few cache lines at a time while it computes, instead of in one
+// burst before it (which, from memory, left the loads of the tile waiting behind the burst: 1.7x
+// slower at K = 2048). Nothing when ahead is null.
+template <int RW>
+inline void prefetch_share(const uint8_t* ahead, int64_t step, int64_t bytes) {
+  if (ahead == nullptr) return;
+  const char* c = reinterpret_cast<const char*>(ahead) + step * RW * bytes;
+  for (int64_t off = 0; off < RW * bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 #endif
@@ -665,7 +712,8 @@ Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
 }
 
 template <int RW, int RX, bool kHalf>
-void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                  const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
@@ -684,6 +732,7 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
   // One pair of blocks for every (weight row, x row) of the tile, the scale products given.
   auto pair_step = [&](int64_t p, auto&& scale_of) {
+    prefetch_share<RW>(ahead, p, kBlock);
     for (int i = 0; i < RW; ++i) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
       const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
@@ -765,7 +814,8 @@ struct Int8Scales {
 };
 
 template <int RW, int RX, bool kHalf, int G>
-void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
+void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                  const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const int8_t* q[RW];
@@ -776,6 +826,7 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
   const int64_t whole = w.K / kBlock;
   auto step = [&](int64_t b, bool half) {
+    prefetch_share<RW>(ahead, b, kBlock);
     for (int i = 0; i < RW; ++i) {
       const int8_t* qb = q[i] + b * kBlock;
       const __m256i sgn = half ? _mm256_inserti128_si256(_mm256_setzero_si256(),
@@ -803,124 +854,12 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
 }
 
-// One tile of RW weight rows by RX rows of x, in the layout's kernel.
-template <int RW, int RX, bool kInt4, bool kHalf, int G>
-inline void tile_i8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo) {
-  if constexpr (kInt4) {
-    tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo);
-  } else {
-    tile_i8_int8<RW, RX, kHalf, G>(w, n, a, m0, out, ldo);
-  }
-}
-
-// Weight rows [begin, end) against rows [m0, m1) of x, four weight rows at a time:
-// four rows of x as two tiles of 2 x 4 (eight accumulators), then two rows as 4 x 2, the last
-// one as 4 x 1 (a batch-1 decode step: each x block loaded once for four weight rows). Weight
-// rows past a multiple of four go one at a time. Rows of W kPrefetchRows ahead are prefetched
-// (the hardware prefetcher alone leaves a batch-1 step short of the read bandwidth).
-template <bool kInt4, bool kHalf, int G>
-void rows_i8_tiles(const Packed& w, int64_t begin, int64_t end, const ActInt8& a, int64_t m0, int64_t m1, float* op,
-                   int64_t ldo) {
-  auto tile = [&](auto rw, auto rx, int64_t n, int64_t m) {
-    tile_i8<decltype(rw)::value, decltype(rx)::value, kInt4, kHalf, G>(w, n, a, m, op + m * ldo + n, ldo);
-  };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-  using Four = std::integral_constant<int, 4>;
-  int64_t n = begin;
-  for (; n + 4 <= end; n += 4) {
-    const int64_t ahead = std::min(n + kPrefetchRows, w.N - 4);
-    prefetch_bytes(w.qweight + ahead * w.row_bytes, 4 * w.row_bytes);
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4) {
-      tile(Two{}, Four{}, n, m);
-      tile(Two{}, Four{}, n + 2, m);
-    }
-    for (; m + 2 <= m1; m += 2) tile(Four{}, Two{}, n, m);
-    if (m < m1) tile(Four{}, One{}, n, m);
-  }
-  for (; n < end; ++n) {
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4) tile(One{}, Four{}, n, m);
-    for (; m < m1; ++m) tile(One{}, One{}, n, m);
-  }
-}
-#endif
-
-// out [M, N] = x [M, K] @ W^T with x rounded to int8 per weight group (see the top of the file).
-void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "quant_linear_i8: x must be fp32 [M, K] with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K, /*half_scales=*/true);
-  TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i8: group_size must be 16 or 32");
-  const int64_t N = qweight.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
-                  out.stride(1) == 1,
-              "quant_linear_i8: out must be fp32 [M, N] with contiguous rows");
-  if (M == 0 || N == 0) return;
-  const ActInt8 a = quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4());
-  float* op = out.data_ptr<float>();
-  const int64_t ldo = out.stride(0);
-  const int64_t rows_per_block = x_rows_per_block(K * (w.int4() ? 2 : 1));
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
-      const int64_t m1 = std::min(M, m0 + rows_per_block);
-#ifdef WEFT_AVX2
-      const bool half = w.scales_h != nullptr;
-      if (w.int4()) {
-        half ? rows_i8_tiles<true, true, 32>(w, begin, end, a, m0, m1, op, ldo)
-             : rows_i8_tiles<true, false, 32>(w, begin, end, a, m0, m1, op, ldo);
-      } else if (group_size == 32) {
-        half ? rows_i8_tiles<false, true, 32>(w, begin, end, a, m0, m1, op, ldo)
-             : rows_i8_tiles<false, false, 32>(w, begin, end, a, m0, m1, op, ldo);
-      } else {
-        half ? rows_i8_tiles<false, true, 16>(w, begin, end, a, m0, m1, op, ldo)
-             : rows_i8_tiles<false, false, 16>(w, begin, end, a, m0, m1, op, ldo);
-      }
-#else
-      for (int64_t n = begin; n < end; ++n) {
-        const RowScales rs(w, n);
-        for (int64_t m = m0; m < m1; ++m) dot_row_i8_scalar(w, rs, n, a, m, op + m * ldo + n);
-      }
-#endif
-    }
-  });
-}
-
-// ---- int16 activations (quant_linear_i16) ----
+// ---- int16 activations in register tiles (quant_linear_i16) ----
 //
 // x rounded to int16 per weight group (scale amax / 32767: 258 times finer than int8), the
 // weights widened to int16 in registers, pairs multiplied and added in int32 (VNNI vpdpwssd,
 // or AVX2 vpmaddwd), one fp32 FMA per group; the int4 min term folded as in the int8 path.
 
-struct ActInt16 {
-  int64_t group = 0, groups = 0;
-  std::vector<int16_t> q;     // [M, K]
-  std::vector<float> scales;  // [M, K / group]
-  std::vector<float> sums;    // [M, K / 32] (int4)
-};
-
-ActInt16 quantize_activations_i16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group) {
-  ActInt16 a;
-  a.group = group;
-  a.groups = K / group;
-  a.q.assign(M * K, 0);
-  a.scales.assign(M * a.groups, 0.f);
-  a.sums.assign(M * a.groups, 0.f);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t g = 0; g < a.groups; ++g) {
-        a.scales[m * a.groups + g] = quantize_group(x + m * ldx + g * group, group, a.q.data() + m * K + g * group,
-                                                    &a.sums[m * a.groups + g]);
-      }
-    }
-  });
-  return a;
-}
-
-#ifdef WEFT_AVX2
 // 8 int32 lanes of pairwise products of int16 w and x, added to acc.
 inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 #ifdef WEFT_VNNI
@@ -933,8 +872,6 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 // Groups whose scale products (weight's times x's) are computed ahead, 8 at a time, so the
 // inner loop broadcasts each from memory instead of multiplying scalars.
 constexpr int64_t kScaleChunk = 64;
-// Weight rows a batch-1 step takes at a time (dot_rows_single_i16).
-constexpr int kSingleRows = 4;
 
 // Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups).
 template <bool kInt4, int G>
@@ -958,70 +895,45 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
   for (; j < cn; ++j) prod[j] = sw[j] * xs[j];
 }
 
-template <int R, bool kInt4, int G>
-void dot_row_i16(const Packed& w, const RowScales& rs, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
-  __m256 acc[R][2];
-  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  const float* sw = rs.s;
-  const uint8_t* q = w.qweight + n * w.row_bytes;
-  alignas(32) float prod[R][kScaleChunk];
-  auto step = [&](int64_t g, int64_t c0, int slot) {
-    __m256i w0, w1;
-    widen_group_i16<kInt4, G>(q, g, w0, w1);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xg = a.q.data() + (m0 + r) * w.K + g * G;
-      __m256i dot = dot_s16(_mm256_setzero_si256(), w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
-      if constexpr (G == 32) dot = dot_s16(dot, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
-      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
-    }
-  };
-  for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
-    const int64_t cn = std::min(kScaleChunk, w.groups - c0);
-    for (int r = 0; r < R; ++r) scale_products(prod[r], sw + c0, a.scales.data() + (m0 + r) * a.groups + c0, cn);
-    int64_t g = c0;
-    for (; g + 2 <= c0 + cn; g += 2) {
-      step(g, c0, 0);
-      step(g + 1, c0, 1);
-    }
-    if (g < c0 + cn) step(g, c0, 0);
+// RW weight rows by RX rows of x. Each (weight row, x row) pair has two accumulators, even
+// groups into the first and odd ones into the second (so two FMA chains per pair), each group one
+// integer dot and one FMA by the scale product; then one horizontal sum of the two and the min
+// term. The same operations in the same order in every tile shape (batch invariance).
+template <int RW, int RX, bool kInt4, int G>
+void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
+  __m256 acc[RW][RX][2];
+  for (auto& per_w : acc) for (auto& two : per_w) two[0] = two[1] = _mm256_setzero_ps();
+  RowScales rs[RW];
+  const uint8_t* q[RW];
+  for (int i = 0; i < RW; ++i) {
+    rs[i].read(w, n + i);
+    q[i] = w.qweight + (n + i) * w.row_bytes;
   }
-  for (int r = 0; r < R; ++r) {
-    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(rs.m, a.sums.data() + (m0 + r) * w.groups, w.groups);
-    out[r * ldo] = total;
-  }
-}
-
-// One row of x (a batch-1 decode step) against the P weight rows from n: the same sums as
-// dot_row_i16<1> for each, with each x group loaded once for all P and 2P independent FMA
-// chains instead of two, which at K = 576 (18 groups a row) leaves the core more to overlap.
-template <int P, bool kInt4, int G>
-void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* out) {
-  __m256 acc[P][2];
-  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
-  alignas(32) float prod[P][kScaleChunk];
-  const RowScales rs[P] = {RowScales(w, n), RowScales(w, n + 1), RowScales(w, n + 2), RowScales(w, n + 3)};
-  static_assert(P == 4, "one RowScales per weight row above");
-  const float* sw[P];
-  for (int r = 0; r < P; ++r) sw[r] = rs[r].s;
+  alignas(32) float prod[RW][RX][kScaleChunk];
   auto step = [&](int64_t g, int64_t c0, int slot) {
-    const int16_t* xg = a.q.data() + g * G;
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
-    __m256i x1 = x0;
-    if constexpr (G == 32) x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16));
-    for (int r = 0; r < P; ++r) {
-      const uint8_t* q = w.qweight + (n + r) * w.row_bytes;
+    __m256i x0[RX], x1[RX];
+    for (int r = 0; r < RX; ++r) {
+      const int16_t* xg = a.qrow(m0 + r) + g * G;
+      x0[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
+      x1[r] = x0[r];
+      if constexpr (G == 32) x1[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16));
+    }
+    for (int i = 0; i < RW; ++i) {
       __m256i w0, w1;
-      widen_group_i16<kInt4, G>(q, g, w0, w1);
-      __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0);
-      if constexpr (G == 32) dot = dot_s16(dot, w1, x1);
-      acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[r][g - c0]), acc[r][slot]);
+      widen_group_i16<kInt4, G>(q[i], g, w0, w1);
+      for (int r = 0; r < RX; ++r) {
+        __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0[r]);
+        if constexpr (G == 32) dot = dot_s16(dot, w1, x1[r]);
+        acc[i][r][slot] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&prod[i][r][g - c0]), acc[i][r][slot]);
+      }
     }
   };
   for (int64_t c0 = 0; c0 < w.groups; c0 += kScaleChunk) {
     const int64_t cn = std::min(kScaleChunk, w.groups - c0);
-    const float* xs = a.scales.data() + c0;
-    for (int r = 0; r < P; ++r) scale_products(prod[r], sw[r] + c0, xs, cn);
+    for (int i = 0; i < RW; ++i) {
+      for (int r = 0; r < RX; ++r) scale_products(prod[i][r], rs[i].s + c0, a.srow(m0 + r) + c0, cn);
+    }
     int64_t g = c0;
     for (; g + 2 <= c0 + cn; g += 2) {
       step(g, c0, 0);
@@ -1029,125 +941,180 @@ void dot_rows_single_i16(const Packed& w, int64_t n, const ActInt16& a, float* o
     }
     if (g < c0 + cn) step(g, c0, 0);
   }
-  for (int r = 0; r < P; ++r) {
-    float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kInt4) total += min_term(rs[r].m, a.sums.data(), w.groups);
-    out[n + r] = total;
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) {
+      float total = hsum(_mm256_add_ps(acc[i][r][0], acc[i][r][1]));
+      if constexpr (kInt4) total += min_term(rs[i].m, a.sums.data() + (m0 + r) * w.groups, w.groups);
+      out[r * ldo + i] = total;
+    }
   }
 }
 
-// Rows [n, end) of W against the one row of x, kSingleRows weight rows at a time.
-template <bool kInt4, int G>
-void rows_i16_single(const Packed& w, int64_t n, int64_t end, const ActInt16& a, float* op) {
-  for (; n + kSingleRows <= end; n += kSingleRows) {
-    const int64_t ahead = std::min(n + kPrefetchRows, w.N - kSingleRows);
-    prefetch_bytes(w.qweight + ahead * w.row_bytes, kSingleRows * w.row_bytes);
-    prefetch_bytes(w.scale_row(ahead), kSingleRows * w.groups * w.scale_bytes());
-    if (kInt4) prefetch_bytes(w.min_row(ahead), kSingleRows * w.groups * w.scale_bytes());
-    dot_rows_single_i16<kSingleRows, kInt4, G>(w, n, a, op);
+// The int8-activation tile of a layout (kHalf: its scales are fp16).
+template <bool kInt4, bool kHalf, int G>
+struct TilesI8 {
+  using Act = ActInt8;
+  static constexpr int kWide = 2;  // weight rows of a tile against four rows of x: 2 x 4, 8 accumulators
+  static constexpr bool kSpreads = true;  // the tile takes a prefetch share (prefetch_share)
+  template <int RW, int RX>
+  static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
+                   const uint8_t* ahead) {
+    if constexpr (kInt4) {
+      tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
+    } else {
+      tile_i8_int8<RW, RX, kHalf, G>(w, n, a, m0, out, ldo, ahead);
+    }
+  }
+};
+
+// The int16-activation tile of a layout (scales converted per weight row, whatever their type).
+template <bool kInt4, bool kHalf, int G>
+struct TilesI16 {
+  using Act = ActInt16;
+  static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
+  static constexpr bool kSpreads = false;
+  template <int RW, int RX>
+  static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
+    tile_i16<RW, RX, kInt4, G>(w, n, a, m0, out, ldo);
+  }
+};
+
+// Weight rows [begin, end) against rows [m0, m1) of x, in the tiles of Tiles, four weight rows at
+// a time (with row_blocks): four rows of x as 4 / kWide tiles of kWide x 4, two rows as tiles of
+// 2 kWide x 2, the last one as 4 x 1 (each x block loaded once for four weight rows). Weight rows
+// past a multiple of four (all of them without row_blocks) go one at a time, 1 x 4 and 1 x 1. Rows
+// of W kPrefetchRows ahead are prefetched with their scales and mins (the hardware prefetcher alone
+// leaves a batch-1 step short of the read bandwidth). At one row of x (a batch-1 decode step) the
+// int8 path runs two 2 x 1 tiles instead of the 4 x 1, each spreading the prefetch of two of the
+// next four weight rows over its own steps (prefetch_share); the scales and mins still go ahead at
+// once. From memory that read 1.1-1.4x faster than one 4 x 1 tile doing the same (fewer rows
+// walked at once: at K = 8192 four rows are 4 KiB apart, the same L1 sets).
+template <class Tiles>
+void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tiles::Act& a, int64_t m0, int64_t m1,
+                float* op, int64_t ldo, bool row_blocks) {
+  auto tile = [&](auto rw, auto rx, int64_t n, int64_t m, const uint8_t* ahead = nullptr) {
+    Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(w, n, a, m, op + m * ldo + n, ldo, ahead);
+  };
+  const bool spread = Tiles::kSpreads && m1 - m0 == 1;
+  auto prefetch = [&](int64_t n, int64_t rows) {
+    const int64_t ahead = std::min(n + kPrefetchRows, w.N - rows);
+    if (!(spread && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
+    prefetch_bytes(w.scale_row(ahead), rows * w.groups * w.scale_bytes());
+    if (w.int4()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
+  };
+  constexpr int kWide = Tiles::kWide;
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  using Wide = std::integral_constant<int, kWide>;
+  using Wide2 = std::integral_constant<int, 2 * kWide>;
+  int64_t n = begin;
+  for (; row_blocks && n + 4 <= end; n += 4) {
+    prefetch(n, 4);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+      for (int j = 0; j < 4; j += kWide) tile(Wide{}, Four{}, n + j, m);
+    }
+    for (; m + 2 <= m1; m += 2) {
+      for (int j = 0; j < 4; j += 2 * kWide) tile(Wide2{}, Two{}, n + j, m);
+    }
+    if (m < m1 && spread) {
+      // Batch 1: two tiles of 2 x 1, each prefetching its share of the next four rows (two).
+      tile(Two{}, One{}, n, m, w.qweight + std::min(n + 4, w.N - 2) * w.row_bytes);
+      tile(Two{}, One{}, n + 2, m, w.qweight + std::min(n + 6, w.N - 2) * w.row_bytes);
+    } else if (m < m1) {
+      tile(Four{}, One{}, n, m);
+    }
   }
   for (; n < end; ++n) {
-    const RowScales rs(w, n);
-    dot_row_i16<1, kInt4, G>(w, rs, n, a, 0, op + n, 1);
+    prefetch(n, 1);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile(One{}, Four{}, n, m);
+    for (; m < m1; ++m) tile(One{}, One{}, n, m);
   }
 }
 
-template <bool kInt4, int G>
-void rows_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, int64_t M, float* op, int64_t ldo) {
-  const RowScales rs(w, n);
-  const int64_t ahead = std::min(n + kPrefetchRows, w.N - 1);
-  prefetch_bytes(w.qweight + ahead * w.row_bytes, w.row_bytes);
-  prefetch_bytes(w.scale_row(ahead), w.groups * w.scale_bytes());
-  if (kInt4) prefetch_bytes(w.min_row(ahead), w.groups * w.scale_bytes());
-  int64_t m = m0;
-  for (; m + 4 <= M; m += 4) dot_row_i16<4, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo);
-  switch (M - m) {
-    case 3: dot_row_i16<3, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    case 2: dot_row_i16<2, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    case 1: dot_row_i16<1, kInt4, G>(w, rs, n, a, m, op + m * ldo + n, ldo); break;
-    default: break;
+// Calls f(kInt4, kHalf, G) with w's layout as compile-time constants (std::bool_constant and
+// std::integral_constant): int4 (groups of 32), or int8 by 32 or 16; fp16 or fp32 scales.
+template <class F>
+void with_layout(const Packed& w, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  using G32 = std::integral_constant<int, 32>;
+  using G16 = std::integral_constant<int, 16>;
+  const bool half = w.scales_h != nullptr;
+  if (w.int4()) {
+    half ? f(Yes{}, Yes{}, G32{}) : f(Yes{}, No{}, G32{});
+  } else if (w.group == 32) {
+    half ? f(No{}, Yes{}, G32{}) : f(No{}, No{}, G32{});
+  } else {
+    half ? f(No{}, Yes{}, G16{}) : f(No{}, No{}, G16{});
   }
 }
 #endif
 
-void dot_row_i16_scalar(const Packed& w, const RowScales& rs, int64_t n, const ActInt16& a, int64_t m, float* out) {
-  const float* sw = rs.s;
-  const int16_t* xq = a.q.data() + m * w.K;
-  const uint8_t* q = w.qweight + n * w.row_bytes;
-  float total = 0.f;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    int32_t dot = 0;
-    for (int64_t j = 0; j < w.group; ++j) {
-      int32_t wq;
-      if (w.int4()) {
-        const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
-        wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
-      }
-      dot += wq * xq[g * w.group + j];
-    }
-    total += (sw[g] * a.scales[m * a.groups + g]) * static_cast<float>(dot);
-  }
-  if (w.int4()) total += min_term(rs.m, a.sums.data() + m * w.groups, w.groups);
-  *out = total;
-}
-
-// Whether one row of x takes kSingleRows weight rows at a time (dot_rows_single_i16); off, the
-// row-by-row loop every M takes, kept so benchmarks can compare the two in one process
-// (set_single_row_blocks). Process-wide, for measurements only.
+// Whether the tiles take four weight rows at a time (rows_tiles' row_blocks; the default); off,
+// row by row, the loop batch-1 steps ran before, kept so benchmarks can compare the two in one
+// process (set_single_row_blocks). Process-wide, for measurements only.
 bool single_row_blocks = true;
 
 void set_single_row_blocks(bool on) { single_row_blocks = on; }
 
-// out [M, N] = x [M, K] @ W^T with x rounded to int16 per weight group.
-void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "quant_linear_i16: x must be fp32 [M, K] with contiguous rows");
+// out [M, N] = x [M, K] @ W^T with x rounded to int8 (Int8) or int16 per weight group (see the top
+// of the file): the checks, the rounding of x, then the weight rows split between the threads, each
+// walking its rows against blocks of x rows.
+template <bool kInt8>
+void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
+              ": x must be fp32 [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   const Packed w = packed_of(qweight, scales, mins, group_size, K, /*half_scales=*/true);
-  TORCH_CHECK(group_size == 16 || group_size == 32, "quant_linear_i16: group_size must be 16 or 32");
+  TORCH_CHECK(group_size == 16 || group_size == 32, name, ": group_size must be 16 or 32");
   const int64_t N = qweight.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1,
-              "quant_linear_i16: out must be fp32 [M, N] with contiguous rows");
+              name, ": out must be fp32 [M, N] with contiguous rows");
   if (M == 0 || N == 0) return;
-  const ActInt16 a = quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
+  using Act = std::conditional_t<kInt8, ActInt8, ActInt16>;
+  const Act a = [&] {
+    if constexpr (kInt8) {
+      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4());
+    } else {
+      return quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
+    }
+  }();
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
-  const int64_t rows_per_block = x_rows_per_block(2 * K);
+  const int64_t rows_per_block = x_rows_per_block(kInt8 ? K * (w.int4() ? 2 : 1) : 2 * K);
+  const bool row_blocks = single_row_blocks;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-#ifdef WEFT_AVX2
-    if (M == 1 && single_row_blocks) {
-      if (w.int4()) {
-        rows_i16_single<true, 32>(w, begin, end, a, op);
-      } else if (group_size == 32) {
-        rows_i16_single<false, 32>(w, begin, end, a, op);
-      } else {
-        rows_i16_single<false, 16>(w, begin, end, a, op);
-      }
-      return;
-    }
-#endif
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
-      for (int64_t n = begin; n < end; ++n) {
 #ifdef WEFT_AVX2
-        if (w.int4()) {
-          rows_i16<true, 32>(w, n, a, m0, m1, op, ldo);
-        } else if (group_size == 32) {
-          rows_i16<false, 32>(w, n, a, m0, m1, op, ldo);
-        } else {
-          rows_i16<false, 16>(w, n, a, m0, m1, op, ldo);
-        }
+      with_layout(w, [&](auto int4, auto half, auto g) {
+        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, half.value, g.value>,
+                                         TilesI16<int4.value, half.value, g.value>>;
+        rows_tiles<Tiles>(w, begin, end, a, m0, m1, op, ldo, row_blocks);
+      });
 #else
+      for (int64_t n = begin; n < end; ++n) {
         const RowScales rs(w, n);
-        for (int64_t m = m0; m < m1; ++m) dot_row_i16_scalar(w, rs, n, a, m, op + m * ldo + n);
-#endif
+        for (int64_t m = m0; m < m1; ++m) dot_row_scalar(w, rs, n, a, m, op + m * ldo + n);
       }
+#endif
     }
   });
+}
+
+void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  quant_linear_integer<true>("quant_linear_i8", x, qweight, scales, mins, group_size, out);
+}
+
+void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+  quant_linear_integer<false>("quant_linear_i16", x, qweight, scales, mins, group_size, out);
 }
 
 // Which instruction set this build's quant_linear_i8 runs on.

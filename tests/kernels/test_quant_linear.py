@@ -166,19 +166,23 @@ def test_integer_activation_kernels_match_their_twin(bits, isa, layout, group, k
     )
 
 
+@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,group,k", I8_SHAPES)
-@pytest.mark.parametrize("n", [3, 4, 203])  # under one block of four weight rows, one, and a tail
-def test_int16_batch1_row_blocks_match_the_row_by_row_loop_and_the_twin(isa, layout, group, k, n):
+@pytest.mark.parametrize("n", [3, 4, 6, 203])  # under one block of four weight rows, one, and tails
+def test_batch1_row_blocks_match_the_row_by_row_loop_and_the_twin(bits, isa, layout, group, k, n):
+    """One row of x in blocks of four weight rows (int8: two 2 x 1 tiles that prefetch the next
+    rows a share per step) gives the bits of the row-by-row loop."""
+    kernel, dtype = INT_KERNELS[bits]
     q, s, m = random_packed(layout, n, k, group, seed=n)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
-    expected = quant_linear_i8_ref(x, q, s, m, group, torch.int16)
+    expected = quant_linear_i8_ref(x, q, s, m, group, dtype)
     try:
         cpu_quant_linear.set_single_row_blocks(False, isa)
-        row_by_row = cpu_quant_linear.quant_linear_i16(x, q, s, m, group, isa=isa)
+        row_by_row = kernel(x, q, s, m, group, isa=isa)
     finally:
         cpu_quant_linear.set_single_row_blocks(True, isa)
-    blocked = cpu_quant_linear.quant_linear_i16(x, q, s, m, group, isa=isa)
+    blocked = kernel(x, q, s, m, group, isa=isa)
     assert torch.equal(blocked, row_by_row)  # each row's sums in the same order
     torch.testing.assert_close(
         blocked, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())

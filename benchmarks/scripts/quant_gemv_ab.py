@@ -1,0 +1,190 @@
+"""A/B the batch-1 quantized GEMV: this tree's kernel against the one of a git revision, one process.
+
+    python benchmarks/scripts/quant_gemv_ab.py --base HEAD~1 --threads 1 2
+
+Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
+(``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
+model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
+for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0 as weft packs them, fp16 block scales),
+times one row of x through ``quant_linear_i8`` (the default op) in both builds, alternating base
+and new call by call so a change of load on a shared machine hits both. Each call reads the next of
+several copies of the matrix (``--stream-bytes`` in all, 256 MiB by default: more than the caches),
+so the weights come from memory as in a decode step. Prints the best and the
+median time of each, the weight bytes each read per call as GB/s, and the new/base speed ratio of
+the medians, next to the read bandwidth measured in the same run (a torch sum over 1 GiB, with the
+same thread count). Before timing it checks that both builds give the same bits for every layout at
+several row counts (``--no-check`` skips that), so a speed-up that changes numerics shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_quant_linear
+from kernels.cpu_build import build
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = "kernels/csrc/cpu_quant_linear.cpp"
+SHAPES = {
+    "qkvo": (2048, 2048),
+    "kv": (512, 2048),
+    "up": (8192, 2048),
+    "down": (2048, 8192),
+    "head": (49152, 2048),
+}
+
+
+def load_base(revision: str, isa: str):
+    """The op namespace of the kernel source at ``revision``, built for ``isa``."""
+    text = subprocess.run(
+        ["git", "show", f"{revision}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    folder = Path(tempfile.gettempdir()) / "weft_quant_gemv_ab"
+    folder.mkdir(exist_ok=True)
+    source = folder / "cpu_quant_linear_base.cpp"
+    if not source.exists() or source.read_bytes() != text:
+        source.write_bytes(text)
+    namespace = f"weft_quant_base_{isa}"
+    target, _ = cpu_quant_linear.ISAS[isa]
+    build(
+        "weft_cpu_quant_linear_base",
+        source,
+        "the base quantized-linear kernel",
+        isa=target,
+        defines=(f"QUANT_LIBRARY_NS={namespace}",),
+    )
+    return getattr(torch.ops, namespace)
+
+
+def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
+    """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group), fp16 scales
+    (``group`` 16 for the int8 layout of Q6_K's kind)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
+    if fmt == "Q8_0":
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+        return q, scales, None, group
+    q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+    mins = -8 * scales if fmt == "Q4_0" else (torch.randn(n, k // 32, generator=g) * 0.02).half()
+    return q, scales, mins, 32
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
+def check_bits(base, new) -> None:
+    """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
+    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True)):
+        k = 560 if group16 else 576
+        q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
+        for (s, m), rows in itertools.product(
+            ((s16, m16), (s16.float(), None if m16 is None else m16.float())), (1, 2, 3, 4, 5, 7, 9, 33)
+        ):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            for op in ("quant_linear_i8", "quant_linear_i16"):
+                for single in (True, False):
+                    base.set_single_row_blocks(single)
+                    new.set_single_row_blocks(single)
+                    outs = []
+                    for ns in (base, new):
+                        out = torch.empty(rows, q.shape[0])
+                        getattr(ns, op)(x, q, s, m, group, out)
+                        outs.append(out)
+                    if not torch.equal(outs[0], outs[1]):
+                        diff = (outs[0] - outs[1]).abs().max().item()
+                        raise SystemExit(
+                            f"bits differ: {fmt} group {group} rows {rows} {op} single={single}: {diff}"
+                        )
+    base.set_single_row_blocks(True)
+    new.set_single_row_blocks(True)
+    print(
+        "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, rows 1-33"
+    )
+
+
+def read_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
+    buf = torch.ones(size // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def bench(base, new, threads: int, args) -> None:
+    torch.set_num_threads(threads)
+    bandwidth = read_bandwidth()
+    print(f"\nthreads {threads}: torch sum over 1 GiB {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"  {'format':5s} {'shape':14s} {'MB':>6s} {'base ms':>8s} {'new ms':>8s} "
+        f"{'base GB/s':>9s} {'new GB/s':>9s} {'new/base':>8s}"
+    )
+    for fmt in args.formats:
+        for name in args.shapes:
+            n, k = SHAPES[name]
+            first = packed(fmt, n, k)
+            size = nbytes(*first[:3])
+            # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
+            # its weights from memory, as a decode step does (every matrix of a model read once).
+            mats = [first] + [packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size))]
+            x = torch.randn(1, k)
+            out = torch.empty(1, n)
+            times = {"base": [], "new": []}
+            for q, s, m, group in mats:  # warm-up (page faults)
+                base.quant_linear_i8(x, q, s, m, group, out)
+                new.quant_linear_i8(x, q, s, m, group, out)
+            for call in range(args.calls):
+                for label, ns in (("base", base), ("new", new)):
+                    q, s, m, group = mats[(2 * call + (label == "new")) % len(mats)]
+                    start = time.perf_counter()
+                    ns.quant_linear_i8(x, q, s, m, group, out)
+                    times[label].append(time.perf_counter() - start)
+            del mats
+            med = {label: statistics.median(t) for label, t in times.items()}
+            print(
+                f"  {fmt:5s} {name:5s} {n:5d}x{k:<5d} {size / 1e6:6.1f} {med['base'] * 1e3:8.3f} "
+                f"{med['new'] * 1e3:8.3f} {size / med['base'] / 1e9:9.1f} {size / med['new'] / 1e9:9.1f} "
+                f"{med['base'] / med['new']:7.2f}x  (best {min(times['base']) * 1e3:.3f} / "
+                f"{min(times['new']) * 1e3:.3f} ms)"
+            )
+    print(f"  torch sum over 1 GiB again: {read_bandwidth() / 1e9:.1f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the base kernel source")
+    parser.add_argument("--isa", default=None, help="build to compare (default: the fastest this CPU runs)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument("--calls", type=int, default=200, help="timed calls of each build per shape")
+    parser.add_argument(
+        "--stream-bytes",
+        type=int,
+        default=256 << 20,
+        help="bytes of weight copies cycled through (0: one matrix, cache-resident when small)",
+    )
+    parser.add_argument("--no-check", action="store_true", help="skip the same-bits check")
+    args = parser.parse_args()
+    isa = args.isa or cpu_quant_linear.supported_isas()[0]
+    base, new = load_base(args.base, isa), cpu_quant_linear.load(isa)
+    print(f"base {args.base} vs this tree, {isa} build, quant_linear_i8 at one row of x")
+    if not args.no_check:
+        check_bits(base, new)
+    with torch.inference_mode():
+        for threads in args.threads:
+            bench(base, new, threads, args)
+
+
+if __name__ == "__main__":
+    main()
