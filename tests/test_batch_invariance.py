@@ -20,6 +20,7 @@ from services.model_files import resolve
 from services.worker.gguf_weights import GGUFCheckpoint
 from services.worker.model_loader import load_model, weight_bytes
 from tests.text_corpus import prompt_of_length
+from tests.utils import gguf_parsed_once
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +117,11 @@ def generated(tmp_path_factory):
     from benchmarks.bench.make_model import write_model
 
     path = tmp_path_factory.mktemp("generated") / "tiny-llama-q4_0.gguf"
-    write_model("tiny-llama", "Q4_0", path, log=lambda *args: None)
+    # Its tokenizer (the default model's 49k strings) is read from one GGUF and, for its HF folder
+    # (prepared here, once), from the other: each file parsed once (transformers opens it thrice).
+    with gguf_parsed_once():
+        write_model("tiny-llama", "Q4_0", path, log=lambda *args: None)
+        resolve(str(path))
     return path
 
 

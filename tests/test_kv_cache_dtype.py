@@ -84,17 +84,15 @@ def test_an_int8_cache_holds_1_9_times_the_tokens_at_no_measurable_likelihood_co
     nll, block_bytes, texts = {}, {}, {}
     greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
     for setting in ("model", "int8"):
-        # The model dtype's weight copy, so that the cache is the only difference: the int8 copy
-        # (auto on AVX-512 VNNI and AMX CPUs) rounds each row of activations, which turns the cache's
-        # small differences into larger ones at near-ties (a 0.375-nat gap where one answer parted).
+        # The packed weights alone (the default: no dense or int8 copy), so that the cache is the
+        # only difference. An int8 copy rounds each row of activations to one scale, which turned the
+        # cache's small differences into a 0.375-nat gap at a near-tie (the packed kernels round per
+        # group of 32); a bf16 copy runs prefills as bf16 GEMMs, minutes on a CPU without bf16 math.
         llm = LLM(
-            dtype="bfloat16",
-            kv_cache_dtype=setting,
-            enable_prefix_caching=False,
-            kv_cache_memory=1 << 30,
-            dense_copy_dtype="model",
+            dtype="bfloat16", kv_cache_dtype=setting, enable_prefix_caching=False, kv_cache_memory=1 << 30
         )
         try:
+            assert llm.config.model.dense_min_rows == 0
             runner = llm.engine.executor.worker.model_runner
             assert runner.kv_int8 is (setting == "int8")
             assert {c.dtype for c in runner.kv_caches} == {

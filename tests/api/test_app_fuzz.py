@@ -165,7 +165,7 @@ def check(response) -> None:
         assert response.json()["choices"]
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
 def test_random_bodies_never_get_a_5xx(runner, client, body):
     for path in ENDPOINTS:

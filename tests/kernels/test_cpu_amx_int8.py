@@ -1,4 +1,4 @@
-"""weft's integer GEMM on AMX int8 tiles (``kernels.cpu_amx_int8``) against its twin, an int64
+"""weft's integer GEMM on AMX int8 tiles (``kernels.cpu_amx_int8``) against its twin, an exact
 matmul of the same int8 tensors: exact, at every row count its blocking distinguishes (one row,
 a part-filled group of 16, one and two groups a pass, the chunks of 256 rows a prefill goes
 through), for weights of one to many blocks of 16 rows, on one thread and on two."""
@@ -14,7 +14,9 @@ AMX = pytest.mark.skipif(not cpu_amx_int8.available(), reason="needs AMX int8 ti
 
 
 def twin(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (q.long() @ w.long().t()).to(torch.int32)
+    """The integer product, taken in fp64: every partial sum is an integer far below 2**53, so exact
+    in any order, and BLAS runs it (torch's int64 matmul is a scalar loop)."""
+    return (q.double() @ w.double().t()).to(torch.int32)
 
 
 @AMX

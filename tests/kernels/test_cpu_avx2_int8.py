@@ -1,4 +1,4 @@
-"""weft's integer GEMM on AVX2 (``kernels.cpu_avx2_int8``) against its twin, an int64 matmul of the
+"""weft's integer GEMM on AVX2 (``kernels.cpu_avx2_int8``) against its twin, an exact matmul of the
 same int8 tensors: exact, at every row count its register tiles distinguish (one to four rows a
 tile, strips of up to four blocks for one row and two for two, the chunks of 192 rows a prefill goes through), for
 weights of one to many blocks of 16 rows, on one thread and two; and the weight range it needs.
@@ -17,7 +17,9 @@ AVX2 = pytest.mark.skipif(not cpu_avx2_int8.available(), reason="needs AVX2 and 
 
 
 def exact(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (q.long() @ w.long().t()).to(torch.int32)
+    """The integer product, taken in fp64: every partial sum is an integer far below 2**53 (at most
+    K * 128 * 128), so exact in any order, and BLAS runs it (torch's int64 matmul is a scalar loop)."""
+    return (q.double() @ w.double().t()).to(torch.int32)
 
 
 def product(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""weft's integer GEMM on AVX-512 VNNI (``kernels.cpu_vnni_int8``) against its twin, an int64
+"""weft's integer GEMM on AVX-512 VNNI (``kernels.cpu_vnni_int8``) against its twin, an exact
 matmul of the same int8 tensors: exact, at every row count its register tiles distinguish (one
 to six rows a tile, a last part-filled tile, the chunks of 192 rows a prefill goes through), for
 weights of one to many blocks of 16 rows (strips of one to four blocks), on one thread and two."""
@@ -14,7 +14,9 @@ VNNI = pytest.mark.skipif(not cpu_vnni_int8.available(), reason="needs AVX-512 V
 
 
 def twin(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (q.long() @ w.long().t()).to(torch.int32)
+    """The integer product, taken in fp64: every partial sum is an integer far below 2**53, so exact
+    in any order, and BLAS runs it (torch's int64 matmul is a scalar loop)."""
+    return (q.double() @ w.double().t()).to(torch.int32)
 
 
 def product(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

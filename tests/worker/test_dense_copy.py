@@ -9,6 +9,7 @@ which holds exactly the dequantized weight. The choice is validated at config ti
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -268,17 +269,31 @@ def int8_weight_twin(layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_int8_ref(layer.quant.dequantize(), 64)
 
 
+@pytest.fixture(scope="module")
+def int8_twins() -> Iterator[dict]:
+    """Each layer's dequantized weight and ``int8_weight_twin``, computed once for both dtypes'
+    cases (the LM head's are 49152 rows)."""
+    twins: dict[LinearBase, tuple] = {}
+    yield twins
+    twins.clear()
+
+
 def int8_twin(weight_twin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """The int8 copy's computation from the twins: x rotated and rounded per row, an exact
-    integer product with ``int8_weight_twin``'s W."""
+    integer product with ``int8_weight_twin``'s W.
+
+    The product is taken in fp64, where every sum of these int8 products is an exact integer
+    (|sum| <= K * 127**2, far below 2**53): the same int32 numbers as ``torch._int_mm``, which
+    without VNNI is a scalar loop (seconds a call at the LM head's 49152 rows)."""
     qw, sw = weight_twin
     qx, sx = quantize_rows_int8_ref(x, 64)
-    return scale_int32_ref(torch._int_mm(qx, qw.t()), sx, sw, None, x.dtype)
+    product = (qx.double() @ qw.double().t()).to(torch.int32)
+    return scale_int32_ref(product, sx, sw, None, x.dtype)
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
+def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, int8_twins, dtype):
     """Under 8 rows the packed kernels; from there the int8 copy where its GEMM takes the rows
     (``Int8Weight.takes``: from INT8_MIN_ROWS on, up to AMX_INT8_MAX_ROWS on weft's AMX GEMM, or
     every count on its VNNI GEMM, whichever this CPU has), else the model dtype's copy."""
@@ -287,8 +302,9 @@ def test_the_int8_copy_runs_the_rows_its_gemm_takes(int8_model, dtype):
         k = layer.quant.shape[1]
         x = torch.randn(7, k).to(dtype)
         assert torch.equal(layer.linear(x, None), layer.quant.linear(x, None))
-        weight = layer.quant.dequantize()  # once a layer: the LM head's is 49152 rows
-        weight_twin = int8_weight_twin(layer)
+        if layer not in int8_twins:
+            int8_twins[layer] = layer.quant.dequantize(), int8_weight_twin(layer)
+        weight, weight_twin = int8_twins[layer]
         for rows in (
             8,
             INT8_MIN_ROWS - 1,
