@@ -126,10 +126,22 @@ def parameter_count(plan: list[TensorSpec]) -> int:
 
 @functools.cache  # the stock reader walks all 98k strings of SmolLM2's vocabulary and merges: once
 def tokenizer_fields(gguf_path: Path) -> tuple[list[tuple[str, object, object, object]], int]:
-    """Every ``tokenizer.*`` field of a GGUF file as (key, value, type, element type), and its vocab size."""
+    """Every ``tokenizer.*`` field of a GGUF file as (key, value, type, element type), and its vocab size.
+
+    Read once per file and version in a process: the ``gguf`` reader walks the tokenizer's 49k
+    strings in Python, which costs more than writing a small model.
+    """
+    stat = gguf_path.stat()
+    return _tokenizer_fields(str(gguf_path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _tokenizer_fields(
+    path: str, mtime_ns: int, size: int
+) -> tuple[list[tuple[str, object, object, object]], int]:
     from gguf import GGUFReader, GGUFValueType
 
-    reader = GGUFReader(gguf_path)
+    reader = GGUFReader(path)
     fields = []
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
@@ -139,7 +151,7 @@ def tokenizer_fields(gguf_path: Path) -> tuple[list[tuple[str, object, object, o
         fields.append((key, field.contents(), vtype, sub_type))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
-        raise ValueError(f"{gguf_path} has no tokenizer.ggml.tokens: no tokenizer to copy.")
+        raise ValueError(f"{path} has no tokenizer.ggml.tokens: no tokenizer to copy.")
     return fields, len(tokens.data)
 
 
