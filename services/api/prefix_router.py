@@ -173,14 +173,7 @@ class RankSubscriber:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
     async def run(self) -> None:
-        sub = make_socket(
-            self._ctx,
-            zmq.SUB,
-            self._address,
-            bind=False,
-            curve=self._curve,
-            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
-        )
+        sub = self._connect(zmq.SUB, self._address)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         try:
             await self._replay()  # whatever was published before this subscriber connected
@@ -189,6 +182,11 @@ class RankSubscriber:
                 await self._on_message(frames)
         finally:
             sub.close()
+
+    def _connect(self, kind: int, address: str) -> zmq.asyncio.Socket:
+        return make_socket(
+            self._ctx, kind, address, bind=False, curve=self._curve, max_msg_size=MAX_EVENT_MESSAGE_BYTES
+        )
 
     async def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -218,14 +216,7 @@ class RankSubscriber:
         if self._replay_address is None:
             return
         self.num_replays += 1
-        sock = make_socket(
-            self._ctx,
-            zmq.DEALER,
-            self._replay_address,
-            bind=False,
-            curve=self._curve,
-            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
-        )
+        sock = self._connect(zmq.DEALER, self._replay_address)
         try:
             await sock.send_multipart([b"", seq_bytes(self.next_seq)])
             loop = asyncio.get_running_loop()
