@@ -58,6 +58,21 @@ class BenchResult:
         }
 
 
+def summed_runs(runs: list[BenchResult], details: dict[str, Any]) -> BenchResult:
+    """Several runs of one workload by one backend as one: requests, tokens and seconds added
+    up (CPU seconds only where every run has them), with ``details`` for the whole."""
+    cpu = [r.cpu_s for r in runs]
+    return BenchResult(
+        backend=runs[0].backend,
+        num_requests=sum(r.num_requests for r in runs),
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        elapsed_s=sum(r.elapsed_s for r in runs),
+        cpu_s=None if None in cpu else sum(c for c in cpu if c is not None),
+        details=details,
+    )
+
+
 def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> BenchResult:
     """Run every request of ``workload`` through one ``LLM.generate`` call.
 
