@@ -65,6 +65,18 @@ def resolve_dataset(dataset: str) -> Path:
     return workloads_dir() / f"{dataset}.json"
 
 
+def workload_file(name: str, description: str, requests: list[dict]) -> dict:
+    """A generated workload as its JSON file holds it, the totals counted from ``requests``."""
+    return {
+        "name": name,
+        "description": description,
+        "ignore_eos": True,
+        "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+        "total_output_tokens": sum(r["max_tokens"] for r in requests),
+        "requests": requests,
+    }
+
+
 def load_workload(path: str | Path) -> Workload:
     """Read and validate a workload file, or raise ValueError saying what is wrong."""
     path = Path(path)
