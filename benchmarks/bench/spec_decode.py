@@ -86,8 +86,7 @@ def _summed_spec(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 def spec_table(workload: Workload, report: dict[str, Any]) -> str:
     lines = [
-        f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_prompt_tokens} prompt + "
-        f"{workload.num_output_tokens} output tokens; max_num_seqs "
+        f"{workload.summary}; max_num_seqs "
         f"{report['spec']['details']['max_num_seqs']}; speculative_config {report['speculative_config']}; "
         f"{report['rounds']} runs of each, alternating (times and tokens summed)",
         f"{'run':<12}{'time (s)':>10}{'output tok/s':>15}{'output tok/CPU-s':>18}",

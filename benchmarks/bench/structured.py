@@ -211,9 +211,7 @@ def _report(
 
 def structured_table(workload: Workload, report: dict[str, Any]) -> str:
     lines = [
-        f"workload {workload.name}: {len(workload.requests)} requests, "
-        f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens; "
-        f"model {report['model']}; constrained run: one JSON schema on every request",
+        f"{workload.summary}; model {report['model']}; constrained run: one JSON schema on every request",
         f"{'run':<16}{'time (s)':>10}{'output tokens':>15}{'output tok/s':>15}",
     ]
     for key in ("unconstrained", "constrained"):

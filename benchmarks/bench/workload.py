@@ -38,6 +38,14 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def num_output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
+    @property
+    def summary(self) -> str:
+        """The first words of a benchmark's table: name, requests and tokens."""
+        return (
+            f"workload {self.name}: {len(self.requests)} requests, "
+            f"{self.num_prompt_tokens} prompt + {self.num_output_tokens} output tokens"
+        )
+
     def head(self, num_prompts: int) -> Workload:
         """The first ``num_prompts`` requests, in workload order."""
         if num_prompts < 1:
