@@ -192,15 +192,21 @@ class RankSubscriber:
         if len(frames) != 3:
             self.num_dropped += 1
             return
-        try:
-            seq = seq_from(frames[1])
-        except ValueError:
-            self.num_dropped += 1
+        seq = self._seq(frames[1])
+        if seq is None:
             return
         if seq > self.next_seq:
             await self._replay()  # missed batches: catch up before applying this one
         if seq >= self.next_seq:
             self._apply(seq, frames[2])
+
+    def _seq(self, frame: bytes) -> int | None:
+        """A batch's sequence number; None (the batch dropped) when the frame is not one."""
+        try:
+            return seq_from(frame)
+        except ValueError:
+            self.num_dropped += 1
+            return None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
@@ -225,10 +231,8 @@ class RankSubscriber:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3 or frames[1] == END_OF_REPLAY:
                     return
-                try:
-                    seq = seq_from(frames[1])
-                except ValueError:
-                    self.num_dropped += 1
+                seq = self._seq(frames[1])
+                if seq is None:
                     return
                 if seq >= self.next_seq:
                     self._apply(seq, frames[2])
