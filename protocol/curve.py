@@ -84,24 +84,12 @@ class CurveKeys:
 def generate_keys(directory: str | os.PathLike[str], *, overwrite: bool = False) -> list[Path]:
     """Write the server and client keypairs into ``directory`` (created 0700)."""
     folder = Path(directory)
-    names = [folder / f"{role}.{ext}" for role in (SERVER, CLIENT) for ext in ("key", "key_secret")]
-    existing = [p for p in names if p.exists()]
+    existing = [p for p in _keypair_paths(folder, [SERVER, CLIENT]) if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists; pass overwrite=True (--force) to replace the keys.")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.chmod(0o700)
-    # Created under a tight umask, so no key is readable by others even for an instant.
-    old_umask = os.umask(0o077)
-    try:
-        for path in existing:
-            path.unlink()
-        for role in (SERVER, CLIENT):
-            zmq.auth.create_certificates(folder, role)
-    finally:
-        os.umask(old_umask)
-    for path in names:
-        path.chmod(0o600)
-    return names
+    return _create_keypairs(folder, [SERVER, CLIENT])
 
 
 def generate_node_keys(
@@ -114,14 +102,26 @@ def generate_node_keys(
     if not (folder / f"{SERVER}.key").is_file():
         raise FileNotFoundError(f"{folder} holds no server key: run `weft keys --dir {folder}` first.")
     name = NODE_PREFIX + node
-    paths = [folder / f"{name}.key", folder / f"{name}.key_secret"]
+    paths = _keypair_paths(folder, [name])
     if any(p.exists() for p in paths) and not overwrite:
         raise FileExistsError(f"{paths[0]} exists; pass overwrite=True (--force) to replace it.")
+    return _create_keypairs(folder, [name])
+
+
+def _keypair_paths(folder: Path, names: list[str]) -> list[Path]:
+    return [folder / f"{name}.{ext}" for name in names for ext in ("key", "key_secret")]
+
+
+def _create_keypairs(folder: Path, names: list[str]) -> list[Path]:
+    """Write the keypairs ``names`` into ``folder``, replacing any there; the files are 0600."""
+    paths = _keypair_paths(folder, names)
+    # Created under a tight umask, so no key is readable by others even for an instant.
     old_umask = os.umask(0o077)
     try:
         for path in paths:
             path.unlink(missing_ok=True)
-        zmq.auth.create_certificates(folder, name)
+        for name in names:
+            zmq.auth.create_certificates(folder, name)
     finally:
         os.umask(old_umask)
     for path in paths:

@@ -144,9 +144,7 @@ def _report(workload: Workload, model: str, dtype: str, results: list[BenchResul
 
 def _table(workload: Workload, report: dict[str, Any]) -> str:
     lines = [
-        f"workload {workload.name}: {len(workload.requests)} requests, "
-        f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens; "
-        f"model {report['model']}, dtype {report['dtype']}",
+        f"{workload.summary}; model {report['model']}, dtype {report['dtype']}",
         f"{'backend':<16}{'time (s)':>10}{'requests/s':>13}{'output tok/s':>15}{'total tok/s':>14}",
     ]
     for backend in ("weft", "hf"):

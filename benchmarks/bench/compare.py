@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.bench.throughput import BenchResult
+from benchmarks.bench.throughput import BenchResult, timed_generate, weft_result
 from benchmarks.bench.workload import Workload
 
 # transformers' continuous batching answers nothing until its first batch is
@@ -68,36 +68,25 @@ def run_weft_recorded(
     workload: Workload, use_tqdm: bool, **engine_args: Any
 ) -> tuple[BenchResult, dict[str, Any]]:
     """The throughput run with its steps recorded, then the forward-only replay."""
-    from services import LLM, SamplingParams
+    from services import LLM
 
     llm = LLM(**engine_args)
     recorder = StepRecorder()
     recorder.attach(llm.engine)
-    prompts = [r.prompt_token_ids for r in workload.requests]
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests
-    ]
-    try:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        forward_s, forward_cpu_s = replay_forward(llm.engine.executor.worker.model_runner, recorder.executed)
-    finally:
-        llm.shutdown()
+    forward: list[tuple[float, float]] = []
+
+    def replay() -> None:
+        forward.append(replay_forward(llm.engine.executor.worker.model_runner, recorder.executed))
+
+    outputs, elapsed, cpu = timed_generate(llm, workload, use_tqdm, after=replay)
+    [(forward_s, forward_cpu_s)] = forward
     config = llm.config
-    result = BenchResult(
-        backend="weft",
-        num_requests=len(outputs),
-        prompt_tokens=workload.num_prompt_tokens,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-        elapsed_s=elapsed,
-        cpu_s=cpu,
-        details={
-            "dtype": config.model.dtype,
-            "device": config.device.device,
-            "torch_threads": config.device.num_threads,
-        },
-    )
+    details = {
+        "dtype": config.model.dtype,
+        "device": config.device.device,
+        "torch_threads": config.device.num_threads,
+    }
+    result = weft_result(workload, outputs, elapsed, cpu, details)
     # All steps count: one that runs no forward is overhead too.
     step_s = sum(recorder.step_s)
     efficiency = {

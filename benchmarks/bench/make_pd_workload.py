@@ -13,6 +13,7 @@ default model's tokenizer (no special tokens), in the shared workload format
 
 from __future__ import annotations
 
+from benchmarks.bench.workload import workload_file
 from services.api.tokenizer import Tokenizer
 
 LONG_PROMPT_TOKENS = 2048
@@ -61,13 +62,9 @@ def build(tokenizer: Tokenizer) -> dict:
     for index in range(3):
         text, ids = long_prompt(tokenizer, index)
         requests.append({"prompt": text, "prompt_token_ids": ids, "max_tokens": LONG_OUTPUT_TOKENS})
-    workload = {
-        "name": "pd-mixed",
-        "description": f"6 streams ({STREAM_TOKENS} output tokens) then 3 prompts of {LONG_PROMPT_TOKENS}+ "
+    return workload_file(
+        "pd-mixed",
+        f"6 streams ({STREAM_TOKENS} output tokens) then 3 prompts of {LONG_PROMPT_TOKENS}+ "
         "tokens arriving while they decode; built by `weft bench make-workload pd-mixed`",
-        "ignore_eos": True,
-        "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
-        "total_output_tokens": sum(r["max_tokens"] for r in requests),
-        "requests": requests,
-    }
-    return workload
+        requests,
+    )

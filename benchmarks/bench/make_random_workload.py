@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import re
 
+from benchmarks.bench.workload import workload_file
 from services.api.tokenizer import Tokenizer
 
 # The byte-level BPE marks a leading space with "Ġ".
@@ -65,26 +66,15 @@ def _shared_prefix(tokenizer: Tokenizer) -> list[dict]:
     return requests
 
 
-def _workload(name: str, description: str, requests: list[dict]) -> dict:
-    return {
-        "name": name,
-        "description": description,
-        "ignore_eos": True,
-        "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
-        "total_output_tokens": sum(r["max_tokens"] for r in requests),
-        "requests": requests,
-    }
-
-
 def build_smoke(tokenizer: Tokenizer) -> dict:
     requests = _uniform(tokenizer, 5, 8, (8, 64), (4, 16))
-    return _workload("smoke-8", "8 requests, prompt 8..64, output 4..16, seed 5, for tests", requests)
+    return workload_file("smoke-8", "8 requests, prompt 8..64, output 4..16, seed 5, for tests", requests)
 
 
 def build_offline(tokenizer: Tokenizer) -> dict:
     requests = _uniform(tokenizer, 1234, 64, (32, 512), (32, 256))
     description = "64 requests, prompt 32..512 tokens, output 32..256 tokens, uniform, seed 1234"
-    return _workload("offline-64", description, requests)
+    return workload_file("offline-64", description, requests)
 
 
 def build_shared_prefix(tokenizer: Tokenizer) -> dict:
@@ -92,4 +82,4 @@ def build_shared_prefix(tokenizer: Tokenizer) -> dict:
         "96 requests over 8 shared prefixes of 256..640 tokens, each + a 16..64-token suffix, "
         "48 output tokens, seed 77"
     )
-    return _workload("shared-prefix-96", description, _shared_prefix(tokenizer))
+    return workload_file("shared-prefix-96", description, _shared_prefix(tokenizer))

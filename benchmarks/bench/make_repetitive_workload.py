@@ -12,6 +12,7 @@ copies long runs of the prompt. Tokenized with the default model's tokenizer
 
 from __future__ import annotations
 
+from benchmarks.bench.workload import workload_file
 from services.api.tokenizer import Tokenizer
 
 PY_CODE = '''def add(a, b):
@@ -103,13 +104,9 @@ def build(tokenizer: Tokenizer) -> dict:
     for text, max_tokens in prompts():
         ids = tokenizer.encode(text, add_special_tokens=False)
         requests.append({"prompt": text, "prompt_token_ids": ids, "max_tokens": max_tokens})
-    workload = {
-        "name": "repetitive-8",
-        "description": "8 prompts that repeat code or text and stop inside another copy (n-gram "
+    return workload_file(
+        "repetitive-8",
+        "8 prompts that repeat code or text and stop inside another copy (n-gram "
         "speculative decoding); built by `weft bench make-workload repetitive-8`",
-        "ignore_eos": True,
-        "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
-        "total_output_tokens": sum(r["max_tokens"] for r in requests),
-        "requests": requests,
-    }
-    return workload
+        requests,
+    )

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from services.kv_transfer.pd_up import kv_transfer_config, kv_transfer_service_argv
 from services.model_files import REPO_ROOT
 from services.ports import free_port
 
@@ -147,27 +148,10 @@ def run_disaggregated(out: Path, rate: float) -> tuple[dict, dict]:
     generate_keys(keys, overwrite=True)
 
     def kv(role: str) -> str:
-        extra = {"keys_dir": str(keys)}
-        return json.dumps(
-            {
-                "kv_connector": "ZmqConnector",
-                "kv_role": role,
-                "kv_port": kv_port,
-                "kv_connector_extra_config": extra,
-            }
-        )
+        return kv_transfer_config("ZmqConnector", role, kv_port, keys)
 
     try:
-        procs.weft(
-            "kv-transfer",
-            "kv-transfer",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(kv_port),
-            "--zmq-curve-keys",
-            str(keys),
-        )
+        procs.weft("kv-transfer", *kv_transfer_service_argv(kv_port, keys))
         for name, port, role in (("prefill", p_port, "kv_producer"), ("decode", d_port, "kv_consumer")):
             procs.weft(
                 name,

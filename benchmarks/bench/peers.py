@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,13 @@ from typing import Any
 import msgspec
 
 from benchmarks import BENCHMARKS_DIR
+from benchmarks.bench.serve import stop_process_group
 from benchmarks.bench.serve_client import ClientConfig, run_benchmark, served_model
 from benchmarks.bench.workload import Workload
 from services import OPENMP_SET_BY_WEFT
 
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 _STARTUP_DEADLINE_S = 600.0
-_STOP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -161,17 +160,7 @@ class PeerServer:
         return process_tree_rss(self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # workers left behind, if any
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_process_group(self.proc)  # workers left behind, if any
         self.log.close()
 
 

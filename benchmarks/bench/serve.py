@@ -31,7 +31,7 @@ from services.config.engine_args import EngineArgs
 from services.ports import free_port
 
 _STARTUP_DEADLINE_S = 300.0
-_STOP_GRACE_S = 15.0
+STOP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -113,17 +113,23 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM (the API stops its engine cores), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_process_group(self.proc)  # engine cores left behind, if any
+
+
+def stop_process_group(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM ``proc``, wait up to ``grace_s`` for it, then SIGKILL its process group
+    (it leads its own session) for any children it left behind."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # engine cores left behind, if any
-        except ProcessLookupError:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
             pass
-        self.proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_serve(

@@ -104,15 +104,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.base_url is None:
         return _run_launched(args, parser, workload, slos)
     base_url = args.base_url.rstrip("/")
-    config = ClientConfig(
-        base_url=base_url,
-        model=args.model or _served_model(base_url, parser),
-        endpoint=args.endpoint,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        quiet=args.quiet,
-    )
+    config = _client_config(args, base_url, args.model or _served_model(base_url, parser))
     if sweep is None:
         report = asyncio.run(run_benchmark(config, workload, slos))
         report["dataset"] = workload.name
@@ -221,15 +213,7 @@ def _run_launched_sweep(
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     with launched_server(engine_args, model_name, workload) as server:
-        config = ClientConfig(
-            base_url=server.url,
-            model=model_name,
-            endpoint=args.endpoint,
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            quiet=args.quiet,
-        )
+        config = _client_config(args, server.url, model_name)
         report = _run_sweep(
             config,
             workload,
@@ -247,6 +231,18 @@ def _run_launched_sweep(
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def _client_config(args: argparse.Namespace, base_url: str, model: str) -> ClientConfig:
+    return ClientConfig(
+        base_url=base_url,
+        model=model,
+        endpoint=args.endpoint,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        quiet=args.quiet,
+    )
 
 
 def _run_launched(

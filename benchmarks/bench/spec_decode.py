@@ -53,19 +53,11 @@ def run_spec_comparison(
 
 def _summed(runs: list[BenchResult]) -> BenchResult:
     """Several runs of one workload as one: tokens, seconds and draft counts added up."""
-    cpu = [r.cpu_s for r in runs]
-    return BenchResult(
-        backend=runs[0].backend,
-        num_requests=sum(r.num_requests for r in runs),
-        prompt_tokens=sum(r.prompt_tokens for r in runs),
-        output_tokens=sum(r.output_tokens for r in runs),
-        elapsed_s=sum(r.elapsed_s for r in runs),
-        cpu_s=None if None in cpu else sum(cpu),
-        details={
-            **runs[0].details,
-            "spec_decode": _summed_spec([r.details.get("spec_decode") for r in runs]),
-        },
-    )
+    details = {
+        **runs[0].details,
+        "spec_decode": _summed_spec([r.details.get("spec_decode") for r in runs]),
+    }
+    return throughput.summed_runs(runs, details)
 
 
 def _summed_spec(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -94,8 +86,7 @@ def _summed_spec(stats: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 def spec_table(workload: Workload, report: dict[str, Any]) -> str:
     lines = [
-        f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_prompt_tokens} prompt + "
-        f"{workload.num_output_tokens} output tokens; max_num_seqs "
+        f"{workload.summary}; max_num_seqs "
         f"{report['spec']['details']['max_num_seqs']}; speculative_config {report['speculative_config']}; "
         f"{report['rounds']} runs of each, alternating (times and tokens summed)",
         f"{'run':<12}{'time (s)':>10}{'output tok/s':>15}{'output tok/CPU-s':>18}",

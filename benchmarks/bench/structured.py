@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.bench.throughput import BenchResult
+from benchmarks.bench.throughput import BenchResult, summed_runs
 from benchmarks.bench.workload import Workload
 
 _MIN_RECORDS = 64
@@ -146,14 +146,8 @@ def _merged(runs: list[BenchResult]) -> BenchResult:
     for run in runs:
         for reason, count in run.details["finish_reasons"].items():
             reasons[reason] = reasons.get(reason, 0) + count
-    return BenchResult(
-        backend=runs[0].backend,
-        num_requests=sum(r.num_requests for r in runs),
-        prompt_tokens=sum(r.prompt_tokens for r in runs),
-        output_tokens=sum(r.output_tokens for r in runs),
-        elapsed_s=sum(r.elapsed_s for r in runs),
-        details={"runs": len(runs), "elapsed_s": [r.elapsed_s for r in runs], "finish_reasons": reasons},
-    )
+    details = {"runs": len(runs), "elapsed_s": [r.elapsed_s for r in runs], "finish_reasons": reasons}
+    return summed_runs(runs, details)
 
 
 def _apply_ms_per_step(fill: _Fill, vocab_size: int, device: str, repeats: int = 20) -> float:
@@ -217,9 +211,7 @@ def _report(
 
 def structured_table(workload: Workload, report: dict[str, Any]) -> str:
     lines = [
-        f"workload {workload.name}: {len(workload.requests)} requests, "
-        f"{workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens; "
-        f"model {report['model']}; constrained run: one JSON schema on every request",
+        f"{workload.summary}; model {report['model']}; constrained run: one JSON schema on every request",
         f"{'run':<16}{'time (s)':>10}{'output tokens':>15}{'output tok/s':>15}",
     ]
     for key in ("unconstrained", "constrained"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +58,21 @@ class BenchResult:
         }
 
 
+def summed_runs(runs: list[BenchResult], details: dict[str, Any]) -> BenchResult:
+    """Several runs of one workload by one backend as one: requests, tokens and seconds added
+    up (CPU seconds only where every run has them), with ``details`` for the whole."""
+    cpu = [r.cpu_s for r in runs]
+    return BenchResult(
+        backend=runs[0].backend,
+        num_requests=sum(r.num_requests for r in runs),
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        elapsed_s=sum(r.elapsed_s for r in runs),
+        cpu_s=None if None in cpu else sum(c for c in cpu if c is not None),
+        details=details,
+    )
+
+
 def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> BenchResult:
     """Run every request of ``workload`` through one ``LLM.generate`` call.
 
@@ -65,9 +81,36 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
     """
     # Imported here: it loads torch and the engine, which `weft bench --help`
     # and the workload checks do not need.
-    from services import LLM, SamplingParams
+    from services import LLM
 
     llm = LLM(**engine_args)
+    outputs, elapsed, cpu = timed_generate(llm, workload, use_tqdm)
+    config = llm.config
+    return weft_result(
+        workload,
+        outputs,
+        elapsed,
+        cpu,
+        # As the engine resolved them: the HF baseline runs the same ones.
+        {
+            "dtype": config.model.dtype,
+            "device": config.device.device,
+            "torch_threads": config.device.num_threads,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "spec_decode": spec_details(llm),
+        },
+    )
+
+
+def timed_generate(
+    llm: Any, workload: Workload, use_tqdm: bool, after: Callable[[], Any] | None = None
+) -> tuple[list[Any], float, float]:
+    """Greedy ``llm.generate`` over every request of ``workload``: its outputs, wall and CPU
+    seconds. ``after`` runs once generation is done, before the engine shuts down."""
+    from services import SamplingParams
+
     prompts = [request.prompt_token_ids for request in workload.requests]
     params = [
         SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
@@ -77,9 +120,16 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if after is not None:
+            after()
     finally:
         llm.shutdown()
-    config = llm.config
+    return outputs, elapsed, cpu
+
+
+def weft_result(
+    workload: Workload, outputs: list[Any], elapsed: float, cpu: float, details: dict[str, Any]
+) -> BenchResult:
     return BenchResult(
         backend="weft",
         num_requests=len(outputs),
@@ -87,16 +137,7 @@ def run_weft(workload: Workload, use_tqdm: bool = False, **engine_args: Any) -> 
         output_tokens=sum(len(output.outputs[0].token_ids) for output in outputs),
         elapsed_s=elapsed,
         cpu_s=cpu,
-        # As the engine resolved them: the HF baseline runs the same ones.
-        details={
-            "dtype": config.model.dtype,
-            "device": config.device.device,
-            "torch_threads": config.device.num_threads,
-            "max_num_seqs": config.scheduler.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "enable_prefix_caching": config.cache.enable_prefix_caching,
-            "spec_decode": spec_details(llm),
-        },
+        details=details,
     )
 
 

@@ -38,6 +38,14 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def num_output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
+    @property
+    def summary(self) -> str:
+        """The first words of a benchmark's table: name, requests and tokens."""
+        return (
+            f"workload {self.name}: {len(self.requests)} requests, "
+            f"{self.num_prompt_tokens} prompt + {self.num_output_tokens} output tokens"
+        )
+
     def head(self, num_prompts: int) -> Workload:
         """The first ``num_prompts`` requests, in workload order."""
         if num_prompts < 1:
@@ -63,6 +71,18 @@ def resolve_dataset(dataset: str) -> Path:
     if path.exists() or path.suffix or len(path.parts) > 1:
         return path
     return workloads_dir() / f"{dataset}.json"
+
+
+def workload_file(name: str, description: str, requests: list[dict]) -> dict:
+    """A generated workload as its JSON file holds it, the totals counted from ``requests``."""
+    return {
+        "name": name,
+        "description": description,
+        "ignore_eos": True,
+        "total_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+        "total_output_tokens": sum(r["max_tokens"] for r in requests),
+        "requests": requests,
+    }
 
 
 def load_workload(path: str | Path) -> Workload:

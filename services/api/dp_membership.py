@@ -61,7 +61,7 @@ import asyncio
 import logging
 import subprocess
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
@@ -300,41 +300,35 @@ class RankMembership:
                 raise
             self.mark_dead(rank, "its connection is gone", quiet=True)
 
-    async def _recv(self, sock: zmq.asyncio.Socket, decoder: Decoder[T]) -> tuple[bytes, T, zmq.Frame]:
-        """(the sender's identity, the message, its last frame: the connection's properties)."""
-        frames = await sock.recv_multipart(copy=False)
-        (identity,), body = split(frames, 1)
-        return identity, decoder.decode(body), frames[-1]
+    async def _messages(
+        self, sock: zmq.asyncio.Socket, decoder: Decoder[T], name: str
+    ) -> AsyncIterator[tuple[bytes, T, zmq.Frame]]:
+        """Forever, (the sender's identity, the message, its last frame: the connection's
+        properties); a message that does not decode is counted (``_dropped``) and skipped."""
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                (identity,), body = split(frames, 1)
+                message = decoder.decode(body)
+            except ValueError as e:
+                self._dropped(name, e)
+                continue
+            yield identity, message, frames[-1]
 
     async def _handshake_loop(self) -> None:
-        decoder = Decoder(EngineHello)
-        while True:
-            try:
-                identity, hello, frame = await self._recv(self._handshake_sock, decoder)
-            except ValueError as e:
-                self._dropped("handshake", e)
-                continue
+        hellos = self._messages(self._handshake_sock, Decoder(EngineHello), "handshake")
+        async for identity, hello, frame in hellos:
             if self.on_hello(identity, hello, _key_name(frame), _peer_host(frame)):
                 await asend(self._handshake_sock, self._encoder, self.reply_for(hello.rank), identity)
 
     async def _status_loop(self) -> None:
         decoder: Decoder[EngineStatus] = Decoder(cast(Any, EngineStatus))
-        while True:
-            try:
-                identity, status, frame = await self._recv(self._input_sock, decoder)
-            except ValueError as e:
-                self._dropped("status", e)
-                continue
+        async for identity, status, frame in self._messages(self._input_sock, decoder, "status"):
             await self.on_status(identity, status, _key_name(frame))
 
     async def _output_loop(self) -> None:
-        decoder = Decoder(EngineCoreOutputs)
-        while True:
-            try:
-                identity, batch, frame = await self._recv(self._output_sock, decoder)
-            except ValueError as e:
-                self._dropped("output", e)
-                continue
+        batches = self._messages(self._output_sock, Decoder(EngineCoreOutputs), "output")
+        async for identity, batch, frame in batches:
             if await self.accept_outputs(identity, batch, _key_name(frame)):
                 self.listener.on_outputs(batch)
 

@@ -173,14 +173,7 @@ class RankSubscriber:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
     async def run(self) -> None:
-        sub = make_socket(
-            self._ctx,
-            zmq.SUB,
-            self._address,
-            bind=False,
-            curve=self._curve,
-            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
-        )
+        sub = self._connect(zmq.SUB, self._address)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         try:
             await self._replay()  # whatever was published before this subscriber connected
@@ -190,19 +183,30 @@ class RankSubscriber:
         finally:
             sub.close()
 
+    def _connect(self, kind: int, address: str) -> zmq.asyncio.Socket:
+        return make_socket(
+            self._ctx, kind, address, bind=False, curve=self._curve, max_msg_size=MAX_EVENT_MESSAGE_BYTES
+        )
+
     async def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             self.num_dropped += 1
             return
-        try:
-            seq = seq_from(frames[1])
-        except ValueError:
-            self.num_dropped += 1
+        seq = self._seq(frames[1])
+        if seq is None:
             return
         if seq > self.next_seq:
             await self._replay()  # missed batches: catch up before applying this one
         if seq >= self.next_seq:
             self._apply(seq, frames[2])
+
+    def _seq(self, frame: bytes) -> int | None:
+        """A batch's sequence number; None (the batch dropped) when the frame is not one."""
+        try:
+            return seq_from(frame)
+        except ValueError:
+            self.num_dropped += 1
+            return None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
@@ -218,14 +222,7 @@ class RankSubscriber:
         if self._replay_address is None:
             return
         self.num_replays += 1
-        sock = make_socket(
-            self._ctx,
-            zmq.DEALER,
-            self._replay_address,
-            bind=False,
-            curve=self._curve,
-            max_msg_size=MAX_EVENT_MESSAGE_BYTES,
-        )
+        sock = self._connect(zmq.DEALER, self._replay_address)
         try:
             await sock.send_multipart([b"", seq_bytes(self.next_seq)])
             loop = asyncio.get_running_loop()
@@ -234,10 +231,8 @@ class RankSubscriber:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3 or frames[1] == END_OF_REPLAY:
                     return
-                try:
-                    seq = seq_from(frames[1])
-                except ValueError:
-                    self.num_dropped += 1
+                seq = self._seq(frames[1])
+                if seq is None:
                     return
                 if seq >= self.next_seq:
                     self._apply(seq, frames[2])

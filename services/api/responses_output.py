@@ -115,14 +115,7 @@ class ResponseOutput:
         if not isinstance(item, ReasoningItem):
             item = ReasoningItem(id=new_item_id("rs"), content=[], status="in_progress")
             self._start(item, ReasoningText(text=""))
-        item.content[0].text += text
-        self.events.emit(
-            "response.reasoning_text.delta",
-            item_id=item.id,
-            output_index=self._index(item),
-            content_index=0,
-            delta=text,
-        )
+        self._grow(item, text, "response.reasoning_text.delta")
 
     def _add_content(self, text: str) -> None:
         item = self._open
@@ -133,14 +126,13 @@ class ResponseOutput:
             text, self._space = self._space + text, ""
             item = MessageItem(id=new_item_id("msg"), content=[], status="in_progress")
             self._start(item, OutputText(text=""))
+        self._grow(item, text, "response.output_text.delta", logprobs=[])
+
+    def _grow(self, item: MessageItem | ReasoningItem, text: str, event: str, **extra: Any) -> None:
+        """Add ``text`` to the open item's one part and emit it as a delta ``event``."""
         item.content[0].text += text
         self.events.emit(
-            "response.output_text.delta",
-            item_id=item.id,
-            output_index=self._index(item),
-            content_index=0,
-            delta=text,
-            logprobs=[],
+            event, item_id=item.id, output_index=self._index(item), content_index=0, delta=text, **extra
         )
 
     def _add_call(self, delta: DeltaToolCall) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import msgspec
 
 from protocol.config import EngineConfig
+from protocol.kv_cache_groups import group_windows
 
 DEFAULT_CPU_MEMORY_UTILIZATION = 0.9
 # A context the engine lowers max_model_len to on its own is at least this long (or the
@@ -158,6 +159,20 @@ def fitting_len(num_blocks: int, block_size: int, group_windows: list[int | None
         else:
             high = mid - 1
     return low * block_size
+
+
+def fit_config_max_model_len(config: EngineConfig, num_blocks: int, block_bytes: int | None = None) -> int:
+    """``fit_max_model_len`` for ``config``'s model, cache and step budget."""
+    model = config.model
+    return fit_max_model_len(
+        model.max_model_len,
+        auto=model.max_model_len_auto,
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        group_windows=group_windows(model),
+        step_tokens=config.scheduler.max_num_batched_tokens,
+        block_bytes=block_bytes,
+    )
 
 
 def fit_max_model_len(

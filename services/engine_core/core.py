@@ -13,11 +13,10 @@ import logging
 import time
 
 from protocol import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
-from protocol.kv_cache_groups import group_windows
 from services.config.async_scheduling_args import check_async_scheduling
 from services.config.engine_args import with_max_model_len
 from services.config.engine_device import resolve_engine_device
-from services.config.memory_plan import fit_max_model_len
+from services.config.memory_plan import fit_config_max_model_len
 from services.engine_core.async_scheduling import StepPipeline, reaches_workers
 from services.engine_core.kv_events import ZmqEventPublisher, make_publisher
 from services.engine_core.request import Request, RequestStatus
@@ -216,17 +215,10 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab_size: in
 
 def fitted_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
     """``config`` with the context ``num_blocks`` KV blocks serve: its max_model_len, or less when
-    that was the model's own and does not fit (``fit_max_model_len``; a ValueError when nothing
+    that was the model's own and does not fit (``fit_config_max_model_len``; a ValueError when nothing
     useful fits, or an explicit max_model_len does not)."""
     model, cache = config.model, config.cache
-    context = fit_max_model_len(
-        model.max_model_len,
-        auto=model.max_model_len_auto,
-        num_blocks=num_blocks,
-        block_size=cache.block_size,
-        group_windows=group_windows(model),
-        step_tokens=config.scheduler.max_num_batched_tokens,
-    )
+    context = fit_config_max_model_len(config, num_blocks)
     if context == model.max_model_len:
         return config
     logger.warning(

@@ -91,6 +91,11 @@ def kv_transfer_config(connector: str, role: str, kv_port: int, folder: Path) ->
     return json.dumps(config | {"kv_connector_extra_config": extra})
 
 
+def kv_transfer_service_argv(kv_port: int, keys_dir: Path) -> list[str]:
+    """The ``weft`` argv of a local kv_transfer service on ``kv_port``, CurveZMQ keys in ``keys_dir``."""
+    return ["kv-transfer", "--host", "127.0.0.1", "--port", str(kv_port), "--zmq-curve-keys", str(keys_dir)]
+
+
 def commands(
     args: argparse.Namespace, serve_args: list[str], folder: Path, secret: Path
 ) -> dict[str, list[str]]:
@@ -98,15 +103,7 @@ def commands(
     kv_port, prefill_port, decode_port = free_port(), free_port(), free_port()
     out: dict[str, list[str]] = {}
     if args.connector == "ZmqConnector":
-        out["kv-transfer"] = [
-            "kv-transfer",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(kv_port),
-            "--zmq-curve-keys",
-            str(folder),
-        ]
+        out["kv-transfer"] = kv_transfer_service_argv(kv_port, folder)
     for name, role, port in (
         ("prefill", "kv_producer", prefill_port),
         ("decode", "kv_consumer", decode_port),

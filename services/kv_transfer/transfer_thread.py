@@ -162,7 +162,7 @@ class TransferThread:
                     e,
                 )
                 return
-        self._count_save(len(transfer.block_ids), time.perf_counter() - start)
+        self._count("save", len(transfer.block_ids), time.perf_counter() - start)
 
     def _load(self, store: BlockStore, job: _Job) -> int:
         """Load the longest intact prefix of the asked blocks; returns its length."""
@@ -199,7 +199,7 @@ class TransferThread:
                     len(transfer.block_ids),
                 )
                 break
-        self._count_load(loaded, time.perf_counter() - start)
+        self._count("load", loaded, time.perf_counter() - start)
         return loaded
 
     def _intact_prefix(self, keys: list[bytes], found: dict) -> list:
@@ -219,28 +219,18 @@ class TransferThread:
             good.append(block)
         return good
 
-    def _count_save(self, num_blocks: int, seconds: float) -> None:
+    def _count(self, kind: str, num_blocks: int, seconds: float) -> None:
+        """Add one transfer (``kind`` "save" or "load") to the totals and log it."""
+        nbytes = num_blocks * self.blocks.block_nbytes
         s = self.stats
         with self._stats_lock:
-            s.blocks_saved += num_blocks
-            s.bytes_saved += num_blocks * self.blocks.block_nbytes
-            s.save_s += seconds
-        logger.info(
-            "KV saved: %d blocks, %.1f MiB in %.1f ms",
-            num_blocks,
-            num_blocks * self.blocks.block_nbytes / 2**20,
-            seconds * 1e3,
-        )
-
-    def _count_load(self, num_blocks: int, seconds: float) -> None:
-        s = self.stats
-        with self._stats_lock:
-            s.blocks_loaded += num_blocks
-            s.bytes_loaded += num_blocks * self.blocks.block_nbytes
-            s.load_s += seconds
-        logger.info(
-            "KV loaded: %d blocks, %.1f MiB in %.1f ms",
-            num_blocks,
-            num_blocks * self.blocks.block_nbytes / 2**20,
-            seconds * 1e3,
-        )
+            if kind == "save":
+                s.blocks_saved += num_blocks
+                s.bytes_saved += nbytes
+                s.save_s += seconds
+            else:
+                s.blocks_loaded += num_blocks
+                s.bytes_loaded += nbytes
+                s.load_s += seconds
+        done = "saved" if kind == "save" else "loaded"
+        logger.info("KV %s: %d blocks, %.1f MiB in %.1f ms", done, num_blocks, nbytes / 2**20, seconds * 1e3)

@@ -42,7 +42,7 @@ from services.worker.prompt_logprobs import chunk_prompt_logprobs
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata, cached_filters
 from services.worker.spec_decode.spec_decoder import SpecDecoder
-from services.worker.step_inputs import StepInputs, prepare_step
+from services.worker.step_inputs import StepInputs, prepare_step, record_emitted, sampling_states
 from services.worker.structured_output import with_grammar_bitmask
 
 # Bytes of K/V one decode group may gather per layer (the shared gather buffer).
@@ -359,12 +359,9 @@ class ModelRunner:
         step: StepInputs,
         compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
     ) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
-        rows = np.flatnonzero(step.samples)  # requests that sample, in scheduled order
+        rows, states = sampling_states(step, self.input_batch)
         if rows.size == 0:
-            return sampled, logprobs
-        states = [self.input_batch.requests[step.req_ids[i]] for i in rows]
+            return record_emitted(step, self.input_batch, rows, [], [])
         index = torch.from_numpy(step.sample_token_index).to(self.device)
         logits = compute_logits(hidden[index])  # [N, V]; None on tensor-parallel followers
         tp = get_tp_group()
@@ -392,11 +389,10 @@ class ModelRunner:
             )
             out = self.sampler(logits, meta)
             token_ids, entries = tp.broadcast_from_driver(out.token_ids), out.logprobs
-        for i, state, token, entry in zip(rows, states, token_ids.tolist(), entries):
-            self.input_batch.append_token(state.req_id, token)
-            sampled[i] = [token]
-            logprobs[i] = [] if entry is None else [entry]
-        return sampled, logprobs
+        tokens = [[token] for token in token_ids.tolist()]
+        return record_emitted(
+            step, self.input_batch, rows, tokens, [[] if entry is None else [entry] for entry in entries]
+        )
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, step: StepInputs

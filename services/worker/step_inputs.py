@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.input_batch import InputBatch
+from protocol import TokenLogprobs
+from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, build_attention_metadata
 from services.worker.layers.triton_attention import (
     StepStaging,
@@ -114,3 +115,28 @@ def prepare_step(
         samples=seq_lens == known,
         group_metadata=groups if len(groups) > 1 else (),
     )
+
+
+def sampling_states(step: StepInputs, batch: InputBatch) -> tuple[np.ndarray, list[CachedRequestState]]:
+    """The rows of the requests that sample this step, in scheduled order, and their states."""
+    rows = np.flatnonzero(step.samples)
+    return rows, [batch.requests[step.req_ids[i]] for i in rows]
+
+
+def record_emitted(
+    step: StepInputs,
+    batch: InputBatch,
+    rows: np.ndarray,
+    tokens: list[list[int]],
+    entries: list[list[TokenLogprobs]],
+) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
+    """Append what each sampling request (``rows``) emitted to ``batch``; per scheduled request,
+    its emitted tokens and their logprobs (none where it did not sample)."""
+    sampled: list[list[int]] = [[] for _ in step.req_ids]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
+    for i, row_tokens, row_entries in zip(rows, tokens, entries):
+        for token in row_tokens:
+            batch.append_token(step.req_ids[i], token)
+        sampled[i] = row_tokens
+        logprobs[i] = row_entries
+    return sampled, logprobs

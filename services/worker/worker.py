@@ -19,7 +19,7 @@ from protocol.kv_cache_groups import group_windows
 from services.config.memory_plan import (
     MemoryPlan,
     engine_share,
-    fit_max_model_len,
+    fit_config_max_model_len,
     gib_text,
     node_available_memory_or_none,
     useful_blocks,
@@ -99,7 +99,7 @@ class Worker:
 
         The KV cache's bytes (``kv_budget``) over the bytes of one block, no more than
         ``max_num_seqs`` sequences of ``max_model_len`` can use; one sequence of the
-        context the engine will serve must fit (``fit_max_model_len``).
+        context the engine will serve must fit (``fit_config_max_model_len``).
         ``num_gpu_blocks_override`` skips the profiling.
         """
         self.load_model()
@@ -113,17 +113,8 @@ class Worker:
         kv_bytes, source = self.kv_budget(peak)
         num_blocks, source = self._capped(max(0, kv_bytes) // runner.kv_block_bytes, source)
         plan = self._memory_plan(source, peak, num_blocks)
-        model = self.config.model
         try:
-            context = fit_max_model_len(
-                model.max_model_len,
-                auto=model.max_model_len_auto,
-                num_blocks=num_blocks,
-                block_size=cache.block_size,
-                group_windows=group_windows(model),
-                step_tokens=self.config.scheduler.max_num_batched_tokens,
-                block_bytes=runner.kv_block_bytes,
-            )
+            context = fit_config_max_model_len(self.config, num_blocks, runner.kv_block_bytes)
         except ValueError as e:
             raise ValueError(f"{e} {plan.describe()}") from None
         logger.info(

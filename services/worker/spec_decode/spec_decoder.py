@@ -21,7 +21,7 @@ from services.worker.input_batch import CachedRequestState, InputBatch
 from services.worker.sampling_metadata import RequestSamplingInput, build_sampling_metadata, cached_filters
 from services.worker.spec_decode.ngram import NgramProposer
 from services.worker.spec_decode.rejection_sampler import RejectionSampler
-from services.worker.step_inputs import StepInputs
+from services.worker.step_inputs import StepInputs, record_emitted, sampling_states
 
 
 class SpecDecoder:
@@ -63,12 +63,9 @@ class SpecDecoder:
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
         """hidden [T, H] of the step -> per scheduled request, its emitted tokens and their logprobs."""
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in step.req_ids]
-        rows = np.flatnonzero(step.samples)  # requests that sample, in scheduled order
+        rows, states = sampling_states(step, batch)
         if rows.size == 0:
-            return sampled, logprobs
-        states = [batch.requests[step.req_ids[i]] for i in rows]
+            return record_emitted(step, batch, rows, [], [])
         drafts = [spec_tokens.get(state.req_id, []) for state in states]
         ends = step.query_start[1:][rows]
         index = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts)])
@@ -78,12 +75,7 @@ class SpecDecoder:
         else:
             token_ids, entries_of = self._verify(logits, states, drafts)
             token_ids = self._share_tokens(token_ids, drafts)
-        for i, state, tokens, entries in zip(rows, states, token_ids, entries_of):
-            for token in tokens:
-                batch.append_token(state.req_id, token)
-            sampled[i] = tokens
-            logprobs[i] = entries
-        return sampled, logprobs
+        return record_emitted(step, batch, rows, token_ids, entries_of)
 
     def _verify(
         self, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]]
