@@ -140,3 +140,16 @@ def test_a_library_of_several_files_rebuilds_when_a_header_they_share_changes(tm
     assert sorted(p.name for p in (extensions / "sources" / build).iterdir()) == ["a.cpp", "b.cpp", "value.h"]
     (src / "value.h").write_text("constexpr int kValue = 2;\n")
     assert built() == ["2", "20"]
+
+
+def test_the_package_ships_every_kernel_source_and_header():
+    """A wheel's kernels are built on first use: each file under kernels/csrc, headers included,
+    must match the package data pyproject.toml ships."""
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "kernels"
+    ]
+    files = [p.relative_to(REPO / "kernels").as_posix() for p in (REPO / "kernels" / "csrc").iterdir()]
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
