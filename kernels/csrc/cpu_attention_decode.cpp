@@ -6,6 +6,7 @@
 #include "paged_attention.h"
 
 namespace {
+
 // ---------------------------------------------------------------- decode
 
 // Partial result of one item: per query head g, the max score, the sum of
@@ -697,11 +698,11 @@ void decode_all(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
 
 }  // namespace
 
-void weft_attention::paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& token_idx,
-                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                                            at::Tensor out, int64_t window,
-                                            const std::optional<at::Tensor>& kv_scales, bool bf16_dot,
-                                            bool int8_fast) {
+void weft_attention::paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                            const at::Tensor& token_idx, const at::Tensor& seq_lens,
+                                            const at::Tensor& block_table, double scale, at::Tensor out,
+                                            int64_t window, const std::optional<at::Tensor>& kv_scales,
+                                            bool bf16_dot, bool int8_fast) {
   const char* op = "paged_decode_attention";
   check_layouts(op, query, kv_cache, out);
   check_scales(op, kv_cache, kv_scales);

@@ -10,6 +10,7 @@
 #endif
 
 namespace {
+
 // ---------------------------------------------------------------- prefill
 
 // A tile of query tokens times G heads is at most kMaxRows query rows: the
@@ -594,9 +595,10 @@ void check_prefills(const int64_t* starts, const int32_t* qlens, const int32_t* 
 
 }  // namespace
 
-void weft_attention::paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& query_start,
-                             const at::Tensor& query_lens, const at::Tensor& context_lens,
-                             const at::Tensor& block_table, double scale, at::Tensor out, int64_t window,
+void weft_attention::paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                             const at::Tensor& query_start, const at::Tensor& query_lens,
+                                             const at::Tensor& context_lens, const at::Tensor& block_table,
+                                             double scale, at::Tensor out, int64_t window,
                                              const std::optional<at::Tensor>& kv_scales, bool bf16_dot,
                                              bool amx) {
   const char* op = "paged_prefill_attention";

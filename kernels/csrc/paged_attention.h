@@ -709,8 +709,9 @@ void segment_rows(TileBuffers b, int64_t rows, int64_t G, int64_t D, const KeySo
 }
 
 // Folds each row's segment state (m, l, acc) into its running one (M, L, A): both rescaled to the
-// larger max. A segment the row saw no key of (l == 0) leaves it as it is. One compiled copy (not
-// inlined), so that every caller rounds alike.
+// larger max. A segment the row saw no key of (l == 0) leaves it as it is. One compiled copy in each
+// file (not inlined), so that every caller rounds alike: the decode and prefill files compile the
+// same text with the same flags.
 [[gnu::noinline]] void fold_rows(const float* m, const float* l, const float* acc, int64_t rows, int64_t D, float* M,
                                  float* L, float* A) {
   for (int64_t r = 0; r < rows; ++r) {
