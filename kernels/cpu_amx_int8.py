@@ -2,7 +2,8 @@
 
 Built, where the CPU has AMX (amx_tile, amx_int8), like the other CPU kernels: by
 ``python -m kernels.cpu_amx_int8`` ahead of time, else on first use, cached by
-``torch.utils.cpp_extension``. ``available()`` says once per process whether the
+``torch.utils.cpp_extension`` (``kernels.cpu_int8_gemm``, the
+loader of the three int8 GEMMs, builds and loads it). ``available()`` says once per process whether the
 int8 copy may use it: false, with the reason logged, on a CPU without AMX int8, when
 the build cannot happen or the kernel is refused the tile state, or when
 ``WEFT_AMX_INT8=0`` turns it off (to measure what it gains). Its torch twin is
@@ -11,52 +12,29 @@ the build cannot happen or the kernel is refused the tile state, or when
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 import torch
 
-from kernels.cpu_build import (
-    AMX_INT8,
-    AMX_INT8_FLAGS,
-    KernelUnavailable,
-    build_command,
-    build_for_flags,
-    loaded_if_on,
-    switch_on,
-)
+from kernels import cpu_int8_gemm
+from kernels.cpu_build import KernelUnavailable
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_int8.cpp"
-ENV_SWITCH = "WEFT_AMX_INT8"  # "0" keeps the int8 copy on oneDNN's int8 matmul; read by enabled_by_env()
-
-logger = logging.getLogger(__name__)
+GEMM = "amx"  # its row of cpu_int8_gemm.GEMMS, which builds and loads it
+ENV_SWITCH = cpu_int8_gemm.GEMMS[GEMM].switch
 
 __all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pack_weight"]
 
 
 def enabled_by_env() -> bool:
-    return switch_on(ENV_SWITCH)
+    return cpu_int8_gemm.enabled_by_env(GEMM)
 
 
-@functools.cache
 def load():
-    """Build (or load the cached build of) the kernel and return ``torch.ops.weft_amx_int8``;
-    ``KernelUnavailable`` on a CPU without AMX int8 or where the build fails."""
-    build_for_flags("weft_cpu_amx_int8", SOURCE, "the AMX int8 GEMM kernel", AMX_INT8_FLAGS, AMX_INT8)
-    return torch.ops.weft_amx_int8
+    """``torch.ops.weft_amx_int8``, built or loaded once (``cpu_int8_gemm.load``)."""
+    return cpu_int8_gemm.load(GEMM)
 
 
-@functools.cache
 def available() -> bool:
     """Whether the int8 copy runs its integer GEMMs on this kernel here."""
-    ops = loaded_if_on(ENV_SWITCH, load, "the AMX int8 GEMM kernel", logger)
-    if ops is None:
-        return False
-    if not ops.available():
-        logger.warning("the AMX int8 GEMM was refused the tile state.")
-        return False
-    return True
+    return cpu_int8_gemm.available(GEMM)
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -94,4 +72,4 @@ def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    raise SystemExit(build_command(load, "the AMX int8 GEMM kernel", AMX_INT8[0]))
+    raise SystemExit(cpu_int8_gemm.build(GEMM))

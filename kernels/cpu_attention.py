@@ -1,4 +1,5 @@
-"""The compiled CPU paged-attention kernels, decode and prefill (``csrc/cpu_paged_attention.cpp``).
+"""The compiled CPU paged-attention kernels, decode and prefill (``csrc/cpu_paged_attention.cpp``
+with ``csrc/cpu_attention_decode.cpp`` and ``csrc/cpu_attention_prefill.cpp``, one library).
 
 Built by ``kernels.cpu_build`` at ``make install`` (``python -m
 kernels.cpu_attention``), else on first use (about 20 s; later processes
@@ -20,13 +21,13 @@ scales per (token, KV head) (``write_kv_int8`` writes them; twins
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from kernels.cpu_build import KernelUnavailable, amx_isa, build, cpu_flags, target_isa
 from kernels.reference import check_kv_int8_write_args, check_query_and_cache
+from services import env
 
 __all__ = [
     "KernelUnavailable",
@@ -37,6 +38,7 @@ __all__ = [
     "check_decode_args",
     "check_prefill_args",
     "check_write_kv_int8_args",
+    "decode_switches",
     "load",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -45,28 +47,46 @@ __all__ = [
     "write_kv_int8",
 ]
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-# "1" runs bf16 prefills and decodes on bf16 dot products where they are built in (AVX512_BF16), "0"
-# (or unset) keeps them on the fp32 path, the batch-invariant one; read by the kernel itself on every
-# call (services/env.py declares it).
+_CSRC = Path(__file__).parent / "csrc"
+# The library's files: the ops' registration (and the kernel's rules), then its two kernels; the
+# headers beside them (paged_attention.h, simd_math.h, amx_tiles.h) are found by the compiler.
+SOURCES = (
+    _CSRC / "cpu_paged_attention.cpp",
+    _CSRC / "cpu_attention_decode.cpp",
+    _CSRC / "cpu_attention_prefill.cpp",
+)
+# The kernel's switches (services/env.py declares them), read here on every call and passed to the
+# kernel as arguments. "1" runs bf16 prefills and decodes on bf16 dot products where they are built in
+# (AVX512_BF16), "0" (or unset) keeps them on the fp32 path, the batch-invariant one.
 ENV_BF16_DOT = "WEFT_ATTENTION_BF16_DOT"
 # "0" keeps bf16 prefills on vdpbf16ps where the build has AMX tiles, "1" (or unset) runs their products
-# on tiles; read by the kernel on every call, as ENV_BF16_DOT.
+# on tiles.
 ENV_AMX = "WEFT_ATTENTION_AMX"
 # "0" keeps int8-cache decodes on the generic path where the AVX-512 one is built in (head sizes 64
-# and 128), "1" (or unset) uses it; read by the kernel on every call, as ENV_BF16_DOT.
+# and 128), "1" (or unset) uses it.
 ENV_INT8_FAST = "WEFT_ATTENTION_INT8_FAST"
 
 
-def _check_switch(name: str) -> None:
-    value = os.environ.get(name)
-    if value is not None and value not in ("0", "1"):
+def switch(name: str, unset: bool) -> bool:
+    """A 0/1 switch of the kernel, ``unset`` where it is not set; any other value (empty included) is
+    a ValueError naming it."""
+    value = env.get_raw(name)
+    if value is None:
+        return unset
+    if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}.")
+    return value == "1"
+
+
+def decode_switches() -> tuple[bool, bool]:
+    """The decode kernel's (bf16_dot, int8_fast) arguments as the environment sets them: for callers
+    of ``torch.ops.weft_cpu.paged_decode_attention`` itself (the lean decode path)."""
+    return switch(ENV_BF16_DOT, False), switch(ENV_INT8_FAST, True)
 
 
 def check_bf16_dot_env() -> None:
-    """Refuse a value of ``ENV_BF16_DOT`` other than 0 or 1 (the kernel refuses it too, per call)."""
-    _check_switch(ENV_BF16_DOT)
+    """Refuse a value of ``ENV_BF16_DOT`` other than 0 or 1 (the calls refuse it too)."""
+    switch(ENV_BF16_DOT, False)
 
 
 def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
@@ -77,7 +97,7 @@ def bf16_dot_prefills(dtype: torch.dtype, head_dim: int) -> bool:
         dtype == torch.bfloat16
         and head_dim in (64, 128, 256)
         and amx_isa()[0] in ("avx512bf16", "amxbf16")
-        and os.environ.get(ENV_BF16_DOT, "0") == "1"
+        and switch(ENV_BF16_DOT, False)
     )
 
 
@@ -97,7 +117,7 @@ def amx_prefills(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         and head_dim % 64 == 0
         and block_size % 16 == 0
         and amx_isa()[0] == "amxbf16"
-        and os.environ.get(ENV_AMX, "1") != "0"
+        and switch(ENV_AMX, True)
     )
 
 
@@ -108,7 +128,7 @@ def int8_fast_decodes(head_dim: int) -> bool:
     return (
         head_dim in (64, 128)
         and amx_isa()[0] in ("avx512", "avx512bf16", "amxbf16")
-        and os.environ.get(ENV_INT8_FAST, "1") != "0"
+        and switch(ENV_INT8_FAST, True)
     )
 
 
@@ -130,9 +150,9 @@ def load() -> None:
     CPU's ``amx_isa()``, whose AVX512_BF16 variants run bf16 attention on bf16 dot products and
     whose AMX one runs bf16 prefills on tiles."""
     check_bf16_dot_env()
-    _check_switch(ENV_INT8_FAST)
-    _check_switch(ENV_AMX)
-    build("weft_cpu_paged_attention", SOURCE, "the CPU attention kernel", isa=amx_isa())
+    switch(ENV_INT8_FAST, True)
+    switch(ENV_AMX, True)
+    build("weft_cpu_paged_attention", SOURCES, "the CPU attention kernel", isa=amx_isa())
 
 
 def paged_decode_attention(
@@ -166,9 +186,20 @@ def paged_decode_attention(
     if check:
         check_decode_args(query, kv_cache, token_idx, seq_lens, block_table, out, kv_scales)
     _check_window(window)
+    bf16_dot, int8_fast = decode_switches()
     load()
     torch.ops.weft_cpu.paged_decode_attention(
-        query, kv_cache, token_idx, seq_lens, block_table, float(scale), out, int(window), kv_scales
+        query,
+        kv_cache,
+        token_idx,
+        seq_lens,
+        block_table,
+        float(scale),
+        out,
+        int(window),
+        kv_scales,
+        bf16_dot,
+        int8_fast,
     )
 
 
@@ -254,6 +285,7 @@ def paged_prefill_attention(
             query, kv_cache, query_start, query_lens, context_lens, block_table, out, kv_scales
         )
     _check_window(window)
+    bf16_dot, amx = switch(ENV_BF16_DOT, False), switch(ENV_AMX, True)
     load()
     torch.ops.weft_cpu.paged_prefill_attention(
         query,
@@ -266,6 +298,8 @@ def paged_prefill_attention(
         out,
         int(window),
         kv_scales,
+        bf16_dot,
+        amx,
     )
 
 

@@ -1,7 +1,8 @@
 """The int8 linear's integer GEMM on AVX2 without VNNI (``csrc/cpu_avx2_int8.cpp``).
 
 Built like the other CPU kernels: by ``python -m kernels.cpu_avx2_int8`` ahead
-of time, else on first use, cached by ``torch.utils.cpp_extension``.
+of time, else on first use, cached by ``torch.utils.cpp_extension`` (``kernels.cpu_int8_gemm``, the
+loader of the three int8 GEMMs, builds and loads it).
 ``available()`` says once per process whether the int8 copy may use it: false,
 with the reason logged, on a CPU without AVX2, when the build cannot happen,
 or when ``WEFT_AVX2_INT8=0`` turns it off (to measure what it gains). It reads
@@ -15,49 +16,30 @@ scaling back); its twins are the three passes it replaces, which give the same b
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 import torch
 
-from kernels import cpu_amx_int8
+from kernels import cpu_amx_int8, cpu_int8_gemm
 from kernels.cpu_amx_int8 import fits  # the same layout, and the packing's rule
-from kernels.cpu_build import (
-    AVX2_FLAGS,
-    KernelUnavailable,
-    build_command,
-    build_for_flags,
-    loaded_if_on,
-    switch_on,
-    target_isa,
-)
+from kernels.cpu_build import KernelUnavailable
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_avx2_int8.cpp"
-ENV_SWITCH = "WEFT_AVX2_INT8"  # "0" keeps the int8 copy on torch._int_mm; read by enabled_by_env()
-
-logger = logging.getLogger(__name__)
+GEMM = "avx2"  # its row of cpu_int8_gemm.GEMMS, which builds and loads it
+ENV_SWITCH = cpu_int8_gemm.GEMMS[GEMM].switch
 
 __all__ = ["KernelUnavailable", "available", "fits", "int8_linear", "int8_matmul", "load", "pack_weight"]
 
 
 def enabled_by_env() -> bool:
-    return switch_on(ENV_SWITCH)
+    return cpu_int8_gemm.enabled_by_env(GEMM)
 
 
-@functools.cache
 def load():
-    """Build (or load the cached build of) the kernel and return ``torch.ops.weft_avx2_int8``;
-    ``KernelUnavailable`` on a CPU without AVX2 or where the build fails."""
-    build_for_flags("weft_cpu_avx2_int8", SOURCE, "the AVX2 int8 GEMM kernel", AVX2_FLAGS, target_isa())
-    return torch.ops.weft_avx2_int8
+    """``torch.ops.weft_avx2_int8``, built or loaded once (``cpu_int8_gemm.load``)."""
+    return cpu_int8_gemm.load(GEMM)
 
 
-@functools.cache
 def available() -> bool:
     """Whether the int8 copy may run its integer GEMMs on this kernel here."""
-    ops = loaded_if_on(ENV_SWITCH, load, "the AVX2 int8 GEMM kernel", logger)
-    return ops is not None and bool(ops.available())
+    return cpu_int8_gemm.available(GEMM)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -90,4 +72,4 @@ def int8_linear(
 
 
 if __name__ == "__main__":
-    raise SystemExit(build_command(load, "the AVX2 int8 GEMM kernel", target_isa()[0]))
+    raise SystemExit(cpu_int8_gemm.build(GEMM))

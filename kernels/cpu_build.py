@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 # The CPU's flags, and what each build needs of them, are kernels/cpu_caps.py's; the kernel
@@ -117,6 +117,13 @@ def stable_source(source: Path, build_name: str, build_root: str) -> Path:
     return _copy_if_changed(source, folder / source.name)
 
 
+def stable_sources(sources: Sequence[Path], build_name: str, build_root: str) -> list[Path]:
+    """``stable_source`` of each of a library's source files, in one folder (the headers beside them
+    once). The headers are not named to torch: ninja finds them through the compiler's list of what
+    each file included, and rebuilds the files that include one whose text changed."""
+    return [stable_source(source, build_name, build_root) for source in sources]
+
+
 def _copy_if_changed(source: Path, copy: Path) -> Path:
     text = source.read_bytes()
     if not copy.exists() or copy.read_bytes() != text:
@@ -185,14 +192,16 @@ def extensions_root() -> str:
 
 def build(
     name: str,
-    source: Path,
+    source: Path | Sequence[Path],
     what: str,
     isa: tuple[str, list[str]] | None = None,
     defines: tuple[str, ...] = (),
 ) -> None:
-    """Build (or load the cached build of) ``source`` as ``{name}_{isa}``, which registers
-    its ops with torch; ``what`` names it in the errors ("the CPU attention kernel").
-    ``isa`` (name, flags) replaces ``target_isa()``; ``defines`` go to the compiler as ``-D``."""
+    """Build (or load the cached build of) ``source`` (one file, or the files of one library, which
+    ninja compiles side by side) as ``{name}_{isa}``, which registers its ops with torch; ``what``
+    names it in the errors ("the CPU attention kernel"). ``isa`` (name, flags) replaces
+    ``target_isa()``; ``defines`` go to the compiler as ``-D``."""
+    sources = [source] if isinstance(source, Path) else list(source)
     from torch.utils import cpp_extension
 
     # The venv's ninja, when weft is run through .venv/bin/python without activating it.
@@ -211,7 +220,7 @@ def build(
             if not built_before:
                 logger.info("Building %s for %s (once per torch install) ...", what, isa)
             start = time.monotonic()
-            _load(cpp_extension, build, source, isa_flags, defines)
+            _load(cpp_extension, build, sources, isa_flags, defines)
             if not built_before:
                 logger.info("Built %s in %.0f s.", what, time.monotonic() - start)
             else:
@@ -244,10 +253,12 @@ def build_lock(build_name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _load(cpp_extension, build: str, source: Path, isa_flags: list[str], defines: tuple[str, ...]) -> None:
+def _load(
+    cpp_extension, build: str, sources: list[Path], isa_flags: list[str], defines: tuple[str, ...]
+) -> None:
     cpp_extension.load(
         name=build,
-        sources=[str(stable_source(source, build, extensions_root()))],
+        sources=[str(copy) for copy in stable_sources(sources, build, extensions_root())],
         # -fopenmp: at::parallel_for's OpenMP pragmas live in ATen's headers and need it
         # here; the library then uses the libgomp torch has already loaded.
         # -fno-trapping-math: nothing here reads floating-point exception flags, and with
@@ -292,7 +303,8 @@ def loaded_if_on(env_name: str, load, what: str, logger):
 
 
 def switch_on(env_name: str) -> bool:
-    """A kernel's on/off switch in the environment: "1" (the default) or "0"; else ValueError."""
+    """A kernel's on/off switch in the environment (declared in ``services/env.py``, read through
+    it): "1" (the default) or "0"; else ValueError."""
     value = env.get_raw(env_name, "1").strip().lower()
     if value not in ("0", "1"):
         raise ValueError(f"{env_name} must be 0 or 1, got {value!r}.")

@@ -2,7 +2,8 @@
 
 Built, where the CPU has AVX-512 VNNI, like the other CPU kernels: by
 ``python -m kernels.cpu_vnni_int8`` ahead of time, else on first use, cached by
-``torch.utils.cpp_extension``. ``available()`` says once per process whether the
+``torch.utils.cpp_extension`` (``kernels.cpu_int8_gemm``, the
+loader of the three int8 GEMMs, builds and loads it). ``available()`` says once per process whether the
 int8 copy may use it: false, with the reason logged, on a CPU without AVX-512
 VNNI, when the build cannot happen, or when ``WEFT_VNNI_INT8=0`` turns it off (to
 measure what it gains). Its weight is packed as the AMX kernel's is
@@ -13,48 +14,30 @@ integers, exactly.
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 import torch
 
+from kernels import cpu_int8_gemm
 from kernels.cpu_amx_int8 import fits, pack_weight  # the same layout, and the packing's rule
-from kernels.cpu_build import (
-    AVX512_VNNI,
-    AVX512_VNNI_FLAGS,
-    KernelUnavailable,
-    build_command,
-    build_for_flags,
-    loaded_if_on,
-    switch_on,
-)
+from kernels.cpu_build import KernelUnavailable
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_vnni_int8.cpp"
-ENV_SWITCH = "WEFT_VNNI_INT8"  # "0" keeps the int8 copy on torch._int_mm; read by enabled_by_env()
-
-logger = logging.getLogger(__name__)
+GEMM = "vnni"  # its row of cpu_int8_gemm.GEMMS, which builds and loads it
+ENV_SWITCH = cpu_int8_gemm.GEMMS[GEMM].switch
 
 __all__ = ["KernelUnavailable", "available", "fits", "int8_matmul", "load", "pack_weight", "row_bias"]
 
 
 def enabled_by_env() -> bool:
-    return switch_on(ENV_SWITCH)
+    return cpu_int8_gemm.enabled_by_env(GEMM)
 
 
-@functools.cache
 def load():
-    """Build (or load the cached build of) the kernel and return ``torch.ops.weft_vnni_int8``;
-    ``KernelUnavailable`` on a CPU without AVX-512 VNNI or where the build fails."""
-    build_for_flags("weft_cpu_vnni_int8", SOURCE, "the VNNI int8 GEMM kernel", AVX512_VNNI_FLAGS, AVX512_VNNI)
-    return torch.ops.weft_vnni_int8
+    """``torch.ops.weft_vnni_int8``, built or loaded once (``cpu_int8_gemm.load``)."""
+    return cpu_int8_gemm.load(GEMM)
 
 
-@functools.cache
 def available() -> bool:
     """Whether the int8 copy runs its integer GEMMs on this kernel here."""
-    ops = loaded_if_on(ENV_SWITCH, load, "the VNNI int8 GEMM kernel", logger)
-    return ops is not None and bool(ops.available())
+    return cpu_int8_gemm.available(GEMM)
 
 
 def row_bias(weight: torch.Tensor) -> torch.Tensor:
@@ -76,4 +59,4 @@ def int8_matmul(q: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor
 
 
 if __name__ == "__main__":
-    raise SystemExit(build_command(load, "the VNNI int8 GEMM kernel", AVX512_VNNI[0]))
+    raise SystemExit(cpu_int8_gemm.build(GEMM))

@@ -54,32 +54,32 @@ VARIABLES: tuple[EnvVar, ...] = (
         "WEFT_ATTENTION_BF16_DOT",
         "1 runs bf16 prefills and decodes of the CPU attention kernel on bf16 dot products where the CPU has "
         "AVX512_BF16 (faster, not batch-invariant); unset or 0 keeps them on its fp32 path, whose rows are the "
-        "same bits in any batch (the kernel reads it itself on every call, kernels/csrc/cpu_paged_attention.cpp).",
+        "same bits in any batch (kernels/cpu_attention.py reads it on every call and passes it to the kernel).",
     ),
     EnvVar(
         "WEFT_ATTENTION_AMX",
         "0 keeps bf16 prefills of the CPU attention kernel on AVX512_BF16 dot products where the CPU has AMX "
-        "tiles and WEFT_ATTENTION_BF16_DOT=1 (read by the kernel on every call; for tests and measurements).",
+        "tiles and WEFT_ATTENTION_BF16_DOT=1 (read as WEFT_ATTENTION_BF16_DOT is; for tests and measurements).",
     ),
     EnvVar(
         "WEFT_ATTENTION_INT8_FAST",
         "0 keeps decodes over an int8 KV cache on the CPU attention kernel's generic path where its AVX-512 "
-        "path is built (read by the kernel on every call; for tests and measurements).",
-    ),
-    EnvVar(
-        "WEFT_AVX2_INT8",
-        "0 keeps the int8 dense copy's GEMMs on torch._int_mm instead of weft's AVX2 int8 GEMM kernel "
-        "(kernels/cpu_avx2_int8.py; to measure what it gains).",
-    ),
-    EnvVar(
-        "WEFT_VNNI_INT8",
-        "0 keeps the int8 dense copy's GEMMs on torch._int_mm instead of weft's AVX-512 VNNI int8 GEMM kernel "
-        "(kernels/cpu_vnni_int8.py; to measure what it gains).",
+        "path is built (read as WEFT_ATTENTION_BF16_DOT is; for tests and measurements).",
     ),
     EnvVar(
         "WEFT_AMX_INT8",
-        "0 keeps the int8 dense copy's GEMMs on oneDNN's int8 matmul instead of weft's AMX int8 GEMM kernel "
-        "(kernels/cpu_amx_int8.py; to measure what it gains).",
+        "0 keeps the int8 copy's GEMMs on oneDNN where weft's AMX int8 kernel would run them "
+        "(kernels/cpu_int8_gemm.py; to measure what it gains).",
+    ),
+    EnvVar(
+        "WEFT_VNNI_INT8",
+        "0 keeps the int8 copy's GEMMs on torch._int_mm where weft's AVX-512 VNNI kernel would run them "
+        "(kernels/cpu_int8_gemm.py; to measure what it gains).",
+    ),
+    EnvVar(
+        "WEFT_AVX2_INT8",
+        "0 keeps the int8 copy's GEMMs on torch._int_mm where weft's AVX2 int8 kernel would run them "
+        "(kernels/cpu_int8_gemm.py; to measure what it gains).",
     ),
     EnvVar(
         "WEFT_QUANT_ISA",

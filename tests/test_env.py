@@ -15,12 +15,7 @@ PRODUCT = ("protocol", "services", "kernels")
 ENV_PY = REPO_ROOT / "services" / "env.py"
 # Files that still touch os.environ themselves, each being moved to services/env.py by other work;
 # empty it as they land.
-PENDING = (
-    "kernels/cpu_attention.py",
-    "kernels/cpu_avx2_int8.py",
-    "kernels/cpu_vnni_int8.py",
-    "kernels/cpu_amx_int8.py",
-)
+PENDING: tuple[str, ...] = ()
 OS_ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 ENV_FUNCTIONS = {"get", "get_raw", "is_set", "put"}
 WEFT_NAME = re.compile(r"\bWEFT_[A-Z0-9_]*[A-Z0-9]\b")
@@ -151,3 +146,8 @@ def test_flag_overrides_are_those_the_parser_knows(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("WEFT_HOST", "0.0.0.0")
     assert [(v.flag, value) for v, value in env.flag_overrides({"--port"})] == [("--port", "9000")]
     assert "WEFT_API_KEY" in env.describe()
+
+
+def test_each_variable_is_declared_once() -> None:
+    names = [variable.name for variable in (*env.VARIABLES, *env.PLATFORM)]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

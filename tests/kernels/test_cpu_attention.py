@@ -335,3 +335,33 @@ def test_a_bad_amx_switch_is_refused_by_name(monkeypatch, value):
     with pytest.raises(ValueError, match="WEFT_ATTENTION_AMX must be 0 or 1"):
         cpu_attention.paged_prefill_attention(query, cache, starts, qlens, ctx, table, 0.125, out)
     assert torch.all(out == 0)
+
+
+@needs_compiler
+def test_the_kernel_takes_its_switches_as_arguments_and_reads_no_environment(monkeypatch):
+    """The switches reach the ops as arguments (cpu_attention reads them through services/env.py):
+    with every one set to a value the wrapper refuses, the ops themselves still run, and give what
+    their arguments ask for (here the defaults: an AVX2 build has no other path)."""
+    from tests.kernels.prefill_cases import prefill_case
+
+    gen = torch.Generator().manual_seed(11)
+    query, cache, token_idx, seq_lens, table = decode_case(gen, [20, 5], 9, 3, 64, torch.bfloat16)
+    want = torch.zeros(query.shape, dtype=torch.bfloat16)
+    cpu_attention.paged_decode_attention(query, cache, token_idx, seq_lens, table, 0.125, want)
+    pq, pcache, starts, qlens, ctx, ptable = prefill_case(gen, [(0, 20)], 9, 3, 64, torch.bfloat16)
+    want_prefill = torch.zeros(pq.shape, dtype=torch.bfloat16)
+    cpu_attention.paged_prefill_attention(pq, pcache, starts, qlens, ctx, ptable, 0.125, want_prefill)
+    for name in (cpu_attention.ENV_BF16_DOT, cpu_attention.ENV_AMX, cpu_attention.ENV_INT8_FAST):
+        monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        cpu_attention.decode_switches()
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    torch.ops.weft_cpu.paged_decode_attention(
+        query, cache, token_idx, seq_lens, table, 0.125, out, 0, None, False, True
+    )
+    assert torch.equal(out, want)
+    out = torch.zeros(pq.shape, dtype=torch.bfloat16)
+    torch.ops.weft_cpu.paged_prefill_attention(
+        pq, pcache, starts, qlens, ctx, ptable, 0.125, out, 0, None, False, True
+    )
+    assert torch.equal(out, want_prefill)

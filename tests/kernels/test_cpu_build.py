@@ -107,3 +107,49 @@ def test_without_torch_extensions_dir_the_lock_is_looked_for_where_torch_builds(
     with build_lock("weft_k_avx2"):
         assert not (folder / "lock").exists()
     assert "left by a process stopped while it built weft_k_avx2" in caplog.text
+
+
+def test_a_library_of_several_files_rebuilds_when_a_header_they_share_changes(tmp_path):
+    """A kernel of several source files (the CPU attention's decode and prefill files over their
+    shared headers) builds into one library from the files' copies, the headers copied beside them;
+    a changed header rebuilds the files that include it, though no source file's text changed."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "value.h").write_text("constexpr int kValue = 1;\n")
+    (src / "a.cpp").write_text('#include "value.h"\nextern "C" int weft_probe_a() { return kValue; }\n')
+    (src / "b.cpp").write_text('#include "value.h"\nextern "C" int weft_probe_b() { return 10 * kValue; }\n')
+    extensions = tmp_path / "extensions"
+    build = build_name("weft_probe2", "plain")
+    code = (
+        "import ctypes; from pathlib import Path; from kernels.cpu_build import build; "
+        f"src = Path({str(src)!r}); "
+        "build('weft_probe2', [src / 'a.cpp', src / 'b.cpp'], 'the probe', isa=('plain', [])); "
+        f"lib = ctypes.CDLL({str(extensions / build / f'{build}.so')!r}); "
+        "print(lib.weft_probe_a(), lib.weft_probe_b())"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(REPO)}
+
+    def built() -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert built() == ["1", "10"]
+    assert sorted(p.name for p in (extensions / "sources" / build).iterdir()) == ["a.cpp", "b.cpp", "value.h"]
+    (src / "value.h").write_text("constexpr int kValue = 2;\n")
+    assert built() == ["2", "20"]
+
+
+def test_the_package_ships_every_kernel_source_and_header():
+    """A wheel's kernels are built on first use: each file under kernels/csrc, headers included,
+    must match the package data pyproject.toml ships."""
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "kernels"
+    ]
+    files = [p.relative_to(REPO / "kernels").as_posix() for p in (REPO / "kernels" / "csrc").iterdir()]
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []

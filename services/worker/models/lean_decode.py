@@ -204,6 +204,7 @@ class LeanDecode:
         gate_up = torch.empty(t, first.gate_up.out_features)
         act = torch.empty(t, first.intermediate)
         table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
+        bf16_dot, int8_fast = cpu_attention.decode_switches()  # the first layer's, read once for the step
         for i, (layer, (keys, values)) in enumerate(zip(self._layers, self._cache_rows(context.kv_caches))):
             if i == 0:
                 rms_norm(x, residual, layer.in_norm, eps)
@@ -217,7 +218,7 @@ class LeanDecode:
             if i == 0:  # the first layer checks the step's arguments in full (the module path's rule)
                 cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
             else:
-                attention(heads, cache, token_idx, seq_lens, table, scale, attn, 0, None)
+                attention(heads, cache, token_idx, seq_lens, table, scale, attn, 0, None, bf16_dot, int8_fast)
             linear(attn_rows, layer.o.packed, layer.o.scale, layer.o.hadamard_block, o)
             add_rms_norm(o, residual, layer.post_norm, eps)  # residual += o; o = norm(residual)
             linear(o, layer.gate_up.packed, layer.gate_up.scale, layer.gate_up.hadamard_block, gate_up)
