@@ -77,7 +77,7 @@ $(GEMMA3_HF)/config.json: $(GEMMA3)
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
-# Every test (about 20 minutes on 2 cores, README "Testing"; CI runs the same tests as test-fast + test-slow).
+# Every test (about 18 minutes on 2 cores, README "Testing"; CI runs the same tests as test-fast + test-slow).
 test: install-dev model model-gemma3
 	$(PY) -m pytest -q
 
