@@ -66,10 +66,11 @@ _EXTRA_HELP = {
     "quantization": "gguf (keep a GGUF file's quantized weights packed; the default for GGUF files on CPU) "
     "or none (dequantize to --dtype at load).",
     "dense_min_rows": "With --quantization gguf: steps of at least this many rows run a dense copy of each "
-    "weight, fewer rows the packed kernels; 0 keeps no copy (default auto: where the copy takes at most "
-    f"half of the memory budget, --kv-cache-memory, {AVX2_INT8_DENSE_MIN_ROWS} with the int8 copy on weft's "
-    f"own AVX2 int8 GEMM, {OWN_INT8_GEMM_DENSE_MIN_ROWS} on its AMX int8 tiles or AVX-512 VNNI GEMMs, and "
-    f"{DEFAULT_DENSE_MIN_ROWS} otherwise; else 0).",
+    "weight, fewer rows the packed kernels; 0 keeps no copy (default auto: no copy, the weights resident "
+    "once and a row's output independent of its batch; with --dense-copy-dtype model or int8 given alone, "
+    f"{AVX2_INT8_DENSE_MIN_ROWS} with the int8 copy on weft's own AVX2 int8 GEMM, "
+    f"{OWN_INT8_GEMM_DENSE_MIN_ROWS} on its AMX int8 tiles or AVX-512 VNNI GEMMs, and "
+    f"{DEFAULT_DENSE_MIN_ROWS} otherwise). A copy costs memory and batch invariance.",
     "dense_copy_dtype": "model (the dense copy in --dtype alone), int8 (an int8 copy beside it, one more "
     "byte a weight: activations rotated and rounded to int8 per row, then integer GEMMs at a small cost "
     f"in accuracy; weft's own GEMMs run it for the dense copy's steps, up to {AMX_INT8_MAX_ROWS} rows on AMX "
