@@ -46,6 +46,7 @@ ENGINE = dict(
     dtype="float32", max_model_len=512, num_gpu_blocks_override=128, block_size=16, max_num_batched_tokens=64
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LOGPROB_TOLERANCE = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +117,14 @@ def test_tp3_is_token_identical_to_tp1_on_the_default_model(tokenizer, tp1_outpu
         shut(llm)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in tp1_outputs]
     assert outputs[3].num_cached_tokens >= 192 and tp1_outputs[3].num_cached_tokens >= 192  # prefix cache hit
+    # The ranks' fp32 partial sums add in another order than one rank's, and a last-bit difference
+    # can move an activation's int16 rounding by one step; over 30 layers that leaves logprobs
+    # apart by up to 1.1e-3 on AVX-512 VNNI (0.2-0.9e-3 on AVX2). A sharding mistake moves them
+    # by tenths.
     with_logprobs, reference = outputs[4], tp1_outputs[4]
     for ours, theirs in zip(with_logprobs.outputs[0].logprobs, reference.outputs[0].logprobs):
         assert ours.keys() == theirs.keys()
-        assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-3 for t in ours)
+        assert all(abs(ours[t].logprob - theirs[t].logprob) < LOGPROB_TOLERANCE for t in ours)
     assert len(with_logprobs.prompt_logprobs) == len(reference.prompt_logprobs)
     for ours, theirs in zip(with_logprobs.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
         assert ours.keys() == theirs.keys()

@@ -270,11 +270,16 @@ def test_bf16_prefill_takes_the_bf16_dot_path_where_the_cpu_has_it(monkeypatch):
 def test_bf16_prefill_takes_amx_tiles_where_the_cpu_has_them(monkeypatch, head_dim, block_size):
     """The AMX switch picks a different computation exactly where amx_prefills says the kernel runs
     tiles (else the amx cases above ran vdpbf16ps twice): a CPU with amx_tile and amx_bf16, head sizes
-    of a multiple of 64, block sizes of a multiple of 16."""
+    of a multiple of 64, block sizes of a multiple of 16, and the opt-in bf16 dot path asked for (at
+    the default, prefills run the batch-invariant fp32 tiles and no AMX)."""
     from kernels.cpu_build import cpu_flags
 
     gen = torch.Generator().manual_seed(8)
     args = prefill_case(gen, [(0, 100), (40, 30)], 8, 2, head_dim, torch.bfloat16, block_size=block_size)
+    monkeypatch.delenv(cpu_attention.ENV_BF16_DOT, raising=False)
+    monkeypatch.setenv(cpu_attention.ENV_AMX, "1")
+    assert not cpu_attention.amx_prefills(torch.bfloat16, head_dim, block_size)
+    monkeypatch.setenv(cpu_attention.ENV_BF16_DOT, "1")
     outs = []
     for flag in ("1", "0"):
         monkeypatch.setenv(cpu_attention.ENV_AMX, flag)
