@@ -1,4 +1,5 @@
-"""Write the random-word workloads: ``smoke-8``, ``offline-64`` and ``shared-prefix-96``.
+"""Write the random-word workloads: ``smoke-8``, ``offline-64``, ``shared-prefix-96``, ``short-16``
+and ``long-2048``.
 
 Each prompt is a run of words drawn (Python's ``random``, a fixed seed) from
 the default tokenizer's single-token words: the vocabulary entries that are a
@@ -83,3 +84,31 @@ def build_shared_prefix(tokenizer: Tokenizer) -> dict:
         "48 output tokens, seed 77"
     )
     return workload_file("shared-prefix-96", description, _shared_prefix(tokenizer))
+
+
+def build_short(tokenizer: Tokenizer) -> dict:
+    """smoke-8's prompts, then the same with " again" in front, 64 new tokens each: the real-size
+    single-stream and 16-stream runs (short prompts, so decode dominates)."""
+    smoke = build_smoke(tokenizer)["requests"]
+    again = dict(single_token_words(tokenizer))["again"]
+    requests = [{**r, "max_tokens": 64} for r in smoke]
+    requests += [
+        {
+            "prompt": " again" + r["prompt"],
+            "prompt_token_ids": [again, *r["prompt_token_ids"]],
+            "max_tokens": 64,
+        }
+        for r in smoke
+    ]
+    description = "smoke-8's 8 prompts, then the same with ' again' in front; 64 output tokens each"
+    return workload_file("short-16", description, requests)
+
+
+def build_long(tokenizer: Tokenizer) -> dict:
+    """Three distinct prompts of exactly 2,048 tokens, 4 new tokens each: time to first token of a
+    long fresh prompt."""
+    rng, words = random.Random(2048), single_token_words(tokenizer)
+    requests = [_request(_draw(rng, words, 2048), 4) for _ in range(3)]
+    return workload_file(
+        "long-2048", "3 requests of 2,048 prompt tokens, 4 output tokens, seed 2048", requests
+    )

@@ -1,8 +1,8 @@
 """``weft bench make-workload NAME``: rebuild one of the committed workloads.
 
 ``pd-mixed`` and ``repetitive-8`` are built from text in their modules,
-tokenized with the default model's tokenizer; ``smoke-8``, ``offline-64`` and
-``shared-prefix-96`` are seeded draws of single-token words
+tokenized with the default model's tokenizer; ``smoke-8``, ``offline-64``,
+``shared-prefix-96``, ``short-16`` and ``long-2048`` are seeded draws of single-token words
 (``make_random_workload``). The files are committed in ``benchmarks/workloads/``
 so a benchmark never depends on a tokenizer run.
 """
@@ -22,10 +22,12 @@ BUILDERS = {
     "smoke-8": make_random_workload.build_smoke,
     "offline-64": make_random_workload.build_offline,
     "shared-prefix-96": make_random_workload.build_shared_prefix,
+    "short-16": make_random_workload.build_short,
+    "long-2048": make_random_workload.build_long,
 }
 # The random-word files are written on one line, as they were first committed: with
 # one token id per line they would be several times larger.
-ONE_LINE = frozenset({"smoke-8", "offline-64", "shared-prefix-96"})
+ONE_LINE = frozenset({"smoke-8", "offline-64", "shared-prefix-96", "short-16", "long-2048"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
