@@ -601,6 +601,43 @@ def vllm_system(
     return System("vllm", offline, serve, served_model="vllm", env=variables)
 
 
+def native_llamacpp_system(binary: Path, gguf: Path, parallel: int, ctx_per_slot: int) -> System:
+    """llama.cpp's ``llama-server`` from a build of one's own (e.g. ``GGML_NATIVE=ON``, for every
+    instruction set this CPU has: the ``xllamacpp`` wheel is built for AVX2), with the settings
+    ``benchmarks/peers/llamacpp_server.py`` gives the wheel's server."""
+    if not binary.is_file():
+        return System("llamacpp", setup_error=f"setup: no llama-server at {binary}")
+    threads = str(os.cpu_count() or 1)
+
+    def serve(port: int) -> list[str]:
+        return [
+            str(binary),
+            "--model",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--parallel",
+            str(parallel),
+            "--ctx-size",
+            str(ctx_per_slot * parallel),
+            "--cont-batching",
+            "--threads",
+            threads,
+            "--threads-batch",
+            threads,
+            "--alias",
+            "llamacpp",
+            # No reuse of a slot's previous prompt, no host-RAM prompt cache (NO_PROMPT_CACHE).
+            "--no-cache-prompt",
+            "--cache-ram",
+            "0",
+        ]
+
+    return System("llamacpp", serve_argv=serve, served_model="llamacpp")
+
+
 def llamacpp_system(gguf: Path, parallel: int, ctx_per_slot: int, log=print) -> System:
     from benchmarks.bench import peer_envs
 
@@ -687,6 +724,13 @@ def add_arguments(parser) -> None:
         help="OpenMP settings of vLLM and llama.cpp: weft's (OMP_WAIT_POLICY=PASSIVE with a short "
         "GOMP_SPINCOUNT, the default: faster for vLLM too) or their own defaults.",
     )
+    parser.add_argument(
+        "--llamacpp-server",
+        type=Path,
+        default=None,
+        help="A llama-server binary to run as llama.cpp instead of the xllamacpp wheel's (which is "
+        "built for AVX2 alone): e.g. one built with -DGGML_NATIVE=ON for this CPU's AVX-512 and AMX.",
+    )
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE.")
     parser.add_argument("--port", type=int, default=18471, help="Port the servers listen on, one at a time.")
     parser.add_argument(
@@ -753,7 +797,13 @@ def run(args, parser) -> int:
     builders = {
         "weft": lambda: weft_system(args.model, args.dtype, weft_args, max_model_len),
         "vllm": lambda: vllm_system(gguf, args.dtype, args.vllm_kv_cache_gib, max_model_len=max_model_len),
-        "llamacpp": lambda: llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload)),
+        "llamacpp": lambda: (
+            native_llamacpp_system(
+                args.llamacpp_server, gguf, max(options["concurrencies"]), _longest(workload)
+            )
+            if args.llamacpp_server
+            else llamacpp_system(gguf, max(options["concurrencies"]), _longest(workload))
+        ),
     }
     systems = [builders[name]() for name in options["systems"]]
     if args.peer_openmp == "own":
@@ -772,6 +822,7 @@ def run(args, parser) -> int:
     report["model"] = str(gguf)
     report["max_model_len"] = max_model_len
     report["peer_openmp"] = args.peer_openmp
+    report["llamacpp_server"] = str(args.llamacpp_server) if args.llamacpp_server else "xllamacpp wheel"
     report["weft_args"] = list(weft_args)
     print(format_table(report))
     (args.output_dir / "peers.json").write_text(json.dumps(report, indent=2) + "\n")

