@@ -73,22 +73,27 @@ def _answers(command: list[str]) -> bool:
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """While open, each GGUF file is parsed once however often it is opened.
+    """While open, each GGUF file is parsed once however often it is opened, over a plain array.
 
     transformers opens a GGUF twice when it loads a model from one (for the
     config, then for the weights), and each ``GGUFReader`` walks every
     metadata field in Python: the tokenizer's 49k (SmolLM2) to 262k (Gemma 3)
     strings. That walk, not the dequantization, is most of the load. The
-    reader is only read from, so the second open can be the first reader.
+    reader is only read from, so the second open can be the first reader; and
+    it is the stock reader over a plain view of the file's map
+    (``PlainArrayReader``: the same fields and tensors, without ``np.memmap``'s
+    Python hooks on each of the walk's and the dequantization's slices).
     """
     import gguf
+
+    from services.worker.gguf_reader import PlainArrayReader
 
     original, readers = gguf.GGUFReader, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = PlainArrayReader(path, mode)
         return readers[key]
 
     gguf.GGUFReader = reader
