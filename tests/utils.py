@@ -8,6 +8,7 @@ one parse of a GGUF for transformers' loads of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -83,12 +84,17 @@ def gguf_parsed_once():
     it is the stock reader over a plain view of the file's map
     (``PlainArrayReader``: the same fields and tensors, without ``np.memmap``'s
     Python hooks on each of the walk's and the dequantization's slices).
+
+    transformers also builds gguf's tensor name map (every name of every
+    block, formatted in Python) once for each submodule of the model it maps
+    names for: 397 times for SmolLM2's, seconds in all. The map is only read
+    from too, so one per (architecture, block count) serves them all.
     """
     import gguf
 
     from services.worker.gguf_reader import PlainArrayReader
 
-    original, readers = gguf.GGUFReader, {}
+    original_reader, original_name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
@@ -96,11 +102,11 @@ def gguf_parsed_once():
             readers[key] = PlainArrayReader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 class GreedyOracle:
