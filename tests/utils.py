@@ -94,6 +94,9 @@ def gguf_parsed_once():
 
     from services.worker.gguf_reader import PlainArrayReader
 
+    if getattr(gguf.GGUFReader, "parsed_once", False):  # nested: the outer context's readers serve
+        yield
+        return
     original_reader, original_name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
     def reader(path, mode="r"):
@@ -102,6 +105,7 @@ def gguf_parsed_once():
             readers[key] = PlainArrayReader(path, mode)
         return readers[key]
 
+    reader.parsed_once = True
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_name_map)
     try:
         yield
