@@ -55,10 +55,14 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def prompts(files) -> list[list[int]]:
+def tokenizer(files):
     from services.api.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(files.hf_dir)
+    return Tokenizer(files.hf_dir)  # a 262k-token vocabulary: seconds to read, once
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
     bos = tokenizer.backend.token_to_id(tokenizer.bos_token)
     return [[bos] + prompt_of_length(tokenizer, n - 1, offset) for n, offset in PROMPT_SHAPES]
 
@@ -165,12 +169,9 @@ def _check_running(proc: subprocess.Popen, tail) -> None:
     assert proc.poll() is None, f"weft serve exited ({proc.returncode}):\n{tail()}"
 
 
-def test_served_greedy_matches_transformers(server, files, prompts, oracle, offline):
+def test_served_greedy_matches_transformers(server, files, tokenizer, prompts, oracle, offline):
     """Over HTTP the text is the decoded greedy tokens, which the offline run produced and
     transformers confirms (the API returns text, not ids)."""
-    from services.api.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(files.hf_dir)
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
     completion = client.completions.create(
         model=files.name, prompt=[prompts[i] for i in SERVED], max_tokens=NEW_TOKENS, temperature=0

@@ -8,6 +8,7 @@ one parse of a GGUF for transformers' loads of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -73,29 +74,43 @@ def _answers(command: list[str]) -> bool:
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """While open, each GGUF file is parsed once however often it is opened.
+    """While open, each GGUF file is parsed once however often it is opened, over a plain array.
 
     transformers opens a GGUF twice when it loads a model from one (for the
     config, then for the weights), and each ``GGUFReader`` walks every
     metadata field in Python: the tokenizer's 49k (SmolLM2) to 262k (Gemma 3)
     strings. That walk, not the dequantization, is most of the load. The
-    reader is only read from, so the second open can be the first reader.
+    reader is only read from, so the second open can be the first reader; and
+    it is the stock reader over a plain view of the file's map
+    (``PlainArrayReader``: the same fields and tensors, without ``np.memmap``'s
+    Python hooks on each of the walk's and the dequantization's slices).
+
+    transformers also builds gguf's tensor name map (every name of every
+    block, formatted in Python) once for each submodule of the model it maps
+    names for: 397 times for SmolLM2's, seconds in all. The map is only read
+    from too, so one per (architecture, block count) serves them all.
     """
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    from services.worker.gguf_reader import PlainArrayReader
+
+    if getattr(gguf.GGUFReader, "parsed_once", False):  # nested: the outer context's readers serve
+        yield
+        return
+    original_reader, original_name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = PlainArrayReader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    reader.parsed_once = True
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 class GreedyOracle:

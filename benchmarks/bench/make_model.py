@@ -139,9 +139,11 @@ def tokenizer_fields(gguf_path: Path) -> tuple[list[tuple[str, object, object, o
 def _tokenizer_fields(
     path: str, mtime_ns: int, size: int
 ) -> tuple[list[tuple[str, object, object, object]], int]:
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
-    reader = GGUFReader(path)
+    from services.worker.gguf_reader import PlainArrayReader
+
+    reader = PlainArrayReader(path)
     fields = []
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):

@@ -19,7 +19,7 @@ from benchmarks.bench import make_model, peer_envs
 from benchmarks.bench.cli import main
 from protocol import SamplingParams
 from services.model_files import DEFAULT_GGUF, models_dir, resolve
-from services.worker.gguf_reader import TensorsReader
+from services.worker.gguf_reader import PlainArrayReader, TensorsReader
 from tests.utils import GreedyOracle, gguf_parsed_once
 
 PROMPTS = [
@@ -78,8 +78,9 @@ def test_the_file_has_the_shape_the_types_and_the_default_tokenizer(tmp_path: Pa
 
 
 def test_the_tokenizer_is_the_default_models(tiny_files: dict[str, Path]) -> None:
-    reader = GGUFReader(tiny_files["tiny-qwen3"])
-    default = GGUFReader(models_dir() / DEFAULT_GGUF)
+    # Every field parsed, as the stock reader parses it (tests/worker/test_gguf_reader.py).
+    reader = PlainArrayReader(tiny_files["tiny-qwen3"])
+    default = PlainArrayReader(models_dir() / DEFAULT_GGUF)
     copied = [k for k in default.fields if k.startswith("tokenizer.")]
     assert "tokenizer.ggml.merges" in copied and "tokenizer.chat_template" in copied
     assert all(_field(reader, k) == _field(default, k) for k in copied)
@@ -88,6 +89,8 @@ def test_the_tokenizer_is_the_default_models(tiny_files: dict[str, Path]) -> Non
 def test_transformers_loads_each_tiny_shape_with_finite_varied_logits(tiny_files: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(resolve(None).hf_dir)  # every file's tokenizer
+    prompts = [torch.tensor([tokenizer(prompt)["input_ids"]]) for prompt in PROMPTS]
     for name, path in tiny_files.items():
         shape = make_model.SHAPES[name]
         model = _load_hf(path)
@@ -107,11 +110,10 @@ def test_transformers_loads_each_tiny_shape_with_finite_varied_logits(tiny_files
         assert attention.q_proj.weight.shape == (shape.heads * shape.head_dim, shape.hidden)
         assert (attention.q_proj.bias is not None) == shape.qkv_bias
         assert hasattr(attention, "q_norm") == shape.qk_norm
-        tokenizer = AutoTokenizer.from_pretrained(resolve(None).hf_dir)  # the same tokenizer
         last = []
-        for prompt in PROMPTS:
+        for ids in prompts:
             with torch.inference_mode():
-                logits = model(torch.tensor([tokenizer(prompt)["input_ids"]])).logits[0, -1]
+                logits = model(ids).logits[0, -1]
             assert torch.isfinite(logits).all(), name
             assert 0.3 < float(logits.std()) < 10, name  # neither flat nor blown up
             last.append(int(logits.argmax()))
@@ -132,7 +134,8 @@ def test_a_real_shape_cut_to_one_layer(tmp_path: Path) -> None:
     assert _field(reader, "qwen3.context_length") == shape.context_length
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    with gguf_parsed_once():
+        config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     assert (config.hidden_size, config.head_dim, config.num_hidden_layers) == (2560, 128, 1)
     assert (config.intermediate_size, config.num_key_value_heads) == (9728, 8)
 

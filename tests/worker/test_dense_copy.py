@@ -97,11 +97,9 @@ def linear_layers(model) -> list[LinearBase]:
     return [m for m in model.modules() if isinstance(m, LinearBase)]
 
 
-def test_the_param_count_is_the_models_own():
+def test_the_param_count_is_the_models_own(model):
     """The estimate "auto" decides on counts exactly the weights the layers hold (the head once)."""
-    files = resolve(None)
-    loaded = load_model(config_of(dtype="float32", dense_min_rows=0))
-    assert linear_param_count(files.hf_config()) == quantized_report(loaded).total_params
+    assert linear_param_count(resolve(None).hf_config()) == quantized_report(model).total_params
 
 
 @torch.inference_mode()

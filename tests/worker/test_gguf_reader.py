@@ -1,4 +1,5 @@
-"""The tensors-only GGUF reader: the stock reader's tensors and scalar fields, arrays skipped."""
+"""The GGUF readers: over a plain array, the stock reader's fields and tensors; the tensors-only
+reader, the stock reader's tensors and scalar fields, arrays skipped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from services.worker.gguf_reader import TensorsReader
+from services.worker.gguf_reader import PlainArrayReader, TensorsReader
 
 
 def write_gguf(path: Path) -> Path:
@@ -28,6 +29,23 @@ def write_gguf(path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_the_plain_array_reader_reads_what_the_stock_reader_reads(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf")
+    stock, plain = GGUFReader(path), PlainArrayReader(path)
+    assert type(plain.data) is np.ndarray and not plain.data.flags.writeable  # the file's map, read-only
+    assert list(plain.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        assert plain.fields[name].contents() == field.contents(), name
+        assert [bytes(p) for p in plain.fields[name].parts] == [bytes(p) for p in field.parts], name
+    for ours, theirs in zip(plain.tensors, stock.tensors, strict=True):
+        assert (ours.name, ours.tensor_type, ours.shape.tolist()) == (
+            theirs.name,
+            theirs.tensor_type,
+            theirs.shape.tolist(),
+        )
+        assert np.array_equal(ours.data, theirs.data) and ours.data.dtype == theirs.data.dtype
 
 
 def test_tensors_and_scalar_fields_are_the_stock_readers(tmp_path):
