@@ -111,6 +111,7 @@ inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b,
 
 // p * 2^n for an integral n in [-126, 127], 2^n built in the exponent bits (exact: the product
 // rounds only where it falls below 2^-126). n = 128 gives inf, larger n garbage: callers clamp x.
+// A float, eight lanes, or sixteen (AVX-512 builds).
 inline float times_pow2(float p, float n) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -118,14 +119,18 @@ inline float times_pow2(float p, float n) {
   return p * scale;
 }
 
-template <typename V>  // eight lanes (vf) or, on AVX-512 builds, sixteen (__m512)
-inline V times_pow2(V p, V n) {
-  using VI = decltype(n < n);  // the lanes' int32 vector: vi, or sixteen int32
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  V scale;
+inline vf times_pow2(vf p, vf n) {
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#ifdef WEFT_AVX512
+// vscalefps: one instruction, and the same bits as the exponent-bits product (both round p * 2^n
+// once, and exp_approx's results are normal numbers, exact).
+inline __m512 times_pow2(__m512 p, __m512 n) { return _mm512_scalef_ps(p, n); }
+#endif
 
 // The one exponential of the kernels (every softmax of the attention kernel, and cpu_fused.cpp's
 // SiLU), written once for a float, eight lanes (vf) and sixteen (__m512, AVX-512 builds): no libm
@@ -134,9 +139,9 @@ inline V times_pow2(V p, V n) {
 // to an integer); ln2 in two parts (kLn2Hi has few bits, so n * kLn2Hi is exact for the n that occur;
 // ln2 = kLn2Hi - kLn2Lo); exp(r) by Cephes' expf polynomial (degree 6, highest power first:
 // exp(r) = 1 + r + r^2 (kExpPoly[5] + r (kExpPoly[4] + ...))); 2^n by times_pow2. Every step is
-// the same operation on every width (the FMAs written out, not left to the compiler's contraction,
-// which fuses the scalar form's pairs and not the intrinsics'), so a lane rounds as a float does:
-// the decode and prefill paths of every build, AVX2 or AVX-512, agree bit for bit.
+// the same operation on every width, each FMA written out (the compiler's contraction fused a plain
+// expression's pairs and not the intrinsics', which is how the 8- and 16-lane copies this replaced
+// came to round apart), so a lane rounds as a float does, on every path of every build.
 // Relative error about 2e-7 for x in [-87, 88]; below -87 (and -inf) the result is about 1e-38,
 // not 0; a NaN stays NaN; x above 88 must be clamped by the caller (the softmaxes' x is <= 0).
 constexpr float kLog2e = 1.44269504088896341f;
@@ -151,7 +156,7 @@ inline V exp_approx(V x) {
   const V shifter = V{} + 12582912.0f;
   x = x < V{} - 87.0f ? V{} - 87.0f : x;  // not std::max, whose vector forms turn a NaN into -87
   const V n = fmadd(x, V{} + kLog2e, shifter) - shifter;
-  V r = fmadd(V{} - n, V{} + kLn2Hi, x);
+  V r = fmadd(n, V{} - kLn2Hi, x);  // x - n kLn2Hi
   r = fmadd(n, V{} + kLn2Lo, r);
   V p = V{} + kExpPoly[0];
   for (int i = 1; i < 6; ++i) p = fmadd(p, r, V{} + kExpPoly[i]);
