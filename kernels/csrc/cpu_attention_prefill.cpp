@@ -169,7 +169,7 @@ inline void softmax_rows_bf16(const float* s, int64_t s_ld, int64_t tp0, int64_t
   // Rows that have seen no key yet keep m = -inf and take alpha 1 (exp of -inf - -inf is NaN); on a
   // row's first chunk m_old = -inf gives alpha ~ 1e-38 against an accumulator of 0.
   const __m512 al = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
-                                         exp16_nonpositive(_mm512_sub_ps(m_old, m_new)), _mm512_set1_ps(1.0f));
+                                         exp_approx(_mm512_sub_ps(m_old, m_new)), _mm512_set1_ps(1.0f));
   const __m512i idx = _mm512_load_si512(pair_idx);
   const __m512i high = _mm512_set1_epi32(-65536);
   __m512 sum = _mm512_setzero_ps();

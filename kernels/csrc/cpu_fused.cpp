@@ -42,6 +42,7 @@
 #endif
 
 #include "int8_rows.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -52,26 +53,11 @@ constexpr int64_t kGrainElements = 32768;
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
-// exp(x) without a libm call, so the loop around it vectorizes: x = n ln2 + r,
-// exp(r) by Cephes' degree-6 polynomial, 2^n built in the exponent bits.
-// Relative error about 2e-7 on [-87, 88]; inputs outside are clamped.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+// exp(x) of SiLU's -g, which may be positive: simd_math.h's exp_approx (every width alike, so the
+// AVX2, AVX-512 and scalar loops agree), clamped above at 88 as well (exp(88) ~ 1.7e38: silu ~ 0).
+template <typename V>
+inline V exp_clamped(V x) {
+  return exp_approx(x > V{} + 88.0f ? V{} + 88.0f : x);
 }
 
 inline int64_t grain_rows(int64_t row_elements) {
@@ -142,24 +128,6 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 }
 
 #if defined(__AVX512F__)
-// exp_approx on 16 lanes, its steps as FMAs.
-inline __m512 exp_approx16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 shifter = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // Up to 16 values (the first m) in fp32, zeros past them.
 inline __m512 load_some(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_some(const c10::BFloat16* p, __mmask16 m) {
@@ -178,24 +146,6 @@ inline __m256i round_bf16(__m512 v) {
 
 inline void store_some(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store_some(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
-#elif defined(__AVX2__)
-// exp_approx on 8 lanes, its steps as FMAs (exp_approx16's, on an AVX2 build).
-inline __m256 exp_approx8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 shifter = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter), shifter);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 #endif
 
 // out[0, n) = silu(gate) * up, in fp32, rounded to T. SiLU-and-mul and the MLP's fused pass both
@@ -208,7 +158,7 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
     const __m512 g = load_some(gate + j, m), u = load_some(up + j, m);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_approx16(_mm512_mul_ps(g, minus))));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_clamped(_mm512_mul_ps(g, minus))));
     store_some(out + j, _mm512_mul_ps(silu, u), m);
   }
 #else
@@ -220,14 +170,14 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), minus = _mm256_set1_ps(-1.0f);
     for (; j + 8 <= n; j += 8) {
       const __m256 g = _mm256_loadu_ps(gate + j), u = _mm256_loadu_ps(up + j);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_approx8(_mm256_mul_ps(g, minus))));
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, (__m256)exp_clamped((vf)_mm256_mul_ps(g, minus))));
       _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, u));
     }
   }
 #endif
   for (; j < n; ++j) {
     const float g = to_float(gate[j]);
-    out[j] = from_float<T>(g / (1.0f + exp_approx(-g)) * to_float(up[j]));
+    out[j] = from_float<T>(g / (1.0f + exp_clamped(-g)) * to_float(up[j]));
   }
 #endif
 }

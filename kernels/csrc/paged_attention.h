@@ -437,7 +437,7 @@ template <int NR, int NV, typename T>
     for (int c = 0; c < NV; ++c) storeu(acc + r * D + c * kW, a[r][c]);
 }
 
-// The tiles' softmax is written in vectors (exp_nonpositive on eight lanes): the omp simd loops of
+// The tiles' softmax is written in vectors (exp_approx on eight lanes): the omp simd loops of
 // the per-row softmax it replaced compiled to a scalar max and peeled ends, and took the 2,048-token
 // fp32 prefill 81 ms against 75 on one thread.
 inline float hmax(vf v) {
@@ -466,10 +466,10 @@ inline float softmax_lanes(float* s, int64_t c0, int64_t c1, int64_t vis_lo, int
     mx = (seen(c) && x > mx) ? x : mx;
   }
   const float m_new = std::max(m, hmax(mx));
-  const float alpha = exp_nonpositive(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
+  const float alpha = exp_approx(m - m_new);  // m = -inf on the first block: alpha ~ 0, acc is 0
   vf sum = {};
   for (int64_t c = c0; c < c1; c += kW) {
-    vf p = exp_nonpositive(loadu(s + c) - m_new);
+    vf p = exp_approx(loadu(s + c) - m_new);
     if constexpr (!kAll) p = seen(c) ? p : vf{};
     storeu(s + c, p);
     sum += p;
@@ -717,7 +717,7 @@ void segment_rows(TileBuffers b, int64_t rows, int64_t G, int64_t D, const KeySo
   for (int64_t r = 0; r < rows; ++r) {
     if (l[r] == 0.0f) continue;
     const float m_new = std::max(M[r], m[r]);
-    const float a = exp_nonpositive(M[r] - m_new), w = exp_nonpositive(m[r] - m_new);
+    const float a = exp_approx(M[r] - m_new), w = exp_approx(m[r] - m_new);
     L[r] = L[r] * a + l[r] * w;
     for (int64_t d = 0; d < D; ++d) A[r * D + d] = A[r * D + d] * a + acc[r * D + d] * w;
     M[r] = m_new;

@@ -1,9 +1,9 @@
 // Vector arithmetic shared by the CPU attention kernel's files (cpu_paged_attention.cpp,
 // cpu_attention_decode.cpp, cpu_attention_prefill.cpp): which instruction sets the build has
 // (WEFT_AVX512, WEFT_BF16_DOT, WEFT_AMX), eight-float GCC vectors and their loads, and the
-// exponentials of the softmaxes, each written once: exp_nonpositive (a float or eight lanes, the
-// register tiles' softmax), exp16_nonpositive (sixteen lanes, the AVX-512 paths) and exp16_weight
-// (the bf16 paths' cheaper one, whose result is rounded to bf16 right after).
+// exponential, written once for every width: exp_approx (a float, eight lanes or sixteen; every
+// softmax of the kernel, and the SiLU of cpu_fused.cpp, which includes this header too), beside
+// exp16_weight, the bf16 paths' lower-order one, whose result is rounded to bf16 right after.
 //
 // Everything here is internal to the translation unit that includes it (an unnamed namespace): one
 // copy per file, compiled alike, as when the kernel was one file.
@@ -105,69 +105,72 @@ inline float fmadd(float a, float b, float c) {
 
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
 
-// The exponential of every softmax here, x = n ln2 + r with |r| <= ln2 / 2 and exp(x) = 2^n exp(r):
-// ln2 in two parts (kLn2Hi has few bits, so n * kLn2Hi is exact for the n that occur; ln2 =
-// kLn2Hi - kLn2Lo) and Cephes' expf polynomial for exp(r), highest power first (exp(r) = 1 + r +
-// r^2 (kExpPoly[5] + r (kExpPoly[4] + ...))). One set of constants for each width below.
+#ifdef WEFT_AVX512
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+#endif
+
+// p * 2^n for an integral n in [-126, 127], 2^n built in the exponent bits (exact: the product
+// rounds only where it falls below 2^-126). n = 128 gives inf, larger n garbage: callers clamp x.
+// A float, eight lanes, or sixteen (AVX-512 builds).
+inline float times_pow2(float p, float n) {
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline vf times_pow2(vf p, vf n) {
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#ifdef WEFT_AVX512
+// vscalefps: one instruction, and the same bits as the exponent-bits product (both round p * 2^n
+// once, and exp_approx's results are normal numbers, exact).
+inline __m512 times_pow2(__m512 p, __m512 n) { return _mm512_scalef_ps(p, n); }
+#endif
+
+// The one exponential of the kernels (every softmax of the attention kernel, and cpu_fused.cpp's
+// SiLU), written once for a float, eight lanes (vf) and sixteen (__m512, AVX-512 builds): no libm
+// call, so the loops around it vectorize. x = n ln2 + r with |r| <= ln2 / 2 and exp(x) = 2^n exp(r):
+// n rounded from the unrounded x log2(e) (one FMA, then the shifter 1.5 * 2^23, whose addition rounds
+// to an integer); ln2 in two parts (kLn2Hi has few bits, so n * kLn2Hi is exact for the n that occur;
+// ln2 = kLn2Hi - kLn2Lo); exp(r) by Cephes' expf polynomial (degree 6, highest power first:
+// exp(r) = 1 + r + r^2 (kExpPoly[5] + r (kExpPoly[4] + ...))); 2^n by times_pow2. Every step is
+// the same operation on every width, each FMA written out (the compiler's contraction fused a plain
+// expression's pairs and not the intrinsics', which is how the 8- and 16-lane copies this replaced
+// came to round apart), so a lane rounds as a float does, on every path of every build.
+// Relative error about 2e-7 for x in [-87, 88]; below -87 (and -inf) the result is about 1e-38,
+// not 0; a NaN stays NaN; x above 88 must be clamped by the caller (the softmaxes' x is <= 0).
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f;
 constexpr float kLn2Lo = 2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
-// exp(x) for x <= 0 in a form the compiler vectorizes (no libm call), on a
-// float or on eight lanes (vf, the prefill tiles' softmax): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients),
-// 2^n built in the exponent bits. Relative error about 2e-7; inputs below -87
-// (and -inf) give about 1e-38, not 0; a NaN stays NaN.
-template <typename T>
-inline T exp_nonpositive(T x) {
-  constexpr bool kLanes = !std::is_same_v<T, float>;
-  if constexpr (kLanes)
-    x = x < -87.0f ? T{} - 87.0f : x;
-  else
-    x = std::max(x, -87.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const T n = (x * kLog2e + shifter) - shifter;
-  T r = x - n * kLn2Hi;
-  r = r + n * kLn2Lo;
-  T p = T{} + kExpPoly[0];
-  p = p * r + kExpPoly[1];
-  p = p * r + kExpPoly[2];
-  p = p * r + kExpPoly[3];
-  p = p * r + kExpPoly[4];
-  p = p * r + kExpPoly[5];
-  p = p * r * r + r + 1.0f;
-  T scale;
-  if constexpr (kLanes) {
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    std::memcpy(&scale, &bits, sizeof(scale));
-  } else {
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    std::memcpy(&scale, &bits, sizeof(scale));
-  }
-  return p * scale;
+template <typename V>
+inline V exp_approx(V x) {
+  const V one = V{} + 1.0f;  // a constant on every width (V{} + c broadcasts c to the lanes)
+  const V shifter = V{} + 12582912.0f;
+  x = x < V{} - 87.0f ? V{} - 87.0f : x;  // not std::max, whose vector forms turn a NaN into -87
+  const V n = fmadd(x, V{} + kLog2e, shifter) - shifter;
+  V r = fmadd(n, V{} - kLn2Hi, x);  // x - n kLn2Hi
+  r = fmadd(n, V{} + kLn2Lo, r);
+  V p = V{} + kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = fmadd(p, r, V{} + kExpPoly[i]);
+  p = fmadd(p * r, r, r) + one;
+  return times_pow2(p, n);
 }
 
 #ifdef WEFT_AVX512
-// exp_nonpositive on 16 lanes (the same polynomial); 2^n by vscalefps.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __m512 widen16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// exp(x) for the weights, which are rounded to bf16 (relative step 2^-9) right after: a degree-4
+// exp(x) for the weights of the bf16 dot-product prefills, which are rounded to bf16 (relative step
+// 2^-9) right after: not exp_approx on purpose, but a degree-4
 // polynomial on |r| <= ln2 / 2 (Taylor, relative error 4e-5) and a one-step reduction, no clamp (x
 // is finite, and vscalefps takes 2^n to 0 for n below the range). 10 operations against 15: 4-5%
 // off a bf16 prefill (512 and 2,048 fresh tokens, one thread, interleaved).
