@@ -69,6 +69,9 @@
 #if defined(WEFT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define WEFT_VNNI 1
 #endif
+#if defined(WEFT_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define WEFT_ZMM 1  // quant_linear_i8's tiles of an even number of weight rows run on 512-bit vectors
+#endif
 
 #ifndef QUANT_LIBRARY_NS
 #define QUANT_LIBRARY_NS weft_quant
@@ -854,6 +857,159 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
 }
 
+#ifdef WEFT_ZMM
+// ---- the same tiles on 512-bit vectors (AVX-512 builds) ----
+//
+// Two weight rows share a zmm: row 2h's accumulator in lanes 0-7, row 2h + 1's in lanes 8-15,
+// each exactly the 8-lane accumulator of the 256-bit tiles above; a row of x's bytes and scales
+// are broadcast into both halves (vbroadcasti64x4 from memory). So each 512-bit vpdpbusd,
+// conversion and FMA does the work of two 256-bit ones with the same operations on the same values
+// per lane, the int4 nibbles are unpacked once per two rows, and each half is summed at the end by
+// the same hsum: the bits are those of the 256-bit tiles (and of the AVX2 build).
+
+// Row a's 256 bits in lanes 0-7, row b's in lanes 8-15.
+inline __m512i rows2(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline __m512 rows2(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+inline __m512i rows2(const void* a, const void* b) {
+  return rows2(_mm256_loadu_si256(static_cast<const __m256i*>(a)), _mm256_loadu_si256(static_cast<const __m256i*>(b)));
+}
+// 256 bits in both halves.
+inline __m512i both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+inline __m512 both(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// Out[r * ldo + i] for the RW weight rows (even) of a tile: each half's hsum plus its row's tail.
+template <int RW, int RX, class Tail>
+inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ldo, Tail&& tail) {
+  for (int h = 0; h < RW / 2; ++h) {
+    for (int r = 0; r < RX; ++r) {
+      out[r * ldo + 2 * h] = hsum(_mm512_castps512_ps256(acc[h][r])) + tail(2 * h, r);
+      out[r * ldo + 2 * h + 1] = hsum(high_half(acc[h][r])) + tail(2 * h + 1, r);
+    }
+  }
+}
+
+// tile_i8_int4 with weight rows two to a zmm.
+template <int RW, int RX, bool kHalf>
+void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                      const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const int64_t groups = w.groups, pairs = groups / 2;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* q[RW];
+  Int4Scales<kHalf> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    sc[i] = int4_scales<kHalf>(w, n + i);
+  }
+  const int8_t* xp[RX];
+  const float* xl[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xl[r] = a.lanes_row(m0 + r);
+  }
+  auto pair_step = [&](int64_t p, auto&& scale_of) {
+    prefetch_share<RW>(ahead, p, kBlock);
+    for (int h = 0; h < H; ++h) {
+      const __m512i bytes = rows2(q[2 * h] + p * kBlock, q[2 * h + 1] + p * kBlock);
+      const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+      for (int r = 0; r < RX; ++r) {
+        const int8_t* x = xp[r] + p * 2 * kBlock;
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, both(x)), hi,
+                                                both(x + kBlock));
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale_of(h, r), acc[h][r]);
+      }
+    }
+  };
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {
+    __m512 ws16[H], xs16[RX];
+    for (int h = 0; h < H; ++h) ws16[h] = rows2(sc[2 * h].eight(2 * p), sc[2 * h + 1].eight(2 * p));
+    for (int r = 0; r < RX; ++r) xs16[r] = both(_mm256_loadu_ps(a.srow(m0 + r) + 2 * p));
+    for (int j = 0; j < 4; ++j) {
+      const int lo = 2 * j, hi = 2 * j + 1;
+      const __m512i spread =
+          _mm512_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi, lo + 8, lo + 8, lo + 8, lo + 8, hi + 8, hi + 8, hi + 8, hi + 8);
+      pair_step(p + j, [&](int h, int r) { return _mm512_permutexvar_ps(spread, _mm512_mul_ps(ws16[h], xs16[r])); });
+    }
+  }
+  for (; p < pairs; ++p) {
+    __m512 ws[H];
+    for (int h = 0; h < H; ++h) ws[h] = rows2(sc[2 * h].pair(p), sc[2 * h + 1].pair(p));
+    pair_step(p, [&](int h, int r) { return _mm512_mul_ps(ws[h], both(_mm256_loadu_ps(xl[r] + p * 8))); });
+  }
+  if (groups % 2) {
+    const int64_t b = groups - 1;
+    for (int h = 0; h < H; ++h) {
+      const __m512i u = rows2(int4_block(q[2 * h] + b * (kBlock / 2)), int4_block(q[2 * h + 1] + b * (kBlock / 2)));
+      const __m512 ws = rows2(_mm256_set1_ps(sc[2 * h].scale(b)), _mm256_set1_ps(sc[2 * h + 1].scale(b)));
+      for (int r = 0; r < RX; ++r) {
+        const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
+        const __m512 xs = _mm512_set1_ps(a.srow(m0 + r)[b]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs), acc[h][r]);
+      }
+    }
+  }
+  store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) {
+    return sc[i].min_term(a.sums.data() + (m0 + r) * groups, groups);
+  });
+}
+
+// tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
+// weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
+// only where the weight is 0, whose |w| makes the product 0 either way).
+template <int RW, int RX, bool kHalf, int G>
+void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                      const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const int8_t* q[RW];
+  Int8Scales<kHalf, G> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
+    sc[i] = {w.scale_row(n + i)};
+  }
+  const int64_t whole = w.K / kBlock;
+  auto block = [](const int8_t* qb, bool half) {
+    return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
+                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+  };
+  auto step = [&](int64_t b, bool half) {
+    prefetch_share<RW>(ahead, b, kBlock);
+    for (int h = 0; h < H; ++h) {
+      const __m512i sgn = rows2(block(q[2 * h] + b * kBlock, half), block(q[2 * h + 1] + b * kBlock, half));
+      const __m512i u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      const __mmask64 neg = _mm512_movepi8_mask(sgn);
+      const __m512 ws = rows2(sc[2 * h].block(b, half), sc[2 * h + 1].block(b, half));
+      for (int r = 0; r < RX; ++r) {
+        const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
+        const float* xs = a.srow(m0 + r);
+        __m512 scale;
+        if constexpr (G == 16) {
+          scale = _mm512_mul_ps(ws, both(halves(xs[2 * b], xs[2 * b + 1])));
+        } else {
+          scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[b]));
+        }
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx)), scale,
+                                    acc[h][r]);
+      }
+    }
+  };
+  for (int64_t b = 0; b < whole; ++b) step(b, false);
+  if (whole < a.blocks) step(whole, true);
+  store_halves<RW, RX>(acc, out, ldo, [](int, int) { return 0.f; });
+}
+#endif
+
 // ---- int16 activations in register tiles (quant_linear_i16) ----
 //
 // x rounded to int16 per weight group (scale amax / 32767: 258 times finer than int8), the
@@ -959,6 +1115,16 @@ struct TilesI8 {
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
+#ifdef WEFT_ZMM
+    if constexpr (RW % 2 == 0) {
+      if constexpr (kInt4) {
+        tile_i8_int4_zmm<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
+      } else {
+        tile_i8_int8_zmm<RW, RX, kHalf, G>(w, n, a, m0, out, ldo, ahead);
+      }
+      return;
+    }
+#endif
     if constexpr (kInt4) {
       tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
     } else {
