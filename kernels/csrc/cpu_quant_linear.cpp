@@ -926,16 +926,25 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
       }
     }
   };
+  // Four pairs at a time: the eight block scales of each two weight rows loaded as one vector and
+  // spread over each pair's lanes by one permute, then multiplied by x's scales as ActInt8::lanes
+  // holds them (already spread): the same products the 256-bit tiles make, one permute per two
+  // weight rows rather than one per (weight row, x row).
+  alignas(64) static constexpr int32_t kSpread[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9},
+      {2, 2, 2, 2, 3, 3, 3, 3, 10, 10, 10, 10, 11, 11, 11, 11},
+      {4, 4, 4, 4, 5, 5, 5, 5, 12, 12, 12, 12, 13, 13, 13, 13},
+      {6, 6, 6, 6, 7, 7, 7, 7, 14, 14, 14, 14, 15, 15, 15, 15}};
   int64_t p = 0;
   for (; p + 4 <= pairs; p += 4) {
-    __m512 ws16[H], xs16[RX];
+    __m512 ws16[H];
     for (int h = 0; h < H; ++h) ws16[h] = rows2(sc[2 * h].eight(2 * p), sc[2 * h + 1].eight(2 * p));
-    for (int r = 0; r < RX; ++r) xs16[r] = both(_mm256_loadu_ps(a.srow(m0 + r) + 2 * p));
     for (int j = 0; j < 4; ++j) {
-      const int lo = 2 * j, hi = 2 * j + 1;
-      const __m512i spread =
-          _mm512_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi, lo + 8, lo + 8, lo + 8, lo + 8, hi + 8, hi + 8, hi + 8, hi + 8);
-      pair_step(p + j, [&](int h, int r) { return _mm512_permutexvar_ps(spread, _mm512_mul_ps(ws16[h], xs16[r])); });
+      const __m512i spread = _mm512_load_si512(kSpread[j]);
+      __m512 ws[H];
+      for (int h = 0; h < H; ++h) ws[h] = _mm512_permutexvar_ps(spread, ws16[h]);
+      const int64_t pj = p + j;
+      pair_step(pj, [&](int h, int r) { return _mm512_mul_ps(ws[h], both(_mm256_loadu_ps(xl[r] + pj * 8))); });
     }
   }
   for (; p < pairs; ++p) {
@@ -1110,7 +1119,11 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
 template <bool kInt4, bool kHalf, int G>
 struct TilesI8 {
   using Act = ActInt8;
+#ifdef WEFT_ZMM
+  static constexpr int kWide = 4;  // 4 x 4: two rows a zmm, 8 zmm accumulators
+#else
   static constexpr int kWide = 2;  // weight rows of a tile against four rows of x: 2 x 4, 8 accumulators
+#endif
   static constexpr bool kSpreads = true;  // the tile takes a prefetch share (prefetch_share)
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
@@ -1173,7 +1186,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   using Two = std::integral_constant<int, 2>;
   using Four = std::integral_constant<int, 4>;
   using Wide = std::integral_constant<int, kWide>;
-  using Wide2 = std::integral_constant<int, 2 * kWide>;
+  using Wide2 = std::integral_constant<int, std::min(4, 2 * kWide)>;
   int64_t n = begin;
   for (; row_blocks && n + 4 <= end; n += 4) {
     prefetch(n, 4);
