@@ -891,6 +891,46 @@ inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ld
   }
 }
 
+// Int4Scales::min_term of every (weight row, x row) of a tile into out[i][r], two weight rows to a
+// zmm: each half the same eight FMA lanes over the groups in order, the same hsum, then the same
+// scalar tail; each weight row's mins converted once for all the tile's rows of x.
+template <int RW, int RX, bool kHalf>
+void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+                   float (&out)[RW][RX]) {
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const float* xsums[RX];
+  for (int r = 0; r < RX; ++r) xsums[r] = a.sums.data() + (m0 + r) * groups;
+  auto eight = [&](int i, int64_t g) {
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(sc[i].m) + g)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(sc[i].m) + g);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    for (int h = 0; h < H; ++h) {
+      const __m512 mv = rows2(eight(2 * h, g), eight(2 * h + 1, g));
+      for (int r = 0; r < RX; ++r) acc[h][r] = _mm512_fmadd_ps(mv, both(_mm256_loadu_ps(xsums[r] + g)), acc[h][r]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    for (int r = 0; r < RX; ++r) {
+      out[2 * h][r] = hsum(_mm512_castps512_ps256(acc[h][r]));
+      out[2 * h + 1][r] = hsum(high_half(acc[h][r]));
+    }
+  }
+  for (; g < groups; ++g) {
+    for (int i = 0; i < RW; ++i) {
+      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(sc[i].m)[g])
+                             : static_cast<const float*>(sc[i].m)[g];
+      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
+    }
+  }
+}
+
 // tile_i8_int4 with weight rows two to a zmm.
 template <int RW, int RX, bool kHalf>
 void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
@@ -965,9 +1005,9 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
       }
     }
   }
-  store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) {
-    return sc[i].min_term(a.sums.data() + (m0 + r) * groups, groups);
-  });
+  float mins[RW][RX];
+  min_terms_zmm<RW, RX>(sc, a, m0, groups, mins);
+  store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return mins[i][r]; });
 }
 
 // tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
