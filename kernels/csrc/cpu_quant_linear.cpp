@@ -44,8 +44,14 @@
 // into fp32 and runs a float GEMM on it.
 //
 // Built once per instruction set (kernels/cpu_quant_linear.py): AVX-512 with
-// VNNI (integer dots on 256-bit vectors, the width of one group), AVX2 + FMA,
-// and generic (the scalar loops, which are also the tails'). Each build
+// VNNI, AVX2 + FMA, and generic (the scalar loops, which are also the tails'). The
+// AVX-512 build (WEFT_ZMM) runs quant_linear_i8's tiles of an even number of weight
+// rows (all but the 1 x 4 and 1 x 1 tails) two weight rows to a 512-bit vector: each
+// half is the 8-lane accumulator of the 256-bit tile, x's bytes and scales broadcast
+// into both halves, the same operations per lane, so the same bits as the AVX2 build
+// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x).
+// Everything else (quant_linear_i16, the fp32 paths) is the AVX2 code with VNNI dots
+// on 256-bit vectors. Each build
 // registers its ops under its own namespace (QUANT_LIBRARY_NS), so a process can
 // load several and tests can compare them.
 
