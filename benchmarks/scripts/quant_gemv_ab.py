@@ -10,7 +10,8 @@ times one row of x (or each row count of ``--rows``: batched decode, verify step
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
 several copies of the matrix (``--stream-bytes`` in all, 256 MiB by default: more than the caches),
-so the weights come from memory as in a decode step. Prints the best and the
+so the weights come from memory as in a decode step (``--cpu-time``: timed by the process's CPU
+time, for a loaded machine). Prints the best and the
 median time of each, the weight bytes each read per call as GB/s (and, above one row, the
 multiply-adds a second, GMAC/s), and the new/base speed ratio of
 the medians, next to the read bandwidth measured in the same run (a torch sum over 1 GiB, with the
@@ -125,6 +126,7 @@ def read_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
 
 def bench(base, new, threads: int, args) -> None:
     torch.set_num_threads(threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     bandwidth = read_bandwidth()
     print(f"\nthreads {threads}: torch sum over 1 GiB {bandwidth / 1e9:.1f} GB/s")
     print(
@@ -147,9 +149,9 @@ def bench(base, new, threads: int, args) -> None:
         for call in range(args.calls):
             for label, ns in (("base", base), ("new", new)):
                 q, s, m, group = mats[(2 * call + (label == "new")) % len(mats)]
-                start = time.perf_counter()
+                start = clock()
                 ns.quant_linear_i8(x, q, s, m, group, out)
-                times[label].append(time.perf_counter() - start)
+                times[label].append(clock() - start)
         del mats
         med = {label: statistics.median(t) for label, t in times.items()}
         macs = rows * n * k
@@ -179,6 +181,13 @@ def main() -> None:
         help="bytes of weight copies cycled through (0: one matrix, cache-resident when small)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the same-bits check")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time calls by the process's CPU time, not the wall clock: on a shared, loaded machine "
+        "the time a call spends descheduled is left out (with one thread, what a quiet machine's "
+        "wall clock would read; with more, the threads' CPU time summed)",
+    )
     args = parser.parse_args()
     isa = args.isa or cpu_quant_linear.supported_isas()[0]
     base, new = load_base(args.base, isa), cpu_quant_linear.load(isa)
