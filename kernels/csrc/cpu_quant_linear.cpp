@@ -1171,6 +1171,11 @@ struct TilesI8 {
   static constexpr int kWide = 2;  // weight rows of a tile against four rows of x: 2 x 4, 8 accumulators
 #endif
   static constexpr bool kSpreads = true;  // the tile takes a prefetch share (prefetch_share)
+#ifdef WEFT_ZMM
+  static constexpr bool kSpreadsRows = true;  // above one row of x too: the first tile of four weight rows
+#else
+  static constexpr bool kSpreadsRows = false;
+#endif
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
@@ -1198,11 +1203,17 @@ struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
   static constexpr bool kSpreads = false;
+  static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
     tile_i16<RW, RX, kInt4, G>(w, n, a, m0, out, ldo);
   }
 };
+
+// Above one row of x, AVX-512 tiles spread the prefetch of weight rows up to this long (int4 K <=
+// 8192, int8 K <= 4096): one row of x per call, from memory, 1.2-1.6x at 2-4 rows of x and K = 2048,
+// but 0.8x for the 8 KiB rows of Q8_0 at K = 8192, where the burst stays.
+constexpr int64_t kSpreadRowBytes = 4096;
 
 // Weight rows [begin, end) against rows [m0, m1) of x, in the tiles of Tiles, four weight rows at
 // a time (with row_blocks): four rows of x as 4 / kWide tiles of kWide x 4, two rows as tiles of
@@ -1221,9 +1232,10 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(w, n, a, m, op + m * ldo + n, ldo, ahead);
   };
   const bool spread = Tiles::kSpreads && m1 - m0 == 1;
+  const bool spread_rows = Tiles::kSpreadsRows && m1 - m0 > 1 && w.row_bytes <= kSpreadRowBytes;
   auto prefetch = [&](int64_t n, int64_t rows) {
     const int64_t ahead = std::min(n + kPrefetchRows, w.N - rows);
-    if (!(spread && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
+    if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.groups * w.scale_bytes());
     if (w.int4()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
   };
@@ -1236,19 +1248,22 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   int64_t n = begin;
   for (; row_blocks && n + 4 <= end; n += 4) {
     prefetch(n, 4);
+    // Above one row of x (AVX-512, rows up to kSpreadRowBytes): the block's first tile prefetches
+    // the four weight rows kPrefetchRows ahead a share per step, the other tiles none.
+    const uint8_t* ahead = spread_rows ? w.qweight + std::min(n + kPrefetchRows, w.N - 4) * w.row_bytes : nullptr;
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) {
-      for (int j = 0; j < 4; j += kWide) tile(Wide{}, Four{}, n + j, m);
+      for (int j = 0; j < 4; j += kWide, ahead = nullptr) tile(Wide{}, Four{}, n + j, m, ahead);
     }
     for (; m + 2 <= m1; m += 2) {
-      for (int j = 0; j < 4; j += 2 * kWide) tile(Wide2{}, Two{}, n + j, m);
+      for (int j = 0; j < 4; j += Wide2::value, ahead = nullptr) tile(Wide2{}, Two{}, n + j, m, ahead);
     }
     if (m < m1 && spread) {
       // Batch 1: two tiles of 2 x 1, each prefetching its share of the next four rows (two).
       tile(Two{}, One{}, n, m, w.qweight + std::min(n + 4, w.N - 2) * w.row_bytes);
       tile(Two{}, One{}, n + 2, m, w.qweight + std::min(n + 6, w.N - 2) * w.row_bytes);
     } else if (m < m1) {
-      tile(Four{}, One{}, n, m);
+      tile(Four{}, One{}, n, m, ahead);
     }
   }
   for (; n < end; ++n) {
