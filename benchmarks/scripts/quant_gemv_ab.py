@@ -1,4 +1,4 @@
-"""A/B the batch-1 quantized GEMV: this tree's kernel against the one of a git revision, one process.
+"""A/B the quantized GEMV/GEMM: this tree's kernel against the one of a git revision, one process.
 
     python benchmarks/scripts/quant_gemv_ab.py --base HEAD~1 --threads 1 2
 
@@ -6,11 +6,14 @@ Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its ow
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
 for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0 as weft packs them, fp16 block scales),
-times one row of x through ``quant_linear_i8`` (the default op) in both builds, alternating base
+times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
+``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
 several copies of the matrix (``--stream-bytes`` in all, 256 MiB by default: more than the caches),
-so the weights come from memory as in a decode step. Prints the best and the
-median time of each, the weight bytes each read per call as GB/s, and the new/base speed ratio of
+so the weights come from memory as in a decode step (``--cpu-time``: timed by the process's CPU
+time, for a loaded machine). Prints the best and the
+median time of each, the weight bytes each read per call as GB/s (and, above one row, the
+multiply-adds a second, GMAC/s), and the new/base speed ratio of
 the medians, next to the read bandwidth measured in the same run (a torch sum over 1 GiB, with the
 same thread count). Before timing it checks that both builds give the same bits for every layout at
 several row counts (``--no-check`` skips that), so a speed-up that changes numerics shows up.
@@ -123,40 +126,42 @@ def read_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
 
 def bench(base, new, threads: int, args) -> None:
     torch.set_num_threads(threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     bandwidth = read_bandwidth()
     print(f"\nthreads {threads}: torch sum over 1 GiB {bandwidth / 1e9:.1f} GB/s")
     print(
-        f"  {'format':5s} {'shape':14s} {'MB':>6s} {'base ms':>8s} {'new ms':>8s} "
-        f"{'base GB/s':>9s} {'new GB/s':>9s} {'new/base':>8s}"
+        f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB':>6s} {'base ms':>8s} {'new ms':>8s} "
+        f"{'base GB/s':>9s} {'new GB/s':>9s} {'GMAC/s base':>11s} {'new':>6s} {'new/base':>8s}"
     )
-    for fmt in args.formats:
-        for name in args.shapes:
-            n, k = SHAPES[name]
-            first = packed(fmt, n, k)
-            size = nbytes(*first[:3])
-            # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
-            # its weights from memory, as a decode step does (every matrix of a model read once).
-            mats = [first] + [packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size))]
-            x = torch.randn(1, k)
-            out = torch.empty(1, n)
-            times = {"base": [], "new": []}
-            for q, s, m, group in mats:  # warm-up (page faults)
-                base.quant_linear_i8(x, q, s, m, group, out)
-                new.quant_linear_i8(x, q, s, m, group, out)
-            for call in range(args.calls):
-                for label, ns in (("base", base), ("new", new)):
-                    q, s, m, group = mats[(2 * call + (label == "new")) % len(mats)]
-                    start = time.perf_counter()
-                    ns.quant_linear_i8(x, q, s, m, group, out)
-                    times[label].append(time.perf_counter() - start)
-            del mats
-            med = {label: statistics.median(t) for label, t in times.items()}
-            print(
-                f"  {fmt:5s} {name:5s} {n:5d}x{k:<5d} {size / 1e6:6.1f} {med['base'] * 1e3:8.3f} "
-                f"{med['new'] * 1e3:8.3f} {size / med['base'] / 1e9:9.1f} {size / med['new'] / 1e9:9.1f} "
-                f"{med['base'] / med['new']:7.2f}x  (best {min(times['base']) * 1e3:.3f} / "
-                f"{min(times['new']) * 1e3:.3f} ms)"
-            )
+    for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
+        n, k = SHAPES[name]
+        first = packed(fmt, n, k)
+        size = nbytes(*first[:3])
+        # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
+        # its weights from memory, as a decode step does (every matrix of a model read once).
+        mats = [first] + [packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size))]
+        x = torch.randn(rows, k)
+        out = torch.empty(rows, n)
+        times = {"base": [], "new": []}
+        for q, s, m, group in mats:  # warm-up (page faults)
+            base.quant_linear_i8(x, q, s, m, group, out)
+            new.quant_linear_i8(x, q, s, m, group, out)
+        for call in range(args.calls):
+            for label, ns in (("base", base), ("new", new)):
+                q, s, m, group = mats[(2 * call + (label == "new")) % len(mats)]
+                start = clock()
+                ns.quant_linear_i8(x, q, s, m, group, out)
+                times[label].append(clock() - start)
+        del mats
+        med = {label: statistics.median(t) for label, t in times.items()}
+        macs = rows * n * k
+        print(
+            f"  {fmt:5s} {name:5s} {n:5d}x{k:<5d} {rows:4d} {size / 1e6:6.1f} {med['base'] * 1e3:8.3f} "
+            f"{med['new'] * 1e3:8.3f} {size / med['base'] / 1e9:9.1f} {size / med['new'] / 1e9:9.1f} "
+            f"{macs / med['base'] / 1e9:11.1f} {macs / med['new'] / 1e9:6.1f} "
+            f"{med['base'] / med['new']:7.2f}x  (best {min(times['base']) * 1e3:.3f} / "
+            f"{min(times['new']) * 1e3:.3f} ms)"
+        )
     print(f"  torch sum over 1 GiB again: {read_bandwidth() / 1e9:.1f} GB/s")
 
 
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x per call (M)")
     parser.add_argument("--calls", type=int, default=200, help="timed calls of each build per shape")
     parser.add_argument(
         "--stream-bytes",
@@ -175,10 +181,17 @@ def main() -> None:
         help="bytes of weight copies cycled through (0: one matrix, cache-resident when small)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the same-bits check")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time calls by the process's CPU time, not the wall clock: on a shared, loaded machine "
+        "the time a call spends descheduled is left out (with one thread, what a quiet machine's "
+        "wall clock would read; with more, the threads' CPU time summed)",
+    )
     args = parser.parse_args()
     isa = args.isa or cpu_quant_linear.supported_isas()[0]
     base, new = load_base(args.base, isa), cpu_quant_linear.load(isa)
-    print(f"base {args.base} vs this tree, {isa} build, quant_linear_i8 at one row of x")
+    print(f"base {args.base} vs this tree, {isa} build, quant_linear_i8 at {args.rows} rows of x")
     if not args.no_check:
         check_bits(base, new)
     with torch.inference_mode():

@@ -44,8 +44,14 @@
 // into fp32 and runs a float GEMM on it.
 //
 // Built once per instruction set (kernels/cpu_quant_linear.py): AVX-512 with
-// VNNI (integer dots on 256-bit vectors, the width of one group), AVX2 + FMA,
-// and generic (the scalar loops, which are also the tails'). Each build
+// VNNI, AVX2 + FMA, and generic (the scalar loops, which are also the tails'). The
+// AVX-512 build (WEFT_ZMM) runs quant_linear_i8's tiles of an even number of weight
+// rows (all but the 1 x 4 and 1 x 1 tails) two weight rows to a 512-bit vector: each
+// half is the 8-lane accumulator of the 256-bit tile, x's bytes and scales broadcast
+// into both halves, the same operations per lane, so the same bits as the AVX2 build
+// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x).
+// Everything else (quant_linear_i16, the fp32 paths) is the AVX2 code with VNNI dots
+// on 256-bit vectors. Each build
 // registers its ops under its own namespace (QUANT_LIBRARY_NS), so a process can
 // load several and tests can compare them.
 
@@ -68,6 +74,9 @@
 #endif
 #if defined(WEFT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define WEFT_VNNI 1
+#endif
+#if defined(WEFT_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define WEFT_ZMM 1  // quant_linear_i8's tiles of an even number of weight rows run on 512-bit vectors
 #endif
 
 #ifndef QUANT_LIBRARY_NS
@@ -854,6 +863,208 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
 }
 
+#ifdef WEFT_ZMM
+// ---- the same tiles on 512-bit vectors (AVX-512 builds) ----
+//
+// Two weight rows share a zmm: row 2h's accumulator in lanes 0-7, row 2h + 1's in lanes 8-15,
+// each exactly the 8-lane accumulator of the 256-bit tiles above; a row of x's bytes and scales
+// are broadcast into both halves (vbroadcasti64x4 from memory). So each 512-bit vpdpbusd,
+// conversion and FMA does the work of two 256-bit ones with the same operations on the same values
+// per lane, the int4 nibbles are unpacked once per two rows, and each half is summed at the end by
+// the same hsum: the bits are those of the 256-bit tiles (and of the AVX2 build).
+
+// Row a's 256 bits in lanes 0-7, row b's in lanes 8-15.
+inline __m512i rows2(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline __m512 rows2(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+inline __m512i rows2(const void* a, const void* b) {
+  return rows2(_mm256_loadu_si256(static_cast<const __m256i*>(a)), _mm256_loadu_si256(static_cast<const __m256i*>(b)));
+}
+// 256 bits in both halves.
+inline __m512i both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+inline __m512 both(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// Out[r * ldo + i] for the RW weight rows (even) of a tile: each half's hsum plus its row's tail.
+template <int RW, int RX, class Tail>
+inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ldo, Tail&& tail) {
+  for (int h = 0; h < RW / 2; ++h) {
+    for (int r = 0; r < RX; ++r) {
+      out[r * ldo + 2 * h] = hsum(_mm512_castps512_ps256(acc[h][r])) + tail(2 * h, r);
+      out[r * ldo + 2 * h + 1] = hsum(high_half(acc[h][r])) + tail(2 * h + 1, r);
+    }
+  }
+}
+
+// Int4Scales::min_term of every (weight row, x row) of a tile into out[i][r], two weight rows to a
+// zmm: each half the same eight FMA lanes over the groups in order, the same hsum, then the same
+// scalar tail; each weight row's mins converted once for all the tile's rows of x.
+template <int RW, int RX, bool kHalf>
+void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+                   float (&out)[RW][RX]) {
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const float* xsums[RX];
+  for (int r = 0; r < RX; ++r) xsums[r] = a.sums.data() + (m0 + r) * groups;
+  auto eight = [&](int i, int64_t g) {
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(sc[i].m) + g)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(sc[i].m) + g);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    for (int h = 0; h < H; ++h) {
+      const __m512 mv = rows2(eight(2 * h, g), eight(2 * h + 1, g));
+      for (int r = 0; r < RX; ++r) acc[h][r] = _mm512_fmadd_ps(mv, both(_mm256_loadu_ps(xsums[r] + g)), acc[h][r]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    for (int r = 0; r < RX; ++r) {
+      out[2 * h][r] = hsum(_mm512_castps512_ps256(acc[h][r]));
+      out[2 * h + 1][r] = hsum(high_half(acc[h][r]));
+    }
+  }
+  for (; g < groups; ++g) {
+    for (int i = 0; i < RW; ++i) {
+      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(sc[i].m)[g])
+                             : static_cast<const float*>(sc[i].m)[g];
+      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
+    }
+  }
+}
+
+// tile_i8_int4 with weight rows two to a zmm.
+template <int RW, int RX, bool kHalf>
+void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                      const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const int64_t groups = w.groups, pairs = groups / 2;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* q[RW];
+  Int4Scales<kHalf> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    sc[i] = int4_scales<kHalf>(w, n + i);
+  }
+  const int8_t* xp[RX];
+  const float* xl[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xl[r] = a.lanes_row(m0 + r);
+  }
+  auto pair_step = [&](int64_t p, auto&& scale_of) {
+    prefetch_share<RW>(ahead, p, kBlock);
+    for (int h = 0; h < H; ++h) {
+      const __m512i bytes = rows2(q[2 * h] + p * kBlock, q[2 * h + 1] + p * kBlock);
+      const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+      for (int r = 0; r < RX; ++r) {
+        const int8_t* x = xp[r] + p * 2 * kBlock;
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, both(x)), hi,
+                                                both(x + kBlock));
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale_of(h, r), acc[h][r]);
+      }
+    }
+  };
+  // Four pairs at a time: the eight block scales of each two weight rows loaded as one vector and
+  // spread over each pair's lanes by one permute, then multiplied by x's scales as ActInt8::lanes
+  // holds them (already spread): the same products the 256-bit tiles make, one permute per two
+  // weight rows rather than one per (weight row, x row).
+  alignas(64) static constexpr int32_t kSpread[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9},
+      {2, 2, 2, 2, 3, 3, 3, 3, 10, 10, 10, 10, 11, 11, 11, 11},
+      {4, 4, 4, 4, 5, 5, 5, 5, 12, 12, 12, 12, 13, 13, 13, 13},
+      {6, 6, 6, 6, 7, 7, 7, 7, 14, 14, 14, 14, 15, 15, 15, 15}};
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {
+    __m512 ws16[H];
+    for (int h = 0; h < H; ++h) ws16[h] = rows2(sc[2 * h].eight(2 * p), sc[2 * h + 1].eight(2 * p));
+    for (int j = 0; j < 4; ++j) {
+      const __m512i spread = _mm512_load_si512(kSpread[j]);
+      __m512 ws[H];
+      for (int h = 0; h < H; ++h) ws[h] = _mm512_permutexvar_ps(spread, ws16[h]);
+      const int64_t pj = p + j;
+      pair_step(pj, [&](int h, int r) { return _mm512_mul_ps(ws[h], both(_mm256_loadu_ps(xl[r] + pj * 8))); });
+    }
+  }
+  for (; p < pairs; ++p) {
+    __m512 ws[H];
+    for (int h = 0; h < H; ++h) ws[h] = rows2(sc[2 * h].pair(p), sc[2 * h + 1].pair(p));
+    pair_step(p, [&](int h, int r) { return _mm512_mul_ps(ws[h], both(_mm256_loadu_ps(xl[r] + p * 8))); });
+  }
+  if (groups % 2) {
+    const int64_t b = groups - 1;
+    for (int h = 0; h < H; ++h) {
+      const __m512i u = rows2(int4_block(q[2 * h] + b * (kBlock / 2)), int4_block(q[2 * h + 1] + b * (kBlock / 2)));
+      const __m512 ws = rows2(_mm256_set1_ps(sc[2 * h].scale(b)), _mm256_set1_ps(sc[2 * h + 1].scale(b)));
+      for (int r = 0; r < RX; ++r) {
+        const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
+        const __m512 xs = _mm512_set1_ps(a.srow(m0 + r)[b]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs), acc[h][r]);
+      }
+    }
+  }
+  float mins[RW][RX];
+  min_terms_zmm<RW, RX>(sc, a, m0, groups, mins);
+  store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return mins[i][r]; });
+}
+
+// tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
+// weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
+// only where the weight is 0, whose |w| makes the product 0 either way).
+template <int RW, int RX, bool kHalf, int G>
+void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                      const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const int8_t* q[RW];
+  Int8Scales<kHalf, G> sc[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
+    sc[i] = {w.scale_row(n + i)};
+  }
+  const int64_t whole = w.K / kBlock;
+  auto block = [](const int8_t* qb, bool half) {
+    return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
+                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+  };
+  auto step = [&](int64_t b, bool half) {
+    prefetch_share<RW>(ahead, b, kBlock);
+    for (int h = 0; h < H; ++h) {
+      const __m512i sgn = rows2(block(q[2 * h] + b * kBlock, half), block(q[2 * h + 1] + b * kBlock, half));
+      const __m512i u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      const __mmask64 neg = _mm512_movepi8_mask(sgn);
+      const __m512 ws = rows2(sc[2 * h].block(b, half), sc[2 * h + 1].block(b, half));
+      for (int r = 0; r < RX; ++r) {
+        const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
+        const float* xs = a.srow(m0 + r);
+        __m512 scale;
+        if constexpr (G == 16) {
+          scale = _mm512_mul_ps(ws, both(halves(xs[2 * b], xs[2 * b + 1])));
+        } else {
+          scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[b]));
+        }
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx)), scale,
+                                    acc[h][r]);
+      }
+    }
+  };
+  for (int64_t b = 0; b < whole; ++b) step(b, false);
+  if (whole < a.blocks) step(whole, true);
+  store_halves<RW, RX>(acc, out, ldo, [](int, int) { return 0.f; });
+}
+#endif
+
 // ---- int16 activations in register tiles (quant_linear_i16) ----
 //
 // x rounded to int16 per weight group (scale amax / 32767: 258 times finer than int8), the
@@ -954,11 +1165,30 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
 template <bool kInt4, bool kHalf, int G>
 struct TilesI8 {
   using Act = ActInt8;
+#ifdef WEFT_ZMM
+  static constexpr int kWide = 4;  // 4 x 4: two rows a zmm, 8 zmm accumulators
+#else
   static constexpr int kWide = 2;  // weight rows of a tile against four rows of x: 2 x 4, 8 accumulators
+#endif
   static constexpr bool kSpreads = true;  // the tile takes a prefetch share (prefetch_share)
+#ifdef WEFT_ZMM
+  static constexpr bool kSpreadsRows = true;  // above one row of x too: the first tile of four weight rows
+#else
+  static constexpr bool kSpreadsRows = false;
+#endif
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
+#ifdef WEFT_ZMM
+    if constexpr (RW % 2 == 0) {
+      if constexpr (kInt4) {
+        tile_i8_int4_zmm<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
+      } else {
+        tile_i8_int8_zmm<RW, RX, kHalf, G>(w, n, a, m0, out, ldo, ahead);
+      }
+      return;
+    }
+#endif
     if constexpr (kInt4) {
       tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
     } else {
@@ -973,11 +1203,17 @@ struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
   static constexpr bool kSpreads = false;
+  static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
     tile_i16<RW, RX, kInt4, G>(w, n, a, m0, out, ldo);
   }
 };
+
+// Above one row of x, AVX-512 tiles spread the prefetch of weight rows up to this long (int4 K <=
+// 8192, int8 K <= 4096): one row of x per call, from memory, 1.2-1.6x at 2-4 rows of x and K = 2048,
+// but 0.8x for the 8 KiB rows of Q8_0 at K = 8192, where the burst stays.
+constexpr int64_t kSpreadRowBytes = 4096;
 
 // Weight rows [begin, end) against rows [m0, m1) of x, in the tiles of Tiles, four weight rows at
 // a time (with row_blocks): four rows of x as 4 / kWide tiles of kWide x 4, two rows as tiles of
@@ -996,9 +1232,10 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(w, n, a, m, op + m * ldo + n, ldo, ahead);
   };
   const bool spread = Tiles::kSpreads && m1 - m0 == 1;
+  const bool spread_rows = Tiles::kSpreadsRows && m1 - m0 > 1 && w.row_bytes <= kSpreadRowBytes;
   auto prefetch = [&](int64_t n, int64_t rows) {
     const int64_t ahead = std::min(n + kPrefetchRows, w.N - rows);
-    if (!(spread && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
+    if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.groups * w.scale_bytes());
     if (w.int4()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
   };
@@ -1007,23 +1244,26 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   using Two = std::integral_constant<int, 2>;
   using Four = std::integral_constant<int, 4>;
   using Wide = std::integral_constant<int, kWide>;
-  using Wide2 = std::integral_constant<int, 2 * kWide>;
+  using Wide2 = std::integral_constant<int, std::min(4, 2 * kWide)>;
   int64_t n = begin;
   for (; row_blocks && n + 4 <= end; n += 4) {
     prefetch(n, 4);
+    // Above one row of x (AVX-512, rows up to kSpreadRowBytes): the block's first tile prefetches
+    // the four weight rows kPrefetchRows ahead a share per step, the other tiles none.
+    const uint8_t* ahead = spread_rows ? w.qweight + std::min(n + kPrefetchRows, w.N - 4) * w.row_bytes : nullptr;
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) {
-      for (int j = 0; j < 4; j += kWide) tile(Wide{}, Four{}, n + j, m);
+      for (int j = 0; j < 4; j += kWide, ahead = nullptr) tile(Wide{}, Four{}, n + j, m, ahead);
     }
     for (; m + 2 <= m1; m += 2) {
-      for (int j = 0; j < 4; j += 2 * kWide) tile(Wide2{}, Two{}, n + j, m);
+      for (int j = 0; j < 4; j += Wide2::value, ahead = nullptr) tile(Wide2{}, Two{}, n + j, m, ahead);
     }
     if (m < m1 && spread) {
       // Batch 1: two tiles of 2 x 1, each prefetching its share of the next four rows (two).
       tile(Two{}, One{}, n, m, w.qweight + std::min(n + 4, w.N - 2) * w.row_bytes);
       tile(Two{}, One{}, n + 2, m, w.qweight + std::min(n + 6, w.N - 2) * w.row_bytes);
     } else if (m < m1) {
-      tile(Four{}, One{}, n, m);
+      tile(Four{}, One{}, n, m, ahead);
     }
   }
   for (; n < end; ++n) {

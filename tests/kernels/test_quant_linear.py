@@ -282,6 +282,25 @@ def test_a_rows_result_has_the_same_bits_whatever_rows_share_the_call(bits, isa,
         assert torch.equal(part, whole[start : start + rows]), (start, rows)
 
 
+@pytest.mark.skipif(
+    not {"avx512vnni", "avx2"} <= set(ISAS), reason="needs a CPU that runs both the AVX-512 and AVX2 builds"
+)
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("layout,group,k", I8_SHAPES)
+@pytest.mark.parametrize("half", [False, True])
+def test_the_avx512_build_gives_the_bits_of_the_avx2_build(bits, layout, group, k, half):
+    """The AVX-512 tiles (two weight rows a 512-bit vector) do per lane what the AVX2 tiles do, so
+    every tile shape, the batch-1 path and the tails give the AVX2 build's bits."""
+    q, s, m = random_packed(layout, 203, k, group, seed=7)
+    if half:
+        s, m = s.half(), None if m is None else m.half()
+    kernel, _ = INT_KERNELS[bits]
+    for rows in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        wide = kernel(x, q, s, m, group, isa="avx512vnni")
+        assert torch.equal(wide, kernel(x, q, s, m, group, isa="avx2")), rows
+
+
 @pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,group,k", I8_SHAPES)
