@@ -1,0 +1,83 @@
+"""How the tests share the machine's cores under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``).
+
+- **One worker per module.** Every test gets an ``xdist_group`` mark naming its module, so a
+  module's fixtures (its own server, engine or stack) start once, on the worker that runs the
+  module. The modules that share the session's ``default_server`` form one group, so that server
+  starts once too.
+- **The longest groups first.** The groups go to the workers in collection order
+  (``--no-loadscope-reorder``), which this plugin sorts by each group's seconds in the last
+  parallel run (kept in pytest's cache), the slow tier's groups first where there is none (a
+  fresh clone): a long module started last would leave the other core idle while it runs.
+- **One torch thread per worker.** Two workers each running torch on every core would run four
+  threads on two; a test that is about threads sets its own count. Engines that tests start take
+  ``--num-threads`` / ``num_threads`` from the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SECONDS_KEY = "weft/xdist-group-seconds"
+SHARED_FIXTURE_GROUPS = ("default_server",)  # session fixtures that start a server: one group each
+
+
+def group_of(item: pytest.Item) -> str:
+    shared = [name for name in SHARED_FIXTURE_GROUPS if name in getattr(item, "fixturenames", ())]
+    return shared[0] if shared else item.nodeid.split("::")[0]
+
+
+def _in_parallel(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("xdist") and bool(config.getoption("numprocesses", None))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput["workercount"] > 1:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    seconds: dict[str, float] = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    # Stable: groups with no figure keep their order, the slow tier's before the rest.
+    items.sort(key=lambda item: (-seconds.get(group_of(item), 0.0), item.get_closest_marker("slow") is None))
+
+
+class GroupSeconds:
+    """On the controller: each group's seconds (set-up, call and tear-down of its tests), saved
+    at the end of a parallel run for the next one's order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # xdist appends "@<group>" to the node id (an "@" inside a parameter's "[...]" is not one).
+        nodeid = report.nodeid
+        group = nodeid.rsplit("@", 1)[-1] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid.split("::")[0]
+        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+
+    def save(self, config: pytest.Config) -> None:
+        cache = getattr(config, "cache", None)
+        if cache is None or not self.seconds:
+            return
+        merged = {**cache.get(SECONDS_KEY, {}), **{g: round(s, 2) for g, s in self.seconds.items()}}
+        cache.set(SECONDS_KEY, merged)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if _in_parallel(config) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(GroupSeconds(), "weft-group-seconds")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    recorder = session.config.pluginmanager.get_plugin("weft-group-seconds")
+    if isinstance(recorder, GroupSeconds):
+        recorder.save(session.config)
