@@ -6,8 +6,9 @@
   starts once too.
 - **The longest groups first.** The groups go to the workers in collection order
   (``--no-loadscope-reorder``), which this plugin sorts by each group's seconds in the last
-  parallel run (kept in pytest's cache), the slow tier's groups first where there is none (a
-  fresh clone): a long module started last would leave the other core idle while it runs.
+  parallel run (kept in pytest's cache; a group with none, as in a fresh clone, goes first, the
+  slow tier's before the rest): a long module started last would leave the other core idle
+  while it runs.
 - **One torch thread per worker.** Two workers each running torch on every core would run four
   threads on two; a test that is about threads sets its own count. Engines that tests start take
   ``--num-threads`` / ``num_threads`` from the test.
@@ -26,10 +27,6 @@ def group_of(item: pytest.Item) -> str:
     return shared[0] if shared else item.nodeid.split("::")[0]
 
 
-def _in_parallel(config: pytest.Config) -> bool:
-    return config.pluginmanager.hasplugin("xdist") and bool(config.getoption("numprocesses", None))
-
-
 def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and workerinput["workercount"] > 1:
@@ -39,14 +36,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
+    if not hasattr(config, "workerinput"):  # only an xdist worker collects for the scheduler
         return
     cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
     seconds: dict[str, float] = cache.get(SECONDS_KEY, {}) if cache is not None else {}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group_of(item)))
-    # Stable: groups with no figure keep their order, the slow tier's before the rest.
-    items.sort(key=lambda item: (-seconds.get(group_of(item), 0.0), item.get_closest_marker("slow") is None))
+    groups = [group_of(item) for item in items]
+    slow = {group for group, item in zip(groups, items, strict=True) if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}  # where each group begins
+    for i, group in enumerate(groups):
+        first.setdefault(group, i)
+    key = {group: (*run_order(group in slow, seconds.get(group)), first[group]) for group in groups}
+    order = sorted(range(len(items)), key=lambda i: key[groups[i]])  # a group stays whole
+    items[:] = [items[i] for i in order]
+
+
+def run_order(slow: bool, seconds: float | None) -> tuple[int, float]:
+    """A group's sort key: groups with no figure yet first (a new module may be long), the slow
+    tier's of them before the rest; then the others, the longest first."""
+    return (0 if slow else 1, 0.0) if seconds is None else (2, -seconds)
 
 
 class GroupSeconds:
@@ -73,7 +82,8 @@ class GroupSeconds:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
-    if _in_parallel(config) and not hasattr(config, "workerinput"):
+    parallel = config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None)
+    if parallel and not hasattr(config, "workerinput"):
         config.pluginmanager.register(GroupSeconds(), "weft-group-seconds")
 
 
