@@ -77,11 +77,11 @@ $(GEMMA3_HF)/config.json: $(GEMMA3)
 serve: install model
 	$(VENV)/bin/weft serve --model $(GGUF) --port 8000
 
-# The tests run on PYTEST_WORKERS processes (pytest-xdist, one per core here). tests/scheduling.py
-# keeps each module on one worker (its fixtures start once) and sends the longest modules out first.
+# The tests run on PYTEST_WORKERS processes (pytest-xdist, one per core here), a module per worker
+# at a time (its fixtures start once); tests/scheduling.py sends the longest modules out first.
 # PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Every test (the goal: under 10 minutes on 2 cores; the times, to be re-measured after the move to
 # two workers, are in README "Testing"; CI runs the same tests as test-fast + test-slow).

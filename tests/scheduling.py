@@ -1,12 +1,14 @@
-"""How the tests share the machine's cores under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``).
+"""How the tests share the machine's cores under pytest-xdist (``make test``: ``-n 2 --dist loadfile``).
 
-- **One worker per module.** Every test gets an ``xdist_group`` mark naming its module, so a
-  module's fixtures (its own server, engine or stack) start once, on the worker that runs the
-  module. The modules that share the session's ``default_server`` form one group, so that server
-  starts once too.
-- **The longest groups first.** The groups go to the workers in collection order
-  (``--no-loadscope-reorder``), which this plugin sorts by each group's seconds in the last
-  parallel run (kept in pytest's cache; a group with none, as in a fresh clone, goes first, the
+- **A module is one unit.** ``--dist loadfile`` sends a module's tests to one worker, so its
+  fixtures (its own server, engine, stack or loaded model) start once. The modules that share the
+  session's ``default_server`` are one unit too (``SharedServerScheduling``), so that server starts
+  once: they are listed in ``DEFAULT_SERVER_MODULES``, and a worker refuses to run when a module
+  that uses the fixture is missing from the list. (xdist's own ``loadgroup`` cannot do it here: it
+  renames node ids through an attribute pytest 9 no longer reads.)
+- **The longest units first.** The units go to the workers in collection order
+  (``--no-loadscope-reorder``), which this plugin sorts by each unit's seconds in the last
+  parallel run (kept in pytest's cache; a unit with none, as in a fresh clone, goes first, the
   slow tier's before the rest): a long module started last would leave the other core idle
   while it runs.
 - **One torch thread per worker.** Two workers each running torch on every core would run four
@@ -17,14 +19,37 @@
 from __future__ import annotations
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
-SECONDS_KEY = "weft/xdist-group-seconds"
-SHARED_FIXTURE_GROUPS = ("default_server",)  # session fixtures that start a server: one group each
+SECONDS_KEY = "weft/xdist-unit-seconds"
+# The modules that send requests to the session's one `weft serve` (tests/conftest.py).
+DEFAULT_SERVER_MODULES = frozenset(
+    {
+        "tests/test_tool_calling_serve.py",
+        "tests/test_embeddings_e2e.py",
+        "tests/api/test_structured_api.py",
+        "tests/test_api_params_e2e.py",
+    }
+)
+DEFAULT_SERVER_UNIT = "default_server"
 
 
-def group_of(item: pytest.Item) -> str:
-    shared = [name for name in SHARED_FIXTURE_GROUPS if name in getattr(item, "fixturenames", ())]
-    return shared[0] if shared else item.nodeid.split("::")[0]
+def unit_of(nodeid: str) -> str:
+    """The unit of work (the module, or the modules sharing ``default_server``) a test belongs to."""
+    module = nodeid.split("::", 1)[0]
+    return DEFAULT_SERVER_UNIT if module in DEFAULT_SERVER_MODULES else module
+
+
+class SharedServerScheduling(LoadFileScheduling):
+    """xdist's ``loadfile``, with the modules of ``DEFAULT_SERVER_MODULES`` as one file."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return unit_of(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to pytest under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> SharedServerScheduling | None:
+    return SharedServerScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,56 +63,58 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput"):  # only an xdist worker collects for the scheduler
         return
+    unlisted = {
+        item.nodeid.split("::", 1)[0]
+        for item in items
+        if "default_server" in getattr(item, "fixturenames", ())
+        and unit_of(item.nodeid) != DEFAULT_SERVER_UNIT
+    }
+    if unlisted:
+        raise pytest.UsageError(f"add {sorted(unlisted)} to tests/scheduling.py DEFAULT_SERVER_MODULES")
     cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
     seconds: dict[str, float] = cache.get(SECONDS_KEY, {}) if cache is not None else {}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item)))
-    groups = [group_of(item) for item in items]
-    slow = {group for group, item in zip(groups, items, strict=True) if item.get_closest_marker("slow")}
-    first: dict[str, int] = {}  # where each group begins
-    for i, group in enumerate(groups):
-        first.setdefault(group, i)
-    key = {group: (*run_order(group in slow, seconds.get(group)), first[group]) for group in groups}
-    order = sorted(range(len(items)), key=lambda i: key[groups[i]])  # a group stays whole
+    units = [unit_of(item.nodeid) for item in items]
+    slow = {unit for unit, item in zip(units, items, strict=True) if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}  # where each unit begins
+    for i, unit in enumerate(units):
+        first.setdefault(unit, i)
+    key = {unit: (*run_order(unit in slow, seconds.get(unit)), first[unit]) for unit in units}
+    order = sorted(range(len(items)), key=lambda i: key[units[i]])  # a unit stays whole
     items[:] = [items[i] for i in order]
 
 
 def run_order(slow: bool, seconds: float | None) -> tuple[int, float]:
-    """A group's sort key: groups with no figure yet first (a new module may be long), the slow
+    """A unit's sort key: units with no figure yet first (a new module may be long), the slow
     tier's of them before the rest; then the others, the longest first."""
     return (0 if slow else 1, 0.0) if seconds is None else (2, -seconds)
 
 
-class GroupSeconds:
-    """On the controller: each group's seconds (set-up, call and tear-down of its tests), saved
+class UnitSeconds:
+    """On the controller: each unit's seconds (set-up, call and tear-down of its tests), saved
     at the end of a parallel run for the next one's order."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        # xdist appends "@<group>" to the node id (an "@" inside a parameter's "[...]" is not one).
-        nodeid = report.nodeid
-        group = nodeid.rsplit("@", 1)[-1] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid.split("::")[0]
-        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+        unit = unit_of(report.nodeid)
+        self.seconds[unit] = self.seconds.get(unit, 0.0) + report.duration
 
     def save(self, config: pytest.Config) -> None:
         cache = getattr(config, "cache", None)
         if cache is None or not self.seconds:
             return
-        merged = {**cache.get(SECONDS_KEY, {}), **{g: round(s, 2) for g, s in self.seconds.items()}}
+        merged = {**cache.get(SECONDS_KEY, {}), **{u: round(s, 2) for u, s in self.seconds.items()}}
         cache.set(SECONDS_KEY, merged)
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
-    parallel = config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None)
-    if parallel and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(GroupSeconds(), "weft-group-seconds")
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(UnitSeconds(), "weft-unit-seconds")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    recorder = session.config.pluginmanager.get_plugin("weft-group-seconds")
-    if isinstance(recorder, GroupSeconds):
+    recorder = session.config.pluginmanager.get_plugin("weft-unit-seconds")
+    if isinstance(recorder, UnitSeconds):
         recorder.save(session.config)
