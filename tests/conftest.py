@@ -18,6 +18,9 @@ from benchmarks.stack import Stack
 from services import model_files
 from tests.utils import REPO_ROOT, gguf_parsed_once
 
+# Which xdist worker runs which tests, in what order, on how many torch threads.
+pytest_plugins = ["tests.scheduling"]
+
 
 @pytest.fixture(scope="session")
 def default_model() -> model_files.ModelFiles:

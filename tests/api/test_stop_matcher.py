@@ -4,7 +4,6 @@ string, in time that does not grow with how many there are."""
 from __future__ import annotations
 
 import random
-import statistics
 import time
 
 from protocol import SamplingParams
@@ -55,16 +54,19 @@ def test_the_detokenizer_cuts_at_the_first_stop_string():
     assert hit and detok.stop_string == "quick brown" and detok.text == "The "
 
 
-def _steps_time(stops: tuple[str, ...], windows: list[str]) -> float:
-    """Time to check each window the way the detokenizer does after each token."""
-    matcher = StopMatcher(stops)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for window in windows:
-            matcher.earliest(window, 0)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _steps_times(matchers: list[StopMatcher], windows: list[str], repeats: int = 9) -> list[float]:
+    """Each matcher's time to check each window the way the detokenizer does after each token:
+    the best of ``repeats`` runs, taken in turns. The best, not the median: on a busy machine (a
+    second test worker, other processes) a run that is preempted takes longer by the time it waited,
+    and a longer run is preempted more often; the matchers in turns share the machine's moods."""
+    best = [float("inf")] * len(matchers)
+    for _ in range(repeats):
+        for i, matcher in enumerate(matchers):
+            start = time.perf_counter()
+            for window in windows:
+                matcher.earliest(window, 0)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def test_time_per_token_does_not_grow_with_the_number_of_stop_strings():
@@ -79,4 +81,5 @@ def test_time_per_token_does_not_grow_with_the_number_of_stop_strings():
         tuple({"".join(rng.choice(alphabet) for _ in range(length)) for _ in range(n)}) for n in (1, 1000)
     )
     # Checking each with str.find takes ~500x longer with 1000 than with one.
-    assert _steps_time(many, windows) / _steps_time(few, windows) < 15
+    many_s, few_s = _steps_times([StopMatcher(many), StopMatcher(few)], windows)
+    assert many_s / few_s < 15
