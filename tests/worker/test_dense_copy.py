@@ -149,9 +149,12 @@ def test_a_bf16_model_keeps_a_bf16_copy():
     loaded = load_model(config_of(dtype="bfloat16", dense_min_rows=4, dense_copy_dtype="model"))
     layer = linear_layers(loaded)[0]
     assert layer.weight.dtype == torch.bfloat16
-    x = torch.randn(4, layer.quant.shape[1], dtype=torch.bfloat16)
+    x = torch.randn(4, layer.quant.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want = x.float() @ layer.quant.dequantize().T
+    # The copy's bf16 weights and sums err by up to ~0.2 on outputs of up to ~90 (seeds 0-19), on
+    # small outputs as on large ones: the bound is a share of the largest. A wrong weight errs by tens.
     torch.testing.assert_close(
-        layer.linear(x, None).float(), x.float() @ layer.quant.dequantize().T, atol=0.05, rtol=0.05
+        layer.linear(x, None).float(), want, atol=0.01 * want.abs().max().item(), rtol=0.05
     )
 
 
