@@ -720,6 +720,32 @@ Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
   return {w.scale_row(n), w.min_row(n)};
 }
 
+// A tile's int4 weight rows [n, n + RW): each row's bytes, scales and mins.
+template <int RW, bool kHalf>
+struct Int4Rows {
+  const uint8_t* q[RW];
+  Int4Scales<kHalf> sc[RW];
+  Int4Rows(const Packed& w, int64_t n) {
+    for (int i = 0; i < RW; ++i) {
+      q[i] = w.qweight + (n + i) * w.row_bytes;
+      sc[i] = int4_scales<kHalf>(w, n + i);
+    }
+  }
+};
+
+// A tile's rows [m0, m0 + RX) of x: the rounded values in the int4 pair order and the scale lanes.
+template <int RX>
+struct PairedXRows {
+  const int8_t* xp[RX];
+  const float* xl[RX];
+  PairedXRows(const ActInt8& a, int64_t m0) {
+    for (int r = 0; r < RX; ++r) {
+      xp[r] = a.paired_row(m0 + r);
+      xl[r] = a.lanes_row(m0 + r);
+    }
+  }
+};
+
 template <int RW, int RX, bool kHalf>
 void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
@@ -727,18 +753,12 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const uint8_t* q[RW];
-  Int4Scales<kHalf> sc[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = w.qweight + (n + i) * w.row_bytes;
-    sc[i] = int4_scales<kHalf>(w, n + i);
-  }
-  const int8_t* xp[RX];
-  const float* xl[RX];
-  for (int r = 0; r < RX; ++r) {
-    xp[r] = a.paired_row(m0 + r);
-    xl[r] = a.lanes_row(m0 + r);
-  }
+  Int4Rows<RW, kHalf> rows(w, n);
+  auto& q = rows.q;
+  auto& sc = rows.sc;
+  const PairedXRows<RX> xs(a, m0);
+  const auto& xp = xs.xp;
+  const auto& xl = xs.xl;
   // One pair of blocks for every (weight row, x row) of the tile, the scale products given.
   auto pair_step = [&](int64_t p, auto&& scale_of) {
     prefetch_share<RW>(ahead, p, kBlock);
@@ -822,17 +842,27 @@ struct Int8Scales {
   }
 };
 
+// A tile's int8 weight rows [n, n + RW): each row's bytes and scales.
+template <int RW, bool kHalf, int G>
+struct Int8Rows {
+  const int8_t* q[RW];
+  Int8Scales<kHalf, G> sc[RW];
+  Int8Rows(const Packed& w, int64_t n) {
+    for (int i = 0; i < RW; ++i) {
+      q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
+      sc[i] = {w.scale_row(n + i)};
+    }
+  }
+};
+
 template <int RW, int RX, bool kHalf, int G>
 void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
-  const int8_t* q[RW];
-  Int8Scales<kHalf, G> sc[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
-    sc[i] = {w.scale_row(n + i)};
-  }
+  Int8Rows<RW, kHalf, G> rows(w, n);
+  auto& q = rows.q;
+  auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
   auto step = [&](int64_t b, bool half) {
     prefetch_share<RW>(ahead, b, kBlock);
@@ -947,18 +977,12 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const uint8_t* q[RW];
-  Int4Scales<kHalf> sc[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = w.qweight + (n + i) * w.row_bytes;
-    sc[i] = int4_scales<kHalf>(w, n + i);
-  }
-  const int8_t* xp[RX];
-  const float* xl[RX];
-  for (int r = 0; r < RX; ++r) {
-    xp[r] = a.paired_row(m0 + r);
-    xl[r] = a.lanes_row(m0 + r);
-  }
+  Int4Rows<RW, kHalf> rows(w, n);
+  auto& q = rows.q;
+  auto& sc = rows.sc;
+  const PairedXRows<RX> xs(a, m0);
+  const auto& xp = xs.xp;
+  const auto& xl = xs.xl;
   auto pair_step = [&](int64_t p, auto&& scale_of) {
     prefetch_share<RW>(ahead, p, kBlock);
     for (int h = 0; h < H; ++h) {
@@ -1026,12 +1050,9 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
-  const int8_t* q[RW];
-  Int8Scales<kHalf, G> sc[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
-    sc[i] = {w.scale_row(n + i)};
-  }
+  Int8Rows<RW, kHalf, G> rows(w, n);
+  auto& q = rows.q;
+  auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
   auto block = [](const int8_t* qb, bool half) {
     return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
