@@ -12,6 +12,7 @@ import time
 
 SHAPES = {  # name -> (sequences, prompt tokens, steps profiled)
     "decode-64": (64, 128, 8),
+    "decode-16": (16, 128, 16),  # 16 concurrent streams, as `weft bench peers --concurrencies 16`
     "prefill-2048": (1, 2048, 1),
     "decode-1": (1, 128, 32),
     # Batch-1 decode of a prompt that repeats one 32-token span: the model goes on
