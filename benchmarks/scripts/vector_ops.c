@@ -1,5 +1,6 @@
 // What the AVX2 vector pipes of this CPU issue per cycle, alone and in the instruction mixes of
-// int8 GEMMs: the evidence for what bounds weft's AVX2 int8 GEMM (kernels/csrc/cpu_avx2_int8.cpp).
+// int8 GEMMs: the evidence for what bounds weft's AVX2 int8 GEMM (kernels/csrc/cpu_avx2_int8.cpp)
+// and the packed kernel's int4 tiles on batched steps (kernels/csrc/cpu_quant_linear.cpp).
 // Built and run by benchmarks/scripts/vector_ops_bench.py; one thread, registers only (no memory traffic but
 // the broadcasts' L1 hits). Cycles are counted by a chain of dependent scalar adds (one a cycle) run
 // in the same process, so no clock speed is assumed.
@@ -100,6 +101,29 @@ static void gemm_int16(void) {
            INT16_ROW("8", "%%ymm2", "%%ymm3") INT16_ROW("16", "%%ymm4", "%%ymm5") INT16_ROW("24", "%%ymm6", "%%ymm7"));
 }
 
+// One (weight row, row of x) step of quant_linear_i8's int4 tiles per pair of 32-blocks (64
+// products): the low and high nibbles (ymm14, ymm15, unpacked once per weight row for all rows of
+// x, so not counted) against x's two 32-byte halves from L1, vpaddw, vpmaddwd by ones (ymm13), the
+// conversion to fp32 and the FMA by the scale product (ymm12) into the pair's own accumulator.
+// PACKED_DOT is the same without the fp32 tail (the integer dot alone).
+#define PACKED_DOT(lo, hi)                                                                           \
+  "vpmaddubsw " lo "(%1), %%ymm14, %%ymm10\n\tvpmaddubsw " hi "(%1), %%ymm15, %%ymm11\n\t"       \
+  "vpaddw %%ymm11, %%ymm10, %%ymm10\n\tvpmaddwd %%ymm13, %%ymm10, %%ymm10\n\t"
+#define PACKED_PAIR(lo, hi, acc) \
+  PACKED_DOT(lo, hi) "vcvtdq2ps %%ymm10, %%ymm10\n\tvfmadd231ps %%ymm12, %%ymm10, " acc "\n\t"
+#define PACKED_INT(lo, hi, acc) PACKED_DOT(lo, hi) "vpaddd %%ymm10, " acc ", " acc "\n\t"
+static void packed_pairs(void) {
+  LOOP(PACKED_PAIR("0", "32", "%%ymm0") PACKED_PAIR("64", "96", "%%ymm1") PACKED_PAIR("128", "160", "%%ymm2")
+           PACKED_PAIR("192", "224", "%%ymm3") PACKED_PAIR("256", "288", "%%ymm4")
+               PACKED_PAIR("320", "352", "%%ymm5") PACKED_PAIR("384", "416", "%%ymm6")
+                   PACKED_PAIR("448", "480", "%%ymm7"));
+}
+static void packed_dots(void) {
+  LOOP(PACKED_INT("0", "32", "%%ymm0") PACKED_INT("64", "96", "%%ymm1") PACKED_INT("128", "160", "%%ymm2")
+           PACKED_INT("192", "224", "%%ymm3") PACKED_INT("256", "288", "%%ymm4") PACKED_INT("320", "352", "%%ymm5")
+               PACKED_INT("384", "416", "%%ymm6") PACKED_INT("448", "480", "%%ymm7"));
+}
+
 int main(void) {
   const double cycle = seconds_of(clock_chain) / (8.0 * kIters);  // seconds a cycle
   printf("clock %.2f GHz (a chain of dependent adds)\n", 1e-9 / cycle);
@@ -119,6 +143,8 @@ int main(void) {
       {"GEMM word, signed x (weft's)", gemm_signed, 4 * 10, 256},
       {"GEMM word, 7-bit x + 64", gemm_unsigned, 4 * 7, 256},
       {"GEMM word, int16 pairs", gemm_int16, 2 + 4 * 5, 128},
+      {"packed int4 pair (weft's tile)", packed_pairs, 8 * 6, 8 * 64},
+      {"packed int4 pair, int dot only", packed_dots, 8 * 5, 8 * 64},
   };
   printf("%-30s %12s %12s %14s\n", "instructions", "ops/cycle", "MAC/cycle", "cycles/256 MAC");
   for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {

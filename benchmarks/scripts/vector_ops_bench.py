@@ -5,7 +5,9 @@ it on one core: the clock from a chain of dependent adds, then ops per cycle for
 instructions and, for three ways to multiply int8 on AVX2, the products a cycle and the cycles 256
 products take (weft's signed tile, 7-bit x made unsigned, int16 pairs). It measures the instruction
 mix of ``kernels/csrc/cpu_avx2_int8.cpp``'s register tile with its operands in registers: the
-bound the GEMM meets on long steps.
+bound the GEMM meets on long steps; and the packed kernel's int4 tile per pair of blocks and row of
+x (``quant_linear_i8``, x from L1), with and without its fp32 tail: the bound of a batched step on
+the default path (compare with ``quant_gemv_ab.py --rows 16``'s GMAC/s over this clock).
 
 Usage: ``python benchmarks/scripts/vector_ops_bench.py [--cc gcc]``
 """
