@@ -773,17 +773,26 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
       }
     }
   };
-  // Four pairs at a time: the eight blocks' scales of each weight row and each x row loaded as one
-  // vector, multiplied once, and each pair's two products spread over its lanes by a permute. The
-  // products are the same floats the one-pair steps below make: only the route differs.
+  // Four pairs at a time: the eight blocks' scales of each weight row loaded as one vector. At one
+  // row of x, each x row's eight too, multiplied once, and each pair's two products spread over
+  // its lanes by a permute; above, each weight row's pair of scales is spread once (one permute per
+  // weight row, not per (weight row, x row)) and multiplied by x's scale lanes (ActInt8::lanes).
+  // The products are the same floats the one-pair steps below make: only the route differs.
   int64_t p = 0;
   for (; p + 4 <= pairs; p += 4) {
     __m256 ws8[RW], xs8[RX];
     for (int i = 0; i < RW; ++i) ws8[i] = sc[i].eight(2 * p);
-    for (int r = 0; r < RX; ++r) xs8[r] = _mm256_loadu_ps(a.srow(m0 + r) + 2 * p);
+    if constexpr (RX == 1) xs8[0] = _mm256_loadu_ps(a.srow(m0) + 2 * p);
     for (int j = 0; j < 4; ++j) {
       const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-      pair_step(p + j, [&](int i, int r) { return _mm256_permutevar8x32_ps(_mm256_mul_ps(ws8[i], xs8[r]), spread); });
+      if constexpr (RX == 1) {
+        pair_step(p + j, [&](int i, int) { return _mm256_permutevar8x32_ps(_mm256_mul_ps(ws8[i], xs8[0]), spread); });
+      } else {
+        __m256 ws[RW];
+        for (int i = 0; i < RW; ++i) ws[i] = _mm256_permutevar8x32_ps(ws8[i], spread);
+        const int64_t pj = p + j;
+        pair_step(pj, [&](int i, int r) { return _mm256_mul_ps(ws[i], _mm256_loadu_ps(xl[r] + pj * 8)); });
+      }
     }
   }
   for (; p < pairs; ++p) {
