@@ -314,16 +314,27 @@ def dequantize_packed_ref(
     """Twin of ``kernels.cpu_quant_linear.dequantize_rows`` over all rows: the fp32 weight
     ``[N, K]`` of a packed one (layouts in ``kernels/csrc/cpu_quant_linear.cpp``).
 
-    int8 (``mins`` None): ``w = q * s``; int4: ``w = q * s + m``, where each group of
-    32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16`` in its high.
+    int8 (``qweight [N, K]``): ``w = q * s``; int4 (``qweight [N, K / 2]``): ``w = q * s + m``,
+    where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16``
+    in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s`` (Q4_0's).
     """
     scales = scales.float()  # fp16 scales (the GGUF blocks' own) convert exactly
-    if mins is None:
+    if not is_int4(qweight, scales, group_size):
         values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
         return (values * scales[..., None]).flatten(1)
     grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
     values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
-    return torch.addcmul(mins.float()[..., None], values, scales[..., None]).flatten(1)
+    return torch.addcmul(int4_mins(scales, mins)[..., None], values, scales[..., None]).flatten(1)
+
+
+def is_int4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> bool:
+    """Whether a packed weight is in the int4 layout: two weights a byte of ``qweight``."""
+    return qweight.shape[1] * 2 == scales.shape[1] * group_size
+
+
+def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """An int4 weight's mins in fp32: ``mins``, or where None Q4_0's ``-8 * scales`` (exact)."""
+    return scales.float() * -8.0 if mins is None else mins.float()
 
 
 def quant_linear_ref(
@@ -361,7 +372,8 @@ def quant_linear_i8_ref(
     integer dot times the two scales, plus for int4 the min times the sum of the rounded x
     over the group: W times x rounded, exactly, up to the order of fp32 sums."""
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
-    if mins is None:
+    int4 = is_int4(qweight, scales, group_size)
+    if not int4:
         wq = qweight.unflatten(1, (-1, group_size))
     else:
         grouped = qweight.unflatten(1, (-1, group_size // 2))
@@ -369,8 +381,8 @@ def quant_linear_i8_ref(
     # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
     y = (dots * (xs[:, None, :] * scales.float()[None])).sum(-1)
-    if mins is not None:
-        y = y + (xs * xq.sum(-1).float()) @ mins.float().T
+    if int4:
+        y = y + (xs * xq.sum(-1).float()) @ int4_mins(scales, mins).T
     return y
 
 

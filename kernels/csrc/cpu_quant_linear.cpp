@@ -6,6 +6,9 @@
 //   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
 //         w = q * s + m, q in [0, 16); in each group of 32, byte j holds
 //         element j in its low nibble and element j + 16 in its high one.
+//         Without mins (Q4_0) each is -8 * s, formed in fp32 as it is used:
+//         exact, so the bits of the same mins stored.
+// The layout is int4 where qweight holds K / 2 bytes a row, else int8.
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
 // fp16 scales (the 32-element formats' own) are read by the integer-activation
@@ -107,14 +110,19 @@ void dequant_row_int8(const int8_t* q, const float* scales, int64_t K, int64_t g
   }
 }
 
-// One weight row of the int4 layout, dequantized into out[K].
+// Q4_0's min, -8 times the scale: exact in fp32 (a power of two), so the same value the
+// repacker once stored beside each scale.
+inline float implied_min(float scale) { return -8.f * scale; }
+
+// One weight row of the int4 layout, dequantized into out[K] (mins null: Q4_0's implied ones).
 void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, int64_t K, float* out) {
   for (int64_t g = 0; g < K / kInt4Group; ++g) {
     const uint8_t* qg = q + g * (kInt4Group / 2);
     float* og = out + g * kInt4Group;
+    const float min = mins != nullptr ? mins[g] : implied_min(scales[g]);
 #ifdef WEFT_AVX2
     const __m256 s = _mm256_set1_ps(scales[g]);
-    const __m256 m = _mm256_set1_ps(mins[g]);
+    const __m256 m = _mm256_set1_ps(min);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
     const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
@@ -125,8 +133,8 @@ void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, 
     }
 #else
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      og[j] = static_cast<float>(qg[j] & 0x0F) * scales[g] + mins[g];
-      og[j + kInt4Group / 2] = static_cast<float>(qg[j] >> 4) * scales[g] + mins[g];
+      og[j] = static_cast<float>(qg[j] & 0x0F) * scales[g] + min;
+      og[j + kInt4Group / 2] = static_cast<float>(qg[j] >> 4) * scales[g] + min;
     }
 #endif
   }
@@ -135,8 +143,9 @@ void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, 
 struct Packed {
   const uint8_t* qweight;
   int64_t row_bytes;  // bytes of qweight per row
+  bool int4_layout;     // two weights a byte (qweight [N, K / 2]), else int8 (qweight [N, K])
   const float* scales;  // fp32 scales, or null when they are fp16 (scales_h)
-  const float* mins;    // null for the int8 layout (and when fp16: mins_h)
+  const float* mins;    // null for the int8 layout, when fp16 (mins_h) and when implied (Q4_0)
   int64_t groups;       // groups per row
   int64_t group;
   int64_t K;
@@ -146,7 +155,9 @@ struct Packed {
   const uint16_t* scales_h = nullptr;
   const uint16_t* mins_h = nullptr;
 
-  bool int4() const { return mins != nullptr || mins_h != nullptr; }
+  bool int4() const { return int4_layout; }
+  // Whether the int4 layout stores its mins; without, each is implied_min(scale) (Q4_0).
+  bool has_mins() const { return mins != nullptr || mins_h != nullptr; }
   int64_t scale_bytes() const { return scales_h != nullptr ? 2 : 4; }
   const void* scale_row(int64_t n) const {
     return scales_h != nullptr ? static_cast<const void*>(scales_h + n * groups) : scales + n * groups;
@@ -157,10 +168,10 @@ struct Packed {
 
   void dequant_row(int64_t n, float* out) const {
     const float* s = scales + n * groups;
-    if (mins == nullptr) {
+    if (!int4_layout) {
       dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
     } else {
-      dequant_row_int4(qweight + n * row_bytes, s, mins + n * groups, K, out);
+      dequant_row_int4(qweight + n * row_bytes, s, mins == nullptr ? nullptr : mins + n * groups, K, out);
     }
   }
 };
@@ -218,10 +229,13 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
 }
 
 // half_scales: whether the caller reads fp16 scales and mins (the integer-activation paths);
-// the fp32-activation paths dequantize with fp32 ones.
+// the fp32-activation paths dequantize with fp32 ones. The layout is int4 where qweight holds K / 2
+// bytes a row; its mins are optional (none: Q4_0's, implied by the scales).
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                  int64_t group_size, int64_t K, bool half_scales = false) {
-  const bool int4 = mins.has_value();
+  TORCH_CHECK(qweight.dim() == 2, "quant_linear: qweight shape");
+  const bool int4 = qweight.size(1) * 2 == K;
+  TORCH_CHECK(int4 || qweight.size(1) == K, "quant_linear: qweight shape");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || (half_scales && half)),
@@ -231,21 +245,24 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group),
               "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4)");
   const int64_t N = qweight.size(0), groups = K / group_size;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == (int4 ? K / 2 : K), "quant_linear: qweight shape");
+  TORCH_CHECK(int4 || !mins.has_value(), "quant_linear: mins go with the int4 layout (qweight [N, K / 2]) only");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, "quant_linear: scales shape");
-  if (int4) {
+  if (mins.has_value()) {
     TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == scales.scalar_type() && mins->sizes() == scales.sizes(),
                 "quant_linear: mins must be shaped like scales, in their dtype");
   }
-  Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), nullptr, nullptr, groups, group_size, K, N};
+  Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), int4, nullptr, nullptr, groups, group_size,
+           K, N};
   if (half) {
     TORCH_CHECK(groups <= 1024, "quant_linear: fp16 scales take at most 1024 groups a row (K <= 32768 at 32 a group)");
     w.scales_h = static_cast<const uint16_t*>(scales.data_ptr());
-    if (int4) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
+    if (mins.has_value()) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
   } else {
     w.scales = scales.data_ptr<float>();
-    if (int4) w.mins = mins->data_ptr<float>();
+    if (mins.has_value()) w.mins = mins->data_ptr<float>();
   }
+  TORCH_CHECK(!int4 || mins.has_value() || groups <= 1024,
+              "quant_linear: implied mins (none given) take at most 1024 groups a row (K <= 32768)");
   return w;
 }
 
@@ -274,15 +291,20 @@ struct RowScales {
   RowScales() = default;
   RowScales(const Packed& w, int64_t n) { read(w, n); }
   void read(const Packed& w, int64_t n) {
+    m = nullptr;
     if (w.scales != nullptr) {
       s = w.scales + n * w.groups;
-      m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
-      return;
+      if (w.mins != nullptr) m = w.mins + n * w.groups;
+    } else {
+      halves_to_floats(w.scales_h + n * w.groups, w.groups, s_buf);
+      s = s_buf;
+      if (w.mins_h != nullptr) {
+        halves_to_floats(w.mins_h + n * w.groups, w.groups, m_buf);
+        m = m_buf;
+      }
     }
-    halves_to_floats(w.scales_h + n * w.groups, w.groups, s_buf);
-    s = s_buf;
-    if (w.mins_h != nullptr) {
-      halves_to_floats(w.mins_h + n * w.groups, w.groups, m_buf);
+    if (w.int4() && m == nullptr) {
+      for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = implied_min(s[g]);
       m = m_buf;
     }
   }
@@ -318,10 +340,10 @@ void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, 
   for (auto& a : acc) for (auto& v : a) v = _mm256_setzero_ps();
   const float* s = w.scales + n * w.groups;
   const uint8_t* q = w.qweight + n * w.row_bytes;
-  if (w.mins != nullptr) {
-    const float* m = w.mins + n * w.groups;
+  if (w.int4()) {
+    const float* m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const GroupInt4 grp(q + g * (kInt4Group / 2), s[g], m[g]);
+      const GroupInt4 grp(q + g * (kInt4Group / 2), s[g], m != nullptr ? m[g] : implied_min(s[g]));
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kInt4Group;
         for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(grp.w[p], _mm256_loadu_ps(xg + 8 * p), acc[r][p]);
@@ -692,32 +714,34 @@ struct Int4Scales {
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
                  : static_cast<const float*>(s)[b];
   }
+  // The mins of blocks g..g + 7, in order: stored, or (m null) implied by the scales (Q4_0).
+  __m256 eight_mins(int64_t g) const {
+    if (m == nullptr) return _mm256_mul_ps(eight(g), _mm256_set1_ps(-8.f));  // implied_min, exactly
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(m) + g);
+    }
+  }
+  float min(int64_t g) const {
+    if (m == nullptr) return implied_min(scale(g));
+    return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
+                 : static_cast<const float*>(m)[g];
+  }
   // sum over groups of min[g] * xsums[g]: eight lanes of FMAs, one horizontal sum, then the rest in order.
   float min_term(const float* xsums, int64_t groups) const {
     int64_t g = 0;
     __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-      __m256 mv;
-      if constexpr (kHalf) {
-        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
-      } else {
-        mv = _mm256_loadu_ps(static_cast<const float*>(m) + g);
-      }
-      acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsums + g), acc);
-    }
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(eight_mins(g), _mm256_loadu_ps(xsums + g), acc);
     float total = hsum(acc);
-    for (; g < groups; ++g) {
-      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
-                             : static_cast<const float*>(m)[g];
-      total = std::fma(mg, xsums[g], total);
-    }
+    for (; g < groups; ++g) total = std::fma(min(g), xsums[g], total);
     return total;
   }
 };
 
 template <bool kHalf>
 Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
-  return {w.scale_row(n), w.min_row(n)};
+  return {w.scale_row(n), w.has_mins() ? w.min_row(n) : nullptr};
 }
 
 // A tile's int4 weight rows [n, n + RW): each row's bytes, scales and mins.
@@ -938,17 +962,10 @@ void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t 
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const float* xsums[RX];
   for (int r = 0; r < RX; ++r) xsums[r] = a.sums.data() + (m0 + r) * groups;
-  auto eight = [&](int i, int64_t g) {
-    if constexpr (kHalf) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(sc[i].m) + g)));
-    } else {
-      return _mm256_loadu_ps(static_cast<const float*>(sc[i].m) + g);
-    }
-  };
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     for (int h = 0; h < H; ++h) {
-      const __m512 mv = rows2(eight(2 * h, g), eight(2 * h + 1, g));
+      const __m512 mv = rows2(sc[2 * h].eight_mins(g), sc[2 * h + 1].eight_mins(g));
       for (int r = 0; r < RX; ++r) acc[h][r] = _mm512_fmadd_ps(mv, both(_mm256_loadu_ps(xsums[r] + g)), acc[h][r]);
     }
   }
@@ -960,8 +977,7 @@ void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t 
   }
   for (; g < groups; ++g) {
     for (int i = 0; i < RW; ++i) {
-      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(sc[i].m)[g])
-                             : static_cast<const float*>(sc[i].m)[g];
+      const float mg = sc[i].min(g);
       for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
     }
   }
@@ -1258,7 +1274,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     const int64_t ahead = std::min(n + kPrefetchRows, w.N - rows);
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.groups * w.scale_bytes());
-    if (w.int4()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
+    if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;

@@ -1,19 +1,20 @@
 """GGUF quantized blocks -> the packed layouts of ``PackedWeight``, without going through fp32.
 
-| GGUF   | block            | packed as                                  | bytes/param |
-|--------|------------------|--------------------------------------------|-------------|
-| Q8_0   | 32: d, 32 x int8 | int8, scale d (fp16) per 32                | 1.0625      |
-| Q5_0   | 32: d, 5-bit q   | int8 q - 16, scale d (fp16) per 32         | 1.0625      |
-| Q6_K   | 256: 16 x 16     | int8 q - 32, scale d * sc per 16           | 1.25        |
-| Q4_0   | 32: d, 4-bit q   | int4 q, scale d, min -8 d (fp16) per 32    | 0.625       |
-| Q4_1   | 32: d, m, 4-bit q| int4 q, scale d, min m (fp16) per 32       | 0.625       |
-| Q4_K   | 256: 8 x 32      | int4 q, scale d * sc, min -dmin * m per 32 | 0.75        |
+| GGUF   | block            | packed as                                      | bytes/param |
+|--------|------------------|------------------------------------------------|-------------|
+| Q8_0   | 32: d, 32 x int8 | int8, scale d (fp16) per 32                    | 1.0625      |
+| Q5_0   | 32: d, 5-bit q   | int8 q - 16, scale d (fp16) per 32             | 1.0625      |
+| Q6_K   | 256: 16 x 16     | int8 q - 32, scale d * sc per 16               | 1.25        |
+| Q4_0   | 32: d, 4-bit q   | int4 q, scale d (fp16) per 32, min -8 d implied | 0.5625     |
+| Q4_1   | 32: d, m, 4-bit q| int4 q, scale d, min m (fp16) per 32           | 0.625       |
+| Q4_K   | 256: 8 x 32      | int4 q, scale d * sc, min -dmin * m per 32     | 0.75        |
 
 The K formats keep fp32 scales and mins: every product ``d * sc`` is then
-exact (a half times a small integer). The 32-element formats keep their blocks' own fp16 ``d`` (and ``m``; Q4_0's
-min ``-8 d`` is exact in fp16 too), so they cost 0.0625 B/param for scales
-(and as much for mins) and hold no more than the file: Q4_1 and Q8_0 exactly
-the file's bytes, Q4_0 1.11x, Q5_0 (widened to int8) 1.55x. Either way the
+exact (a half times a small integer). The 32-element formats keep their
+blocks' own fp16 ``d`` (and ``m``; Q4_0 stores none, the kernels form
+``-8 d`` in fp32 as they read ``d``), so they cost 0.0625 B/param for scales
+(and as much for stored mins) and hold no more than the file: Q4_0, Q4_1
+and Q8_0 exactly the file's bytes, Q5_0 (widened to int8) 1.55x. Either way the
 packed weights rebuild the gguf package's dequantization bit for bit. Other
 types (F16, BF16, Q5_1, Q5_K, ...) have no packed layout here and are
 dequantized at load.
@@ -51,6 +52,9 @@ def repack(
     # past the kernels' 1,024 fp16 groups a row: cpu_quant_linear.cpp, RowScales).
     half = scales.dtype == np.float16 and in_features // group <= _MAX_HALF_GROUPS
     dtype = np.float16 if half else np.float32
+    if type_name == "Q4_0" and not half:
+        # Past 1,024 groups a row the kernels take implied mins no more (cpu_quant_linear.cpp, RowScales).
+        mins = scales.astype(np.float32) * np.float32(-8)
     return PackedWeight(
         qweight=torch.from_numpy(np.ascontiguousarray(qweight.reshape(rows, -1))),
         scales=torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=dtype)),
@@ -108,13 +112,8 @@ def _q5_0(blocks):
 
 
 def _q4_0(blocks):
-    d = _halves(blocks, 0)
-    with np.errstate(over="ignore"):
-        mins = d * np.float16(-8)  # exact: a power of two times a half, unless it overflows
-    if not np.isfinite(mins).all() and np.isfinite(d).all():
-        d = d.astype(np.float32)
-        mins = d * np.float32(-8)
-    return _quants(blocks, 2, 18), d, mins, 32
+    # No mins: the kernels take each as -8 d (exact in fp32), so none are stored.
+    return _quants(blocks, 2, 18), _halves(blocks, 0), None, 32
 
 
 def _q4_1(blocks):

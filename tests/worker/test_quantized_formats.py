@@ -138,6 +138,35 @@ def test_fused_parts_of_mixed_formats():
     close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
 
 
+def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
+    """Q4_0 stores no mins, Q4_1 does: merged into one run, the Q4_0 rows get theirs, -8 * d."""
+    fmts, sizes = ["Q4_0", "Q4_1", "Q4_0"], [32, 32, 64]
+    datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
+    layer = ColumnParallelLinear(
+        256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32
+    )
+    for part, (fmt, data) in enumerate(zip(fmts, datas)):
+        layer.load_weight("weight", repack(fmt, data, 256), part)
+    finalize_quantized(layer)
+    (merged,) = layer.quant.parts
+    assert merged.scales.dtype == merged.mins.dtype == torch.float16
+    expected = torch.cat([reference(f, d) for f, d in zip(fmts, datas)])
+    assert torch.equal(merged.dequantize(), expected)
+    x = torch.randn(2, 256)
+    close_to(layer(x), F.linear(x, expected))
+
+
+# Packed bytes per file byte: the 32-element formats hold what the file holds (Q5_0, widened to
+# int8, 1.55x).
+PACKED_PER_FILE_BYTE = {"Q8_0": 1.0, "Q4_0": 1.0, "Q4_1": 1.0}
+
+
+@pytest.mark.parametrize("fmt", sorted(PACKED_PER_FILE_BYTE))
+def test_packed_weights_are_as_small_as_the_file(fmt):
+    data = gguf_blocks(fmt, 24, 512)
+    assert repack(fmt, data, 512).nbytes == PACKED_PER_FILE_BYTE[fmt] * data.nbytes
+
+
 def test_a_packed_weight_of_the_wrong_width_is_refused():
     layer = ColumnParallelLinear(128, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.float32)
     layer.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 32, 64), 64), 0)

@@ -3,8 +3,9 @@
 A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the two
 layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
 group of 16 or 32 columns, or int4 (two per byte) with a scale and min per
-group of 32; scales and mins in fp16 where they are the GGUF blocks' own,
-fp32 where they are products (the K formats). ``services.worker.gguf_repack`` makes them from GGUF blocks.
+group of 32 (Q4_0 stores no mins: each is -8 times its scale); scales and
+mins in fp16 where they are the GGUF blocks' own, fp32 where they are
+products (the K formats). ``services.worker.gguf_repack`` makes them from GGUF blocks.
 
 It looks like a checkpoint tensor to the layers (``shape`` and ``narrow``),
 so tensor parallelism slices it as it slices a dense one: output rows freely,
@@ -41,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from kernels.reference import dequantize_packed_ref, int4_mins, quant_linear_ref
 from services import env
 from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
 from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
@@ -51,11 +52,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """``[N, K]`` packed: int8 ``qweight [N, K]`` (``mins`` None) or int4 ``qweight [N, K / 2]`` uint8."""
+    """``[N, K]`` packed: int8 ``qweight [N, K]`` or int4 ``qweight [N, K / 2]`` uint8."""
 
     qweight: torch.Tensor
     scales: torch.Tensor  # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own
-    mins: torch.Tensor | None  # like scales (int4 only)
+    mins: torch.Tensor | None  # like scales (int4 only; None there: -8 * scales, Q4_0's)
     group_size: int
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
@@ -65,13 +66,18 @@ class PackedWeight:
         return (self.qweight.shape[0], self.in_features)
 
     @property
+    def int4(self) -> bool:
+        """Two weights a byte of ``qweight``, else one."""
+        return self.qweight.shape[1] * 2 == self.in_features
+
+    @property
     def nbytes(self) -> int:
         tensors = (self.qweight, self.scales) if self.mins is None else (self.qweight, self.scales, self.mins)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def layout(self) -> tuple[str, int]:
-        return ("int8" if self.mins is None else "int4", self.group_size)
+        return ("int4" if self.int4 else "int8", self.group_size)
 
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
         """Rows (dim 0) or group-aligned columns (dim 1) ``[start, start + length)``."""
@@ -83,7 +89,7 @@ class PackedWeight:
                 f"{self.group_size}-column groups, so it cannot be split this way over tensor-parallel ranks; "
                 "run with --quantization none to dequantize it."
             )
-        per_byte = 1 if self.mins is None else 2
+        per_byte = 2 if self.int4 else 1
         g0, groups = start // self.group_size, length // self.group_size
         return replace(
             self,
@@ -120,15 +126,26 @@ class PackedWeight:
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Parts of one layout stacked by rows."""
-    first = parts[0]
+    """Parts of one layout stacked by rows. Where int4 parts with stored mins meet parts without (a
+    fused layer of a Q4_1 and a Q4_0 part), all are stored (``-8 * scales`` for the latter)."""
+    scales = torch.cat([p.scales.float() for p in parts])  # fp16 converts exactly
+    mins = None
+    if any(p.mins is not None for p in parts):
+        mins = torch.cat([int4_mins(p.scales, p.mins) for p in parts])
+    # fp16 where every part had it and it holds every value (-8 d of a large fp16 d would not).
+    half = all(p.scales.dtype == torch.float16 for p in parts) and (mins is None or _fits_half(mins))
+    dtype = torch.float16 if half else torch.float32
     return replace(
-        first,
+        parts[0],
         qweight=torch.cat([p.qweight for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+        scales=scales.to(dtype),
+        mins=None if mins is None else mins.to(dtype),
         source_format="+".join(sorted({p.source_format for p in parts})),
     )
+
+
+def _fits_half(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
 
 
 # With fp32 activations (opt-in), from this many rows of x on (long prefill chunks), a packed
