@@ -5,8 +5,9 @@
 Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
-for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0 as this tree packs them, fp16 block
-scales; the base build gets every min stored, as the kernels before implied mins read them),
+for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K as this tree packs them, fp16
+block scales, Q4_K's per super-block; the base build gets every min stored and Q4_K's scales and
+mins per group in fp32, as the kernels before implied mins and super-block scales read them),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
@@ -34,7 +35,7 @@ import torch
 
 from kernels import cpu_quant_linear
 from kernels.cpu_build import build
-from kernels.reference import is_int4
+from kernels.reference import is_int4, super_scales_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/cpu_quant_linear.cpp"
@@ -73,6 +74,11 @@ def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
     """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group), fp16 scales
     (``group`` 16 for the int8 layout of Q6_K's kind)."""
     g = torch.Generator().manual_seed(seed)
+    if fmt == "Q4_K":
+        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+        halves = (torch.rand(n, k // 256, 2, generator=g) * 0.001).half().view(torch.uint8)  # d, dmin
+        sc_m = torch.randint(0, 64, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.uint8)
+        return q, torch.cat((halves, sc_m), dim=-1), None, 32
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
     if fmt == "Q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
@@ -83,9 +89,12 @@ def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
 
 
 def stored(pack):
-    """``pack`` with every int4 min stored (Q4_0's -8 d), as a base kernel of any revision reads it."""
+    """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (Q4_K's fp32 products),
+    as a base kernel of any revision reads it."""
     q, scales, mins, group = pack
-    if mins is None and is_int4(q, scales, group):
+    if scales.dim() == 3:
+        return q, *super_scales_ref(scales, is_int4(q), group), group
+    if mins is None and is_int4(q):
         mins = (scales.float() * -8).to(scales.dtype)  # exact: no Q4_0 test scale is near fp16's range end
     return q, scales, mins, group
 
@@ -96,12 +105,15 @@ def nbytes(*tensors) -> int:
 
 def check_bits(base, new) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
-    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True)):
-        k = 560 if group16 else 576
+    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)):
+        k = 560 if group16 else 768 if fmt == "Q4_K" else 576
         q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
-        for (s, m), rows in itertools.product(
-            ((s16, m16), (s16.float(), None if m16 is None else m16.float())), (1, 2, 3, 4, 5, 7, 9, 33)
-        ):
+        kinds = (
+            [(s16, m16)]
+            if fmt == "Q4_K"
+            else [(s16, m16), (s16.float(), None if m16 is None else m16.float())]
+        )
+        for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             packs = {"base": stored((q, s, m, group)), "new": (q, s, m, group)}
             for op in ("quant_linear_i8", "quant_linear_i16"):
@@ -121,7 +133,8 @@ def check_bits(base, new) -> None:
     base.set_single_row_blocks(True)
     new.set_single_row_blocks(True)
     print(
-        "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, rows 1-33"
+        "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, "
+        "Q4_K, rows 1-33"
     )
 
 
