@@ -123,7 +123,8 @@ def quant_linear(
     isa: str | None = None,
     activations: str = "fp32",
 ) -> torch.Tensor:
-    """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int8 when ``mins`` is None, else int4)."""
+    """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int4 where ``qweight`` is ``[N, K / 2]``,
+    its ``mins`` None for Q4_0's ``-8 * scales``; else int8, ``mins`` None)."""
     out = _output(x, qweight, out)
     getattr(load(isa), _OPS[activations])(x, qweight, scales, mins, group_size, out)
     return out

@@ -314,16 +314,59 @@ def dequantize_packed_ref(
     """Twin of ``kernels.cpu_quant_linear.dequantize_rows`` over all rows: the fp32 weight
     ``[N, K]`` of a packed one (layouts in ``kernels/csrc/cpu_quant_linear.cpp``).
 
-    int8 (``mins`` None): ``w = q * s``; int4: ``w = q * s + m``, where each group of
-    32 takes 16 bytes, element ``j`` in byte ``j``'s low nibble, ``j + 16`` in its high.
+    int8 (``qweight [N, K]`` int8): ``w = q * s``; int4 (``qweight [N, K / 2]`` uint8):
+    ``w = q * s + m``, where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low
+    nibble, ``j + 16`` in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s``
+    (Q4_0's). ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
     """
-    scales = scales.float()  # fp16 scales (the GGUF blocks' own) convert exactly
-    if mins is None:
+    scales, mins = group_scales(qweight, scales, mins, group_size)
+    if not is_int4(qweight):
         values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
         return (values * scales[..., None]).flatten(1)
     grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
     values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
-    return torch.addcmul(mins.float()[..., None], values, scales[..., None]).flatten(1)
+    return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
+
+
+def is_int4(qweight: torch.Tensor) -> bool:
+    """Whether a packed weight is in the int4 layout: two weights a byte of ``qweight`` (uint8)."""
+    return qweight.dtype == torch.uint8
+
+
+def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """An int4 weight's mins in fp32: ``mins``, or where None Q4_0's ``-8 * scales`` (exact)."""
+    return scales.float() * -8.0 if mins is None else mins.float()
+
+
+SUPER_BLOCK = 256  # weights per super-block of the K formats
+
+
+def super_scales_ref(
+    records: torch.Tensor, int4: bool, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The K formats' scales, ``records [N, K / 256, R]`` uint8, as fp32 ``scales [N, K / G]`` and
+    (int4) ``mins``. Per super-block of 256 weights: fp16 ``d``, for int4 (Q4_K, G 32) fp16 ``dmin``
+    and then 8 uint8 ``sc`` and 8 uint8 ``m`` (R 20), for int8 (Q6_K, G 16) 16 int8 ``sc`` (R 18);
+    a group's scale is ``d * sc`` and its min ``-(dmin * m)``, each exact in fp32."""
+    per = SUPER_BLOCK // group_size
+    d = records[..., 0:2].contiguous().view(torch.float16).float()  # [N, B, 1]
+    if not int4:
+        sc = records[..., 2 : 2 + per].view(torch.int8).float()  # [N, B, per]
+        return (d * sc).flatten(1), None
+    dmin = records[..., 2:4].contiguous().view(torch.float16).float()
+    sc, m = records[..., 4 : 4 + per].float(), records[..., 4 + per : 4 + 2 * per].float()
+    return (d * sc).flatten(1), (-(dmin * m)).flatten(1)
+
+
+def group_scales(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A packed weight's scales (and int4 mins) per group in fp32 (fp16 converts exactly; Q4_0's
+    mins are implied; the K formats' records decoded by ``super_scales_ref``)."""
+    int4 = is_int4(qweight)
+    if scales.dim() == 3:
+        return super_scales_ref(scales, int4, group_size)
+    return scales.float(), int4_mins(scales, mins) if int4 else None
 
 
 def quant_linear_ref(
@@ -361,16 +404,17 @@ def quant_linear_i8_ref(
     integer dot times the two scales, plus for int4 the min times the sum of the rounded x
     over the group: W times x rounded, exactly, up to the order of fp32 sums."""
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
-    if mins is None:
+    scales, mins = group_scales(qweight, scales, mins, group_size)
+    if not is_int4(qweight):
         wq = qweight.unflatten(1, (-1, group_size))
     else:
         grouped = qweight.unflatten(1, (-1, group_size // 2))
         wq = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
     # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
-    y = (dots * (xs[:, None, :] * scales.float()[None])).sum(-1)
+    y = (dots * (xs[:, None, :] * scales[None])).sum(-1)
     if mins is not None:
-        y = y + (xs * xq.sum(-1).float()) @ mins.float().T
+        y = y + (xs * xq.sum(-1).float()) @ mins.T
     return y
 
 

@@ -5,14 +5,16 @@
 Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
-for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0 as weft packs them, fp16 block scales),
+for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K as this tree packs them, fp16
+block scales, Q4_K's per super-block; the base build gets every min stored and Q4_K's scales and
+mins per group in fp32, as the kernels before implied mins and super-block scales read them),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
 several copies of the matrix (``--stream-bytes`` in all, 256 MiB by default: more than the caches),
 so the weights come from memory as in a decode step (``--cpu-time``: timed by the process's CPU
 time, for a loaded machine). Prints the best and the
-median time of each, the weight bytes each read per call as GB/s (and, above one row, the
+median time of each, the weight bytes each build read per call as GB/s (and, above one row, the
 multiply-adds a second, GMAC/s), and the new/base speed ratio of
 the medians, next to the read bandwidth measured in the same run (a torch sum over 1 GiB, with the
 same thread count). Before timing it checks that both builds give the same bits for every layout at
@@ -33,6 +35,7 @@ import torch
 
 from kernels import cpu_quant_linear
 from kernels.cpu_build import build
+from kernels.reference import is_int4, super_scales_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/cpu_quant_linear.cpp"
@@ -71,13 +74,29 @@ def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
     """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group), fp16 scales
     (``group`` 16 for the int8 layout of Q6_K's kind)."""
     g = torch.Generator().manual_seed(seed)
+    if fmt == "Q4_K":
+        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+        halves = (torch.rand(n, k // 256, 2, generator=g) * 0.001).half().view(torch.uint8)  # d, dmin
+        sc_m = torch.randint(0, 64, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.uint8)
+        return q, torch.cat((halves, sc_m), dim=-1), None, 32
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
     if fmt == "Q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
         return q, scales, None, group
     q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
-    mins = -8 * scales if fmt == "Q4_0" else (torch.randn(n, k // 32, generator=g) * 0.02).half()
+    mins = None if fmt == "Q4_0" else (torch.randn(n, k // 32, generator=g) * 0.02).half()
     return q, scales, mins, 32
+
+
+def stored(pack):
+    """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (Q4_K's fp32 products),
+    as a base kernel of any revision reads it."""
+    q, scales, mins, group = pack
+    if scales.dim() == 3:
+        return q, *super_scales_ref(scales, is_int4(q), group), group
+    if mins is None and is_int4(q):
+        mins = (scales.float() * -8).to(scales.dtype)  # exact: no Q4_0 test scale is near fp16's range end
+    return q, scales, mins, group
 
 
 def nbytes(*tensors) -> int:
@@ -86,21 +105,25 @@ def nbytes(*tensors) -> int:
 
 def check_bits(base, new) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
-    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True)):
-        k = 560 if group16 else 576
+    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)):
+        k = 560 if group16 else 768 if fmt == "Q4_K" else 576
         q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
-        for (s, m), rows in itertools.product(
-            ((s16, m16), (s16.float(), None if m16 is None else m16.float())), (1, 2, 3, 4, 5, 7, 9, 33)
-        ):
+        kinds = (
+            [(s16, m16)]
+            if fmt == "Q4_K"
+            else [(s16, m16), (s16.float(), None if m16 is None else m16.float())]
+        )
+        for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            packs = {"base": stored((q, s, m, group)), "new": (q, s, m, group)}
             for op in ("quant_linear_i8", "quant_linear_i16"):
                 for single in (True, False):
                     base.set_single_row_blocks(single)
                     new.set_single_row_blocks(single)
                     outs = []
-                    for ns in (base, new):
+                    for label, ns in (("base", base), ("new", new)):
                         out = torch.empty(rows, q.shape[0])
-                        getattr(ns, op)(x, q, s, m, group, out)
+                        getattr(ns, op)(x, *packs[label], out)
                         outs.append(out)
                     if not torch.equal(outs[0], outs[1]):
                         diff = (outs[0] - outs[1]).abs().max().item()
@@ -110,7 +133,8 @@ def check_bits(base, new) -> None:
     base.set_single_row_blocks(True)
     new.set_single_row_blocks(True)
     print(
-        "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, rows 1-33"
+        "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, "
+        "Q4_K, rows 1-33"
     )
 
 
@@ -130,34 +154,38 @@ def bench(base, new, threads: int, args) -> None:
     bandwidth = read_bandwidth()
     print(f"\nthreads {threads}: torch sum over 1 GiB {bandwidth / 1e9:.1f} GB/s")
     print(
-        f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB':>6s} {'base ms':>8s} {'new ms':>8s} "
+        f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB base':>7s} {'new':>6s} {'base ms':>8s} {'new ms':>8s} "
         f"{'base GB/s':>9s} {'new GB/s':>9s} {'GMAC/s base':>11s} {'new':>6s} {'new/base':>8s}"
     )
     for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
         n, k = SHAPES[name]
         first = packed(fmt, n, k)
-        size = nbytes(*first[:3])
+        size = {"base": nbytes(*stored(first)[:3]), "new": nbytes(*first[:3])}
         # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
         # its weights from memory, as a decode step does (every matrix of a model read once).
-        mats = [first] + [packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size))]
+        copies = [first] + [
+            packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size["base"]))
+        ]
+        mats = {"base": [stored(c) for c in copies], "new": copies}
         x = torch.randn(rows, k)
         out = torch.empty(rows, n)
         times = {"base": [], "new": []}
-        for q, s, m, group in mats:  # warm-up (page faults)
-            base.quant_linear_i8(x, q, s, m, group, out)
-            new.quant_linear_i8(x, q, s, m, group, out)
+        for label, ns in (("base", base), ("new", new)):  # warm-up (page faults)
+            for mat in mats[label]:
+                ns.quant_linear_i8(x, *mat, out)
         for call in range(args.calls):
             for label, ns in (("base", base), ("new", new)):
-                q, s, m, group = mats[(2 * call + (label == "new")) % len(mats)]
+                mat = mats[label][(2 * call + (label == "new")) % len(copies)]
                 start = clock()
-                ns.quant_linear_i8(x, q, s, m, group, out)
+                ns.quant_linear_i8(x, *mat, out)
                 times[label].append(clock() - start)
-        del mats
+        del mats, copies
         med = {label: statistics.median(t) for label, t in times.items()}
         macs = rows * n * k
         print(
-            f"  {fmt:5s} {name:5s} {n:5d}x{k:<5d} {rows:4d} {size / 1e6:6.1f} {med['base'] * 1e3:8.3f} "
-            f"{med['new'] * 1e3:8.3f} {size / med['base'] / 1e9:9.1f} {size / med['new'] / 1e9:9.1f} "
+            f"  {fmt:5s} {name:5s} {n:5d}x{k:<5d} {rows:4d} {size['base'] / 1e6:7.1f} {size['new'] / 1e6:6.1f} "
+            f"{med['base'] * 1e3:8.3f} {med['new'] * 1e3:8.3f} "
+            f"{size['base'] / med['base'] / 1e9:9.1f} {size['new'] / med['new'] / 1e9:9.1f} "
             f"{macs / med['base'] / 1e9:11.1f} {macs / med['new'] / 1e9:6.1f} "
             f"{med['base'] / med['new']:7.2f}x  (best {min(times['base']) * 1e3:.3f} / "
             f"{min(times['new']) * 1e3:.3f} ms)"

@@ -6,6 +6,13 @@
 //   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
 //         w = q * s + m, q in [0, 16); in each group of 32, byte j holds
 //         element j in its low nibble and element j + 16 in its high one.
+//         Without mins (Q4_0) each is -8 * s, formed in fp32 as it is used:
+//         exact, so the bits of the same mins stored.
+// The layout is int4 where qweight holds K / 2 bytes a row, else int8. The K
+// formats' scales (and int4 mins) come per super-block of 256 weights instead,
+// scales [N, K / 256, record] uint8 (SuperScales): the integer-activation paths
+// form each group's d * sc and -(dmin * m) in fp32 as they read them, exactly,
+// so the bits of fp32 scales and mins per group holding those values.
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
 // fp16 scales (the 32-element formats' own) are read by the integer-activation
@@ -107,14 +114,19 @@ void dequant_row_int8(const int8_t* q, const float* scales, int64_t K, int64_t g
   }
 }
 
-// One weight row of the int4 layout, dequantized into out[K].
+// Q4_0's min, -8 times the scale: exact in fp32 (a power of two), so the same value the
+// repacker once stored beside each scale.
+inline float implied_min(float scale) { return -8.f * scale; }
+
+// One weight row of the int4 layout, dequantized into out[K] (mins null: Q4_0's implied ones).
 void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, int64_t K, float* out) {
   for (int64_t g = 0; g < K / kInt4Group; ++g) {
     const uint8_t* qg = q + g * (kInt4Group / 2);
     float* og = out + g * kInt4Group;
+    const float min = mins != nullptr ? mins[g] : implied_min(scales[g]);
 #ifdef WEFT_AVX2
     const __m256 s = _mm256_set1_ps(scales[g]);
-    const __m256 m = _mm256_set1_ps(mins[g]);
+    const __m256 m = _mm256_set1_ps(min);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
     const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
@@ -125,18 +137,52 @@ void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, 
     }
 #else
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      og[j] = static_cast<float>(qg[j] & 0x0F) * scales[g] + mins[g];
-      og[j + kInt4Group / 2] = static_cast<float>(qg[j] >> 4) * scales[g] + mins[g];
+      og[j] = static_cast<float>(qg[j] & 0x0F) * scales[g] + min;
+      og[j + kInt4Group / 2] = static_cast<float>(qg[j] >> 4) * scales[g] + min;
     }
 #endif
   }
 }
 
+// Where the integer-activation tiles read a weight row's scales (and int4 mins) from: fp32 or fp16
+// per group, or the K formats' records per super-block of 256 weights (SuperScales).
+enum class ScaleKind { kFloat, kHalf, kSuper };
+
+// The K formats' scales, scales [N, K / 256, record] uint8: per super-block of 256 weights, fp16 d,
+// then for the int4 layout (Q4_K) fp16 dmin, the 8 groups' uint8 sc and their uint8 m (20 bytes),
+// for the int8 layout by 16 (Q6_K) the 16 groups' int8 sc (18 bytes). A group's scale is
+// float(d) * sc and its min -(float(dmin) * m), formed in fp32 as they are read: a half times an
+// integer under 2^8 is exact in fp32, so these are the values an fp32 scale tensor would hold.
+struct SuperScales {
+  static constexpr int64_t kWeights = 256;
+  static int64_t record_bytes(bool int4, int64_t group) {
+    return int4 ? 4 + 2 * (kWeights / group) : 2 + kWeights / group;
+  }
+  static float half_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+  }
+  // Group g's scale and min of a row's records.
+  static float scale(const uint8_t* row, int64_t g, bool int4, int64_t group) {
+    const int64_t per = kWeights / group;
+    const uint8_t* r = row + g / per * record_bytes(int4, group);
+    const float sc = int4 ? static_cast<float>(r[4 + g % per]) : static_cast<float>(static_cast<int8_t>(r[2 + g % per]));
+    return half_at(r) * sc;
+  }
+  static float min(const uint8_t* row, int64_t g) {  // int4 only
+    const int64_t per = kWeights / kInt4Group;
+    const uint8_t* r = row + g / per * record_bytes(true, kInt4Group);
+    return -(half_at(r + 2) * static_cast<float>(r[4 + per + g % per]));
+  }
+};
+
 struct Packed {
   const uint8_t* qweight;
   int64_t row_bytes;  // bytes of qweight per row
+  bool int4_layout;     // two weights a byte (qweight [N, K / 2]), else int8 (qweight [N, K])
   const float* scales;  // fp32 scales, or null when they are fp16 (scales_h)
-  const float* mins;    // null for the int8 layout (and when fp16: mins_h)
+  const float* mins;    // null for the int8 layout, when fp16 (mins_h) and when implied (Q4_0)
   int64_t groups;       // groups per row
   int64_t group;
   int64_t K;
@@ -145,10 +191,23 @@ struct Packed {
   // group less than fp32); only the integer-activation paths read them.
   const uint16_t* scales_h = nullptr;
   const uint16_t* mins_h = nullptr;
+  // The K formats' records (SuperScales), the mins inside; only the integer-activation paths read them.
+  const uint8_t* super = nullptr;
 
-  bool int4() const { return mins != nullptr || mins_h != nullptr; }
-  int64_t scale_bytes() const { return scales_h != nullptr ? 2 : 4; }
+  bool int4() const { return int4_layout; }
+  // Whether the int4 layout stores its mins; without, each is implied_min(scale) (Q4_0).
+  bool has_mins() const { return mins != nullptr || mins_h != nullptr; }
+  ScaleKind scale_kind() const {
+    return super != nullptr ? ScaleKind::kSuper : scales_h != nullptr ? ScaleKind::kHalf : ScaleKind::kFloat;
+  }
+  int64_t scale_bytes() const { return scales_h != nullptr ? 2 : 4; }  // of one group's scale (not kSuper)
+  // Bytes of scales a row (with a kSuper row's mins).
+  int64_t scale_row_bytes() const {
+    return super != nullptr ? K / SuperScales::kWeights * SuperScales::record_bytes(int4_layout, group)
+                            : groups * scale_bytes();
+  }
   const void* scale_row(int64_t n) const {
+    if (super != nullptr) return super + n * scale_row_bytes();
     return scales_h != nullptr ? static_cast<const void*>(scales_h + n * groups) : scales + n * groups;
   }
   const void* min_row(int64_t n) const {
@@ -157,10 +216,10 @@ struct Packed {
 
   void dequant_row(int64_t n, float* out) const {
     const float* s = scales + n * groups;
-    if (mins == nullptr) {
+    if (!int4_layout) {
       dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
     } else {
-      dequant_row_int4(qweight + n * row_bytes, s, mins + n * groups, K, out);
+      dequant_row_int4(qweight + n * row_bytes, s, mins == nullptr ? nullptr : mins + n * groups, K, out);
     }
   }
 };
@@ -217,35 +276,53 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
   }
 }
 
-// half_scales: whether the caller reads fp16 scales and mins (the integer-activation paths);
-// the fp32-activation paths dequantize with fp32 ones.
+// half_scales: whether the caller reads fp16 scales and mins or K-format records (SuperScales: scales
+// [N, K / 256, record] uint8, no mins; the integer-activation paths); the fp32-activation paths
+// dequantize with fp32 ones. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
+// optional (none: Q4_0's, implied by the scales).
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                  int64_t group_size, int64_t K, bool half_scales = false) {
-  const bool int4 = mins.has_value();
+  TORCH_CHECK(qweight.dim() == 2, "quant_linear: qweight shape");
+  const bool int4 = qweight.size(1) * 2 == K;
+  TORCH_CHECK(int4 || qweight.size(1) == K, "quant_linear: qweight shape");
   const bool half = scales.scalar_type() == at::kHalf;
+  const bool super = scales.dim() == 3 && scales.scalar_type() == at::kByte;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || (half_scales && half)),
+                  (scales.scalar_type() == at::kFloat || (half_scales && (half || super))),
               "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
   TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), "quant_linear: qweight must be ",
               int4 ? "uint8 (int4 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group),
               "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4)");
   const int64_t N = qweight.size(0), groups = K / group_size;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == (int4 ? K / 2 : K), "quant_linear: qweight shape");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, "quant_linear: scales shape");
-  if (int4) {
+  TORCH_CHECK(int4 || !mins.has_value(), "quant_linear: mins go with the int4 layout (qweight [N, K / 2]) only");
+  if (super) {
+    TORCH_CHECK((int4 || group_size == 16) && !mins.has_value() && K % SuperScales::kWeights == 0 &&
+                    scales.size(0) == N && scales.size(1) == K / SuperScales::kWeights &&
+                    scales.size(2) == SuperScales::record_bytes(int4, group_size) && groups <= 1024,
+                "quant_linear: super-block scales: [N, K / 256, 20] for int4, [N, K / 256, 18] for int8 by 16, no "
+                "mins, K <= 32768 (int4) or 16384");
+  } else {
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == groups, "quant_linear: scales shape");
+  }
+  if (mins.has_value()) {
     TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == scales.scalar_type() && mins->sizes() == scales.sizes(),
                 "quant_linear: mins must be shaped like scales, in their dtype");
   }
-  Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), nullptr, nullptr, groups, group_size, K, N};
-  if (half) {
+  Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), int4, nullptr, nullptr, groups, group_size,
+           K, N};
+  if (super) {
+    w.super = static_cast<const uint8_t*>(scales.data_ptr());
+  } else if (half) {
     TORCH_CHECK(groups <= 1024, "quant_linear: fp16 scales take at most 1024 groups a row (K <= 32768 at 32 a group)");
     w.scales_h = static_cast<const uint16_t*>(scales.data_ptr());
-    if (int4) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
+    if (mins.has_value()) w.mins_h = static_cast<const uint16_t*>(mins->data_ptr());
   } else {
     w.scales = scales.data_ptr<float>();
-    if (int4) w.mins = mins->data_ptr<float>();
+    if (mins.has_value()) w.mins = mins->data_ptr<float>();
   }
+  TORCH_CHECK(!int4 || mins.has_value() || groups <= 1024,
+              "quant_linear: implied mins (none given) take at most 1024 groups a row (K <= 32768)");
   return w;
 }
 
@@ -274,15 +351,30 @@ struct RowScales {
   RowScales() = default;
   RowScales(const Packed& w, int64_t n) { read(w, n); }
   void read(const Packed& w, int64_t n) {
-    if (w.scales != nullptr) {
-      s = w.scales + n * w.groups;
-      m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
+    m = nullptr;
+    if (w.super != nullptr) {
+      const uint8_t* row = static_cast<const uint8_t*>(w.scale_row(n));
+      for (int64_t g = 0; g < w.groups; ++g) s_buf[g] = SuperScales::scale(row, g, w.int4(), w.group);
+      s = s_buf;
+      if (w.int4()) {
+        for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = SuperScales::min(row, g);
+        m = m_buf;
+      }
       return;
     }
-    halves_to_floats(w.scales_h + n * w.groups, w.groups, s_buf);
-    s = s_buf;
-    if (w.mins_h != nullptr) {
-      halves_to_floats(w.mins_h + n * w.groups, w.groups, m_buf);
+    if (w.scales != nullptr) {
+      s = w.scales + n * w.groups;
+      if (w.mins != nullptr) m = w.mins + n * w.groups;
+    } else {
+      halves_to_floats(w.scales_h + n * w.groups, w.groups, s_buf);
+      s = s_buf;
+      if (w.mins_h != nullptr) {
+        halves_to_floats(w.mins_h + n * w.groups, w.groups, m_buf);
+        m = m_buf;
+      }
+    }
+    if (w.int4() && m == nullptr) {
+      for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = implied_min(s[g]);
       m = m_buf;
     }
   }
@@ -318,10 +410,10 @@ void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, 
   for (auto& a : acc) for (auto& v : a) v = _mm256_setzero_ps();
   const float* s = w.scales + n * w.groups;
   const uint8_t* q = w.qweight + n * w.row_bytes;
-  if (w.mins != nullptr) {
-    const float* m = w.mins + n * w.groups;
+  if (w.int4()) {
+    const float* m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const GroupInt4 grp(q + g * (kInt4Group / 2), s[g], m[g]);
+      const GroupInt4 grp(q + g * (kInt4Group / 2), s[g], m != nullptr ? m[g] : implied_min(s[g]));
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kInt4Group;
         for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(grp.w[p], _mm256_loadu_ps(xg + 8 * p), acc[r][p]);
@@ -664,12 +756,17 @@ inline void prefetch_share(const uint8_t* ahead, int64_t step, int64_t bytes) {
 
 // Scales and mins are read where they lie, fp16 (the 32-element GGUF formats) or fp32 (the K
 // formats), and converted in registers: exact either way, so both give the same bits.
-template <bool kHalf>
+template <ScaleKind kScales>
 struct Int4Scales {
+  static constexpr bool kHalf = kScales == ScaleKind::kHalf;
+  static constexpr bool kSuper = kScales == ScaleKind::kSuper;
+  static constexpr int64_t kRecord = 20;  // kSuper: fp16 d, fp16 dmin, 8 x uint8 sc, 8 x uint8 m
   const void* s;
-  const void* m;
+  const void* m;  // null where implied (Q4_0) and for kSuper (in the records)
+  const uint8_t* record(int64_t b) const { return static_cast<const uint8_t*>(s) + b / 8 * kRecord; }
   // Pair p's two block scales as lanes 0-3 (block 2p) and 4-7 (block 2p + 1).
   __m256 pair(int64_t p) const {
+    if constexpr (kSuper) return halves(scale(2 * p), scale(2 * p + 1));
     __m128 two;
     if constexpr (kHalf) {
       int32_t bits;
@@ -680,55 +777,69 @@ struct Int4Scales {
     }
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   }
-  // The scales of blocks b..b + 7, in order.
+  // The scales of blocks b..b + 7, in order (kSuper: b a multiple of 8, one super-block: d * sc).
   __m256 eight(int64_t b) const {
-    if constexpr (kHalf) {
+    if constexpr (kSuper) {
+      const uint8_t* r = record(b);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 4))));
+      return _mm256_mul_ps(_mm256_set1_ps(SuperScales::half_at(r)), sc);
+    } else if constexpr (kHalf) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s) + b)));
     } else {
       return _mm256_loadu_ps(static_cast<const float*>(s) + b);
     }
   }
   float scale(int64_t b) const {
+    if constexpr (kSuper) return SuperScales::half_at(record(b)) * static_cast<float>(record(b)[4 + b % 8]);
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
                  : static_cast<const float*>(s)[b];
+  }
+  // The mins of blocks g..g + 7, in order: stored, implied by the scales (m null: Q4_0), or
+  // (kSuper, g a multiple of 8) -(dmin * m).
+  __m256 eight_mins(int64_t g) const {
+    if constexpr (kSuper) {
+      const uint8_t* r = record(g);
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12))));
+      return _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(SuperScales::half_at(r + 2)), mn), _mm256_set1_ps(-0.f));
+    }
+    if (m == nullptr) return _mm256_mul_ps(eight(g), _mm256_set1_ps(-8.f));  // implied_min, exactly
+    if constexpr (kHalf) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(m) + g);
+    }
+  }
+  float min(int64_t g) const {
+    if constexpr (kSuper) return -(SuperScales::half_at(record(g) + 2) * static_cast<float>(record(g)[12 + g % 8]));
+    if (m == nullptr) return implied_min(scale(g));
+    return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
+                 : static_cast<const float*>(m)[g];
   }
   // sum over groups of min[g] * xsums[g]: eight lanes of FMAs, one horizontal sum, then the rest in order.
   float min_term(const float* xsums, int64_t groups) const {
     int64_t g = 0;
     __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-      __m256 mv;
-      if constexpr (kHalf) {
-        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
-      } else {
-        mv = _mm256_loadu_ps(static_cast<const float*>(m) + g);
-      }
-      acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsums + g), acc);
-    }
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(eight_mins(g), _mm256_loadu_ps(xsums + g), acc);
     float total = hsum(acc);
-    for (; g < groups; ++g) {
-      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
-                             : static_cast<const float*>(m)[g];
-      total = std::fma(mg, xsums[g], total);
-    }
+    for (; g < groups; ++g) total = std::fma(min(g), xsums[g], total);
     return total;
   }
 };
 
-template <bool kHalf>
-Int4Scales<kHalf> int4_scales(const Packed& w, int64_t n) {
-  return {w.scale_row(n), w.min_row(n)};
+template <ScaleKind kScales>
+Int4Scales<kScales> int4_scales(const Packed& w, int64_t n) {
+  return {w.scale_row(n), w.has_mins() ? w.min_row(n) : nullptr};
 }
 
 // A tile's int4 weight rows [n, n + RW): each row's bytes, scales and mins.
-template <int RW, bool kHalf>
+template <int RW, ScaleKind kScales>
 struct Int4Rows {
   const uint8_t* q[RW];
-  Int4Scales<kHalf> sc[RW];
+  Int4Scales<kScales> sc[RW];
   Int4Rows(const Packed& w, int64_t n) {
     for (int i = 0; i < RW; ++i) {
       q[i] = w.qweight + (n + i) * w.row_bytes;
-      sc[i] = int4_scales<kHalf>(w, n + i);
+      sc[i] = int4_scales<kScales>(w, n + i);
     }
   }
 };
@@ -746,14 +857,14 @@ struct PairedXRows {
   }
 };
 
-template <int RW, int RX, bool kHalf>
+template <int RW, int RX, ScaleKind kScales>
 void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  Int4Rows<RW, kHalf> rows(w, n);
+  Int4Rows<RW, kScales> rows(w, n);
   auto& q = rows.q;
   auto& sc = rows.sc;
   const PairedXRows<RX> xs(a, m0);
@@ -823,21 +934,29 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
 // magnitudes for maddubs, their signs moved onto x), one integer dot per (weight row, x row) and
 // one FMA by the product of the scales (per half block where the group is 16). A half block at
 // the end (K a multiple of 16 only) reads x's zero padding.
-template <bool kHalf, int G>
+template <ScaleKind kScales, int G>
 struct Int8Scales {
+  static constexpr bool kHalf = kScales == ScaleKind::kHalf;
   const void* s;
+  // kSuper: group g's scale, d * sc of its super-block's record.
+  float super_scale(int64_t g) const { return SuperScales::scale(static_cast<const uint8_t*>(s), g, false, G); }
   // Block b's scale in all lanes (G 32), or group 2b's in lanes 0-3 and 2b + 1's in 4-7 (G 16;
   // the second 0 in a half block, whose x lanes are zero).
   __m256 block(int64_t b, bool half) const {
     if constexpr (G == 32) {
-      if constexpr (kHalf) {
+      if constexpr (kScales == ScaleKind::kSuper) {
+        return _mm256_set1_ps(super_scale(b));
+      } else if constexpr (kHalf) {
         return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<const uint16_t*>(s)[b])));
       } else {
         return _mm256_broadcast_ss(static_cast<const float*>(s) + b);
       }
     } else {
       float lo, hi;
-      if constexpr (kHalf) {
+      if constexpr (kScales == ScaleKind::kSuper) {
+        lo = super_scale(2 * b);
+        hi = half ? 0.f : super_scale(2 * b + 1);
+      } else if constexpr (kHalf) {
         const uint16_t* h = static_cast<const uint16_t*>(s);
         const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(h[2 * b] | (half ? 0 : int32_t{h[2 * b + 1]} << 16)));
         lo = _mm_cvtss_f32(two);
@@ -852,10 +971,10 @@ struct Int8Scales {
 };
 
 // A tile's int8 weight rows [n, n + RW): each row's bytes and scales.
-template <int RW, bool kHalf, int G>
+template <int RW, ScaleKind kScales, int G>
 struct Int8Rows {
   const int8_t* q[RW];
-  Int8Scales<kHalf, G> sc[RW];
+  Int8Scales<kScales, G> sc[RW];
   Int8Rows(const Packed& w, int64_t n) {
     for (int i = 0; i < RW; ++i) {
       q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
@@ -864,12 +983,12 @@ struct Int8Rows {
   }
 };
 
-template <int RW, int RX, bool kHalf, int G>
+template <int RW, int RX, ScaleKind kScales, int G>
 void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
-  Int8Rows<RW, kHalf, G> rows(w, n);
+  Int8Rows<RW, kScales, G> rows(w, n);
   auto& q = rows.q;
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
@@ -939,25 +1058,18 @@ inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ld
 // Int4Scales::min_term of every (weight row, x row) of a tile into out[i][r], two weight rows to a
 // zmm: each half the same eight FMA lanes over the groups in order, the same hsum, then the same
 // scalar tail; each weight row's mins converted once for all the tile's rows of x.
-template <int RW, int RX, bool kHalf>
-void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+template <int RW, int RX, ScaleKind kScales>
+void min_terms_zmm(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
                    float (&out)[RW][RX]) {
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const float* xsums[RX];
   for (int r = 0; r < RX; ++r) xsums[r] = a.sums.data() + (m0 + r) * groups;
-  auto eight = [&](int i, int64_t g) {
-    if constexpr (kHalf) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(sc[i].m) + g)));
-    } else {
-      return _mm256_loadu_ps(static_cast<const float*>(sc[i].m) + g);
-    }
-  };
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     for (int h = 0; h < H; ++h) {
-      const __m512 mv = rows2(eight(2 * h, g), eight(2 * h + 1, g));
+      const __m512 mv = rows2(sc[2 * h].eight_mins(g), sc[2 * h + 1].eight_mins(g));
       for (int r = 0; r < RX; ++r) acc[h][r] = _mm512_fmadd_ps(mv, both(_mm256_loadu_ps(xsums[r] + g)), acc[h][r]);
     }
   }
@@ -969,15 +1081,14 @@ void min_terms_zmm(const Int4Scales<kHalf> (&sc)[RW], const ActInt8& a, int64_t 
   }
   for (; g < groups; ++g) {
     for (int i = 0; i < RW; ++i) {
-      const float mg = kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(sc[i].m)[g])
-                             : static_cast<const float*>(sc[i].m)[g];
+      const float mg = sc[i].min(g);
       for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
     }
   }
 }
 
 // tile_i8_int4 with weight rows two to a zmm.
-template <int RW, int RX, bool kHalf>
+template <int RW, int RX, ScaleKind kScales>
 void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                       const uint8_t* ahead) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
@@ -986,7 +1097,7 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  Int4Rows<RW, kHalf> rows(w, n);
+  Int4Rows<RW, kScales> rows(w, n);
   auto& q = rows.q;
   auto& sc = rows.sc;
   const PairedXRows<RX> xs(a, m0);
@@ -1052,14 +1163,14 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
 // tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
 // weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
 // only where the weight is 0, whose |w| makes the product 0 either way).
-template <int RW, int RX, bool kHalf, int G>
+template <int RW, int RX, ScaleKind kScales, int G>
 void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                       const uint8_t* ahead) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
-  Int8Rows<RW, kHalf, G> rows(w, n);
+  Int8Rows<RW, kScales, G> rows(w, n);
   auto& q = rows.q;
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
@@ -1191,8 +1302,8 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
   }
 }
 
-// The int8-activation tile of a layout (kHalf: its scales are fp16).
-template <bool kInt4, bool kHalf, int G>
+// The int8-activation tile of a layout (kScales: where its scales are read from).
+template <bool kInt4, ScaleKind kScales, int G>
 struct TilesI8 {
   using Act = ActInt8;
 #ifdef WEFT_ZMM
@@ -1212,23 +1323,23 @@ struct TilesI8 {
 #ifdef WEFT_ZMM
     if constexpr (RW % 2 == 0) {
       if constexpr (kInt4) {
-        tile_i8_int4_zmm<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_int4_zmm<RW, RX, kScales>(w, n, a, m0, out, ldo, ahead);
       } else {
-        tile_i8_int8_zmm<RW, RX, kHalf, G>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_int8_zmm<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
       }
       return;
     }
 #endif
     if constexpr (kInt4) {
-      tile_i8_int4<RW, RX, kHalf>(w, n, a, m0, out, ldo, ahead);
+      tile_i8_int4<RW, RX, kScales>(w, n, a, m0, out, ldo, ahead);
     } else {
-      tile_i8_int8<RW, RX, kHalf, G>(w, n, a, m0, out, ldo, ahead);
+      tile_i8_int8<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
     }
   }
 };
 
-// The int16-activation tile of a layout (scales converted per weight row, whatever their type).
-template <bool kInt4, bool kHalf, int G>
+// The int16-activation tile of a layout (scales converted per weight row, whatever their kind).
+template <bool kInt4, ScaleKind kScales, int G>
 struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
@@ -1266,8 +1377,8 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   auto prefetch = [&](int64_t n, int64_t rows) {
     const int64_t ahead = std::min(n + kPrefetchRows, w.N - rows);
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
-    prefetch_bytes(w.scale_row(ahead), rows * w.groups * w.scale_bytes());
-    if (w.int4()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
+    prefetch_bytes(w.scale_row(ahead), rows * w.scale_row_bytes());
+    if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;
@@ -1304,21 +1415,34 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   }
 }
 
-// Calls f(kInt4, kHalf, G) with w's layout as compile-time constants (std::bool_constant and
-// std::integral_constant): int4 (groups of 32), or int8 by 32 or 16; fp16 or fp32 scales.
+// Calls f(kInt4, kScales, G) with w's layout as compile-time constants (std::bool_constant and
+// std::integral_constant): int4 (groups of 32), or int8 by 32 or 16; fp32, fp16 or (int4 and int8
+// by 16: the K formats) super-block scales.
 template <class F>
 void with_layout(const Packed& w, F&& f) {
   using Yes = std::true_type;
   using No = std::false_type;
   using G32 = std::integral_constant<int, 32>;
   using G16 = std::integral_constant<int, 16>;
-  const bool half = w.scales_h != nullptr;
+  using Float = std::integral_constant<ScaleKind, ScaleKind::kFloat>;
+  using Half = std::integral_constant<ScaleKind, ScaleKind::kHalf>;
+  using Super = std::integral_constant<ScaleKind, ScaleKind::kSuper>;
+  const ScaleKind kind = w.scale_kind();
+  auto by_kind = [&](auto int4, auto g, bool super_allowed) {
+    if (kind == ScaleKind::kSuper && super_allowed) {
+      f(int4, Super{}, g);
+    } else if (kind == ScaleKind::kHalf) {
+      f(int4, Half{}, g);
+    } else {
+      f(int4, Float{}, g);
+    }
+  };
   if (w.int4()) {
-    half ? f(Yes{}, Yes{}, G32{}) : f(Yes{}, No{}, G32{});
+    by_kind(Yes{}, G32{}, true);
   } else if (w.group == 32) {
-    half ? f(No{}, Yes{}, G32{}) : f(No{}, No{}, G32{});
+    by_kind(No{}, G32{}, false);  // packed_of admits no super-block scales here
   } else {
-    half ? f(No{}, Yes{}, G16{}) : f(No{}, No{}, G16{});
+    by_kind(No{}, G16{}, true);
   }
 }
 #endif
@@ -1362,9 +1486,9 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
 #ifdef WEFT_AVX2
-      with_layout(w, [&](auto int4, auto half, auto g) {
-        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, half.value, g.value>,
-                                         TilesI16<int4.value, half.value, g.value>>;
+      with_layout(w, [&](auto int4, auto kind, auto g) {
+        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, kind.value, g.value>,
+                                         TilesI16<int4.value, kind.value, g.value>>;
         rows_tiles<Tiles>(w, begin, end, a, m0, m1, op, ldo, row_blocks);
       });
 #else

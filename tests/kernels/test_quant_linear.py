@@ -16,10 +16,12 @@ import torch
 
 from kernels import cpu_quant_linear
 from kernels.reference import (
+    SUPER_BLOCK,
     dequantize_packed_ref,
     quant_linear_i8_ref,
     quant_linear_ref,
     quantize_rows_i8_ref,
+    super_scales_ref,
 )
 
 SUM_ORDER_TOLERANCE = 1e-5  # relative to the largest |output|
@@ -32,6 +34,8 @@ def random_packed(layout: str, n: int, k: int, group: int, seed: int = 0):
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
         return q, scales, None
     q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+    if layout == "int4-implied":  # Q4_0's: no mins stored, each -8 * scale
+        return q, scales, None
     return q, scales, torch.randn(n, k // group, generator=g) * 0.1
 
 
@@ -47,7 +51,7 @@ def built_kernel():
         pytest.fail(f"the kernel must build on the test machine: {exc}")
 
 
-LAYOUTS = [("int8", 32), ("int8", 16), ("int4", 32)]
+LAYOUTS = [("int8", 32), ("int8", 16), ("int4", 32), ("int4-implied", 32)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -140,8 +144,14 @@ def test_a_build_that_fails_gives_way_to_the_next(monkeypatch):
 
 
 # (layout, group, K): int4 K with an even and an odd number of 32-blocks (the kernel pairs
-# blocks); int8 by 16 with K a multiple of 16 but not 32 (a half block at the end).
-I8_SHAPES = [("int8", 32, 576), ("int8", 16, 592), ("int4", 32, 576), ("int4", 32, 608)]
+# blocks), with mins stored and implied; int8 by 16 with K a multiple of 16 but not 32 (a half block at the end).
+I8_SHAPES = [
+    ("int8", 32, 576),
+    ("int8", 16, 592),
+    ("int4", 32, 576),
+    ("int4", 32, 608),
+    ("int4-implied", 32, 608),
+]
 
 
 # The integer-activation kernels and the integer type each rounds x to.
@@ -319,3 +329,86 @@ def test_fp32_activation_kernels_refuse_fp16_scales():
     q, s, m = random_packed("int4", 8, 64, 32)
     with pytest.raises(RuntimeError, match="fp32 scales expected"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s.half(), m.half(), 32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [576, 608, 256])  # an even and an odd number of 32-blocks; one tail of 8
+@pytest.mark.parametrize("half", [False, True])
+def test_implied_mins_give_the_bits_of_stored_ones(isa, k, half):
+    """Q4_0 stores no mins (None): each op takes -8 * scale, the value the repacker stored before,
+    so every op gives the bits it gave with the mins stored."""
+    q, s, _ = random_packed("int4", 203, k, 32, seed=11)
+    s = s.half() if half else s
+    stored = s * -8  # exact in fp16 and fp32
+    for rows in (1, 2, 3, 4, 5, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        for kernel, _ in INT_KERNELS.values():
+            assert torch.equal(kernel(x, q, s, None, 32, isa=isa), kernel(x, q, s, stored, 32, isa=isa)), rows
+        s32 = s.float()
+        implied = cpu_quant_linear.quant_linear(x, q, s32, None, 32, isa=isa)
+        assert torch.equal(implied, cpu_quant_linear.quant_linear(x, q, s32, s32 * -8, 32, isa=isa)), rows
+    s32 = s.float()
+    rows = cpu_quant_linear.dequantize_rows(q, s32, None, 32, start=3, count=190, in_features=k, isa=isa)
+    assert torch.equal(rows, cpu_quant_linear.dequantize_rows(q, s32, s32 * -8, 32, 3, 190, k, isa=isa))
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+def test_implied_mins_match_the_twin(bits):
+    kernel, dtype = INT_KERNELS[bits]
+    q, s, _ = random_packed("int4", 67, 576, 32, seed=12)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
+    expected = quant_linear_i8_ref(x, q, s, None, 32, dtype)
+    assert torch.equal(expected, quant_linear_i8_ref(x, q, s, s * -8, 32, dtype))
+    torch.testing.assert_close(
+        kernel(x, q, s, None, 32), expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
+def random_super(int4: bool, n: int, k: int, seed: int = 0):
+    """A K format's weight (Q4_K: int4, Q6_K: int8 by 16) with random records per super-block:
+    (qweight, records, group)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = k // SUPER_BLOCK
+    halves = (torch.rand(n, blocks, 2, generator=g) * 0.01 + 0.001).half().view(torch.uint8)  # d, dmin
+    if int4:
+        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+        sc_m = torch.randint(0, 64, (n, blocks, 16), generator=g, dtype=torch.int16).to(torch.uint8)  # 6-bit
+        return q, torch.cat((halves, sc_m), dim=-1), 32
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+    sc = (
+        torch.randint(-128, 128, (n, blocks, 16), generator=g, dtype=torch.int16)
+        .to(torch.int8)
+        .view(torch.uint8)
+    )
+    return q, torch.cat((halves[..., :2], sc), dim=-1), 16
+
+
+@pytest.mark.parametrize("bits", INT_KERNELS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("int4", [True, False], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 768])
+def test_super_block_scales_give_the_bits_of_their_fp32_products(bits, isa, int4, k):
+    """The K formats keep per super-block fp16 d (and dmin) and 8-bit sc (and m); the kernels form
+    d * sc and -(dmin * m) in fp32, exactly, so every tile and row count gives the bits of the fp32
+    scales and mins per group the repacker stored before."""
+    kernel, dtype = INT_KERNELS[bits]
+    q, records, group = random_super(int4, 203, k, seed=k)
+    scales, mins = super_scales_ref(records, int4, group)
+    for rows in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        compact = kernel(x, q, records, None, group, isa=isa)
+        assert torch.equal(compact, kernel(x, q, scales, mins, group, isa=isa)), rows
+    expected = quant_linear_i8_ref(x, q, scales, mins, group, dtype)
+    assert torch.equal(expected, quant_linear_i8_ref(x, q, records, None, group, dtype))
+    torch.testing.assert_close(
+        compact, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
+def test_super_block_scales_are_checked():
+    q, records, group = random_super(True, 8, 512)
+    x = torch.randn(2, 512)
+    with pytest.raises(RuntimeError, match="super-block scales"):
+        cpu_quant_linear.quant_linear_i8(x, q, records[..., :18].contiguous(), None, group)
+    with pytest.raises(RuntimeError, match="fp32 scales expected"):  # the fp32 path takes them per group
+        cpu_quant_linear.quant_linear(x, q, records, None, group)

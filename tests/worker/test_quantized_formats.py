@@ -138,6 +138,57 @@ def test_fused_parts_of_mixed_formats():
     close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
 
 
+def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
+    """Q4_0 stores no mins, Q4_1 does: merged into one run, the Q4_0 rows get theirs, -8 * d."""
+    fmts, sizes = ["Q4_0", "Q4_1", "Q4_0"], [32, 32, 64]
+    datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
+    layer = ColumnParallelLinear(
+        256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32
+    )
+    for part, (fmt, data) in enumerate(zip(fmts, datas)):
+        layer.load_weight("weight", repack(fmt, data, 256), part)
+    finalize_quantized(layer)
+    (merged,) = layer.quant.parts
+    assert merged.scales.dtype == merged.mins.dtype == torch.float16
+    expected = torch.cat([reference(f, d) for f, d in zip(fmts, datas)])
+    assert torch.equal(merged.dequantize(), expected)
+    x = torch.randn(2, 256)
+    close_to(layer(x), F.linear(x, expected))
+
+
+# Packed bytes per 256 weights, and the file's: the 32-element formats hold what the file holds
+# (Q5_0, widened to int8, is left out: 1.55x); Q4_K 4 bytes more per super-block (its 6-bit sc and m
+# as bytes), Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file).
+PACKED_AND_FILE_BYTES = {
+    "Q8_0": (272, 272),
+    "Q4_0": (144, 144),
+    "Q4_1": (160, 160),
+    "Q4_K": (148, 144),
+    "Q6_K": (274, 210),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(PACKED_AND_FILE_BYTES))
+def test_packed_weights_are_about_as_small_as_the_file(fmt):
+    data = gguf_blocks(fmt, 24, 512)
+    packed, file = PACKED_AND_FILE_BYTES[fmt]
+    assert data.nbytes == file * 24 * 512 // 256
+    assert repack(fmt, data, 512).nbytes == packed * 24 * 512 // 256
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
+    """Tensor-parallel column slices of a K format: on super-blocks they keep the records; off them
+    the slice takes fp32 scales per group (the same values)."""
+    data = gguf_blocks(fmt, 8, 1024, seed=9)
+    packed, dense = repack(fmt, data, 1024), reference(fmt, data)
+    aligned = packed.narrow(1, 256, 512)
+    assert aligned.super_scales and torch.equal(aligned.dequantize(), dense[:, 256:768])
+    off = packed.narrow(1, 128, 256)
+    assert not off.super_scales and off.scales.dtype == torch.float32
+    assert torch.equal(off.dequantize(), dense[:, 128:384])
+
+
 def test_a_packed_weight_of_the_wrong_width_is_refused():
     layer = ColumnParallelLinear(128, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.float32)
     layer.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 32, 64), 64), 0)

@@ -3,8 +3,11 @@
 A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the two
 layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
 group of 16 or 32 columns, or int4 (two per byte) with a scale and min per
-group of 32; scales and mins in fp16 where they are the GGUF blocks' own,
-fp32 where they are products (the K formats). ``services.worker.gguf_repack`` makes them from GGUF blocks.
+group of 32 (Q4_0 stores no mins: each is -8 times its scale); scales and
+mins in fp16 where they are the GGUF blocks' own; for the K formats a
+record per super-block of 256 weights of the block's fp16 ``d`` (and
+``dmin``) and its groups' 8-bit scales (and mins), whose products the
+kernels form (``kernels.reference.super_scales_ref``). ``services.worker.gguf_repack`` makes them from GGUF blocks.
 
 It looks like a checkpoint tensor to the layers (``shape`` and ``narrow``),
 so tensor parallelism slices it as it slices a dense one: output rows freely,
@@ -41,7 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import dequantize_packed_ref, quant_linear_ref
+from kernels.reference import SUPER_BLOCK, dequantize_packed_ref, group_scales, int4_mins, quant_linear_ref
 from services import env
 from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
 from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
@@ -51,11 +54,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """``[N, K]`` packed: int8 ``qweight [N, K]`` (``mins`` None) or int4 ``qweight [N, K / 2]`` uint8."""
+    """``[N, K]`` packed: int8 ``qweight [N, K]`` or int4 ``qweight [N, K / 2]`` uint8."""
 
     qweight: torch.Tensor
-    scales: torch.Tensor  # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own
-    mins: torch.Tensor | None  # like scales (int4 only)
+    # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own; the K formats' records,
+    # [N, K / 256, bytes] uint8 (super_scales_ref), mins inside
+    scales: torch.Tensor
+    mins: torch.Tensor | None  # like 2-D scales (int4 only; None there: -8 * scales, Q4_0's)
     group_size: int
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
@@ -65,31 +70,45 @@ class PackedWeight:
         return (self.qweight.shape[0], self.in_features)
 
     @property
+    def int4(self) -> bool:
+        """Two weights a byte of ``qweight``, else one."""
+        return self.qweight.shape[1] * 2 == self.in_features
+
+    @property
     def nbytes(self) -> int:
         tensors = (self.qweight, self.scales) if self.mins is None else (self.qweight, self.scales, self.mins)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
-    def layout(self) -> tuple[str, int]:
-        return ("int8" if self.mins is None else "int4", self.group_size)
+    def super_scales(self) -> bool:
+        """Scales as the K formats' records per super-block of 256 weights."""
+        return self.scales.dim() == 3
+
+    @property
+    def layout(self) -> tuple[str, int, bool]:
+        return ("int4" if self.int4 else "int8", self.group_size, self.super_scales)
 
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
         """Rows (dim 0) or group-aligned columns (dim 1) ``[start, start + length)``."""
         if dim == 0:
             return self._map_rows(lambda t: t.narrow(0, start, length))
-        if start % self.group_size or length % self.group_size:
+        if self.super_scales and (start % SUPER_BLOCK or length % SUPER_BLOCK):
+            # Not on super-blocks: the slice takes its scales per group (fp32, the same values).
+            return self.with_fp32_scales().narrow(dim, start, length)
+        unit = SUPER_BLOCK if self.super_scales else self.group_size  # columns an entry of scales covers
+        if start % unit or length % unit:
             raise ValueError(
                 f"columns [{start}, {start + length}) of a {self.source_format} weight do not fall on its "
-                f"{self.group_size}-column groups, so it cannot be split this way over tensor-parallel ranks; "
+                f"{unit}-column blocks, so it cannot be split this way over tensor-parallel ranks; "
                 "run with --quantization none to dequantize it."
             )
-        per_byte = 1 if self.mins is None else 2
-        g0, groups = start // self.group_size, length // self.group_size
+        per_byte = 2 if self.int4 else 1
+        first, count = start // unit, length // unit
         return replace(
             self,
             qweight=self.qweight.narrow(1, start // per_byte, length // per_byte),
-            scales=self.scales.narrow(1, g0, groups),
-            mins=None if self.mins is None else self.mins.narrow(1, g0, groups),
+            scales=self.scales.narrow(1, first, count),
+            mins=None if self.mins is None else self.mins.narrow(1, first, count),
             in_features=length,
         )
 
@@ -104,11 +123,14 @@ class PackedWeight:
         return self._map_rows(lambda t: t.contiguous())
 
     def with_fp32_scales(self) -> PackedWeight:
-        """This weight with fp32 scales and mins (the same values: fp16 converts exactly)."""
+        """This weight with fp32 scales and mins per group (the same values: fp16 converts exactly, the
+        K formats' products are exact; Q4_0's implied mins stay implied)."""
         if self.scales.dtype == torch.float32:
             return self
-        mins = None if self.mins is None else self.mins.float()
-        return replace(self, scales=self.scales.float(), mins=mins)
+        scales, mins = group_scales(self.qweight, self.scales, self.mins, self.group_size)
+        return replace(
+            self, scales=scales, mins=None if self.mins is None and not self.super_scales else mins
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (the torch twin)."""
@@ -121,14 +143,33 @@ class PackedWeight:
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Parts of one layout stacked by rows."""
-    first = parts[0]
+    scales, mins = _stacked_scales(parts)
     return replace(
-        first,
+        parts[0],
         qweight=torch.cat([p.qweight for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+        scales=scales,
+        mins=mins,
         source_format="+".join(sorted({p.source_format for p in parts})),
     )
+
+
+def _stacked_scales(parts: list[PackedWeight]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The parts' scales and mins stacked. Where int4 parts with stored mins meet parts without (a
+    fused layer of a Q4_1 and a Q4_0 part), all are stored (``-8 * scales`` for the latter)."""
+    if parts[0].super_scales:
+        return torch.cat([p.scales for p in parts]), None
+    scales = torch.cat([p.scales.float() for p in parts])  # fp16 converts exactly
+    mins = None
+    if any(p.mins is not None for p in parts):
+        mins = torch.cat([int4_mins(p.scales, p.mins) for p in parts])
+    # fp16 where every part had it and it holds every value (-8 d of a large fp16 d would not).
+    half = all(p.scales.dtype == torch.float16 for p in parts) and (mins is None or _fits_half(mins))
+    dtype = torch.float16 if half else torch.float32
+    return scales.to(dtype), None if mins is None else mins.to(dtype)
+
+
+def _fits_half(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
 
 
 # With fp32 activations (opt-in), from this many rows of x on (long prefill chunks), a packed
