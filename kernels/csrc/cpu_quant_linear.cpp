@@ -815,16 +815,36 @@ struct Int4Scales {
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
                  : static_cast<const float*>(m)[g];
   }
-  // sum over groups of min[g] * xsums[g]: eight lanes of FMAs, one horizontal sum, then the rest in order.
-  float min_term(const float* xsums, int64_t groups) const {
-    int64_t g = 0;
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(eight_mins(g), _mm256_loadu_ps(xsums + g), acc);
-    float total = hsum(acc);
-    for (; g < groups; ++g) total = std::fma(min(g), xsums[g], total);
-    return total;
-  }
 };
+
+// The int4 min term of every (weight row, x row) of a tile into out[i][r]: sum over groups of
+// min[g] * xsums[g] as eight lanes of FMAs over the groups in order, one horizontal sum, then the
+// rest in order, the same for every pair whatever the tile. Each weight row's eight mins are
+// formed once for all the tile's rows of x (for Q4_0 and the K formats that takes arithmetic).
+template <int RW, int RX, ScaleKind kScales>
+void min_terms(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+               float (&out)[RW][RX]) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const float* xsums[RX];
+  for (int r = 0; r < RX; ++r) xsums[r] = a.sums.data() + (m0 + r) * groups;
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    for (int i = 0; i < RW; ++i) {
+      const __m256 mv = sc[i].eight_mins(g);
+      for (int r = 0; r < RX; ++r) acc[i][r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsums[r] + g), acc[i][r]);
+    }
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[i][r] = hsum(acc[i][r]);
+  }
+  for (; g < groups; ++g) {
+    for (int i = 0; i < RW; ++i) {
+      const float mg = sc[i].min(g);
+      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
+    }
+  }
+}
 
 template <ScaleKind kScales>
 Int4Scales<kScales> int4_scales(const Packed& w, int64_t n) {
@@ -923,10 +943,10 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
       }
     }
   }
+  float mins[RW][RX];
+  min_terms<RW, RX>(sc, a, m0, groups, mins);
   for (int i = 0; i < RW; ++i) {
-    for (int r = 0; r < RX; ++r) {
-      out[r * ldo + i] = hsum(acc[i][r]) + sc[i].min_term(a.sums.data() + (m0 + r) * groups, groups);
-    }
+    for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]) + mins[i][r];
   }
 }
 
@@ -1055,9 +1075,9 @@ inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ld
   }
 }
 
-// Int4Scales::min_term of every (weight row, x row) of a tile into out[i][r], two weight rows to a
-// zmm: each half the same eight FMA lanes over the groups in order, the same hsum, then the same
-// scalar tail; each weight row's mins converted once for all the tile's rows of x.
+// min_terms with two weight rows to a zmm: each half the same eight FMA lanes over the groups in
+// order, the same hsum, then the same scalar tail; each weight row's mins formed once for all the
+// tile's rows of x.
 template <int RW, int RX, ScaleKind kScales>
 void min_terms_zmm(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
                    float (&out)[RW][RX]) {
