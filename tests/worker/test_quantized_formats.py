@@ -156,11 +156,13 @@ def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
     close_to(layer(x), F.linear(x, expected))
 
 
-# Packed bytes per 256 weights, and the file's: the 32-element formats hold what the file holds
-# (Q5_0, widened to int8, is left out: 1.55x); Q4_K 4 bytes more per super-block (its 6-bit sc and m
-# as bytes), Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file).
+# Packed bytes per 256 weights, and the file's (the README states these ratios): Q8_0, Q4_0 and
+# Q4_1 hold what the file holds; Q4_K 4 bytes more per super-block (its 6-bit sc and m as bytes),
+# Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file), Q5_0 its 5-bit
+# quants as int8 (1.55x).
 PACKED_AND_FILE_BYTES = {
     "Q8_0": (272, 272),
+    "Q5_0": (272, 176),
     "Q4_0": (144, 144),
     "Q4_1": (160, 160),
     "Q4_K": (148, 144),
