@@ -5,9 +5,10 @@
 Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
-for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K as this tree packs them, fp16
-block scales, Q4_K's per super-block; the base build gets every min stored and Q4_K's scales and
-mins per group in fp32, as the kernels before implied mins and super-block scales read them),
+for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K as this tree packs them,
+fp16 block scales, the K formats' per super-block; the base build gets every min stored and the K
+formats' scales and mins per group in fp32, as the kernels before implied mins and super-block
+scales read them),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
@@ -79,6 +80,11 @@ def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
         halves = (torch.rand(n, k // 256, 2, generator=g) * 0.001).half().view(torch.uint8)  # d, dmin
         sc_m = torch.randint(0, 64, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.uint8)
         return q, torch.cat((halves, sc_m), dim=-1), None, 32
+    if fmt == "Q6_K":
+        q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+        d = (torch.rand(n, k // 256, 1, generator=g) * 0.001).half().view(torch.uint8)
+        sc = torch.randint(-128, 128, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.int8)
+        return q, torch.cat((d, sc.view(torch.uint8)), dim=-1), None, 16
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
     if fmt == "Q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
@@ -105,12 +111,13 @@ def nbytes(*tensors) -> int:
 
 def check_bits(base, new) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
-    for fmt, group16 in (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)):
-        k = 560 if group16 else 768 if fmt == "Q4_K" else 576
+    formats = (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False), ("Q6_K", False))
+    for fmt, group16 in formats:
+        k = 560 if group16 else 768 if fmt in ("Q4_K", "Q6_K") else 576
         q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
         kinds = (
             [(s16, m16)]
-            if fmt == "Q4_K"
+            if fmt in ("Q4_K", "Q6_K")
             else [(s16, m16), (s16.float(), None if m16 is None else m16.float())]
         )
         for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
@@ -134,7 +141,7 @@ def check_bits(base, new) -> None:
     new.set_single_row_blocks(True)
     print(
         "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, "
-        "Q4_K, rows 1-33"
+        "Q4_K, Q6_K, rows 1-33"
     )
 
 

@@ -960,6 +960,16 @@ struct Int8Scales {
   const void* s;
   // kSuper: group g's scale, d * sc of its super-block's record.
   float super_scale(int64_t g) const { return SuperScales::scale(static_cast<const uint8_t*>(s), g, false, G); }
+  // kSuper, G 16: the 16 group scales of super-block sb (d * sc, the floats super_scale gives),
+  // groups 0-7 in out[0] and 8-15 in out[1]: the record read once for its eight blocks.
+  void sixteen(int64_t sb, __m256 (&out)[2]) const {
+    const uint8_t* r = static_cast<const uint8_t*>(s) + sb * SuperScales::record_bytes(false, G);
+    const __m256 d = _mm256_set1_ps(SuperScales::half_at(r));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 2 + 8 * h));
+      out[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    }
+  }
   // Block b's scale in all lanes (G 32), or group 2b's in lanes 0-3 and 2b + 1's in 4-7 (G 16;
   // the second 0 in a half block, whose x lanes are zero).
   __m256 block(int64_t b, bool half) const {
@@ -1012,7 +1022,8 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   auto& q = rows.q;
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
-  auto step = [&](int64_t b, bool half) {
+  // One block for every (weight row, x row) of the tile, weight row i's scale lanes given.
+  auto step = [&](int64_t b, bool half, auto&& scale_of) {
     prefetch_share<RW>(ahead, b, kBlock);
     for (int i = 0; i < RW; ++i) {
       const int8_t* qb = q[i] + b * kBlock;
@@ -1020,7 +1031,7 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
                                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
       const __m256i u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
-      const __m256 ws = sc[i].block(b, half);
+      const __m256 ws = scale_of(i);
       for (int r = 0; r < RX; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
         const float* xs = a.srow(m0 + r);
@@ -1034,8 +1045,24 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
       }
     }
   };
-  for (int64_t b = 0; b < whole; ++b) step(b, false);
-  if (whole < a.blocks) step(whole, true);
+  if constexpr (kScales == ScaleKind::kSuper && G == 16) {
+    // Q6_K (K a multiple of 256: whole super-blocks, no half block): each weight row's 16 group
+    // scales formed once per super-block, each block's two spread over its lanes by a permute;
+    // the same floats block() gives, without decoding the record per block.
+    for (int64_t sb = 0; sb < whole / 8; ++sb) {
+      __m256 s16[RW][2];
+      for (int i = 0; i < RW; ++i) sc[i].sixteen(sb, s16[i]);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const int lo = 2 * (j % 4), hi = lo + 1;
+        const __m256i spread = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+        step(sb * 8 + j, false, [&](int i) { return _mm256_permutevar8x32_ps(s16[i][j / 4], spread); });
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < whole; ++b) step(b, false, [&](int i) { return sc[i].block(b, false); });
+    if (whole < a.blocks) step(whole, true, [&](int i) { return sc[i].block(whole, true); });
+  }
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
   }
