@@ -116,8 +116,14 @@ def curved(keys):
 
 
 def _ask_replay(sock: zmq.Socket, timeout_ms: int = 2000) -> list[int] | None:
-    """The seqs of one replay answer; None when nothing came back."""
-    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    """The seqs of one replay answer; None when nothing came back. A DEALER with no connection up
+    blocks on send (a peer the server's CURVE refuses keeps reconnecting and has none between
+    tries), so the send is bounded too: not sent is nothing back."""
+    sock.sndtimeo = timeout_ms
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    except zmq.Again:
+        return None
     seqs = []
     while sock.poll(timeout_ms):
         _, seq, _ = sock.recv_multipart()
