@@ -123,9 +123,8 @@ def test_bf16_activations_compute_in_fp32():
     torch.testing.assert_close(y, F.linear(x.float(), reference("Q4_1", data)).to(torch.bfloat16))
 
 
-def test_fused_parts_of_mixed_formats():
-    """Q4_K_M files mix formats inside one fused projection (q, k in Q4_K; v in Q6_K)."""
-    fmts, sizes = ["Q4_K", "Q4_K", "Q6_K"], [64, 32, 32]
+def _fused_layer(fmts: list[str], sizes: list[int]):
+    """A fused q/k/v projection over 256 columns whose parts come packed in ``fmts``; and their blocks."""
     datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
     layer = ColumnParallelLinear(
         256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32
@@ -133,6 +132,13 @@ def test_fused_parts_of_mixed_formats():
     for part, (fmt, data) in enumerate(zip(fmts, datas)):
         layer.load_weight("weight", repack(fmt, data, 256), part)
     finalize_quantized(layer)
+    return layer, datas
+
+
+def test_fused_parts_of_mixed_formats():
+    """Q4_K_M files mix formats inside one fused projection (q, k in Q4_K; v in Q6_K)."""
+    fmts, sizes = ["Q4_K", "Q4_K", "Q6_K"], [64, 32, 32]
+    layer, datas = _fused_layer(fmts, sizes)
     assert [p.source_format for p in layer.quant.parts] == ["Q4_K", "Q6_K"]  # runs of one layout merged
     x = torch.randn(2, 256)
     close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
@@ -141,13 +147,7 @@ def test_fused_parts_of_mixed_formats():
 def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
     """Q4_0 stores no mins, Q4_1 does: merged into one run, the Q4_0 rows get theirs, -8 * d."""
     fmts, sizes = ["Q4_0", "Q4_1", "Q4_0"], [32, 32, 64]
-    datas = [gguf_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate(zip(fmts, sizes))]
-    layer = ColumnParallelLinear(
-        256, even_slices(sizes, TensorParallelGroup(), ["q", "k", "v"]), False, torch.float32
-    )
-    for part, (fmt, data) in enumerate(zip(fmts, datas)):
-        layer.load_weight("weight", repack(fmt, data, 256), part)
-    finalize_quantized(layer)
+    layer, datas = _fused_layer(fmts, sizes)
     (merged,) = layer.quant.parts
     assert merged.scales.dtype == merged.mins.dtype == torch.float16
     expected = torch.cat([reference(f, d) for f, d in zip(fmts, datas)])
