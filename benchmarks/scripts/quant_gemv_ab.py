@@ -111,7 +111,14 @@ def nbytes(*tensors) -> int:
 
 def check_bits(base, new) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
-    formats = (("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False), ("Q6_K", False))
+    formats = (
+        ("Q4_0", False),
+        ("Q4_1", False),
+        ("Q8_0", False),
+        ("Q8_0", True),
+        ("Q4_K", False),
+        ("Q6_K", False),
+    )
     for fmt, group16 in formats:
         k = 560 if group16 else 768 if fmt in ("Q4_K", "Q6_K") else 576
         q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
