@@ -11,17 +11,20 @@ The weights are normal noise, scaled so activations stay of order one:
 projections with std 1/sqrt(fan in), the embedding (and an untied output
 head) with std 1/sqrt(hidden), norm weights 1 + N(0, 0.1), Qwen2's QKV
 biases N(0, 0.5). Matrices are quantized with the ``gguf`` package's
-quantizer to one of the four types it writes (Q4_0, Q4_1, Q5_0, Q8_0);
-norms and biases stay F32. Tensors are made and written one at a time, each
+quantizer to one of the four types it writes (Q4_0, Q4_1, Q5_0, Q8_0), or
+to llama.cpp's Q4_K_M or Q5_K_M mix (the most common downloads) by
+``benchmarks.bench.kquants``: Q4_K or Q5_K everywhere but the output head
+(the token embedding when tied) and the ``attn_v`` and ``ffn_down`` of the
+layers llama.cpp gives more bits (the first and last eighth and every third
+between), which take Q6_K, as ``llama-quantize`` assigns them for a dense
+model. Norms and biases stay F32. Tensors are made and written one at a time, each
 from row chunks, so memory stays a few hundred MB whatever the model's size.
 
 llama.cpp stores a Llama's Q and K rows permuted (weft's and transformers'
 loaders undo it): with random weights the file simply defines the model in
 llama.cpp's order, and every reader sees the same one. Llama 3's rope
 scaling (``rope_freqs``) is left out: positions beyond the original 8,192
-rotate as plain rope. K-quant files (Q4_K_M, the most common download) are
-not written here (the ``gguf`` package does not quantize them); the Gemma 3
-270M file and the repack tests cover those.
+rotate as plain rope.
 """
 
 from __future__ import annotations
@@ -82,7 +85,26 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen3": Shape("qwen3", 256, 2, 768, 4, 2, 128, 1000000.0, 1e-6, True, 4096),
 }
 
-QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+# The gguf package's four types, then llama.cpp's K-quant mixes by their base type.
+K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", *K_MIXES)
+
+
+def matrix_type(qtype: str, name: str, layers: int, tied: bool) -> str:
+    """The GGML type of matrix ``name`` in a file of ``qtype`` (a type, or a K-quant mix)."""
+    base = K_MIXES.get(qtype)
+    if base is None:
+        return qtype
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")) and _more_bits(int(name.split(".")[1]), layers):
+        return "Q6_K"
+    return base
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of layers for Q6_K in a _M mix: the first and last eighth, every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 @dataclass(frozen=True)
@@ -184,10 +206,15 @@ def _values(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
 def _quantized(spec: TensorSpec, qtype, seed: int) -> np.ndarray:
     from gguf.quants import quant_shape_to_byte_shape, quantize
 
+    from benchmarks.bench import kquants
+
     out = np.empty(quant_shape_to_byte_shape(spec.shape, qtype), dtype=np.uint8)
     start = 0
     for chunk in _values(spec, seed):
-        out[start : start + len(chunk)] = quantize(chunk, qtype)
+        if qtype.name in kquants.TYPES:
+            out[start : start + len(chunk)] = kquants.quantize(chunk, qtype.name)
+        else:
+            out[start : start + len(chunk)] = quantize(chunk, qtype)
         start += len(chunk)
     return out
 
@@ -216,10 +243,14 @@ def write_model(
     from services.model_files import DEFAULT_GGUF, models_dir
 
     shape = SHAPES[shape_name]
-    qtype = GGMLQuantizationType[qtype_name]
     layers = shape.layers if num_layers is None else num_layers
     fields, vocab_size = tokenizer_fields(tokenizer_gguf or models_dir() / DEFAULT_GGUF)
     plan = tensor_plan(shape, vocab_size, layers)
+    types = {
+        spec.name: GGMLQuantizationType[matrix_type(qtype_name, spec.name, layers, shape.tied)]
+        for spec in plan
+        if spec.kind == "matrix"
+    }
     began = time.monotonic()
 
     partial = out.with_name(out.name + ".partial")
@@ -245,15 +276,15 @@ def write_model(
             key, value, GGUFValueType(vtype), None if sub_type is None else GGUFValueType(sub_type)
         )
     for spec in plan:
-        raw = qtype if spec.kind == "matrix" else None
-        writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), _tensor_bytes(spec, qtype), raw)
+        raw = types.get(spec.name)
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), _tensor_bytes(spec, raw), raw)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, spec in enumerate(plan):
             if spec.kind == "matrix":
-                data = _quantized(spec, qtype, seed)
+                data = _quantized(spec, types[spec.name], seed)
             else:
                 data = np.ascontiguousarray(next(_values(spec, seed)), dtype=np.float32)
             writer.write_tensor_data(data)
@@ -292,8 +323,8 @@ def add_arguments(parser) -> None:
         "shapes:\n  "
         + "\n  ".join(_shape_line(n, s) for n, s in SHAPES.items())
         + "\n\nAll use the default model's tokenizer (49,152 tokens). Llama 3's rope scaling is left out."
-        "\nK-quant files (Q4_K_M, the most common download) are not written: the gguf package quantizes"
-        "\nonly these four types; the Gemma 3 270M file and the repack tests cover K-quants."
+        "\nQ4_K_M and Q5_K_M are llama.cpp's mixes: Q4_K or Q5_K, with Q6_K for the output head and for"
+        "\nattn_v and ffn_down in the first and last eighth of the layers and every third between."
     )
     parser.add_argument("--shape", required=True, choices=list(SHAPES), help="The real model's shape.")
     parser.add_argument("--qtype", required=True, choices=QTYPES, help="How the matrices are quantized.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_the_file_has_the_shape_the_types_and_the_default_tokenizer(tmp_path: Pa
     assert _field(reader, "llama.attention.head_count_kv") == shape.kv_heads
     assert _field(reader, "llama.vocab_size") == 49152
     tensors = {t.name: t for t in reader.tensors}
-    assert tensors["blk.0.attn_q.weight"].tensor_type.name == qtype
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == make_model.K_MIXES.get(qtype, qtype)
     assert list(tensors["blk.0.attn_k.weight"].shape) == [shape.hidden, shape.kv_heads * shape.head_dim]
     assert list(tensors["blk.0.ffn_down.weight"].shape) == [shape.intermediate, shape.hidden]
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
@@ -151,6 +152,24 @@ def test_the_seed_decides_the_weights_and_layers_do_not_depend_on_each_other(tmp
     assert not any(np.array_equal(one[name], other[name]) for name in one)
 
 
+@pytest.mark.parametrize("qtype, base", [("Q4_K_M", "Q4_K"), ("Q5_K_M", "Q5_K")])
+def test_a_k_quant_mix_gives_q6_k_where_llama_cpp_does(tmp_path: Path, qtype: str, base: str) -> None:
+    """Eight layers: Q6_K attn_v and ffn_down in layers 0 and 7 (the first and last eighth) and 3 and 6
+    (every third between); the output head Q6_K, or the token embedding when the model ties them."""
+    more_bits = {0, 3, 6, 7}
+    for shape, tied in (("tiny-llama", False), ("tiny-qwen2", True)):
+        path = _write(tmp_path / f"{shape}.gguf", shape, qtype, "--num-layers", "8")
+        types = {t.name: t.tensor_type.name for t in TensorsReader(path).tensors}
+        assert _field(TensorsReader(path), "general.file_type") == int(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+        for layer in range(8):
+            wide = "Q6_K" if layer in more_bits else base
+            assert types[f"blk.{layer}.attn_v.weight"] == types[f"blk.{layer}.ffn_down.weight"] == wide
+            assert {types[f"blk.{layer}.{part}.weight"] for part in ("attn_q", "attn_k", "ffn_up")} == {base}
+        assert types["token_embd.weight"] == ("Q6_K" if tied else base)
+        assert types.get("output.weight", "Q6_K") == "Q6_K" and ("output.weight" in types) != tied
+        assert types["blk.0.attn_norm.weight"] == "F32"
+
+
 @pytest.mark.parametrize(
     "argv, why",
     [
@@ -159,8 +178,8 @@ def test_the_seed_decides_the_weights_and_layers_do_not_depend_on_each_other(tmp
             "invalid choice: 'llama-9b' (choose from 'llama-3.2-1b'",
         ),
         (
-            ["--shape", "tiny-llama", "--qtype", "Q4_K_M"],
-            "invalid choice: 'Q4_K_M' (choose from 'Q4_0', 'Q4_1'",
+            ["--shape", "tiny-llama", "--qtype", "Q3_K_M"],
+            "invalid choice: 'Q3_K_M' (choose from 'Q4_0', 'Q4_1'",
         ),
         (
             ["--shape", "tiny-llama", "--qtype", "Q4_0", "--num-layers", "0"],
@@ -189,12 +208,12 @@ def test_an_existing_file_needs_force(tmp_path: Path, capsys: pytest.CaptureFixt
     assert TensorsReader(out).fields["llama.block_count"].contents() == 1
 
 
-def test_help_names_the_shapes_and_where_k_quants_are_covered(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_names_the_shapes_and_the_k_quant_mixes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["make-model", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "llama-3.1-8b: llama, hidden 4096, 32 layers, MLP 14336, 32/8 heads of 128, untied" in text
-    assert "rope scaling is left out" in text and "Gemma 3 270M file and the repack tests" in text
+    assert "rope scaling is left out" in text and "Q4_K_M and Q5_K_M are llama.cpp's mixes" in text
     assert "(default 0)" in text
 
 
