@@ -11,17 +11,18 @@ The weights are normal noise, scaled so activations stay of order one:
 projections with std 1/sqrt(fan in), the embedding (and an untied output
 head) with std 1/sqrt(hidden), norm weights 1 + N(0, 0.1), Qwen2's QKV
 biases N(0, 0.5). Matrices are quantized with the ``gguf`` package's
-quantizer to one of the four types it writes (Q4_0, Q4_1, Q5_0, Q8_0);
-norms and biases stay F32. Tensors are made and written one at a time, each
+quantizer to one of the four types it writes (Q4_0, Q4_1, Q5_0, Q8_0), or
+to Q5_K by ``quantize_q5_k`` here (every matrix, as a Q5_K_S file: the
+``gguf`` package reads K-quants but does not write them); norms and biases
+stay F32. Tensors are made and written one at a time, each
 from row chunks, so memory stays a few hundred MB whatever the model's size.
 
 llama.cpp stores a Llama's Q and K rows permuted (weft's and transformers'
 loaders undo it): with random weights the file simply defines the model in
 llama.cpp's order, and every reader sees the same one. Llama 3's rope
 scaling (``rope_freqs``) is left out: positions beyond the original 8,192
-rotate as plain rope. K-quant files (Q4_K_M, the most common download) are
-not written here (the ``gguf`` package does not quantize them); the Gemma 3
-270M file and the repack tests cover those.
+rotate as plain rope. Other K-quant files (Q4_K_M, the most common download)
+are not written here; the Gemma 3 270M file and the repack tests cover those.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen3": Shape("qwen3", 256, 2, 768, 4, 2, 128, 1000000.0, 1e-6, True, 4096),
 }
 
-QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q5_K")
+# The file type a file of each qtype declares (general.file_type): a file all of Q5_K is a Q5_K_S.
+_FILE_TYPES = {"Q5_K": "MOSTLY_Q5_K_S"}
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,63 @@ def _values(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
 
 
 def _quantized(spec: TensorSpec, qtype, seed: int) -> np.ndarray:
+    from gguf import GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape, quantize
 
     out = np.empty(quant_shape_to_byte_shape(spec.shape, qtype), dtype=np.uint8)
     start = 0
     for chunk in _values(spec, seed):
-        out[start : start + len(chunk)] = quantize(chunk, qtype)
+        if qtype == GGMLQuantizationType.Q5_K:
+            out[start : start + len(chunk)] = quantize_q5_k(chunk)
+        else:
+            out[start : start + len(chunk)] = quantize(chunk, qtype)
         start += len(chunk)
     return out
+
+
+_QK_K = 256  # weights per K-quant super-block
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """``values [rows, K]`` (K a multiple of 256) as Q5_K blocks, ``[rows, K / 256 * 176]`` uint8.
+
+    Per group of 32: scale (max - min) / 31 and min -min (min taken at most 0), each then rounded to
+    6 bits against the super-block's fp16 ``d`` (``dmin``), the largest over 63; the weights rounded
+    to [0, 32) against the rounded pair, so ``gguf.quants.dequantize`` gives ``d * sc * q - dmin * m``.
+    Plain rounding, not llama.cpp's search for the best scales: a test model, not a release."""
+    rows = values.shape[0]
+    x = values.astype(np.float32).reshape(rows, -1, 8, 32)  # [rows, blocks, groups, 32]
+    low = np.minimum(x.min(-1), 0.0)
+    scale, minimum = (x.max(-1) - low) / 31, -low
+    d = (scale.max(-1) / 63).astype(np.float16)  # [rows, blocks]
+    dmin = (minimum.max(-1) / 63).astype(np.float16)
+    sc = _six_bits(scale, d)
+    m = _six_bits(minimum, dmin)
+    step = d.astype(np.float32)[..., None] * sc  # the group's scale and min as dequantize forms them
+    offset = dmin.astype(np.float32)[..., None] * m
+    safe = np.where(step > 0, step, 1.0)[..., None]
+    q = np.clip(np.rint((x + offset[..., None]) / safe), 0, 31).astype(np.uint8)
+    q = np.where(step[..., None] > 0, q, 0)
+    low4 = (q & 0x0F).reshape(rows, -1, 4, 2, 32)  # groups 2c (low nibbles) and 2c + 1 (high)
+    qs = (low4[..., 0, :] | (low4[..., 1, :] << 4)).reshape(rows, -1, 128)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=-2)  # bit i: group i
+    sc8, m8 = sc.astype(np.uint8), m.astype(np.uint8)
+    packed = np.concatenate(  # the 12 bytes of 6-bit (sc, m) pairs, as gguf's Q4_K/Q5_K read them
+        (
+            sc8[..., :4] | ((sc8[..., 4:] >> 4) << 6),
+            m8[..., :4] | ((m8[..., 4:] >> 4) << 6),
+            (sc8[..., 4:] & 0x0F) | ((m8[..., 4:] & 0x0F) << 4),
+        ),
+        axis=-1,
+    )
+    halves = np.stack((d, dmin), axis=-1).view(np.uint8)  # [rows, blocks, 4]
+    return np.concatenate((halves, packed, qh, qs), axis=-1).reshape(rows, -1)
+
+
+def _six_bits(value: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """``value [..., 8]`` in multiples of the fp16 ``unit [...]``, rounded into [0, 63]."""
+    unit = unit.astype(np.float32)[..., None]
+    return np.clip(np.rint(value / np.where(unit > 0, unit, 1.0)), 0, 63)
 
 
 def _tensor_bytes(spec: TensorSpec, qtype) -> int:
@@ -226,7 +278,7 @@ def write_model(
     writer = gguf.GGUFWriter(partial, shape.architecture)
     arch = shape.architecture
     writer.add_name(f"{shape_name} {qtype_name}, random weights (weft bench make-model, seed {seed})")
-    writer.add_file_type(LlamaFileType[f"MOSTLY_{qtype_name}"])
+    writer.add_file_type(LlamaFileType[_FILE_TYPES.get(qtype_name, f"MOSTLY_{qtype_name}")])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{arch}.vocab_size", vocab_size)
     writer.add_uint32(f"{arch}.context_length", shape.context_length)
@@ -292,8 +344,9 @@ def add_arguments(parser) -> None:
         "shapes:\n  "
         + "\n  ".join(_shape_line(n, s) for n, s in SHAPES.items())
         + "\n\nAll use the default model's tokenizer (49,152 tokens). Llama 3's rope scaling is left out."
-        "\nK-quant files (Q4_K_M, the most common download) are not written: the gguf package quantizes"
-        "\nonly these four types; the Gemma 3 270M file and the repack tests cover K-quants."
+        "\nQ5_K is written by a plain rounding of weft's (the gguf package quantizes only the other"
+        "\nfour); other K-quant files (Q4_K_M, the most common download) are not written: the Gemma 3"
+        "\n270M file and the repack tests cover them."
     )
     parser.add_argument("--shape", required=True, choices=list(SHAPES), help="The real model's shape.")
     parser.add_argument("--qtype", required=True, choices=QTYPES, help="How the matrices are quantized.")
