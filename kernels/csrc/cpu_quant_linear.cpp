@@ -129,7 +129,7 @@ inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
 
 #ifdef WEFT_AVX2
-// 0x10 in each byte of `bytes` whose bit (byte i % 8 of a qword: bit i % 8) is set, else 0.
+// 0x10 in byte i of `bytes` where its bit i % 8 is set, else 0.
 inline __m256i bits_to_0x10(__m256i bytes) {
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));

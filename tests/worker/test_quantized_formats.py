@@ -190,6 +190,23 @@ def test_packed_weights_are_about_as_small_as_the_file(fmt):
     assert repack(fmt, data, 512).nbytes == packed * 24 * 512 // 256
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_rows_past_1024_groups_take_fp32_scales_and_mins(fmt):
+    """Past the kernels' 1,024 groups a row (K > 32,768) the repacker stores fp32 scales and every
+    min per group (Q4_0's -8 d and Q5_0's -16 d too): the same weights, which the kernels run."""
+    from kernels.cpu_quant_linear import quant_linear_i8
+    from kernels.reference import quant_linear_i8_ref
+
+    k = 33024  # 1,032 groups of 32
+    data = gguf_blocks(fmt, 3, k, seed=10)
+    packed = repack(fmt, data, k)
+    assert packed.scales.dtype == packed.mins.dtype == torch.float32 and packed.scales.dim() == 2
+    assert torch.equal(packed.dequantize(), reference(fmt, data))
+    x = torch.randn(2, k)
+    args = (packed.qweight, packed.scales, packed.mins, packed.group_size)
+    close_to(quant_linear_i8(x, *args, qhigh=packed.qhigh), quant_linear_i8_ref(x, *args, qhigh=packed.qhigh))
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     """Tensor-parallel column slices of a K format: on super-blocks they keep the records; off them
