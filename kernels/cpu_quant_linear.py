@@ -11,7 +11,8 @@ another); ``load(isa)`` a given one. It raises ``KernelUnavailable`` with the
 reason when the build cannot happen; callers then use the torch twins in
 ``kernels.reference`` (``quant_linear_ref``, ``dequantize_packed_ref``).
 
-Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
+Layouts int8, int4 and int5 (int4 plus a ``qhigh`` plane of fifth bits, passed
+last and optional to every op). Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
 than the twin's), ``quant_linear_i16`` and ``quant_linear_i8`` (activations
 rounded to int16 or int8 per weight group, integer dot products; twin
 ``quant_linear_i8_ref``). Layouts and
@@ -122,11 +123,13 @@ def quant_linear(
     out: torch.Tensor | None = None,
     isa: str | None = None,
     activations: str = "fp32",
+    qhigh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int4 where ``qweight`` is ``[N, K / 2]``,
-    its ``mins`` None for Q4_0's ``-8 * scales``; else int8, ``mins`` None)."""
+    its ``mins`` None for Q4_0's ``-8 * scales``; int5 where ``qhigh [N, K / 8]`` comes with it, its
+    ``mins`` None for Q5_0's ``-16 * scales``; else int8, ``mins`` None)."""
     out = _output(x, qweight, out)
-    getattr(load(isa), _OPS[activations])(x, qweight, scales, mins, group_size, out)
+    getattr(load(isa), _OPS[activations])(x, qweight, scales, mins, group_size, out, qhigh)
     return out
 
 
@@ -151,11 +154,12 @@ def dequantize_rows(
     in_features: int,
     out: torch.Tensor | None = None,
     isa: str | None = None,
+    qhigh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``[start, start + count)`` of the packed W as fp32 ``[count, in_features]``."""
     if out is None:
         out = torch.empty(count, in_features, dtype=torch.float32)
-    load(isa).dequantize_rows(qweight, scales, mins, group_size, start, out)
+    load(isa).dequantize_rows(qweight, scales, mins, group_size, start, out, qhigh)
     return out
 
 

@@ -309,7 +309,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_packed_ref(
-    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    qhigh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.dequantize_rows`` over all rows: the fp32 weight
     ``[N, K]`` of a packed one (layouts in ``kernels/csrc/cpu_quant_linear.cpp``).
@@ -317,25 +321,43 @@ def dequantize_packed_ref(
     int8 (``qweight [N, K]`` int8): ``w = q * s``; int4 (``qweight [N, K / 2]`` uint8):
     ``w = q * s + m``, where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low
     nibble, ``j + 16`` in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s``
-    (Q4_0's). ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
+    (Q4_0's); int5 (int4's plus ``qhigh [N, K / 8]`` uint8): per group a little-endian uint32 whose
+    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's). ``scales`` per group, or
+    the K formats' records per super-block (``super_scales_ref``).
     """
-    scales, mins = group_scales(qweight, scales, mins, group_size)
+    scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
+    values = packed_values(qweight, group_size, qhigh).float()  # [N, groups, G]
     if not is_int4(qweight):
-        values = qweight.float().unflatten(1, (-1, group_size))  # [N, groups, G]
         return (values * scales[..., None]).flatten(1)
-    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
-    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()  # [N, groups, 32]
     return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
 
 
+def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None) -> torch.Tensor:
+    """The integers ``q`` of a packed weight per group, ``[N, groups, group_size]``: int8's as they
+    are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added."""
+    if not is_int4(qweight):
+        return qweight.unflatten(1, (-1, group_size))
+    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
+    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, groups, 32]
+    if qhigh is None:
+        return values
+    bits = torch.arange(8, dtype=torch.uint8)
+    words = qhigh.unflatten(1, (-1, 4))  # [N, groups, 4]: byte i holds elements 8i..8i + 7
+    fifth = ((words[..., None] >> bits) & 1).flatten(2)  # [N, groups, 32]
+    return values | (fifth << 4)
+
+
 def is_int4(qweight: torch.Tensor) -> bool:
-    """Whether a packed weight is in the int4 layout: two weights a byte of ``qweight`` (uint8)."""
+    """Whether a packed weight is in the int4 (or int5) layout: two weights a byte of ``qweight`` (uint8)."""
     return qweight.dtype == torch.uint8
 
 
-def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """An int4 weight's mins in fp32: ``mins``, or where None Q4_0's ``-8 * scales`` (exact)."""
-    return scales.float() * -8.0 if mins is None else mins.float()
+def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None, int5: bool = False) -> torch.Tensor:
+    """An int4 (``int5``: int5) weight's mins in fp32: ``mins``, or where None Q4_0's ``-8 * scales``
+    (Q5_0's ``-16 * scales``; exact)."""
+    if mins is not None:
+        return mins.float()
+    return scales.float() * (-16.0 if int5 else -8.0)
 
 
 SUPER_BLOCK = 256  # weights per super-block of the K formats
@@ -359,21 +381,30 @@ def super_scales_ref(
 
 
 def group_scales(
-    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    qhigh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A packed weight's scales (and int4 mins) per group in fp32 (fp16 converts exactly; Q4_0's
-    mins are implied; the K formats' records decoded by ``super_scales_ref``)."""
+    """A packed weight's scales (and int4 or int5 mins) per group in fp32 (fp16 converts exactly;
+    Q4_0's and Q5_0's mins are implied; the K formats' records decoded by ``super_scales_ref``)."""
     int4 = is_int4(qweight)
     if scales.dim() == 3:
         return super_scales_ref(scales, int4, group_size)
-    return scales.float(), int4_mins(scales, mins) if int4 else None
+    return scales.float(), int4_mins(scales, mins, qhigh is not None) if int4 else None
 
 
 def quant_linear_ref(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    qhigh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.quant_linear``: ``x [M, K] @ W^T`` in fp32, W packed."""
-    return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size).T
+    return x.float() @ dequantize_packed_ref(qweight, scales, mins, group_size, qhigh).T
 
 
 def quantize_rows_i8_ref(
@@ -398,18 +429,15 @@ def quant_linear_i8_ref(
     mins: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype = torch.int8,
+    qhigh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Twin of ``kernels.cpu_quant_linear.quant_linear_i8`` (``_i16`` with ``dtype`` int16):
     ``x [M, K] @ W^T`` with x rounded to ``dtype`` per weight group; per group an exact
-    integer dot times the two scales, plus for int4 the min times the sum of the rounded x
-    over the group: W times x rounded, exactly, up to the order of fp32 sums."""
+    integer dot times the two scales, plus for int4 and int5 the min times the sum of the rounded
+    x over the group: W times x rounded, exactly, up to the order of fp32 sums."""
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
-    scales, mins = group_scales(qweight, scales, mins, group_size)
-    if not is_int4(qweight):
-        wq = qweight.unflatten(1, (-1, group_size))
-    else:
-        grouped = qweight.unflatten(1, (-1, group_size // 2))
-        wq = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
+    scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
+    wq = packed_values(qweight, group_size, qhigh)
     # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
     y = (dots * (xs[:, None, :] * scales[None])).sum(-1)

@@ -62,7 +62,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quantization: Annotated[
         Literal["none", "gguf"],
         Meta(
-            description="gguf: keep a GGUF file's Q8_0/Q5_0/Q6_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load."
+            description="gguf: keep a GGUF file's Q8_0/Q6_K/Q5_0/Q5_1/Q5_K/Q4_0/Q4_1/Q4_K weights packed and run quantized matmuls (CPU; the default for GGUF files there); none: dequantize every weight to dtype at load."
         ),
     ] = "none"
     dense_min_rows: Annotated[

@@ -12,8 +12,9 @@ projections with std 1/sqrt(fan in), the embedding (and an untied output
 head) with std 1/sqrt(hidden), norm weights 1 + N(0, 0.1), Qwen2's QKV
 biases N(0, 0.5). Matrices are quantized with the ``gguf`` package's
 quantizer to one of the four types it writes (Q4_0, Q4_1, Q5_0, Q8_0), or
-to llama.cpp's Q4_K_M or Q5_K_M mix (the most common downloads) by
-``benchmarks.bench.kquants``: Q4_K or Q5_K everywhere but the output head
+by ``benchmarks.bench.kquants`` to Q5_K in every matrix (a Q5_K_S file) or
+to llama.cpp's Q4_K_M or Q5_K_M mix (the most common downloads):
+Q4_K or Q5_K everywhere but the output head
 (the token embedding when tied) and the ``attn_v`` and ``ffn_down`` of the
 layers llama.cpp gives more bits (the first and last eighth and every third
 between), which take Q6_K, as ``llama-quantize`` assigns them for a dense
@@ -85,9 +86,12 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen3": Shape("qwen3", 256, 2, 768, 4, 2, 128, 1000000.0, 1e-6, True, 4096),
 }
 
-# The gguf package's four types, then llama.cpp's K-quant mixes by their base type.
+# The gguf package's four types, Q5_K in every matrix (a Q5_K_S file), then llama.cpp's K-quant
+# mixes by their base type.
 K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
-QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", *K_MIXES)
+QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q5_K", *K_MIXES)
+# The file type a file of each qtype declares (general.file_type), where not MOSTLY_<qtype>.
+_FILE_TYPES = {"Q5_K": "MOSTLY_Q5_K_S"}
 
 
 def matrix_type(qtype: str, name: str, layers: int, tied: bool) -> str:
@@ -257,7 +261,7 @@ def write_model(
     writer = gguf.GGUFWriter(partial, shape.architecture)
     arch = shape.architecture
     writer.add_name(f"{shape_name} {qtype_name}, random weights (weft bench make-model, seed {seed})")
-    writer.add_file_type(LlamaFileType[f"MOSTLY_{qtype_name}"])
+    writer.add_file_type(LlamaFileType[_FILE_TYPES.get(qtype_name, f"MOSTLY_{qtype_name}")])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{arch}.vocab_size", vocab_size)
     writer.add_uint32(f"{arch}.context_length", shape.context_length)
@@ -323,7 +327,8 @@ def add_arguments(parser) -> None:
         "shapes:\n  "
         + "\n  ".join(_shape_line(n, s) for n, s in SHAPES.items())
         + "\n\nAll use the default model's tokenizer (49,152 tokens). Llama 3's rope scaling is left out."
-        "\nQ4_K_M and Q5_K_M are llama.cpp's mixes: Q4_K or Q5_K, with Q6_K for the output head and for"
+        "\nQ5_K: every matrix Q5_K (a Q5_K_S file). Q4_K_M and Q5_K_M are llama.cpp's mixes: Q4_K or"
+        "\nQ5_K, with Q6_K for the output head and for"
         "\nattn_v and ffn_down in the first and last eighth of the layers and every third between."
     )
     parser.add_argument("--shape", required=True, choices=list(SHAPES), help="The real model's shape.")

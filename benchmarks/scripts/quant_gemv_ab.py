@@ -5,10 +5,11 @@
 Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
-for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K as this tree packs them,
-fp16 block scales, the K formats' per super-block; the base build gets every min stored and the K
-formats' scales and mins per group in fp32, as the kernels before implied mins and super-block
-scales read them),
+for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K as this
+tree packs them, fp16 block scales, the K formats' per super-block; the base build gets every min
+stored and the K formats' scales and mins per group in fp32, as the kernels before implied mins and
+super-block scales read them; a base without the int5 layout gets Q5_0 as int8, q - 16, as weft
+held it before, and cannot run Q5_1 or Q5_K),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
@@ -19,7 +20,8 @@ median time of each, the weight bytes each build read per call as GB/s (and, abo
 multiply-adds a second, GMAC/s), and the new/base speed ratio of
 the medians, next to the read bandwidth measured in the same run (a torch sum over 1 GiB, with the
 same thread count). Before timing it checks that both builds give the same bits for every layout at
-several row counts (``--no-check`` skips that), so a speed-up that changes numerics shows up.
+several row counts (``--no-check`` skips that), so a speed-up that changes numerics shows up (Q5_0
+against an int8 base: within 1e-5 of the largest output, the same sums in another order).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from kernels import cpu_quant_linear
 from kernels.cpu_build import build
-from kernels.reference import is_int4, super_scales_ref
+from kernels.reference import is_int4, packed_values, super_scales_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/cpu_quant_linear.cpp"
@@ -71,38 +73,65 @@ def load_base(revision: str, isa: str):
     return getattr(torch.ops, namespace)
 
 
+K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_bytes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.int16).to(torch.uint8)
+
+
 def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
-    """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group), fp16 scales
-    (``group`` 16 for the int8 layout of Q6_K's kind)."""
+    """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group, qhigh), fp16
+    scales (``group`` 16 for the int8 layout of Q6_K's kind), qhigh for the int5 formats (Q5_*)."""
     g = torch.Generator().manual_seed(seed)
-    if fmt == "Q4_K":
-        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+    if fmt in ("Q4_K", "Q5_K"):
+        q = random_bytes((n, k // 2), g)
         halves = (torch.rand(n, k // 256, 2, generator=g) * 0.001).half().view(torch.uint8)  # d, dmin
         sc_m = torch.randint(0, 64, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.uint8)
-        return q, torch.cat((halves, sc_m), dim=-1), None, 32
+        qhigh = random_bytes((n, k // 8), g) if fmt == "Q5_K" else None
+        return q, torch.cat((halves, sc_m), dim=-1), None, 32, qhigh
     if fmt == "Q6_K":
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
         d = (torch.rand(n, k // 256, 1, generator=g) * 0.001).half().view(torch.uint8)
         sc = torch.randint(-128, 128, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.int8)
-        return q, torch.cat((d, sc.view(torch.uint8)), dim=-1), None, 16
+        return q, torch.cat((d, sc.view(torch.uint8)), dim=-1), None, 16, None
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
     if fmt == "Q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
-        return q, scales, None, group
-    q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
-    mins = None if fmt == "Q4_0" else (torch.randn(n, k // 32, generator=g) * 0.02).half()
-    return q, scales, mins, 32
+        return q, scales, None, group, None
+    q = random_bytes((n, k // 2), g)
+    qhigh = random_bytes((n, k // 8), g) if fmt.startswith("Q5") else None
+    mins = None if fmt in ("Q4_0", "Q5_0") else (torch.randn(n, k // 32, generator=g) * 0.02).half()
+    return q, scales, mins, 32, qhigh
 
 
-def stored(pack):
-    """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (Q4_K's fp32 products),
-    as a base kernel of any revision reads it."""
-    q, scales, mins, group = pack
+def has_int5(ns) -> bool:
+    """Whether a build's ops take the int5 layout's fifth bits (qhigh)."""
+    return "qhigh" in str(ns.quant_linear_i8.default._schema)
+
+
+def stored(pack, int5: bool = True):
+    """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (the K formats' fp32
+    products), as a base kernel of any revision reads it; without ``int5`` (a base older than the
+    layout) Q5_0 as int8, q - 16 (the values, exact, with the same fp16 scales)."""
+    q, scales, mins, group, qhigh = pack
+    if qhigh is not None and not int5:
+        if mins is not None or scales.dim() == 3:
+            raise SystemExit("the base kernel has no int5 layout: it can run Q5_0 (as int8) only")
+        return (packed_values(q, group, qhigh).to(torch.int8) - 16).flatten(1), scales, None, group, None
     if scales.dim() == 3:
-        return q, *super_scales_ref(scales, is_int4(q), group), group
+        return q, *super_scales_ref(scales, is_int4(q), group), group, qhigh
     if mins is None and is_int4(q):
-        mins = (scales.float() * -8).to(scales.dtype)  # exact: no Q4_0 test scale is near fp16's range end
-    return q, scales, mins, group
+        factor = -8 if qhigh is None else -16  # exact: no test scale is near fp16's range end
+        mins = (scales.float() * factor).to(scales.dtype)
+    return q, scales, mins, group, qhigh
+
+
+def call(ns, op: str, x: torch.Tensor, pack, out: torch.Tensor) -> None:
+    """``op`` of build ``ns`` on a pack of ``packed``'s form (its qhigh only where there is one, so
+    a base without the argument runs the other layouts)."""
+    q, scales, mins, group, qhigh = pack
+    getattr(ns, op)(x, q, scales, mins, group, out, *([] if qhigh is None else [qhigh]))
 
 
 def nbytes(*tensors) -> int:
@@ -110,26 +139,24 @@ def nbytes(*tensors) -> int:
 
 
 def check_bits(base, new) -> None:
-    """Both builds give the same bits, i8 and i16, at row counts that take every tile shape."""
-    formats = (
-        ("Q4_0", False),
-        ("Q4_1", False),
-        ("Q8_0", False),
-        ("Q8_0", True),
-        ("Q4_K", False),
-        ("Q6_K", False),
-    )
+    """Both builds give the same bits, i8 and i16, at row counts that take every tile shape (Q5_0
+    against a base without int5, which holds it as int8: within 1e-5 of the largest output)."""
+    int5 = has_int5(base)
+    formats = [("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)]
+    formats += [("Q6_K", False), ("Q5_0", False)]
+    if int5:
+        formats += [("Q5_1", False), ("Q5_K", False)]
     for fmt, group16 in formats:
-        k = 560 if group16 else 768 if fmt in ("Q4_K", "Q6_K") else 576
-        q, s16, m16, group = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
+        k = 560 if group16 else 768 if fmt in K_FORMATS else 576
+        q, s16, m16, group, qhigh = packed(fmt, 203, k, 16) if group16 else packed(fmt, 203, k)
         kinds = (
             [(s16, m16)]
-            if fmt in ("Q4_K", "Q6_K")
+            if fmt in K_FORMATS
             else [(s16, m16), (s16.float(), None if m16 is None else m16.float())]
         )
         for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            packs = {"base": stored((q, s, m, group)), "new": (q, s, m, group)}
+            packs = {"base": stored((q, s, m, group, qhigh), int5), "new": (q, s, m, group, qhigh)}
             for op in ("quant_linear_i8", "quant_linear_i16"):
                 for single in (True, False):
                     base.set_single_row_blocks(single)
@@ -137,18 +164,20 @@ def check_bits(base, new) -> None:
                     outs = []
                     for label, ns in (("base", base), ("new", new)):
                         out = torch.empty(rows, q.shape[0])
-                        getattr(ns, op)(x, *packs[label], out)
+                        call(ns, op, x, packs[label], out)
                         outs.append(out)
-                    if not torch.equal(outs[0], outs[1]):
-                        diff = (outs[0] - outs[1]).abs().max().item()
+                    diff = (outs[0] - outs[1]).abs().max().item()
+                    bound = 0.0 if int5 or fmt != "Q5_0" else 1e-5 * outs[0].abs().max().item()
+                    if diff > bound or not torch.equal(outs[0].isnan(), outs[1].isnan()):
                         raise SystemExit(
                             f"bits differ: {fmt} group {group} rows {rows} {op} single={single}: {diff}"
                         )
     base.set_single_row_blocks(True)
     new.set_single_row_blocks(True)
+    q5 = "Q5_0, Q5_1, Q5_K" if int5 else "and Q5_0 (base int8, within 1e-5)"
     print(
         "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, "
-        "Q4_K, Q6_K, rows 1-33"
+        f"Q4_K, Q6_K, {q5}, rows 1-33"
     )
 
 
@@ -174,24 +203,25 @@ def bench(base, new, threads: int, args) -> None:
     for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
         n, k = SHAPES[name]
         first = packed(fmt, n, k)
-        size = {"base": nbytes(*stored(first)[:3]), "new": nbytes(*first[:3])}
+        int5 = has_int5(base)
+        size = {"base": nbytes(*stored(first, int5)[:3]), "new": nbytes(*first[:3], first[4])}
         # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
         # its weights from memory, as a decode step does (every matrix of a model read once).
         copies = [first] + [
             packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size["base"]))
         ]
-        mats = {"base": [stored(c) for c in copies], "new": copies}
+        mats = {"base": [stored(c, int5) for c in copies], "new": copies}
         x = torch.randn(rows, k)
         out = torch.empty(rows, n)
         times = {"base": [], "new": []}
         for label, ns in (("base", base), ("new", new)):  # warm-up (page faults)
             for mat in mats[label]:
-                ns.quant_linear_i8(x, *mat, out)
-        for call in range(args.calls):
+                call(ns, "quant_linear_i8", x, mat, out)
+        for step in range(args.calls):
             for label, ns in (("base", base), ("new", new)):
-                mat = mats[label][(2 * call + (label == "new")) % len(copies)]
+                mat = mats[label][(2 * step + (label == "new")) % len(copies)]
                 start = clock()
-                ns.quant_linear_i8(x, *mat, out)
+                call(ns, "quant_linear_i8", x, mat, out)
                 times[label].append(clock() - start)
         del mats, copies
         med = {label: statistics.median(t) for label, t in times.items()}
@@ -213,7 +243,12 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="build to compare (default: the fastest this CPU runs)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        default=["Q4_0", "Q4_1", "Q8_0"],
+        choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"],
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x per call (M)")
     parser.add_argument("--calls", type=int, default=200, help="timed calls of each build per shape")
     parser.add_argument(

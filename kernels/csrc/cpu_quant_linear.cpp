@@ -1,6 +1,6 @@
-// Linear layers over weights kept packed in 8 or 4 bits (GGUF files), for CPUs.
+// Linear layers over weights kept packed in 8, 5 or 4 bits (GGUF files), for CPUs.
 //
-// Two packed layouts, repacked at load from the GGUF block formats
+// Three packed layouts, repacked at load from the GGUF block formats
 // (services/worker/gguf_repack.py says which format goes where):
 //   int8  qweight [N, K] int8, scales [N, K / G] fp32 or fp16:   w = q * s
 //   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
@@ -8,7 +8,12 @@
 //         element j in its low nibble and element j + 16 in its high one.
 //         Without mins (Q4_0) each is -8 * s, formed in fp32 as it is used:
 //         exact, so the bits of the same mins stored.
-// The layout is int4 where qweight holds K / 2 bytes a row, else int8. The K
+//   int5  int4's qweight, scales and mins plus qhigh [N, K / 8] uint8, the
+//         fifth bits: per group of 32 a little-endian uint32 whose bit j is
+//         element j's (Q5_0's qh as the file holds it), so q in [0, 32).
+//         Without mins (Q5_0) each is -16 * s, exact as Q4_0's.
+// The layout is int4 where qweight holds K / 2 bytes a row (int5 where a qhigh
+// tensor comes with it; every op takes it as its last, optional argument), else int8. The K
 // formats' scales (and int4 mins) come per super-block of 256 weights instead,
 // scales [N, K / 256, record] uint8 (SuperScales): the integer-activation paths
 // form each group's d * sc and -(dmin * m) in fp32 as they read them, exactly,
@@ -32,7 +37,9 @@
 // weight rows by rows of x (tile_i8_int4, tile_i8_int8): 2 x 1 at batch 1 (each x block loaded
 // once for two weight rows, the next rows prefetched a share per step), 2 x 4, 4 x 2 and 4 x 1
 // above, each (x row, weight row) pair with its own
-// accumulator and the same operations in the same order in every tile shape. fp16 scales and
+// accumulator and the same operations in the same order in every tile shape. The int5 layout
+// runs the int4 tiles (tile_i8_int4<..., kInt5>) with each weight row's fifth bits ORed into its
+// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
 // rows, packed; nothing is stored. Numerics: x is rounded to int8 (an error of up to amax / 254
 // per element); the rest is exact integer arithmetic and fp32 sums in another order than the
@@ -114,31 +121,83 @@ void dequant_row_int8(const int8_t* q, const float* scales, int64_t K, int64_t g
   }
 }
 
-// Q4_0's min, -8 times the scale: exact in fp32 (a power of two), so the same value the
-// repacker once stored beside each scale.
-inline float implied_min(float scale) { return -8.f * scale; }
+// The factor of the implied mins (none stored) of Q4_0 (-8, int4) and Q5_0 (-16, int5): a power of
+// two, so each min, factor times the scale, is exact in fp32, the value a stored min would hold.
+inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 
-// One weight row of the int4 layout, dequantized into out[K] (mins null: Q4_0's implied ones).
-void dequant_row_int4(const uint8_t* q, const float* scales, const float* mins, int64_t K, float* out) {
+// The fifth bit of element j of the int5 group whose qhigh word starts at h, as 0 or 16.
+inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
+
+#ifdef WEFT_AVX2
+// 0x10 in byte i of `bytes` where its bit i % 8 is set, else 0.
+inline __m256i bits_to_0x10(__m256i bytes) {
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The fifth bits of one int5 group (its qhigh word at h) as bytes in element order, 0x10 where set:
+// the word broadcast, byte i / 8 of it shuffled into byte i (elements 0-15 in the low 128 bits,
+// 16-31 in the high, as int4_block has them), then the bit of each byte tested.
+inline __m256i fifth_bits(const uint8_t* h) {
+  uint32_t word;
+  std::memcpy(&word, h, 4);
+  const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  return bits_to_0x10(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), which));
+}
+
+// The fifth bits of two consecutive int5 groups b, b + 1 (their words at h) in the order the tiles
+// unpack a pair of groups' nibbles: lo holds elements 0-15 of b then 0-15 of b + 1, hi elements
+// 16-31 of b then 16-31 of b + 1.
+inline void fifth_bits_pair(const uint8_t* h, __m256i& lo, __m256i& hi) {
+  int64_t words;
+  std::memcpy(&words, h, 8);
+  const __m256i v = _mm256_set1_epi64x(words);  // each 128-bit lane: b's four bytes, b + 1's four
+  lo = bits_to_0x10(
+      _mm256_shuffle_epi8(v, _mm256_setr_epi64x(0, 0x0101010101010101, 0x0404040404040404, 0x0505050505050505)));
+  hi = bits_to_0x10(_mm256_shuffle_epi8(
+      v, _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303, 0x0606060606060606, 0x0707070707070707)));
+}
+
+// One group's low (elements 0-15) and high (16-31) nibbles as bytes, with the fifth bits where the
+// group has them (h not null).
+inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m128i& high) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+  low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  if (h != nullptr) {
+    const __m256i fifth = fifth_bits(h);
+    low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
+    high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
+  }
+}
+#endif
+
+// One weight row of the int4 or (high: its qhigh row) int5 layout, dequantized into out[K] (mins
+// null: implied ones).
+void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales, const float* mins, int64_t K,
+                      float* out) {
+  const float implied = implied_min_factor(high != nullptr);
   for (int64_t g = 0; g < K / kInt4Group; ++g) {
     const uint8_t* qg = q + g * (kInt4Group / 2);
+    const uint8_t* hg = high != nullptr ? high + g * 4 : nullptr;
     float* og = out + g * kInt4Group;
-    const float min = mins != nullptr ? mins[g] : implied_min(scales[g]);
+    const float min = mins != nullptr ? mins[g] : implied * scales[g];
 #ifdef WEFT_AVX2
     const __m256 s = _mm256_set1_ps(scales[g]);
     const __m256 m = _mm256_set1_ps(min);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    __m128i low, hi;
+    group_bytes(qg, hg, low, hi);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), hi, _mm_srli_si128(hi, 8)};
     for (int p = 0; p < 4; ++p) {
       const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
       _mm256_storeu_ps(og + 8 * p, _mm256_fmadd_ps(v, s, m));
     }
 #else
+    // One rounding (fma), as the AVX2 build's FMA: the same bits in every build.
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      og[j] = static_cast<float>(qg[j] & 0x0F) * scales[g] + min;
-      og[j + kInt4Group / 2] = static_cast<float>(qg[j] >> 4) * scales[g] + min;
+      const int lo5 = hg != nullptr ? fifth_bit(hg, j) : 0, hi5 = hg != nullptr ? fifth_bit(hg, j + 16) : 0;
+      og[j] = std::fma(static_cast<float>((qg[j] & 0x0F) | lo5), scales[g], min);
+      og[j + kInt4Group / 2] = std::fma(static_cast<float>((qg[j] >> 4) | hi5), scales[g], min);
     }
 #endif
   }
@@ -193,10 +252,16 @@ struct Packed {
   const uint16_t* mins_h = nullptr;
   // The K formats' records (SuperScales), the mins inside; only the integer-activation paths read them.
   const uint8_t* super = nullptr;
+  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32); null for int4 and int8.
+  const uint8_t* qhigh = nullptr;
 
-  bool int4() const { return int4_layout; }
-  // Whether the int4 layout stores its mins; without, each is implied_min(scale) (Q4_0).
+  bool int4() const { return int4_layout; }  // two weights a byte of qweight: int4 or int5
+  bool int5() const { return qhigh != nullptr; }
+  const uint8_t* high_row(int64_t n) const { return qhigh != nullptr ? qhigh + n * (K / 8) : nullptr; }
+  // Whether the int4 layout stores its mins; without, each is implied_min_factor times its scale
+  // (Q4_0, Q5_0).
   bool has_mins() const { return mins != nullptr || mins_h != nullptr; }
+  float implied_min(float scale) const { return implied_min_factor(int5()) * scale; }
   ScaleKind scale_kind() const {
     return super != nullptr ? ScaleKind::kSuper : scales_h != nullptr ? ScaleKind::kHalf : ScaleKind::kFloat;
   }
@@ -219,7 +284,8 @@ struct Packed {
     if (!int4_layout) {
       dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
     } else {
-      dequant_row_int4(qweight + n * row_bytes, s, mins == nullptr ? nullptr : mins + n * groups, K, out);
+      dequant_row_int4(qweight + n * row_bytes, high_row(n), s, mins == nullptr ? nullptr : mins + n * groups, K,
+                       out);
     }
   }
 };
@@ -279,9 +345,9 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
 // half_scales: whether the caller reads fp16 scales and mins or K-format records (SuperScales: scales
 // [N, K / 256, record] uint8, no mins; the integer-activation paths); the fp32-activation paths
 // dequantize with fp32 ones. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
-// optional (none: Q4_0's, implied by the scales).
+// optional (none: Q4_0's and Q5_0's, implied by the scales); with qhigh it is int5.
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                 int64_t group_size, int64_t K, bool half_scales = false) {
+                 const c10::optional<at::Tensor>& qhigh, int64_t group_size, int64_t K, bool half_scales = false) {
   TORCH_CHECK(qweight.dim() == 2, "quant_linear: qweight shape");
   const bool int4 = qweight.size(1) * 2 == K;
   TORCH_CHECK(int4 || qweight.size(1) == K, "quant_linear: qweight shape");
@@ -291,7 +357,7 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
                   (scales.scalar_type() == at::kFloat || (half_scales && (half || super))),
               "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
   TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), "quant_linear: qweight must be ",
-              int4 ? "uint8 (int4 layout)" : "int8 (int8 layout)");
+              int4 ? "uint8 (int4 or int5 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group),
               "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4)");
   const int64_t N = qweight.size(0), groups = K / group_size;
@@ -323,6 +389,13 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   }
   TORCH_CHECK(!int4 || mins.has_value() || groups <= 1024,
               "quant_linear: implied mins (none given) take at most 1024 groups a row (K <= 32768)");
+  if (qhigh.has_value()) {
+    TORCH_CHECK(int4 && qhigh->scalar_type() == at::kByte && qhigh->is_contiguous() && qhigh->dim() == 2 &&
+                    qhigh->size(0) == N && qhigh->size(1) == K / 8,
+                "quant_linear: qhigh (the int5 layout's fifth bits) must be contiguous uint8 [N, K / 8] beside an "
+                "int4 qweight [N, K / 2]");
+    w.qhigh = static_cast<const uint8_t*>(qhigh->data_ptr());
+  }
   return w;
 }
 
@@ -374,21 +447,21 @@ struct RowScales {
       }
     }
     if (w.int4() && m == nullptr) {
-      for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = implied_min(s[g]);
+      for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = w.implied_min(s[g]);
       m = m_buf;
     }
   }
 };
 
 #ifdef WEFT_AVX2
-// The 8 weights of part p (0..3) of a group of 32, dequantized in registers.
+// The 8 weights of part p (0..3) of a group of 32 (int5: its qhigh word at h, else h null),
+// dequantized in registers.
 struct GroupInt4 {
   __m256 w[4];
-  GroupInt4(const uint8_t* qg, float scale, float min) {
+  GroupInt4(const uint8_t* qg, const uint8_t* h, float scale, float min) {
     const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(min);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    __m128i low, high;
+    group_bytes(qg, h, low, high);
     w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), s, m);
     w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), s, m);
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), s, m);
@@ -412,8 +485,10 @@ void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, 
   const uint8_t* q = w.qweight + n * w.row_bytes;
   if (w.int4()) {
     const float* m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
+    const uint8_t* high = w.high_row(n);
     for (int64_t g = 0; g < w.groups; ++g) {
-      const GroupInt4 grp(q + g * (kInt4Group / 2), s[g], m != nullptr ? m[g] : implied_min(s[g]));
+      const GroupInt4 grp(q + g * (kInt4Group / 2), high != nullptr ? high + g * 4 : nullptr, s[g],
+                          m != nullptr ? m[g] : w.implied_min(s[g]));
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kInt4Group;
         for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(grp.w[p], _mm256_loadu_ps(xg + 8 * p), acc[r][p]);
@@ -444,11 +519,12 @@ constexpr int64_t kStreamingMaxRows = 4;
 
 // out [M, N] = x [M, K] @ W^T, W packed.
 void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                  const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+                  const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out,
+                  const c10::optional<at::Tensor>& qhigh) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be fp32 [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  const Packed w = packed_of(qweight, scales, mins, qhigh, group_size, K);
   const int64_t N = qweight.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.stride(1) == 1,
@@ -482,11 +558,11 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 
 // out [count, K] fp32 = rows [start, start + count) of the packed W.
 void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                     int64_t group_size, int64_t start, at::Tensor out) {
+                     int64_t group_size, int64_t start, at::Tensor out, const c10::optional<at::Tensor>& qhigh) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
               "dequantize_rows: out must be contiguous fp32 [count, K]");
   const int64_t count = out.size(0), K = out.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K);
+  const Packed w = packed_of(qweight, scales, mins, qhigh, group_size, K);
   TORCH_CHECK(start >= 0 && start + count <= qweight.size(0), "dequantize_rows: rows out of range");
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
@@ -499,7 +575,7 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
 constexpr int64_t kBlock = 32;  // elements per integer dot: one 256-bit vector of int8
 
 // Rows of x rounded to int8, per group of `group` (the weight's: 16 or 32) with one fp32
-// scale amax / 127, zero-padded to whole blocks of 32. For the int4 layout also a copy in
+// scale amax / 127, zero-padded to whole blocks of 32. For the int4 and int5 layouts also a copy in
 // the order its bytes unpack to two blocks at a time (see dot_row_i8): per pair of blocks
 // b, b + 1, elements 0-15 of b, 0-15 of b + 1, 16-31 of b, 16-31 of b + 1, with the scales
 // spread over the lanes their integer dots land in.
@@ -666,12 +742,13 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// dot_u8s8(u0, s0) + dot_u8s8(u1, s1), for u below 16 (the int4 weights).
+// dot_u8s8(u0, s0) + dot_u8s8(u1, s1), for u below 32 (the int4 and int5 weights).
 inline __m256i dot2_u8s8(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 #ifdef WEFT_VNNI
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
 #else
-  // Each maddubs pair is at most 2 * 15 * 127, so the sum of two fits int16.
+  // Each maddubs pair is at most 2 * 31 * 127 = 7874 (int5; int4's 2 * 15 * 127), so the sum of two,
+  // at most 15748, fits int16.
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
@@ -683,6 +760,15 @@ inline __m256i int4_block(const uint8_t* qg) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
   return _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+}
+
+// The 32 weights of group g of a row of the int4 or (kInt5: the row's fifth bits at h) int5 layout
+// as bytes, in element order.
+template <bool kInt5>
+inline __m256i int4or5_block(const uint8_t* q, const uint8_t* h, int64_t g) {
+  const __m256i nibbles = int4_block(q + g * (kInt4Group / 2));
+  if constexpr (kInt5) return _mm256_or_si256(nibbles, fifth_bits(h + g * 4));
+  return nibbles;
 }
 
 // lanes 0-3 = lo, 4-7 = hi: the scales of the two groups of 16 a block spans.
@@ -699,6 +785,7 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
   const float* xs = a.srow(m);
   const auto* xq = a.qrow(m);
   const uint8_t* q = w.qweight + n * w.row_bytes;
+  const uint8_t* high = w.high_row(n);
   float total = 0.f;
   for (int64_t g = 0; g < w.groups; ++g) {
     int32_t dot = 0;
@@ -707,6 +794,7 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
       if (w.int4()) {
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+        if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
       } else {
         wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
       }
@@ -756,13 +844,16 @@ inline void prefetch_share(const uint8_t* ahead, int64_t step, int64_t bytes) {
 
 // Scales and mins are read where they lie, fp16 (the 32-element GGUF formats) or fp32 (the K
 // formats), and converted in registers: exact either way, so both give the same bits.
-template <ScaleKind kScales>
+template <ScaleKind kScales, bool kInt5>
 struct Int4Scales {
   static constexpr bool kHalf = kScales == ScaleKind::kHalf;
   static constexpr bool kSuper = kScales == ScaleKind::kSuper;
   static constexpr int64_t kRecord = 20;  // kSuper: fp16 d, fp16 dmin, 8 x uint8 sc, 8 x uint8 m
   const void* s;
-  const void* m;  // null where implied (Q4_0) and for kSuper (in the records)
+  const void* m;  // null where implied (Q4_0, Q5_0) and for kSuper (in the records)
+  // The factor of implied mins, a constant of the layout: a member read at run time left the int4
+  // batch-1 tiles 3-5% slower (AVX2, Zen 3).
+  static constexpr float kImplied = kInt5 ? -16.f : -8.f;
   const uint8_t* record(int64_t b) const { return static_cast<const uint8_t*>(s) + b / 8 * kRecord; }
   // Pair p's two block scales as lanes 0-3 (block 2p) and 4-7 (block 2p + 1).
   __m256 pair(int64_t p) const {
@@ -794,7 +885,7 @@ struct Int4Scales {
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
                  : static_cast<const float*>(s)[b];
   }
-  // The mins of blocks g..g + 7, in order: stored, implied by the scales (m null: Q4_0), or
+  // The mins of blocks g..g + 7, in order: stored, implied by the scales (m null: Q4_0, Q5_0), or
   // (kSuper, g a multiple of 8) -(dmin * m).
   __m256 eight_mins(int64_t g) const {
     if constexpr (kSuper) {
@@ -802,7 +893,7 @@ struct Int4Scales {
       const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12))));
       return _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(SuperScales::half_at(r + 2)), mn), _mm256_set1_ps(-0.f));
     }
-    if (m == nullptr) return _mm256_mul_ps(eight(g), _mm256_set1_ps(-8.f));  // implied_min, exactly
+    if (m == nullptr) return _mm256_mul_ps(eight(g), _mm256_set1_ps(kImplied));  // exact: a power of two
     if constexpr (kHalf) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
     } else {
@@ -811,18 +902,31 @@ struct Int4Scales {
   }
   float min(int64_t g) const {
     if constexpr (kSuper) return -(SuperScales::half_at(record(g) + 2) * static_cast<float>(record(g)[12 + g % 8]));
-    if (m == nullptr) return implied_min(scale(g));
+    if (m == nullptr) return kImplied * scale(g);
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
                  : static_cast<const float*>(m)[g];
   }
 };
 
+// The groups past the last whole eight of the min terms (min_terms, min_terms_zmm), added in order
+// to out[i][r] after its horizontal sum: one scalar FMA per (weight row, x row) and group.
+template <int RW, int RX, ScaleKind kScales, bool kInt5>
+inline void min_terms_tail(const Int4Scales<kScales, kInt5> (&sc)[RW], const float* const (&xsums)[RX], int64_t g,
+                           int64_t groups, float (&out)[RW][RX]) {
+  for (; g < groups; ++g) {
+    for (int i = 0; i < RW; ++i) {
+      const float mg = sc[i].min(g);
+      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
+    }
+  }
+}
+
 // The int4 min term of every (weight row, x row) of a tile into out[i][r]: sum over groups of
 // min[g] * xsums[g] as eight lanes of FMAs over the groups in order, one horizontal sum, then the
 // rest in order, the same for every pair whatever the tile. Each weight row's eight mins are
-// formed once for all the tile's rows of x (for Q4_0 and the K formats that takes arithmetic).
-template <int RW, int RX, ScaleKind kScales>
-void min_terms(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+// formed once for all the tile's rows of x (for implied mins and the K formats that takes arithmetic).
+template <int RW, int RX, ScaleKind kScales, bool kInt5>
+void min_terms(const Int4Scales<kScales, kInt5> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
                float (&out)[RW][RX]) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
@@ -838,28 +942,26 @@ void min_terms(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) out[i][r] = hsum(acc[i][r]);
   }
-  for (; g < groups; ++g) {
-    for (int i = 0; i < RW; ++i) {
-      const float mg = sc[i].min(g);
-      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
-    }
-  }
+  min_terms_tail<RW, RX>(sc, xsums, g, groups, out);
 }
 
-template <ScaleKind kScales>
-Int4Scales<kScales> int4_scales(const Packed& w, int64_t n) {
+template <ScaleKind kScales, bool kInt5>
+Int4Scales<kScales, kInt5> int4_scales(const Packed& w, int64_t n) {
   return {w.scale_row(n), w.has_mins() ? w.min_row(n) : nullptr};
 }
 
-// A tile's int4 weight rows [n, n + RW): each row's bytes, scales and mins.
-template <int RW, ScaleKind kScales>
+// A tile's int4 (or int5) weight rows [n, n + RW): each row's bytes, fifth bits (null for int4),
+// scales and mins.
+template <int RW, ScaleKind kScales, bool kInt5>
 struct Int4Rows {
   const uint8_t* q[RW];
-  Int4Scales<kScales> sc[RW];
+  const uint8_t* h[RW];
+  Int4Scales<kScales, kInt5> sc[RW];
   Int4Rows(const Packed& w, int64_t n) {
     for (int i = 0; i < RW; ++i) {
       q[i] = w.qweight + (n + i) * w.row_bytes;
-      sc[i] = int4_scales<kScales>(w, n + i);
+      h[i] = kInt5 ? w.high_row(n + i) : nullptr;
+      sc[i] = int4_scales<kScales, kInt5>(w, n + i);
     }
   }
 };
@@ -877,15 +979,18 @@ struct PairedXRows {
   }
 };
 
-template <int RW, int RX, ScaleKind kScales>
+// kInt5: the int5 layout, each weight row's fifth bits ORed into its nibbles as they are unpacked
+// (fifth_bits_pair); the rest is the int4 tile's, operation for operation.
+template <int RW, int RX, ScaleKind kScales, bool kInt5>
 void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  Int4Rows<RW, kScales> rows(w, n);
+  Int4Rows<RW, kScales, kInt5> rows(w, n);
   auto& q = rows.q;
+  auto& h = rows.h;
   auto& sc = rows.sc;
   const PairedXRows<RX> xs(a, m0);
   const auto& xp = xs.xp;
@@ -895,7 +1000,13 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
     prefetch_share<RW>(ahead, p, kBlock);
     for (int i = 0; i < RW; ++i) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
-      const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      if constexpr (kInt5) {
+        __m256i lo5, hi5;
+        fifth_bits_pair(h[i] + p * 8, lo5, hi5);  // groups 2p, 2p + 1: 8 bytes
+        lo = _mm256_or_si256(lo, lo5);
+        hi = _mm256_or_si256(hi, hi5);
+      }
       for (int r = 0; r < RX; ++r) {
         const int8_t* x = xp[r] + p * 2 * kBlock;
         const __m256i dot = dot2_u8s8(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), hi,
@@ -934,7 +1045,7 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   if (groups % 2) {
     const int64_t b = groups - 1;
     for (int i = 0; i < RW; ++i) {
-      const __m256i u = int4_block(q[i] + b * (kBlock / 2));
+      const __m256i u = int4or5_block<kInt5>(q[i], h[i], b);
       const __m256 ws = _mm256_set1_ps(sc[i].scale(b));
       for (int r = 0; r < RX; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
@@ -1105,8 +1216,8 @@ inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ld
 // min_terms with two weight rows to a zmm: each half the same eight FMA lanes over the groups in
 // order, the same hsum, then the same scalar tail; each weight row's mins formed once for all the
 // tile's rows of x.
-template <int RW, int RX, ScaleKind kScales>
-void min_terms_zmm(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
+template <int RW, int RX, ScaleKind kScales, bool kInt5>
+void min_terms_zmm(const Int4Scales<kScales, kInt5> (&sc)[RW], const ActInt8& a, int64_t m0, int64_t groups,
                    float (&out)[RW][RX]) {
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
@@ -1126,16 +1237,12 @@ void min_terms_zmm(const Int4Scales<kScales> (&sc)[RW], const ActInt8& a, int64_
       out[2 * h + 1][r] = hsum(high_half(acc[h][r]));
     }
   }
-  for (; g < groups; ++g) {
-    for (int i = 0; i < RW; ++i) {
-      const float mg = sc[i].min(g);
-      for (int r = 0; r < RX; ++r) out[i][r] = std::fma(mg, xsums[r][g], out[i][r]);
-    }
-  }
+  min_terms_tail<RW, RX>(sc, xsums, g, groups, out);
 }
 
-// tile_i8_int4 with weight rows two to a zmm.
-template <int RW, int RX, ScaleKind kScales>
+// tile_i8_int4 with weight rows two to a zmm (kInt5: each row's fifth bits as the 256-bit tile
+// forms them, put side by side).
+template <int RW, int RX, ScaleKind kScales, bool kInt5>
 void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                       const uint8_t* ahead) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
@@ -1144,8 +1251,9 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const int64_t groups = w.groups, pairs = groups / 2;
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  Int4Rows<RW, kScales> rows(w, n);
+  Int4Rows<RW, kScales, kInt5> rows(w, n);
   auto& q = rows.q;
+  auto& hb = rows.h;
   auto& sc = rows.sc;
   const PairedXRows<RX> xs(a, m0);
   const auto& xp = xs.xp;
@@ -1154,7 +1262,14 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
     prefetch_share<RW>(ahead, p, kBlock);
     for (int h = 0; h < H; ++h) {
       const __m512i bytes = rows2(q[2 * h] + p * kBlock, q[2 * h + 1] + p * kBlock);
-      const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+      __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+      if constexpr (kInt5) {
+        __m256i lo0, hi0, lo1, hi1;
+        fifth_bits_pair(hb[2 * h] + p * 8, lo0, hi0);
+        fifth_bits_pair(hb[2 * h + 1] + p * 8, lo1, hi1);
+        lo = _mm512_or_si512(lo, rows2(lo0, lo1));
+        hi = _mm512_or_si512(hi, rows2(hi0, hi1));
+      }
       for (int r = 0; r < RX; ++r) {
         const int8_t* x = xp[r] + p * 2 * kBlock;
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, both(x)), hi,
@@ -1192,7 +1307,8 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   if (groups % 2) {
     const int64_t b = groups - 1;
     for (int h = 0; h < H; ++h) {
-      const __m512i u = rows2(int4_block(q[2 * h] + b * (kBlock / 2)), int4_block(q[2 * h + 1] + b * (kBlock / 2)));
+      const __m512i u = rows2(int4or5_block<kInt5>(q[2 * h], hb[2 * h], b),
+                              int4or5_block<kInt5>(q[2 * h + 1], hb[2 * h + 1], b));
       const __m512 ws = rows2(_mm256_set1_ps(sc[2 * h].scale(b)), _mm256_set1_ps(sc[2 * h + 1].scale(b)));
       for (int r = 0; r < RX; ++r) {
         const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
@@ -1272,10 +1388,15 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 // inner loop broadcasts each from memory instead of multiplying scalars.
 constexpr int64_t kScaleChunk = 64;
 
-// Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups).
-template <bool kInt4, int G>
-inline void widen_group_i16(const uint8_t* q, int64_t g, __m256i& w0, __m256i& w1) {
-  if constexpr (kInt4) {
+// Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups); kInt5: the
+// int5 layout, h the row's fifth bits.
+template <bool kInt4, bool kInt5, int G>
+inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m256i& w0, __m256i& w1) {
+  if constexpr (kInt5) {
+    const __m256i bytes = int4or5_block<true>(q, h, g);
+    w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
+    w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));
+  } else if constexpr (kInt4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kInt4Group / 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
@@ -1298,15 +1419,17 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
 // groups into the first and odd ones into the second (so two FMA chains per pair), each group one
 // integer dot and one FMA by the scale product; then one horizontal sum of the two and the min
 // term. The same operations in the same order in every tile shape (batch invariance).
-template <int RW, int RX, bool kInt4, int G>
+template <int RW, int RX, bool kInt4, bool kInt5, int G>
 void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[RW][RX][2];
   for (auto& per_w : acc) for (auto& two : per_w) two[0] = two[1] = _mm256_setzero_ps();
   RowScales rs[RW];
   const uint8_t* q[RW];
+  const uint8_t* h[RW];
   for (int i = 0; i < RW; ++i) {
     rs[i].read(w, n + i);
     q[i] = w.qweight + (n + i) * w.row_bytes;
+    h[i] = w.high_row(n + i);
   }
   alignas(32) float prod[RW][RX][kScaleChunk];
   auto step = [&](int64_t g, int64_t c0, int slot) {
@@ -1319,7 +1442,7 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
     }
     for (int i = 0; i < RW; ++i) {
       __m256i w0, w1;
-      widen_group_i16<kInt4, G>(q[i], g, w0, w1);
+      widen_group_i16<kInt4, kInt5, G>(q[i], h[i], g, w0, w1);
       for (int r = 0; r < RX; ++r) {
         __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0[r]);
         if constexpr (G == 32) dot = dot_s16(dot, w1, x1[r]);
@@ -1349,8 +1472,8 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
   }
 }
 
-// The int8-activation tile of a layout (kScales: where its scales are read from).
-template <bool kInt4, ScaleKind kScales, int G>
+// The int8-activation tile of a layout (kInt5: int4 with fifth bits; kScales: where its scales are read from).
+template <bool kInt4, bool kInt5, ScaleKind kScales, int G>
 struct TilesI8 {
   using Act = ActInt8;
 #ifdef WEFT_ZMM
@@ -1370,7 +1493,7 @@ struct TilesI8 {
 #ifdef WEFT_ZMM
     if constexpr (RW % 2 == 0) {
       if constexpr (kInt4) {
-        tile_i8_int4_zmm<RW, RX, kScales>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_int4_zmm<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
       } else {
         tile_i8_int8_zmm<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
       }
@@ -1378,7 +1501,7 @@ struct TilesI8 {
     }
 #endif
     if constexpr (kInt4) {
-      tile_i8_int4<RW, RX, kScales>(w, n, a, m0, out, ldo, ahead);
+      tile_i8_int4<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
     } else {
       tile_i8_int8<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
     }
@@ -1386,7 +1509,7 @@ struct TilesI8 {
 };
 
 // The int16-activation tile of a layout (scales converted per weight row, whatever their kind).
-template <bool kInt4, ScaleKind kScales, int G>
+template <bool kInt4, bool kInt5, ScaleKind kScales, int G>
 struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
@@ -1394,7 +1517,7 @@ struct TilesI16 {
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
-    tile_i16<RW, RX, kInt4, G>(w, n, a, m0, out, ldo);
+    tile_i16<RW, RX, kInt4, kInt5, G>(w, n, a, m0, out, ldo);
   }
 };
 
@@ -1426,6 +1549,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.scale_row_bytes());
     if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
+    if (w.int5()) prefetch_bytes(w.high_row(ahead), rows * (w.K / 8));
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;
@@ -1462,9 +1586,9 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   }
 }
 
-// Calls f(kInt4, kScales, G) with w's layout as compile-time constants (std::bool_constant and
-// std::integral_constant): int4 (groups of 32), or int8 by 32 or 16; fp32, fp16 or (int4 and int8
-// by 16: the K formats) super-block scales.
+// Calls f(kInt4, kInt5, kScales, G) with w's layout as compile-time constants (std::bool_constant
+// and std::integral_constant): int4 or int5 (groups of 32), or int8 by 32 or 16; fp32, fp16 or (int4,
+// int5 and int8 by 16: the K formats) super-block scales.
 template <class F>
 void with_layout(const Packed& w, F&& f) {
   using Yes = std::true_type;
@@ -1475,21 +1599,23 @@ void with_layout(const Packed& w, F&& f) {
   using Half = std::integral_constant<ScaleKind, ScaleKind::kHalf>;
   using Super = std::integral_constant<ScaleKind, ScaleKind::kSuper>;
   const ScaleKind kind = w.scale_kind();
-  auto by_kind = [&](auto int4, auto g, bool super_allowed) {
+  auto by_kind = [&](auto int4, auto int5, auto g, bool super_allowed) {
     if (kind == ScaleKind::kSuper && super_allowed) {
-      f(int4, Super{}, g);
+      f(int4, int5, Super{}, g);
     } else if (kind == ScaleKind::kHalf) {
-      f(int4, Half{}, g);
+      f(int4, int5, Half{}, g);
     } else {
-      f(int4, Float{}, g);
+      f(int4, int5, Float{}, g);
     }
   };
-  if (w.int4()) {
-    by_kind(Yes{}, G32{}, true);
+  if (w.int5()) {
+    by_kind(Yes{}, Yes{}, G32{}, true);
+  } else if (w.int4()) {
+    by_kind(Yes{}, No{}, G32{}, true);
   } else if (w.group == 32) {
-    by_kind(No{}, G32{}, false);  // packed_of admits no super-block scales here
+    by_kind(No{}, No{}, G32{}, false);  // packed_of admits no super-block scales here
   } else {
-    by_kind(No{}, G16{}, true);
+    by_kind(No{}, No{}, G16{}, true);
   }
 }
 #endif
@@ -1506,11 +1632,12 @@ void set_single_row_blocks(bool on) { single_row_blocks = on; }
 // walking its rows against blocks of x rows.
 template <bool kInt8>
 void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
+                          const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& qhigh,
+                          int64_t group_size, at::Tensor out) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, name,
               ": x must be fp32 [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
-  const Packed w = packed_of(qweight, scales, mins, group_size, K, /*half_scales=*/true);
+  const Packed w = packed_of(qweight, scales, mins, qhigh, group_size, K, /*half_scales=*/true);
   TORCH_CHECK(group_size == 16 || group_size == 32, name, ": group_size must be 16 or 32");
   const int64_t N = qweight.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
@@ -1533,9 +1660,9 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
 #ifdef WEFT_AVX2
-      with_layout(w, [&](auto int4, auto kind, auto g) {
-        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, kind.value, g.value>,
-                                         TilesI16<int4.value, kind.value, g.value>>;
+      with_layout(w, [&](auto int4, auto int5, auto kind, auto g) {
+        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, int5.value, kind.value, g.value>,
+                                         TilesI16<int4.value, int5.value, kind.value, g.value>>;
         rows_tiles<Tiles>(w, begin, end, a, m0, m1, op, ldo, row_blocks);
       });
 #else
@@ -1549,13 +1676,15 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
 }
 
 void quant_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
-  quant_linear_integer<true>("quant_linear_i8", x, qweight, scales, mins, group_size, out);
+                     const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out,
+                     const c10::optional<at::Tensor>& qhigh) {
+  quant_linear_integer<true>("quant_linear_i8", x, qweight, scales, mins, qhigh, group_size, out);
 }
 
 void quant_linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out) {
-  quant_linear_integer<false>("quant_linear_i16", x, qweight, scales, mins, group_size, out);
+                      const c10::optional<at::Tensor>& mins, int64_t group_size, at::Tensor out,
+                      const c10::optional<at::Tensor>& qhigh) {
+  quant_linear_integer<false>("quant_linear_i16", x, qweight, scales, mins, qhigh, group_size, out);
 }
 
 // Which instruction set this build's quant_linear_i8 runs on.
@@ -1572,12 +1701,20 @@ std::string isa() {
 }  // namespace
 
 WEFT_TORCH_LIBRARY(QUANT_LIBRARY_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+  // qhigh last and optional: the int5 layout's fifth bits (None: int4 or int8), so calls written for
+  // the two older layouts stay valid.
   m.def(
-      "dequantize_rows(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int start, Tensor(a!) out) -> ()");
-  m.def("quant_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+      "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out, "
+      "Tensor? qhigh=None) -> ()");
   m.def(
-      "quant_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out) -> ()");
+      "dequantize_rows(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int start, Tensor(a!) out, "
+      "Tensor? qhigh=None) -> ()");
+  m.def(
+      "quant_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out, "
+      "Tensor? qhigh=None) -> ()");
+  m.def(
+      "quant_linear_i16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, Tensor(a!) out, "
+      "Tensor? qhigh=None) -> ()");
   m.def("isa() -> str", &isa);
   m.def("set_single_row_blocks(bool on) -> ()", &set_single_row_blocks);
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);

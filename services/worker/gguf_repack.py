@@ -3,14 +3,21 @@
 | GGUF   | block            | packed as                                           | bytes/param | x file |
 |--------|------------------|-----------------------------------------------------|-------------|--------|
 | Q8_0   | 32: d, 32 x int8 | int8, scale d (fp16) per 32                         | 1.0625      | 1.0    |
-| Q5_0   | 32: d, 5-bit q   | int8 q - 16, scale d (fp16) per 32                  | 1.0625      | 1.55   |
 | Q6_K   | 256: 16 x 16     | int8 q - 32; per 256 d (fp16), 16 x int8 sc         | 1.0703      | 1.30   |
+| Q5_0   | 32: d, 5-bit q   | int5 q, scale d (fp16) per 32, min -16 d implied    | 0.6875      | 1.0    |
+| Q5_1   | 32: d, m, 5-bit q| int5 q, scale d, min m (fp16) per 32                | 0.75        | 1.0    |
+| Q5_K   | 256: 8 x 32      | int5 q; per 256 d, dmin (fp16), 8 x uint8 sc and m  | 0.7031      | 1.02   |
 | Q4_0   | 32: d, 4-bit q   | int4 q, scale d (fp16) per 32, min -8 d implied     | 0.5625      | 1.0    |
 | Q4_1   | 32: d, m, 4-bit q| int4 q, scale d, min m (fp16) per 32                | 0.625       | 1.0    |
 | Q4_K   | 256: 8 x 32      | int4 q; per 256 d, dmin (fp16), 8 x uint8 sc and m  | 0.5781      | 1.03   |
 
+int5 is int4 plus ``qhigh``, the fifth bits (a uint32 per group of 32, bit
+``j`` element ``j``'s): Q5_0's and Q5_1's nibbles and ``qh`` go in as the
+file holds them; Q5_K's ``qh`` (bit ``i`` of byte ``j`` is element ``j`` of
+group ``i`` of the super-block) is regathered per group.
 The 32-element formats keep their blocks' own fp16 ``d`` (and ``m``; Q4_0
-stores none, the kernels form ``-8 d`` in fp32 as they read ``d``). The K
+and Q5_0 store none, the kernels form ``-8 d`` or ``-16 d`` in fp32 as they
+read ``d``). The K
 formats keep a record per super-block of 256 (``scales [N, K / 256, 20 or
 18]`` uint8: ``kernels.reference.super_scales_ref``): the block's halves and
 its groups' 6-bit scales and mins a byte each, whose products ``d * sc`` and
@@ -18,7 +25,7 @@ its groups' 6-bit scales and mins a byte each, whose products ``d * sc`` and
 under 2^8). Past 1,024 groups a row (K > 32,768 at 32 a group) every format
 takes fp32 scales and mins per group instead (the kernels' bound). Either way the
 packed weights rebuild the gguf package's dequantization bit for bit. Other
-types (F16, BF16, Q5_1, Q5_K, ...) have no packed layout here and are
+types (F16, BF16, Q2_K, Q3_K, ...) have no packed layout here and are
 dequantized at load.
 """
 
@@ -50,8 +57,10 @@ def repack(
     rows = data.shape[0]
     block_elems = _QK_K if type_name.endswith("_K") else _QK
     blocks = data.reshape(rows, in_features // block_elems, -1)
-    qweight, scales, mins, group = _REPACKERS[type_name](blocks)
+    qweight, scales, mins, group, qhigh = _REPACKERS[type_name](blocks)
     qweight = torch.from_numpy(np.ascontiguousarray(qweight.reshape(rows, -1)))
+    if qhigh is not None:
+        qhigh = torch.from_numpy(np.ascontiguousarray(qhigh.reshape(rows, -1)))
     # The kernels read fp16 scales, implied mins and the K formats' records up to 1,024 groups a row
     # (cpu_quant_linear.cpp, RowScales); past that, fp32 scales and mins per group.
     compact = in_features // group <= _MAX_HALF_GROUPS
@@ -63,8 +72,8 @@ def repack(
         scales = torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1)))
         mins = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1)))
         if not compact:
-            scales, mins = group_scales(qweight, scales, mins, group)
-    return PackedWeight(qweight, scales, mins, group, in_features, type_name)
+            scales, mins = group_scales(qweight, scales, mins, group, qhigh)
+    return PackedWeight(qweight, scales, mins, group, in_features, type_name, qhigh)
 
 
 def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -94,25 +103,30 @@ def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return (low | (high << np.uint8(4))).astype(np.uint8)
 
 
+# Each repacker: (qweight, scales, mins, group, qhigh) from the blocks [N, B, bytes]; qhigh for int5 only.
+
+
 def _q8_0(blocks):
-    return _quants(blocks, 2, 34).view(np.int8), _halves(blocks, 0), None, 32
+    return _quants(blocks, 2, 34).view(np.int8), _halves(blocks, 0), None, 32, None
 
 
 def _q5_0(blocks):
-    qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [N, B, 1]: bit j is element j's fifth bit
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
-    qs = blocks[..., 6:22]
-    low = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [N, B, 32]
-    return (low | (high << 4)).astype(np.int8) - np.int8(16), _halves(blocks, 0), None, 32
+    # qh (bit j: element j's fifth bit) and qs (Q4_0's nibble order) as they are; no mins: the kernels
+    # take each as -16 d (exact in fp32).
+    return _quants(blocks, 6, 22), _halves(blocks, 0), None, 32, _quants(blocks, 2, 6)
+
+
+def _q5_1(blocks):
+    return _quants(blocks, 8, 24), _halves(blocks, 0), _halves(blocks, 2), 32, _quants(blocks, 4, 8)
 
 
 def _q4_0(blocks):
     # No mins: the kernels take each as -8 d (exact in fp32), so none are stored.
-    return _quants(blocks, 2, 18), _halves(blocks, 0), None, 32
+    return _quants(blocks, 2, 18), _halves(blocks, 0), None, 32, None
 
 
 def _q4_1(blocks):
-    return _quants(blocks, 4, 20), _halves(blocks, 0), _halves(blocks, 2), 32
+    return _quants(blocks, 4, 20), _halves(blocks, 0), _halves(blocks, 2), 32, None
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,14 +137,28 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _q4_k(blocks):
+def _k_records_and_nibbles(blocks: np.ndarray, qs_start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 20-byte records (d, dmin fp16, 8 sc, 8 m) and their 128 bytes of low nibbles
+    from ``qs_start`` in weft's int4 order, ``[N, B, 8, 16]``."""
     sc, mn = _q4_k_scales(blocks[..., 4:16])
-    records = np.concatenate((blocks[..., 0:4], sc, mn), axis=-1)  # d, dmin (fp16), 8 sc, 8 m: 20 bytes
-    qs = blocks[..., 16:144].reshape(
+    records = np.concatenate((blocks[..., 0:4], sc, mn), axis=-1)
+    qs = blocks[..., qs_start : qs_start + 128].reshape(
         *blocks.shape[:2], 4, 32
     )  # 4 chunks of 64: low nibbles 0..31, high 32..63
     values = np.stack((qs & 0x0F, qs >> 4), axis=-2).reshape(*blocks.shape[:2], 8, 32)  # 8 groups of 32
-    return _nibbles_to_int4(values[..., :16], values[..., 16:]), records, None, 32
+    return records, _nibbles_to_int4(values[..., :16], values[..., 16:])
+
+
+def _q4_k(blocks):
+    records, nibbles = _k_records_and_nibbles(blocks, 16)
+    return nibbles, records, None, 32, None
+
+
+def _q5_k(blocks):
+    records, nibbles = _k_records_and_nibbles(blocks, 48)
+    qh = blocks[..., 16:48]  # [N, B, 32]: bit i of byte j is element j of group i
+    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, B, 8 groups, 32]
+    return nibbles, records, None, 32, np.packbits(bits, axis=-1, bitorder="little")  # [N, B, 8, 4]
 
 
 def _q6_k(blocks):
@@ -141,7 +169,16 @@ def _q6_k(blocks):
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # [N, B, 2, 4, 32]
     q = (low | (high << 4)).astype(np.int8) - np.int8(32)
     records = np.concatenate((blocks[..., 208:210], blocks[..., 192:208]), axis=-1)  # d (fp16), 16 int8 sc
-    return q.reshape(*shape, _QK_K), records, None, 16
+    return q.reshape(*shape, _QK_K), records, None, 16, None
 
 
-_REPACKERS = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q6_K": _q6_k, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+_REPACKERS = {
+    "Q8_0": _q8_0,
+    "Q6_K": _q6_k,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q5_K": _q5_k,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q4_K": _q4_k,
+}

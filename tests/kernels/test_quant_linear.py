@@ -27,16 +27,23 @@ from kernels.reference import (
 SUM_ORDER_TOLERANCE = 1e-5  # relative to the largest |output|
 
 
+def random_bytes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.int16).to(torch.uint8)
+
+
 def random_packed(layout: str, n: int, k: int, group: int, seed: int = 0):
+    """(qweight, scales, mins, qhigh) of ``layout``: int8, int4 or int5, "-implied" without mins
+    (Q4_0's -8 * scale, Q5_0's -16 * scale)."""
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(n, k // group, generator=g) * 0.1
     if layout == "int8":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
-        return q, scales, None
-    q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
-    if layout == "int4-implied":  # Q4_0's: no mins stored, each -8 * scale
-        return q, scales, None
-    return q, scales, torch.randn(n, k // group, generator=g) * 0.1
+        return q, scales, None, None
+    q = random_bytes((n, k // 2), g)
+    qhigh = random_bytes((n, k // 8), g) if layout.startswith("int5") else None
+    if layout.endswith("-implied"):
+        return q, scales, None, qhigh
+    return q, scales, torch.randn(n, k // group, generator=g) * 0.1, qhigh
 
 
 ISAS = cpu_quant_linear.supported_isas()
@@ -51,7 +58,14 @@ def built_kernel():
         pytest.fail(f"the kernel must build on the test machine: {exc}")
 
 
-LAYOUTS = [("int8", 32), ("int8", 16), ("int4", 32), ("int4-implied", 32)]
+LAYOUTS = [
+    ("int8", 32),
+    ("int8", 16),
+    ("int4", 32),
+    ("int4-implied", 32),
+    ("int5", 32),
+    ("int5-implied", 32),
+]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -59,20 +73,23 @@ LAYOUTS = [("int8", 32), ("int8", 16), ("int4", 32), ("int4-implied", 32)]
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
 def test_quant_linear_matches_the_twin(isa, layout, group, rows):
     n, k = 203, 576  # n not a multiple of the kernel's 4-row tiles
-    q, s, m = random_packed(layout, n, k, group)
+    q, s, m, h = random_packed(layout, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
-    expected = quant_linear_ref(x, q, s, m, group)
-    actual = cpu_quant_linear.quant_linear(x, q, s, m, group, isa=isa)
+    expected = quant_linear_ref(x, q, s, m, group, h)
+    actual = cpu_quant_linear.quant_linear(x, q, s, m, group, isa=isa, qhigh=h)
     torch.testing.assert_close(
         actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,group", LAYOUTS)
-def test_dequantized_rows_equal_the_twin_exactly(layout, group):
-    q, s, m = random_packed(layout, 37, 256, group, seed=3)
-    rows = cpu_quant_linear.dequantize_rows(q, s, m, group, start=5, count=20, in_features=256)
-    assert torch.equal(rows, dequantize_packed_ref(q, s, m, group)[5:25])
+def test_dequantized_rows_equal_the_twin_exactly(isa, layout, group):
+    q, s, m, h = random_packed(layout, 37, 256, group, seed=3)
+    rows = cpu_quant_linear.dequantize_rows(
+        q, s, m, group, start=5, count=20, in_features=256, isa=isa, qhigh=h
+    )
+    assert torch.equal(rows, dequantize_packed_ref(q, s, m, group, h)[5:25])
 
 
 def test_int4_nibble_order():
@@ -86,8 +103,27 @@ def test_int4_nibble_order():
     assert cpu_quant_linear.quant_linear(x, q, ones, torch.zeros(1, 1), 32).item() == 2.0
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_int5_fifth_bit_order(isa):
+    """Bit j of a group's little-endian qhigh word adds 16 to element j, in every op."""
+    q = torch.zeros(1, 16, dtype=torch.uint8)
+    q[0, 0] = 0x21  # element 0 = 1, element 16 = 2
+    qhigh = torch.tensor([[0x01, 0x00, 0x01, 0x80]], dtype=torch.uint8)  # bits 0, 16 and 31
+    ones, zeros = torch.ones(1, 1), torch.zeros(1, 1)
+    w = dequantize_packed_ref(q, ones, zeros, 32, qhigh)
+    assert w[0, 0] == 17 and w[0, 16] == 18 and w[0, 31] == 16 and w.sum() == 51
+    rows = cpu_quant_linear.dequantize_rows(q, ones, zeros, 32, 0, 1, 32, isa=isa, qhigh=qhigh)
+    assert torch.equal(rows, w)
+    for element, value in ((0, 17.0), (16, 18.0), (31, 16.0), (5, 0.0)):
+        x = torch.zeros(1, 32)
+        x[0, element] = 1.0
+        assert cpu_quant_linear.quant_linear(x, q, ones, zeros, 32, isa=isa, qhigh=qhigh).item() == value
+        for kernel, _ in INT_KERNELS.values():
+            assert kernel(x, q, ones, zeros, 32, isa=isa, qhigh=qhigh).item() == value, (element, kernel)
+
+
 def test_strided_rows_of_x_and_out():
-    q, s, m = random_packed("int4", 16, 64, 32)
+    q, s, m, _ = random_packed("int4", 16, 64, 32)
     wide = torch.randn(3, 128)
     x = wide[:, :64]  # rows 128 floats apart
     out = torch.full((3, 40), -7.0)
@@ -97,7 +133,7 @@ def test_strided_rows_of_x_and_out():
 
 
 def test_bad_arguments_are_refused():
-    q, s, m = random_packed("int4", 8, 64, 32)
+    q, s, m, _ = random_packed("int4", 8, 64, 32)
     with pytest.raises(RuntimeError, match="fp32"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64, dtype=torch.bfloat16), q, s, m, 32)
     with pytest.raises(RuntimeError, match="qweight shape"):
@@ -108,6 +144,10 @@ def test_bad_arguments_are_refused():
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q.view(torch.int8), s, m, 32)
     with pytest.raises(RuntimeError, match="rows out of range"):
         cpu_quant_linear.dequantize_rows(q, s, m, 32, start=4, count=8, in_features=64)
+    with pytest.raises(RuntimeError, match="qhigh"):  # the fifth bits: [N, K / 8] uint8
+        cpu_quant_linear.quant_linear_i8(
+            torch.randn(2, 64), q, s, m, 32, qhigh=torch.zeros(8, 4, dtype=torch.uint8)
+        )
 
 
 def test_every_build_the_cpu_runs_is_the_one_named():
@@ -151,6 +191,9 @@ I8_SHAPES = [
     ("int4", 32, 576),
     ("int4", 32, 608),
     ("int4-implied", 32, 608),
+    ("int5", 32, 576),
+    ("int5", 32, 608),
+    ("int5-implied", 32, 608),
 ]
 
 
@@ -167,10 +210,10 @@ INT_KERNELS = {
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 31])
 def test_integer_activation_kernels_match_their_twin(bits, isa, layout, group, k, rows):
     kernel, dtype = INT_KERNELS[bits]
-    q, s, m = random_packed(layout, 203, k, group, seed=rows)
+    q, s, m, h = random_packed(layout, 203, k, group, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
-    expected = quant_linear_i8_ref(x, q, s, m, group, dtype)
-    actual = kernel(x, q, s, m, group, isa=isa)
+    expected = quant_linear_i8_ref(x, q, s, m, group, dtype, qhigh=h)
+    actual = kernel(x, q, s, m, group, isa=isa, qhigh=h)
     torch.testing.assert_close(
         actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
@@ -184,15 +227,15 @@ def test_batch1_row_blocks_match_the_row_by_row_loop_and_the_twin(bits, isa, lay
     """One row of x in blocks of four weight rows (int8: two 2 x 1 tiles that prefetch the next
     rows a share per step) gives the bits of the row-by-row loop."""
     kernel, dtype = INT_KERNELS[bits]
-    q, s, m = random_packed(layout, n, k, group, seed=n)
+    q, s, m, h = random_packed(layout, n, k, group, seed=n)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
-    expected = quant_linear_i8_ref(x, q, s, m, group, dtype)
+    expected = quant_linear_i8_ref(x, q, s, m, group, dtype, qhigh=h)
     try:
         cpu_quant_linear.set_single_row_blocks(False, isa)
-        row_by_row = kernel(x, q, s, m, group, isa=isa)
+        row_by_row = kernel(x, q, s, m, group, isa=isa, qhigh=h)
     finally:
         cpu_quant_linear.set_single_row_blocks(True, isa)
-    blocked = kernel(x, q, s, m, group, isa=isa)
+    blocked = kernel(x, q, s, m, group, isa=isa, qhigh=h)
     assert torch.equal(blocked, row_by_row)  # each row's sums in the same order
     torch.testing.assert_close(
         blocked, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
@@ -204,13 +247,13 @@ def test_batch1_row_blocks_match_the_row_by_row_loop_and_the_twin(bits, isa, lay
 def test_integer_activations_err_only_by_the_rounding_of_x(bits, layout, group, k):
     """|y - y_fp32| <= sum_j |w_j| * d_j / 2, d_j the step of x's group of j (plus fp32 sums)."""
     kernel, dtype = INT_KERNELS[bits]
-    q, s, m = random_packed(layout, 64, k, group, seed=5)
+    q, s, m, h = random_packed(layout, 64, k, group, seed=5)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(6)) * 3
-    w = dequantize_packed_ref(q, s, m, group)
+    w = dequantize_packed_ref(q, s, m, group, h)
     _, steps = quantize_rows_i8_ref(x, group, dtype)
     bound = (steps.repeat_interleave(group, dim=1) / 2) @ w.abs().T
-    expected = quant_linear_ref(x, q, s, m, group)
-    error = (kernel(x, q, s, m, group) - expected).abs()
+    expected = quant_linear_ref(x, q, s, m, group, h)
+    error = (kernel(x, q, s, m, group, qhigh=h) - expected).abs()
     assert (error <= bound * 1.001 + SUM_ORDER_TOLERANCE * float(expected.abs().max())).all()
     assert error.max() > 0  # x really is rounded
 
@@ -241,7 +284,7 @@ def test_int8_weights_of_minus_128_and_extreme_activations(bits, isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_nan_in_x_reaches_only_its_row(bits, isa):
     kernel, dtype = INT_KERNELS[bits]
-    q, s, m = random_packed("int4", 16, 64, 32)
+    q, s, m, _ = random_packed("int4", 16, 64, 32)
     x = torch.randn(3, 64)
     x[1, 40] = float("nan")
     out = kernel(x, q, s, m, 32, isa=isa)
@@ -253,7 +296,7 @@ def test_a_nan_in_x_reaches_only_its_row(bits, isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_integer_activation_kernels_take_strided_rows_of_x_and_out(bits, isa):
     kernel, dtype = INT_KERNELS[bits]
-    q, s, m = random_packed("int4", 16, 64, 32)
+    q, s, m, _ = random_packed("int4", 16, 64, 32)
     x = torch.randn(5, 128)[:, 64:]  # rows 128 floats apart
     out = torch.full((5, 40), -7.0)
     kernel(x, q, s, m, 32, out=out[:, 8:24], isa=isa)
@@ -265,10 +308,10 @@ def test_integer_activation_kernels_take_strided_rows_of_x_and_out(bits, isa):
 @pytest.mark.parametrize("bits", INT_KERNELS)
 def test_integer_activation_kernels_refuse_bad_arguments(bits):
     kernel, name = INT_KERNELS[bits][0], f"quant_linear_i{bits[3:]}"
-    q, s, m = random_packed("int8", 8, 128, 64)
+    q, s, m, _ = random_packed("int8", 8, 128, 64)
     with pytest.raises(RuntimeError, match=f"{name}: group_size must be 16 or 32"):
         kernel(torch.randn(2, 128), q, s, None, 64)
-    q, s, m = random_packed("int4", 8, 64, 32)
+    q, s, m, _ = random_packed("int4", 8, 64, 32)
     with pytest.raises(RuntimeError, match=f"{name}: x must be fp32"):
         kernel(torch.randn(2, 64, dtype=torch.bfloat16), q, s, m, 32)
     with pytest.raises(RuntimeError, match="qweight shape"):
@@ -283,12 +326,12 @@ def test_integer_activation_kernels_refuse_bad_arguments(bits):
 def test_a_rows_result_has_the_same_bits_whatever_rows_share_the_call(bits, isa, layout, group, k):
     """Batch invariance: each (row, weight row) pair is summed in one order at every row count,
     across the 4-row tiles, the batch-1 path and the blocks of rows a long call is cut into."""
-    q, s, m = random_packed(layout, 203, k, group)
+    q, s, m, h = random_packed(layout, 203, k, group)
     x = torch.randn(700, k, generator=torch.Generator().manual_seed(5))  # several blocks of rows
     kernel, _ = INT_KERNELS[bits]
-    whole = kernel(x, q, s, m, group, isa=isa)
+    whole = kernel(x, q, s, m, group, isa=isa, qhigh=h)
     for start, rows in ((0, 1), (3, 1), (5, 2), (9, 3), (0, 8), (17, 31), (100, 64), (0, 300), (650, 50)):
-        part = kernel(x[start : start + rows].contiguous(), q, s, m, group, isa=isa)
+        part = kernel(x[start : start + rows].contiguous(), q, s, m, group, isa=isa, qhigh=h)
         assert torch.equal(part, whole[start : start + rows]), (start, rows)
 
 
@@ -301,14 +344,14 @@ def test_a_rows_result_has_the_same_bits_whatever_rows_share_the_call(bits, isa,
 def test_the_avx512_build_gives_the_bits_of_the_avx2_build(bits, layout, group, k, half):
     """The AVX-512 tiles (two weight rows a 512-bit vector) do per lane what the AVX2 tiles do, so
     every tile shape, the batch-1 path and the tails give the AVX2 build's bits."""
-    q, s, m = random_packed(layout, 203, k, group, seed=7)
+    q, s, m, h = random_packed(layout, 203, k, group, seed=7)
     if half:
         s, m = s.half(), None if m is None else m.half()
     kernel, _ = INT_KERNELS[bits]
     for rows in (1, 2, 3, 4, 5, 9, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        wide = kernel(x, q, s, m, group, isa="avx512vnni")
-        assert torch.equal(wide, kernel(x, q, s, m, group, isa="avx2")), rows
+        wide = kernel(x, q, s, m, group, isa="avx512vnni", qhigh=h)
+        assert torch.equal(wide, kernel(x, q, s, m, group, isa="avx2", qhigh=h)), rows
 
 
 @pytest.mark.parametrize("bits", INT_KERNELS)
@@ -317,96 +360,111 @@ def test_the_avx512_build_gives_the_bits_of_the_avx2_build(bits, layout, group, 
 def test_fp16_scales_give_the_bits_of_their_fp32_values(bits, isa, layout, group, k):
     """The 32-element GGUF formats keep their blocks' fp16 scales and mins: converted exactly,
     they give the same outputs as the same values in fp32."""
-    q, s, m = random_packed(layout, 203, k, group)
+    q, s, m, h = random_packed(layout, 203, k, group)
     s16, m16 = s.half(), None if m is None else m.half()
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(6))
     kernel, _ = INT_KERNELS[bits]
-    expected = kernel(x, q, s16.float(), None if m16 is None else m16.float(), group, isa=isa)
-    assert torch.equal(kernel(x, q, s16, m16, group, isa=isa), expected)
+    expected = kernel(x, q, s16.float(), None if m16 is None else m16.float(), group, isa=isa, qhigh=h)
+    assert torch.equal(kernel(x, q, s16, m16, group, isa=isa, qhigh=h), expected)
 
 
 def test_fp32_activation_kernels_refuse_fp16_scales():
-    q, s, m = random_packed("int4", 8, 64, 32)
+    q, s, m, _ = random_packed("int4", 8, 64, 32)
     with pytest.raises(RuntimeError, match="fp32 scales expected"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s.half(), m.half(), 32)
 
 
+# The int4-style layouts without stored mins and their implied factor: Q4_0's -8, Q5_0's -16.
+IMPLIED = {"int4": -8, "int5": -16}
+
+
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout", IMPLIED)
 @pytest.mark.parametrize("k", [576, 608, 256])  # an even and an odd number of 32-blocks; one tail of 8
 @pytest.mark.parametrize("half", [False, True])
-def test_implied_mins_give_the_bits_of_stored_ones(isa, k, half):
-    """Q4_0 stores no mins (None): each op takes -8 * scale, the value the repacker stored before,
-    so every op gives the bits it gave with the mins stored."""
-    q, s, _ = random_packed("int4", 203, k, 32, seed=11)
+def test_implied_mins_give_the_bits_of_stored_ones(isa, layout, k, half):
+    """Q4_0 and Q5_0 store no mins (None): each op takes -8 * scale (Q5_0: -16 * scale), the value a
+    stored min would hold, so every op gives the bits it gives with the mins stored."""
+    q, s, _, h = random_packed(f"{layout}-implied", 203, k, 32, seed=11)
     s = s.half() if half else s
-    stored = s * -8  # exact in fp16 and fp32
+    stored = s * IMPLIED[layout]  # exact in fp16 and fp32
     for rows in (1, 2, 3, 4, 5, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         for kernel, _ in INT_KERNELS.values():
-            assert torch.equal(kernel(x, q, s, None, 32, isa=isa), kernel(x, q, s, stored, 32, isa=isa)), rows
+            implied = kernel(x, q, s, None, 32, isa=isa, qhigh=h)
+            assert torch.equal(implied, kernel(x, q, s, stored, 32, isa=isa, qhigh=h)), rows
         s32 = s.float()
-        implied = cpu_quant_linear.quant_linear(x, q, s32, None, 32, isa=isa)
-        assert torch.equal(implied, cpu_quant_linear.quant_linear(x, q, s32, s32 * -8, 32, isa=isa)), rows
+        implied = cpu_quant_linear.quant_linear(x, q, s32, None, 32, isa=isa, qhigh=h)
+        explicit = cpu_quant_linear.quant_linear(x, q, s32, s32 * IMPLIED[layout], 32, isa=isa, qhigh=h)
+        assert torch.equal(implied, explicit), rows
     s32 = s.float()
-    rows = cpu_quant_linear.dequantize_rows(q, s32, None, 32, start=3, count=190, in_features=k, isa=isa)
-    assert torch.equal(rows, cpu_quant_linear.dequantize_rows(q, s32, s32 * -8, 32, 3, 190, k, isa=isa))
+    rows = cpu_quant_linear.dequantize_rows(q, s32, None, 32, 3, 190, k, isa=isa, qhigh=h)
+    explicit = cpu_quant_linear.dequantize_rows(
+        q, s32, s32 * IMPLIED[layout], 32, 3, 190, k, isa=isa, qhigh=h
+    )
+    assert torch.equal(rows, explicit)
 
 
 @pytest.mark.parametrize("bits", INT_KERNELS)
-def test_implied_mins_match_the_twin(bits):
+@pytest.mark.parametrize("layout", IMPLIED)
+def test_implied_mins_match_the_twin(bits, layout):
     kernel, dtype = INT_KERNELS[bits]
-    q, s, _ = random_packed("int4", 67, 576, 32, seed=12)
+    q, s, _, h = random_packed(f"{layout}-implied", 67, 576, 32, seed=12)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
-    expected = quant_linear_i8_ref(x, q, s, None, 32, dtype)
-    assert torch.equal(expected, quant_linear_i8_ref(x, q, s, s * -8, 32, dtype))
+    expected = quant_linear_i8_ref(x, q, s, None, 32, dtype, qhigh=h)
+    assert torch.equal(expected, quant_linear_i8_ref(x, q, s, s * IMPLIED[layout], 32, dtype, qhigh=h))
     torch.testing.assert_close(
-        kernel(x, q, s, None, 32), expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+        kernel(x, q, s, None, 32, qhigh=h),
+        expected,
+        rtol=0,
+        atol=SUM_ORDER_TOLERANCE * float(expected.abs().max()),
     )
 
 
-def random_super(int4: bool, n: int, k: int, seed: int = 0):
-    """A K format's weight (Q4_K: int4, Q6_K: int8 by 16) with random records per super-block:
-    (qweight, records, group)."""
+def random_super(fmt: str, n: int, k: int, seed: int = 0):
+    """A K format's weight (Q4_K: int4, Q5_K: int5, Q6_K: int8 by 16) with random records per
+    super-block: (qweight, records, group, qhigh)."""
     g = torch.Generator().manual_seed(seed)
     blocks = k // SUPER_BLOCK
     halves = (torch.rand(n, blocks, 2, generator=g) * 0.01 + 0.001).half().view(torch.uint8)  # d, dmin
-    if int4:
-        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+    if fmt in ("Q4_K", "Q5_K"):
+        q = random_bytes((n, k // 2), g)
         sc_m = torch.randint(0, 64, (n, blocks, 16), generator=g, dtype=torch.int16).to(torch.uint8)  # 6-bit
-        return q, torch.cat((halves, sc_m), dim=-1), 32
+        qhigh = random_bytes((n, k // 8), g) if fmt == "Q5_K" else None
+        return q, torch.cat((halves, sc_m), dim=-1), 32, qhigh
     q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
     sc = (
         torch.randint(-128, 128, (n, blocks, 16), generator=g, dtype=torch.int16)
         .to(torch.int8)
         .view(torch.uint8)
     )
-    return q, torch.cat((halves[..., :2], sc), dim=-1), 16
+    return q, torch.cat((halves[..., :2], sc), dim=-1), 16, None
 
 
 @pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("int4", [True, False], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k", [256, 768])
-def test_super_block_scales_give_the_bits_of_their_fp32_products(bits, isa, int4, k):
+def test_super_block_scales_give_the_bits_of_their_fp32_products(bits, isa, fmt, k):
     """The K formats keep per super-block fp16 d (and dmin) and 8-bit sc (and m); the kernels form
     d * sc and -(dmin * m) in fp32, exactly, so every tile and row count gives the bits of the fp32
     scales and mins per group the repacker stored before."""
     kernel, dtype = INT_KERNELS[bits]
-    q, records, group = random_super(int4, 203, k, seed=k)
-    scales, mins = super_scales_ref(records, int4, group)
+    q, records, group, h = random_super(fmt, 203, k, seed=k)
+    scales, mins = super_scales_ref(records, fmt != "Q6_K", group)
     for rows in (1, 2, 3, 4, 5, 9, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        compact = kernel(x, q, records, None, group, isa=isa)
-        assert torch.equal(compact, kernel(x, q, scales, mins, group, isa=isa)), rows
-    expected = quant_linear_i8_ref(x, q, scales, mins, group, dtype)
-    assert torch.equal(expected, quant_linear_i8_ref(x, q, records, None, group, dtype))
+        compact = kernel(x, q, records, None, group, isa=isa, qhigh=h)
+        assert torch.equal(compact, kernel(x, q, scales, mins, group, isa=isa, qhigh=h)), rows
+    expected = quant_linear_i8_ref(x, q, scales, mins, group, dtype, qhigh=h)
+    assert torch.equal(expected, quant_linear_i8_ref(x, q, records, None, group, dtype, qhigh=h))
     torch.testing.assert_close(
         compact, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
 
 
 def test_super_block_scales_are_checked():
-    q, records, group = random_super(True, 8, 512)
+    q, records, group, _ = random_super("Q4_K", 8, 512)
     x = torch.randn(2, 512)
     with pytest.raises(RuntimeError, match="super-block scales"):
         cpu_quant_linear.quant_linear_i8(x, q, records[..., :18].contiguous(), None, group)

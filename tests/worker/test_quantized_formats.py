@@ -1,8 +1,8 @@
 """GGUF blocks repacked for the quantized matmul, against the gguf package's dequantization.
 
-Q8_0, Q5_0, Q4_0 and Q4_1 blocks come from gguf's own quantize; gguf has no
-quantizer for Q4_K and Q6_K, so their blocks are random bytes with sane fp16
-scales (every bit pattern of the quants is then exercised).
+Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1 blocks come from gguf's own quantize; gguf has
+no quantizer for Q4_K, Q5_K and Q6_K, so their blocks are random bytes with
+sane fp16 scales (every bit pattern of the quants is then exercised).
 
 Tolerances, per format: the repacked weights equal gguf's dequantization
 exactly (all formats); the layer's matmul differs from ``F.linear`` over
@@ -32,10 +32,10 @@ from services.worker.layers.linear import (
 from services.worker.layers.quantized_linear import finalize_quantized
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
-FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 SUM_ORDER_TOLERANCE = 1e-5
 # Byte offsets of the fp16 scales in the K formats' super-blocks (gguf's layout).
-_K_HALVES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 @pytest.fixture(autouse=True)
@@ -135,18 +135,29 @@ def _fused_layer(fmts: list[str], sizes: list[int]):
     return layer, datas
 
 
-def test_fused_parts_of_mixed_formats():
-    """Q4_K_M files mix formats inside one fused projection (q, k in Q4_K; v in Q6_K)."""
-    fmts, sizes = ["Q4_K", "Q4_K", "Q6_K"], [64, 32, 32]
+@pytest.mark.parametrize(
+    "fmts,runs",
+    [
+        (["Q4_K", "Q4_K", "Q6_K"], ["Q4_K", "Q6_K"]),
+        (["Q5_K", "Q5_K", "Q6_K"], ["Q5_K", "Q6_K"]),
+        (["Q4_K", "Q5_K", "Q5_K"], ["Q4_K", "Q5_K"]),  # int4 and int5: two layouts, two runs
+    ],
+)
+def test_fused_parts_of_mixed_formats(fmts, runs):
+    """Q4_K_M and Q5_K_M files mix formats inside one fused projection (q, k in Q4_K or Q5_K; v in
+    Q6_K); runs of one layout are merged."""
+    sizes = [64, 32, 32]
     layer, datas = _fused_layer(fmts, sizes)
-    assert [p.source_format for p in layer.quant.parts] == ["Q4_K", "Q6_K"]  # runs of one layout merged
+    assert [p.source_format for p in layer.quant.parts] == runs
     x = torch.randn(2, 256)
     close_to(layer(x), F.linear(x, torch.cat([reference(f, d) for f, d in zip(fmts, datas)])))
 
 
-def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
-    """Q4_0 stores no mins, Q4_1 does: merged into one run, the Q4_0 rows get theirs, -8 * d."""
-    fmts, sizes = ["Q4_0", "Q4_1", "Q4_0"], [32, 32, 64]
+@pytest.mark.parametrize("implied,stored", [("Q4_0", "Q4_1"), ("Q5_0", "Q5_1")])
+def test_a_fused_layer_stores_the_implied_mins_of_its_parts_without(implied, stored):
+    """Q4_0 and Q5_0 store no mins, Q4_1 and Q5_1 do: merged into one run, the former's rows get
+    theirs (-8 * d, Q5_0's -16 * d)."""
+    fmts, sizes = [implied, stored, implied], [32, 32, 64]
     layer, datas = _fused_layer(fmts, sizes)
     (merged,) = layer.quant.parts
     assert merged.scales.dtype == merged.mins.dtype == torch.float16
@@ -156,16 +167,17 @@ def test_a_fused_q4_0_and_q4_1_layer_stores_the_implied_mins_of_its_q4_0_part():
     close_to(layer(x), F.linear(x, expected))
 
 
-# Packed bytes per 256 weights, and the file's (the README states these ratios): Q8_0, Q4_0 and
-# Q4_1 hold what the file holds; Q4_K 4 bytes more per super-block (its 6-bit sc and m as bytes),
-# Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file), Q5_0 its 5-bit
-# quants as int8 (1.55x).
+# Packed bytes per 256 weights, and the file's (the README states these ratios): Q8_0, Q5_0, Q5_1,
+# Q4_0 and Q4_1 hold what the file holds; Q4_K and Q5_K 4 bytes more per super-block (their 6-bit sc
+# and m as bytes), Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file).
 PACKED_AND_FILE_BYTES = {
     "Q8_0": (272, 272),
-    "Q5_0": (272, 176),
+    "Q5_0": (176, 176),
+    "Q5_1": (192, 192),
     "Q4_0": (144, 144),
     "Q4_1": (160, 160),
     "Q4_K": (148, 144),
+    "Q5_K": (180, 176),
     "Q6_K": (274, 210),
 }
 
@@ -178,7 +190,24 @@ def test_packed_weights_are_about_as_small_as_the_file(fmt):
     assert repack(fmt, data, 512).nbytes == packed * 24 * 512 // 256
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_rows_past_1024_groups_take_fp32_scales_and_mins(fmt):
+    """Past the kernels' 1,024 groups a row (K > 32,768) the repacker stores fp32 scales and every
+    min per group (Q4_0's -8 d and Q5_0's -16 d too): the same weights, which the kernels run."""
+    from kernels.cpu_quant_linear import quant_linear_i8
+    from kernels.reference import quant_linear_i8_ref
+
+    k = 33024  # 1,032 groups of 32
+    data = gguf_blocks(fmt, 3, k, seed=10)
+    packed = repack(fmt, data, k)
+    assert packed.scales.dtype == packed.mins.dtype == torch.float32 and packed.scales.dim() == 2
+    assert torch.equal(packed.dequantize(), reference(fmt, data))
+    x = torch.randn(2, k)
+    args = (packed.qweight, packed.scales, packed.mins, packed.group_size)
+    close_to(quant_linear_i8(x, *args, qhigh=packed.qhigh), quant_linear_i8_ref(x, *args, qhigh=packed.qhigh))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     """Tensor-parallel column slices of a K format: on super-blocks they keep the records; off them
     the slice takes fp32 scales per group (the same values)."""
@@ -242,18 +271,18 @@ def test_misaligned_tensor_parallel_columns_are_refused():
         down.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 8, 96), 96), None)
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_packed_embedding_and_tied_head(world_size):
-    vocab, dim = 50, 64
-    data = gguf_blocks("Q8_0", vocab, dim, seed=5)
-    table = reference("Q8_0", data)
+@pytest.mark.parametrize("fmt,world_size", [("Q8_0", 1), ("Q8_0", 3), ("Q5_K", 1), ("Q5_0", 3)])
+def test_packed_embedding_and_tied_head(fmt, world_size):
+    vocab, dim = 50, 256
+    data = gguf_blocks(fmt, vocab, dim, seed=5)
+    table = reference(fmt, data)
     ids = torch.tensor([0, vocab - 1, 3, 17])
     hidden = torch.randn(2, dim)
     for rank in range(world_size):
         tp = TensorParallelGroup(rank=rank, world_size=world_size)
         embedding = VocabParallelEmbedding(vocab, dim, torch.float32, tp)
         head = ParallelLMHead(vocab, dim, torch.float32, tp, tied_to=embedding)
-        embedding.load_weight("weight", repack("Q8_0", data, dim), None)
+        embedding.load_weight("weight", repack(fmt, data, dim), None)
         model = torch.nn.ModuleDict({"embed": embedding, "head": head})
         finalize_quantized(model)
         assert head.quant is embedding.quant and embedding.weight is None and head.weight is None
@@ -270,7 +299,7 @@ def test_packed_embedding_and_tied_head(world_size):
 
 def test_only_formats_with_a_layout_are_packed():
     assert all(packable(f) for f in FORMATS)
-    assert not any(packable(f) for f in ("F32", "F16", "BF16", "Q5_1", "Q5_K", "Q2_K"))
+    assert not any(packable(f) for f in ("F32", "F16", "BF16", "Q2_K", "Q3_K"))
 
 
 def test_without_the_kernel_the_torch_twin_runs_and_says_why(monkeypatch, caplog):
@@ -306,6 +335,7 @@ def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fm
     (part,) = layer.quant.parts
     few, many = torch.randn(7, 512), torch.randn(300, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
+    assert (part.qhigh is not None) == fmt.startswith("Q5")  # the int5 layout
     dense = reference(fmt, data)
     for activations, dtype in (
         ("int8", torch.int8),
@@ -319,8 +349,8 @@ def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fm
             close_to(layer(few), F.linear(few, dense))
             close_to(layer(many), F.linear(many, dense))
             continue
-        close_to(layer(few), quant_linear_i8_ref(few, *packed, dtype))
-        close_to(layer(many), quant_linear_i8_ref(many, *packed, dtype))
+        close_to(layer(few), quant_linear_i8_ref(few, *packed, dtype, qhigh=part.qhigh))
+        close_to(layer(many), quant_linear_i8_ref(many, *packed, dtype, qhigh=part.qhigh))
         # The few rows inside a batch of many give the same bits as alone.
         assert torch.equal(layer(torch.cat((few, many)))[: len(few)], layer(few))
 

@@ -1,9 +1,11 @@
-"""Weights kept packed in 8 or 4 bits, and the linear layers and embeddings over them.
+"""Weights kept packed in 8, 5 or 4 bits, and the linear layers and embeddings over them.
 
-A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the two
+A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the three
 layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
-group of 16 or 32 columns, or int4 (two per byte) with a scale and min per
-group of 32 (Q4_0 stores no mins: each is -8 times its scale); scales and
+group of 16 or 32 columns, int4 (two per byte) with a scale and min per
+group of 32 (Q4_0 stores no mins: each is -8 times its scale), or int5, int4
+plus a plane of fifth bits (``qhigh``, a bit a weight; Q5_0 stores no mins:
+each is -16 times its scale); scales and
 mins in fp16 where they are the GGUF blocks' own; for the K formats a
 record per super-block of 256 weights of the block's fp16 ``d`` (and
 ``dmin``) and its groups' 8-bit scales (and mins), whose products the
@@ -54,16 +56,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """``[N, K]`` packed: int8 ``qweight [N, K]`` or int4 ``qweight [N, K / 2]`` uint8."""
+    """``[N, K]`` packed: int8 ``qweight [N, K]``, or int4 ``qweight [N, K / 2]`` uint8 (int5 with
+    ``qhigh``)."""
 
     qweight: torch.Tensor
     # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own; the K formats' records,
     # [N, K / 256, bytes] uint8 (super_scales_ref), mins inside
     scales: torch.Tensor
-    mins: torch.Tensor | None  # like 2-D scales (int4 only; None there: -8 * scales, Q4_0's)
+    # like 2-D scales (int4 and int5 only; None there: -8 * scales, Q4_0's, or int5's -16 * scales, Q5_0's)
+    mins: torch.Tensor | None
     group_size: int
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
+    # int5 only: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j
+    qhigh: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,13 +77,13 @@ class PackedWeight:
 
     @property
     def int4(self) -> bool:
-        """Two weights a byte of ``qweight``, else one."""
+        """Two weights a byte of ``qweight`` (int4 or int5), else one."""
         return self.qweight.shape[1] * 2 == self.in_features
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.qweight, self.scales) if self.mins is None else (self.qweight, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = (self.qweight, self.scales, self.mins, self.qhigh)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def super_scales(self) -> bool:
@@ -86,7 +92,8 @@ class PackedWeight:
 
     @property
     def layout(self) -> tuple[str, int, bool]:
-        return ("int4" if self.int4 else "int8", self.group_size, self.super_scales)
+        kind = "int5" if self.qhigh is not None else "int4" if self.int4 else "int8"
+        return (kind, self.group_size, self.super_scales)
 
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
         """Rows (dim 0) or group-aligned columns (dim 1) ``[start, start + length)``."""
@@ -109,6 +116,7 @@ class PackedWeight:
             qweight=self.qweight.narrow(1, start // per_byte, length // per_byte),
             scales=self.scales.narrow(1, first, count),
             mins=None if self.mins is None else self.mins.narrow(1, first, count),
+            qhigh=None if self.qhigh is None else self.qhigh.narrow(1, start // 8, length // 8),
             in_features=length,
         )
 
@@ -124,21 +132,22 @@ class PackedWeight:
 
     def with_fp32_scales(self) -> PackedWeight:
         """This weight with fp32 scales and mins per group (the same values: fp16 converts exactly, the
-        K formats' products are exact; Q4_0's implied mins stay implied)."""
+        K formats' products are exact; Q4_0's and Q5_0's implied mins stay implied)."""
         if self.scales.dtype == torch.float32:
             return self
-        scales, mins = group_scales(self.qweight, self.scales, self.mins, self.group_size)
+        scales, mins = group_scales(self.qweight, self.scales, self.mins, self.group_size, self.qhigh)
         return replace(
             self, scales=scales, mins=None if self.mins is None and not self.super_scales else mins
         )
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (the torch twin)."""
-        return dequantize_packed_ref(self.qweight, self.scales, self.mins, self.group_size)
+        return dequantize_packed_ref(self.qweight, self.scales, self.mins, self.group_size, self.qhigh)
 
     def _map_rows(self, fn) -> PackedWeight:
         mins = None if self.mins is None else fn(self.mins)
-        return replace(self, qweight=fn(self.qweight), scales=fn(self.scales), mins=mins)
+        qhigh = None if self.qhigh is None else fn(self.qhigh)
+        return replace(self, qweight=fn(self.qweight), scales=fn(self.scales), mins=mins, qhigh=qhigh)
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -149,19 +158,21 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
         qweight=torch.cat([p.qweight for p in parts]),
         scales=scales,
         mins=mins,
+        qhigh=None if parts[0].qhigh is None else torch.cat([p.qhigh for p in parts]),
         source_format="+".join(sorted({p.source_format for p in parts})),
     )
 
 
 def _stacked_scales(parts: list[PackedWeight]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The parts' scales and mins stacked. Where int4 parts with stored mins meet parts without (a
-    fused layer of a Q4_1 and a Q4_0 part), all are stored (``-8 * scales`` for the latter)."""
+    fused layer of a Q4_1 and a Q4_0 part), all are stored (``-8 * scales`` for the latter; int5's
+    ``-16 * scales``)."""
     if parts[0].super_scales:
         return torch.cat([p.scales for p in parts]), None
     scales = torch.cat([p.scales.float() for p in parts])  # fp16 converts exactly
     mins = None
     if any(p.mins is not None for p in parts):
-        mins = torch.cat([int4_mins(p.scales, p.mins) for p in parts])
+        mins = torch.cat([int4_mins(p.scales, p.mins, p.qhigh is not None) for p in parts])
     # fp16 where every part had it and it holds every value (-8 d of a large fp16 d would not).
     half = all(p.scales.dtype == torch.float16 for p in parts) and (mins is None or _fits_half(mins))
     dtype = torch.float16 if half else torch.float32
@@ -226,18 +237,18 @@ class _Kernel:
     def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         """``x [M, K]`` fp32 contiguous ``@ W^T`` -> ``[M, N]`` fp32."""
         if not self.compiled():
-            return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size)
+            return quant_linear_ref(x, w.qweight, w.scales, w.mins, w.group_size, w.qhigh)
         if self._decode_op is not None:
             # Integer activations at every row count (batch invariance: the module's notes). The op
             # straight, without the wrapper's look-ups: at one row they cost a tenth of the call.
             out = torch.empty(x.shape[0], w.qweight.shape[0])
-            self._decode_op(x, w.qweight, w.scales, w.mins, w.group_size, out)
+            self._decode_op(x, w.qweight, w.scales, w.mins, w.group_size, out, w.qhigh)
             return out
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear
 
         w = w.with_fp32_scales()  # the fp32 kernels dequantize with fp32 scales
         if x.shape[0] < GEMM_MIN_ROWS:
-            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa)
+            return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa, qhigh=w.qhigh)
         n, k = w.shape
         chunk = max(1, min(n, _CHUNK_BYTES // (4 * k)))
         if self._scratch.numel() < chunk * k:
@@ -247,7 +258,16 @@ class _Kernel:
             count = min(chunk, n - start)
             rows = self._scratch[: count * k].view(count, k)
             dequantize_rows(
-                w.qweight, w.scales, w.mins, w.group_size, start, count, k, out=rows, isa=self.isa
+                w.qweight,
+                w.scales,
+                w.mins,
+                w.group_size,
+                start,
+                count,
+                k,
+                out=rows,
+                isa=self.isa,
+                qhigh=w.qhigh,
             )
             outs.append(x @ rows.T)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -306,7 +326,10 @@ class QuantizedWeight:
             raise ValueError("a packed embedding has exactly one part.")
         p = self.parts[0]
         mins = None if p.mins is None else p.mins[token_ids]
-        return dequantize_packed_ref(p.qweight[token_ids], p.scales[token_ids], mins, p.group_size).to(dtype)
+        qhigh = None if p.qhigh is None else p.qhigh[token_ids]
+        return dequantize_packed_ref(p.qweight[token_ids], p.scales[token_ids], mins, p.group_size, qhigh).to(
+            dtype
+        )
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
