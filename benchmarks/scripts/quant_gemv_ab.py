@@ -8,8 +8,9 @@ model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM
 for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K as this
 tree packs them, fp16 block scales, the K formats' per super-block; the base build gets every min
 stored and the K formats' scales and mins per group in fp32, as the kernels before implied mins and
-super-block scales read them; a base without the int5 layout gets Q5_0 as int8, q - 16, as weft
-held it before, and cannot run Q5_1 or Q5_K),
+super-block scales read them, or with ``--same-packs`` this tree's tensors as they are, for a base
+that reads them too, so only the code differs; a base without the int5 layout gets Q5_0 as int8,
+q - 16, as weft held it before, and cannot run Q5_1 or Q5_K),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
@@ -200,17 +201,21 @@ def bench(base, new, threads: int, args) -> None:
         f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB base':>7s} {'new':>6s} {'base ms':>8s} {'new ms':>8s} "
         f"{'base GB/s':>9s} {'new GB/s':>9s} {'GMAC/s base':>11s} {'new':>6s} {'new/base':>8s}"
     )
+    int5 = has_int5(base)
+
+    def for_base(pack):
+        return pack if args.same_packs else stored(pack, int5)
+
     for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
         n, k = SHAPES[name]
         first = packed(fmt, n, k)
-        int5 = has_int5(base)
-        size = {"base": nbytes(*stored(first, int5)[:3]), "new": nbytes(*first[:3], first[4])}
+        size = {"base": nbytes(*for_base(first)[:3], for_base(first)[4]), "new": nbytes(*first[:3], first[4])}
         # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
         # its weights from memory, as a decode step does (every matrix of a model read once).
         copies = [first] + [
             packed(fmt, n, k, seed=i) for i in range(1, -(-args.stream_bytes // size["base"]))
         ]
-        mats = {"base": [stored(c, int5) for c in copies], "new": copies}
+        mats = {"base": [for_base(c) for c in copies], "new": copies}
         x = torch.randn(rows, k)
         out = torch.empty(rows, n)
         times = {"base": [], "new": []}
@@ -258,6 +263,12 @@ def main() -> None:
         help="bytes of weight copies cycled through (0: one matrix, cache-resident when small)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the same-bits check")
+    parser.add_argument(
+        "--same-packs",
+        action="store_true",
+        help="time the base on this tree's packed tensors as they are (implied mins, fp16 scales, "
+        "super-block records: a base that reads them), so only the code differs",
+    )
     parser.add_argument(
         "--cpu-time",
         action="store_true",
