@@ -322,25 +322,34 @@ def dequantize_packed_ref(
     ``w = q * s + m``, where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low
     nibble, ``j + 16`` in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s``
     (Q4_0's); int5 (int4's plus ``qhigh [N, K / 8]`` uint8): per group a little-endian uint32 whose
-    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's). ``scales`` per group, or
-    the K formats' records per super-block (``super_scales_ref``).
+    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's); int6 (int4's bytes, groups
+    of 16, ``qhigh [N, K / 4]``: per 32 eight bytes, byte ``j`` holding the two high bits of elements
+    ``j``, ``j + 8``, ``j + 16`` and ``j + 24`` in bits 0-1, 2-3, 4-5 and 6-7): ``w = (q - 32) * s``.
+    ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
     """
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
     values = packed_values(qweight, group_size, qhigh).float()  # [N, groups, G]
-    if not is_int4(qweight):
+    if not has_mins(qweight, group_size):
         return (values * scales[..., None]).flatten(1)
     return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
 
 
 def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """The integers ``q`` of a packed weight per group, ``[N, groups, group_size]``: int8's as they
-    are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added."""
+    are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added,
+    int6's with their two high bits added, less 32 (int8, the value the scale multiplies)."""
     if not is_int4(qweight):
         return qweight.unflatten(1, (-1, group_size))
-    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
-    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, groups, 32]
+    grouped = qweight.unflatten(1, (-1, 16))  # [N, blocks of 32, 16] bytes
+    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, blocks, 32]
     if qhigh is None:
         return values
+    if is_int6(qweight, group_size):
+        fields = qhigh.unflatten(1, (-1, 8))  # [N, blocks, 8]: byte j, elements j, j + 8, j + 16, j + 24
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]  # [4, 1]
+        high = ((fields[..., None, :] >> shifts) & 3).flatten(2)  # [N, blocks, 32] in element order
+        q = (values | (high << 4)).to(torch.int8) - 32
+        return q.flatten(1).unflatten(1, (-1, group_size))  # [N, groups of 16, 16]
     bits = torch.arange(8, dtype=torch.uint8)
     words = qhigh.unflatten(1, (-1, 4))  # [N, groups, 4]: byte i holds elements 8i..8i + 7
     fifth = ((words[..., None] >> bits) & 1).flatten(2)  # [N, groups, 32]
@@ -348,8 +357,19 @@ def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | 
 
 
 def is_int4(qweight: torch.Tensor) -> bool:
-    """Whether a packed weight is in the int4 (or int5) layout: two weights a byte of ``qweight`` (uint8)."""
+    """Whether a packed weight is in the int4 (or int5, int6) layout: two weights a byte of ``qweight``
+    (uint8)."""
     return qweight.dtype == torch.uint8
+
+
+def is_int6(qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether a packed weight is in the int6 layout (Q6_K's): int4's bytes in groups of 16."""
+    return is_int4(qweight) and group_size == 16
+
+
+def has_mins(qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether the layout takes a min per group (int4 and int5: stored or implied; not int8, int6)."""
+    return is_int4(qweight) and not is_int6(qweight, group_size)
 
 
 def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None, int5: bool = False) -> torch.Tensor:
@@ -389,7 +409,7 @@ def group_scales(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A packed weight's scales (and int4 or int5 mins) per group in fp32 (fp16 converts exactly;
     Q4_0's and Q5_0's mins are implied; the K formats' records decoded by ``super_scales_ref``)."""
-    int4 = is_int4(qweight)
+    int4 = has_mins(qweight, group_size)
     if scales.dim() == 3:
         return super_scales_ref(scales, int4, group_size)
     return scales.float(), int4_mins(scales, mins, qhigh is not None) if int4 else None
