@@ -322,9 +322,9 @@ def dequantize_packed_ref(
     ``w = q * s + m``, where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low
     nibble, ``j + 16`` in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s``
     (Q4_0's); int5 (int4's plus ``qhigh [N, K / 8]`` uint8): per group a little-endian uint32 whose
-    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's); int6 (int4's bytes, groups
-    of 16, ``qhigh [N, K / 4]``: per 32 eight bytes, byte ``j`` holding the two high bits of elements
-    ``j``, ``j + 8``, ``j + 16`` and ``j + 24`` in bits 0-1, 2-3, 4-5 and 6-7): ``w = (q - 32) * s``.
+    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's); int6 (``qweight [N, K / 2]``
+    and ``qhigh [N, K / 4]`` uint8, groups of 16, no mins; the low and high bits of 6-bit ``q``
+    per 128 weights as a Q6_K block holds them, see ``packed_values``): ``w = (q - 32) * s``.
     ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
     """
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
@@ -337,19 +337,25 @@ def dequantize_packed_ref(
 def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """The integers ``q`` of a packed weight per group, ``[N, groups, group_size]``: int8's as they
     are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added,
-    int6's with their two high bits added, less 32 (int8, the value the scale multiplies)."""
+    int6's less 32 (int8, the value the scale multiplies).
+
+    int6 holds Q6_K's ``ql`` and ``qh`` as they are: per 128 weights 64 bytes of ``qweight``, byte
+    ``l`` holding element ``l`` (low nibble) and ``l + 64`` (high), byte ``32 + l`` elements ``32 + l``
+    and ``96 + l``, and 32 bytes of ``qhigh``, byte ``l`` holding the two high bits of elements ``l``,
+    ``32 + l``, ``64 + l`` and ``96 + l`` in its bits 0-1, 2-3, 4-5 and 6-7."""
     if not is_int4(qweight):
         return qweight.unflatten(1, (-1, group_size))
-    grouped = qweight.unflatten(1, (-1, 16))  # [N, blocks of 32, 16] bytes
-    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, blocks, 32]
+    if is_int6(qweight, group_size):
+        low = qweight.unflatten(1, (-1, 2, 32))  # [N, chunks of 128, 2, 32]
+        nibbles = torch.cat((low & 0x0F, low >> 4), dim=2)  # [N, chunks, 4 quarters, 32]
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]  # [4, 1]: a quarter's bits
+        high = (qhigh.unflatten(1, (-1, 1, 32)) >> shifts) & 3  # [N, chunks, 4, 32]
+        q = (nibbles | (high << 4)).to(torch.int8) - 32
+        return q.flatten(1).unflatten(1, (-1, group_size))  # [N, groups of 16, 16]
+    grouped = qweight.unflatten(1, (-1, 16))  # [N, groups of 32, 16] bytes
+    values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, groups, 32]
     if qhigh is None:
         return values
-    if is_int6(qweight, group_size):
-        fields = qhigh.unflatten(1, (-1, 8))  # [N, blocks, 8]: byte j, elements j, j + 8, j + 16, j + 24
-        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]  # [4, 1]
-        high = ((fields[..., None, :] >> shifts) & 3).flatten(2)  # [N, blocks, 32] in element order
-        q = (values | (high << 4)).to(torch.int8) - 32
-        return q.flatten(1).unflatten(1, (-1, group_size))  # [N, groups of 16, 16]
     bits = torch.arange(8, dtype=torch.uint8)
     words = qhigh.unflatten(1, (-1, 4))  # [N, groups, 4]: byte i holds elements 8i..8i + 7
     fifth = ((words[..., None] >> bits) & 1).flatten(2)  # [N, groups, 32]

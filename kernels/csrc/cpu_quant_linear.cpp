@@ -12,12 +12,15 @@
 //         fifth bits: per group of 32 a little-endian uint32 whose bit j is
 //         element j's (Q5_0's qh as the file holds it), so q in [0, 32).
 //         Without mins (Q5_0) each is -16 * s, exact as Q4_0's.
-//   int6  (Q6_K) int4's qweight [N, K / 2] uint8 plus qhigh [N, K / 4] uint8, the
-//         two high bits: per group of 32 eight bytes, byte j holding elements j,
-//         j + 8, j + 16 and j + 24 in bits 0-1, 2-3, 4-5 and 6-7, so q in [0, 64);
-//         scales per 16 (group_size 16) and w = (q - 32) * s. The kernels unpack a
-//         block's q - 32 into int8 and run the int8 layout's arithmetic on it, so
-//         the same integer dots and the same bits as the Q6_K widened to int8.
+//   int6  (Q6_K) qweight [N, K / 2] uint8, the low four bits, and qhigh [N, K / 4]
+//         uint8, the two high bits, as Q6_K's blocks hold them (ql and qh): per 128
+//         weights 64 bytes of qweight, byte l holding element l (low nibble) and
+//         l + 64 (high), byte 32 + l elements 32 + l and 96 + l, and 32 of qhigh,
+//         byte l holding the high bits of elements l, 32 + l, 64 + l and 96 + l in
+//         its bits 0-1, 2-3, 4-5 and 6-7; so q in [0, 64), scales per 16 (group_size
+//         16, no mins) and w = (q - 32) * s. The kernels unpack 128 weights at a time
+//         (int6_chunk) and take the int8 layout's integer dots: sum (q - 32) x, as
+//         sum q x - 32 sum x, exactly the int8 layout's integers for Q6_K, so its bits.
 // The layout is int4 where qweight holds K / 2 bytes a row (int5 where a qhigh
 // tensor comes with it, int6 where the groups are 16; every op takes qhigh as its last,
 // optional argument), else int8. The K
@@ -135,13 +138,12 @@ inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 // The fifth bit of element j of the int5 group whose qhigh word starts at h, as 0 or 16.
 inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
 
-// Element j of an int6 row (its nibbles at q, its high bits at h) as q - 32, in [-32, 32).
-inline int8_t int6_value(const uint8_t* q, const uint8_t* h, int64_t j) {
-  const int64_t b = j / 32, e = j % 32;
-  const uint8_t byte = q[b * 16 + e % 16];
-  const int low = e < 16 ? (byte & 0x0F) : (byte >> 4);
-  const int high = (h[b * 8 + e % 8] >> (2 * (e / 8))) & 3;
-  return static_cast<int8_t>((low | (high << 4)) - 32);
+// Element j of an int6 row (its low bits at q, its high bits at h): q in [0, 64).
+inline int int6_value(const uint8_t* q, const uint8_t* h, int64_t j) {
+  const int64_t chunk = j / 128, quarter = j % 128 / 32, l = j % 32;  // quarter: which 32 of the 128
+  const uint8_t byte = q[chunk * 64 + quarter % 2 * 32 + l];
+  const int low = quarter < 2 ? (byte & 0x0F) : (byte >> 4);
+  return low | ((h[chunk * 32 + l] >> (2 * quarter)) & 3) << 4;
 }
 
 #ifdef WEFT_AVX2
@@ -186,35 +188,38 @@ inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m12
     high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
   }
 }
-
-// Block b (32 weights) of an int6 row (nibbles at q, high bits at h) as int8 q - 32 in element
-// order. The block's 8 bytes of high bits broadcast to each 64-bit lane; lane L holds elements
-// 8L..8L + 7, whose bits are 2L and 2L + 1 of the bytes: shifted to bits 4 and 5 (left by 4 - 2L,
-// or right by 2 for L = 3; the bits a 64-bit shift carries in from the next byte are masked off).
-inline __m256i int6_block(const uint8_t* q, const uint8_t* h, int64_t b) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i nibbles = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, mask)),
-                                                  _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), 1);
-  int64_t word;
-  std::memcpy(&word, h + b * 8, 8);
-  const __m256i up = _mm256_sllv_epi64(_mm256_set1_epi64x(word), _mm256_setr_epi64x(4, 2, 0, 0));
-  const __m256i high = _mm256_and_si256(_mm256_srlv_epi64(up, _mm256_setr_epi64x(0, 0, 0, 2)), _mm256_set1_epi8(0x30));
-  return _mm256_sub_epi8(_mm256_or_si256(nibbles, high), _mm256_set1_epi8(32));
-}
 #endif
 
-// One weight row of the int6 layout (nibbles at q, high bits at h), dequantized into out[K]: each
-// block of 32 unpacked to int8 q - 32, then as the int8 layout (the same products, so the same bits).
-void dequant_row_int6(const uint8_t* q, const uint8_t* h, const float* scales, int64_t K, float* out) {
-  alignas(32) int8_t block[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
+// Weights [128 c, 128 c + 128) of an int6 row (low bits at q, high bits at h) as bytes q in
+// [0, 64), in element order, into out[128]: Q6_K's own unpacking, four 32-byte vectors from two of
+// low bits and one of high bits (the masked 16-bit shifts move no bit across a byte).
+inline void int6_chunk(const uint8_t* q, const uint8_t* h, int64_t c, uint8_t* out) {
 #ifdef WEFT_AVX2
-    _mm256_store_si256(reinterpret_cast<__m256i*>(block), int6_block(q, h, b));
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c * 32));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i parts[4] = {
+      _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4)),
+      _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2)),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                      _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+  for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i), parts[i]);
 #else
-    for (int64_t e = 0; e < 32; ++e) block[e] = int6_value(q, h, b * 32 + e);
+  for (int64_t e = 0; e < 128; ++e) out[e] = static_cast<uint8_t>(int6_value(q, h, c * 128 + e));
 #endif
-    dequant_row_int8(block, scales + 2 * b, 32, 16, out + b * 32);
+}
+
+// One weight row of the int6 layout, dequantized into out[K]: 128 weights at a time unpacked to
+// int8 q - 32, then as the int8 layout (the same products, so the same bits).
+void dequant_row_int6(const uint8_t* q, const uint8_t* h, const float* scales, int64_t K, float* out) {
+  alignas(32) uint8_t chunk[128];
+  alignas(32) int8_t values[128];
+  for (int64_t c = 0; c < K / 128; ++c) {
+    int6_chunk(q, h, c, chunk);
+    for (int e = 0; e < 128; ++e) values[e] = static_cast<int8_t>(chunk[e] - 32);
+    dequant_row_int8(values, scales + 8 * c, 128, 16, out + c * 128);
   }
 }
 
@@ -301,8 +306,8 @@ struct Packed {
   // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32), or the int6 layout's two
   // high bits, [N, K / 4]; null for int4 and int8.
   const uint8_t* qhigh = nullptr;
-  // int6: int4's nibbles and qhigh's two bits a weight, groups of 16, no mins; the int8 layout's
-  // arithmetic on q - 32 (int4_layout false).
+  // int6: Q6_K's low and high bits (qweight, qhigh), groups of 16, no mins; the int8 layout's
+  // integer dots (int4_layout false).
   bool int6_layout = false;
 
   bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
@@ -415,9 +420,9 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   TORCH_CHECK(qweight.scalar_type() == (nibbles ? at::kByte : at::kChar), "quant_linear: qweight must be ",
               nibbles ? "uint8 (int4, int5 or int6 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group) &&
-                  (!int6 || K % 32 == 0),
+                  (!int6 || K % 128 == 0),
               "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4 and int5; 16 for int6, "
-              "K a multiple of 32)");
+              "K a multiple of 128)");
   const int64_t N = qweight.size(0), groups = K / group_size;
   TORCH_CHECK(int4 || !mins.has_value(), "quant_linear: mins go with the int4 layout (qweight [N, K / 2]) only");
   if (super) {
@@ -454,7 +459,7 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
     TORCH_CHECK(nibbles && qhigh->scalar_type() == at::kByte && qhigh->is_contiguous() && qhigh->dim() == 2 &&
                     qhigh->size(0) == N && qhigh->size(1) == (int6 ? K / 4 : K / 8),
                 "quant_linear: qhigh must be contiguous uint8 beside a qweight [N, K / 2]: [N, K / 8] (int5's fifth "
-                "bits, groups of 32) or [N, K / 4] (int6's two high bits, groups of 16)");
+                "bits, groups of 32) or [N, K / 4] (int6's high bits, groups of 16)");
     w.qhigh = static_cast<const uint8_t*>(qhigh->data_ptr());
   }
   return w;
@@ -556,14 +561,18 @@ void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, 
       }
     }
   } else {
-    // int8, or int6 unpacked a block of 32 at a time into int8 q - 32 (the same weights).
-    alignas(32) int8_t block[32];
+    // int8, or int6 unpacked 128 weights at a time into int8 q - 32 (the same weights).
+    alignas(32) uint8_t chunk[128];
+    alignas(32) int8_t values[128];
     const uint8_t* high = w.high_row(n);
     for (int64_t k = 0; k < w.K; k += 16) {
       const int8_t* q8 = reinterpret_cast<const int8_t*>(q) + k;
       if (w.int6()) {
-        if (k % 32 == 0) _mm256_store_si256(reinterpret_cast<__m256i*>(block), int6_block(q, high, k / 32));
-        q8 = block + k % 32;
+        if (k % 128 == 0) {
+          int6_chunk(q, high, k / 128, chunk);
+          for (int e = 0; e < 128; ++e) values[e] = static_cast<int8_t>(chunk[e] - 32);
+        }
+        q8 = values + k % 128;
       }
       const __m256 sv = _mm256_set1_ps(s[k / w.group]);  // groups are multiples of 16
       const __m256 w0 = int8x8(q8, sv), w1 = int8x8(q8 + 8, sv);
@@ -655,11 +664,15 @@ struct ActInt8 {
   std::vector<float> sums;     // [M, K / 32]: fp32 sums of x per 32, for the int4 min term
   std::vector<int8_t> paired;  // int4 only: [M, blocks / 2 * 64]
   std::vector<float> lanes;    // int4 only: [M, blocks / 2 * 8], lanes 0-3 block b's scale, 4-7 b + 1's
+  // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
+  // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
+  std::vector<int32_t> bias;
   int64_t row_scales() const { return blocks * kBlock / group; }
   const int8_t* qrow(int64_t m) const { return q.data() + m * blocks * kBlock; }
   const float* srow(int64_t m) const { return scales.data() + m * row_scales(); }
   const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
+  const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
 };
 
 // x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
@@ -761,7 +774,21 @@ void round_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group
   });
 }
 
-ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums) {
+// Fills a.bias from a.q (the int6 layout's; see ActInt8).
+void bias_blocks(ActInt8& a, int64_t M) {
+  const int64_t lanes = a.blocks * 8;
+  a.bias.assign(M * lanes, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      int32_t* bias = a.bias.data() + m * lanes;
+      for (int64_t i = 0; i < lanes; ++i) bias[i] = 32 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+    }
+  });
+}
+
+ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums,
+                             bool bias) {
   ActInt8 a;
   a.blocks = (K + kBlock - 1) / kBlock;
   a.group = group;
@@ -771,6 +798,7 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
   round_rows(x, ldx, M, K, group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
              sums ? a.sums.data() : nullptr);
   if (sums) pair_blocks(a, M);
+  if (bias) bias_blocks(a, M);
   return a;
 }
 
@@ -805,7 +833,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef WEFT_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-  // Pairs of products fit int16 here: |u| <= 128 and |s| <= 127 (x is rounded into [-127, 127]).
+  // Pairs of products fit int16 here: |s| <= 127 (x is rounded into [-127, 127]) and u <= 128 (the
+  // int8 layout's |w|: a pair at most 2 * 128 * 127 = 32512) or u < 64 (int6's q: 2 * 63 * 127 = 16002).
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
@@ -864,7 +893,7 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
         if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
       } else if (w.int6()) {
-        wq = int6_value(q, high, g * w.group + j);
+        wq = int6_value(q, high, g * w.group + j) - 32;
       } else {
         wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
       }
@@ -1195,19 +1224,28 @@ struct Int8Rows {
       sc[i] = {w.scale_row(n + i)};
     }
   }
-  // Block b of row i as int8 (int6: q - 32 unpacked; half: its first 16 bytes, the rest 0).
-  template <bool kInt6>
+  // Block b of row i (half: its first 16 bytes, the rest 0).
   __m256i block(int i, int64_t b, bool half) const {
-    if constexpr (kInt6) return int6_block(reinterpret_cast<const uint8_t*>(q[i]), h[i], b);  // K % 32 == 0
     const int8_t* qb = q[i] + b * kBlock;
     return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
   }
+  // int6: each row's weights [128 c, 128 c + 128) unpacked into chunk (q in [0, 64)), once for the
+  // four blocks that read them (unpacked apart from the dots, whose registers it would crowd).
+  alignas(32) uint8_t chunk[RW][128];
+  void unpack(int64_t c) {
+    for (int i = 0; i < RW; ++i) int6_chunk(reinterpret_cast<const uint8_t*>(q[i]), h[i], c, chunk[i]);
+  }
+  // int6: block b of row i, unsigned, from the unpacked chunk (b in the last one unpacked).
+  __m256i unsigned_block(int i, int64_t b) const {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(chunk[i] + b % 4 * kBlock));
+  }
 };
 
-// kInt6: the int6 layout, each block of a weight row unpacked to int8 q - 32 (int6_block, |q - 32|
-// <= 32, so a maddubs pair stays under 2 * 32 * 127 = 8128 as the int8 layout's Q6_K did); the rest
-// is the int8 tile's, operation for operation.
+// kInt6: the int6 layout, its weights unpacked 128 at a time (Int8Rows::unpack) as unsigned q in
+// [0, 64): each lane's dot is dot_u8s8(q, x) less 32 times the sum of its four x (ActInt8::bias),
+// exactly the integer sum (q - 32) x the int8 layout's vpsignb route gives for Q6_K, so its bits.
+// The rest is the int8 tile's, operation for operation.
 template <int RW, int RX, ScaleKind kScales, int G, bool kInt6>
 void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
@@ -1216,15 +1254,23 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   Int8Rows<RW, kScales, G> rows(w, n);
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
-  // A step's prefetch share: int6 reads 24 bytes of a weight row a block (16 of nibbles, 8 of high
-  // bits, in two tensors); its nibble rows are prefetched here, the high bits with the scales.
+  // A step's prefetch share: int6 reads 24 bytes of a weight row a block (16 of low bits, 8 of high
+  // bits, in two tensors); its low bits are prefetched here, the high bits with the scales.
   constexpr int64_t kStepBytes = kInt6 ? kBlock / 2 : kBlock;
   // One block for every (weight row, x row) of the tile, weight row i's scale lanes given.
   auto step = [&](int64_t b, bool half, auto&& scale_of) {
     prefetch_share<RW>(ahead, b, kStepBytes);
+    if constexpr (kInt6) {
+      if (b % 4 == 0) rows.unpack(b / 4);  // K a multiple of 128: no half block
+    }
     for (int i = 0; i < RW; ++i) {
-      const __m256i sgn = rows.template block<kInt6>(i, b, half);
-      const __m256i u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      __m256i sgn, u;
+      if constexpr (kInt6) {
+        u = rows.unsigned_block(i, b);
+      } else {
+        sgn = rows.block(i, b, half);
+        u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      }
       const __m256 ws = scale_of(i);
       for (int r = 0; r < RX; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
@@ -1235,7 +1281,14 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
         } else {
           scale = _mm256_mul_ps(ws, _mm256_broadcast_ss(xs + b));
         }
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, _mm256_sign_epi8(xv, sgn))), scale, acc[i][r]);
+        __m256i dot;
+        if constexpr (kInt6) {
+          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias_row(m0 + r) + b * 8));
+          dot = _mm256_sub_epi32(dot_u8s8(u, xv), bias);
+        } else {
+          dot = dot_u8s8(u, _mm256_sign_epi8(xv, sgn));
+        }
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][r]);
       }
     }
   };
@@ -1409,7 +1462,7 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
 // tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
 // weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
 // only where the weight is 0, whose |w| makes the product 0 either way). kInt6: each row's blocks
-// unpacked as the 256-bit tile does (int6_block), put side by side.
+// unpacked and their dots less x's bias, as the 256-bit tile does, put side by side.
 template <int RW, int RX, ScaleKind kScales, int G, bool kInt6>
 void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                       const uint8_t* ahead) {
@@ -1423,10 +1476,19 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   constexpr int64_t kStepBytes = kInt6 ? kBlock / 2 : kBlock;  // of each row's qweight a block
   auto step = [&](int64_t b, bool half) {
     prefetch_share<RW>(ahead, b, kStepBytes);
+    if constexpr (kInt6) {
+      if (b % 4 == 0) rows.unpack(b / 4);
+    }
     for (int h = 0; h < H; ++h) {
-      const __m512i sgn = rows2(rows.template block<kInt6>(2 * h, b, half), rows.template block<kInt6>(2 * h + 1, b, half));
-      const __m512i u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
-      const __mmask64 neg = _mm512_movepi8_mask(sgn);
+      __m512i sgn, u;
+      __mmask64 neg = 0;
+      if constexpr (kInt6) {
+        u = rows2(rows.unsigned_block(2 * h, b), rows.unsigned_block(2 * h + 1, b));
+      } else {
+        sgn = rows2(rows.block(2 * h, b, half), rows.block(2 * h + 1, b, half));
+        u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+        neg = _mm512_movepi8_mask(sgn);
+      }
       const __m512 ws = rows2(sc[2 * h].block(b, half), sc[2 * h + 1].block(b, half));
       for (int r = 0; r < RX; ++r) {
         const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
@@ -1437,9 +1499,14 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
         } else {
           scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[b]));
         }
-        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx)), scale,
-                                    acc[h][r]);
+        __m512i dot;
+        if constexpr (kInt6) {
+          dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv), both(a.bias_row(m0 + r) + b * 8));
+        } else {
+          const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+          dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx);
+        }
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[h][r]);
       }
     }
   };
@@ -1473,9 +1540,16 @@ constexpr int64_t kScaleChunk = 64;
 template <bool kInt4, bool kInt5, bool kInt6, int G>
 inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m256i& w0, __m256i& w1) {
   if constexpr (kInt6) {
+    // Group g's 16 weights: the 16 bytes of low and of high bits that hold them (int6_chunk's
+    // unpacking, for one of its eight groups of 16), less 32.
     static_assert(G == 16, "int6 groups are 16");
-    const __m256i block = int6_block(q, h, g / 2);  // unpacked again for its second group: the simple route
-    w0 = _mm256_cvtepi8_epi16(g % 2 ? _mm256_extracti128_si256(block, 1) : _mm256_castsi256_si128(block));
+    const int64_t c = g / 8, quarter = g % 8 / 2, half = g % 2;
+    const __m128i ql = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 64 + quarter % 2 * 32 + half * 16));
+    const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c * 32 + half * 16));
+    const __m128i low = _mm_and_si128(quarter < 2 ? ql : _mm_srli_epi16(ql, 4), _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * quarter))),
+                                       _mm_set1_epi8(0x03));
+    w0 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)));
   } else if constexpr (kInt5) {
     const __m256i bytes = int4or5_block<true>(q, h, g);
     w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
@@ -1734,7 +1808,7 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
   using Act = std::conditional_t<kInt8, ActInt8, ActInt16>;
   const Act a = [&] {
     if constexpr (kInt8) {
-      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4());
+      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4(), w.int6());
     } else {
       return quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
     }

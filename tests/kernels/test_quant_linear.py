@@ -76,7 +76,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout,group", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
 def test_quant_linear_matches_the_twin(isa, layout, group, rows):
-    n, k = 203, 576  # n not a multiple of the kernel's 4-row tiles
+    n, k = 203, 640 if layout == "int6" else 576  # n not a multiple of the kernel's 4-row tiles
     q, s, m, h = random_packed(layout, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     expected = quant_linear_ref(x, q, s, m, group, h)
@@ -127,23 +127,24 @@ def test_int5_fifth_bit_order(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int6_high_bit_order(isa):
-    """Per block of 32, byte j of qhigh holds the high bits (4 and 5) of elements j, j + 8, j + 16
-    and j + 24 in its bits 0-1, 2-3, 4-5 and 6-7; a weight is (q - 32) times its group's scale."""
-    q = torch.full((1, 16), 0x88, dtype=torch.uint8)  # every nibble 8
-    qhigh = torch.zeros(1, 8, dtype=torch.uint8)
-    qhigh[0, 1] = 0b11_10_01_00  # element 1: high 0, 9: 1, 17: 2, 25: 3
-    scales = torch.tensor([[1.0, 2.0]])  # elements 0-15, 16-31
+def test_int6_bit_order(isa):
+    """int6 holds Q6_K's bits per 128 weights: byte l of qweight element l's low four bits (low
+    nibble) and l + 64's (high), byte 32 + l elements 32 + l and 96 + l; byte l of qhigh the two high
+    bits of elements l, 32 + l, 64 + l and 96 + l; a weight is (q - 32) times its group's scale."""
+    q = torch.full((1, 64), 0x88, dtype=torch.uint8)  # every low four bits 8
+    q[0, 40] = 0x5A  # element 40: 10, element 104: 5
+    qhigh = torch.zeros(1, 32, dtype=torch.uint8)
+    qhigh[0, 1] = 0b11_10_01_00  # high bits of element 1: 0, 33: 1, 65: 2, 97: 3
+    scales = torch.arange(1.0, 9.0)[None]  # groups of 16
+    values = torch.full((128,), 8.0)
+    values[40], values[104], values[33], values[65], values[97] = 10, 5, 8 + 16, 8 + 32, 8 + 48
+    expected = ((values - 32) * scales.repeat_interleave(16))[None]
     w = dequantize_packed_ref(q, scales, None, 16, qhigh)
-    expected = torch.full((1, 32), -24.0)  # 8 - 32
-    expected[0, 16:] *= 2
-    expected[0, 9], expected[0, 17], expected[0, 25] = 8 + 16 - 32, 2 * (8 + 32 - 32), 2 * (8 + 48 - 32)
     assert torch.equal(w, expected)
-    assert torch.equal(
-        cpu_quant_linear.dequantize_rows(q, scales, None, 16, 0, 1, 32, isa=isa, qhigh=qhigh), w
-    )
-    for element in (0, 1, 9, 17, 25, 31):
-        x = torch.zeros(1, 32)
+    rows = cpu_quant_linear.dequantize_rows(q, scales, None, 16, 0, 1, 128, isa=isa, qhigh=qhigh)
+    assert torch.equal(rows, w)
+    for element in (0, 1, 33, 40, 65, 97, 104, 127):
+        x = torch.zeros(1, 128)
         x[0, element] = 1.0
         value = float(w[0, element])
         assert cpu_quant_linear.quant_linear(x, q, scales, None, 16, isa=isa, qhigh=qhigh).item() == value
@@ -159,7 +160,7 @@ def test_int6_gives_the_bits_of_the_same_weights_as_int8(isa, records):
     if records:
         q, s, _, h = random_super("Q6_K", 203, 768, seed=9)
     else:
-        q, s, _, h = random_packed("int6", 203, 608, 16, seed=9)
+        q, s, _, h = random_packed("int6", 203, 640, 16, seed=9)
     as_int8 = packed_values(q, 16, h).flatten(1)  # [N, K] int8, q - 32
     k = as_int8.shape[1]
     for rows in (1, 2, 3, 4, 5, 9, 33):
@@ -194,12 +195,15 @@ def test_bad_arguments_are_refused():
         cpu_quant_linear.quant_linear(torch.randn(2, 96), q, s, m, 32)
     with pytest.raises(RuntimeError, match="group_size"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s, m, 48)
-    with pytest.raises(RuntimeError, match="int6 layout, which needs its qhigh"):  # groups of 16: int6
-        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, torch.ones(8, 4), None, 16)
+    q6, s6 = random_bytes((8, 64), torch.Generator()), torch.ones(8, 8)  # K 128 in groups of 16: int6
+    with pytest.raises(RuntimeError, match="int6 layout, which needs its qhigh"):
+        cpu_quant_linear.quant_linear(torch.randn(2, 128), q6, s6, None, 16)
     with pytest.raises(RuntimeError, match="qhigh"):  # int6's high bits: [N, K / 4], not int5's K / 8
         cpu_quant_linear.quant_linear_i8(
-            torch.randn(2, 64), q, torch.ones(8, 4), None, 16, qhigh=torch.zeros(8, 8, dtype=torch.uint8)
+            torch.randn(2, 128), q6, s6, None, 16, qhigh=torch.zeros(8, 16, dtype=torch.uint8)
         )
+    with pytest.raises(RuntimeError, match="K a multiple of 128"):
+        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, torch.ones(8, 4), None, 16)
     with pytest.raises(RuntimeError, match="uint8"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q.view(torch.int8), s, m, 32)
     with pytest.raises(RuntimeError, match="rows out of range"):
@@ -254,8 +258,8 @@ I8_SHAPES = [
     ("int5", 32, 576),
     ("int5", 32, 608),
     ("int5-implied", 32, 608),
-    ("int6", 16, 576),
-    ("int6", 16, 608),
+    ("int6", 16, 640),  # int6 comes in 128s: an odd number of them
+    ("int6", 16, 384),
 ]
 
 

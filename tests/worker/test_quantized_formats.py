@@ -238,6 +238,17 @@ def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     assert torch.equal(off.dequantize(), dense[:, 128:384])
 
 
+def test_q6_k_columns_off_128_take_the_int8_layout():
+    """int6 holds Q6_K's bits per 128 columns: a slice on them stays int6, one off them (a
+    tensor-parallel rank of 64 columns) takes the int8 layout, q - 32 a byte; the same weights."""
+    data = gguf_blocks("Q6_K", 8, 1024, seed=11)
+    packed, dense = repack("Q6_K", data, 1024), reference("Q6_K", data)
+    on = packed.narrow(1, 384, 128)
+    assert on.layout == ("int6", 16, False) and torch.equal(on.dequantize(), dense[:, 384:512])
+    off = packed.narrow(1, 64, 64)
+    assert off.layout == ("int8", 16, False) and torch.equal(off.dequantize(), dense[:, 64:128])
+
+
 def test_a_packed_weight_of_the_wrong_width_is_refused():
     layer = ColumnParallelLinear(128, even_slices([32], TensorParallelGroup(), ["out"]), False, torch.float32)
     layer.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 32, 64), 64), 0)

@@ -47,7 +47,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import SUPER_BLOCK, dequantize_packed_ref, group_scales, int4_mins, quant_linear_ref
+from kernels.reference import (
+    SUPER_BLOCK,
+    dequantize_packed_ref,
+    group_scales,
+    int4_mins,
+    packed_values,
+    quant_linear_ref,
+)
 from services import env
 from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
 from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
@@ -70,7 +77,7 @@ class PackedWeight:
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
     # int5: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j;
-    # int6: [N, K / 4] uint8, per 32 eight bytes, byte j the high bits of elements j, j + 8, j + 16, j + 24
+    # int6: [N, K / 4] uint8, two high bits a weight, as Q6_K holds them (kernels.reference.packed_values)
     qhigh: torch.Tensor | None = None
 
     @property
@@ -108,8 +115,10 @@ class PackedWeight:
         if self.super_scales and (start % SUPER_BLOCK or length % SUPER_BLOCK):
             # Not on super-blocks: the slice takes its scales per group (fp32, the same values).
             return self.with_fp32_scales().narrow(dim, start, length)
-        per_scale = SUPER_BLOCK if self.super_scales else self.group_size  # columns an entry of scales covers
-        unit = 32 if self.int6 and not self.super_scales else per_scale  # int6's high bits come per 32
+        if self.int6 and (start % 128 or length % 128):
+            # int6 holds its bits per 128 columns: a slice off them takes the int8 layout (the same weights).
+            return self.as_int8().narrow(dim, start, length)
+        unit = SUPER_BLOCK if self.super_scales else self.group_size  # columns an entry of scales covers
         if start % unit or length % unit:
             raise ValueError(
                 f"columns [{start}, {start + length}) of a {self.source_format} weight do not fall on its "
@@ -118,7 +127,7 @@ class PackedWeight:
             )
         per_byte = 2 if self.int4 else 1
         per_high_byte = 4 if self.int6 else 8  # columns a byte of qhigh covers
-        first, count = start // per_scale, length // per_scale
+        first, count = start // unit, length // unit
         return replace(
             self,
             qweight=self.qweight.narrow(1, start // per_byte, length // per_byte),
@@ -149,6 +158,11 @@ class PackedWeight:
         return replace(
             self, scales=scales, mins=None if self.mins is None and not self.super_scales else mins
         )
+
+    def as_int8(self) -> PackedWeight:
+        """An int6 weight in the int8 layout, ``q - 32`` a byte (the same weights, 1.3x the bytes)."""
+        values = packed_values(self.qweight, self.group_size, self.qhigh).flatten(1)
+        return replace(self.with_fp32_scales(), qweight=values, qhigh=None)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (the torch twin)."""
