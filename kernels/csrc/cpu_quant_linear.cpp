@@ -1,6 +1,6 @@
-// Linear layers over weights kept packed in 8, 5 or 4 bits (GGUF files), for CPUs.
+// Linear layers over weights kept packed in 8, 6, 5 or 4 bits (GGUF files), for CPUs.
 //
-// Three packed layouts, repacked at load from the GGUF block formats
+// Four packed layouts, repacked at load from the GGUF block formats
 // (services/worker/gguf_repack.py says which format goes where):
 //   int8  qweight [N, K] int8, scales [N, K / G] fp32 or fp16:   w = q * s
 //   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
@@ -49,9 +49,11 @@
 // above, each (x row, weight row) pair with its own
 // accumulator and the same operations in the same order in every tile shape. The int5 layout
 // runs the int4 tiles (tile_i8_int4<..., kInt5>) with each weight row's fifth bits ORed into its
-// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. fp16 scales and
+// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. The int6 layout runs the
+// int8 tiles (tile_i8_int8<..., kInt6>) on its weights unpacked 128 at a time into a small buffer
+// per weight row, with 32 sum x taken off each lane's dot (ActInt8::bias). fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
-// rows, packed; nothing is stored. Numerics: x is rounded to int8 (an error of up to amax / 254
+// rows, packed; nothing is stored but int6's 128 bytes a tile row. Numerics: x is rounded to int8 (an error of up to amax / 254
 // per element); the rest is exact integer arithmetic and fp32 sums in another order than the
 // twin's.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the

@@ -1,4 +1,4 @@
-"""Weights kept packed in 8, 5 or 4 bits, and the linear layers and embeddings over them.
+"""Weights kept packed in 8, 6, 5 or 4 bits, and the linear layers and embeddings over them.
 
 A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the four
 layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
