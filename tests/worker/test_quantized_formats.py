@@ -300,7 +300,9 @@ def test_misaligned_tensor_parallel_columns_are_refused():
         down.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 8, 96), 96), None)
 
 
-@pytest.mark.parametrize("fmt,world_size", [("Q8_0", 1), ("Q8_0", 3), ("Q5_K", 1), ("Q5_0", 3)])
+@pytest.mark.parametrize(
+    "fmt,world_size", [("Q8_0", 1), ("Q8_0", 3), ("Q5_K", 1), ("Q5_0", 3), ("Q6_K", 1), ("Q6_K", 3)]
+)
 def test_packed_embedding_and_tied_head(fmt, world_size):
     vocab, dim = 50, 256
     data = gguf_blocks(fmt, vocab, dim, seed=5)
