@@ -118,8 +118,8 @@ def has_int6(ns) -> bool:
     if not has_int5(ns):
         return False
     try:
-        q, qhigh = torch.zeros(1, 16, dtype=torch.uint8), torch.zeros(1, 8, dtype=torch.uint8)
-        ns.quant_linear_i8(torch.zeros(1, 32), q, torch.ones(1, 2), None, 16, torch.empty(1, 1), qhigh)
+        q, qhigh = torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 32, dtype=torch.uint8)  # K 128
+        ns.quant_linear_i8(torch.zeros(1, 128), q, torch.ones(1, 8), None, 16, torch.empty(1, 1), qhigh)
     except RuntimeError:
         return False
     return True
