@@ -1238,11 +1238,6 @@ struct Int8Rows {
   void unpack(int64_t c) {
     for (int i = 0; i < RW; ++i) int6_chunk(reinterpret_cast<const uint8_t*>(q[i]), h[i], c, chunk[i]);
   }
-  // int6: the high bits of the weight rows whose low bits start at ahead (a tile's prefetch share:
-  // 32 bytes a row per 128 weights, one step of prefetch_share); null where ahead is.
-  static const uint8_t* high_ahead(const Packed& w, const uint8_t* ahead) {
-    return ahead == nullptr ? nullptr : w.high_row((ahead - w.qweight) / w.row_bytes);
-  }
   // int6: block b of row i, unsigned, from the unpacked chunk (b in the last one unpacked).
   __m256i unsigned_block(int i, int64_t b) const {
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(chunk[i] + b % 4 * kBlock));
@@ -1268,10 +1263,7 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   auto step = [&](int64_t b, bool half, auto&& scale_of) {
     prefetch_share<RW>(ahead, b, kStepBytes);
     if constexpr (kInt6) {
-      if (b % 4 == 0) {  // K a multiple of 128: no half block
-        prefetch_share<RW>(rows.high_ahead(w, ahead), b / 4, kBlock);
-        rows.unpack(b / 4);
-      }
+      if (b % 4 == 0) rows.unpack(b / 4);  // K a multiple of 128: no half block
     }
     for (int i = 0; i < RW; ++i) {
       __m256i sgn, u;
@@ -1487,10 +1479,7 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   auto step = [&](int64_t b, bool half) {
     prefetch_share<RW>(ahead, b, kStepBytes);
     if constexpr (kInt6) {
-      if (b % 4 == 0) {
-        prefetch_share<RW>(rows.high_ahead(w, ahead), b / 4, kBlock);
-        rows.unpack(b / 4);
-      }
+      if (b % 4 == 0) rows.unpack(b / 4);
     }
     for (int h = 0; h < H; ++h) {
       __m512i sgn, u;
@@ -1721,9 +1710,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.scale_row_bytes());
     if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
-    // int6's tiles spread their high bits' prefetch as they spread the low bits' (Int8Rows::high_ahead).
-    const bool high_spread = w.int6() && (spread || spread_rows) && rows == 4;
-    if (w.qhigh != nullptr && !high_spread) prefetch_bytes(w.high_row(ahead), rows * w.high_row_bytes());
+    if (w.qhigh != nullptr) prefetch_bytes(w.high_row(ahead), rows * w.high_row_bytes());
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;
