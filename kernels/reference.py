@@ -322,22 +322,37 @@ def dequantize_packed_ref(
     ``w = q * s + m``, where each group of 32 takes 16 bytes, element ``j`` in byte ``j``'s low
     nibble, ``j + 16`` in its high, and ``m`` is ``mins``' or, with ``mins`` None, ``-8 s``
     (Q4_0's); int5 (int4's plus ``qhigh [N, K / 8]`` uint8): per group a little-endian uint32 whose
-    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's). ``scales`` per group, or
-    the K formats' records per super-block (``super_scales_ref``).
+    bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's); int6 (``qweight [N, K / 2]``
+    and ``qhigh [N, K / 4]`` uint8, groups of 16, no mins; the low and high bits of 6-bit ``q``
+    per 128 weights as a Q6_K block holds them, see ``packed_values``): ``w = (q - 32) * s``.
+    ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
     """
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
     values = packed_values(qweight, group_size, qhigh).float()  # [N, groups, G]
-    if not is_int4(qweight):
+    if not has_mins(qweight, group_size):
         return (values * scales[..., None]).flatten(1)
     return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
 
 
 def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """The integers ``q`` of a packed weight per group, ``[N, groups, group_size]``: int8's as they
-    are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added."""
+    are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added,
+    int6's less 32 (int8, the value the scale multiplies).
+
+    int6 holds Q6_K's ``ql`` and ``qh`` as they are: per 128 weights 64 bytes of ``qweight``, byte
+    ``l`` holding element ``l`` (low nibble) and ``l + 64`` (high), byte ``32 + l`` elements ``32 + l``
+    and ``96 + l``, and 32 bytes of ``qhigh``, byte ``l`` holding the two high bits of elements ``l``,
+    ``32 + l``, ``64 + l`` and ``96 + l`` in its bits 0-1, 2-3, 4-5 and 6-7."""
     if not is_int4(qweight):
         return qweight.unflatten(1, (-1, group_size))
-    grouped = qweight.unflatten(1, (-1, group_size // 2))  # [N, groups, 16] bytes
+    if is_int6(qweight, group_size):
+        low = qweight.unflatten(1, (-1, 2, 32))  # [N, chunks of 128, 2, 32]
+        nibbles = torch.cat((low & 0x0F, low >> 4), dim=2)  # [N, chunks, 4 quarters, 32]
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8)[:, None]  # [4, 1]: a quarter's bits
+        high = (qhigh.unflatten(1, (-1, 1, 32)) >> shifts) & 3  # [N, chunks, 4, 32]
+        q = (nibbles | (high << 4)).to(torch.int8) - 32
+        return q.flatten(1).unflatten(1, (-1, group_size))  # [N, groups of 16, 16]
+    grouped = qweight.unflatten(1, (-1, 16))  # [N, groups of 32, 16] bytes
     values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, groups, 32]
     if qhigh is None:
         return values
@@ -348,8 +363,19 @@ def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | 
 
 
 def is_int4(qweight: torch.Tensor) -> bool:
-    """Whether a packed weight is in the int4 (or int5) layout: two weights a byte of ``qweight`` (uint8)."""
+    """Whether a packed weight is in the int4 (or int5, int6) layout: two weights a byte of ``qweight``
+    (uint8)."""
     return qweight.dtype == torch.uint8
+
+
+def is_int6(qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether a packed weight is in the int6 layout (Q6_K's): int4's bytes in groups of 16."""
+    return is_int4(qweight) and group_size == 16
+
+
+def has_mins(qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether the layout takes a min per group (int4 and int5: stored or implied; not int8, int6)."""
+    return is_int4(qweight) and not is_int6(qweight, group_size)
 
 
 def int4_mins(scales: torch.Tensor, mins: torch.Tensor | None, int5: bool = False) -> torch.Tensor:
@@ -389,7 +415,7 @@ def group_scales(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A packed weight's scales (and int4 or int5 mins) per group in fp32 (fp16 converts exactly;
     Q4_0's and Q5_0's mins are implied; the K formats' records decoded by ``super_scales_ref``)."""
-    int4 = is_int4(qweight)
+    int4 = has_mins(qweight, group_size)
     if scales.dim() == 3:
         return super_scales_ref(scales, int4, group_size)
     return scales.float(), int4_mins(scales, mins, qhigh is not None) if int4 else None

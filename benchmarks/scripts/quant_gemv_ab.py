@@ -10,7 +10,8 @@ tree packs them, fp16 block scales, the K formats' per super-block; the base bui
 stored and the K formats' scales and mins per group in fp32, as the kernels before implied mins and
 super-block scales read them, or with ``--same-packs`` this tree's tensors as they are, for a base
 that reads them too, so only the code differs; a base without the int5 layout gets Q5_0 as int8,
-q - 16, as weft held it before, and cannot run Q5_1 or Q5_K),
+q - 16, as weft held it before, and cannot run Q5_1 or Q5_K; a base without the int6 layout gets
+Q6_K as int8, q - 32, as weft held it before),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
 ``quant_linear_i8`` (the default op) in both builds, alternating base
 and new call by call so a change of load on a shared machine hits both. Each call reads the next of
@@ -39,7 +40,7 @@ import torch
 
 from kernels import cpu_quant_linear
 from kernels.cpu_build import build
-from kernels.reference import is_int4, packed_values, super_scales_ref
+from kernels.reference import has_mins, is_int4, is_int6, packed_values, super_scales_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/cpu_quant_linear.cpp"
@@ -83,7 +84,8 @@ def random_bytes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 
 def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
     """Random weights in weft's packing of ``fmt``: (qweight, scales, mins, group, qhigh), fp16
-    scales (``group`` 16 for the int8 layout of Q6_K's kind), qhigh for the int5 formats (Q5_*)."""
+    scales (``group`` 16 for the int8 layout of Q6_K's kind), qhigh for the int5 formats (Q5_*) and
+    the int6 one (Q6_K)."""
     g = torch.Generator().manual_seed(seed)
     if fmt in ("Q4_K", "Q5_K"):
         q = random_bytes((n, k // 2), g)
@@ -92,10 +94,10 @@ def packed(fmt: str, n: int, k: int, group: int = 32, seed: int = 0):
         qhigh = random_bytes((n, k // 8), g) if fmt == "Q5_K" else None
         return q, torch.cat((halves, sc_m), dim=-1), None, 32, qhigh
     if fmt == "Q6_K":
-        q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+        q, qhigh = random_bytes((n, k // 2), g), random_bytes((n, k // 4), g)
         d = (torch.rand(n, k // 256, 1, generator=g) * 0.001).half().view(torch.uint8)
         sc = torch.randint(-128, 128, (n, k // 256, 16), generator=g, dtype=torch.int16).to(torch.int8)
-        return q, torch.cat((d, sc.view(torch.uint8)), dim=-1), None, 16, None
+        return q, torch.cat((d, sc.view(torch.uint8)), dim=-1), None, 16, qhigh
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).half()
     if fmt == "Q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
@@ -111,17 +113,33 @@ def has_int5(ns) -> bool:
     return "qhigh" in str(ns.quant_linear_i8.default._schema)
 
 
-def stored(pack, int5: bool = True):
+def has_int6(ns) -> bool:
+    """Whether a build runs the int6 layout (Q6_K's: a uint8 qweight in groups of 16, with qhigh);
+    older builds refuse it."""
+    if not has_int5(ns):
+        return False
+    try:
+        q, qhigh = torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 32, dtype=torch.uint8)  # K 128
+        ns.quant_linear_i8(torch.zeros(1, 128), q, torch.ones(1, 8), None, 16, torch.empty(1, 1), qhigh)
+    except RuntimeError:
+        return False
+    return True
+
+
+def stored(pack, int5: bool = True, int6: bool = True):
     """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (the K formats' fp32
     products), as a base kernel of any revision reads it; without ``int5`` (a base older than the
-    layout) Q5_0 as int8, q - 16 (the values, exact, with the same fp16 scales)."""
+    layout) Q5_0 as int8, q - 16 (the values, exact, with the same fp16 scales); without ``int6``
+    Q6_K as int8, q - 32."""
     q, scales, mins, group, qhigh = pack
+    if qhigh is not None and is_int6(q, group) and not int6:
+        q, qhigh = packed_values(q, group, qhigh).flatten(1), None  # int8 q - 32, [N, K]
     if qhigh is not None and not int5:
         if mins is not None or scales.dim() == 3:
             raise SystemExit("the base kernel has no int5 layout: it can run Q5_0 (as int8) only")
         return (packed_values(q, group, qhigh).to(torch.int8) - 16).flatten(1), scales, None, group, None
     if scales.dim() == 3:
-        return q, *super_scales_ref(scales, is_int4(q), group), group, qhigh
+        return q, *super_scales_ref(scales, has_mins(q, group), group), group, qhigh
     if mins is None and is_int4(q):
         factor = -8 if qhigh is None else -16  # exact: no test scale is near fp16's range end
         mins = (scales.float() * factor).to(scales.dtype)
@@ -142,7 +160,7 @@ def nbytes(*tensors) -> int:
 def check_bits(base, new) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape (Q5_0
     against a base without int5, which holds it as int8: within 1e-5 of the largest output)."""
-    int5 = has_int5(base)
+    int5, int6 = has_int5(base), has_int6(base)
     formats = [("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)]
     formats += [("Q6_K", False), ("Q5_0", False)]
     if int5:
@@ -157,7 +175,7 @@ def check_bits(base, new) -> None:
         )
         for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            packs = {"base": stored((q, s, m, group, qhigh), int5), "new": (q, s, m, group, qhigh)}
+            packs = {"base": stored((q, s, m, group, qhigh), int5, int6), "new": (q, s, m, group, qhigh)}
             for op in ("quant_linear_i8", "quant_linear_i16"):
                 for single in (True, False):
                     base.set_single_row_blocks(single)
@@ -201,15 +219,16 @@ def bench(base, new, threads: int, args) -> None:
         f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB base':>7s} {'new':>6s} {'base ms':>8s} {'new ms':>8s} "
         f"{'base GB/s':>9s} {'new GB/s':>9s} {'GMAC/s base':>11s} {'new':>6s} {'new/base':>8s}"
     )
-    int5 = has_int5(base)
+    int5, int6 = has_int5(base), has_int6(base)
 
     def for_base(pack):
-        return pack if args.same_packs else stored(pack, int5)
+        return pack if args.same_packs else stored(pack, int5, int6)
 
     for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
         n, k = SHAPES[name]
         first = packed(fmt, n, k)
-        size = {"base": nbytes(*for_base(first)[:3], for_base(first)[4]), "new": nbytes(*first[:3], first[4])}
+        base_first = for_base(first)
+        size = {"base": nbytes(*base_first[:3], base_first[4]), "new": nbytes(*first[:3], first[4])}
         # Copies of the matrix cycled through, more bytes than the caches hold: each call reads
         # its weights from memory, as a decode step does (every matrix of a model read once).
         copies = [first] + [

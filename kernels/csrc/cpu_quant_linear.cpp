@@ -1,6 +1,6 @@
-// Linear layers over weights kept packed in 8, 5 or 4 bits (GGUF files), for CPUs.
+// Linear layers over weights kept packed in 8, 6, 5 or 4 bits (GGUF files), for CPUs.
 //
-// Three packed layouts, repacked at load from the GGUF block formats
+// Four packed layouts, repacked at load from the GGUF block formats
 // (services/worker/gguf_repack.py says which format goes where):
 //   int8  qweight [N, K] int8, scales [N, K / G] fp32 or fp16:   w = q * s
 //   int4  qweight [N, K / 2] uint8, scales and mins [N, K / 32] fp32 or fp16:
@@ -12,8 +12,18 @@
 //         fifth bits: per group of 32 a little-endian uint32 whose bit j is
 //         element j's (Q5_0's qh as the file holds it), so q in [0, 32).
 //         Without mins (Q5_0) each is -16 * s, exact as Q4_0's.
+//   int6  (Q6_K) qweight [N, K / 2] uint8, the low four bits, and qhigh [N, K / 4]
+//         uint8, the two high bits, as Q6_K's blocks hold them (ql and qh): per 128
+//         weights 64 bytes of qweight, byte l holding element l (low nibble) and
+//         l + 64 (high), byte 32 + l elements 32 + l and 96 + l, and 32 of qhigh,
+//         byte l holding the high bits of elements l, 32 + l, 64 + l and 96 + l in
+//         its bits 0-1, 2-3, 4-5 and 6-7; so q in [0, 64), scales per 16 (group_size
+//         16, no mins) and w = (q - 32) * s. The kernels unpack 128 weights at a time
+//         (int6_chunk) and take the int8 layout's integer dots: sum (q - 32) x, as
+//         sum q x - 32 sum x, exactly the int8 layout's integers for Q6_K, so its bits.
 // The layout is int4 where qweight holds K / 2 bytes a row (int5 where a qhigh
-// tensor comes with it; every op takes it as its last, optional argument), else int8. The K
+// tensor comes with it, int6 where the groups are 16; every op takes qhigh as its last,
+// optional argument), else int8. The K
 // formats' scales (and int4 mins) come per super-block of 256 weights instead,
 // scales [N, K / 256, record] uint8 (SuperScales): the integer-activation paths
 // form each group's d * sc and -(dmin * m) in fp32 as they read them, exactly,
@@ -39,9 +49,11 @@
 // above, each (x row, weight row) pair with its own
 // accumulator and the same operations in the same order in every tile shape. The int5 layout
 // runs the int4 tiles (tile_i8_int4<..., kInt5>) with each weight row's fifth bits ORed into its
-// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. fp16 scales and
+// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. The int6 layout runs the
+// int8 tiles (tile_i8_int8<..., kInt6>) on its weights unpacked 128 at a time into a small buffer
+// per weight row, with 32 sum x taken off each lane's dot (ActInt8::bias). fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
-// rows, packed; nothing is stored. Numerics: x is rounded to int8 (an error of up to amax / 254
+// rows, packed; nothing is stored but int6's 128 bytes a tile row. Numerics: x is rounded to int8 (an error of up to amax / 254
 // per element); the rest is exact integer arithmetic and fp32 sums in another order than the
 // twin's.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
@@ -128,6 +140,14 @@ inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 // The fifth bit of element j of the int5 group whose qhigh word starts at h, as 0 or 16.
 inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
 
+// Element j of an int6 row (its low bits at q, its high bits at h): q in [0, 64).
+inline int int6_value(const uint8_t* q, const uint8_t* h, int64_t j) {
+  const int64_t chunk = j / 128, quarter = j % 128 / 32, l = j % 32;  // quarter: which 32 of the 128
+  const uint8_t byte = q[chunk * 64 + quarter % 2 * 32 + l];
+  const int low = quarter < 2 ? (byte & 0x0F) : (byte >> 4);
+  return low | ((h[chunk * 32 + l] >> (2 * quarter)) & 3) << 4;
+}
+
 #ifdef WEFT_AVX2
 // 0x10 in byte i of `bytes` where its bit i % 8 is set, else 0.
 inline __m256i bits_to_0x10(__m256i bytes) {
@@ -171,6 +191,39 @@ inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m12
   }
 }
 #endif
+
+// Weights [128 c, 128 c + 128) of an int6 row (low bits at q, high bits at h) as bytes q in
+// [0, 64), in element order, into out[128]: Q6_K's own unpacking, four 32-byte vectors from two of
+// low bits and one of high bits (the masked 16-bit shifts move no bit across a byte).
+inline void int6_chunk(const uint8_t* q, const uint8_t* h, int64_t c, uint8_t* out) {
+#ifdef WEFT_AVX2
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c * 32));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i parts[4] = {
+      _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4)),
+      _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2)),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                      _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+  for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i), parts[i]);
+#else
+  for (int64_t e = 0; e < 128; ++e) out[e] = static_cast<uint8_t>(int6_value(q, h, c * 128 + e));
+#endif
+}
+
+// One weight row of the int6 layout, dequantized into out[K]: 128 weights at a time unpacked to
+// int8 q - 32, then as the int8 layout (the same products, so the same bits).
+void dequant_row_int6(const uint8_t* q, const uint8_t* h, const float* scales, int64_t K, float* out) {
+  alignas(32) uint8_t chunk[128];
+  alignas(32) int8_t values[128];
+  for (int64_t c = 0; c < K / 128; ++c) {
+    int6_chunk(q, h, c, chunk);
+    for (int e = 0; e < 128; ++e) values[e] = static_cast<int8_t>(chunk[e] - 32);
+    dequant_row_int8(values, scales + 8 * c, 128, 16, out + c * 128);
+  }
+}
 
 // One weight row of the int4 or (high: its qhigh row) int5 layout, dequantized into out[K] (mins
 // null: implied ones).
@@ -239,7 +292,7 @@ struct SuperScales {
 struct Packed {
   const uint8_t* qweight;
   int64_t row_bytes;  // bytes of qweight per row
-  bool int4_layout;     // two weights a byte (qweight [N, K / 2]), else int8 (qweight [N, K])
+  bool int4_layout;     // int4 or int5: two weights a byte (qweight [N, K / 2]), groups of 32, mins
   const float* scales;  // fp32 scales, or null when they are fp16 (scales_h)
   const float* mins;    // null for the int8 layout, when fp16 (mins_h) and when implied (Q4_0)
   int64_t groups;       // groups per row
@@ -252,12 +305,18 @@ struct Packed {
   const uint16_t* mins_h = nullptr;
   // The K formats' records (SuperScales), the mins inside; only the integer-activation paths read them.
   const uint8_t* super = nullptr;
-  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32); null for int4 and int8.
+  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32), or the int6 layout's two
+  // high bits, [N, K / 4]; null for int4 and int8.
   const uint8_t* qhigh = nullptr;
+  // int6: Q6_K's low and high bits (qweight, qhigh), groups of 16, no mins; the int8 layout's
+  // integer dots (int4_layout false).
+  bool int6_layout = false;
 
-  bool int4() const { return int4_layout; }  // two weights a byte of qweight: int4 or int5
-  bool int5() const { return qhigh != nullptr; }
-  const uint8_t* high_row(int64_t n) const { return qhigh != nullptr ? qhigh + n * (K / 8) : nullptr; }
+  bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
+  bool int5() const { return int4_layout && qhigh != nullptr; }
+  bool int6() const { return int6_layout; }
+  int64_t high_row_bytes() const { return int6_layout ? K / 4 : K / 8; }
+  const uint8_t* high_row(int64_t n) const { return qhigh != nullptr ? qhigh + n * high_row_bytes() : nullptr; }
   // Whether the int4 layout stores its mins; without, each is implied_min_factor times its scale
   // (Q4_0, Q5_0).
   bool has_mins() const { return mins != nullptr || mins_h != nullptr; }
@@ -281,7 +340,9 @@ struct Packed {
 
   void dequant_row(int64_t n, float* out) const {
     const float* s = scales + n * groups;
-    if (!int4_layout) {
+    if (int6_layout) {
+      dequant_row_int6(qweight + n * row_bytes, high_row(n), s, K, out);
+    } else if (!int4_layout) {
       dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
     } else {
       dequant_row_int4(qweight + n * row_bytes, high_row(n), s, mins == nullptr ? nullptr : mins + n * groups, K,
@@ -349,17 +410,21 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                  const c10::optional<at::Tensor>& qhigh, int64_t group_size, int64_t K, bool half_scales = false) {
   TORCH_CHECK(qweight.dim() == 2, "quant_linear: qweight shape");
-  const bool int4 = qweight.size(1) * 2 == K;
-  TORCH_CHECK(int4 || qweight.size(1) == K, "quant_linear: qweight shape");
+  const bool nibbles = qweight.size(1) * 2 == K;  // int4, int5 or (groups of 16) int6
+  const bool int6 = nibbles && group_size == 16;
+  const bool int4 = nibbles && !int6;
+  TORCH_CHECK(nibbles || qweight.size(1) == K, "quant_linear: qweight shape");
   const bool half = scales.scalar_type() == at::kHalf;
   const bool super = scales.dim() == 3 && scales.scalar_type() == at::kByte;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || (half_scales && (half || super))),
               "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
-  TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), "quant_linear: qweight must be ",
-              int4 ? "uint8 (int4 or int5 layout)" : "int8 (int8 layout)");
-  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group),
-              "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4)");
+  TORCH_CHECK(qweight.scalar_type() == (nibbles ? at::kByte : at::kChar), "quant_linear: qweight must be ",
+              nibbles ? "uint8 (int4, int5 or int6 layout)" : "int8 (int8 layout)");
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group) &&
+                  (!int6 || K % 128 == 0),
+              "quant_linear: group_size must divide K and be a multiple of 16 (32 for int4 and int5; 16 for int6, "
+              "K a multiple of 128)");
   const int64_t N = qweight.size(0), groups = K / group_size;
   TORCH_CHECK(int4 || !mins.has_value(), "quant_linear: mins go with the int4 layout (qweight [N, K / 2]) only");
   if (super) {
@@ -377,6 +442,7 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   }
   Packed w{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), int4, nullptr, nullptr, groups, group_size,
            K, N};
+  w.int6_layout = int6;
   if (super) {
     w.super = static_cast<const uint8_t*>(scales.data_ptr());
   } else if (half) {
@@ -389,11 +455,13 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   }
   TORCH_CHECK(!int4 || mins.has_value() || groups <= 1024,
               "quant_linear: implied mins (none given) take at most 1024 groups a row (K <= 32768)");
+  TORCH_CHECK(!int6 || qhigh.has_value(), "quant_linear: a uint8 qweight [N, K / 2] with groups of 16 is the int6 "
+              "layout, which needs its qhigh [N, K / 4]");
   if (qhigh.has_value()) {
-    TORCH_CHECK(int4 && qhigh->scalar_type() == at::kByte && qhigh->is_contiguous() && qhigh->dim() == 2 &&
-                    qhigh->size(0) == N && qhigh->size(1) == K / 8,
-                "quant_linear: qhigh (the int5 layout's fifth bits) must be contiguous uint8 [N, K / 8] beside an "
-                "int4 qweight [N, K / 2]");
+    TORCH_CHECK(nibbles && qhigh->scalar_type() == at::kByte && qhigh->is_contiguous() && qhigh->dim() == 2 &&
+                    qhigh->size(0) == N && qhigh->size(1) == (int6 ? K / 4 : K / 8),
+                "quant_linear: qhigh must be contiguous uint8 beside a qweight [N, K / 2]: [N, K / 8] (int5's fifth "
+                "bits, groups of 32) or [N, K / 4] (int6's high bits, groups of 16)");
     w.qhigh = static_cast<const uint8_t*>(qhigh->data_ptr());
   }
   return w;
@@ -495,10 +563,21 @@ void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, 
       }
     }
   } else {
-    const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
+    // int8, or int6 unpacked 128 weights at a time into int8 q - 32 (the same weights).
+    alignas(32) uint8_t chunk[128];
+    alignas(32) int8_t values[128];
+    const uint8_t* high = w.high_row(n);
     for (int64_t k = 0; k < w.K; k += 16) {
+      const int8_t* q8 = reinterpret_cast<const int8_t*>(q) + k;
+      if (w.int6()) {
+        if (k % 128 == 0) {
+          int6_chunk(q, high, k / 128, chunk);
+          for (int e = 0; e < 128; ++e) values[e] = static_cast<int8_t>(chunk[e] - 32);
+        }
+        q8 = values + k % 128;
+      }
       const __m256 sv = _mm256_set1_ps(s[k / w.group]);  // groups are multiples of 16
-      const __m256 w0 = int8x8(q8 + k, sv), w1 = int8x8(q8 + k + 8, sv);
+      const __m256 w0 = int8x8(q8, sv), w1 = int8x8(q8 + 8, sv);
       const int p = (k / 16) & 1;
       for (int r = 0; r < R; ++r) {
         const float* xk = x + r * ldx + k;
@@ -587,11 +666,15 @@ struct ActInt8 {
   std::vector<float> sums;     // [M, K / 32]: fp32 sums of x per 32, for the int4 min term
   std::vector<int8_t> paired;  // int4 only: [M, blocks / 2 * 64]
   std::vector<float> lanes;    // int4 only: [M, blocks / 2 * 8], lanes 0-3 block b's scale, 4-7 b + 1's
+  // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
+  // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
+  std::vector<int32_t> bias;
   int64_t row_scales() const { return blocks * kBlock / group; }
   const int8_t* qrow(int64_t m) const { return q.data() + m * blocks * kBlock; }
   const float* srow(int64_t m) const { return scales.data() + m * row_scales(); }
   const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
+  const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
 };
 
 // x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
@@ -693,7 +776,21 @@ void round_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group
   });
 }
 
-ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums) {
+// Fills a.bias from a.q (the int6 layout's; see ActInt8).
+void bias_blocks(ActInt8& a, int64_t M) {
+  const int64_t lanes = a.blocks * 8;
+  a.bias.assign(M * lanes, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      int32_t* bias = a.bias.data() + m * lanes;
+      for (int64_t i = 0; i < lanes; ++i) bias[i] = 32 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+    }
+  });
+}
+
+ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums,
+                             bool bias) {
   ActInt8 a;
   a.blocks = (K + kBlock - 1) / kBlock;
   a.group = group;
@@ -703,6 +800,7 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
   round_rows(x, ldx, M, K, group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
              sums ? a.sums.data() : nullptr);
   if (sums) pair_blocks(a, M);
+  if (bias) bias_blocks(a, M);
   return a;
 }
 
@@ -737,7 +835,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef WEFT_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-  // Pairs of products fit int16 here: |u| <= 128 and |s| <= 127 (x is rounded into [-127, 127]).
+  // Pairs of products fit int16 here: |s| <= 127 (x is rounded into [-127, 127]) and u <= 128 (the
+  // int8 layout's |w|: a pair at most 2 * 128 * 127 = 32512) or u < 64 (int6's q: 2 * 63 * 127 = 16002).
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
@@ -795,6 +894,8 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
         if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+      } else if (w.int6()) {
+        wq = int6_value(q, high, g * w.group + j) - 32;
       } else {
         wq = reinterpret_cast<const int8_t*>(q)[g * w.group + j];
       }
@@ -1111,37 +1212,67 @@ struct Int8Scales {
   }
 };
 
-// A tile's int8 weight rows [n, n + RW): each row's bytes and scales.
+// A tile's int8 (or int6) weight rows [n, n + RW): each row's bytes, high bits (int6; else null)
+// and scales.
 template <int RW, ScaleKind kScales, int G>
 struct Int8Rows {
   const int8_t* q[RW];
+  const uint8_t* h[RW];
   Int8Scales<kScales, G> sc[RW];
   Int8Rows(const Packed& w, int64_t n) {
     for (int i = 0; i < RW; ++i) {
       q[i] = reinterpret_cast<const int8_t*>(w.qweight + (n + i) * w.row_bytes);
+      h[i] = w.high_row(n + i);
       sc[i] = {w.scale_row(n + i)};
     }
   }
+  // Block b of row i (half: its first 16 bytes, the rest 0).
+  __m256i block(int i, int64_t b, bool half) const {
+    const int8_t* qb = q[i] + b * kBlock;
+    return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
+                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+  }
+  // int6: each row's weights [128 c, 128 c + 128) unpacked into chunk (q in [0, 64)), once for the
+  // four blocks that read them (unpacked apart from the dots, whose registers it would crowd).
+  alignas(32) uint8_t chunk[RW][128];
+  void unpack(int64_t c) {
+    for (int i = 0; i < RW; ++i) int6_chunk(reinterpret_cast<const uint8_t*>(q[i]), h[i], c, chunk[i]);
+  }
+  // int6: block b of row i, unsigned, from the unpacked chunk (b in the last one unpacked).
+  __m256i unsigned_block(int i, int64_t b) const {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(chunk[i] + b % 4 * kBlock));
+  }
 };
 
-template <int RW, int RX, ScaleKind kScales, int G>
+// kInt6: the int6 layout, its weights unpacked 128 at a time (Int8Rows::unpack) as unsigned q in
+// [0, 64): each lane's dot is dot_u8s8(q, x) less 32 times the sum of its four x (ActInt8::bias),
+// exactly the integer sum (q - 32) x the int8 layout's vpsignb route gives for Q6_K, so its bits.
+// The rest is the int8 tile's, operation for operation.
+template <int RW, int RX, ScaleKind kScales, int G, bool kInt6>
 void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                   const uint8_t* ahead) {
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   Int8Rows<RW, kScales, G> rows(w, n);
-  auto& q = rows.q;
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
+  // A step's prefetch share: int6 reads 24 bytes of a weight row a block (16 of low bits, 8 of high
+  // bits, in two tensors); its low bits are prefetched here, the high bits with the scales.
+  constexpr int64_t kStepBytes = kInt6 ? kBlock / 2 : kBlock;
   // One block for every (weight row, x row) of the tile, weight row i's scale lanes given.
   auto step = [&](int64_t b, bool half, auto&& scale_of) {
-    prefetch_share<RW>(ahead, b, kBlock);
+    prefetch_share<RW>(ahead, b, kStepBytes);
+    if constexpr (kInt6) {
+      if (b % 4 == 0) rows.unpack(b / 4);  // K a multiple of 128: no half block
+    }
     for (int i = 0; i < RW; ++i) {
-      const int8_t* qb = q[i] + b * kBlock;
-      const __m256i sgn = half ? _mm256_inserti128_si256(_mm256_setzero_si256(),
-                                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
-                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
-      const __m256i u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      __m256i sgn, u;
+      if constexpr (kInt6) {
+        u = rows.unsigned_block(i, b);
+      } else {
+        sgn = rows.block(i, b, half);
+        u = _mm256_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+      }
       const __m256 ws = scale_of(i);
       for (int r = 0; r < RX; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + r) + b * kBlock));
@@ -1152,7 +1283,14 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
         } else {
           scale = _mm256_mul_ps(ws, _mm256_broadcast_ss(xs + b));
         }
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, _mm256_sign_epi8(xv, sgn))), scale, acc[i][r]);
+        __m256i dot;
+        if constexpr (kInt6) {
+          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias_row(m0 + r) + b * 8));
+          dot = _mm256_sub_epi32(dot_u8s8(u, xv), bias);
+        } else {
+          dot = dot_u8s8(u, _mm256_sign_epi8(xv, sgn));
+        }
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][r]);
       }
     }
   };
@@ -1325,8 +1463,9 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
 
 // tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
 // weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
-// only where the weight is 0, whose |w| makes the product 0 either way).
-template <int RW, int RX, ScaleKind kScales, int G>
+// only where the weight is 0, whose |w| makes the product 0 either way). kInt6: each row's blocks
+// unpacked and their dots less x's bias, as the 256-bit tile does, put side by side.
+template <int RW, int RX, ScaleKind kScales, int G, bool kInt6>
 void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                       const uint8_t* ahead) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
@@ -1334,19 +1473,24 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   Int8Rows<RW, kScales, G> rows(w, n);
-  auto& q = rows.q;
   auto& sc = rows.sc;
   const int64_t whole = w.K / kBlock;
-  auto block = [](const int8_t* qb, bool half) {
-    return half ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 0)
-                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
-  };
+  constexpr int64_t kStepBytes = kInt6 ? kBlock / 2 : kBlock;  // of each row's qweight a block
   auto step = [&](int64_t b, bool half) {
-    prefetch_share<RW>(ahead, b, kBlock);
+    prefetch_share<RW>(ahead, b, kStepBytes);
+    if constexpr (kInt6) {
+      if (b % 4 == 0) rows.unpack(b / 4);
+    }
     for (int h = 0; h < H; ++h) {
-      const __m512i sgn = rows2(block(q[2 * h] + b * kBlock, half), block(q[2 * h + 1] + b * kBlock, half));
-      const __m512i u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
-      const __mmask64 neg = _mm512_movepi8_mask(sgn);
+      __m512i sgn, u;
+      __mmask64 neg = 0;
+      if constexpr (kInt6) {
+        u = rows2(rows.unsigned_block(2 * h, b), rows.unsigned_block(2 * h + 1, b));
+      } else {
+        sgn = rows2(rows.block(2 * h, b, half), rows.block(2 * h + 1, b, half));
+        u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
+        neg = _mm512_movepi8_mask(sgn);
+      }
       const __m512 ws = rows2(sc[2 * h].block(b, half), sc[2 * h + 1].block(b, half));
       for (int r = 0; r < RX; ++r) {
         const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
@@ -1357,9 +1501,14 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
         } else {
           scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[b]));
         }
-        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx)), scale,
-                                    acc[h][r]);
+        __m512i dot;
+        if constexpr (kInt6) {
+          dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv), both(a.bias_row(m0 + r) + b * 8));
+        } else {
+          const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+          dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx);
+        }
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[h][r]);
       }
     }
   };
@@ -1389,10 +1538,21 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 constexpr int64_t kScaleChunk = 64;
 
 // Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups); kInt5: the
-// int5 layout, h the row's fifth bits.
-template <bool kInt4, bool kInt5, int G>
+// int5 layout, h the row's fifth bits; kInt6: the int6 layout (groups of 16), h its high bits.
+template <bool kInt4, bool kInt5, bool kInt6, int G>
 inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m256i& w0, __m256i& w1) {
-  if constexpr (kInt5) {
+  if constexpr (kInt6) {
+    // Group g's 16 weights: the 16 bytes of low and of high bits that hold them (int6_chunk's
+    // unpacking, for one of its eight groups of 16), less 32.
+    static_assert(G == 16, "int6 groups are 16");
+    const int64_t c = g / 8, quarter = g % 8 / 2, half = g % 2;
+    const __m128i ql = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 64 + quarter % 2 * 32 + half * 16));
+    const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c * 32 + half * 16));
+    const __m128i low = _mm_and_si128(quarter < 2 ? ql : _mm_srli_epi16(ql, 4), _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * quarter))),
+                                       _mm_set1_epi8(0x03));
+    w0 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)));
+  } else if constexpr (kInt5) {
     const __m256i bytes = int4or5_block<true>(q, h, g);
     w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
     w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));
@@ -1419,7 +1579,7 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
 // groups into the first and odd ones into the second (so two FMA chains per pair), each group one
 // integer dot and one FMA by the scale product; then one horizontal sum of the two and the min
 // term. The same operations in the same order in every tile shape (batch invariance).
-template <int RW, int RX, bool kInt4, bool kInt5, int G>
+template <int RW, int RX, bool kInt4, bool kInt5, bool kInt6, int G>
 void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[RW][RX][2];
   for (auto& per_w : acc) for (auto& two : per_w) two[0] = two[1] = _mm256_setzero_ps();
@@ -1442,7 +1602,7 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
     }
     for (int i = 0; i < RW; ++i) {
       __m256i w0, w1;
-      widen_group_i16<kInt4, kInt5, G>(q[i], h[i], g, w0, w1);
+      widen_group_i16<kInt4, kInt5, kInt6, G>(q[i], h[i], g, w0, w1);
       for (int r = 0; r < RX; ++r) {
         __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0[r]);
         if constexpr (G == 32) dot = dot_s16(dot, w1, x1[r]);
@@ -1472,8 +1632,9 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
   }
 }
 
-// The int8-activation tile of a layout (kInt5: int4 with fifth bits; kScales: where its scales are read from).
-template <bool kInt4, bool kInt5, ScaleKind kScales, int G>
+// The int8-activation tile of a layout (kInt5: int4 with fifth bits; kInt6: int8 unpacked from
+// nibbles and two high bits; kScales: where its scales are read from).
+template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
 struct TilesI8 {
   using Act = ActInt8;
 #ifdef WEFT_ZMM
@@ -1495,7 +1656,7 @@ struct TilesI8 {
       if constexpr (kInt4) {
         tile_i8_int4_zmm<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
       } else {
-        tile_i8_int8_zmm<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_int8_zmm<RW, RX, kScales, G, kInt6>(w, n, a, m0, out, ldo, ahead);
       }
       return;
     }
@@ -1503,13 +1664,13 @@ struct TilesI8 {
     if constexpr (kInt4) {
       tile_i8_int4<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
     } else {
-      tile_i8_int8<RW, RX, kScales, G>(w, n, a, m0, out, ldo, ahead);
+      tile_i8_int8<RW, RX, kScales, G, kInt6>(w, n, a, m0, out, ldo, ahead);
     }
   }
 };
 
 // The int16-activation tile of a layout (scales converted per weight row, whatever their kind).
-template <bool kInt4, bool kInt5, ScaleKind kScales, int G>
+template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
 struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
@@ -1517,7 +1678,7 @@ struct TilesI16 {
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
-    tile_i16<RW, RX, kInt4, kInt5, G>(w, n, a, m0, out, ldo);
+    tile_i16<RW, RX, kInt4, kInt5, kInt6, G>(w, n, a, m0, out, ldo);
   }
 };
 
@@ -1549,7 +1710,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.scale_row_bytes());
     if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
-    if (w.int5()) prefetch_bytes(w.high_row(ahead), rows * (w.K / 8));
+    if (w.qhigh != nullptr) prefetch_bytes(w.high_row(ahead), rows * w.high_row_bytes());
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;
@@ -1586,9 +1747,9 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   }
 }
 
-// Calls f(kInt4, kInt5, kScales, G) with w's layout as compile-time constants (std::bool_constant
-// and std::integral_constant): int4 or int5 (groups of 32), or int8 by 32 or 16; fp32, fp16 or (int4,
-// int5 and int8 by 16: the K formats) super-block scales.
+// Calls f(kInt4, kInt5, kInt6, kScales, G) with w's layout as compile-time constants
+// (std::bool_constant and std::integral_constant): int4 or int5 (groups of 32), int6 (16), or int8
+// by 32 or 16; fp32, fp16 or (int4, int5, int6 and int8 by 16: the K formats) super-block scales.
 template <class F>
 void with_layout(const Packed& w, F&& f) {
   using Yes = std::true_type;
@@ -1599,23 +1760,25 @@ void with_layout(const Packed& w, F&& f) {
   using Half = std::integral_constant<ScaleKind, ScaleKind::kHalf>;
   using Super = std::integral_constant<ScaleKind, ScaleKind::kSuper>;
   const ScaleKind kind = w.scale_kind();
-  auto by_kind = [&](auto int4, auto int5, auto g, bool super_allowed) {
+  auto by_kind = [&](auto int4, auto int5, auto int6, auto g, bool super_allowed) {
     if (kind == ScaleKind::kSuper && super_allowed) {
-      f(int4, int5, Super{}, g);
+      f(int4, int5, int6, Super{}, g);
     } else if (kind == ScaleKind::kHalf) {
-      f(int4, int5, Half{}, g);
+      f(int4, int5, int6, Half{}, g);
     } else {
-      f(int4, int5, Float{}, g);
+      f(int4, int5, int6, Float{}, g);
     }
   };
   if (w.int5()) {
-    by_kind(Yes{}, Yes{}, G32{}, true);
+    by_kind(Yes{}, Yes{}, No{}, G32{}, true);
   } else if (w.int4()) {
-    by_kind(Yes{}, No{}, G32{}, true);
+    by_kind(Yes{}, No{}, No{}, G32{}, true);
+  } else if (w.int6()) {
+    by_kind(No{}, No{}, Yes{}, G16{}, true);
   } else if (w.group == 32) {
-    by_kind(No{}, No{}, G32{}, false);  // packed_of admits no super-block scales here
+    by_kind(No{}, No{}, No{}, G32{}, false);  // packed_of admits no super-block scales here
   } else {
-    by_kind(No{}, No{}, G16{}, true);
+    by_kind(No{}, No{}, No{}, G16{}, true);
   }
 }
 #endif
@@ -1647,7 +1810,7 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
   using Act = std::conditional_t<kInt8, ActInt8, ActInt16>;
   const Act a = [&] {
     if constexpr (kInt8) {
-      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4());
+      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4(), w.int6());
     } else {
       return quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
     }
@@ -1660,9 +1823,9 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
     for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
       const int64_t m1 = std::min(M, m0 + rows_per_block);
 #ifdef WEFT_AVX2
-      with_layout(w, [&](auto int4, auto int5, auto kind, auto g) {
-        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, int5.value, kind.value, g.value>,
-                                         TilesI16<int4.value, int5.value, kind.value, g.value>>;
+      with_layout(w, [&](auto int4, auto int5, auto int6, auto kind, auto g) {
+        using Tiles = std::conditional_t<kInt8, TilesI8<int4.value, int5.value, int6.value, kind.value, g.value>,
+                                         TilesI16<int4.value, int5.value, int6.value, kind.value, g.value>>;
         rows_tiles<Tiles>(w, begin, end, a, m0, m1, op, ldo, row_blocks);
       });
 #else

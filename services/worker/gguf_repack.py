@@ -3,7 +3,7 @@
 | GGUF   | block            | packed as                                           | bytes/param | x file |
 |--------|------------------|-----------------------------------------------------|-------------|--------|
 | Q8_0   | 32: d, 32 x int8 | int8, scale d (fp16) per 32                         | 1.0625      | 1.0    |
-| Q6_K   | 256: 16 x 16     | int8 q - 32; per 256 d (fp16), 16 x int8 sc         | 1.0703      | 1.30   |
+| Q6_K   | 256: 16 x 16     | int6 q, w = d sc (q - 32); per 256 d (fp16), 16 x int8 sc | 0.8203 | 1.0    |
 | Q5_0   | 32: d, 5-bit q   | int5 q, scale d (fp16) per 32, min -16 d implied    | 0.6875      | 1.0    |
 | Q5_1   | 32: d, m, 5-bit q| int5 q, scale d, min m (fp16) per 32                | 0.75        | 1.0    |
 | Q5_K   | 256: 8 x 32      | int5 q; per 256 d, dmin (fp16), 8 x uint8 sc and m  | 0.7031      | 1.02   |
@@ -14,7 +14,10 @@
 int5 is int4 plus ``qhigh``, the fifth bits (a uint32 per group of 32, bit
 ``j`` element ``j``'s): Q5_0's and Q5_1's nibbles and ``qh`` go in as the
 file holds them; Q5_K's ``qh`` (bit ``i`` of byte ``j`` is element ``j`` of
-group ``i`` of the super-block) is regathered per group.
+group ``i`` of the super-block) is regathered per group. int6 (Q6_K) is the
+file's ``ql`` (low four bits, ``qweight``) and ``qh`` (two high bits a
+weight, ``qhigh``) as they are (``kernels.reference.packed_values`` gives
+the order); its 210 bytes per 256 are the file's (the int8 layout held 274).
 The 32-element formats keep their blocks' own fp16 ``d`` (and ``m``; Q4_0
 and Q5_0 store none, the kernels form ``-8 d`` or ``-16 d`` in fp32 as they
 read ``d``). The K
@@ -103,7 +106,7 @@ def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return (low | (high << np.uint8(4))).astype(np.uint8)
 
 
-# Each repacker: (qweight, scales, mins, group, qhigh) from the blocks [N, B, bytes]; qhigh for int5 only.
+# Each repacker: (qweight, scales, mins, group, qhigh) from the blocks [N, B, bytes]; qhigh for int5 and int6.
 
 
 def _q8_0(blocks):
@@ -162,14 +165,9 @@ def _q5_k(blocks):
 
 
 def _q6_k(blocks):
-    shape = blocks.shape[:2]
-    ql = blocks[..., :128].reshape(*shape, 2, 1, 64)
-    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32)
-    low = np.concatenate((ql & 0x0F, ql >> 4), axis=-2).reshape(*shape, 2, 4, 32)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # [N, B, 2, 4, 32]
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    # ql and qh as the file holds them (int6: the kernels unpack 128 weights at a time, as ggml does).
     records = np.concatenate((blocks[..., 208:210], blocks[..., 192:208]), axis=-1)  # d (fp16), 16 int8 sc
-    return q.reshape(*shape, _QK_K), records, None, 16, None
+    return _quants(blocks, 0, 128), records, None, 16, _quants(blocks, 128, 192)
 
 
 _REPACKERS = {

@@ -18,6 +18,7 @@ from kernels import cpu_quant_linear
 from kernels.reference import (
     SUPER_BLOCK,
     dequantize_packed_ref,
+    packed_values,
     quant_linear_i8_ref,
     quant_linear_ref,
     quantize_rows_i8_ref,
@@ -32,14 +33,16 @@ def random_bytes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 
 
 def random_packed(layout: str, n: int, k: int, group: int, seed: int = 0):
-    """(qweight, scales, mins, qhigh) of ``layout``: int8, int4 or int5, "-implied" without mins
-    (Q4_0's -8 * scale, Q5_0's -16 * scale)."""
+    """(qweight, scales, mins, qhigh) of ``layout``: int8, int4, int5 or int6 (groups of 16, no
+    mins), "-implied" without mins (Q4_0's -8 * scale, Q5_0's -16 * scale)."""
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(n, k // group, generator=g) * 0.1
     if layout == "int8":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
         return q, scales, None, None
     q = random_bytes((n, k // 2), g)
+    if layout == "int6":
+        return q, scales, None, random_bytes((n, k // 4), g)
     qhigh = random_bytes((n, k // 8), g) if layout.startswith("int5") else None
     if layout.endswith("-implied"):
         return q, scales, None, qhigh
@@ -65,6 +68,7 @@ LAYOUTS = [
     ("int4-implied", 32),
     ("int5", 32),
     ("int5-implied", 32),
+    ("int6", 16),
 ]
 
 
@@ -72,7 +76,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout,group", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 64])
 def test_quant_linear_matches_the_twin(isa, layout, group, rows):
-    n, k = 203, 576  # n not a multiple of the kernel's 4-row tiles
+    n, k = 203, 640 if layout == "int6" else 576  # n not a multiple of the kernel's 4-row tiles
     q, s, m, h = random_packed(layout, n, k, group)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     expected = quant_linear_ref(x, q, s, m, group, h)
@@ -122,6 +126,57 @@ def test_int5_fifth_bit_order(isa):
             assert kernel(x, q, ones, zeros, 32, isa=isa, qhigh=qhigh).item() == value, (element, kernel)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_int6_bit_order(isa):
+    """int6 holds Q6_K's bits per 128 weights: byte l of qweight element l's low four bits (low
+    nibble) and l + 64's (high), byte 32 + l elements 32 + l and 96 + l; byte l of qhigh the two high
+    bits of elements l, 32 + l, 64 + l and 96 + l; a weight is (q - 32) times its group's scale."""
+    q = torch.full((1, 64), 0x88, dtype=torch.uint8)  # every low four bits 8
+    q[0, 40] = 0x5A  # element 40: 10, element 104: 5
+    qhigh = torch.zeros(1, 32, dtype=torch.uint8)
+    qhigh[0, 1] = 0b11_10_01_00  # high bits of element 1: 0, 33: 1, 65: 2, 97: 3
+    scales = torch.arange(1.0, 9.0)[None]  # groups of 16
+    values = torch.full((128,), 8.0)
+    values[40], values[104], values[33], values[65], values[97] = 10, 5, 8 + 16, 8 + 32, 8 + 48
+    expected = ((values - 32) * scales.repeat_interleave(16))[None]
+    w = dequantize_packed_ref(q, scales, None, 16, qhigh)
+    assert torch.equal(w, expected)
+    rows = cpu_quant_linear.dequantize_rows(q, scales, None, 16, 0, 1, 128, isa=isa, qhigh=qhigh)
+    assert torch.equal(rows, w)
+    for element in (0, 1, 33, 40, 65, 97, 104, 127):
+        x = torch.zeros(1, 128)
+        x[0, element] = 1.0
+        value = float(w[0, element])
+        assert cpu_quant_linear.quant_linear(x, q, scales, None, 16, isa=isa, qhigh=qhigh).item() == value
+        for kernel, _ in INT_KERNELS.values():
+            assert kernel(x, q, scales, None, 16, isa=isa, qhigh=qhigh).item() == value, (element, kernel)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("records", [False, True])
+def test_int6_gives_the_bits_of_the_same_weights_as_int8(isa, records):
+    """The int6 layout's kernels unpack q - 32 and run the int8 layout's arithmetic: every op gives
+    the bits the int8 layout (Q6_K's before) gives for the same weights, per-16 scales or records."""
+    if records:
+        q, s, _, h = random_super("Q6_K", 203, 768, seed=9)
+    else:
+        q, s, _, h = random_packed("int6", 203, 640, 16, seed=9)
+    as_int8 = packed_values(q, 16, h).flatten(1)  # [N, K] int8, q - 32
+    k = as_int8.shape[1]
+    for rows in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        for kernel, _ in INT_KERNELS.values():
+            assert torch.equal(
+                kernel(x, q, s, None, 16, isa=isa, qhigh=h), kernel(x, as_int8, s, None, 16, isa=isa)
+            )
+    if records:
+        s = super_scales_ref(s, False, 16)[0]
+    int6 = cpu_quant_linear.quant_linear(x, q, s, None, 16, isa=isa, qhigh=h)
+    assert torch.equal(int6, cpu_quant_linear.quant_linear(x, as_int8, s, None, 16, isa=isa))
+    rows = cpu_quant_linear.dequantize_rows(q, s, None, 16, 3, 190, k, isa=isa, qhigh=h)
+    assert torch.equal(rows, cpu_quant_linear.dequantize_rows(as_int8, s, None, 16, 3, 190, k, isa=isa))
+
+
 def test_strided_rows_of_x_and_out():
     q, s, m, _ = random_packed("int4", 16, 64, 32)
     wide = torch.randn(3, 128)
@@ -139,7 +194,16 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="qweight shape"):
         cpu_quant_linear.quant_linear(torch.randn(2, 96), q, s, m, 32)
     with pytest.raises(RuntimeError, match="group_size"):
-        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s, m, 16)
+        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, s, m, 48)
+    q6, s6 = random_bytes((8, 64), torch.Generator()), torch.ones(8, 8)  # K 128 in groups of 16: int6
+    with pytest.raises(RuntimeError, match="int6 layout, which needs its qhigh"):
+        cpu_quant_linear.quant_linear(torch.randn(2, 128), q6, s6, None, 16)
+    with pytest.raises(RuntimeError, match="qhigh"):  # int6's high bits: [N, K / 4], not int5's K / 8
+        cpu_quant_linear.quant_linear_i8(
+            torch.randn(2, 128), q6, s6, None, 16, qhigh=torch.zeros(8, 16, dtype=torch.uint8)
+        )
+    with pytest.raises(RuntimeError, match="K a multiple of 128"):
+        cpu_quant_linear.quant_linear(torch.randn(2, 64), q, torch.ones(8, 4), None, 16)
     with pytest.raises(RuntimeError, match="uint8"):
         cpu_quant_linear.quant_linear(torch.randn(2, 64), q.view(torch.int8), s, m, 32)
     with pytest.raises(RuntimeError, match="rows out of range"):
@@ -194,6 +258,8 @@ I8_SHAPES = [
     ("int5", 32, 576),
     ("int5", 32, 608),
     ("int5-implied", 32, 608),
+    ("int6", 16, 640),  # int6 comes in 128s: an odd number of them
+    ("int6", 16, 384),
 ]
 
 
@@ -422,7 +488,7 @@ def test_implied_mins_match_the_twin(bits, layout):
 
 
 def random_super(fmt: str, n: int, k: int, seed: int = 0):
-    """A K format's weight (Q4_K: int4, Q5_K: int5, Q6_K: int8 by 16) with random records per
+    """A K format's weight (Q4_K: int4, Q5_K: int5, Q6_K: int6) with random records per
     super-block: (qweight, records, group, qhigh)."""
     g = torch.Generator().manual_seed(seed)
     blocks = k // SUPER_BLOCK
@@ -432,13 +498,13 @@ def random_super(fmt: str, n: int, k: int, seed: int = 0):
         sc_m = torch.randint(0, 64, (n, blocks, 16), generator=g, dtype=torch.int16).to(torch.uint8)  # 6-bit
         qhigh = random_bytes((n, k // 8), g) if fmt == "Q5_K" else None
         return q, torch.cat((halves, sc_m), dim=-1), 32, qhigh
-    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+    q, qhigh = random_bytes((n, k // 2), g), random_bytes((n, k // 4), g)
     sc = (
         torch.randint(-128, 128, (n, blocks, 16), generator=g, dtype=torch.int16)
         .to(torch.int8)
         .view(torch.uint8)
     )
-    return q, torch.cat((halves[..., :2], sc), dim=-1), 16, None
+    return q, torch.cat((halves[..., :2], sc), dim=-1), 16, qhigh
 
 
 @pytest.mark.parametrize("bits", INT_KERNELS)

@@ -168,8 +168,8 @@ def test_a_fused_layer_stores_the_implied_mins_of_its_parts_without(implied, sto
 
 
 # Packed bytes per 256 weights, and the file's (the README states these ratios): Q8_0, Q5_0, Q5_1,
-# Q4_0 and Q4_1 hold what the file holds; Q4_K and Q5_K 4 bytes more per super-block (their 6-bit sc
-# and m as bytes), Q6_K its 6-bit quants as int8 (1.30x; the int8 layout alone is 1.22x the file).
+# Q4_0, Q4_1 and Q6_K (int6: nibbles, two high bits a weight, the 18-byte record) hold what the file
+# holds; Q4_K and Q5_K 4 bytes more per super-block (their 6-bit sc and m as bytes).
 PACKED_AND_FILE_BYTES = {
     "Q8_0": (272, 272),
     "Q5_0": (176, 176),
@@ -178,7 +178,7 @@ PACKED_AND_FILE_BYTES = {
     "Q4_1": (160, 160),
     "Q4_K": (148, 144),
     "Q5_K": (180, 176),
-    "Q6_K": (274, 210),
+    "Q6_K": (210, 210),
 }
 
 
@@ -207,6 +207,24 @@ def test_rows_past_1024_groups_take_fp32_scales_and_mins(fmt):
     close_to(quant_linear_i8(x, *args, qhigh=packed.qhigh), quant_linear_i8_ref(x, *args, qhigh=packed.qhigh))
 
 
+def test_q6_k_rows_past_1024_groups_take_fp32_scales():
+    """Q6_K's groups are 16: past 1,024 a row (K > 16,384) it takes fp32 scales per group."""
+    from kernels.cpu_quant_linear import quant_linear, quant_linear_i8
+    from kernels.reference import quant_linear_i8_ref
+
+    k = 16640  # 1,040 groups of 16
+    data = gguf_blocks("Q6_K", 3, k, seed=10)
+    packed = repack("Q6_K", data, k)
+    assert (
+        packed.layout == ("int6", 16, False) and packed.scales.dtype == torch.float32 and packed.mins is None
+    )
+    assert torch.equal(packed.dequantize(), reference("Q6_K", data))
+    x = torch.randn(2, k)
+    args = (packed.qweight, packed.scales, None, 16)
+    close_to(quant_linear_i8(x, *args, qhigh=packed.qhigh), quant_linear_i8_ref(x, *args, qhigh=packed.qhigh))
+    close_to(quant_linear(x, *args, qhigh=packed.qhigh), F.linear(x, reference("Q6_K", data)))
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     """Tensor-parallel column slices of a K format: on super-blocks they keep the records; off them
@@ -218,6 +236,17 @@ def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     off = packed.narrow(1, 128, 256)
     assert not off.super_scales and off.scales.dtype == torch.float32
     assert torch.equal(off.dequantize(), dense[:, 128:384])
+
+
+def test_q6_k_columns_off_128_take_the_int8_layout():
+    """int6 holds Q6_K's bits per 128 columns: a slice on them stays int6, one off them (a
+    tensor-parallel rank of 64 columns) takes the int8 layout, q - 32 a byte; the same weights."""
+    data = gguf_blocks("Q6_K", 8, 1024, seed=11)
+    packed, dense = repack("Q6_K", data, 1024), reference("Q6_K", data)
+    on = packed.narrow(1, 384, 128)
+    assert on.layout == ("int6", 16, False) and torch.equal(on.dequantize(), dense[:, 384:512])
+    off = packed.narrow(1, 64, 64)
+    assert off.layout == ("int8", 16, False) and torch.equal(off.dequantize(), dense[:, 64:128])
 
 
 def test_a_packed_weight_of_the_wrong_width_is_refused():
@@ -271,7 +300,9 @@ def test_misaligned_tensor_parallel_columns_are_refused():
         down.load_weight("weight", repack("Q8_0", gguf_blocks("Q8_0", 8, 96), 96), None)
 
 
-@pytest.mark.parametrize("fmt,world_size", [("Q8_0", 1), ("Q8_0", 3), ("Q5_K", 1), ("Q5_0", 3)])
+@pytest.mark.parametrize(
+    "fmt,world_size", [("Q8_0", 1), ("Q8_0", 3), ("Q5_K", 1), ("Q5_0", 3), ("Q6_K", 1), ("Q6_K", 3)]
+)
 def test_packed_embedding_and_tied_head(fmt, world_size):
     vocab, dim = 50, 256
     data = gguf_blocks(fmt, vocab, dim, seed=5)
@@ -335,7 +366,7 @@ def test_activations_setting_picks_the_kernel_at_every_row_count(monkeypatch, fm
     (part,) = layer.quant.parts
     few, many = torch.randn(7, 512), torch.randn(300, 512)
     packed = (part.qweight, part.scales, part.mins, part.group_size)
-    assert (part.qhigh is not None) == fmt.startswith("Q5")  # the int5 layout
+    assert (part.qhigh is not None) == fmt.startswith(("Q5", "Q6"))  # the int5 and int6 layouts
     dense = reference(fmt, data)
     for activations, dtype in (
         ("int8", torch.int8),

@@ -1,11 +1,12 @@
-"""Weights kept packed in 8, 5 or 4 bits, and the linear layers and embeddings over them.
+"""Weights kept packed in 8, 6, 5 or 4 bits, and the linear layers and embeddings over them.
 
-A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the three
+A ``PackedWeight`` is one checkpoint matrix ``[N, K]`` in one of the four
 layouts of ``kernels/csrc/cpu_quant_linear.cpp``: int8 with a scale per
 group of 16 or 32 columns, int4 (two per byte) with a scale and min per
-group of 32 (Q4_0 stores no mins: each is -8 times its scale), or int5, int4
+group of 32 (Q4_0 stores no mins: each is -8 times its scale), int5, int4
 plus a plane of fifth bits (``qhigh``, a bit a weight; Q5_0 stores no mins:
-each is -16 times its scale); scales and
+each is -16 times its scale), or int6 (Q6_K's), int4's bytes plus two high
+bits a weight in ``qhigh``, a scale per group of 16 and ``w = (q - 32) s``; scales and
 mins in fp16 where they are the GGUF blocks' own; for the K formats a
 record per super-block of 256 weights of the block's fp16 ``d`` (and
 ``dmin``) and its groups' 8-bit scales (and mins), whose products the
@@ -46,7 +47,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.reference import SUPER_BLOCK, dequantize_packed_ref, group_scales, int4_mins, quant_linear_ref
+from kernels.reference import (
+    SUPER_BLOCK,
+    dequantize_packed_ref,
+    group_scales,
+    int4_mins,
+    packed_values,
+    quant_linear_ref,
+)
 from services import env
 from services.config.dense_copy import DEFAULT_DENSE_MIN_ROWS
 from services.worker.layers.int8_linear import Int8Weight, int8_copy_runs_here
@@ -57,7 +65,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackedWeight:
     """``[N, K]`` packed: int8 ``qweight [N, K]``, or int4 ``qweight [N, K / 2]`` uint8 (int5 with
-    ``qhigh``)."""
+    ``qhigh``; int6 with ``qhigh`` and groups of 16)."""
 
     qweight: torch.Tensor
     # [N, K / group_size] fp32, or fp16 where they are the GGUF blocks' own; the K formats' records,
@@ -68,7 +76,8 @@ class PackedWeight:
     group_size: int
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
-    # int5 only: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j
+    # int5: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j;
+    # int6: [N, K / 4] uint8, two high bits a weight, as Q6_K holds them (kernels.reference.packed_values)
     qhigh: torch.Tensor | None = None
 
     @property
@@ -77,8 +86,12 @@ class PackedWeight:
 
     @property
     def int4(self) -> bool:
-        """Two weights a byte of ``qweight`` (int4 or int5), else one."""
+        """Two weights a byte of ``qweight`` (int4, int5 or int6), else one."""
         return self.qweight.shape[1] * 2 == self.in_features
+
+    @property
+    def int6(self) -> bool:
+        return self.int4 and self.group_size == 16
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +105,7 @@ class PackedWeight:
 
     @property
     def layout(self) -> tuple[str, int, bool]:
-        kind = "int5" if self.qhigh is not None else "int4" if self.int4 else "int8"
+        kind = "int6" if self.int6 else "int5" if self.qhigh is not None else "int4" if self.int4 else "int8"
         return (kind, self.group_size, self.super_scales)
 
     def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
@@ -102,6 +115,9 @@ class PackedWeight:
         if self.super_scales and (start % SUPER_BLOCK or length % SUPER_BLOCK):
             # Not on super-blocks: the slice takes its scales per group (fp32, the same values).
             return self.with_fp32_scales().narrow(dim, start, length)
+        if self.int6 and (start % 128 or length % 128):
+            # int6 holds its bits per 128 columns: a slice off them takes the int8 layout (the same weights).
+            return self.as_int8().narrow(dim, start, length)
         unit = SUPER_BLOCK if self.super_scales else self.group_size  # columns an entry of scales covers
         if start % unit or length % unit:
             raise ValueError(
@@ -110,13 +126,16 @@ class PackedWeight:
                 "run with --quantization none to dequantize it."
             )
         per_byte = 2 if self.int4 else 1
+        per_high_byte = 4 if self.int6 else 8  # columns a byte of qhigh covers
         first, count = start // unit, length // unit
         return replace(
             self,
             qweight=self.qweight.narrow(1, start // per_byte, length // per_byte),
             scales=self.scales.narrow(1, first, count),
             mins=None if self.mins is None else self.mins.narrow(1, first, count),
-            qhigh=None if self.qhigh is None else self.qhigh.narrow(1, start // 8, length // 8),
+            qhigh=None
+            if self.qhigh is None
+            else self.qhigh.narrow(1, start // per_high_byte, length // per_high_byte),
             in_features=length,
         )
 
@@ -139,6 +158,11 @@ class PackedWeight:
         return replace(
             self, scales=scales, mins=None if self.mins is None and not self.super_scales else mins
         )
+
+    def as_int8(self) -> PackedWeight:
+        """An int6 weight in the int8 layout, ``q - 32`` a byte (the same weights, 1.3x the bytes)."""
+        values = packed_values(self.qweight, self.group_size, self.qhigh).flatten(1)
+        return replace(self.with_fp32_scales(), qweight=values, qhigh=None)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[N, K]`` (the torch twin)."""
