@@ -1,14 +1,16 @@
-"""A model file whose matrices are all Q5_K (the int5 layout), kept packed, against its dequantized run.
+"""Model files of K-quant types, kept packed, against their dequantized runs.
 
-The file is ``weft bench make-model``'s tiny Llama (random weights, the default
-tokenizer) written as Q5_K. Loaded with the defaults, every matrix (the
-embedding too) must stay packed in the int5 layout, with the resident weights
-within 1.15x the file's tensor bytes (about 1.02x: Q5_K's 6-bit sc and m a
-byte each). Its logits must be the dequantized model's up to the order of fp32
-sums under fp32 activations, and its greedy tokens the dequantized model's:
-exactly under fp32 activations, and under the default int8 ones up to
-divergences at near-ties of the dequantized model's top two tokens, the bound
-``tests/worker/test_quantized_model.py`` holds the default model to.
+Each file is ``weft bench make-model``'s tiny Llama (random weights, the default
+tokenizer), written all in Q5_K (the int5 layout) or in llama.cpp's Q4_K_M mix
+(Q4_K as int4; the output head and layer 1's ``attn_v`` and ``ffn_down`` Q6_K, as
+int6: a fused QKV projection of both layouts). Loaded with the defaults, every
+matrix (the embedding too) must stay packed in its layout, with the resident
+weights within 1.15x the file's tensor bytes. Its logits must be the dequantized
+model's up to the order of fp32 sums under fp32 activations, and its greedy
+tokens the dequantized model's: exactly under fp32 activations, and under the
+default int8 ones up to divergences at near-ties of the dequantized model's top
+two tokens, the bound ``tests/worker/test_quantized_model.py`` holds the default
+model to.
 """
 
 from __future__ import annotations
@@ -33,23 +35,28 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def q5_k_file(tmp_path_factory):
+# Each qtype's layouts, by the GGUF type of the matrices they hold.
+LAYOUTS = {"Q5_K": {"Q5_K": "int5"}, "Q4_K_M": {"Q4_K": "int4", "Q6_K": "int6"}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def model_file(request, tmp_path_factory):
     from benchmarks.bench.make_model import write_model
 
-    path = tmp_path_factory.mktemp("q5k") / "tiny-llama-q5_k.gguf"
+    path = tmp_path_factory.mktemp("kquant") / f"tiny-llama-{request.param.lower()}.gguf"
     with gguf_parsed_once():
-        write_model("tiny-llama", "Q5_K", path, log=lambda *args: None)
+        write_model("tiny-llama", request.param, path, log=lambda *args: None)
         resolve(str(path))
-    return path
+    return request.param, path
 
 
 @pytest.fixture(scope="module")
-def models(q5_k_file):
+def models(model_file):
     """The packed model (the defaults) and the dequantized one (``--quantization none``), fp32."""
+    _, path = model_file
     torch.set_num_threads(1)
-    packed = load_model(EngineArgs(model=str(q5_k_file), dtype="float32").create_engine_config().model)
-    none = EngineArgs(model=str(q5_k_file), dtype="float32", quantization="none")
+    packed = load_model(EngineArgs(model=str(path), dtype="float32").create_engine_config().model)
+    none = EngineArgs(model=str(path), dtype="float32", quantization="none")
     return packed, load_model(none.create_engine_config().model)
 
 
@@ -65,15 +72,20 @@ def activations(monkeypatch):
     return choose
 
 
-def test_every_matrix_stays_packed_as_int5_at_about_the_files_size(q5_k_file, models):
+def test_every_matrix_stays_packed_in_its_layout_at_about_the_files_size(model_file, models):
+    qtype, path = model_file
     packed, _ = models
     quantized = [m for m in packed.modules() if getattr(m, "quant", None) is not None]
     assert len(quantized) == 2 * 4 + 2  # qkv, o, gate_up and down a layer; the embedding and the head
+    seen = set()
     for module in quantized:
-        assert all(p.qhigh is not None and p.source_format == "Q5_K" for p in module.quant.parts)
+        for part in module.quant.parts:
+            assert part.layout[0] == LAYOUTS[qtype][part.source_format], (part.source_format, part.layout)
+            seen.add(part.source_format)
         assert module.weight is None  # no dense copy
+    assert seen == set(LAYOUTS[qtype])
     loaded = weight_bytes(packed)
-    assert loaded.total <= 1.15 * GGUFCheckpoint(q5_k_file).tensor_bytes, loaded.describe()
+    assert loaded.total <= 1.15 * GGUFCheckpoint(path).tensor_bytes, loaded.describe()
 
 
 def greedy(model, run_dense, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
