@@ -101,11 +101,6 @@ def _field(blocks: np.ndarray, start: int, dtype: str) -> np.ndarray:
     return blocks.view(record)[..., 0]["f"]
 
 
-def _nibbles_to_int4(low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """Values ``[..., 32]`` in [0, 16) -> 16 bytes per group: element j low, element j + 16 high."""
-    return (low | (high << np.uint8(4))).astype(np.uint8)
-
-
 # Each repacker: (qweight, scales, mins, group, qhigh) from the blocks [N, B, bytes]; qhigh for int5 and int6.
 
 
@@ -132,24 +127,33 @@ def _q4_1(blocks):
     return _quants(blocks, 4, 20), _halves(blocks, 0), _halves(blocks, 2), 32, None
 
 
-def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 8 6-bit (scale, min) pairs of each super-block, from its 12 bytes, as uint8."""
-    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), axis=-1)
-    mn = np.concatenate((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), axis=-1)
-    return sc, mn
-
-
 def _k_records_and_nibbles(blocks: np.ndarray, qs_start: int) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's and Q5_K's 20-byte records (d, dmin fp16, 8 sc, 8 m) and their 128 bytes of low nibbles
-    from ``qs_start`` in weft's int4 order, ``[N, B, 8, 16]``."""
-    sc, mn = _q4_k_scales(blocks[..., 4:16])
-    records = np.concatenate((blocks[..., 0:4], sc, mn), axis=-1)
-    qs = blocks[..., qs_start : qs_start + 128].reshape(
-        *blocks.shape[:2], 4, 32
-    )  # 4 chunks of 64: low nibbles 0..31, high 32..63
-    values = np.stack((qs & 0x0F, qs >> 4), axis=-2).reshape(*blocks.shape[:2], 8, 32)  # 8 groups of 32
-    return records, _nibbles_to_int4(values[..., :16], values[..., 16:])
+    from ``qs_start`` in weft's int4 order, ``[N, B, 8, 16]``.
+
+    Every field moves within its byte, so the work goes four or eight bytes to an integer: numpy's
+    byte-wide operations over short rows cost several times more (a 1B model repacks 450 MB)."""
+    # The 12 bytes of 6-bit (scale, min) pairs, as words d, m, md (a byte a group, groups 0-3):
+    # scales 0-3 are d's low six bits, 4-7 md's low nibbles under d's top two; mins likewise from m
+    # and md's high nibbles.
+    d, m, md = (_field(blocks, start, "<u4") for start in (4, 8, 12))
+    six, nibble, top = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x30303030)
+    records = np.empty((*blocks.shape[:2], 5), np.uint32)
+    records[..., 0] = _field(blocks, 0, "<u4")  # d and dmin
+    records[..., 1] = d & six
+    records[..., 2] = (md & nibble) | ((d >> np.uint32(2)) & top)
+    records[..., 3] = m & six
+    records[..., 4] = ((md >> np.uint32(4)) & nibble) | ((m >> np.uint32(2)) & top)
+    # 4 chunks of 32 bytes: chunk c holds group 2c in its low nibbles and group 2c + 1 in its high
+    # ones, element j in byte j. weft's byte j of a group: element j low, element j + 16 high. So
+    # each group's bytes come from the chunk's halves a (bytes 0-15) and b (16-31), a nibble moved.
+    qs = _quants(blocks, qs_start, qs_start + 128).view("<u8").reshape(*blocks.shape[:2], 4, 2, 2)
+    a, b = qs[..., 0, :], qs[..., 1, :]
+    low, high = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0F0F0F0F0)
+    groups = np.empty((*blocks.shape[:2], 4, 2, 2), np.uint64)
+    groups[..., 0, :] = (a & low) | ((b << np.uint64(4)) & high)  # group 2c
+    groups[..., 1, :] = ((a >> np.uint64(4)) & low) | (b & high)  # group 2c + 1
+    return records.view(np.uint8), groups.view(np.uint8).reshape(*blocks.shape[:2], 8, 16)
 
 
 def _q4_k(blocks):
@@ -159,9 +163,22 @@ def _q4_k(blocks):
 
 def _q5_k(blocks):
     records, nibbles = _k_records_and_nibbles(blocks, 48)
-    qh = blocks[..., 16:48]  # [N, B, 32]: bit i of byte j is element j of group i
-    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, B, 8 groups, 32]
-    return nibbles, records, None, 32, np.packbits(bits, axis=-1, bitorder="little")  # [N, B, 8, 4]
+    return nibbles, records, None, 32, _fifth_bits_by_group(_quants(blocks, 16, 48))
+
+
+def _fifth_bits_by_group(qh: np.ndarray) -> np.ndarray:
+    """Q5_K's ``qh [N, B, 32]`` (bit i of byte j: element j of group i) -> ``[N, B, 8, 4]``, per group
+    a little-endian uint32 whose bit j is element j's.
+
+    Per group i and each 8 bytes read as a uint64: bit i of every byte kept, then one multiply
+    gathers the eight bits into the top byte (byte k's bit, at 8k, times 2^(56 - 7k) lands on
+    56 + k; no two products share a bit, so nothing carries)."""
+    words = qh.view("<u8")  # [N, B, 4]: bytes 8w .. 8w + 7
+    out = np.empty((*qh.shape[:2], 8, 4), np.uint8)
+    ones, gather = np.uint64(0x0101010101010101), np.uint64(0x0102040810204080)
+    for group in range(8):
+        out[..., group, :] = (((words >> np.uint64(group)) & ones) * gather) >> np.uint64(56)
+    return out
 
 
 def _q6_k(blocks):
