@@ -83,7 +83,9 @@ class Stack:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self._log = open(self.log_path, "wb")
-        env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
+        # No OMP_NUM_THREADS of its own: engines take it as their default --num-threads, so the
+        # caller's environment (one thread under the tests' workers) or serve_args decide.
+        env = os.environ | (env or {})
         # Its own session: stop() and kill() reach the API alone; its engine
         # cores must go because the API stops them (or dies).
         self.api = subprocess.Popen(

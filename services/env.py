@@ -170,6 +170,10 @@ PLATFORM: tuple[EnvVar, ...] = (
         "1 runs the Triton kernels in Triton's CPU interpreter (kernels/__init__.py reads it as Triton does).",
     ),
     EnvVar(
+        "OMP_NUM_THREADS",
+        "torch threads per engine process where --num-threads is not given (services/config/engine_args.py).",
+    ),
+    EnvVar(
         "OMP_WAIT_POLICY",
         "OpenMP's wait policy; weft sets PASSIVE where it is unset (services/__init__.py).",
     ),

@@ -11,12 +11,17 @@
   parallel run (kept in pytest's cache; a unit with none, as in a fresh clone, goes first, the
   slow tier's before the rest): a long module started last would leave the other core idle
   while it runs.
-- **One torch thread per worker.** Two workers each running torch on every core would run four
-  threads on two; a test that is about threads sets its own count. Engines that tests start take
-  ``--num-threads`` / ``num_threads`` from the test.
+- **One torch thread per worker, and per engine it starts.** Two workers each running torch on
+  every core would run four threads on two; a test that is about threads sets its own count. A
+  worker sets ``OMP_NUM_THREADS=1`` too, which the engines a test starts (in the worker, or as
+  servers) take as their default ``--num-threads`` where the test gives none: beside a busy core,
+  an engine of two threads waits at every op for whichever of them is descheduled (Gemma 3's
+  small steps took 5x the CPU time on two threads; test_batch_invariance.py's batches 1.2x).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from xdist.scheduler import LoadFileScheduling
@@ -58,6 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # the engines' default (services/config/engine_args.py)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

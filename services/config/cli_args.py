@@ -38,7 +38,7 @@ _EXTRA_HELP = {
     "device": "cpu, cuda or auto.",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 on GPUs, and on CPUs with AMX or AVX-512 bf16 "
     "where batched steps run dense weights; else fp32).",
-    "num_threads": "torch threads per engine process (default: cores / local engines).",
+    "num_threads": "torch threads per engine process (default: OMP_NUM_THREADS where set, else cores / local engines).",
     "max_num_batched_tokens": f"Token budget of one engine step (default {DEFAULT_STEP_BUDGET}; "
     f"{AVX2_STEP_BUDGET} on a CPU with neither AMX nor AVX-512 VNNI, where a {DEFAULT_STEP_BUDGET}-token "
     "prefill takes seconds; without chunked prefill at least max_model_len).",

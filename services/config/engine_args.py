@@ -179,7 +179,7 @@ class EngineArgs:
             ),
             device=DeviceConfig(
                 device=device,
-                num_threads=self.num_threads or max(1, (os.cpu_count() or 1) // self.data_parallel_size),
+                num_threads=self.num_threads or self._default_num_threads(),
                 attention_backend=resolve_attention_backend(device),
                 enforce_eager=self.enforce_eager,
             ),
@@ -192,6 +192,17 @@ class EngineArgs:
         )
         check_async_scheduling(config)
         return config
+
+    def _default_num_threads(self) -> int:
+        """``OMP_NUM_THREADS`` where it is set, as torch's own default thread count reads it: a
+        process started with it asks for that many threads (weft sets the count itself, so it would
+        otherwise be ignored). Else the machine's cores, shared by the local engines."""
+        raw = (env.get("OMP_NUM_THREADS") or "").strip()
+        if raw:
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"OMP_NUM_THREADS must be a thread count >= 1, got {raw!r}.")
+            return int(raw)
+        return max(1, (os.cpu_count() or 1) // self.data_parallel_size)
 
     def _cpu_memory_utilization(self) -> float:
         engine_share(1, self.cpu_memory_utilization, 1)  # refuses a value outside (0, 1]
