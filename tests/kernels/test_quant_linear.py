@@ -618,7 +618,9 @@ def test_super_block_path_rounds_x_per_256(isa):
         group,
     )
     actual = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa=isa)
-    torch.testing.assert_close(actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max()))
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)
