@@ -25,10 +25,10 @@
 // tensor comes with it, int6 where the groups are 16; every op takes qhigh as its last,
 // optional argument), else int8. The K
 // formats' scales (and int4 mins) come per super-block of 256 weights instead,
-// scales [N, K / 256, record] uint8 (SuperScales): quant_linear_i16 and Q6_K's
-// quant_linear_i8 form each group's d * sc and -(dmin * m) in fp32 as they read
-// them, exactly, so the bits of fp32 scales and mins per group holding those
-// values; Q4_K's and Q5_K's quant_linear_i8 takes the super-block path (below).
+// scales [N, K / 256, record] uint8 (SuperScales): quant_linear_i16 forms each
+// group's d * sc and -(dmin * m) in fp32 as it reads them, exactly, so the bits
+// of fp32 scales and mins per group holding those values; quant_linear_i8 takes
+// them a super-block at a time (the super-block path, below).
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
 // fp16 scales (the 32-element formats' own) are read by the integer-activation
@@ -57,16 +57,17 @@
 // rows, packed; nothing is stored but int6's 128 bytes a tile row. Numerics: x is rounded to int8 (an error of up to amax / 254
 // per element); the rest is exact integer arithmetic and fp32 sums in another order than the
 // twin's.
-// The super-block path (Q4_K, Q5_K: the int4 or int5 layout with the K formats' records), as
-// llama.cpp's Q4_K x Q8_K dot: each row of x is rounded to int8 per 256 instead (one scale, amax /
-// 127, and integer sums per 32), and per super-block of each (weight row, x row) the eight groups'
-// maddubs sums are multiplied by their 6-bit sc in vpmaddwd (where the per-32 path multiplies by
-// ones) and added in int32, then converted and FMAed once by d times x's scale; the min term is an
+// The super-block path (Q4_K, Q5_K, Q6_K: the int4, int5 or int6 layout with the K formats'
+// records), as llama.cpp's Q4_K and Q6_K x Q8_K dots: each row of x is rounded to int8 per 256
+// instead (one scale, amax / 127, with integer sums per 32 for the mins, or Q6_K's 32 times each
+// pair's sum), and per super-block of each (weight row, x row) the groups' maddubs sums are
+// multiplied by their sc in vpmaddwd (where the per-group path multiplies by ones) and added in
+// int32, then converted and FMAed once by d times x's scale; Q4_K's and Q5_K's min term is an
 // integer vpmaddwd of the eight m with x's sums, times dmin times x's scale, once per super-block
-// (tile_i8_super, super_min_terms; the scalar loop dot_row_scalar_super). The same operations in
-// the same order for a pair in every tile shape and build (the AVX-512 build runs these 256-bit
-// tiles): batch invariant. The fp32-scale fallback of the K formats (K past the records' reach, a
-// tensor-parallel slice off super-blocks) keeps the per-group path.
+// (tile_i8_super, super_min_terms, tile_i8_super6; the scalar loop dot_row_scalar_super). The same
+// operations in the same order for a pair in every tile shape and build (the AVX-512 build runs
+// these 256-bit tiles): batch invariant. The fp32-scale fallback of the K formats (K past the
+// records' reach, a tensor-parallel slice off super-blocks) keeps the per-group path.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
 // vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
@@ -327,9 +328,9 @@ struct Packed {
   bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
   bool int5() const { return int4_layout && qhigh != nullptr; }
   bool int6() const { return int6_layout; }
-  // Q4_K and Q5_K (int4 or int5 with the K formats' records): quant_linear_i8 rounds x per 256 and
-  // dots a super-block at a time (tile_i8_super).
-  bool super_blocks() const { return int4_layout && super != nullptr; }
+  // Q4_K, Q5_K and Q6_K (int4, int5 or int6 with the K formats' records): quant_linear_i8 rounds x
+  // per 256 and dots a super-block at a time (tile_i8_super, tile_i8_super6).
+  bool super_blocks() const { return (int4_layout || int6_layout) && super != nullptr; }
   int64_t high_row_bytes() const { return int6_layout ? K / 4 : K / 8; }
   const uint8_t* high_row(int64_t n) const { return qhigh != nullptr ? qhigh + n * high_row_bytes() : nullptr; }
   // Whether the int4 layout stores its mins; without, each is implied_min_factor times its scale
@@ -682,9 +683,13 @@ struct ActInt8 {
   std::vector<int8_t> paired;  // int4 only: [M, blocks / 2 * 64]
   std::vector<float> lanes;    // int4 only, not the super-block path: [M, blocks / 2 * 8], lanes 0-3
                                // block b's scale, 4-7 b + 1's
-  // The super-block path only (Q4_K, Q5_K: group 256): [M, K / 32], the integer sums of the rounded
-  // x per 32 (at most 32 * 127 in magnitude), for the min term in integers.
+  // The super-block path only (group 256), Q4_K and Q5_K: [M, K / 32], the integer sums of the
+  // rounded x per 32 (at most 32 * 127 in magnitude), for the min term in integers.
   std::vector<int16_t> bsums;
+  // The super-block path only, Q6_K: [M, K / 2], 32 times the sum of each pair of rounded x (at most
+  // 32 * 2 * 127 = 8128), what tile_i8_super6 takes off each maddubs pair of q and x to make the
+  // pairs of q - 32.
+  std::vector<int16_t> pair_bias;
   // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
   // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
   std::vector<int32_t> bias;
@@ -695,6 +700,7 @@ struct ActInt8 {
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
   const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
   const int16_t* bsums_row(int64_t m) const { return bsums.data() + m * blocks; }
+  const int16_t* pair_bias_row(int64_t m) const { return pair_bias.data() + m * blocks * kBlock / 2; }
 };
 
 // x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
@@ -753,6 +759,19 @@ void pair_blocks(ActInt8& a, int64_t M, bool lanes) {
           std::fill(l + p * 8 + 4, l + p * 8 + 8, s[2 * p + 1]);
         }
       }
+    }
+  });
+}
+
+// Fills a.pair_bias from a.q (the int6 super-block path's; see ActInt8).
+void pair_biases(ActInt8& a, int64_t M) {
+  const int64_t pairs = a.blocks * kBlock / 2;
+  a.pair_bias.assign(M * pairs, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      int16_t* bias = a.pair_bias.data() + m * pairs;
+      for (int64_t i = 0; i < pairs; ++i) bias[i] = static_cast<int16_t>(32 * (q[2 * i] + q[2 * i + 1]));
     }
   });
 }
@@ -828,8 +847,9 @@ void bias_blocks(ActInt8& a, int64_t M) {
 }
 
 // Rows of x rounded for quant_linear_i8 against w: per weight group (sums: the int4 layout's float
-// group sums and paired copy; bias: int6's), or for the super-block path (Q4_K, Q5_K: int4 or int5
-// with the K formats' records) per 256 with integer sums per 32 and the paired copy.
+// group sums and paired copy; bias: int6's), or for the super-block path (the K formats' records)
+// per 256, with for Q4_K and Q5_K (sums) integer sums per 32 and the paired copy, for Q6_K (bias)
+// the pairs' biases.
 ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums,
                              bool bias, bool super) {
   ActInt8 a;
@@ -837,16 +857,20 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
   a.group = super ? SuperScales::kWeights : group;
   a.q.assign(M * a.blocks * kBlock, 0);
   a.scales.assign(M * a.row_scales(), 0.f);
-  sums = sums && !super;
-  if (sums) a.sums.assign(M * (K / kBlock), 0.f);  // int4: group == 32
+  const bool float_sums = sums && !super;
+  if (float_sums) a.sums.assign(M * (K / kBlock), 0.f);  // int4: group == 32
   round_rows(x, ldx, M, K, a.group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
-             sums ? a.sums.data() : nullptr);
-  if (super) {
+             float_sums ? a.sums.data() : nullptr);
+  if (super && sums) {
     pair_blocks(a, M, /*lanes=*/false);
     block_sums(a, M);
+  } else if (super && bias) {
+    pair_biases(a, M);
+  } else if (sums) {
+    pair_blocks(a, M, /*lanes=*/true);
+  } else if (bias) {
+    bias_blocks(a, M);
   }
-  if (sums) pair_blocks(a, M, /*lanes=*/true);
-  if (bias) bias_blocks(a, M);
   return a;
 }
 
@@ -953,35 +977,45 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
   *out = total;
 }
 
-// The super-block path (Q4_K, Q5_K against x rounded per 256) in plain loops: per super-block the
-// integer sum of each group's dot times its sc, and of each group's x sum times its m, then one
-// product each by d (dmin) times x's scale. Batch invariant like every path here (a row alone).
+// The super-block path (the K formats against x rounded per 256) in plain loops: per super-block
+// the integer sum of each group's dot times its sc (and for Q4_K and Q5_K of each group's x sum times
+// its m), then one product each by d (dmin) times x's scale. Batch invariant like every path here (a
+// row alone).
 void dot_row_scalar_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m, float* out) {
   const uint8_t* q = w.qweight + n * w.row_bytes;
   const uint8_t* high = w.high_row(n);
   const uint8_t* records = static_cast<const uint8_t*>(w.scale_row(n));
   const int8_t* xq = a.qrow(m);
-  const int16_t* bsums = a.bsums_row(m);
-  constexpr int64_t per = SuperScales::kWeights / kInt4Group;
+  const int16_t* bsums = w.int4() ? a.bsums_row(m) : nullptr;
+  const int64_t per = SuperScales::kWeights / w.group, record = SuperScales::record_bytes(w.int4(), w.group);
   float total = 0.f, min_total = 0.f;
   for (int64_t sb = 0; sb < w.K / SuperScales::kWeights; ++sb) {
-    const uint8_t* r = records + sb * SuperScales::record_bytes(true, kInt4Group);
+    const uint8_t* r = records + sb * record;
     int32_t dots = 0, mins = 0;
     for (int64_t i = 0; i < per; ++i) {
       const int64_t g = sb * per + i;
       int32_t dot = 0;
-      for (int64_t j = 0; j < kInt4Group; ++j) {
-        const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
-        int32_t wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-        if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
-        dot += wq * xq[g * kInt4Group + j];
+      for (int64_t j = 0; j < w.group; ++j) {
+        int32_t wq;
+        if (w.int6()) {
+          wq = int6_value(q, high, g * w.group + j) - 32;
+        } else {
+          const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
+          wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+          if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+        }
+        dot += wq * xq[g * w.group + j];
       }
-      dots += r[4 + i] * dot;
-      mins += r[4 + per + i] * bsums[g];
+      if (w.int6()) {
+        dots += static_cast<int8_t>(r[2 + i]) * dot;
+      } else {
+        dots += r[4 + i] * dot;
+        mins += r[4 + per + i] * bsums[g];
+      }
     }
     const float xs = a.srow(m)[sb];
     total += static_cast<float>(dots) * (SuperScales::half_at(r) * xs);
-    min_total += static_cast<float>(mins) * (SuperScales::half_at(r + 2) * xs);
+    if (w.int4()) min_total += static_cast<float>(mins) * (SuperScales::half_at(r + 2) * xs);
   }
   *out = total - min_total;
 }
@@ -1280,7 +1314,9 @@ void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t 
     bs[r] = a.bsums_row(m0 + r);
     xs[r] = a.srow(m0 + r);
   }
-  auto m16 = [](const uint8_t* r) { return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12))); };
+  auto m16 = [](const uint8_t* r) {  // a record's eight m as int16
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
+  };
   auto step = [&](int64_t sb, bool lone) {
     for (int i = 0; i < RW; ++i) {
       const uint8_t* r0 = rec[i] + sb * kSuperRecord;
@@ -1516,6 +1552,71 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   } else {
     for (int64_t b = 0; b < whole; ++b) step(b, false, [&](int i) { return sc[i].block(b, false); });
     if (whole < a.blocks) step(whole, true, [&](int i) { return sc[i].block(whole, true); });
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
+  }
+}
+
+// Q6_K weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256: the super-block
+// path for the int6 layout (llama.cpp's Q6_K x Q8_K dot in weft's tiles). Per block of 32 (the
+// weights unpacked 128 at a time, Int8Rows::unpack), maddubs of q in [0, 64) by x (a pair at most
+// 2 * 63 * 127 = 16002) less x's pair biases (ActInt8::pair_bias) gives the pairs of (q - 32) x,
+// each in [-8128, 7874], in int16; vpmaddwd by the two groups' signed sc (|sc| <= 128) makes int32
+// lanes of at most 2 * 8128 * 128 = 2080768, and a super-block's eight blocks at most 16646144 <
+// 2^24 a lane: converted to fp32 exactly, once per super-block, and FMAed by d times x's scale. The
+// same operations in the same order for a pair in every tile shape.
+template <int RW, int RX>
+void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                    const uint8_t* ahead) {
+  constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
+  const uint8_t* rec[RW];
+  for (int i = 0; i < RW; ++i) rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  const int8_t* xq[RX];
+  const int16_t* xb[RX];
+  const float* xs[RX];
+  for (int r = 0; r < RX; ++r) {
+    xq[r] = a.qrow(m0 + r);
+    xb[r] = a.pair_bias_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  const int64_t supers = w.K / SuperScales::kWeights;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m256i sums[RW][RX];
+    for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
+    __m256i sc16[RW][2];  // groups 0-7 and 8-15 of the super-block, as int16 in both halves
+    for (int i = 0; i < RW; ++i) {
+      for (int half = 0; half < 2; ++half) {
+        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
+        sc16[i][half] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = sb * 8 + j;
+      prefetch_share<RW>(ahead, b, kBlock / 2);  // 16 bytes of low bits a block; high bits with the scales
+      if (j % 4 == 0) rows.unpack(b / 4);
+      for (int i = 0; i < RW; ++i) {
+        const __m256i u = rows.unsigned_block(i, b);
+        const __m256i sc = pair_sc16(sc16[i][j / 4], j % 4);
+        for (int r = 0; r < RX; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock));
+          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + b * kBlock / 2));
+          const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), bias);
+          sums[i][r] = _mm256_add_epi32(sums[i][r], _mm256_madd_epi16(pairs, sc));
+        }
+      }
+    }
+    for (int i = 0; i < RW; ++i) {
+      const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kRecord));
+      for (int r = 0; r < RX; ++r) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xs[r][sb]));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][r]), scale, acc[i][r]);
+      }
+    }
   }
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
@@ -1842,7 +1943,8 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
 template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
 struct TilesI8 {
   using Act = ActInt8;
-  static constexpr bool kSuperBlocks = kInt4 && kScales == ScaleKind::kSuper;  // Q4_K, Q5_K: tile_i8_super
+  // Q4_K, Q5_K (tile_i8_super) and Q6_K (tile_i8_super6) with their records: x rounded per 256.
+  static constexpr bool kSuperBlocks = (kInt4 || kInt6) && kScales == ScaleKind::kSuper;
 #ifdef WEFT_ZMM
   static constexpr int kWide = 4;  // 4 x 4: two rows a zmm, 8 zmm accumulators
 #else
@@ -1867,8 +1969,10 @@ struct TilesI8 {
       return;
     }
 #endif
-    if constexpr (kSuperBlocks) {
+    if constexpr (kSuperBlocks && kInt4) {
       tile_i8_super<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);  // the 256-bit tiles in every build
+    } else if constexpr (kSuperBlocks) {
+      tile_i8_super6<RW, RX>(w, n, a, m0, out, ldo, ahead);
     } else if constexpr (kInt4) {
       tile_i8_int4<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
     } else {
