@@ -16,7 +16,9 @@ last and optional to every op) and int6 (Q6_K's: int4's bytes in groups of 16
 plus two high bits a weight in ``qhigh``). Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
 than the twin's), ``quant_linear_i16`` and ``quant_linear_i8`` (activations
 rounded to int16 or int8 per weight group, integer dot products; twin
-``quant_linear_i8_ref``). Layouts and
+``quant_linear_i8_ref``; ``quant_linear_i8`` against Q4_K, Q5_K and Q6_K records
+rounds x per super-block of 256 instead and sums a super-block's groups in
+integers, as llama.cpp's Q4_K and Q6_K x Q8_K dots). Layouts and
 numerics are described in the C++ source.
 """
 
@@ -111,7 +113,7 @@ def _output(x: torch.Tensor, qweight: torch.Tensor, out: torch.Tensor | None) ->
 
 
 # The ops by activation setting: fp32, or each row of x rounded per group of ``group_size``
-# to int8 or int16 first (then integer dot products).
+# (int8 against Q4_K, Q5_K and Q6_K records: per 256) to int8 or int16 first (then integer dot products).
 _OPS = {"fp32": "quant_linear", "int8": "quant_linear_i8", "int16": "quant_linear_i16"}
 
 

@@ -448,6 +448,12 @@ def quantize_rows_i8_ref(
     return q, torch.where(finite, d, torch.nan)
 
 
+def rounds_per_super_block(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``quant_linear_i8`` rounds x per super-block of 256 against this weight (Q4_K, Q5_K and
+    Q6_K: the int4, int5 or int6 layout with the K formats' records) rather than per weight group."""
+    return scales.dim() == 3 and is_int4(qweight)
+
+
 def quant_linear_i8_ref(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -460,7 +466,12 @@ def quant_linear_i8_ref(
     """Twin of ``kernels.cpu_quant_linear.quant_linear_i8`` (``_i16`` with ``dtype`` int16):
     ``x [M, K] @ W^T`` with x rounded to ``dtype`` per weight group; per group an exact
     integer dot times the two scales, plus for int4 and int5 the min times the sum of the rounded
-    x over the group: W times x rounded, exactly, up to the order of fp32 sums."""
+    x over the group: W times x rounded, exactly, up to the order of fp32 sums.
+
+    Q4_K, Q5_K and Q6_K with their records (``rounds_per_super_block``; int8 only) take the
+    super-block path instead: x rounded per 256 (``_quant_linear_super_ref``)."""
+    if dtype == torch.int8 and rounds_per_super_block(qweight, scales):
+        return _quant_linear_super_ref(x, qweight, scales, group_size, qhigh)
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
     wq = packed_values(qweight, group_size, qhigh)
@@ -470,6 +481,34 @@ def quant_linear_i8_ref(
     if mins is not None:
         y = y + (xs * xq.sum(-1).float()) @ mins.T
     return y
+
+
+def _quant_linear_super_ref(
+    x: torch.Tensor, qweight: torch.Tensor, records: torch.Tensor, group_size: int, qhigh: torch.Tensor | None
+) -> torch.Tensor:
+    """``quant_linear_i8``'s super-block path (llama.cpp's Q4_K and Q6_K x Q8_K dots): each row of x
+    rounded to int8 per 256 (``quantize_rows_i8_ref``), and per super-block the exact integers
+    ``sum_g sc_g dot_g`` and (Q4_K, Q5_K) ``sum_g m_g sum(x_g)``, each converted to fp32 and multiplied
+    by ``d * xs`` (``dmin * xs``), rounded to fp32 as the kernel forms it: W times x rounded, up to
+    the order of the fp32 sums over super-blocks."""
+    xq, xs = quantize_rows_i8_ref(x, SUPER_BLOCK, torch.int8)  # [M, B, 256], [M, B]
+    per = SUPER_BLOCK // group_size
+    mins = has_mins(qweight, group_size)
+    d = records[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, B]
+    first = 4 if mins else 2  # of the sc bytes
+    sc = records[..., first : first + per]  # [N, B, per]
+    sc = (sc if mins else sc.view(torch.int8)).double()
+    wq = packed_values(qweight, group_size, qhigh).unflatten(1, (-1, per)).double()  # [N, B, per, G]
+    xg = xq.unflatten(2, (per, group_size)).double()  # [M, B, per, G]
+    dots = torch.einsum("mbgj,nbgj->mnbg", xg, wq)  # exact in float64
+    sums = torch.einsum("mnbg,nbg->mnb", dots, sc).float()  # [M, N, B]
+    y = sums * (d[None] * xs[:, None])
+    if mins:
+        dmin = records[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        m = records[..., 4 + per : 4 + 2 * per].double()
+        min_sums = torch.einsum("mbg,nbg->mnb", xg.sum(-1), m).float()
+        y = y - min_sums * (dmin[None] * xs[:, None])
+    return y.sum(-1)
 
 
 HADAMARD_BLOCKS = (4, 16, 64)  # powers of 4: 1 / sqrt(block) is a power of two, exact

@@ -89,7 +89,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "WEFT_QUANT_ACTIVATIONS",
         "int8 (default), int16 or fp32: the activations of the quantized matmul rounded to int8 or int16 "
-        "per weight group, which makes the matmul integer dot products at every row count (int8 is fastest, "
+        "per weight group (int8 against the K formats: per 256), which makes the matmul integer dot products at "
+        "every row count (int8 is fastest, "
         "int16 half as fast and closer to fp32), or kept fp32 (exact up to the order of sums) "
         "(services/worker/layers/quantized_linear.py).",
     ),

@@ -25,9 +25,10 @@
 // tensor comes with it, int6 where the groups are 16; every op takes qhigh as its last,
 // optional argument), else int8. The K
 // formats' scales (and int4 mins) come per super-block of 256 weights instead,
-// scales [N, K / 256, record] uint8 (SuperScales): the integer-activation paths
-// form each group's d * sc and -(dmin * m) in fp32 as they read them, exactly,
-// so the bits of fp32 scales and mins per group holding those values.
+// scales [N, K / 256, record] uint8 (SuperScales): quant_linear_i16 forms each
+// group's d * sc and -(dmin * m) in fp32 as it reads them, exactly, so the bits
+// of fp32 scales and mins per group holding those values; quant_linear_i8 takes
+// them a super-block at a time (the super-block path, below).
 // Every product q * s is exact in fp32 for the GGUF formats, so the weights
 // this code rebuilds equal the gguf package's dequantization bit for bit.
 // fp16 scales (the 32-element formats' own) are read by the integer-activation
@@ -56,6 +57,17 @@
 // rows, packed; nothing is stored but int6's 128 bytes a tile row. Numerics: x is rounded to int8 (an error of up to amax / 254
 // per element); the rest is exact integer arithmetic and fp32 sums in another order than the
 // twin's.
+// The super-block path (Q4_K, Q5_K, Q6_K: the int4, int5 or int6 layout with the K formats'
+// records), as llama.cpp's Q4_K and Q6_K x Q8_K dots: each row of x is rounded to int8 per 256
+// instead (one scale, amax / 127, with integer sums per 32 for the mins, or Q6_K's 32 times each
+// pair's sum), and per super-block of each (weight row, x row) the groups' maddubs sums are
+// multiplied by their sc in vpmaddwd (where the per-group path multiplies by ones) and added in
+// int32, then converted and FMAed once by d times x's scale; Q4_K's and Q5_K's min term is an
+// integer vpmaddwd of the eight m with x's sums, times dmin times x's scale, once per super-block
+// (tile_i8_super, super_min_terms, tile_i8_super6; the scalar loop dot_row_scalar_super). The same
+// operations in the same order for a pair in every tile shape and build (the AVX-512 build runs
+// these 256-bit tiles): batch invariant. The fp32-scale fallback of the K formats (K past the
+// records' reach, a tensor-parallel slice off super-blocks) keeps the per-group path.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
 // vpdpwssd, AVX2 vpmaddwd): about half the instructions per weight of the fp32 path,
@@ -75,7 +87,8 @@
 // rows (all but the 1 x 4 and 1 x 1 tails) two weight rows to a 512-bit vector: each
 // half is the 8-lane accumulator of the 256-bit tile, x's bytes and scales broadcast
 // into both halves, the same operations per lane, so the same bits as the AVX2 build
-// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x).
+// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x). The
+// super-block path has no zmm tiles: the AVX-512 build runs its 256-bit ones (4 x 4 above 3 rows).
 // Everything else (quant_linear_i16, the fp32 paths) is the AVX2 code with VNNI dots
 // on 256-bit vectors. Each build
 // registers its ops under its own namespace (QUANT_LIBRARY_NS), so a process can
@@ -315,6 +328,9 @@ struct Packed {
   bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
   bool int5() const { return int4_layout && qhigh != nullptr; }
   bool int6() const { return int6_layout; }
+  // Q4_K, Q5_K and Q6_K (int4, int5 or int6 with the K formats' records): quant_linear_i8 rounds x
+  // per 256 and dots a super-block at a time (tile_i8_super, tile_i8_super6).
+  bool super_blocks() const { return (int4_layout || int6_layout) && super != nullptr; }
   int64_t high_row_bytes() const { return int6_layout ? K / 4 : K / 8; }
   const uint8_t* high_row(int64_t n) const { return qhigh != nullptr ? qhigh + n * high_row_bytes() : nullptr; }
   // Whether the int4 layout stores its mins; without, each is implied_min_factor times its scale
@@ -660,12 +676,20 @@ constexpr int64_t kBlock = 32;  // elements per integer dot: one 256-bit vector 
 // spread over the lanes their integer dots land in.
 struct ActInt8 {
   int64_t blocks = 0;  // blocks of 32 per row, K rounded up
-  int64_t group = 0;
+  int64_t group = 0;   // of the rounding: the weight's group, or 256 for the super-block path
   std::vector<int8_t> q;       // [M, blocks * 32]
   std::vector<float> scales;   // [M, blocks * 32 / group], 0 past K
   std::vector<float> sums;     // [M, K / 32]: fp32 sums of x per 32, for the int4 min term
   std::vector<int8_t> paired;  // int4 only: [M, blocks / 2 * 64]
-  std::vector<float> lanes;    // int4 only: [M, blocks / 2 * 8], lanes 0-3 block b's scale, 4-7 b + 1's
+  std::vector<float> lanes;    // int4 only, not the super-block path: [M, blocks / 2 * 8], lanes 0-3
+                               // block b's scale, 4-7 b + 1's
+  // The super-block path only (group 256), Q4_K and Q5_K: [M, K / 32], the integer sums of the
+  // rounded x per 32 (at most 32 * 127 in magnitude), for the min term in integers.
+  std::vector<int16_t> bsums;
+  // The super-block path only, Q6_K: [M, K / 2], 32 times the sum of each pair of rounded x (at most
+  // 32 * 2 * 127 = 8128), what tile_i8_super6 takes off each maddubs pair of q and x to make the
+  // pairs of q - 32.
+  std::vector<int16_t> pair_bias;
   // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
   // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
   std::vector<int32_t> bias;
@@ -675,6 +699,8 @@ struct ActInt8 {
   const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
   const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
+  const int16_t* bsums_row(int64_t m) const { return bsums.data() + m * blocks; }
+  const int16_t* pair_bias_row(int64_t m) const { return pair_bias.data() + m * blocks * kBlock / 2; }
 };
 
 // x[0..n) -> q[0..n) int8 or int16 (scale amax / 127 or amax / 32767); returns the scale,
@@ -708,17 +734,16 @@ float quantize_group(const float* x, int64_t n, T* q, float* sum_out) {
   return d;
 }
 
-// Fills a.paired and a.lanes from a.q and a.scales (int4: one scale per block).
-void pair_blocks(ActInt8& a, int64_t M) {
+// Fills a.paired from a.q and, with lanes (int4 rounded per 32: one scale per block), a.lanes from
+// a.scales.
+void pair_blocks(ActInt8& a, int64_t M, bool lanes) {
   const int64_t pairs = a.blocks / 2, half = kBlock / 2;
   a.paired.assign(M * pairs * 2 * kBlock, 0);
-  a.lanes.assign(M * pairs * 8, 0.f);
+  if (lanes) a.lanes.assign(M * pairs * 8, 0.f);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int8_t* q = a.qrow(m);
-      const float* s = a.srow(m);
       int8_t* out = a.paired.data() + m * pairs * 2 * kBlock;
-      float* lanes = a.lanes.data() + m * pairs * 8;
       for (int64_t p = 0; p < pairs; ++p) {
         const int8_t* b0 = q + 2 * p * kBlock;
         const int8_t* b1 = b0 + kBlock;
@@ -727,8 +752,40 @@ void pair_blocks(ActInt8& a, int64_t M) {
         std::copy(b1, b1 + half, o + half);
         std::copy(b0 + half, b0 + kBlock, o + 2 * half);
         std::copy(b1 + half, b1 + kBlock, o + 3 * half);
-        std::fill(lanes + p * 8, lanes + p * 8 + 4, s[2 * p]);
-        std::fill(lanes + p * 8 + 4, lanes + p * 8 + 8, s[2 * p + 1]);
+        if (lanes) {
+          const float* s = a.srow(m);
+          float* l = a.lanes.data() + m * pairs * 8;
+          std::fill(l + p * 8, l + p * 8 + 4, s[2 * p]);
+          std::fill(l + p * 8 + 4, l + p * 8 + 8, s[2 * p + 1]);
+        }
+      }
+    }
+  });
+}
+
+// Fills a.pair_bias from a.q (the int6 super-block path's; see ActInt8).
+void pair_biases(ActInt8& a, int64_t M) {
+  const int64_t pairs = a.blocks * kBlock / 2;
+  a.pair_bias.assign(M * pairs, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      int16_t* bias = a.pair_bias.data() + m * pairs;
+      for (int64_t i = 0; i < pairs; ++i) bias[i] = static_cast<int16_t>(32 * (q[2 * i] + q[2 * i + 1]));
+    }
+  });
+}
+
+// Fills a.bsums from a.q (the super-block path's; see ActInt8).
+void block_sums(ActInt8& a, int64_t M) {
+  a.bsums.assign(M * a.blocks, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int8_t* q = a.qrow(m);
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) sum += q[b * kBlock + j];
+        a.bsums[m * a.blocks + b] = static_cast<int16_t>(sum);
       }
     }
   });
@@ -789,18 +846,31 @@ void bias_blocks(ActInt8& a, int64_t M) {
   });
 }
 
+// Rows of x rounded for quant_linear_i8 against w: per weight group (sums: the int4 layout's float
+// group sums and paired copy; bias: int6's), or for the super-block path (the K formats' records)
+// per 256, with for Q4_K and Q5_K (sums) integer sums per 32 and the paired copy, for Q6_K (bias)
+// the pairs' biases.
 ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, bool sums,
-                             bool bias) {
+                             bool bias, bool super) {
   ActInt8 a;
   a.blocks = (K + kBlock - 1) / kBlock;
-  a.group = group;
+  a.group = super ? SuperScales::kWeights : group;
   a.q.assign(M * a.blocks * kBlock, 0);
   a.scales.assign(M * a.row_scales(), 0.f);
-  if (sums) a.sums.assign(M * (K / kBlock), 0.f);  // int4: group == 32
-  round_rows(x, ldx, M, K, group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
-             sums ? a.sums.data() : nullptr);
-  if (sums) pair_blocks(a, M);
-  if (bias) bias_blocks(a, M);
+  const bool float_sums = sums && !super;
+  if (float_sums) a.sums.assign(M * (K / kBlock), 0.f);  // int4: group == 32
+  round_rows(x, ldx, M, K, a.group, a.q.data(), a.blocks * kBlock, a.scales.data(), a.row_scales(),
+             float_sums ? a.sums.data() : nullptr);
+  if (super && sums) {
+    pair_blocks(a, M, /*lanes=*/false);
+    block_sums(a, M);
+  } else if (super && bias) {
+    pair_biases(a, M);
+  } else if (sums) {
+    pair_blocks(a, M, /*lanes=*/true);
+  } else if (bias) {
+    bias_blocks(a, M);
+  }
   return a;
 }
 
@@ -907,6 +977,49 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
   *out = total;
 }
 
+// The super-block path (the K formats against x rounded per 256) in plain loops: per super-block
+// the integer sum of each group's dot times its sc (and for Q4_K and Q5_K of each group's x sum times
+// its m), then one product each by d (dmin) times x's scale. Batch invariant like every path here (a
+// row alone).
+void dot_row_scalar_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m, float* out) {
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  const uint8_t* high = w.high_row(n);
+  const uint8_t* records = static_cast<const uint8_t*>(w.scale_row(n));
+  const int8_t* xq = a.qrow(m);
+  const int16_t* bsums = w.int4() ? a.bsums_row(m) : nullptr;
+  const int64_t per = SuperScales::kWeights / w.group, record = SuperScales::record_bytes(w.int4(), w.group);
+  float total = 0.f, min_total = 0.f;
+  for (int64_t sb = 0; sb < w.K / SuperScales::kWeights; ++sb) {
+    const uint8_t* r = records + sb * record;
+    int32_t dots = 0, mins = 0;
+    for (int64_t i = 0; i < per; ++i) {
+      const int64_t g = sb * per + i;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < w.group; ++j) {
+        int32_t wq;
+        if (w.int6()) {
+          wq = int6_value(q, high, g * w.group + j) - 32;
+        } else {
+          const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
+          wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
+          if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+        }
+        dot += wq * xq[g * w.group + j];
+      }
+      if (w.int6()) {
+        dots += static_cast<int8_t>(r[2 + i]) * dot;
+      } else {
+        dots += r[4 + i] * dot;
+        mins += r[4 + per + i] * bsums[g];
+      }
+    }
+    const float xs = a.srow(m)[sb];
+    total += static_cast<float>(dots) * (SuperScales::half_at(r) * xs);
+    if (w.int4()) min_total += static_cast<float>(mins) * (SuperScales::half_at(r + 2) * xs);
+  }
+  *out = total - min_total;
+}
+
 #ifdef WEFT_AVX2
 // Rows of W this far ahead are prefetched: the hardware prefetcher alone left the
 // decode matmul well under the read bandwidth on small layers.
@@ -944,21 +1057,19 @@ inline void prefetch_share(const uint8_t* ahead, int64_t step, int64_t bytes) {
 // shape, on M, or on the other rows of x (batch invariance).
 
 // Scales and mins are read where they lie, fp16 (the 32-element GGUF formats) or fp32 (the K
-// formats), and converted in registers: exact either way, so both give the same bits.
+// formats' fp32-scale fallback), and converted in registers: exact either way, so both give the same
+// bits. (The K formats' records take the super-block tiles, tile_i8_super.)
 template <ScaleKind kScales, bool kInt5>
 struct Int4Scales {
+  static_assert(kScales != ScaleKind::kSuper, "Q4_K and Q5_K records take tile_i8_super");
   static constexpr bool kHalf = kScales == ScaleKind::kHalf;
-  static constexpr bool kSuper = kScales == ScaleKind::kSuper;
-  static constexpr int64_t kRecord = 20;  // kSuper: fp16 d, fp16 dmin, 8 x uint8 sc, 8 x uint8 m
   const void* s;
-  const void* m;  // null where implied (Q4_0, Q5_0) and for kSuper (in the records)
+  const void* m;  // null where implied (Q4_0, Q5_0)
   // The factor of implied mins, a constant of the layout: a member read at run time left the int4
   // batch-1 tiles 3-5% slower (AVX2, Zen 3).
   static constexpr float kImplied = kInt5 ? -16.f : -8.f;
-  const uint8_t* record(int64_t b) const { return static_cast<const uint8_t*>(s) + b / 8 * kRecord; }
   // Pair p's two block scales as lanes 0-3 (block 2p) and 4-7 (block 2p + 1).
   __m256 pair(int64_t p) const {
-    if constexpr (kSuper) return halves(scale(2 * p), scale(2 * p + 1));
     __m128 two;
     if constexpr (kHalf) {
       int32_t bits;
@@ -969,31 +1080,20 @@ struct Int4Scales {
     }
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   }
-  // The scales of blocks b..b + 7, in order (kSuper: b a multiple of 8, one super-block: d * sc).
+  // The scales of blocks b..b + 7, in order.
   __m256 eight(int64_t b) const {
-    if constexpr (kSuper) {
-      const uint8_t* r = record(b);
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 4))));
-      return _mm256_mul_ps(_mm256_set1_ps(SuperScales::half_at(r)), sc);
-    } else if constexpr (kHalf) {
+    if constexpr (kHalf) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s) + b)));
     } else {
       return _mm256_loadu_ps(static_cast<const float*>(s) + b);
     }
   }
   float scale(int64_t b) const {
-    if constexpr (kSuper) return SuperScales::half_at(record(b)) * static_cast<float>(record(b)[4 + b % 8]);
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(s)[b])
                  : static_cast<const float*>(s)[b];
   }
-  // The mins of blocks g..g + 7, in order: stored, implied by the scales (m null: Q4_0, Q5_0), or
-  // (kSuper, g a multiple of 8) -(dmin * m).
+  // The mins of blocks g..g + 7, in order: stored, or implied by the scales (m null: Q4_0, Q5_0).
   __m256 eight_mins(int64_t g) const {
-    if constexpr (kSuper) {
-      const uint8_t* r = record(g);
-      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12))));
-      return _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(SuperScales::half_at(r + 2)), mn), _mm256_set1_ps(-0.f));
-    }
     if (m == nullptr) return _mm256_mul_ps(eight(g), _mm256_set1_ps(kImplied));  // exact: a power of two
     if constexpr (kHalf) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(m) + g)));
@@ -1002,7 +1102,6 @@ struct Int4Scales {
     }
   }
   float min(int64_t g) const {
-    if constexpr (kSuper) return -(SuperScales::half_at(record(g) + 2) * static_cast<float>(record(g)[12 + g % 8]));
     if (m == nullptr) return kImplied * scale(g);
     return kHalf ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(m)[g])
                  : static_cast<const float*>(m)[g];
@@ -1162,6 +1261,148 @@ void tile_i8_int4(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   }
 }
 
+// ---- Q4_K and Q5_K a super-block at a time (quant_linear_i8's super-block path) ----
+//
+// llama.cpp's Q4_K x Q8_K dot, in weft's tiles: x rounded per 256 (one scale, ActInt8 with group
+// 256 and integer sums per 32); per super-block and (weight row, x row) the eight groups' dots are
+// summed in int32 lanes, each group's by the vpmaddwd that multiplies it by its 6-bit sc (where the
+// per-32 path multiplies by ones), so one conversion and one FMA by d times x's scale per 256
+// weights instead of per 32; the min term is an integer dot of the eight m with x's sums per 32,
+// times dmin times x's scale, once per super-block (super_min_terms). Every (weight row, x row) pair
+// runs the same operations in the same order whatever the tile (the accumulator's lanes, super-blocks
+// in order, one horizontal sum, the min term): batch invariant.
+
+constexpr int64_t kSuperRecord = 20;  // bytes of a Q4_K or Q5_K record: fp16 d, fp16 dmin, 8 sc, 8 m
+constexpr int64_t kSuperPairs = SuperScales::kWeights / (2 * kBlock);  // pairs of groups a super-block
+
+// A super-block's eight sc (the record at r) as int16, the same eight in both 128-bit halves.
+inline __m256i super_sc16(const uint8_t* r) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 4))));
+}
+
+// Pair j's scales from super_sc16: sc[2j] in the eight int16 of the low half, sc[2j + 1] in the high
+// half's, as the pair's maddubs sums lie (group 2j's in the low half, 2j + 1's in the high).
+inline __m256i pair_sc16(__m256i sc16, int j) {
+  const int16_t lo = static_cast<int16_t>((4 * j) | (4 * j + 1) << 8), hi = static_cast<int16_t>(lo + 0x0202);
+  return _mm256_shuffle_epi8(
+      sc16, _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi));
+}
+
+// A pair's integer dot, scaled per group, for one (weight row, x row): lo and hi the pair's
+// unpacked weights (under 32), x its paired x, sc its pair_sc16. Each maddubs pair is at most
+// 2 * 31 * 127 = 7874 (int5; int4 2 * 15 * 127), the lo and hi ones' sum at most 15748, in int16;
+// vpmaddwd by sc <= 63 then makes int32 lanes of at most 2 * 15748 * 63 = 1984248.
+inline __m256i scaled_dot2(__m256i lo, __m256i hi, const int8_t* x, __m256i sc) {
+  const __m256i pairs =
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock))));
+  return _mm256_madd_epi16(pairs, sc);
+}
+
+// The min terms of a super-block tile, sum over super-blocks of dmin * xs * sum_g m_g * bsum_g,
+// into out[i][r]: two super-blocks a step (lanes 0-3 the first, 4-7 the second, each lane an exact
+// vpmaddwd of two m <= 63 by two x sums |bsum| <= 32 * 127: at most 512064), converted and FMAed
+// by dmin times x's scale; a lone last super-block with its high half zero; one horizontal sum.
+template <int RW, int RX>
+void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t m0, int64_t supers,
+                     float (&out)[RW][RX]) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const int16_t* bs[RX];
+  const float* xs[RX];
+  for (int r = 0; r < RX; ++r) {
+    bs[r] = a.bsums_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  auto m16 = [](const uint8_t* r) {  // a record's eight m as int16
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
+  };
+  auto step = [&](int64_t sb, bool lone) {
+    for (int i = 0; i < RW; ++i) {
+      const uint8_t* r0 = rec[i] + sb * kSuperRecord;
+      const __m128i high = lone ? _mm_setzero_si128() : m16(r0 + kSuperRecord);
+      const __m256i mins = _mm256_inserti128_si256(_mm256_castsi128_si256(m16(r0)), high, 1);
+      const __m256 dmin =
+          halves(SuperScales::half_at(r0 + 2), lone ? 0.f : SuperScales::half_at(r0 + kSuperRecord + 2));
+      for (int r = 0; r < RX; ++r) {
+        const int16_t* b = bs[r] + sb * 8;
+        const __m256i sums = lone ? _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 0)
+                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+        const __m256 scale = _mm256_mul_ps(dmin, halves(xs[r][sb], lone ? 0.f : xs[r][sb + 1]));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, sums)), scale, acc[i][r]);
+      }
+    }
+  };
+  int64_t sb = 0;
+  for (; sb + 2 <= supers; sb += 2) step(sb, false);
+  if (sb < supers) step(sb, true);
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[i][r] = hsum(acc[i][r]);
+  }
+}
+
+// Q4_K (kInt5: Q5_K) weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256.
+template <int RW, int RX, bool kInt5>
+void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                   const uint8_t* ahead) {
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const uint8_t* q[RW];
+  const uint8_t* h[RW];
+  const uint8_t* rec[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    h[i] = kInt5 ? w.high_row(n + i) : nullptr;
+    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  }
+  const int8_t* xp[RX];
+  const float* xs[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  const int64_t supers = w.K / SuperScales::kWeights;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m256i sums[RW][RX];
+    for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
+    __m256i sc16[RW];
+    for (int i = 0; i < RW; ++i) sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
+    for (int j = 0; j < kSuperPairs; ++j) {
+      const int64_t p = sb * kSuperPairs + j;
+      prefetch_share<RW>(ahead, p, kBlock);
+      for (int i = 0; i < RW; ++i) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
+        __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        if constexpr (kInt5) {
+          __m256i lo5, hi5;
+          fifth_bits_pair(h[i] + p * 8, lo5, hi5);
+          lo = _mm256_or_si256(lo, lo5);
+          hi = _mm256_or_si256(hi, hi5);
+        }
+        const __m256i sc = pair_sc16(sc16[i], j);
+        for (int r = 0; r < RX; ++r) {
+          sums[i][r] = _mm256_add_epi32(sums[i][r], scaled_dot2(lo, hi, xp[r] + p * 2 * kBlock, sc));
+        }
+      }
+    }
+    // Four pairs a lane, at most 4 * 1984248 = 7936992 < 2^24: converted to fp32 exactly.
+    for (int i = 0; i < RW; ++i) {
+      const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kSuperRecord));
+      for (int r = 0; r < RX; ++r) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xs[r][sb]));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][r]), scale, acc[i][r]);
+      }
+    }
+  }
+  float mins[RW][RX];
+  super_min_terms<RW, RX>(rec, a, m0, supers, mins);
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]) - mins[i][r];
+  }
+}
+
 // The int8 layout in the same tiles: per block of 32, a weight row's bytes loaded once (their
 // magnitudes for maddubs, their signs moved onto x), one integer dot per (weight row, x row) and
 // one FMA by the product of the scales (per half block where the group is 16). A half block at
@@ -1311,6 +1552,71 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
   } else {
     for (int64_t b = 0; b < whole; ++b) step(b, false, [&](int i) { return sc[i].block(b, false); });
     if (whole < a.blocks) step(whole, true, [&](int i) { return sc[i].block(whole, true); });
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
+  }
+}
+
+// Q6_K weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256: the super-block
+// path for the int6 layout (llama.cpp's Q6_K x Q8_K dot in weft's tiles). Per block of 32 (the
+// weights unpacked 128 at a time, Int8Rows::unpack), maddubs of q in [0, 64) by x (a pair at most
+// 2 * 63 * 127 = 16002) less x's pair biases (ActInt8::pair_bias) gives the pairs of (q - 32) x,
+// each in [-8128, 7874], in int16; vpmaddwd by the two groups' signed sc (|sc| <= 128) makes int32
+// lanes of at most 2 * 8128 * 128 = 2080768, and a super-block's eight blocks at most 16646144 <
+// 2^24 a lane: converted to fp32 exactly, once per super-block, and FMAed by d times x's scale. The
+// same operations in the same order for a pair in every tile shape.
+template <int RW, int RX>
+void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                    const uint8_t* ahead) {
+  constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
+  __m256 acc[RW][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
+  Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
+  const uint8_t* rec[RW];
+  for (int i = 0; i < RW; ++i) rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  const int8_t* xq[RX];
+  const int16_t* xb[RX];
+  const float* xs[RX];
+  for (int r = 0; r < RX; ++r) {
+    xq[r] = a.qrow(m0 + r);
+    xb[r] = a.pair_bias_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  const int64_t supers = w.K / SuperScales::kWeights;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m256i sums[RW][RX];
+    for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
+    __m256i sc16[RW][2];  // groups 0-7 and 8-15 of the super-block, as int16 in both halves
+    for (int i = 0; i < RW; ++i) {
+      for (int half = 0; half < 2; ++half) {
+        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
+        sc16[i][half] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = sb * 8 + j;
+      prefetch_share<RW>(ahead, b, kBlock / 2);  // 16 bytes of low bits a block; high bits with the scales
+      if (j % 4 == 0) rows.unpack(b / 4);
+      for (int i = 0; i < RW; ++i) {
+        const __m256i u = rows.unsigned_block(i, b);
+        const __m256i sc = pair_sc16(sc16[i][j / 4], j % 4);
+        for (int r = 0; r < RX; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock));
+          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + b * kBlock / 2));
+          const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), bias);
+          sums[i][r] = _mm256_add_epi32(sums[i][r], _mm256_madd_epi16(pairs, sc));
+        }
+      }
+    }
+    for (int i = 0; i < RW; ++i) {
+      const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kRecord));
+      for (int r = 0; r < RX; ++r) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xs[r][sb]));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][r]), scale, acc[i][r]);
+      }
+    }
   }
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]);
@@ -1637,6 +1943,8 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
 template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
 struct TilesI8 {
   using Act = ActInt8;
+  // Q4_K, Q5_K (tile_i8_super) and Q6_K (tile_i8_super6) with their records: x rounded per 256.
+  static constexpr bool kSuperBlocks = (kInt4 || kInt6) && kScales == ScaleKind::kSuper;
 #ifdef WEFT_ZMM
   static constexpr int kWide = 4;  // 4 x 4: two rows a zmm, 8 zmm accumulators
 #else
@@ -1652,7 +1960,7 @@ struct TilesI8 {
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
 #ifdef WEFT_ZMM
-    if constexpr (RW % 2 == 0) {
+    if constexpr (RW % 2 == 0 && !kSuperBlocks) {
       if constexpr (kInt4) {
         tile_i8_int4_zmm<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
       } else {
@@ -1661,7 +1969,11 @@ struct TilesI8 {
       return;
     }
 #endif
-    if constexpr (kInt4) {
+    if constexpr (kSuperBlocks && kInt4) {
+      tile_i8_super<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);  // the 256-bit tiles in every build
+    } else if constexpr (kSuperBlocks) {
+      tile_i8_super6<RW, RX>(w, n, a, m0, out, ldo, ahead);
+    } else if constexpr (kInt4) {
       tile_i8_int4<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
     } else {
       tile_i8_int8<RW, RX, kScales, G, kInt6>(w, n, a, m0, out, ldo, ahead);
@@ -1810,7 +2122,8 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
   using Act = std::conditional_t<kInt8, ActInt8, ActInt16>;
   const Act a = [&] {
     if constexpr (kInt8) {
-      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4(), w.int6());
+      return quantize_activations(x.data_ptr<float>(), x.stride(0), M, K, group_size, w.int4(), w.int6(),
+                                  w.super_blocks());
     } else {
       return quantize_activations_i16(x.data_ptr<float>(), x.stride(0), M, K, group_size);
     }
@@ -1830,6 +2143,12 @@ void quant_linear_integer(const char* name, const at::Tensor& x, const at::Tenso
       });
 #else
       for (int64_t n = begin; n < end; ++n) {
+        if constexpr (kInt8) {
+          if (w.super_blocks()) {
+            for (int64_t m = m0; m < m1; ++m) dot_row_scalar_super(w, n, a, m, op + m * ldo + n);
+            continue;
+          }
+        }
         const RowScales rs(w, n);
         for (int64_t m = m0; m < m1; ++m) dot_row_scalar(w, rs, n, a, m, op + m * ldo + n);
       }

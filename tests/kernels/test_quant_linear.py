@@ -156,16 +156,20 @@ def test_int6_bit_order(isa):
 @pytest.mark.parametrize("records", [False, True])
 def test_int6_gives_the_bits_of_the_same_weights_as_int8(isa, records):
     """The int6 layout's kernels unpack q - 32 and run the int8 layout's arithmetic: every op gives
-    the bits the int8 layout (Q6_K's before) gives for the same weights, per-16 scales or records."""
+    the bits the int8 layout (Q6_K's before) gives for the same weights, per-16 scales or (but
+    quant_linear_i8's super-block path) records."""
     if records:
         q, s, _, h = random_super("Q6_K", 203, 768, seed=9)
     else:
         q, s, _, h = random_packed("int6", 203, 640, 16, seed=9)
     as_int8 = packed_values(q, 16, h).flatten(1)  # [N, K] int8, q - 32
     k = as_int8.shape[1]
+    # With records quant_linear_i8 takes the super-block path for int6 (x rounded per 256), not the
+    # int8 layout's per-group one.
+    kernels = [INT_KERNELS["int16"]] if records else INT_KERNELS.values()
     for rows in (1, 2, 3, 4, 5, 9, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        for kernel, _ in INT_KERNELS.values():
+        for kernel, _ in kernels:
             assert torch.equal(
                 kernel(x, q, s, None, 16, isa=isa, qhigh=h), kernel(x, as_int8, s, None, 16, isa=isa)
             )
@@ -507,15 +511,15 @@ def random_super(fmt: str, n: int, k: int, seed: int = 0):
     return q, torch.cat((halves[..., :2], sc), dim=-1), 16, qhigh
 
 
-@pytest.mark.parametrize("bits", INT_KERNELS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k", [256, 768])
-def test_super_block_scales_give_the_bits_of_their_fp32_products(bits, isa, fmt, k):
-    """The K formats keep per super-block fp16 d (and dmin) and 8-bit sc (and m); the kernels form
-    d * sc and -(dmin * m) in fp32, exactly, so every tile and row count gives the bits of the fp32
-    scales and mins per group the repacker stored before."""
-    kernel, dtype = INT_KERNELS[bits]
+def test_super_block_scales_give_the_bits_of_their_fp32_products(isa, fmt, k):
+    """The K formats keep per super-block fp16 d (and dmin) and 8-bit sc (and m); where x is rounded
+    per group (quant_linear_i16; quant_linear_i8 rounds it per 256 against records, the super-block
+    path) the kernels form d * sc and -(dmin * m) in fp32, exactly, so every tile and row count
+    gives the bits of the fp32 scales and mins per group the repacker stored before."""
+    kernel, dtype = INT_KERNELS["int16"]
     q, records, group, h = random_super(fmt, 203, k, seed=k)
     scales, mins = super_scales_ref(records, fmt != "Q6_K", group)
     for rows in (1, 2, 3, 4, 5, 9, 33):
@@ -536,3 +540,127 @@ def test_super_block_scales_are_checked():
         cpu_quant_linear.quant_linear_i8(x, q, records[..., :18].contiguous(), None, group)
     with pytest.raises(RuntimeError, match="fp32 scales expected"):  # the fp32 path takes them per group
         cpu_quant_linear.quant_linear(x, q, records, None, group)
+
+
+# The super-block path: quant_linear_i8 against Q4_K, Q5_K and Q6_K records rounds x per 256.
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 512, 768, 2048])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 31])
+def test_super_block_path_matches_its_twin(isa, fmt, k, rows):
+    """x rounded per 256, a super-block's eight groups summed in integers: the twin's arithmetic up to
+    the order of the fp32 sums over super-blocks, with an odd and an even number of them."""
+    q, records, group, h = random_super(fmt, 203, k, seed=k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = quant_linear_i8_ref(x, q, records, None, group, qhigh=h)
+    actual = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa=isa, qhigh=h)
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_fp32_scales_of_k_formats_keep_the_per_group_path(isa, fmt):
+    """The fp32-scale fallback (K past the records' reach, a tensor-parallel slice off super-blocks)
+    takes x rounded per 32 as before: the per-group twin, not the super-block one."""
+    q, records, group, h = random_super(fmt, 67, 768, seed=4)
+    scales, mins = super_scales_ref(records, fmt != "Q6_K", group)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(8))
+    per_group = quant_linear_i8_ref(x, q, scales, mins, group, qhigh=h)
+    actual = cpu_quant_linear.quant_linear_i8(x, q, scales, mins, group, isa=isa, qhigh=h)
+    tolerance = SUM_ORDER_TOLERANCE * float(per_group.abs().max())
+    torch.testing.assert_close(actual, per_group, rtol=0, atol=tolerance)
+    per_super = quant_linear_i8_ref(x, q, records, None, group, qhigh=h)
+    assert (per_super - per_group).abs().max() > 100 * tolerance  # the two roundings do differ
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 768])
+def test_super_block_path_is_batch_invariant(isa, fmt, k):
+    """A row's output has the same bits alone, among 3, 7, 31 or 63 other rows (every tile shape:
+    the batch-1 2 x 1 tiles, 2 x 4, 4 x 2, 4 x 1, the lone-row tails), and row by row."""
+    q, records, group, h = random_super(fmt, 203, k, seed=k)  # 203 rows: tails past the 4-row blocks
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(k))
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return cpu_quant_linear.quant_linear_i8(rows.contiguous(), q, records, None, group, isa=isa, qhigh=h)
+
+    whole = run(x)
+    for row in (0, 2, 3, 30, 63):
+        alone = run(x[row : row + 1])
+        assert torch.equal(alone, whole[row : row + 1]), row
+        for size in (4, 8, 32):
+            start = min(row, 64 - size)
+            assert torch.equal(run(x[start : start + size])[row - start], alone[0]), (row, size)
+    try:
+        cpu_quant_linear.set_single_row_blocks(False, isa)
+        assert torch.equal(run(x), whole)
+        assert torch.equal(run(x[5:6]), whole[5:6])
+    finally:
+        cpu_quant_linear.set_single_row_blocks(True, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_super_block_path_rounds_x_per_256(isa):
+    """One scale per 256 elements of x: a value 1000 times the rest of its super-block rounds the rest
+    to zero there, while the next super-block keeps its own scale."""
+    q, records, group, _ = random_super("Q4_K", 8, 512, seed=6)
+    x = torch.ones(1, 512)
+    x[0, 0] = 1000.0  # the step of elements 0-255 is 1000 / 127: the ones round to 0
+    expected = quant_linear_ref(
+        torch.cat((torch.zeros(1, 1) + 1000.0, torch.zeros(1, 255), torch.ones(1, 256)), dim=1),
+        q,
+        *super_scales_ref(records, True, group),
+        group,
+    )
+    actual = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa=isa)
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
+    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_super_block_path_extremes_do_not_overflow(isa):
+    """Q5_K's largest weights (31) and 6-bit scales and mins (63) against x at +-127 of its step:
+    the int16 pairs, the int32 sums of a super-block and the min dot stay exact."""
+    n, k = 4, 512
+    q = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)
+    h = torch.full((n, k // 8), 0xFF, dtype=torch.uint8)  # every weight 31
+    halves = torch.full((n, k // 256, 2), 0.5).half().view(torch.uint8)  # d, dmin
+    records = torch.cat((halves, torch.full((n, k // 256, 16), 63, dtype=torch.uint8)), dim=-1)
+    x = torch.full((2, k), 3.0)
+    x[1, 1::2] = -3.0  # every element at +-127 of its step of 3 / 127
+    expected = quant_linear_ref(x, q, *super_scales_ref(records, True, 32), 32, h)
+    actual = cpu_quant_linear.quant_linear_i8(x, q, records, None, 32, isa=isa, qhigh=h)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_nan_in_x_reaches_only_its_row_in_the_super_block_path(isa):
+    q, records, group, h = random_super("Q5_K", 16, 512, seed=2)
+    x = torch.randn(3, 512)
+    x[1, 300] = float("inf")
+    out = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa=isa, qhigh=h)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    assert quant_linear_i8_ref(x, q, records, None, group, qhigh=h)[1].isnan().all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q6k_super_block_path_extremes_do_not_overflow(isa):
+    """Q6_K's most negative weights (q 0, less 32) and scales (-128) against x at 127 of its step:
+    the int16 pairs less their bias, the int32 sums of a super-block stay exact."""
+    n, k = 4, 512
+    q = torch.zeros(n, k // 2, dtype=torch.uint8)
+    h = torch.zeros(n, k // 4, dtype=torch.uint8)  # every q 0: weights -32 sc d
+    d = torch.full((n, k // 256, 1), 0.5).half().view(torch.uint8)
+    sc = torch.full((n, k // 256, 16), -128, dtype=torch.int8).view(torch.uint8)
+    records = torch.cat((d, sc), dim=-1)
+    x = torch.full((2, k), 3.0)
+    x[1, 1::2] = -3.0
+    expected = quant_linear_ref(x, q, super_scales_ref(records, False, 16)[0], None, 16, h)
+    actual = cpu_quant_linear.quant_linear_i8(x, q, records, None, 16, isa=isa, qhigh=h)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-3)

@@ -8,9 +8,9 @@ matrix (the embedding too) must stay packed in its layout, with the resident
 weights within 1.15x the file's tensor bytes. Its logits must be the dequantized
 model's up to the order of fp32 sums under fp32 activations, and its greedy
 tokens the dequantized model's: exactly under fp32 activations, and under the
-default int8 ones up to divergences at near-ties of the dequantized model's top
-two tokens, the bound ``tests/worker/test_quantized_model.py`` holds the default
-model to.
+default int8 ones up to divergences at near-ties, to a token within 0.2 nats of
+the dequantized model's best (the bound ``tests/worker/test_quantized_model.py``
+holds the default model's top two to).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def test_int8_activations_diverge_only_at_near_ties(models, run_dense, activatio
         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if at is None:
             continue
+        # The token taken instead is within NEAR_TIE of the dequantized model's best: with x
+        # rounded per 256 (Q4_K, Q5_K) not always its second, as these random weights' flat
+        # distributions hold several tokens that close.
         logprobs = logits[at].log_softmax(-1)
-        top2 = logprobs.topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, f"diverged at token {at} of {prompt}"
-        assert got[at] in logprobs.topk(2).indices.tolist()
+        gap = float(logprobs.max() - logprobs[got[at]])
+        assert gap < NEAR_TIE, f"diverged at token {at} of {prompt}: {gap:.3f} nats below the best"

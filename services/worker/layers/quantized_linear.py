@@ -23,7 +23,9 @@ Numerics: the weights the kernel rebuilds equal the gguf package's
 dequantization exactly. Activations (``WEFT_QUANT_ACTIVATIONS``): by default
 (``int8``, as llama.cpp does it) x is rounded per weight group to int8 (one
 scale amax / 127 per group), and each group is an integer dot product times
-the two scales, at every row count: a mean NLL cost of +0.004 nats on the
+the two scales, at every row count (against the K formats' records x is rounded
+per super-block of 256 and a super-block's groups summed in integers, as
+llama.cpp's Q8_K): a mean NLL cost of +0.004 nats on the
 default model against its dequantized weights (benchmarks/scripts/copy_likelihood.py).
 One kernel at every row count, whose sums for
 one (row, weight row) pair run in one fixed order whatever the other rows
