@@ -23,19 +23,6 @@ NEW_TOKENS = 32
 PROMPT_SHAPES = [(10, 300), (37, 500), (120, 700), (600, 0), (250, 0), (75, 900), (400, 0), (180, 1000)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def int16_activations():
-    """These tests check the engine's scheduling (chunked prefill, prefix caching, preemption)
-    against transformers token for token, which the packed kernel matches with activations
-    rounded to int16. The int8 default moves near-ties (tests/worker/test_quantized_model.py
-    bounds it), so it would fail this exact oracle without any scheduling bug."""
-    from services.worker.layers.quantized_linear import choose_kernel
-
-    choose_kernel(None, "int16")
-    yield
-    choose_kernel(None, None)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(default_model):
     from services.api.tokenizer import Tokenizer
@@ -54,8 +41,15 @@ def oracle(hf_default_model, tokenizer) -> GreedyOracle:
 
 
 def make_llm(**kwargs) -> LLM:
-    """The pools and shared prefixes of these tests are counted in 16-token blocks."""
-    return LLM(dtype="float32", block_size=16, **kwargs)
+    """The pools and shared prefixes of these tests are counted in 16-token blocks.
+
+    Dequantized weights (quantization "none"): these tests check the engine's scheduling
+    (chunked prefill, prefix caching, preemption) against transformers token for token, and
+    transformers runs the same dequantized fp32 weights. On an AVX2-only CPU the packed kernels
+    (at int16 activations, the only ones that hold this exact oracle) took twice the CPU time of
+    the dense fp32 GEMMs on these prefills; tests/worker/test_quantized_model.py checks them
+    against transformers."""
+    return LLM(dtype="float32", quantization="none", block_size=16, **kwargs)
 
 
 def assert_no_leaks(llm: LLM) -> None:
@@ -92,7 +86,7 @@ def test_greedy_matches_transformers_with_prefix_caching(llm, prompts, oracle):
 
 def test_greedy_matches_transformers_with_prefix_caching_in_the_cpu_default_blocks(prompts, oracle):
     """No block size asked: 128-token blocks on CPU, so hits come in multiples of 128 tokens."""
-    llm = LLM(dtype="float32", num_gpu_blocks_override=80)
+    llm = LLM(dtype="float32", quantization="none", num_gpu_blocks_override=80)
     try:
         assert llm.config.cache.block_size == 128
         llm.generate([prompts[6]], greedy(), use_tqdm=False)  # caches a 400-token prefix: three blocks
