@@ -63,11 +63,17 @@ def prepare(gguf_path: Path) -> Path:
     """Write the tokenizer and config held in a GGUF file to ``<name>.hf/``."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from services.gguf_plain import gguf_parsed_once
+
     hf_dir = gguf_path.with_suffix(".hf")
     tmp_dir = hf_dir.with_name(hf_dir.name + ".tmp")
     kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+    # transformers parses the file for the tokenizer, then again for the config, walking the
+    # vocabulary with np.memmap's hooks on every slice: one parse over a plain array instead
+    # (the default model's: 17.8 -> 7.1 s of CPU, the same files written).
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tokenizer.save_pretrained(tmp_dir)
     config.save_pretrained(tmp_dir)

@@ -8,7 +8,6 @@ one parse of a GGUF for transformers' loads of it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import zmq
 
+from services.gguf_plain import gguf_parsed_once
 from services.ports import free_port
 
 __all__ = ["REPO_ROOT", "KeepingContext", "compose_command", "free_port", "gguf_parsed_once"]
@@ -70,47 +70,6 @@ def _answers(command: list[str]) -> bool:
         return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-@contextlib.contextmanager
-def gguf_parsed_once():
-    """While open, each GGUF file is parsed once however often it is opened, over a plain array.
-
-    transformers opens a GGUF twice when it loads a model from one (for the
-    config, then for the weights), and each ``GGUFReader`` walks every
-    metadata field in Python: the tokenizer's 49k (SmolLM2) to 262k (Gemma 3)
-    strings. That walk, not the dequantization, is most of the load. The
-    reader is only read from, so the second open can be the first reader; and
-    it is the stock reader over a plain view of the file's map
-    (``PlainArrayReader``: the same fields and tensors, without ``np.memmap``'s
-    Python hooks on each of the walk's and the dequantization's slices).
-
-    transformers also builds gguf's tensor name map (every name of every
-    block, formatted in Python) once for each submodule of the model it maps
-    names for: 397 times for SmolLM2's, seconds in all. The map is only read
-    from too, so one per (architecture, block count) serves them all.
-    """
-    import gguf
-
-    from services.worker.gguf_reader import PlainArrayReader
-
-    if getattr(gguf.GGUFReader, "parsed_once", False):  # nested: the outer context's readers serve
-        yield
-        return
-    original_reader, original_name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
-
-    def reader(path, mode="r"):
-        key = (str(path), mode)
-        if key not in readers:
-            readers[key] = PlainArrayReader(path, mode)
-        return readers[key]
-
-    reader.parsed_once = True
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 class GreedyOracle:

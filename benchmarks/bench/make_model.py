@@ -167,7 +167,7 @@ def _tokenizer_fields(
 ) -> tuple[list[tuple[str, object, object, object]], int]:
     from gguf import GGUFValueType
 
-    from services.worker.gguf_reader import PlainArrayReader
+    from services.gguf_plain import PlainArrayReader
 
     reader = PlainArrayReader(path)
     fields = []

@@ -1,13 +1,7 @@
-"""``gguf.GGUFReader`` over a plain array, and without the per-element walk over metadata arrays.
+"""``gguf.GGUFReader`` without the per-element walk over metadata arrays: the engine's reader.
 
-The stock reader slices an ``np.memmap``, whose every slice and view runs
-``memmap``'s Python hooks: hundreds of thousands of them to parse a
-tokenizer's metadata or to dequantize a model's tensors. ``PlainArrayReader``
-reads the same mapped bytes through a plain ``ndarray`` view of the map (the
-view keeps the map open): the same fields and tensors, parsed three times
-faster.
-
-``TensorsReader``, the engine's, goes further. The stock walk turns every
+``TensorsReader`` reads through ``services.gguf_plain.PlainArrayReader``'s plain view of
+the file's map, and goes further. The stock walk turns every
 element of every metadata array into numpy views, one slice at a time: for a
 tokenizer's vocabulary (49k strings in SmolLM2, 262k in Gemma 3) that is
 seconds of CPU at every engine start, for fields the engine never reads (it
@@ -22,24 +16,12 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
+
+from services.gguf_plain import PlainArrayReader
 
 _ARRAY_HEADER = struct.Struct("<IQ")  # element type, element count
 _STRING_LENGTH = struct.Struct("<Q")
-
-
-class PlainArrayReader(GGUFReader):
-    """The stock reader (every field parsed), over a plain ``ndarray`` view of the file's map."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        # GGUFReader.__init__ assigns its np.memmap here; the view shares its pages (read-only
-        # in the default mode 'r') and keeps it alive through ``base``.
-        self._data = mapped.view(np.ndarray)
 
 
 class TensorsReader(PlainArrayReader):

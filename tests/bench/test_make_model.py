@@ -19,8 +19,9 @@ from gguf import GGUFReader
 from benchmarks.bench import make_model, peer_envs
 from benchmarks.bench.cli import main
 from protocol import SamplingParams
+from services.gguf_plain import PlainArrayReader
 from services.model_files import DEFAULT_GGUF, models_dir, resolve
-from services.worker.gguf_reader import PlainArrayReader, TensorsReader
+from services.worker.gguf_reader import TensorsReader
 from tests.utils import GreedyOracle, gguf_parsed_once
 
 PROMPTS = [

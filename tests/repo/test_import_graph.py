@@ -117,6 +117,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "services.config",
             "services.config_file",
             "services.generation_config",
+            "services.gguf_plain",
             "services.log_format",
             "services.model_files",
             "services.ports",

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from services.worker.gguf_reader import PlainArrayReader, TensorsReader
+from services.gguf_plain import PlainArrayReader
+from services.worker.gguf_reader import TensorsReader
 
 
 def write_gguf(path: Path) -> Path:
