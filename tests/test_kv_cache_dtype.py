@@ -88,9 +88,7 @@ def test_an_int8_cache_holds_1_9_times_the_tokens_at_no_measurable_likelihood_co
         # only difference. An int8 copy rounds each row of activations to one scale, which turned the
         # cache's small differences into a 0.375-nat gap at a near-tie (the packed kernels round per
         # group of 32); a bf16 copy runs prefills as bf16 GEMMs, minutes on a CPU without bf16 math.
-        llm = LLM(
-            dtype="bfloat16", kv_cache_dtype=setting, enable_prefix_caching=False, kv_cache_memory=1 << 30
-        )
+        llm = LLM(dtype="bfloat16", kv_cache_dtype=setting, kv_cache_memory=1 << 30)
         try:
             assert llm.config.model.dense_min_rows == 0
             runner = llm.engine.executor.worker.model_runner
@@ -105,8 +103,12 @@ def test_an_int8_cache_holds_1_9_times_the_tokens_at_no_measurable_likelihood_co
             else:
                 assert runner.kv_scales is None
             nll[setting] = mean_nll(llm, prompts)
-            # Long enough that the answers' decodes read many cached blocks (128-token blocks).
-            texts[setting] = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            # Long enough that the answers' decodes read many cached blocks (128-token blocks). The
+            # prompts are the likelihood pass's: their first three blocks are prefix-cache hits, so
+            # the answers' prefills read the blocks that pass wrote instead of computing them again.
+            answers = llm.generate(prompts, greedy, use_tqdm=False)
+            assert [o.num_cached_tokens for o in answers] == [384] * len(prompts)
+            texts[setting] = [o.outputs[0] for o in answers]
         finally:
             llm.shutdown()
     # 64 bytes of keys or values and a 4-byte scale per token and KV head, against 128 bytes: the
