@@ -37,6 +37,14 @@ def _write(out: Path, shape: str, qtype: str = "Q8_0", *extra: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def each_file_parsed_once():
+    """transformers parses a file (its 49k tokenizer strings) to prepare its HF folder, to load it,
+    and to write the vLLM checkpoint of it: one parse a file, over the module."""
+    with gguf_parsed_once():
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory) -> dict[str, Path]:
     """Each tiny shape, written once (Q8_0: the closest of the four to its fp32 values)."""
@@ -50,14 +58,11 @@ def _field(reader: GGUFReader, key: str):
     return reader.fields[key].contents()
 
 
-@functools.cache  # a load parses the file's 98k tokenizer strings: once per file
+@functools.cache  # once per file
 def _load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
-    with gguf_parsed_once():
-        return AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("qtype", make_model.QTYPES)
@@ -136,8 +141,7 @@ def test_a_real_shape_cut_to_one_layer(tmp_path: Path) -> None:
     assert _field(reader, "qwen3.context_length") == shape.context_length
     from transformers import AutoConfig
 
-    with gguf_parsed_once():
-        config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     assert (config.hidden_size, config.head_dim, config.num_hidden_layers) == (2560, 128, 1)
     assert (config.intermediate_size, config.num_key_value_heads) == (9728, 8)
 
@@ -226,26 +230,24 @@ def test_the_vllm_checkpoint_is_the_same_model(
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(peer_envs, "PEERS_DIR", tmp_path)
-    # The checkpoint's config and tokenizer come from the GGUF as transformers reads it: once a file.
-    with gguf_parsed_once():
-        ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
-        for name in ("tiny-llama", "tiny-qwen3"):
-            path = tiny_files[name]
-            sharded = peer_envs.hf_checkpoint(path, "float32", shard_bytes=2**24, log=lambda _: None)
-            assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
-            assert (sharded / "model.safetensors.index.json").exists() and (
-                sharded / "tokenizer.json"
-            ).exists()
-            model = AutoModelForCausalLM.from_pretrained(sharded).eval()
-            with torch.inference_mode():
-                assert torch.equal(model(ids).logits, _load_hf(path)(ids).logits), name
-        # The cast and the single file do not depend on the architecture: one shape's.
-        bf16 = peer_envs.hf_checkpoint(tiny_files["tiny-llama"], "bfloat16", log=lambda _: None)
-        assert [p.name for p in bf16.glob("*.safetensors")] == ["model.safetensors"]
-        assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16
-        logged: list[str] = []
-        again = peer_envs.hf_checkpoint(tiny_files["tiny-llama"], "bfloat16", log=logged.append)
-        assert again == tmp_path / "checkpoints" / "tiny-llama-bfloat16" and not logged  # reused
+    # The checkpoint's config and tokenizer come from the GGUF as transformers reads it (once a file:
+    # each_file_parsed_once).
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    for name in ("tiny-llama", "tiny-qwen3"):
+        path = tiny_files[name]
+        sharded = peer_envs.hf_checkpoint(path, "float32", shard_bytes=2**24, log=lambda _: None)
+        assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+        assert (sharded / "model.safetensors.index.json").exists() and (sharded / "tokenizer.json").exists()
+        model = AutoModelForCausalLM.from_pretrained(sharded).eval()
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, _load_hf(path)(ids).logits), name
+    # The cast and the single file do not depend on the architecture: one shape's.
+    bf16 = peer_envs.hf_checkpoint(tiny_files["tiny-llama"], "bfloat16", log=lambda _: None)
+    assert [p.name for p in bf16.glob("*.safetensors")] == ["model.safetensors"]
+    assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16
+    logged: list[str] = []
+    again = peer_envs.hf_checkpoint(tiny_files["tiny-llama"], "bfloat16", log=logged.append)
+    assert again == tmp_path / "checkpoints" / "tiny-llama-bfloat16" and not logged  # reused
 
 
 @pytest.mark.slow
