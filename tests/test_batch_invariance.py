@@ -84,6 +84,18 @@ def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(llm):
         assert [got[0], got[middle + 1], got[-1]] == alone, f"batch of {size}"
 
 
+def test_seeded_sampling_is_reproducible_and_does_not_depend_on_the_batch(llm):
+    """A seeded request samples the same tokens again, and beside other requests: its logits have the
+    same bits at every row count, and its generator is its own."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)
+    prompt = "Once upon a time, in a small village by the sea,"
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    batch = [{"prompt_token_ids": p} for p in others(llm, 4)]
+    batched = llm.generate([*batch, prompt], [greedy()] * 4 + [params], use_tqdm=False)
+    assert alone == again == batched[-1].outputs[0].text
+
+
 @pytest.fixture(scope="module")
 def spec():
     llm = LLM(speculative_config=SPEC)

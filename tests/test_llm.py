@@ -182,17 +182,6 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(llm, prompts):
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32)
-    prompt = "Once upon a time, in a small village by the sea,"
-    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
-    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
-    others = [{"prompt_token_ids": p} for p in prompts[:4]]
-    batched = llm.generate(others + [prompt], [greedy()] * 4 + [params], use_tqdm=False)
-    assert alone == again == batched[-1].outputs[0].text
-    assert_no_leaks(llm)
-
-
 def test_stop_strings_token_ids_and_n(llm):
     prompt = "Count with me: one, two, three, four, five, six,"
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
