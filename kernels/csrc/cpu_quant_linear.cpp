@@ -11,7 +11,12 @@
 //   int5  int4's qweight, scales and mins plus qhigh [N, K / 8] uint8, the
 //         fifth bits: per group of 32 a little-endian uint32 whose bit j is
 //         element j's (Q5_0's qh as the file holds it), so q in [0, 32).
-//         Without mins (Q5_0) each is -16 * s, exact as Q4_0's.
+//         Without mins (Q5_0) each is -16 * s, exact as Q4_0's. With the K
+//         formats' records (Q5_K) qhigh holds bit planes instead, 32 bytes a
+//         super-block in the order tile_i8_super unpacks a pair of groups
+//         (2p, 2p + 1): byte i, bit 2p the fifth bit of the pair's lo vector's
+//         byte i (element i of group 2p for i < 16, else element i - 16 of
+//         2p + 1), bit 2p + 1 that of its hi vector's (the element 16 further).
 //   int6  (Q6_K) qweight [N, K / 2] uint8, the low four bits, and qhigh [N, K / 4]
 //         uint8, the two high bits, as Q6_K's blocks hold them (ql and qh): per 128
 //         weights 64 bytes of qweight, byte l holding element l (low nibble) and
@@ -50,7 +55,8 @@
 // above, each (x row, weight row) pair with its own
 // accumulator and the same operations in the same order in every tile shape. The int5 layout
 // runs the int4 tiles (tile_i8_int4<..., kInt5>) with each weight row's fifth bits ORed into its
-// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. The int6 layout runs the
+// unpacked nibbles (fifth_bits_pair; Q5_K's super-block tile from its bit planes,
+// fifth_bits_of_planes); the arithmetic after is int4's. The int6 layout runs the
 // int8 tiles (tile_i8_int8<..., kInt6>) on its weights unpacked 128 at a time into a small buffer
 // per weight row, with 32 sum x taken off each lane's dot (ActInt8::bias). fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
@@ -150,8 +156,13 @@ void dequant_row_int8(const int8_t* q, const float* scales, int64_t K, int64_t g
 // two, so each min, factor times the scale, is exact in fp32, the value a stored min would hold.
 inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 
-// The fifth bit of element j of the int5 group whose qhigh word starts at h, as 0 or 16.
-inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
+// The fifth bit of element j of group g of an int5 row (its qhigh at h), as 0 or 16: from the
+// group's word, or (planes: Q5_K with its records) bit 2p or 2p + 1 of its super-block's planes.
+inline int fifth_bit(const uint8_t* h, int64_t g, int64_t j, bool planes) {
+  if (!planes) return ((h[g * 4 + j / 8] >> (j % 8)) & 1) << 4;
+  const int64_t byte = g % 2 * 16 + j % 16, bit = g % 8 / 2 * 2 + j / 16;
+  return ((h[g / 8 * 32 + byte] >> bit) & 1) << 4;
+}
 
 // Element j of an int6 row (its low bits at q, its high bits at h): q in [0, 64).
 inline int int6_value(const uint8_t* q, const uint8_t* h, int64_t j) {
@@ -189,6 +200,37 @@ inline void fifth_bits_pair(const uint8_t* h, __m256i& lo, __m256i& hi) {
       _mm256_shuffle_epi8(v, _mm256_setr_epi64x(0, 0x0101010101010101, 0x0404040404040404, 0x0505050505050505)));
   hi = bits_to_0x10(_mm256_shuffle_epi8(
       v, _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303, 0x0606060606060606, 0x0707070707070707)));
+}
+
+// Bit kBit of each byte of v as 0x10, the byte's other bits cleared: the 16-bit shift moves each
+// byte's bit kBit onto its bit 4 (by at most 4 places, so no byte's bit 4 receives the other's).
+template <int kBit>
+inline __m256i bit_as_0x10(__m256i v) {
+  __m256i moved = v;
+  if constexpr (kBit < 4) moved = _mm256_slli_epi16(v, 4 - kBit);
+  if constexpr (kBit > 4) moved = _mm256_srli_epi16(v, kBit - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// The fifth bits of Q5_K's pair kPair (groups 2 kPair, 2 kPair + 1) of a super-block, from its 32
+// bytes of bit planes, in fifth_bits_pair's order: a shift and a mask each, where the per-group
+// words take a broadcast, two shuffles and two tests (ggml's Q5_K dot reads its qh so).
+template <int kPair>
+inline void fifth_bits_of_planes(__m256i planes, __m256i& lo, __m256i& hi) {
+  lo = bit_as_0x10<2 * kPair>(planes);
+  hi = bit_as_0x10<2 * kPair + 1>(planes);
+}
+
+// The fifth bits of group g of a Q5_K row (its bit planes at h) as bytes in element order, 0x10
+// where set: the group is half g % 2 of its pair's lo and hi vectors, so its elements 0-15 are bit
+// 2p, its 16-31 bit 2p + 1, of that half's 16 plane bytes (p = g % 8 / 2).
+inline __m256i fifth_bits_of_group_planes(const uint8_t* h, int64_t g) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g / 8 * 32 + g % 2 * 16));
+  const int bit = static_cast<int>(g % 8 / 2 * 2);
+  const __m128i one = _mm_set1_epi8(1);
+  const __m128i low = _mm_and_si128(_mm_srl_epi16(half, _mm_cvtsi32_si128(bit)), one);
+  const __m128i high = _mm_and_si128(_mm_srl_epi16(half, _mm_cvtsi32_si128(bit + 1)), one);
+  return _mm256_slli_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1), 4);
 }
 
 // One group's low (elements 0-15) and high (16-31) nibbles as bytes, with the fifth bits where the
@@ -261,7 +303,8 @@ void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales
 #else
     // One rounding (fma), as the AVX2 build's FMA: the same bits in every build.
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      const int lo5 = hg != nullptr ? fifth_bit(hg, j) : 0, hi5 = hg != nullptr ? fifth_bit(hg, j + 16) : 0;
+      const int lo5 = hg != nullptr ? fifth_bit(hg, 0, j, false) : 0;
+      const int hi5 = hg != nullptr ? fifth_bit(hg, 0, j + 16, false) : 0;
       og[j] = std::fma(static_cast<float>((qg[j] & 0x0F) | lo5), scales[g], min);
       og[j + kInt4Group / 2] = std::fma(static_cast<float>((qg[j] >> 4) | hi5), scales[g], min);
     }
@@ -318,8 +361,8 @@ struct Packed {
   const uint16_t* mins_h = nullptr;
   // The K formats' records (SuperScales), the mins inside; only the integer-activation paths read them.
   const uint8_t* super = nullptr;
-  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32), or the int6 layout's two
-  // high bits, [N, K / 4]; null for int4 and int8.
+  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32; bit planes per super-block
+  // with records, fifth_planes), or the int6 layout's two high bits, [N, K / 4]; null for int4 and int8.
   const uint8_t* qhigh = nullptr;
   // int6: Q6_K's low and high bits (qweight, qhigh), groups of 16, no mins; the int8 layout's
   // integer dots (int4_layout false).
@@ -327,6 +370,8 @@ struct Packed {
 
   bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
   bool int5() const { return int4_layout && qhigh != nullptr; }
+  // Q5_K with its records: the fifth bits as bit planes per super-block (the top of the file).
+  bool fifth_planes() const { return int5() && super != nullptr; }
   bool int6() const { return int6_layout; }
   // Q4_K, Q5_K and Q6_K (int4, int5 or int6 with the K formats' records): quant_linear_i8 rounds x
   // per 256 and dots a super-block at a time (tile_i8_super, tile_i8_super6).
@@ -963,7 +1008,7 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
       if (w.int4()) {
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-        if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+        if (high != nullptr) wq |= fifth_bit(high, g, j, w.fifth_planes());
       } else if (w.int6()) {
         wq = int6_value(q, high, g * w.group + j) - 32;
       } else {
@@ -1002,7 +1047,7 @@ void dot_row_scalar_super(const Packed& w, int64_t n, const ActInt8& a, int64_t 
         } else {
           const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
           wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-          if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+          if (high != nullptr) wq |= fifth_bit(high, g, j, /*planes=*/true);
         }
         dot += wq * xq[g * w.group + j];
       }
@@ -1342,7 +1387,8 @@ void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t 
   }
 }
 
-// Q4_K (kInt5: Q5_K) weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256.
+// Q4_K (kInt5: Q5_K, its fifth bits as bit planes) weight rows [n, n + RW) against rows
+// [m0, m0 + RX) of x rounded per 256.
 template <int RW, int RX, bool kInt5>
 void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
@@ -1367,9 +1413,14 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m256i sums[RW][RX];
     for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
-    __m256i sc16[RW];
-    for (int i = 0; i < RW; ++i) sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
-    for (int j = 0; j < kSuperPairs; ++j) {
+    __m256i sc16[RW], planes[RW];
+    for (int i = 0; i < RW; ++i) {
+      sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
+      if constexpr (kInt5) planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[i] + sb * 32));
+    }
+    // Pair j of the super-block; j a constant, so the planes' shifts are immediates.
+    auto pair_step = [&](auto pair) {
+      constexpr int j = decltype(pair)::value;
       const int64_t p = sb * kSuperPairs + j;
       prefetch_share<RW>(ahead, p, kBlock);
       for (int i = 0; i < RW; ++i) {
@@ -1377,7 +1428,7 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
         __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
         if constexpr (kInt5) {
           __m256i lo5, hi5;
-          fifth_bits_pair(h[i] + p * 8, lo5, hi5);
+          fifth_bits_of_planes<j>(planes[i], lo5, hi5);
           lo = _mm256_or_si256(lo, lo5);
           hi = _mm256_or_si256(hi, hi5);
         }
@@ -1386,7 +1437,12 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
           sums[i][r] = _mm256_add_epi32(sums[i][r], scaled_dot2(lo, hi, xp[r] + p * 2 * kBlock, sc));
         }
       }
-    }
+    };
+    static_assert(kSuperPairs == 4, "a super-block is four pairs of groups");
+    pair_step(std::integral_constant<int, 0>{});
+    pair_step(std::integral_constant<int, 1>{});
+    pair_step(std::integral_constant<int, 2>{});
+    pair_step(std::integral_constant<int, 3>{});
     // Four pairs a lane, at most 4 * 1984248 = 7936992 < 2^24: converted to fp32 exactly.
     for (int i = 0; i < RW; ++i) {
       const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kSuperRecord));
@@ -1844,8 +1900,9 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 constexpr int64_t kScaleChunk = 64;
 
 // Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups); kInt5: the
-// int5 layout, h the row's fifth bits; kInt6: the int6 layout (groups of 16), h its high bits.
-template <bool kInt4, bool kInt5, bool kInt6, int G>
+// int5 layout, h the row's fifth bits (kPlanes: Q5_K's bit planes); kInt6: the int6 layout (groups
+// of 16), h its high bits.
+template <bool kInt4, bool kInt5, bool kInt6, int G, bool kPlanes>
 inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m256i& w0, __m256i& w1) {
   if constexpr (kInt6) {
     // Group g's 16 weights: the 16 bytes of low and of high bits that hold them (int6_chunk's
@@ -1859,7 +1916,8 @@ inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m25
                                        _mm_set1_epi8(0x03));
     w0 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)));
   } else if constexpr (kInt5) {
-    const __m256i bytes = int4or5_block<true>(q, h, g);
+    const __m256i bytes = kPlanes ? _mm256_or_si256(int4or5_block<false>(q, h, g), fifth_bits_of_group_planes(h, g))
+                                  : int4or5_block<true>(q, h, g);
     w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
     w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));
   } else if constexpr (kInt4) {
@@ -1885,7 +1943,7 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
 // groups into the first and odd ones into the second (so two FMA chains per pair), each group one
 // integer dot and one FMA by the scale product; then one horizontal sum of the two and the min
 // term. The same operations in the same order in every tile shape (batch invariance).
-template <int RW, int RX, bool kInt4, bool kInt5, bool kInt6, int G>
+template <int RW, int RX, bool kInt4, bool kInt5, bool kInt6, int G, bool kPlanes>
 void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[RW][RX][2];
   for (auto& per_w : acc) for (auto& two : per_w) two[0] = two[1] = _mm256_setzero_ps();
@@ -1908,7 +1966,7 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
     }
     for (int i = 0; i < RW; ++i) {
       __m256i w0, w1;
-      widen_group_i16<kInt4, kInt5, kInt6, G>(q[i], h[i], g, w0, w1);
+      widen_group_i16<kInt4, kInt5, kInt6, G, kPlanes>(q[i], h[i], g, w0, w1);
       for (int r = 0; r < RX; ++r) {
         __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0[r]);
         if constexpr (G == 32) dot = dot_s16(dot, w1, x1[r]);
@@ -1990,7 +2048,8 @@ struct TilesI16 {
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
-    tile_i16<RW, RX, kInt4, kInt5, kInt6, G>(w, n, a, m0, out, ldo);
+    // Q5_K's records come with its fifth bits as bit planes.
+    tile_i16<RW, RX, kInt4, kInt5, kInt6, G, kInt5 && kScales == ScaleKind::kSuper>(w, n, a, m0, out, ldo);
   }
 };
 
