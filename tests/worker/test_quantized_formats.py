@@ -275,6 +275,11 @@ def test_q5_k_planes_and_per_group_words_run_the_same_weights():
     assert torch.equal(
         quant_linear_i16(x, *records, qhigh=packed.qhigh), quant_linear_i16(x, *fp32, qhigh=per_group.qhigh)
     )
+    on = packed.narrow(1, 256, 512).contiguous()  # on super-blocks: the records and their planes
+    xs = x[:, 256:768].contiguous()
+    assert on.super_scales and torch.equal(on.dequantize(), dense[:, 256:768])
+    sliced = (on.qweight, on.scales, None, 32)
+    close_to(quant_linear_i8(xs, *sliced, qhigh=on.qhigh), quant_linear_i8_ref(xs, *sliced, qhigh=on.qhigh))
     off = packed.narrow(1, 96, 512).contiguous()  # off super-blocks: fp32 scales, per-group words
     assert torch.equal(off.dequantize(), dense[:, 96:608])
     xo = x[:, 96:608].contiguous()
