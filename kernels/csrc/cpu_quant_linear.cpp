@@ -233,14 +233,14 @@ inline __m256i fifth_bits_of_group_planes(const uint8_t* h, int64_t g) {
   return _mm256_slli_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1), 4);
 }
 
-// One group's low (elements 0-15) and high (16-31) nibbles as bytes, with the fifth bits where the
-// group has them (h not null).
-inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m128i& high) {
+// Group g's low (elements 0-15) and high (16-31) nibbles as bytes (qg its 16 bytes), with the
+// fifth bits where the row has them (h its qhigh row, not null; planes: Q5_K's bit planes).
+inline void group_bytes(const uint8_t* qg, const uint8_t* h, int64_t g, bool planes, __m128i& low, __m128i& high) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
   low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
   high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
   if (h != nullptr) {
-    const __m256i fifth = fifth_bits(h);
+    const __m256i fifth = planes ? fifth_bits_of_group_planes(h, g) : fifth_bits(h + g * 4);
     low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
     high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
   }
@@ -287,21 +287,19 @@ void dequant_row_int6(const uint8_t* q, const uint8_t* h, const float* scales, i
   }
 }
 
-// One weight row of the int4 or (high: its qhigh row) int5 layout, dequantized into out[K] (mins
-// null: implied ones).
-void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales, const float* mins, int64_t K,
-                      float* out) {
-  const float implied = implied_min_factor(high != nullptr);
+// One weight row of the int4 or (high: its qhigh row; planes: Q5_K's bit planes) int5 layout,
+// dequantized into out[K].
+void dequant_row_int4(const uint8_t* q, const uint8_t* high, bool planes, const float* scales, const float* mins,
+                      int64_t K, float* out) {
   for (int64_t g = 0; g < K / kInt4Group; ++g) {
     const uint8_t* qg = q + g * (kInt4Group / 2);
-    const uint8_t* hg = high != nullptr ? high + g * 4 : nullptr;
     float* og = out + g * kInt4Group;
-    const float min = mins != nullptr ? mins[g] : implied * scales[g];
+    const float min = mins[g];
 #ifdef WEFT_AVX2
     const __m256 s = _mm256_set1_ps(scales[g]);
     const __m256 m = _mm256_set1_ps(min);
     __m128i low, hi;
-    group_bytes(qg, hg, low, hi);
+    group_bytes(qg, high, g, planes, low, hi);
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), hi, _mm_srli_si128(hi, 8)};
     for (int p = 0; p < 4; ++p) {
       const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
@@ -310,8 +308,8 @@ void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales
 #else
     // One rounding (fma), as the AVX2 build's FMA: the same bits in every build.
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      const int lo5 = hg != nullptr ? fifth_bit(hg, 0, j, false) : 0;
-      const int hi5 = hg != nullptr ? fifth_bit(hg, 0, j + 16, false) : 0;
+      const int lo5 = high != nullptr ? fifth_bit(high, g, j, planes) : 0;
+      const int hi5 = high != nullptr ? fifth_bit(high, g, j + 16, planes) : 0;
       og[j] = std::fma(static_cast<float>((qg[j] & 0x0F) | lo5), scales[g], min);
       og[j + kInt4Group / 2] = std::fma(static_cast<float>((qg[j] >> 4) | hi5), scales[g], min);
     }
@@ -338,17 +336,12 @@ struct SuperScales {
     std::memcpy(&h, p, 2);
     return c10::detail::fp16_ieee_to_fp32_value(h);
   }
-  // Group g's scale and min of a row's records.
+  // Group g's scale of a row's records (its min: RowScales).
   static float scale(const uint8_t* row, int64_t g, bool int4, int64_t group) {
     const int64_t per = kWeights / group;
     const uint8_t* r = row + g / per * record_bytes(int4, group);
     const float sc = int4 ? static_cast<float>(r[4 + g % per]) : static_cast<float>(static_cast<int8_t>(r[2 + g % per]));
     return half_at(r) * sc;
-  }
-  static float min(const uint8_t* row, int64_t g) {  // int4 only
-    const int64_t per = kWeights / kInt4Group;
-    const uint8_t* r = row + g / per * record_bytes(true, kInt4Group);
-    return -(half_at(r + 2) * static_cast<float>(r[4 + per + g % per]));
   }
 };
 
@@ -405,18 +398,6 @@ struct Packed {
   const void* min_row(int64_t n) const {
     return mins_h != nullptr ? static_cast<const void*>(mins_h + n * groups) : mins + n * groups;
   }
-
-  void dequant_row(int64_t n, float* out) const {
-    const float* s = scales + n * groups;
-    if (int6_layout) {
-      dequant_row_int6(qweight + n * row_bytes, high_row(n), s, K, out);
-    } else if (!int4_layout) {
-      dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
-    } else {
-      dequant_row_int4(qweight + n * row_bytes, high_row(n), s, mins == nullptr ? nullptr : mins + n * groups, K,
-                       out);
-    }
-  }
 };
 
 #ifdef WEFT_AVX2
@@ -471,9 +452,9 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
   }
 }
 
-// half_scales: whether the caller reads fp16 scales and mins or K-format records (SuperScales: scales
-// [N, K / 256, record] uint8, no mins; the integer-activation paths); the fp32-activation paths
-// dequantize with fp32 ones. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
+// half_scales: whether the caller reads fp16 scales and mins (the integer-activation paths); the
+// fp32-activation paths dequantize with fp32 ones. Every path reads the K formats' records
+// (SuperScales: scales [N, K / 256, record] uint8, no mins) through RowScales. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
 // optional (none: Q4_0's and Q5_0's, implied by the scales); with qhigh it is int5.
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                  const c10::optional<at::Tensor>& qhigh, int64_t group_size, int64_t K, bool half_scales = false) {
@@ -485,8 +466,9 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   const bool half = scales.scalar_type() == at::kHalf;
   const bool super = scales.dim() == 3 && scales.scalar_type() == at::kByte;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || (half_scales && (half || super))),
-              "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
+                  (scales.scalar_type() == at::kFloat || super || (half_scales && half)),
+              "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32",
+              " scales expected (or the K formats' records)");
   TORCH_CHECK(qweight.scalar_type() == (nibbles ? at::kByte : at::kChar), "quant_linear: qweight must be ",
               nibbles ? "uint8 (int4, int5 or int6 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group) &&
@@ -562,13 +544,25 @@ struct RowScales {
   void read(const Packed& w, int64_t n) {
     m = nullptr;
     if (w.super != nullptr) {
+      // SuperScales::scale and ::min's products, each record's halves converted once.
       const uint8_t* row = static_cast<const uint8_t*>(w.scale_row(n));
-      for (int64_t g = 0; g < w.groups; ++g) s_buf[g] = SuperScales::scale(row, g, w.int4(), w.group);
-      s = s_buf;
-      if (w.int4()) {
-        for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = SuperScales::min(row, g);
-        m = m_buf;
+      const int64_t per = SuperScales::kWeights / w.group, bytes = SuperScales::record_bytes(w.int4(), w.group);
+      for (int64_t sb = 0; sb < w.K / SuperScales::kWeights; ++sb) {
+        const uint8_t* r = row + sb * bytes;
+        const float d = SuperScales::half_at(r);
+        float* sg = s_buf + sb * per;
+        if (w.int4()) {
+          const float dmin = SuperScales::half_at(r + 2);
+          for (int64_t i = 0; i < per; ++i) {
+            sg[i] = d * static_cast<float>(r[4 + i]);
+            m_buf[sb * per + i] = -(dmin * static_cast<float>(r[4 + per + i]));
+          }
+        } else {
+          for (int64_t i = 0; i < per; ++i) sg[i] = d * static_cast<float>(static_cast<int8_t>(r[2 + i]));
+        }
       }
+      s = s_buf;
+      if (w.int4()) m = m_buf;
       return;
     }
     if (w.scales != nullptr) {
@@ -589,15 +583,29 @@ struct RowScales {
   }
 };
 
+// Weight row n dequantized into out[K] (the fp32-activation paths), its scales and mins as RowScales
+// reads them (fp32 per group, or the K formats' records).
+void dequant_row(const Packed& w, int64_t n, float* out) {
+  const RowScales rs(w, n);
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  if (w.int6()) {
+    dequant_row_int6(q, w.high_row(n), rs.s, w.K, out);
+  } else if (!w.int4()) {
+    dequant_row_int8(reinterpret_cast<const int8_t*>(q), rs.s, w.K, w.group, out);
+  } else {
+    dequant_row_int4(q, w.high_row(n), w.fifth_planes(), rs.s, rs.m, w.K, out);
+  }
+}
+
 #ifdef WEFT_AVX2
-// The 8 weights of part p (0..3) of a group of 32 (int5: its qhigh word at h, else h null),
-// dequantized in registers.
+// The 8 weights of part p (0..3) of group g of an int4 row (q its bytes; int5: h its qhigh row, else
+// null), dequantized in registers.
 struct GroupInt4 {
   __m256 w[4];
-  GroupInt4(const uint8_t* qg, const uint8_t* h, float scale, float min) {
+  GroupInt4(const uint8_t* q, const uint8_t* h, int64_t g, bool planes, float scale, float min) {
     const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(min);
     __m128i low, high;
-    group_bytes(qg, h, low, high);
+    group_bytes(q + g * (kInt4Group / 2), h, g, planes, low, high);
     w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), s, m);
     w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), s, m);
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), s, m);
@@ -617,14 +625,13 @@ template <int R>
 void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, float* out, int64_t ldo) {
   __m256 acc[R][4];
   for (auto& a : acc) for (auto& v : a) v = _mm256_setzero_ps();
-  const float* s = w.scales + n * w.groups;
+  const RowScales rs(w, n);
+  const float* s = rs.s;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   if (w.int4()) {
-    const float* m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
     const uint8_t* high = w.high_row(n);
     for (int64_t g = 0; g < w.groups; ++g) {
-      const GroupInt4 grp(q + g * (kInt4Group / 2), high != nullptr ? high + g * 4 : nullptr, s[g],
-                          m != nullptr ? m[g] : w.implied_min(s[g]));
+      const GroupInt4 grp(q, high, g, w.fifth_planes(), s[g], rs.m[g]);
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kInt4Group;
         for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(grp.w[p], _mm256_loadu_ps(xg + 8 * p), acc[r][p]);
@@ -697,7 +704,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
     std::vector<float> buf(kTileRows * K, 0.f);  // rows past N stay zero
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      for (int64_t r = 0; r < rows; ++r) w.dequant_row(n0 + r, buf.data() + r * K);
+      for (int64_t r = 0; r < rows; ++r) dequant_row(w, n0 + r, buf.data() + r * K);
       dot_rows(xp, ldx, M, buf.data(), K, op + n0, ldo, rows);
     }
   });
@@ -713,7 +720,7 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
   TORCH_CHECK(start >= 0 && start + count <= qweight.size(0), "dequantize_rows: rows out of range");
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) w.dequant_row(start + i, op + i * K);
+    for (int64_t i = begin; i < end; ++i) dequant_row(w, start + i, op + i * K);
   });
 }
 

@@ -570,6 +570,16 @@ def test_super_block_scales_give_the_bits_of_their_fp32_products(isa, fmt, k):
     torch.testing.assert_close(
         compact, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
+    # The fp32 activations read the records (and Q5_K's planes) too: the same weights and bits, the
+    # streaming rows (up to 4) and the dequantized tiles.
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        fp32 = cpu_quant_linear.quant_linear(x, q, records, None, group, isa=isa, qhigh=h)
+        assert torch.equal(
+            fp32, cpu_quant_linear.quant_linear(x, q, scales, mins, group, isa=isa, qhigh=words)
+        )
+    dense = cpu_quant_linear.dequantize_rows(q, records, None, group, 3, 190, k, isa=isa, qhigh=h)
+    assert torch.equal(dense, dequantize_packed_ref(q, scales, mins, group, words)[3:193])
 
 
 def test_super_block_scales_are_checked():
@@ -577,8 +587,6 @@ def test_super_block_scales_are_checked():
     x = torch.randn(2, 512)
     with pytest.raises(RuntimeError, match="super-block scales"):
         cpu_quant_linear.quant_linear_i8(x, q, records[..., :18].contiguous(), None, group)
-    with pytest.raises(RuntimeError, match="fp32 scales expected"):  # the fp32 path takes them per group
-        cpu_quant_linear.quant_linear(x, q, records, None, group)
 
 
 # The super-block path: quant_linear_i8 against Q4_K, Q5_K and Q6_K records rounds x per 256.

@@ -281,7 +281,8 @@ class _Kernel:
             return out
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear
 
-        w = w.with_fp32_scales()  # the fp32 kernels dequantize with fp32 scales
+        if w.scales.dtype == torch.float16:
+            w = w.with_fp32_scales()  # the fp32 kernels read fp32 scales or the K formats' records
         if x.shape[0] < GEMM_MIN_ROWS:
             return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa, qhigh=w.qhigh)
         n, k = w.shape
