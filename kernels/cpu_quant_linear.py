@@ -12,7 +12,8 @@ reason when the build cannot happen; callers then use the torch twins in
 ``kernels.reference`` (``quant_linear_ref``, ``dequantize_packed_ref``).
 
 Layouts int8, int4, int5 (int4 plus a ``qhigh`` plane of fifth bits, passed
-last and optional to every op) and int6 (Q6_K's: int4's bytes in groups of 16
+last and optional to every op; beside Q5_K's records as bit planes per
+super-block, ``kernels.reference.packed_values``) and int6 (Q6_K's: int4's bytes in groups of 16
 plus two high bits a weight in ``qhigh``). Three matmuls: ``quant_linear`` (fp32 activations; sums in another order
 than the twin's), ``quant_linear_i16`` and ``quant_linear_i8`` (activations
 rounded to int16 or int8 per weight group, integer dot products; twin
@@ -130,7 +131,7 @@ def quant_linear(
 ) -> torch.Tensor:
     """``x [M, K]`` fp32 ``@ W^T`` -> ``[M, N]`` fp32, W packed (int4 where ``qweight`` is ``[N, K / 2]``,
     its ``mins`` None for Q4_0's ``-8 * scales``; int5 where ``qhigh [N, K / 8]`` comes with it, its
-    ``mins`` None for Q5_0's ``-16 * scales``; int6 where ``group_size`` is 16 and ``qhigh [N, K / 4]``
+    ``mins`` None for Q5_0's ``-16 * scales``, its bits per-group words, or bit planes with records; int6 where ``group_size`` is 16 and ``qhigh [N, K / 4]``
     comes with it, ``mins`` None; else int8, ``mins`` None)."""
     out = _output(x, qweight, out)
     getattr(load(isa), _OPS[activations])(x, qweight, scales, mins, group_size, out, qhigh)

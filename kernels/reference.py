@@ -325,19 +325,29 @@ def dequantize_packed_ref(
     bit ``j`` adds 16 to element ``j``, implied mins ``-16 s`` (Q5_0's); int6 (``qweight [N, K / 2]``
     and ``qhigh [N, K / 4]`` uint8, groups of 16, no mins; the low and high bits of 6-bit ``q``
     per 128 weights as a Q6_K block holds them, see ``packed_values``): ``w = (q - 32) * s``.
-    ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``).
+    ``scales`` per group, or the K formats' records per super-block (``super_scales_ref``; int5 with
+    records, Q5_K's, holds its fifth bits as bit planes, see ``packed_values``).
     """
+    values = packed_values(qweight, group_size, qhigh, planes=scales.dim() == 3).float()  # [N, groups, G]
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
-    values = packed_values(qweight, group_size, qhigh).float()  # [N, groups, G]
     if not has_mins(qweight, group_size):
         return (values * scales[..., None]).flatten(1)
     return torch.addcmul(mins[..., None], values, scales[..., None]).flatten(1)
 
 
-def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None) -> torch.Tensor:
+def packed_values(
+    qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | None = None, planes: bool = False
+) -> torch.Tensor:
     """The integers ``q`` of a packed weight per group, ``[N, groups, group_size]``: int8's as they
     are, int4's nibbles (element ``j`` low, ``j + 16`` high), int5's with their fifth bits added,
     int6's less 32 (int8, the value the scale multiplies).
+
+    int5 holds its fifth bits per group (a little-endian uint32 whose bit ``j`` is element ``j``'s)
+    or, with ``planes`` (Q5_K with its records, which its super-block path reads), as bit planes: 32
+    bytes a super-block, in the order the kernel unpacks a pair of groups (2p, 2p + 1) into two
+    vectors, ``lo`` (elements 0-15 of 2p, then 0-15 of 2p + 1) and ``hi`` (16-31 of each): byte ``i``
+    holds the fifth bit of ``lo``'s byte ``i`` in bit ``2p`` and of ``hi``'s in bit ``2p + 1``, so each
+    vector's bits are one shift and one mask of the 32 bytes.
 
     int6 holds Q6_K's ``ql`` and ``qh`` as they are: per 128 weights 64 bytes of ``qweight``, byte
     ``l`` holding element ``l`` (low nibble) and ``l + 64`` (high), byte ``32 + l`` elements ``32 + l``
@@ -356,10 +366,40 @@ def packed_values(qweight: torch.Tensor, group_size: int, qhigh: torch.Tensor | 
     values = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)  # [N, groups, 32]
     if qhigh is None:
         return values
+    return values | (_fifth_bits(qhigh, planes) << 4)
+
+
+def _fifth_bits(qhigh: torch.Tensor, planes: bool) -> torch.Tensor:
+    """int5's fifth bits, ``[N, groups, 32]`` 0 or 1 in element order, from either layout."""
     bits = torch.arange(8, dtype=torch.uint8)
-    words = qhigh.unflatten(1, (-1, 4))  # [N, groups, 4]: byte i holds elements 8i..8i + 7
-    fifth = ((words[..., None] >> bits) & 1).flatten(2)  # [N, groups, 32]
-    return values | (fifth << 4)
+    if not planes:
+        words = qhigh.unflatten(1, (-1, 4))  # [N, groups, 4]: byte i holds elements 8i..8i + 7
+        return ((words[..., None] >> bits) & 1).flatten(2)
+    n = qhigh.shape[0]
+    # [N, B, bit 2p + h, byte 16 s + t] -> [N, B, pair p, h, s, t] -> group 2p + s, element 16 h + t
+    fifth = (qhigh.unflatten(1, (-1, 1, 32)) >> bits[:, None]) & 1
+    return fifth.unflatten(3, (2, 16)).unflatten(2, (4, 2)).permute(0, 1, 2, 4, 3, 5).reshape(n, -1, 32)
+
+
+def fifth_bits_per_group(planes: torch.Tensor) -> torch.Tensor:
+    """Q5_K's bit planes ``[N, K / 8]`` as the per-group words of Q5_0's order (a little-endian
+    uint32 a group, bit ``j`` element ``j``'s), ``[N, K / 8]``: what the per-group paths read (the
+    fp32-scale fallback at load: 14 ms of one thread for 8192 x 2048, against 91 ms bit by bit).
+
+    Eight bytes to an int64: the planes back into the file's ``qh`` (bit g of byte j: element j of
+    group g; the planes' even bits of bytes 0-15 and 16-31 are its bytes 0-15, their odd bits its
+    16-31), then each 8 x 8 bit matrix of eight bytes (elements 8k .. 8k + 7) by eight groups
+    transposed in three swaps of bit blocks, so byte g of word k is group g's byte k."""
+    even = 0x5555555555555555
+    n = planes.shape[0]
+    words = planes.contiguous().view(n, -1, 32).view(torch.int64)  # [N, B, 4]
+    a, b = words[..., :2], words[..., 2:]
+    # Arithmetic shifts right are masked to the bits they keep; no shift left reaches bit 63 unmasked.
+    x = torch.cat(((a & even) | ((b & even) << 1), ((a >> 1) & even) | (b & ~even)), dim=-1)
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+        swap = (x ^ (x >> shift)) & mask
+        x = x ^ swap ^ (swap << shift)
+    return x.view(torch.uint8).unflatten(-1, (4, 8)).transpose(-1, -2).reshape(n, -1)
 
 
 def is_int4(qweight: torch.Tensor) -> bool:
@@ -473,8 +513,8 @@ def quant_linear_i8_ref(
     if dtype == torch.int8 and rounds_per_super_block(qweight, scales):
         return _quant_linear_super_ref(x, qweight, scales, group_size, qhigh)
     xq, xs = quantize_rows_i8_ref(x, group_size, dtype)  # [M, G, g], [M, G]
+    wq = packed_values(qweight, group_size, qhigh, planes=scales.dim() == 3)
     scales, mins = group_scales(qweight, scales, mins, group_size, qhigh)
-    wq = packed_values(qweight, group_size, qhigh)
     # Integer dots exact in float64, then rounded to fp32 as the kernel's conversion does.
     dots = torch.einsum("mgj,ngj->mng", xq.double(), wq.double()).float()
     y = (dots * (xs[:, None, :] * scales[None])).sum(-1)
@@ -498,7 +538,9 @@ def _quant_linear_super_ref(
     first = 4 if mins else 2  # of the sc bytes
     sc = records[..., first : first + per]  # [N, B, per]
     sc = (sc if mins else sc.view(torch.int8)).double()
-    wq = packed_values(qweight, group_size, qhigh).unflatten(1, (-1, per)).double()  # [N, B, per, G]
+    wq = (
+        packed_values(qweight, group_size, qhigh, planes=True).unflatten(1, (-1, per)).double()
+    )  # [N, B, per, G]
     xg = xq.unflatten(2, (per, group_size)).double()  # [M, B, per, G]
     dots = torch.einsum("mbgj,nbgj->mnbg", xg, wq)  # exact in float64
     sums = torch.einsum("mnbg,nbg->mnb", dots, sc).float()  # [M, N, B]

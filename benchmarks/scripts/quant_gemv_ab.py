@@ -9,7 +9,8 @@ for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0, 
 tree packs them, fp16 block scales, the K formats' per super-block; the base build gets every min
 stored and the K formats' scales and mins per group in fp32, as the kernels before implied mins and
 super-block scales read them, or with ``--same-packs`` this tree's tensors as they are, for a base
-that reads them too, so only the code differs; a base without the int5 layout gets Q5_0 as int8,
+that reads them too (Q5_K's fifth bits as per-group words for a base before their bit planes), so
+only the code differs; a base without the int5 layout gets Q5_0 as int8,
 q - 16, as weft held it before, and cannot run Q5_1 or Q5_K; a base without the int6 layout gets
 Q6_K as int8, q - 32, as weft held it before),
 times one row of x (or each row count of ``--rows``: batched decode, verify steps) through
@@ -43,6 +44,7 @@ import torch
 from kernels import cpu_quant_linear
 from kernels.cpu_build import build
 from kernels.reference import (
+    fifth_bits_per_group,
     has_mins,
     is_int4,
     is_int6,
@@ -135,6 +137,31 @@ def has_int6(ns) -> bool:
     return True
 
 
+def reads_fifth_planes(ns) -> bool:
+    """Whether a build reads Q5_K's fifth bits beside its records as bit planes (this tree) rather
+    than per-group words (before): one set bit, byte 16 bit 0, is element 32 as planes, 128 as words."""
+    q, qhigh = torch.zeros(1, 128, dtype=torch.uint8), torch.zeros(1, 32, dtype=torch.uint8)
+    qhigh[0, 16] = 1
+    halves = torch.tensor([1.0, 0.0]).half().view(torch.uint8)  # d 1, dmin 0
+    records = torch.cat((halves, torch.tensor([1] * 8 + [0] * 8, dtype=torch.uint8))).view(1, 1, 20)
+    x, out = torch.zeros(1, 256), torch.empty(1, 1)
+    x[0, 32] = 1.0
+    try:
+        ns.quant_linear_i8(x, q, records, None, 32, out, qhigh)
+    except RuntimeError:  # a base without records or int5
+        return False
+    return out.item() != 0
+
+
+def as_base_reads(pack, planes: bool):
+    """``pack`` as it is (``--same-packs``), but for Q5_K with its records and a base that reads the
+    fifth bits per group, those words instead of the bit planes (the same weights)."""
+    q, scales, mins, group, qhigh = pack
+    if planes or qhigh is None or scales.dim() != 3 or is_int6(q, group):
+        return pack
+    return q, scales, mins, group, fifth_bits_per_group(qhigh)
+
+
 def stored(pack, int5: bool = True, int6: bool = True):
     """``pack`` with every int4 min stored (Q4_0's -8 d) and scales per group (the K formats' fp32
     products), as a base kernel of any revision reads it; without ``int5`` (a base older than the
@@ -148,6 +175,8 @@ def stored(pack, int5: bool = True, int6: bool = True):
             raise SystemExit("the base kernel has no int5 layout: it can run Q5_0 (as int8) only")
         return (packed_values(q, group, qhigh).to(torch.int8) - 16).flatten(1), scales, None, group, None
     if scales.dim() == 3:
+        if qhigh is not None and not is_int6(q, group):  # Q5_K: per-group words go with per-group scales
+            qhigh = fifth_bits_per_group(qhigh)
         return q, *super_scales_ref(scales, has_mins(q, group), group), group, qhigh
     if mins is None and is_int4(q):
         factor = -8 if qhigh is None else -16  # exact: no test scale is near fp16's range end
@@ -166,13 +195,14 @@ def nbytes(*tensors) -> int:
     return sum(t.nbytes for t in tensors if t is not None)
 
 
-def check_bits(base, new, changed: tuple[str, ...] = ()) -> None:
+def check_bits(base, new, changed: tuple[str, ...] = (), same_packs: bool = False) -> None:
     """Both builds give the same bits, i8 and i16, at row counts that take every tile shape (Q5_0
-    against a base without int5, which holds it as int8: within 1e-5 of the largest output). The
+    against a base without int5, which holds it as int8: within 1e-5 of the largest output), the
+    base on ``stored`` packs or (``same_packs``) on this tree's (``as_base_reads``). The
     formats of ``changed`` (numerics changed on purpose, e.g. Q4_K and Q5_K rounding x per 256 in
     ``quant_linear_i8``) are checked in that op against this tree's twin, ``quant_linear_i8_ref``,
     within 1e-5 of the largest output instead."""
-    int5, int6 = has_int5(base), has_int6(base)
+    int5, int6, planes = has_int5(base), has_int6(base), reads_fifth_planes(base)
     formats = [("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q8_0", True), ("Q4_K", False)]
     formats += [("Q6_K", False), ("Q5_0", False)]
     if int5:
@@ -187,7 +217,11 @@ def check_bits(base, new, changed: tuple[str, ...] = ()) -> None:
         )
         for (s, m), rows in itertools.product(kinds, (1, 2, 3, 4, 5, 7, 9, 33)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-            packs = {"base": stored((q, s, m, group, qhigh), int5, int6), "new": (q, s, m, group, qhigh)}
+            pack = (q, s, m, group, qhigh)
+            packs = {
+                "base": as_base_reads(pack, planes) if same_packs else stored(pack, int5, int6),
+                "new": pack,
+            }
             for op in ("quant_linear_i8", "quant_linear_i16"):
                 for single in (True, False):
                     base.set_single_row_blocks(single)
@@ -209,9 +243,11 @@ def check_bits(base, new, changed: tuple[str, ...] = ()) -> None:
     base.set_single_row_blocks(True)
     new.set_single_row_blocks(True)
     q5 = "Q5_0, Q5_1, Q5_K" if int5 else "and Q5_0 (base int8, within 1e-5)"
+    packs = "this tree's packs" + ("" if planes else " (Q5_K's fifth bits per group for the base)")
     print(
         "same bits: base and new, i8 and i16, Q4_0/Q4_1/Q8_0 (group 32 and 16), fp16 and fp32 scales, "
-        f"Q4_K, Q6_K, {q5}, rows 1-33"
+        f"Q4_K, Q6_K, {q5}, rows 1-33, the base on "
+        + (packs if same_packs else "per-group scales")
         + (f"; except {', '.join(changed)} in i8: new within 1e-5 of the twin" if changed else "")
     )
 
@@ -235,10 +271,10 @@ def bench(base, new, threads: int, args) -> None:
         f"  {'format':5s} {'shape':14s} {'rows':>4s} {'MB base':>7s} {'new':>6s} {'base ms':>8s} {'new ms':>8s} "
         f"{'base GB/s':>9s} {'new GB/s':>9s} {'GMAC/s base':>11s} {'new':>6s} {'new/base':>8s}"
     )
-    int5, int6 = has_int5(base), has_int6(base)
+    int5, int6, planes = has_int5(base), has_int6(base), reads_fifth_planes(base)
 
     def for_base(pack):
-        return pack if args.same_packs else stored(pack, int5, int6)
+        return as_base_reads(pack, planes) if args.same_packs else stored(pack, int5, int6)
 
     for fmt, name, rows in itertools.product(args.formats, args.shapes, args.rows):
         n, k = SHAPES[name]
@@ -310,8 +346,9 @@ def main() -> None:
     parser.add_argument(
         "--same-packs",
         action="store_true",
-        help="time the base on this tree's packed tensors as they are (implied mins, fp16 scales, "
-        "super-block records: a base that reads them), so only the code differs",
+        help="time (and check) the base on this tree's packed tensors as they are (implied mins, fp16 "
+        "scales, super-block records: a base that reads them; Q5_K's fifth bits per group for a base "
+        "before its bit planes), so only the code differs",
     )
     parser.add_argument(
         "--cpu-time",
@@ -325,7 +362,7 @@ def main() -> None:
     base, new = load_base(args.base, isa), cpu_quant_linear.load(isa)
     print(f"base {args.base} vs this tree, {isa} build, quant_linear_i8 at {args.rows} rows of x")
     if not args.no_check:
-        check_bits(base, new, tuple(args.changed))
+        check_bits(base, new, tuple(args.changed), args.same_packs)
     with torch.inference_mode():
         for threads in args.threads:
             bench(base, new, threads, args)

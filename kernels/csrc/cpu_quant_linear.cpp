@@ -11,7 +11,12 @@
 //   int5  int4's qweight, scales and mins plus qhigh [N, K / 8] uint8, the
 //         fifth bits: per group of 32 a little-endian uint32 whose bit j is
 //         element j's (Q5_0's qh as the file holds it), so q in [0, 32).
-//         Without mins (Q5_0) each is -16 * s, exact as Q4_0's.
+//         Without mins (Q5_0) each is -16 * s, exact as Q4_0's. With the K
+//         formats' records (Q5_K) qhigh holds bit planes instead, 32 bytes a
+//         super-block in the order tile_i8_super unpacks a pair of groups
+//         (2p, 2p + 1): byte i, bit 2p the fifth bit of the pair's lo vector's
+//         byte i (element i of group 2p for i < 16, else element i - 16 of
+//         2p + 1), bit 2p + 1 that of its hi vector's (the element 16 further).
 //   int6  (Q6_K) qweight [N, K / 2] uint8, the low four bits, and qhigh [N, K / 4]
 //         uint8, the two high bits, as Q6_K's blocks hold them (ql and qh): per 128
 //         weights 64 bytes of qweight, byte l holding element l (low nibble) and
@@ -50,7 +55,8 @@
 // above, each (x row, weight row) pair with its own
 // accumulator and the same operations in the same order in every tile shape. The int5 layout
 // runs the int4 tiles (tile_i8_int4<..., kInt5>) with each weight row's fifth bits ORed into its
-// unpacked nibbles (fifth_bits_pair); the arithmetic after is int4's. The int6 layout runs the
+// unpacked nibbles (fifth_bits_pair; Q5_K's super-block tile from its bit planes,
+// fifth_bits_of_planes); the arithmetic after is int4's. The int6 layout runs the
 // int8 tiles (tile_i8_int8<..., kInt6>) on its weights unpacked 128 at a time into a small buffer
 // per weight row, with 32 sum x taken off each lane's dot (ActInt8::bias). fp16 scales and
 // mins are converted in registers as they are read. The weights are read once per block of x
@@ -150,8 +156,13 @@ void dequant_row_int8(const int8_t* q, const float* scales, int64_t K, int64_t g
 // two, so each min, factor times the scale, is exact in fp32, the value a stored min would hold.
 inline float implied_min_factor(bool int5) { return int5 ? -16.f : -8.f; }
 
-// The fifth bit of element j of the int5 group whose qhigh word starts at h, as 0 or 16.
-inline int fifth_bit(const uint8_t* h, int64_t j) { return ((h[j / 8] >> (j % 8)) & 1) << 4; }
+// The fifth bit of element j of group g of an int5 row (its qhigh at h), as 0 or 16: from the
+// group's word, or (planes: Q5_K with its records) bit 2p or 2p + 1 of its super-block's planes.
+inline int fifth_bit(const uint8_t* h, int64_t g, int64_t j, bool planes) {
+  if (!planes) return ((h[g * 4 + j / 8] >> (j % 8)) & 1) << 4;
+  const int64_t byte = g % 2 * 16 + j % 16, bit = g % 8 / 2 * 2 + j / 16;
+  return ((h[g / 8 * 32 + byte] >> bit) & 1) << 4;
+}
 
 // Element j of an int6 row (its low bits at q, its high bits at h): q in [0, 64).
 inline int int6_value(const uint8_t* q, const uint8_t* h, int64_t j) {
@@ -191,14 +202,45 @@ inline void fifth_bits_pair(const uint8_t* h, __m256i& lo, __m256i& hi) {
       v, _mm256_setr_epi64x(0x0202020202020202, 0x0303030303030303, 0x0606060606060606, 0x0707070707070707)));
 }
 
-// One group's low (elements 0-15) and high (16-31) nibbles as bytes, with the fifth bits where the
-// group has them (h not null).
-inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m128i& high) {
+// Bit kBit of each byte of v as 0x10, the byte's other bits cleared: the 16-bit shift moves each
+// byte's bit kBit onto its bit 4 (by at most 4 places, so no byte's bit 4 receives the other's).
+template <int kBit>
+inline __m256i bit_as_0x10(__m256i v) {
+  __m256i moved = v;
+  if constexpr (kBit < 4) moved = _mm256_slli_epi16(v, 4 - kBit);
+  if constexpr (kBit > 4) moved = _mm256_srli_epi16(v, kBit - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// The fifth bits of Q5_K's pair kPair (groups 2 kPair, 2 kPair + 1) of a super-block, from its 32
+// bytes of bit planes, in fifth_bits_pair's order: a shift and a mask each, where the per-group
+// words take a broadcast, two shuffles and two tests (ggml's Q5_K dot reads its qh so).
+template <int kPair>
+inline void fifth_bits_of_planes(__m256i planes, __m256i& lo, __m256i& hi) {
+  lo = bit_as_0x10<2 * kPair>(planes);
+  hi = bit_as_0x10<2 * kPair + 1>(planes);
+}
+
+// The fifth bits of group g of a Q5_K row (its bit planes at h) as bytes in element order, 0x10
+// where set: the group is half g % 2 of its pair's lo and hi vectors, so its elements 0-15 are bit
+// 2p, its 16-31 bit 2p + 1, of that half's 16 plane bytes (p = g % 8 / 2).
+inline __m256i fifth_bits_of_group_planes(const uint8_t* h, int64_t g) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g / 8 * 32 + g % 2 * 16));
+  const int bit = static_cast<int>(g % 8 / 2 * 2);
+  const __m128i one = _mm_set1_epi8(1);
+  const __m128i low = _mm_and_si128(_mm_srl_epi16(half, _mm_cvtsi32_si128(bit)), one);
+  const __m128i high = _mm_and_si128(_mm_srl_epi16(half, _mm_cvtsi32_si128(bit + 1)), one);
+  return _mm256_slli_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1), 4);
+}
+
+// Group g's low (elements 0-15) and high (16-31) nibbles as bytes (qg its 16 bytes), with the
+// fifth bits where the row has them (h its qhigh row, not null; planes: Q5_K's bit planes).
+inline void group_bytes(const uint8_t* qg, const uint8_t* h, int64_t g, bool planes, __m128i& low, __m128i& high) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
   low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
   high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
   if (h != nullptr) {
-    const __m256i fifth = fifth_bits(h);
+    const __m256i fifth = planes ? fifth_bits_of_group_planes(h, g) : fifth_bits(h + g * 4);
     low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
     high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
   }
@@ -206,20 +248,27 @@ inline void group_bytes(const uint8_t* qg, const uint8_t* h, __m128i& low, __m12
 #endif
 
 // Weights [128 c, 128 c + 128) of an int6 row (low bits at q, high bits at h) as bytes q in
-// [0, 64), in element order, into out[128]: Q6_K's own unpacking, four 32-byte vectors from two of
-// low bits and one of high bits (the masked 16-bit shifts move no bit across a byte).
-inline void int6_chunk(const uint8_t* q, const uint8_t* h, int64_t c, uint8_t* out) {
+// [0, 64), in element order: Q6_K's own unpacking, four 32-byte vectors from two of low bits and
+// one of high bits (the masked 16-bit shifts move no bit across a byte). int6_vectors leaves them in
+// registers (blocks 4c .. 4c + 3), int6_chunk stores them into out[128].
 #ifdef WEFT_AVX2
+inline void int6_vectors(const uint8_t* q, const uint8_t* h, int64_t c, __m256i (&parts)[4]) {
   const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64));
   const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + 32));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c * 32));
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i parts[4] = {
-      _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4)),
-      _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2)),
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                      _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+  parts[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+  parts[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+  parts[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+  parts[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                             _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+}
+#endif
+
+inline void int6_chunk(const uint8_t* q, const uint8_t* h, int64_t c, uint8_t* out) {
+#ifdef WEFT_AVX2
+  __m256i parts[4];
+  int6_vectors(q, h, c, parts);
   for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i), parts[i]);
 #else
   for (int64_t e = 0; e < 128; ++e) out[e] = static_cast<uint8_t>(int6_value(q, h, c * 128 + e));
@@ -238,21 +287,19 @@ void dequant_row_int6(const uint8_t* q, const uint8_t* h, const float* scales, i
   }
 }
 
-// One weight row of the int4 or (high: its qhigh row) int5 layout, dequantized into out[K] (mins
-// null: implied ones).
-void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales, const float* mins, int64_t K,
-                      float* out) {
-  const float implied = implied_min_factor(high != nullptr);
+// One weight row of the int4 or (high: its qhigh row; planes: Q5_K's bit planes) int5 layout,
+// dequantized into out[K].
+void dequant_row_int4(const uint8_t* q, const uint8_t* high, bool planes, const float* scales, const float* mins,
+                      int64_t K, float* out) {
   for (int64_t g = 0; g < K / kInt4Group; ++g) {
     const uint8_t* qg = q + g * (kInt4Group / 2);
-    const uint8_t* hg = high != nullptr ? high + g * 4 : nullptr;
     float* og = out + g * kInt4Group;
-    const float min = mins != nullptr ? mins[g] : implied * scales[g];
+    const float min = mins[g];
 #ifdef WEFT_AVX2
     const __m256 s = _mm256_set1_ps(scales[g]);
     const __m256 m = _mm256_set1_ps(min);
     __m128i low, hi;
-    group_bytes(qg, hg, low, hi);
+    group_bytes(qg, high, g, planes, low, hi);
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), hi, _mm_srli_si128(hi, 8)};
     for (int p = 0; p < 4; ++p) {
       const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
@@ -261,7 +308,8 @@ void dequant_row_int4(const uint8_t* q, const uint8_t* high, const float* scales
 #else
     // One rounding (fma), as the AVX2 build's FMA: the same bits in every build.
     for (int64_t j = 0; j < kInt4Group / 2; ++j) {
-      const int lo5 = hg != nullptr ? fifth_bit(hg, j) : 0, hi5 = hg != nullptr ? fifth_bit(hg, j + 16) : 0;
+      const int lo5 = high != nullptr ? fifth_bit(high, g, j, planes) : 0;
+      const int hi5 = high != nullptr ? fifth_bit(high, g, j + 16, planes) : 0;
       og[j] = std::fma(static_cast<float>((qg[j] & 0x0F) | lo5), scales[g], min);
       og[j + kInt4Group / 2] = std::fma(static_cast<float>((qg[j] >> 4) | hi5), scales[g], min);
     }
@@ -288,17 +336,12 @@ struct SuperScales {
     std::memcpy(&h, p, 2);
     return c10::detail::fp16_ieee_to_fp32_value(h);
   }
-  // Group g's scale and min of a row's records.
+  // Group g's scale of a row's records (its min: RowScales).
   static float scale(const uint8_t* row, int64_t g, bool int4, int64_t group) {
     const int64_t per = kWeights / group;
     const uint8_t* r = row + g / per * record_bytes(int4, group);
     const float sc = int4 ? static_cast<float>(r[4 + g % per]) : static_cast<float>(static_cast<int8_t>(r[2 + g % per]));
     return half_at(r) * sc;
-  }
-  static float min(const uint8_t* row, int64_t g) {  // int4 only
-    const int64_t per = kWeights / kInt4Group;
-    const uint8_t* r = row + g / per * record_bytes(true, kInt4Group);
-    return -(half_at(r + 2) * static_cast<float>(r[4 + per + g % per]));
   }
 };
 
@@ -318,8 +361,8 @@ struct Packed {
   const uint16_t* mins_h = nullptr;
   // The K formats' records (SuperScales), the mins inside; only the integer-activation paths read them.
   const uint8_t* super = nullptr;
-  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32), or the int6 layout's two
-  // high bits, [N, K / 4]; null for int4 and int8.
+  // The int5 layout's fifth bits, [N, K / 8] (a uint32 per group of 32; bit planes per super-block
+  // with records, fifth_planes), or the int6 layout's two high bits, [N, K / 4]; null for int4 and int8.
   const uint8_t* qhigh = nullptr;
   // int6: Q6_K's low and high bits (qweight, qhigh), groups of 16, no mins; the int8 layout's
   // integer dots (int4_layout false).
@@ -327,6 +370,8 @@ struct Packed {
 
   bool int4() const { return int4_layout; }  // two weights a byte of qweight, with mins: int4 or int5
   bool int5() const { return int4_layout && qhigh != nullptr; }
+  // Q5_K with its records: the fifth bits as bit planes per super-block (the top of the file).
+  bool fifth_planes() const { return int5() && super != nullptr; }
   bool int6() const { return int6_layout; }
   // Q4_K, Q5_K and Q6_K (int4, int5 or int6 with the K formats' records): quant_linear_i8 rounds x
   // per 256 and dots a super-block at a time (tile_i8_super, tile_i8_super6).
@@ -352,18 +397,6 @@ struct Packed {
   }
   const void* min_row(int64_t n) const {
     return mins_h != nullptr ? static_cast<const void*>(mins_h + n * groups) : mins + n * groups;
-  }
-
-  void dequant_row(int64_t n, float* out) const {
-    const float* s = scales + n * groups;
-    if (int6_layout) {
-      dequant_row_int6(qweight + n * row_bytes, high_row(n), s, K, out);
-    } else if (!int4_layout) {
-      dequant_row_int8(reinterpret_cast<const int8_t*>(qweight + n * row_bytes), s, K, group, out);
-    } else {
-      dequant_row_int4(qweight + n * row_bytes, high_row(n), s, mins == nullptr ? nullptr : mins + n * groups, K,
-                       out);
-    }
   }
 };
 
@@ -419,9 +452,9 @@ void dot_rows(const float* x, int64_t ldx, int64_t count, const float* w, int64_
   }
 }
 
-// half_scales: whether the caller reads fp16 scales and mins or K-format records (SuperScales: scales
-// [N, K / 256, record] uint8, no mins; the integer-activation paths); the fp32-activation paths
-// dequantize with fp32 ones. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
+// half_scales: whether the caller reads fp16 scales and mins (the integer-activation paths); the
+// fp32-activation paths dequantize with fp32 ones. Every path reads the K formats' records
+// (SuperScales: scales [N, K / 256, record] uint8, no mins) through RowScales. The layout is int4 where qweight holds K / 2 bytes a row; its mins are
 // optional (none: Q4_0's and Q5_0's, implied by the scales); with qhigh it is int5.
 Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                  const c10::optional<at::Tensor>& qhigh, int64_t group_size, int64_t K, bool half_scales = false) {
@@ -433,8 +466,9 @@ Packed packed_of(const at::Tensor& qweight, const at::Tensor& scales, const c10:
   const bool half = scales.scalar_type() == at::kHalf;
   const bool super = scales.dim() == 3 && scales.scalar_type() == at::kByte;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() &&
-                  (scales.scalar_type() == at::kFloat || (half_scales && (half || super))),
-              "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32", " scales expected");
+                  (scales.scalar_type() == at::kFloat || super || (half_scales && half)),
+              "quant_linear: contiguous qweight and ", half_scales ? "fp32 or fp16" : "fp32",
+              " scales expected (or the K formats' records)");
   TORCH_CHECK(qweight.scalar_type() == (nibbles ? at::kByte : at::kChar), "quant_linear: qweight must be ",
               nibbles ? "uint8 (int4, int5 or int6 layout)" : "int8 (int8 layout)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && (!int4 || group_size == kInt4Group) &&
@@ -510,13 +544,25 @@ struct RowScales {
   void read(const Packed& w, int64_t n) {
     m = nullptr;
     if (w.super != nullptr) {
+      // SuperScales::scale and ::min's products, each record's halves converted once.
       const uint8_t* row = static_cast<const uint8_t*>(w.scale_row(n));
-      for (int64_t g = 0; g < w.groups; ++g) s_buf[g] = SuperScales::scale(row, g, w.int4(), w.group);
-      s = s_buf;
-      if (w.int4()) {
-        for (int64_t g = 0; g < w.groups; ++g) m_buf[g] = SuperScales::min(row, g);
-        m = m_buf;
+      const int64_t per = SuperScales::kWeights / w.group, bytes = SuperScales::record_bytes(w.int4(), w.group);
+      for (int64_t sb = 0; sb < w.K / SuperScales::kWeights; ++sb) {
+        const uint8_t* r = row + sb * bytes;
+        const float d = SuperScales::half_at(r);
+        float* sg = s_buf + sb * per;
+        if (w.int4()) {
+          const float dmin = SuperScales::half_at(r + 2);
+          for (int64_t i = 0; i < per; ++i) {
+            sg[i] = d * static_cast<float>(r[4 + i]);
+            m_buf[sb * per + i] = -(dmin * static_cast<float>(r[4 + per + i]));
+          }
+        } else {
+          for (int64_t i = 0; i < per; ++i) sg[i] = d * static_cast<float>(static_cast<int8_t>(r[2 + i]));
+        }
       }
+      s = s_buf;
+      if (w.int4()) m = m_buf;
       return;
     }
     if (w.scales != nullptr) {
@@ -537,15 +583,29 @@ struct RowScales {
   }
 };
 
+// Weight row n dequantized into out[K] (the fp32-activation paths), its scales and mins as RowScales
+// reads them (fp32 per group, or the K formats' records).
+void dequant_row(const Packed& w, int64_t n, float* out) {
+  const RowScales rs(w, n);
+  const uint8_t* q = w.qweight + n * w.row_bytes;
+  if (w.int6()) {
+    dequant_row_int6(q, w.high_row(n), rs.s, w.K, out);
+  } else if (!w.int4()) {
+    dequant_row_int8(reinterpret_cast<const int8_t*>(q), rs.s, w.K, w.group, out);
+  } else {
+    dequant_row_int4(q, w.high_row(n), w.fifth_planes(), rs.s, rs.m, w.K, out);
+  }
+}
+
 #ifdef WEFT_AVX2
-// The 8 weights of part p (0..3) of a group of 32 (int5: its qhigh word at h, else h null),
-// dequantized in registers.
+// The 8 weights of part p (0..3) of group g of an int4 row (q its bytes; int5: h its qhigh row, else
+// null), dequantized in registers.
 struct GroupInt4 {
   __m256 w[4];
-  GroupInt4(const uint8_t* qg, const uint8_t* h, float scale, float min) {
+  GroupInt4(const uint8_t* q, const uint8_t* h, int64_t g, bool planes, float scale, float min) {
     const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(min);
     __m128i low, high;
-    group_bytes(qg, h, low, high);
+    group_bytes(q + g * (kInt4Group / 2), h, g, planes, low, high);
     w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), s, m);
     w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), s, m);
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), s, m);
@@ -565,14 +625,13 @@ template <int R>
 void dot_row_streaming(const Packed& w, int64_t n, const float* x, int64_t ldx, float* out, int64_t ldo) {
   __m256 acc[R][4];
   for (auto& a : acc) for (auto& v : a) v = _mm256_setzero_ps();
-  const float* s = w.scales + n * w.groups;
+  const RowScales rs(w, n);
+  const float* s = rs.s;
   const uint8_t* q = w.qweight + n * w.row_bytes;
   if (w.int4()) {
-    const float* m = w.mins == nullptr ? nullptr : w.mins + n * w.groups;
     const uint8_t* high = w.high_row(n);
     for (int64_t g = 0; g < w.groups; ++g) {
-      const GroupInt4 grp(q + g * (kInt4Group / 2), high != nullptr ? high + g * 4 : nullptr, s[g],
-                          m != nullptr ? m[g] : w.implied_min(s[g]));
+      const GroupInt4 grp(q, high, g, w.fifth_planes(), s[g], rs.m[g]);
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kInt4Group;
         for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(grp.w[p], _mm256_loadu_ps(xg + 8 * p), acc[r][p]);
@@ -645,7 +704,7 @@ void quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
     std::vector<float> buf(kTileRows * K, 0.f);  // rows past N stay zero
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      for (int64_t r = 0; r < rows; ++r) w.dequant_row(n0 + r, buf.data() + r * K);
+      for (int64_t r = 0; r < rows; ++r) dequant_row(w, n0 + r, buf.data() + r * K);
       dot_rows(xp, ldx, M, buf.data(), K, op + n0, ldo, rows);
     }
   });
@@ -661,7 +720,7 @@ void dequantize_rows(const at::Tensor& qweight, const at::Tensor& scales, const 
   TORCH_CHECK(start >= 0 && start + count <= qweight.size(0), "dequantize_rows: rows out of range");
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) w.dequant_row(start + i, op + i * K);
+    for (int64_t i = begin; i < end; ++i) dequant_row(w, start + i, op + i * K);
   });
 }
 
@@ -963,7 +1022,7 @@ void dot_row_scalar(const Packed& w, const RowScales& rs, int64_t n, const Act& 
       if (w.int4()) {
         const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
         wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-        if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+        if (high != nullptr) wq |= fifth_bit(high, g, j, w.fifth_planes());
       } else if (w.int6()) {
         wq = int6_value(q, high, g * w.group + j) - 32;
       } else {
@@ -1002,7 +1061,7 @@ void dot_row_scalar_super(const Packed& w, int64_t n, const ActInt8& a, int64_t 
         } else {
           const uint8_t byte = q[g * (kInt4Group / 2) + j % (kInt4Group / 2)];
           wq = j < kInt4Group / 2 ? (byte & 0x0F) : (byte >> 4);
-          if (high != nullptr) wq |= fifth_bit(high + g * 4, j);
+          if (high != nullptr) wq |= fifth_bit(high, g, j, /*planes=*/true);
         }
         dot += wq * xq[g * w.group + j];
       }
@@ -1342,7 +1401,8 @@ void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t 
   }
 }
 
-// Q4_K (kInt5: Q5_K) weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256.
+// Q4_K (kInt5: Q5_K, its fifth bits as bit planes) weight rows [n, n + RW) against rows
+// [m0, m0 + RX) of x rounded per 256.
 template <int RW, int RX, bool kInt5>
 void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
@@ -1367,9 +1427,14 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m256i sums[RW][RX];
     for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
-    __m256i sc16[RW];
-    for (int i = 0; i < RW; ++i) sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
-    for (int j = 0; j < kSuperPairs; ++j) {
+    __m256i sc16[RW], planes[RW];
+    for (int i = 0; i < RW; ++i) {
+      sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
+      if constexpr (kInt5) planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[i] + sb * 32));
+    }
+    // Pair j of the super-block; j a constant, so the planes' shifts are immediates.
+    auto pair_step = [&](auto pair) {
+      constexpr int j = decltype(pair)::value;
       const int64_t p = sb * kSuperPairs + j;
       prefetch_share<RW>(ahead, p, kBlock);
       for (int i = 0; i < RW; ++i) {
@@ -1377,7 +1442,7 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
         __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
         if constexpr (kInt5) {
           __m256i lo5, hi5;
-          fifth_bits_pair(h[i] + p * 8, lo5, hi5);
+          fifth_bits_of_planes<j>(planes[i], lo5, hi5);
           lo = _mm256_or_si256(lo, lo5);
           hi = _mm256_or_si256(hi, hi5);
         }
@@ -1386,7 +1451,12 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
           sums[i][r] = _mm256_add_epi32(sums[i][r], scaled_dot2(lo, hi, xp[r] + p * 2 * kBlock, sc));
         }
       }
-    }
+    };
+    static_assert(kSuperPairs == 4, "a super-block is four pairs of groups");
+    pair_step(std::integral_constant<int, 0>{});
+    pair_step(std::integral_constant<int, 1>{});
+    pair_step(std::integral_constant<int, 2>{});
+    pair_step(std::integral_constant<int, 3>{});
     // Four pairs a lane, at most 4 * 1984248 = 7936992 < 2^24: converted to fp32 exactly.
     for (int i = 0; i < RW; ++i) {
       const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kSuperRecord));
@@ -1559,8 +1629,9 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
 }
 
 // Q6_K weight rows [n, n + RW) against rows [m0, m0 + RX) of x rounded per 256: the super-block
-// path for the int6 layout (llama.cpp's Q6_K x Q8_K dot in weft's tiles). Per block of 32 (the
-// weights unpacked 128 at a time, Int8Rows::unpack), maddubs of q in [0, 64) by x (a pair at most
+// path for the int6 layout (llama.cpp's Q6_K x Q8_K dot in weft's tiles). Per block of 32 (a
+// weight row's weights unpacked 128 at a time, into four registers at one row of x, int6_vectors,
+// else into a buffer, Int8Rows::unpack), maddubs of q in [0, 64) by x (a pair at most
 // 2 * 63 * 127 = 16002) less x's pair biases (ActInt8::pair_bias) gives the pairs of (q - 32) x,
 // each in [-8128, 7874], in int16; vpmaddwd by the two groups' signed sc (|sc| <= 128) makes int32
 // lanes of at most 2 * 8128 * 128 = 2080768, and a super-block's eight blocks at most 16646144 <
@@ -1573,8 +1644,14 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
+  const uint8_t* q[RW];
+  const uint8_t* h[RW];
   const uint8_t* rec[RW];
-  for (int i = 0; i < RW; ++i) rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  for (int i = 0; i < RW; ++i) {
+    q[i] = reinterpret_cast<const uint8_t*>(rows.q[i]);
+    h[i] = rows.h[i];
+    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  }
   const int8_t* xq[RX];
   const int16_t* xb[RX];
   const float* xs[RX];
@@ -1594,20 +1671,37 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
         sc16[i][half] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const int64_t b = sb * 8 + j;
-      prefetch_share<RW>(ahead, b, kBlock / 2);  // 16 bytes of low bits a block; high bits with the scales
-      if (j % 4 == 0) rows.unpack(b / 4);
-      for (int i = 0; i < RW; ++i) {
-        const __m256i u = rows.unsigned_block(i, b);
-        const __m256i sc = pair_sc16(sc16[i][j / 4], j % 4);
-        for (int r = 0; r < RX; ++r) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock));
-          const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + b * kBlock / 2));
-          const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), bias);
-          sums[i][r] = _mm256_add_epi32(sums[i][r], _mm256_madd_epi16(pairs, sc));
+    // Block b of weight row i (its q in u, its pair's scales sc) against every row of x. Each
+    // (weight row, x row) sum takes the blocks in order whichever way u comes.
+    auto block = [&](int i, int64_t b, __m256i u, __m256i sc) {
+      for (int r = 0; r < RX; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock));
+        const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + b * kBlock / 2));
+        const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), bias);
+        sums[i][r] = _mm256_add_epi32(sums[i][r], _mm256_madd_epi16(pairs, sc));
+      }
+    };
+    if constexpr (RX == 1) {
+      // At one row of x, each weight row's next 128 weights unpacked into four registers and used
+      // there (1.04-1.06x the buffer's round trip below).
+      for (int half = 0; half < 2; ++half) {
+        const int64_t c = sb * 2 + half;
+        for (int j = 0; j < 4; ++j) prefetch_share<RW>(ahead, c * 4 + j, kBlock / 2);  // low bits; high with the scales
+        for (int i = 0; i < RW; ++i) {
+          __m256i u[4];
+          int6_vectors(q[i], h[i], c, u);
+          for (int j = 0; j < 4; ++j) block(i, c * 4 + j, u[j], pair_sc16(sc16[i][half], j));
         }
+      }
+    } else {
+      // Above, through a buffer (Int8Rows::unpack): the four registers a weight row beside the
+      // tile's RW x RX sums read 0.93-0.98x.
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = sb * 8 + j;
+        prefetch_share<RW>(ahead, b, kBlock / 2);  // 16 bytes of low bits a block; high bits with the scales
+        if (j % 4 == 0) rows.unpack(b / 4);
+        for (int i = 0; i < RW; ++i) block(i, b, rows.unsigned_block(i, b), pair_sc16(sc16[i][j / 4], j % 4));
       }
     }
     for (int i = 0; i < RW; ++i) {
@@ -1844,8 +1938,9 @@ inline __m256i dot_s16(__m256i acc, __m256i w, __m256i x) {
 constexpr int64_t kScaleChunk = 64;
 
 // Group g of one packed weight row widened to int16: w0 (and w1, for 32-column groups); kInt5: the
-// int5 layout, h the row's fifth bits; kInt6: the int6 layout (groups of 16), h its high bits.
-template <bool kInt4, bool kInt5, bool kInt6, int G>
+// int5 layout, h the row's fifth bits (kPlanes: Q5_K's bit planes); kInt6: the int6 layout (groups
+// of 16), h its high bits.
+template <bool kInt4, bool kInt5, bool kInt6, int G, bool kPlanes>
 inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m256i& w0, __m256i& w1) {
   if constexpr (kInt6) {
     // Group g's 16 weights: the 16 bytes of low and of high bits that hold them (int6_chunk's
@@ -1859,7 +1954,8 @@ inline void widen_group_i16(const uint8_t* q, const uint8_t* h, int64_t g, __m25
                                        _mm_set1_epi8(0x03));
     w0 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)));
   } else if constexpr (kInt5) {
-    const __m256i bytes = int4or5_block<true>(q, h, g);
+    const __m256i bytes = kPlanes ? _mm256_or_si256(int4or5_block<false>(q, h, g), fifth_bits_of_group_planes(h, g))
+                                  : int4or5_block<true>(q, h, g);
     w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
     w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));
   } else if constexpr (kInt4) {
@@ -1885,7 +1981,7 @@ inline void scale_products(float* prod, const float* sw, const float* xs, int64_
 // groups into the first and odd ones into the second (so two FMA chains per pair), each group one
 // integer dot and one FMA by the scale product; then one horizontal sum of the two and the min
 // term. The same operations in the same order in every tile shape (batch invariance).
-template <int RW, int RX, bool kInt4, bool kInt5, bool kInt6, int G>
+template <int RW, int RX, bool kInt4, bool kInt5, bool kInt6, int G, bool kPlanes>
 void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* out, int64_t ldo) {
   __m256 acc[RW][RX][2];
   for (auto& per_w : acc) for (auto& two : per_w) two[0] = two[1] = _mm256_setzero_ps();
@@ -1908,7 +2004,7 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
     }
     for (int i = 0; i < RW; ++i) {
       __m256i w0, w1;
-      widen_group_i16<kInt4, kInt5, kInt6, G>(q[i], h[i], g, w0, w1);
+      widen_group_i16<kInt4, kInt5, kInt6, G, kPlanes>(q[i], h[i], g, w0, w1);
       for (int r = 0; r < RX; ++r) {
         __m256i dot = dot_s16(_mm256_setzero_si256(), w0, x0[r]);
         if constexpr (G == 32) dot = dot_s16(dot, w1, x1[r]);
@@ -1990,7 +2086,8 @@ struct TilesI16 {
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
-    tile_i16<RW, RX, kInt4, kInt5, kInt6, G>(w, n, a, m0, out, ldo);
+    // Q5_K's records come with its fifth bits as bit planes.
+    tile_i16<RW, RX, kInt4, kInt5, kInt6, G, kInt5 && kScales == ScaleKind::kSuper>(w, n, a, m0, out, ldo);
   }
 };
 

@@ -14,7 +14,9 @@
 int5 is int4 plus ``qhigh``, the fifth bits (a uint32 per group of 32, bit
 ``j`` element ``j``'s): Q5_0's and Q5_1's nibbles and ``qh`` go in as the
 file holds them; Q5_K's ``qh`` (bit ``i`` of byte ``j`` is element ``j`` of
-group ``i`` of the super-block) is regathered per group. int6 (Q6_K) is the
+group ``i`` of the super-block) becomes 32 bytes of bit planes a super-block
+in the order its super-block path unpacks them (``_fifth_bit_planes``; the
+fp32-scale fallback turns them into per-group words). int6 (Q6_K) is the
 file's ``ql`` (low four bits, ``qweight``) and ``qh`` (two high bits a
 weight, ``qhigh``) as they are (``kernels.reference.packed_values`` gives
 the order); its 210 bytes per 256 are the file's (the int8 layout held 274).
@@ -68,14 +70,20 @@ def repack(
     # (cpu_quant_linear.cpp, RowScales); past that, fp32 scales and mins per group.
     compact = in_features // group <= _MAX_HALF_GROUPS
     if scales.dtype == np.uint8:  # the K formats' records, [N, blocks, bytes]
-        scales = torch.from_numpy(np.ascontiguousarray(scales))
-        if not compact:
-            scales, mins = group_scales(qweight, scales, None, group)
-    else:
-        scales = torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1)))
-        mins = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1)))
-        if not compact:
-            scales, mins = group_scales(qweight, scales, mins, group, qhigh)
+        packed = PackedWeight(
+            qweight,
+            torch.from_numpy(np.ascontiguousarray(scales)),
+            None,
+            group,
+            in_features,
+            type_name,
+            qhigh,
+        )
+        return packed if compact else packed.with_fp32_scales()
+    scales = torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1)))
+    mins = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1)))
+    if not compact:
+        scales, mins = group_scales(qweight, scales, mins, group, qhigh)
     return PackedWeight(qweight, scales, mins, group, in_features, type_name, qhigh)
 
 
@@ -163,22 +171,25 @@ def _q4_k(blocks):
 
 def _q5_k(blocks):
     records, nibbles = _k_records_and_nibbles(blocks, 48)
-    return nibbles, records, None, 32, _fifth_bits_by_group(_quants(blocks, 16, 48))
+    return nibbles, records, None, 32, _fifth_bit_planes(_quants(blocks, 16, 48))
 
 
-def _fifth_bits_by_group(qh: np.ndarray) -> np.ndarray:
-    """Q5_K's ``qh [N, B, 32]`` (bit i of byte j: element j of group i) -> ``[N, B, 8, 4]``, per group
-    a little-endian uint32 whose bit j is element j's.
+def _fifth_bit_planes(qh: np.ndarray) -> np.ndarray:
+    """Q5_K's ``qh [N, B, 32]`` (bit g of byte j: element j of group g) -> ``[N, B, 32]``, the bit
+    planes its super-block path reads (``kernels.reference.packed_values``): byte i holds, for each
+    pair of groups (2p, 2p + 1), the fifth bit of element i of 2p (i < 16) or i - 16 of 2p + 1 in bit
+    2p and of the element 16 further in bit 2p + 1.
 
-    Per group i and each 8 bytes read as a uint64: bit i of every byte kept, then one multiply
-    gathers the eight bits into the top byte (byte k's bit, at 8k, times 2^(56 - 7k) lands on
-    56 + k; no two products share a bit, so nothing carries)."""
-    words = qh.view("<u8")  # [N, B, 4]: bytes 8w .. 8w + 7
-    out = np.empty((*qh.shape[:2], 8, 4), np.uint8)
-    ones, gather = np.uint64(0x0101010101010101), np.uint64(0x0102040810204080)
-    for group in range(8):
-        out[..., group, :] = (((words >> np.uint64(group)) & ones) * gather) >> np.uint64(56)
-    return out
+    With a = bytes 0-15 and b = 16-31: bytes 0-15 are a's even bits and b's even bits moved up one,
+    16-31 a's odd bits moved down one and b's odd bits. Every bit stays in its byte, so the work
+    goes eight bytes to an integer."""
+    words = qh.view("<u8")  # [N, B, 4]: a in words 0-1, b in 2-3
+    a, b = words[..., :2], words[..., 2:]
+    even, odd, one = np.uint64(0x5555555555555555), np.uint64(0xAAAAAAAAAAAAAAAA), np.uint64(1)
+    planes = np.empty_like(words)
+    planes[..., :2] = (a & even) | ((b & even) << one)
+    planes[..., 2:] = ((a & odd) >> one) | (b & odd)
+    return planes.view(np.uint8)
 
 
 def _q6_k(blocks):

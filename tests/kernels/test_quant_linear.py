@@ -18,6 +18,7 @@ from kernels import cpu_quant_linear
 from kernels.reference import (
     SUPER_BLOCK,
     dequantize_packed_ref,
+    fifth_bits_per_group,
     packed_values,
     quant_linear_i8_ref,
     quant_linear_ref,
@@ -124,6 +125,37 @@ def test_int5_fifth_bit_order(isa):
         assert cpu_quant_linear.quant_linear(x, q, ones, zeros, 32, isa=isa, qhigh=qhigh).item() == value
         for kernel, _ in INT_KERNELS.values():
             assert kernel(x, q, ones, zeros, 32, isa=isa, qhigh=qhigh).item() == value, (element, kernel)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q5_k_bit_plane_order(isa):
+    """With records (Q5_K) qhigh is bit planes: bit b of byte i of a super-block's 32 adds 16 to
+    element 16 (b % 2) + i % 16 of group 2 (b // 2) + i // 16, in every op that takes records and
+    in the per-group words it becomes with fp32 scales. Weight row n sets bit n % 8 of byte n // 8."""
+    n = 256
+    q = torch.zeros(n, 128, dtype=torch.uint8)
+    qhigh = torch.zeros(n, 32, dtype=torch.uint8)
+    qhigh[torch.arange(n), torch.arange(n) // 8] = (1 << (torch.arange(n) % 8)).to(torch.uint8)
+    byte, bit = torch.arange(n) // 8, torch.arange(n) % 8
+    element = 32 * (2 * (bit // 2) + byte // 16) + 16 * (bit % 2) + byte % 16
+    halves = torch.tensor([1.0, 0.0]).half().view(torch.uint8)  # d 1, dmin 0
+    sc_m = torch.tensor([1] * 8 + [0] * 8, dtype=torch.uint8)  # every sc 1, every m 0
+    records = torch.cat((halves, sc_m)).expand(n, 1, 20).contiguous()
+    expected = torch.zeros(n, 256)
+    expected[torch.arange(n), element] = 16.0
+    assert torch.equal(dequantize_packed_ref(q, records, None, 32, qhigh), expected)
+    scales, mins, words = per_group("Q5_K", records, qhigh)
+    assert torch.equal(dequantize_packed_ref(q, scales, mins, 32, words), expected)
+    x = torch.eye(256)  # row m picks element m (16 up to the rounding of x's scale)
+    for kernel, _ in INT_KERNELS.values():
+        for out in (
+            kernel(x, q, records, None, 32, isa=isa, qhigh=qhigh),
+            kernel(x, q, scales, mins, 32, isa=isa, qhigh=words),
+        ):
+            torch.testing.assert_close(
+                out[element, torch.arange(n)], torch.full((n,), 16.0), rtol=1e-6, atol=0
+            )
+            assert out.count_nonzero() == n, kernel
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -493,7 +525,7 @@ def test_implied_mins_match_the_twin(bits, layout):
 
 def random_super(fmt: str, n: int, k: int, seed: int = 0):
     """A K format's weight (Q4_K: int4, Q5_K: int5, Q6_K: int6) with random records per
-    super-block: (qweight, records, group, qhigh)."""
+    super-block: (qweight, records, group, qhigh; Q5_K's as bit planes, its records' layout)."""
     g = torch.Generator().manual_seed(seed)
     blocks = k // SUPER_BLOCK
     halves = (torch.rand(n, blocks, 2, generator=g) * 0.01 + 0.001).half().view(torch.uint8)  # d, dmin
@@ -511,6 +543,13 @@ def random_super(fmt: str, n: int, k: int, seed: int = 0):
     return q, torch.cat((halves[..., :2], sc), dim=-1), 16, qhigh
 
 
+def per_group(fmt: str, records: torch.Tensor, qhigh: torch.Tensor | None):
+    """The same weights with fp32 scales and mins per group: (scales, mins, qhigh), Q5_K's fifth bits
+    as per-group words (the layout that goes with them)."""
+    scales, mins = super_scales_ref(records, fmt != "Q6_K", 16 if fmt == "Q6_K" else 32)
+    return scales, mins, fifth_bits_per_group(qhigh) if fmt == "Q5_K" else qhigh
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k", [256, 768])
@@ -521,16 +560,26 @@ def test_super_block_scales_give_the_bits_of_their_fp32_products(isa, fmt, k):
     gives the bits of the fp32 scales and mins per group the repacker stored before."""
     kernel, dtype = INT_KERNELS["int16"]
     q, records, group, h = random_super(fmt, 203, k, seed=k)
-    scales, mins = super_scales_ref(records, fmt != "Q6_K", group)
+    scales, mins, words = per_group(fmt, records, h)
     for rows in (1, 2, 3, 4, 5, 9, 33):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         compact = kernel(x, q, records, None, group, isa=isa, qhigh=h)
-        assert torch.equal(compact, kernel(x, q, scales, mins, group, isa=isa, qhigh=h)), rows
-    expected = quant_linear_i8_ref(x, q, scales, mins, group, dtype, qhigh=h)
+        assert torch.equal(compact, kernel(x, q, scales, mins, group, isa=isa, qhigh=words)), rows
+    expected = quant_linear_i8_ref(x, q, scales, mins, group, dtype, qhigh=words)
     assert torch.equal(expected, quant_linear_i8_ref(x, q, records, None, group, dtype, qhigh=h))
     torch.testing.assert_close(
         compact, expected, rtol=0, atol=SUM_ORDER_TOLERANCE * float(expected.abs().max())
     )
+    # The fp32 activations read the records (and Q5_K's planes) too: the same weights and bits, the
+    # streaming rows (up to 4) and the dequantized tiles.
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        fp32 = cpu_quant_linear.quant_linear(x, q, records, None, group, isa=isa, qhigh=h)
+        assert torch.equal(
+            fp32, cpu_quant_linear.quant_linear(x, q, scales, mins, group, isa=isa, qhigh=words)
+        )
+    dense = cpu_quant_linear.dequantize_rows(q, records, None, group, 3, 190, k, isa=isa, qhigh=h)
+    assert torch.equal(dense, dequantize_packed_ref(q, scales, mins, group, words)[3:193])
 
 
 def test_super_block_scales_are_checked():
@@ -538,8 +587,6 @@ def test_super_block_scales_are_checked():
     x = torch.randn(2, 512)
     with pytest.raises(RuntimeError, match="super-block scales"):
         cpu_quant_linear.quant_linear_i8(x, q, records[..., :18].contiguous(), None, group)
-    with pytest.raises(RuntimeError, match="fp32 scales expected"):  # the fp32 path takes them per group
-        cpu_quant_linear.quant_linear(x, q, records, None, group)
 
 
 # The super-block path: quant_linear_i8 against Q4_K, Q5_K and Q6_K records rounds x per 256.
@@ -567,14 +614,21 @@ def test_fp32_scales_of_k_formats_keep_the_per_group_path(isa, fmt):
     """The fp32-scale fallback (K past the records' reach, a tensor-parallel slice off super-blocks)
     takes x rounded per 32 as before: the per-group twin, not the super-block one."""
     q, records, group, h = random_super(fmt, 67, 768, seed=4)
-    scales, mins = super_scales_ref(records, fmt != "Q6_K", group)
+    scales, mins, words = per_group(fmt, records, h)
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(8))
-    per_group = quant_linear_i8_ref(x, q, scales, mins, group, qhigh=h)
-    actual = cpu_quant_linear.quant_linear_i8(x, q, scales, mins, group, isa=isa, qhigh=h)
-    tolerance = SUM_ORDER_TOLERANCE * float(per_group.abs().max())
-    torch.testing.assert_close(actual, per_group, rtol=0, atol=tolerance)
+    rounded_per_group = quant_linear_i8_ref(x, q, scales, mins, group, qhigh=words)
+    actual = cpu_quant_linear.quant_linear_i8(x, q, scales, mins, group, isa=isa, qhigh=words)
+    tolerance = SUM_ORDER_TOLERANCE * float(rounded_per_group.abs().max())
+    torch.testing.assert_close(actual, rounded_per_group, rtol=0, atol=tolerance)
     per_super = quant_linear_i8_ref(x, q, records, None, group, qhigh=h)
-    assert (per_super - per_group).abs().max() > 100 * tolerance  # the two roundings do differ
+    assert (per_super - rounded_per_group).abs().max() > 100 * tolerance  # the two roundings do differ
+    # and only the rounding: without it (fp32 x) both layouts are the same weights
+    torch.testing.assert_close(
+        quant_linear_ref(x, q, records, None, group, h),
+        quant_linear_ref(x, q, scales, mins, group, words),
+        rtol=0,
+        atol=tolerance,
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -238,6 +238,57 @@ def test_k_format_columns_split_on_super_blocks_or_per_group(fmt):
     assert torch.equal(off.dequantize(), dense[:, 128:384])
 
 
+def test_q5_k_fifth_bits_are_the_files_as_bit_planes():
+    """Q5_K's qh (bit g of byte j: element j of group g of the super-block) becomes bit planes in the
+    order the super-block path unpacks a pair of groups; decoded, they are the file's fifth bits."""
+    from kernels.reference import packed_values
+
+    data = gguf_blocks("Q5_K", 6, 768, seed=12)
+    packed = repack("Q5_K", data, 768)
+    qh = torch.from_numpy(data.reshape(6, 3, 176)[..., 16:48].copy())  # [N, B, 32]
+    bits = torch.arange(8, dtype=torch.uint8)[:, None]
+    files = ((qh[:, :, None, :] >> bits) & 1).flatten(1, 2)  # [N, groups, 32]: element j of group g
+    values = packed_values(packed.qweight, 32, packed.qhigh, planes=True)
+    assert torch.equal(values >> 4, files)
+    assert torch.equal(packed.dequantize(), reference("Q5_K", data))
+
+
+def test_q5_k_planes_and_per_group_words_run_the_same_weights():
+    """Every path over a Q5_K weight against gguf's dequantization: its records and bit planes
+    (the int8 super-block path, int16, the twin), and the per-group words they become with fp32
+    scales (a tensor-parallel slice off super-blocks, the fp32 activations)."""
+    from kernels.cpu_quant_linear import quant_linear, quant_linear_i8, quant_linear_i16
+    from kernels.reference import quant_linear_i8_ref
+
+    data = gguf_blocks("Q5_K", 40, 1024, seed=13)
+    packed, dense = repack("Q5_K", data, 1024), reference("Q5_K", data)
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(3))
+    per_group = packed.with_fp32_scales()
+    assert per_group.scales.dim() == 2 and not torch.equal(per_group.qhigh, packed.qhigh)
+    assert torch.equal(per_group.dequantize(), dense)
+    records = (packed.qweight, packed.scales, None, 32)
+    fp32 = (per_group.qweight, per_group.scales, per_group.mins, 32)
+    close_to(quant_linear(x, *fp32, qhigh=per_group.qhigh), F.linear(x, dense))
+    close_to(
+        quant_linear_i8(x, *records, qhigh=packed.qhigh), quant_linear_i8_ref(x, *records, qhigh=packed.qhigh)
+    )
+    assert torch.equal(
+        quant_linear_i16(x, *records, qhigh=packed.qhigh), quant_linear_i16(x, *fp32, qhigh=per_group.qhigh)
+    )
+    on = packed.narrow(1, 256, 512).contiguous()  # on super-blocks: the records and their planes
+    xs = x[:, 256:768].contiguous()
+    assert on.super_scales and torch.equal(on.dequantize(), dense[:, 256:768])
+    sliced = (on.qweight, on.scales, None, 32)
+    close_to(quant_linear_i8(xs, *sliced, qhigh=on.qhigh), quant_linear_i8_ref(xs, *sliced, qhigh=on.qhigh))
+    off = packed.narrow(1, 96, 512).contiguous()  # off super-blocks: fp32 scales, per-group words
+    assert torch.equal(off.dequantize(), dense[:, 96:608])
+    xo = x[:, 96:608].contiguous()
+    close_to(
+        quant_linear(xo, off.qweight, off.scales, off.mins, 32, qhigh=off.qhigh),
+        F.linear(xo, dense[:, 96:608]),
+    )
+
+
 def test_q6_k_columns_off_128_take_the_int8_layout():
     """int6 holds Q6_K's bits per 128 columns: a slice on them stays int6, one off them (a
     tensor-parallel rank of 64 columns) takes the int8 layout, q - 32 a byte; the same weights."""

@@ -52,6 +52,7 @@ from torch import nn
 from kernels.reference import (
     SUPER_BLOCK,
     dequantize_packed_ref,
+    fifth_bits_per_group,
     group_scales,
     int4_mins,
     packed_values,
@@ -78,7 +79,8 @@ class PackedWeight:
     group_size: int
     in_features: int
     source_format: str  # the GGUF type it came from, for reports
-    # int5: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j;
+    # int5: [N, K / 8] uint8, per group of 32 a little-endian uint32 whose bit j adds 16 to element j
+    # (with records, Q5_K: 32 bytes of bit planes a super-block, kernels.reference.packed_values);
     # int6: [N, K / 4] uint8, two high bits a weight, as Q6_K holds them (kernels.reference.packed_values)
     qhigh: torch.Tensor | None = None
 
@@ -153,12 +155,19 @@ class PackedWeight:
 
     def with_fp32_scales(self) -> PackedWeight:
         """This weight with fp32 scales and mins per group (the same values: fp16 converts exactly, the
-        K formats' products are exact; Q4_0's and Q5_0's implied mins stay implied)."""
+        K formats' products are exact; Q4_0's and Q5_0's implied mins stay implied), Q5_K's fifth bits
+        per group (the bit planes are its records' layout)."""
         if self.scales.dtype == torch.float32:
             return self
         scales, mins = group_scales(self.qweight, self.scales, self.mins, self.group_size, self.qhigh)
+        qhigh = self.qhigh
+        if self.super_scales and self.layout[0] == "int5":
+            qhigh = fifth_bits_per_group(qhigh)
         return replace(
-            self, scales=scales, mins=None if self.mins is None and not self.super_scales else mins
+            self,
+            scales=scales,
+            mins=None if self.mins is None and not self.super_scales else mins,
+            qhigh=qhigh,
         )
 
     def as_int8(self) -> PackedWeight:
@@ -272,7 +281,8 @@ class _Kernel:
             return out
         from kernels.cpu_quant_linear import dequantize_rows, quant_linear
 
-        w = w.with_fp32_scales()  # the fp32 kernels dequantize with fp32 scales
+        if w.scales.dtype == torch.float16:
+            w = w.with_fp32_scales()  # the fp32 kernels read fp32 scales or the K formats' records
         if x.shape[0] < GEMM_MIN_ROWS:
             return quant_linear(x, w.qweight, w.scales, w.mins, w.group_size, isa=self.isa, qhigh=w.qhigh)
         n, k = w.shape
