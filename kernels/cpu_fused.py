@@ -1,7 +1,8 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
 with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16;
-and the two passes around an int8 GEMM (rows rounded to int8, the int32 result
-scaled back).
+the two passes around an int8 GEMM (rows rounded to int8, the int32 result
+scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack of Q4_K's
+and Q5_K's super-blocks (twin: ``services.worker.gguf_repack.k_records_and_nibbles_ref``).
 
 Built like the decode-attention kernel (``kernels.cpu_attention``): by
 ``python -m kernels.cpu_fused`` ahead of time, else on first use, cached by
@@ -38,7 +39,11 @@ from kernels.reference import (
 )
 from services import env
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_fused.cpp"
+# The element-wise kernels, and the load-time repack of Q4_K's and Q5_K's super-blocks (one library).
+SOURCES = (
+    Path(__file__).parent / "csrc" / "cpu_fused.cpp",
+    Path(__file__).parent / "csrc" / "gguf_repack.cpp",
+)
 DTYPES = (torch.float32, torch.bfloat16)
 ENV_SWITCH = "WEFT_CPU_FUSED"  # "0" turns the fused CPU path off; read only by enabled_by_env()
 
@@ -75,7 +80,7 @@ def load() -> None:
     For ``wide_isa()``: the element-wise loops vectorize 16 floats wide with AVX-512, and run
     compute-bound at prefill sizes (1,831 x 3,072 bf16, one thread: SiLU-and-mul 4.48 -> 3.03 ms,
     scale_int32 1.63 -> 1.17 ms against the AVX2 build, results bit-identical)."""
-    build("weft_cpu_fused", SOURCE, "the fused CPU kernels", isa=wide_isa())
+    build("weft_cpu_fused", SOURCES, "the fused CPU kernels", isa=wide_isa())
 
 
 def _refused(check, error: Exception) -> None:
@@ -196,3 +201,12 @@ def scale_silu_quantize_int8(
 if __name__ == "__main__":  # build ahead of first use (the Docker image does)
     load()
     print(f"built and loaded the fused CPU kernels ({wide_isa()[0]})")
+
+
+def k_records_and_nibbles(
+    records: torch.Tensor, nibbles: torch.Tensor, blocks: torch.Tensor, qs_start: int
+) -> None:
+    """Q4_K's or Q5_K's super-blocks ``blocks [N, B, bytes]`` uint8 into ``records [N, B, 20]`` and
+    ``nibbles`` (``N * B * 128`` bytes) in weft's layout (``services.worker.gguf_repack``)."""
+    load()
+    torch.ops.weft_fused.k_records_and_nibbles(records, nibbles, blocks, qs_start)

@@ -36,9 +36,12 @@ dequantized at load.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
+from kernels import cpu_fused
 from kernels.reference import group_scales
 from services.worker.layers.quantized_linear import PackedWeight
 
@@ -137,7 +140,23 @@ def _q4_1(blocks):
 
 def _k_records_and_nibbles(blocks: np.ndarray, qs_start: int) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's and Q5_K's 20-byte records (d, dmin fp16, 8 sc, 8 m) and their 128 bytes of low nibbles
-    from ``qs_start`` in weft's int4 order, ``[N, B, 8, 16]``.
+    from ``qs_start`` in weft's int4 order, ``[N, B, 8, 16]``: in one compiled pass
+    (``kernels/csrc/gguf_repack.cpp``) where the fused CPU kernels build, else by the numpy twin."""
+    if not cpu_fused.available():
+        return k_records_and_nibbles_ref(blocks, qs_start)
+    blocks = np.ascontiguousarray(blocks)
+    records = np.empty((*blocks.shape[:2], 20), np.uint8)
+    nibbles = np.empty((*blocks.shape[:2], 8, 16), np.uint8)
+    with warnings.catch_warnings():
+        # The file's map is read-only and torch warns of a non-writable array; the op only reads it.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        source = torch.from_numpy(blocks)
+    cpu_fused.k_records_and_nibbles(torch.from_numpy(records), torch.from_numpy(nibbles), source, qs_start)
+    return records, nibbles
+
+
+def k_records_and_nibbles_ref(blocks: np.ndarray, qs_start: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy twin of ``_k_records_and_nibbles``.
 
     Every field moves within its byte, so the work goes four or eight bytes to an integer: numpy's
     byte-wide operations over short rows cost several times more (a 1B model repacks 450 MB)."""
