@@ -181,13 +181,21 @@ class ModelRunner:
             self.model.model.layers = layers
 
     @torch.inference_mode()
-    def profile_sampling(self) -> None:
-        """The logits and sampling of the largest step, on a hidden state of its rows."""
+    def profile_sampling(self, computed_rows: int | None = None) -> None:
+        """The logits and sampling of the largest step, on a hidden state of its rows; the LM head
+        runs on ``computed_rows`` of them where given (``_profile_sampling``)."""
         a = self.model.args
         rows = min(self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens)
-        self._profile_sampling(torch.zeros(rows, a.hidden_size, dtype=self.dtype, device=self.device))
+        self._profile_sampling(
+            torch.zeros(rows, a.hidden_size, dtype=self.dtype, device=self.device), computed_rows
+        )
 
-    def _profile_sampling(self, hidden: torch.Tensor) -> None:
+    def _profile_sampling(self, hidden: torch.Tensor, computed_rows: int | None = None) -> None:
+        """Logits for the step's rows, then sampling. With ``computed_rows`` (on one rank) the LM head
+        runs on that many rows and its logits are tiled to the rest: what the peak needs is the
+        logits' bytes, not their values (the profiled hidden state is zeros anyway), and on a CPU the
+        LM head over 128 rows was a second of every start-up. Under tensor parallelism every row
+        goes through the gather, whose buffers count in the peak."""
         a = self.model.args
         if self.attention_backend == "torch":
             # Its decode steps hold the K/V gather buffer at up to its cap; count it in the peak.
@@ -205,9 +213,13 @@ class ModelRunner:
         sampling = build_sampling_metadata(
             [dummy] * sample_rows, vocab_size=a.vocab_size, eos_token_id=None, device=self.device
         )
-        logits = self.model.compute_logits(
-            hidden[:logits_rows]
-        )  # None on tensor-parallel followers: they never sample
+        if computed_rows is not None and computed_rows < logits_rows and get_tp_group().world_size == 1:
+            some = self.model.compute_logits(hidden[:computed_rows])
+            logits = some.repeat(-(-logits_rows // computed_rows), 1)[:logits_rows]
+        else:
+            logits = self.model.compute_logits(
+                hidden[:logits_rows]
+            )  # None on tensor-parallel followers: they never sample
         if logits is not None:
             self.sampler(logits[:sample_rows], sampling)
 

@@ -132,12 +132,12 @@ class Worker:
         runs on ``CPU_PROFILE_TOKENS`` tokens through one layer of each kind (the peak is one
         layer's) and its peak is scaled to the step's tokens (a step's activations grow linearly
         with its tokens: attention is paged, never T x T), and the logits and sampling run at their
-        full rows."""
+        full rows (the LM head itself on ``CPU_PROFILE_LOGIT_ROWS``, its logits tiled to the rest)."""
         runner, tokens = self.model_runner, self.config.scheduler.max_num_batched_tokens
         if self.device.type != "cpu" or tokens <= CPU_PROFILE_TOKENS:
             return peak_increase(runner.profile_run, self.device)
         forward = peak_increase(lambda: runner.profile_forward(CPU_PROFILE_TOKENS), self.device)
-        sampling = peak_increase(runner.profile_sampling, self.device)
+        sampling = peak_increase(lambda: runner.profile_sampling(CPU_PROFILE_LOGIT_ROWS), self.device)
         return -(-forward * tokens // CPU_PROFILE_TOKENS) + sampling
 
     def _capped(self, num_blocks: int, source: str) -> tuple[int, str]:
@@ -238,6 +238,8 @@ class Worker:
 
 # Tokens of the forward profiled on CPU (Worker.activation_peak).
 CPU_PROFILE_TOKENS = 128
+# Rows the CPU profile runs the LM head on; its logits are tiled to the step's rows for sampling.
+CPU_PROFILE_LOGIT_ROWS = 8
 
 
 def check_device_visible(device: torch.device, tensor_parallel_size: int) -> None:

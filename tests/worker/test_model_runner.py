@@ -207,3 +207,27 @@ def test_decode_step_time_64_sequences(sched, smollm_runner):
         f"{torch.get_num_threads()} thread(s): {min(times) * 1000:.0f} ms (best of 3)"
     )
     assert all(len(sched.outputs[r]) == 4 for r in new)
+
+
+def test_cpu_sampling_profile_runs_the_lm_head_on_few_rows_and_samples_all(smollm_runner, monkeypatch):
+    """The CPU start-up profile runs the LM head on CPU_PROFILE_LOGIT_ROWS rows, yet the sampler
+    gets logits of the step's every row, so their bytes count in the peak."""
+    from services.worker.worker import CPU_PROFILE_LOGIT_ROWS
+
+    runner = smollm_runner
+    head_rows, sampled = [], []
+    compute_logits, sampler = runner.model.compute_logits, runner.sampler
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h: head_rows.append(h.shape[0]) or compute_logits(h)
+    )
+    monkeypatch.setattr(
+        runner, "sampler", lambda logits, meta: sampled.append(tuple(logits.shape)) or sampler(logits, meta)
+    )
+    runner.profile_sampling(CPU_PROFILE_LOGIT_ROWS)
+    rows = min(runner.config.scheduler.max_num_seqs, runner.config.scheduler.max_num_batched_tokens)
+    assert rows > CPU_PROFILE_LOGIT_ROWS
+    assert head_rows == [CPU_PROFILE_LOGIT_ROWS]
+    assert sampled == [(rows, runner.model.args.vocab_size)]
+    head_rows.clear(), sampled.clear()
+    runner.profile_sampling()  # without the row count, as on a GPU: the LM head over every row
+    assert head_rows == [rows] and sampled == [(rows, runner.model.args.vocab_size)]
