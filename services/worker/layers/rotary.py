@@ -59,10 +59,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = inverse_frequencies(head_dim, base, scaling)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]  # [P, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        # [P, D], both halves the same angles: cos and sin taken once per angle and repeated, the values
+        # HF's cos/sin of the concatenated angles give (a long context's table is millions of them).
+        cos, sin = freqs.cos(), freqs.sin()
         # Not persistent: derived from the config, never read from a checkpoint.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
         self._cpu_fused = cpu_fused_for_model()  # chosen once: one compiled pass on CPU
 
     def forward(
