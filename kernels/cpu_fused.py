@@ -210,3 +210,10 @@ def k_records_and_nibbles(
     ``nibbles`` (``N * B * 128`` bytes) in weft's layout (``services.worker.gguf_repack``)."""
     load()
     torch.ops.weft_fused.k_records_and_nibbles(records, nibbles, blocks, qs_start)
+
+
+def block_bytes(out: torch.Tensor, blocks: torch.Tensor, start: int, stop: int) -> None:
+    """Bytes ``[start, stop)`` of each block of ``blocks [N, B, bytes]`` uint8 into ``out``
+    (``N * B * (stop - start)`` bytes)."""
+    load()
+    torch.ops.weft_fused.block_bytes(out, blocks, start, stop)

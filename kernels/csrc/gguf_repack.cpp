@@ -1,6 +1,10 @@
-// The load-time repack of Q4_K's and Q5_K's super-blocks into weft's layout, one pass over the
-// file's bytes (services/worker/gguf_repack.py, `_k_records_and_nibbles`, is the numpy twin and
-// says what each field becomes). Registered into the fused kernels' library (torch.ops.weft_fused).
+// The load-time repack of GGUF blocks into weft's layouts, one pass over the file's bytes
+// (services/worker/gguf_repack.py holds the numpy twins and says what each field becomes).
+// Registered into the fused kernels' library (torch.ops.weft_fused).
+//
+//   block_bytes(out, blocks, start, stop)
+//     bytes [start, stop) of each block of blocks [N, B, bytes] into out [N, B, stop - start]: a
+//     format's quants or scales pulled out of its blocks (numpy copies a strided field item by item)
 //
 //   k_records_and_nibbles(records, nibbles, blocks, qs_start)
 //     blocks   [N, B, bytes] uint8: a tensor's super-blocks as the file holds them (144 bytes a
@@ -21,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -91,9 +96,41 @@ void k_records_and_nibbles(at::Tensor& records, at::Tensor& nibbles, const at::T
   });
 }
 
+void block_bytes(at::Tensor& out, const at::Tensor& blocks, int64_t start, int64_t stop) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous(),
+              "block_bytes: blocks [N, B, bytes] contiguous uint8 expected");
+  const int64_t total = blocks.size(0) * blocks.size(1), bytes = blocks.size(2), width = stop - start;
+  TORCH_CHECK(0 <= start && start < stop && stop <= bytes, "block_bytes: [start, stop) must lie inside a ", bytes,
+              "-byte block, got [", start, ", ", stop, ")");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == total * width,
+              "block_bytes: out of N * B * (stop - start) contiguous uint8 expected");
+  const uint8_t* src = blocks.data_ptr<uint8_t>() + start;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  // The formats' field widths as constants, so each copy is a few moves rather than a call to
+  // memcpy per block (tens of millions of blocks in a 1B model).
+  auto copy = [&](auto fixed) {
+    constexpr int64_t kWidth = decltype(fixed)::value;
+    const int64_t w = kWidth > 0 ? kWidth : width;
+    at::parallel_for(0, total, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * w, src + i * bytes, kWidth > 0 ? kWidth : w);
+    });
+  };
+  switch (width) {
+    case 2: copy(std::integral_constant<int64_t, 2>{}); break;
+    case 4: copy(std::integral_constant<int64_t, 4>{}); break;
+    case 16: copy(std::integral_constant<int64_t, 16>{}); break;
+    case 32: copy(std::integral_constant<int64_t, 32>{}); break;
+    case 64: copy(std::integral_constant<int64_t, 64>{}); break;
+    case 128: copy(std::integral_constant<int64_t, 128>{}); break;
+    default: copy(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(weft_fused, m) {
   m.def("k_records_and_nibbles(Tensor(a!) records, Tensor(b!) nibbles, Tensor blocks, int qs_start) -> ()");
+  m.def("block_bytes(Tensor(a!) out, Tensor blocks, int start, int stop) -> ()");
   m.impl("k_records_and_nibbles", c10::DispatchKey::CPU, &k_records_and_nibbles);
+  m.impl("block_bytes", c10::DispatchKey::CPU, &block_bytes);
 }

@@ -92,16 +92,37 @@ def repack(
 
 def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte ``start`` of each block, ``[N, blocks]`` fp16."""
-    return np.ascontiguousarray(_field(blocks, start, "<f2"))
+    return _quants(blocks, start, start + 2).view("<f2")[..., 0]
 
 
 def _quants(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Bytes ``[start, stop)`` of each block, ``[N, blocks, stop - start]`` uint8, contiguous.
+    """Bytes ``[start, stop)`` of each block, ``[N, blocks, stop - start]`` uint8, contiguous: in one
+    compiled pass (``kernels/csrc/gguf_repack.cpp``) where the fused CPU kernels build, else by the
+    numpy twin."""
+    if not cpu_fused.available():
+        return quants_ref(blocks, start, stop)
+    out = np.empty((*blocks.shape[:2], stop - start), np.uint8)
+    cpu_fused.block_bytes(torch.from_numpy(out), _as_tensor(blocks), start, stop)
+    return out
+
+
+def quants_ref(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The numpy twin of ``_quants``.
 
     Copied as one ``stop - start``-byte item per block: numpy copies a strided byte slice a byte
     at a time, several times slower, and a 1B model's load copies 600 MB this way."""
     items = np.ascontiguousarray(_field(blocks, start, f"V{stop - start}"))
     return items.view(np.uint8).reshape(*blocks.shape[:2], stop - start)
+
+
+def _as_tensor(blocks: np.ndarray) -> torch.Tensor:
+    """``blocks`` as a contiguous uint8 tensor for the compiled repack, without a copy where it is
+    contiguous already (the GGUF map is)."""
+    blocks = np.ascontiguousarray(blocks)
+    with warnings.catch_warnings():
+        # The file's map is read-only and torch warns of a non-writable array; the ops only read it.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(blocks)
 
 
 def _field(blocks: np.ndarray, start: int, dtype: str) -> np.ndarray:
@@ -144,14 +165,11 @@ def _k_records_and_nibbles(blocks: np.ndarray, qs_start: int) -> tuple[np.ndarra
     (``kernels/csrc/gguf_repack.cpp``) where the fused CPU kernels build, else by the numpy twin."""
     if not cpu_fused.available():
         return k_records_and_nibbles_ref(blocks, qs_start)
-    blocks = np.ascontiguousarray(blocks)
     records = np.empty((*blocks.shape[:2], 20), np.uint8)
     nibbles = np.empty((*blocks.shape[:2], 8, 16), np.uint8)
-    with warnings.catch_warnings():
-        # The file's map is read-only and torch warns of a non-writable array; the op only reads it.
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        source = torch.from_numpy(blocks)
-    cpu_fused.k_records_and_nibbles(torch.from_numpy(records), torch.from_numpy(nibbles), source, qs_start)
+    cpu_fused.k_records_and_nibbles(
+        torch.from_numpy(records), torch.from_numpy(nibbles), _as_tensor(blocks), qs_start
+    )
     return records, nibbles
 
 
@@ -174,7 +192,7 @@ def k_records_and_nibbles_ref(blocks: np.ndarray, qs_start: int) -> tuple[np.nda
     # 4 chunks of 32 bytes: chunk c holds group 2c in its low nibbles and group 2c + 1 in its high
     # ones, element j in byte j. weft's byte j of a group: element j low, element j + 16 high. So
     # each group's bytes come from the chunk's halves a (bytes 0-15) and b (16-31), a nibble moved.
-    qs = _quants(blocks, qs_start, qs_start + 128).view("<u8").reshape(*blocks.shape[:2], 4, 2, 2)
+    qs = quants_ref(blocks, qs_start, qs_start + 128).view("<u8").reshape(*blocks.shape[:2], 4, 2, 2)
     a, b = qs[..., 0, :], qs[..., 1, :]
     low, high = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0F0F0F0F0)
     groups = np.empty((*blocks.shape[:2], 4, 2, 2), np.uint64)
