@@ -1409,6 +1409,9 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F);
+  // Q5_K: the fifth bits of the rows at ahead, a row holding a quarter as many bytes of them as of
+  // nibbles.
+  const uint8_t* ahead_high = kInt5 && ahead != nullptr ? w.qhigh + (ahead - w.qweight) / 4 : nullptr;
   const uint8_t* q[RW];
   const uint8_t* h[RW];
   const uint8_t* rec[RW];
@@ -1432,6 +1435,7 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
       sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
       if constexpr (kInt5) planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[i] + sb * 32));
     }
+    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(ahead_high, sb, 32);  // the next rows' planes
     // Pair j of the super-block; j a constant, so the planes' shifts are immediates.
     auto pair_step = [&](auto pair) {
       constexpr int j = decltype(pair)::value;
@@ -1655,6 +1659,8 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
   const int8_t* xq[RX];
   const int16_t* xb[RX];
   const float* xs[RX];
+  // The high bits of the rows at ahead: a row holds half as many bytes of them as of low bits.
+  const uint8_t* ahead_high = ahead == nullptr ? nullptr : w.qhigh + (ahead - w.qweight) / 2;
   for (int r = 0; r < RX; ++r) {
     xq[r] = a.qrow(m0 + r);
     xb[r] = a.pair_bias_row(m0 + r);
@@ -1686,7 +1692,9 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
       // there (1.04-1.06x the buffer's round trip below).
       for (int half = 0; half < 2; ++half) {
         const int64_t c = sb * 2 + half;
-        for (int j = 0; j < 4; ++j) prefetch_share<RW>(ahead, c * 4 + j, kBlock / 2);  // low bits; high with the scales
+        // The next rows' share of this chunk: 64 bytes of low bits and 32 of high bits a row.
+        for (int j = 0; j < 2; ++j) prefetch_share<RW>(ahead, c * 2 + j, kBlock);
+        prefetch_share<RW>(ahead_high, c, kBlock);
         for (int i = 0; i < RW; ++i) {
           __m256i u[4];
           int6_vectors(q[i], h[i], c, u);
@@ -2047,6 +2055,9 @@ struct TilesI8 {
   static constexpr int kWide = 2;  // weight rows of a tile against four rows of x: 2 x 4, 8 accumulators
 #endif
   static constexpr bool kSpreads = true;  // the tile takes a prefetch share (prefetch_share)
+  // At one row of x the share takes Q6_K's high bits and Q5_K's bit planes too (tile_i8_super6,
+  // tile_i8_super), not the burst with the scales.
+  static constexpr bool kSpreadsHigh = kSuperBlocks;
 #ifdef WEFT_ZMM
   static constexpr bool kSpreadsRows = true;  // above one row of x too: the first tile of four weight rows
 #else
@@ -2083,6 +2094,7 @@ struct TilesI16 {
   using Act = ActInt16;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
   static constexpr bool kSpreads = false;
+  static constexpr bool kSpreadsHigh = false;
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
@@ -2103,9 +2115,11 @@ constexpr int64_t kSpreadRowBytes = 4096;
 // of W kPrefetchRows ahead are prefetched with their scales and mins (the hardware prefetcher alone
 // leaves a batch-1 step short of the read bandwidth). At one row of x (a batch-1 decode step) the
 // int8 path runs two 2 x 1 tiles instead of the 4 x 1, each spreading the prefetch of two of the
-// next four weight rows over its own steps (prefetch_share); the scales and mins still go ahead at
-// once. From memory that read 1.1-1.4x faster than one 4 x 1 tile doing the same (fewer rows
-// walked at once: at K = 8192 four rows are 4 KiB apart, the same L1 sets).
+// next four weight rows over its own steps (prefetch_share), with Q6_K's high bits and Q5_K's bit
+// planes (Tiles::kSpreadsHigh: in the burst they left Q6_K's tile 1.1-1.4x slower); the scales and
+// mins still go ahead at once (in the share Q6_K's read 0.93x). From memory that read 1.1-1.4x
+// faster than one 4 x 1 tile doing the same (fewer rows walked at once: at K = 8192 four rows are
+// 4 KiB apart, the same L1 sets).
 template <class Tiles>
 void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tiles::Act& a, int64_t m0, int64_t m1,
                 float* op, int64_t ldo, bool row_blocks) {
@@ -2119,7 +2133,8 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
     if (!((spread || spread_rows) && rows == 4)) prefetch_bytes(w.qweight + ahead * w.row_bytes, rows * w.row_bytes);
     prefetch_bytes(w.scale_row(ahead), rows * w.scale_row_bytes());
     if (w.has_mins()) prefetch_bytes(w.min_row(ahead), rows * w.groups * w.scale_bytes());
-    if (w.qhigh != nullptr) prefetch_bytes(w.high_row(ahead), rows * w.high_row_bytes());
+    const bool high_spread = spread && rows == 4 && Tiles::kSpreadsHigh;
+    if (w.qhigh != nullptr && !high_spread) prefetch_bytes(w.high_row(ahead), rows * w.high_row_bytes());
   };
   constexpr int kWide = Tiles::kWide;
   using One = std::integral_constant<int, 1>;
