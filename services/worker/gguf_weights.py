@@ -85,9 +85,13 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     quant.init_grid()  # the IQ formats' lookup grids (a no-op for the rest)
     rows = data.reshape(-1, data.shape[-1])
     block_size, type_size = GGML_QUANT_SIZES[qtype]
+    # Written in place, a slice at a time: the load's peak stays one fp32 copy of the tensor (the
+    # profiled KV budget is what the process holds after it).
+    out = np.empty((rows.shape[0], rows.shape[1] // type_size * block_size), dtype=np.float32)
     per_slice = max(1, _DEQUANTIZE_BLOCKS * type_size // rows.shape[1])
-    values = [quant.dequantize_rows(rows[i : i + per_slice]) for i in range(0, len(rows), per_slice)]
-    return np.concatenate(values).reshape(*data.shape[:-1], data.shape[-1] // type_size * block_size)
+    for i in range(0, len(rows), per_slice):
+        out[i : i + per_slice] = quant.dequantize_rows(rows[i : i + per_slice])
+    return out.reshape(*data.shape[:-1], out.shape[1])
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
