@@ -99,27 +99,33 @@ def test_greedy_matches_transformers_with_prefix_caching_in_the_cpu_default_bloc
         llm.shutdown()
 
 
-def test_greedy_matches_transformers_with_chunked_prefill(prompts, oracle):
-    llm = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
-    with recorded_steps(llm) as steps:
-        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+@pytest.fixture(scope="module")
+def chunked():
+    """128-token steps and no prefix caching: every prompt token is prefilled, in chunks.
+    Its tests read it and leave no request behind (assert_no_leaks)."""
+    engine = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
+    yield engine
+    engine.shutdown()
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(chunked, prompts, oracle):
+    with recorded_steps(chunked) as steps:
+        outputs = chunked.generate(prompts, greedy(), use_tqdm=False)
     assert_matches_oracle(outputs, prompts, oracle)
     longest = outputs[3].request_id + "-0"
     prefill_chunks = [
         s.num_scheduled_tokens[longest] for s in steps if s.num_scheduled_tokens.get(longest, 0) > 1
     ]
     assert len(prefill_chunks) >= 4 and sum(prefill_chunks) == len(prompts[3])
-    assert_no_leaks(llm)
-    llm.shutdown()
+    assert_no_leaks(chunked)
 
 
-def test_prompt_logprobs_of_a_chunked_prefill_match_one_chunk(llm, prompts):
+def test_prompt_logprobs_of_a_chunked_prefill_match_one_chunk(llm, chunked, prompts):
     """Each chunk scores the token after each of its own: none may be dropped at a chunk edge."""
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     prompt = prompts[3]  # 600 tokens: five chunks of at most 128
-    chunked = make_llm(max_num_batched_tokens=128, enable_prefix_caching=False)
     (split,) = chunked.generate([prompt], params, use_tqdm=False)
-    chunked.shutdown()
+    assert_no_leaks(chunked)
     (whole,) = llm.generate([prompt], params, use_tqdm=False)
     for out in (split, whole):
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None

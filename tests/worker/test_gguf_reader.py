@@ -20,6 +20,7 @@ def write_gguf(path: Path) -> Path:
     writer.add_array("tokenizer.ggml.tokens", ["<s>", "héllo", "", "x" * 300] * 50)
     writer.add_array("tokenizer.ggml.scores", [0.5, -1.25] * 100)
     writer.add_array("tokenizer.ggml.token_type", [1, 2, 3])
+    writer.add_array("test.empty", [])
     writer.add_array("test.nested", [["a", "bc"], ["def"]])
     writer.add_float32("llama.rope.freq_base", 10000.0)
     rng = np.random.default_rng(0)
@@ -38,8 +39,13 @@ def test_the_plain_array_reader_reads_what_the_stock_reader_reads(tmp_path):
     assert type(plain.data) is np.ndarray and not plain.data.flags.writeable  # the file's map, read-only
     assert list(plain.fields) == list(stock.fields)
     for name, field in stock.fields.items():
-        assert plain.fields[name].contents() == field.contents(), name
-        assert [bytes(p) for p in plain.fields[name].parts] == [bytes(p) for p in field.parts], name
+        ours = plain.fields[name]
+        assert ours.contents() == field.contents(), name
+        assert (ours.offset, ours.data, ours.types) == (field.offset, field.data, field.types), name
+        # transformers parses each element from its parts: the same bytes, dtypes and shapes
+        assert [(bytes(p), p.dtype, p.shape) for p in ours.parts] == [
+            (bytes(p), p.dtype, p.shape) for p in field.parts
+        ], name
     for ours, theirs in zip(plain.tensors, stock.tensors, strict=True):
         assert (ours.name, ours.tensor_type, ours.shape.tolist()) == (
             theirs.name,

@@ -1,11 +1,12 @@
-"""GGUF tensor naming and the Q/K row order llama.cpp's converter changes."""
+"""GGUF tensor naming, the Q/K row order llama.cpp's converter changes, and dequantization."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.worker.gguf_weights import _unpermute_rows, hf_name
+from services.worker import gguf_weights
+from services.worker.gguf_weights import _dequantize, _unpermute_rows, hf_name
 
 
 def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -61,3 +62,25 @@ def test_qwen3_per_head_norm_names():
     assert hf_name("blk.4.ffn_norm.weight", "qwen3") == "model.layers.4.post_attention_layernorm.weight"
     with pytest.raises(ValueError, match="Unknown GGUF tensor"):
         hf_name("blk.4.attn_q_norm.weight", "llama")  # Llama has no such norm
+
+
+@pytest.mark.parametrize(
+    "qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "F32"]
+)
+def test_dequantization_is_gguf_quants_bit_for_bit(monkeypatch, qtype):
+    """Over slices of rows, the values of ``gguf.quants.dequantize`` (transformers' own), every bit:
+    random bytes, so scales and values of every kind (NaNs too); a small slice, so several slices and
+    a short last one."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    monkeypatch.setattr(gguf_weights, "_DEQUANTIZE_BLOCKS", 8)
+    kind = GGMLQuantizationType[qtype]
+    _, type_size = GGML_QUANT_SIZES[kind]
+    data = np.random.default_rng(1).integers(0, 256, (37, 3 * type_size), dtype=np.uint8)
+    if kind in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):  # stored as their own dtype
+        data = data.view(np.float16 if kind == GGMLQuantizationType.F16 else np.float32)
+    with np.errstate(all="ignore"):  # random scales: infinities and NaNs
+        want, got = dequantize(data, kind), _dequantize(data, kind)
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
