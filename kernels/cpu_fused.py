@@ -1,8 +1,10 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
 with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16;
 the two passes around an int8 GEMM (rows rounded to int8, the int32 result
-scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack of Q4_K's
-and Q5_K's super-blocks (twin: ``services.worker.gguf_repack.k_records_and_nibbles_ref``).
+scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
+Q4_K's and Q5_K's super-blocks into weft's records and nibbles, and a field cut out
+of every block (twins: ``services.worker.gguf_repack.k_records_and_nibbles_ref``
+and ``quants_ref``).
 
 Built like the decode-attention kernel (``kernels.cpu_attention``): by
 ``python -m kernels.cpu_fused`` ahead of time, else on first use, cached by
@@ -39,7 +41,7 @@ from kernels.reference import (
 )
 from services import env
 
-# The element-wise kernels, and the load-time repack of Q4_K's and Q5_K's super-blocks (one library).
+# The element-wise kernels, and the load-time repack's byte moves (one library).
 SOURCES = (
     Path(__file__).parent / "csrc" / "cpu_fused.cpp",
     Path(__file__).parent / "csrc" / "gguf_repack.cpp",
@@ -198,11 +200,6 @@ def scale_silu_quantize_int8(
     return q, scale
 
 
-if __name__ == "__main__":  # build ahead of first use (the Docker image does)
-    load()
-    print(f"built and loaded the fused CPU kernels ({wide_isa()[0]})")
-
-
 def k_records_and_nibbles(
     records: torch.Tensor, nibbles: torch.Tensor, blocks: torch.Tensor, qs_start: int
 ) -> None:
@@ -217,3 +214,8 @@ def block_bytes(out: torch.Tensor, blocks: torch.Tensor, start: int, stop: int) 
     (``N * B * (stop - start)`` bytes)."""
     load()
     torch.ops.weft_fused.block_bytes(out, blocks, start, stop)
+
+
+if __name__ == "__main__":  # build ahead of first use (the Docker image does)
+    load()
+    print(f"built and loaded the fused CPU kernels ({wide_isa()[0]})")
