@@ -1,6 +1,8 @@
 """The lean decode path (``services.worker.models.lean_decode``) gives the module path's numbers
-bit for bit: hidden states, residual stream and the KV cache it writes, on a decode step of
-sequences at several lengths; and it runs only on the steps and models it was written for."""
+bit for bit: hidden states, residual stream and the KV cache it writes, on decode steps of one
+and of four sequences, for packed GGUF weights (the default: Q4_1, the default model's type, and
+the Q4_K_M mix, whose layer 1 fuses a Q4_K and a Q6_K part into its QKV projection) and for the
+AVX2 int8 copy; and it runs only on the steps and models it was written for."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import pytest
 import torch
 
 from kernels import cpu_avx2_int8, cpu_fused
+from services.config.engine_args import EngineArgs
+from services.model_files import resolve
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import build_attention_metadata
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.model_loader import load_model
 from services.worker.models.lean_decode import ENV_SWITCH, LeanDecode
+from tests.utils import gguf_parsed_once
 
 pytestmark = pytest.mark.skipif(
     not (cpu_avx2_int8.available() and cpu_fused.available()), reason="needs AVX2 and weft's CPU kernels"
@@ -22,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 BLOCK = 16
 CONTEXTS = [5, 20, 40, 16]  # tokens cached before the step, per sequence
+MODELS = ("int8-copy", "Q4_1", "Q4_K_M")
 
 
 def _linears(layer):
@@ -40,6 +46,26 @@ def model(tmp_path_factory, make_engine_config, make_tiny_hf_model):
             linear.int8 = Int8Weight(linear.weight.detach(), gemm="avx2")
             assert linear.int8.one_call
     return model
+
+
+@pytest.fixture(scope="module")
+def packed_models(tmp_path_factory):
+    """``weft bench make-model``'s tiny Llama by GGUF type, loaded at the defaults (packed, fp32)."""
+    from benchmarks.bench.make_model import write_model
+
+    models = {}
+    for qtype in MODELS[1:]:
+        path = tmp_path_factory.mktemp("lean-gguf") / f"tiny-llama-{qtype.lower()}.gguf"
+        with gguf_parsed_once():
+            write_model("tiny-llama", qtype, path, log=lambda *args: None)
+            resolve(str(path))
+        models[qtype] = load_model(EngineArgs(model=str(path), dtype="float32").create_engine_config().model)
+    return models
+
+
+@pytest.fixture(params=MODELS)
+def any_model(request, packed_models):
+    return request.getfixturevalue("model") if request.param == "int8-copy" else packed_models[request.param]
 
 
 def _step(contexts: list[int], query_lens: list[int] | None = None):
@@ -74,9 +100,11 @@ def _caches(model, seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) for _ in range(args.num_layers)]
 
 
+@pytest.mark.parametrize("contexts", [CONTEXTS, [33]], ids=["four-rows", "one-row"])
 @torch.inference_mode()
-def test_lean_steps_give_the_module_paths_bits(model):
-    meta, ids, positions = _step(CONTEXTS)
+def test_lean_steps_give_the_module_paths_bits(any_model, contexts):
+    model = any_model
+    meta, ids, positions = _step(contexts)
     inner = model.model
     caches = {name: _caches(model, 0) for name in ("modules", "lean")}
     with set_forward_context(meta, caches["modules"], backend="cpu"):
@@ -85,7 +113,7 @@ def test_lean_steps_give_the_module_paths_bits(model):
             x, residual = layer(positions, x, residual)
     with set_forward_context(meta, caches["lean"], backend="cpu") as context:
         embedded = inner.embed_tokens(ids)
-        assert inner.lean.runs(len(CONTEXTS), embedded, context)
+        assert inner.lean.runs(len(contexts), embedded, context)
         lean_x, lean_residual = inner.lean.forward(embedded, positions, context)
     assert torch.equal(lean_x, x) and torch.equal(lean_residual, residual)
     for ours, theirs in zip(caches["lean"], caches["modules"]):
@@ -94,6 +122,12 @@ def test_lean_steps_give_the_module_paths_bits(model):
     with set_forward_context(meta, _caches(model, 0), backend="cpu"):
         hidden = model(ids, positions)
     assert torch.equal(hidden, inner.norm(x, residual=residual)[0])
+
+
+def test_the_q4_k_m_file_fuses_two_formats_into_one_qkv_projection(packed_models):
+    """What makes the Q4_K_M case above run the lean path's call per part, into its columns."""
+    qkv = packed_models["Q4_K_M"].model.layers[1].self_attn.qkv_proj.quant
+    assert [p.source_format for p in qkv.parts] == ["Q4_K", "Q6_K"]
 
 
 @torch.inference_mode()
@@ -134,3 +168,19 @@ def test_models_it_was_not_written_for_run_the_modules(model, monkeypatch):
         norm = inner.layers[0].post_attention_layernorm
         monkeypatch.setattr(norm, "_cpu_fused", False)
         assert not LeanDecode(inner).runs(len(ids), x, context)  # the torch norms
+
+
+@torch.inference_mode()
+def test_packed_weights_off_the_integer_op_run_the_modules(packed_models, monkeypatch):
+    """fp32 activations (``WEFT_QUANT_ACTIVATIONS=fp32``) run other kernels (a float GEMM from
+    1,024 rows): not one call, so the modules."""
+    from services.worker.layers import quantized_linear
+
+    inner = packed_models["Q4_1"].model
+    meta, ids, _ = _step(CONTEXTS)
+    x = inner.embed_tokens(ids)
+    with set_forward_context(meta, _caches(packed_models["Q4_1"], 3), backend="cpu") as context:
+        assert LeanDecode(inner).runs(len(ids), x, context)
+        monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "fp32")
+        monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
+        assert not LeanDecode(inner).runs(len(ids), x, context)

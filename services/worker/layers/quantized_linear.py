@@ -44,6 +44,7 @@ Without a compiler the torch twin of the fp32 path runs at every size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -336,6 +337,33 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def one_call(self) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """``run(x, out)``: ``x [M, K] @ W^T`` into ``out [M, N]`` (fp32, rows contiguous, row
+        strides free) as the compiled integer-activation op straight, a call per part into its
+        columns: the bits ``linear`` gives without a bias. None where ``linear`` runs another kernel
+        (the fp32 activations, the torch twin). For callers that make many calls a step and check
+        their tensors once (``services.worker.models.lean_decode``)."""
+        if not _KERNEL.compiled() or _KERNEL._decode_op is None:
+            return None
+        op = _KERNEL._decode_op
+
+        def part_call(p: PackedWeight) -> Callable[[torch.Tensor, torch.Tensor], None]:
+            qweight, scales, mins, group_size, qhigh = p.qweight, p.scales, p.mins, p.group_size, p.qhigh
+            return lambda x, out: op(x, qweight, scales, mins, group_size, out, qhigh)
+
+        if len(self.parts) == 1:
+            return part_call(self.parts[0])
+        columns, start = [], 0
+        for p in self.parts:
+            columns.append((start, start + p.shape[0], part_call(p)))
+            start += p.shape[0]
+
+        def run(x: torch.Tensor, out: torch.Tensor) -> None:
+            for first, stop, call in columns:
+                call(x, out[:, first:stop])
+
+        return run
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] @ W^T (+ bias)`` in ``x``'s dtype, computed in fp32."""

@@ -3,22 +3,24 @@
 At one sequence a step's kernels take about half of it on a 2-core CPU: 30 layers of a dozen
 modules each, their dispatch (which weight copy, which backend, which kernel, checks already
 made) and the wrappers around each op cost as much as the arithmetic. For a decode-only step
-whose every linear layer runs on the AVX2 int8 kernel's one-call path
-(``Int8Weight.one_call``), ``LeanDecode`` runs each layer as the same kernels on the same
-tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write of
-``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode kernel, the int8 linear. The
+whose every linear layer is one compiled call at its row count (the packed weight on the
+integer-activation op, ``QuantizedWeight.one_call``, as by default; or the AVX2 int8 copy's
+one-call path, ``Int8Weight.one_call``), ``LeanDecode`` runs each layer as the same kernels on the
+same tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write of
+``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode kernel, the linear layers. The
 numbers are those of the module path bit for bit (a test compares them); only the Python between
 the calls goes.
 
 ``LeanDecode.qualifies`` decides once per model whether its layers are such (no biases, no
 QK-norm, no sliding window, one worker, the compiled kernels built); ``runs`` decides per step (a
-decode-only step on the CPU backend, a float cache, the int8 copies taking ``rows``). The first
+decode-only step on the CPU backend, fp32 activations, every linear one call at ``rows``). The first
 layer's attention call checks its arguments in full, as the module path's does; the kernels check
 the index values on every call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +35,7 @@ ENV_SWITCH = "WEFT_LEAN_DECODE"  # "0": every step through the modules (to measu
 
 @dataclass(frozen=True)
 class _Linear:
-    packed: torch.Tensor
-    scale: torch.Tensor
-    hadamard_block: int
+    run: Callable[[torch.Tensor, torch.Tensor], None]  # run(x, out): x @ W^T into out
     out_features: int
 
 
@@ -50,14 +50,24 @@ class _Layer:
     intermediate: int
 
 
-def _int8_one_call(linear, rows: int):
-    """The layer's int8 copy where ``rows`` rows run on it as one call, else None."""
+def _one_call(linear, rows: int) -> _Linear | None:
+    """The one kernel call ``linear`` makes for a step of ``rows`` rows, as the module path
+    chooses its weight (``LinearBase.linear``), or None where that is not one call."""
+    if linear.runs_packed(rows):
+        run = linear.quant.one_call()
+        return None if run is None else _Linear(run, linear.quant.shape[0])
     copy = linear.int8_copy_for(rows)
-    return copy if copy is not None and copy.one_call else None
+    if copy is None or not copy.one_call:
+        return None
+    op, weight, scale, block = copy._one_call, copy._qweight, copy.scale, copy.hadamard_block
+    return _Linear(lambda x, out: op(x, weight, scale, block, out), copy.out_features)
 
 
-def _lean_linear(copy) -> _Linear:
-    return _Linear(copy._qweight, copy.scale, copy.hadamard_block, copy.out_features)
+def _weight_runs(linear, rows: int) -> str:
+    """Which of its weights ``linear`` runs a step of ``rows`` rows on (``LinearBase.linear``'s choice)."""
+    if linear.runs_packed(rows):
+        return "packed"
+    return "int8" if linear.int8_copy_for(rows) is not None else "dense"
 
 
 def _linears(layer) -> tuple:
@@ -65,17 +75,21 @@ def _linears(layer) -> tuple:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _out_features(linear) -> int:
+    return linear.quant.shape[0] if linear.quant is not None else linear.int8.out_features
+
+
 def _layers_qualify(model, eps: float) -> bool:
-    """No biases, one worker, an int8 copy beside every linear; no QK-norm, no sliding window, one
-    KV cache group; the compiled norms and SiLU-and-mul; the kernels built; every layer's shapes
-    alike."""
-    # Nothing here loads a kernel: a one-call int8 copy loaded the AVX2 kernel when the model was
-    # built, and the norms asked for the fused kernels then. (A process killed while torch loads an
-    # extension leaves its build lock behind, and every later load waits on it: loading in the middle
-    # of serving made that a crash away.)
+    """No biases, one worker, every linear packed or with an int8 copy; no QK-norm, no sliding
+    window, one KV cache group; the compiled norms and SiLU-and-mul; the kernels built; every
+    layer's shapes alike."""
+    # Nothing here loads a kernel: the packed weights' op and a one-call int8 copy loaded theirs when
+    # the model was built, and the norms asked for the fused kernels then. (A process killed while
+    # torch loads an extension leaves its build lock behind, and every later load waits on it:
+    # loading in the middle of serving made that a crash away.)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(lin.bias is not None or lin.int8 is None or not lin.int8.one_call for lin in _linears(layer)):
+        if any(lin.bias is not None or (lin.quant is None and lin.int8 is None) for lin in _linears(layer)):
             return False
         if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
             return False
@@ -88,7 +102,7 @@ def _layers_qualify(model, eps: float) -> bool:
             return False
     # Alike layers: a step's activation buffers serve them all.
     shapes = {
-        (*(lin.int8.out_features for lin in _linears(layer)), layer.mlp.intermediate_size)
+        (*(_out_features(lin) for lin in _linears(layer)), layer.mlp.intermediate_size)
         for layer in model.layers
     }
     return len(shapes) == 1
@@ -99,8 +113,8 @@ class LeanDecode:
 
     def __init__(self, model) -> None:
         self.model = model
-        self._layers: list[_Layer] | None = None
-        self._rows_taken: dict[int, bool] = {}
+        self._by_rows: dict[int, list[_Layer] | None] = {}  # None: a step of that many rows runs the modules
+        self._by_weights: dict[tuple[str, ...], list[_Layer]] = {}  # keyed by the weight each linear runs
         self._qualifies: bool | None = None  # decided at the first step with a KV cache (copies made)
         self._cache_views: tuple[list, list] = ([], [])
         first = model.layers[0]
@@ -134,14 +148,36 @@ class LeanDecode:
             return False
         if not self.qualifies():
             return False
-        taken = self._rows_taken.get(rows)
-        if taken is None:
-            taken = self._rows_taken[rows] = all(
-                _int8_one_call(lin, rows) is not None
-                for layer in self.model.layers
-                for lin in _linears(layer)
+        if rows not in self._by_rows:
+            self._by_rows[rows] = self._layers_for(rows)
+        return self._by_rows[rows] is not None
+
+    def _layers_for(self, rows: int) -> list[_Layer] | None:
+        """The layers' calls for a step of ``rows`` rows, or None where a linear is not one call.
+        Row counts whose linears run the same weights share them."""
+        linears = [lin for layer in self.model.layers for lin in _linears(layer)]
+        key = tuple(_weight_runs(lin, rows) for lin in linears)
+        if "dense" in key:
+            return None
+        if key in self._by_weights:
+            return self._by_weights[key]
+        calls = [_one_call(lin, rows) for lin in linears]
+        if any(call is None for call in calls):
+            return None
+        layers = [
+            _Layer(
+                in_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                qkv=calls[4 * i],
+                o=calls[4 * i + 1],
+                gate_up=calls[4 * i + 2],
+                down=calls[4 * i + 3],
+                intermediate=layer.mlp.intermediate_size,
             )
-        return taken
+            for i, layer in enumerate(self.model.layers)
+        ]
+        self._by_weights[key] = layers
+        return layers
 
     def _cache_rows(self, caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cache as (keys, values) ``[KVH, slots, D]`` views, made again only when the
@@ -156,29 +192,12 @@ class LeanDecode:
             self._cache_views = (list(caches), rows)
         return rows
 
-    def _prepared(self, rows: int) -> list[_Layer]:
-        if self._layers is None:
-            self._layers = [
-                _Layer(
-                    in_norm=layer.input_layernorm.weight,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    qkv=_lean_linear(_int8_one_call(layer.self_attn.qkv_proj, rows)),
-                    o=_lean_linear(_int8_one_call(layer.self_attn.o_proj, rows)),
-                    gate_up=_lean_linear(_int8_one_call(layer.mlp.gate_up_proj, rows)),
-                    down=_lean_linear(_int8_one_call(layer.mlp.down_proj, rows)),
-                    intermediate=layer.mlp.intermediate_size,
-                )
-                for layer in self.model.layers
-            ]
-        return self._layers
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers of a step ``runs`` accepted: (the last layer's MLP output, the
         residual stream before it), as ``LlamaDecoderLayer`` returns them."""
         fused = torch.ops.weft_fused
         rms_norm, add_rms_norm = fused.rms_norm.default, fused.fused_add_rms_norm.default
         rotary, silu_and_mul = fused.rotary_neox.default, fused.silu_and_mul.default
-        linear = torch.ops.weft_avx2_int8.int8_linear.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
         meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
         decodes, slots = meta.paged_decodes, meta.slot_mapping
@@ -187,7 +206,8 @@ class LeanDecode:
         q_size, kv_size = self.q_size, self.kv_size
         cos, sin = self.rotary.cos, self.rotary.sin
         positions = positions.long()
-        first = self._prepared(t)[0]
+        layers = self._by_rows[t]
+        first = layers[0]
         # One buffer per activation for the whole step (the layers are alike, each consumes its
         # inputs before the next writes them), and their views made once.
         x, residual = torch.empty_like(x), x
@@ -205,12 +225,12 @@ class LeanDecode:
         act = torch.empty(t, first.intermediate)
         table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # the first layer's, read once for the step
-        for i, (layer, (keys, values)) in enumerate(zip(self._layers, self._cache_rows(context.kv_caches))):
+        for i, (layer, (keys, values)) in enumerate(zip(layers, self._cache_rows(context.kv_caches))):
             if i == 0:
                 rms_norm(x, residual, layer.in_norm, eps)
             else:
                 add_rms_norm(x, residual, layer.in_norm, eps)
-            linear(x, layer.qkv.packed, layer.qkv.scale, layer.qkv.hadamard_block, qkv)
+            layer.qkv.run(x, qkv)
             rotary(positions, q, k, cos, sin, d)
             keys.index_copy_(1, slots, new_keys)
             values.index_copy_(1, slots, new_values)
@@ -219,9 +239,9 @@ class LeanDecode:
                 cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
             else:
                 attention(heads, cache, token_idx, seq_lens, table, scale, attn, 0, None, bf16_dot, int8_fast)
-            linear(attn_rows, layer.o.packed, layer.o.scale, layer.o.hadamard_block, o)
+            layer.o.run(attn_rows, o)
             add_rms_norm(o, residual, layer.post_norm, eps)  # residual += o; o = norm(residual)
-            linear(o, layer.gate_up.packed, layer.gate_up.scale, layer.gate_up.hadamard_block, gate_up)
+            layer.gate_up.run(o, gate_up)
             silu_and_mul(act, gate_up)
-            linear(act, layer.down.packed, layer.down.scale, layer.down.hadamard_block, x)
+            layer.down.run(act, x)
         return x, residual

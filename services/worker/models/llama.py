@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
             for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.lean = LeanDecode(self)  # decode steps on the AVX2 int8 kernels, the calls alone
+        self.lean = LeanDecode(self)  # decode-only steps as their kernels called straight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
