@@ -56,6 +56,11 @@ _EXTRA_HELP = {
     "max_num_partial_prefills": "Prompts a step may leave partway through their prefill. Above 1, "
     "at most --max-long-partial-prefills of a step's prefills are long ones, so shorter prompts queued "
     "behind a long one start first.",
+    "long_prefill_token_threshold": "Most tokens of one prompt a step takes (0: no cap; default auto: with "
+    "--max-num-partial-prefills above 1, "
+    f"{LONG_PREFILL_PERCENT}%% of --max-model-len; else on a CPU, for a model larger than the default one, "
+    "the step budget scaled down by its multiply-adds a token, so a prompt's chunk holds up the running "
+    "requests' next tokens about as long at every model size; else no cap).",
     "max_long_partial_prefills": "Long prefills (over --long-prefill-token-threshold tokens left; default "
     f"{LONG_PREFILL_PERCENT}%% of --max-model-len) a step may carry when --max-num-partial-prefills is "
     "above 1.",

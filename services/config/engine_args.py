@@ -36,6 +36,7 @@ from services.config.dense_copy import (
     OWN_INT8_GEMM_DENSE_MIN_ROWS,
     check_dense_copy_dtype,
     check_int8_copy_kept,
+    linear_param_count,
     resolve_dense_min_rows,
 )
 from services.config.kv_events_args import resolve_kv_events_config
@@ -73,7 +74,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int | None = None  # None: auto (prefill_chunk_cap; 0: no cap)
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "shortest-first"
     tensor_parallel_size: int = 1
@@ -173,7 +174,7 @@ class EngineArgs:
                 available_memory=self._available_memory(device),
                 engines_on_node=self.data_parallel_size,
             ),
-            scheduler=self._scheduler_config(self._max_model_len(hf_config), device),
+            scheduler=self._scheduler_config(self._max_model_len(hf_config), device, hf_config),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size
             ),
@@ -265,7 +266,7 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _scheduler_config(self, max_model_len: int, device: str) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, device: str, hf_config: dict) -> SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
@@ -289,7 +290,9 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            long_prefill_token_threshold=self._long_prefill_token_threshold(max_model_len),
+            long_prefill_token_threshold=self._long_prefill_token_threshold(
+                max_model_len, device, hf_config, budget
+            ),
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
@@ -297,13 +300,15 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
         )
 
-    def _long_prefill_token_threshold(self, max_model_len: int) -> int:
-        """Check the partial-prefill limits; as vLLM, several of them need a
-        threshold to tell long prompts from short ones: LONG_PREFILL_PERCENT of max_model_len unless given."""
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be at least 0, got {self.long_prefill_token_threshold}."
-            )
+    def _long_prefill_token_threshold(
+        self, max_model_len: int, device: str, hf_config: dict, budget: int
+    ) -> int:
+        """Check the partial-prefill limits; as vLLM, several of them need a threshold to tell long
+        prompts from short ones: LONG_PREFILL_PERCENT of max_model_len unless given. Left to auto
+        otherwise, a CPU caps the chunks of a model larger than the default one (prefill_chunk_cap)."""
+        given = self.long_prefill_token_threshold
+        if given is not None and given < 0:
+            raise ValueError(f"long_prefill_token_threshold must be at least 0, got {given}.")
         if self.max_num_partial_prefills < 1:
             raise ValueError(
                 f"max_num_partial_prefills must be at least 1, got {self.max_num_partial_prefills}."
@@ -313,9 +318,11 @@ class EngineArgs:
                 "max_long_partial_prefills must be between 1 and max_num_partial_prefills "
                 f"({self.max_num_partial_prefills}), got {self.max_long_partial_prefills}."
             )
-        if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold == 0:
+        if self.max_num_partial_prefills > 1 and not given:
             return default_long_prefill_threshold(max_model_len)
-        return self.long_prefill_token_threshold
+        if given is not None:
+            return given
+        return prefill_chunk_cap(device, hf_config, budget) if self.enable_chunked_prefill else 0
 
 
 def default_long_prefill_threshold(max_model_len: int) -> int:
@@ -447,6 +454,36 @@ def resolve_device(device: str) -> str:
 # and ITL p99 2.43 -> 1.31 s at the same output rate (208 -> 214 tok/s, two runs each).
 DEFAULT_STEP_BUDGET = 2048
 AVX2_STEP_BUDGET = 1024
+
+
+# The default model's layers take 106 M multiply-adds a token (SmolLM2-135M: 30 layers of 3,538,944),
+# and the step budgets above are step times measured on it. A prompt's chunk beside a larger model's
+# running requests holds their tokens up as long as its multiply-adds take, so on a CPU a model of
+# n times as many caps each prompt's chunk at the budget / n (a multiple of PREFILL_CHUNK_GRAIN, at
+# least one): the 1B shape 96 tokens of the AVX2 budget of 1,024, the 3B shape 32, the 8B shape 16.
+# A step holding one then takes about as long at 3B as at 135M (at 3B a 1,024-token chunk took a
+# minute on two AVX2 cores); a prompt alone pays for the extra steps (a 1,024-token prompt at the 1B
+# shape: 3% more CPU time in 64-token chunks than in one).
+REFERENCE_LAYER_MULTIPLY_ADDS = 30 * 3_538_944
+PREFILL_CHUNK_GRAIN = 16
+
+
+def layer_multiply_adds(hf_config: dict) -> int:
+    """Multiply-adds a token takes in a decoder-only model's layers' linear weights (not the LM
+    head, which a prefill runs on its last token alone)."""
+    return linear_param_count(hf_config) - hf_config["vocab_size"] * hf_config["hidden_size"]
+
+
+def prefill_chunk_cap(device: str, hf_config: dict, budget: int) -> int:
+    """The tokens of one prompt a step takes where ``--long-prefill-token-threshold`` is left to
+    auto (0: no cap): on a CPU, ``budget`` scaled down by the model's multiply-adds a token against
+    the default model's (see ``REFERENCE_LAYER_MULTIPLY_ADDS``); elsewhere none."""
+    if device != "cpu":
+        return 0
+    cap = budget * REFERENCE_LAYER_MULTIPLY_ADDS // layer_multiply_adds(hf_config)
+    if cap >= budget:
+        return 0
+    return max(PREFILL_CHUNK_GRAIN, cap // PREFILL_CHUNK_GRAIN * PREFILL_CHUNK_GRAIN)
 
 
 def default_step_budget(device: str, flags: set[str] | None = None) -> int:
