@@ -1,8 +1,8 @@
 """The lean decode path (``services.worker.models.lean_decode``) gives the module path's numbers
 bit for bit: hidden states, residual stream and the KV cache it writes, on decode steps of one
-and of four sequences, for packed GGUF weights (the default: Q4_1, the default model's type, and
-the Q4_K_M mix, whose layer 1 fuses a Q4_K and a Q6_K part into its QKV projection) and for the
-AVX2 int8 copy; and it runs only on the steps and models it was written for."""
+and of four sequences, for packed GGUF weights (the default: Q4_1, the default model's type; the
+Q4_K_M mix, whose layer 1 fuses a Q4_K and a Q6_K part into its QKV projection; a Qwen2 with QKV
+biases and a Qwen3 with QK-norm) and for the AVX2 int8 copy; and it runs only on the steps and models it was written for."""
 
 from __future__ import annotations
 
@@ -27,7 +27,14 @@ pytestmark = pytest.mark.skipif(
 
 BLOCK = 16
 CONTEXTS = [5, 20, 40, 16]  # tokens cached before the step, per sequence
-MODELS = ("int8-copy", "Q4_1", "Q4_K_M")
+# Packed files by name: (make-model shape, GGUF type).
+PACKED = {
+    "Q4_1": ("tiny-llama", "Q4_1"),
+    "Q4_K_M": ("tiny-llama", "Q4_K_M"),
+    "qwen2-bias": ("tiny-qwen2", "Q4_0"),  # QKV biases
+    "qwen3-qk-norm": ("tiny-qwen3", "Q4_0"),  # RMSNorm over each head of Q and K
+}
+MODELS = ("int8-copy", *PACKED)
 
 
 def _linears(layer):
@@ -54,12 +61,12 @@ def packed_models(tmp_path_factory):
     from benchmarks.bench.make_model import write_model
 
     models = {}
-    for qtype in MODELS[1:]:
-        path = tmp_path_factory.mktemp("lean-gguf") / f"tiny-llama-{qtype.lower()}.gguf"
+    for name, (shape, qtype) in PACKED.items():
+        path = tmp_path_factory.mktemp("lean-gguf") / f"{shape}-{qtype.lower()}.gguf"
         with gguf_parsed_once():
-            write_model("tiny-llama", qtype, path, log=lambda *args: None)
+            write_model(shape, qtype, path, log=lambda *args: None)
             resolve(str(path))
-        models[qtype] = load_model(EngineArgs(model=str(path), dtype="float32").create_engine_config().model)
+        models[name] = load_model(EngineArgs(model=str(path), dtype="float32").create_engine_config().model)
     return models
 
 
@@ -124,10 +131,13 @@ def test_lean_steps_give_the_module_paths_bits(any_model, contexts):
     assert torch.equal(hidden, inner.norm(x, residual=residual)[0])
 
 
-def test_the_q4_k_m_file_fuses_two_formats_into_one_qkv_projection(packed_models):
-    """What makes the Q4_K_M case above run the lean path's call per part, into its columns."""
+def test_the_packed_files_hold_what_the_cases_above_are_for(packed_models):
+    """A QKV projection of two formats (the lean path's call per part, into its columns), QKV
+    biases, QK-norm."""
     qkv = packed_models["Q4_K_M"].model.layers[1].self_attn.qkv_proj.quant
     assert [p.source_format for p in qkv.parts] == ["Q4_K", "Q6_K"]
+    assert packed_models["qwen2-bias"].model.layers[0].self_attn.qkv_proj.bias is not None
+    assert hasattr(packed_models["qwen3-qk-norm"].model.layers[0].self_attn, "q_norm")
 
 
 @torch.inference_mode()

@@ -11,8 +11,9 @@ same tensors, called straight: the norms and the rotation of ``kernels.cpu_fused
 numbers are those of the module path bit for bit (a test compares them); only the Python between
 the calls goes.
 
-``LeanDecode.qualifies`` decides once per model whether its layers are such (no biases, no
-QK-norm, no sliding window, one worker, the compiled kernels built); ``runs`` decides per step (a
+``LeanDecode.qualifies`` decides once per model whether its layers are such (biases on packed
+weights alone, as Qwen2's QKV; QK-norm as Qwen3's, the module's own norm; no sliding window, one
+worker, the compiled kernels built); ``runs`` decides per step (a
 decode-only step on the CPU backend, fp32 activations, every linear one call at ``rows``). The first
 layer's attention call checks its arguments in full, as the module path's does; the kernels check
 the index values on every call.
@@ -43,6 +44,8 @@ class _Linear:
 class _Layer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
+    q_norm: RMSNorm | None  # QK-norm (Qwen3): per head, on the torch path as the module's
+    k_norm: RMSNorm | None
     qkv: _Linear
     o: _Linear
     gate_up: _Linear
@@ -55,9 +58,18 @@ def _one_call(linear, rows: int) -> _Linear | None:
     chooses its weight (``LinearBase.linear``), or None where that is not one call."""
     if linear.runs_packed(rows):
         run = linear.quant.one_call()
-        return None if run is None else _Linear(run, linear.quant.shape[0])
+        if run is None:
+            return None
+        if linear.bias is not None:  # QuantizedWeight.linear adds it to the product in place
+            product, bias = run, linear.bias
+
+            def run(x: torch.Tensor, out: torch.Tensor) -> None:
+                product(x, out)
+                out.add_(bias)
+
+        return _Linear(run, linear.quant.shape[0])
     copy = linear.int8_copy_for(rows)
-    if copy is None or not copy.one_call:
+    if copy is None or not copy.one_call or linear.bias is not None:  # the copy's one call takes no bias
         return None
     op, weight, scale, block = copy._one_call, copy._qweight, copy.scale, copy.hadamard_block
     return _Linear(lambda x, out: op(x, weight, scale, block, out), copy.out_features)
@@ -80,20 +92,22 @@ def _out_features(linear) -> int:
 
 
 def _layers_qualify(model, eps: float) -> bool:
-    """No biases, one worker, every linear packed or with an int8 copy; no QK-norm, no sliding
-    window, one KV cache group; the compiled norms and SiLU-and-mul; the kernels built; every
-    layer's shapes alike."""
+    """One worker, every linear packed or with an int8 copy; QK-norm, if any, Llama's RMSNorm;
+    no sliding window, one KV cache group; the compiled norms and SiLU-and-mul; the kernels built;
+    every layer's shapes alike."""
     # Nothing here loads a kernel: the packed weights' op and a one-call int8 copy loaded theirs when
     # the model was built, and the norms asked for the fused kernels then. (A process killed while
     # torch loads an extension leaves its build lock behind, and every later load waits on it:
     # loading in the middle of serving made that a crash away.)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(lin.bias is not None or (lin.quant is None and lin.int8 is None) for lin in _linears(layer)):
+        if any(lin.quant is None and lin.int8 is None for lin in _linears(layer)):
             return False
         if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
             return False
-        if hasattr(attn, "q_norm") or attn.attn.sliding_window is not None or attn.attn.kv_group != 0:
+        if hasattr(attn, "q_norm") and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm):
+            return False
+        if attn.attn.sliding_window is not None or attn.attn.kv_group != 0:
             return False
         if not (isinstance(mlp.act_fn, SiluAndMul) and mlp.act_fn._cpu_fused):
             return False
@@ -168,6 +182,8 @@ class LeanDecode:
             _Layer(
                 in_norm=layer.input_layernorm.weight,
                 post_norm=layer.post_attention_layernorm.weight,
+                q_norm=getattr(layer.self_attn, "q_norm", None),
+                k_norm=getattr(layer.self_attn, "k_norm", None),
                 qkv=calls[4 * i],
                 o=calls[4 * i + 1],
                 gate_up=calls[4 * i + 2],
@@ -231,6 +247,9 @@ class LeanDecode:
             else:
                 add_rms_norm(x, residual, layer.in_norm, eps)
             layer.qkv.run(x, qkv)
+            if layer.q_norm is not None:  # the module's norms on the same views; their results in place
+                q.copy_(layer.q_norm(heads).view(t, -1))
+                k.copy_(layer.k_norm(k.view(t, kvh, d)).view(t, -1))
             rotary(positions, q, k, cos, sin, d)
             keys.index_copy_(1, slots, new_keys)
             values.index_copy_(1, slots, new_values)
