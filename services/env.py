@@ -47,7 +47,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "WEFT_LEAN_DECODE",
-        "0 runs every decode step through the model's modules instead of the lean path of kernels called "
+        "0 runs every step through the model's modules instead of the lean path of kernels called "
         "straight (services/worker/models/lean_decode.py; the same numbers, for measuring what it gains).",
     ),
     EnvVar(

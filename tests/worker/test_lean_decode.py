@@ -1,6 +1,6 @@
 """The lean decode path (``services.worker.models.lean_decode``) gives the module path's numbers
 bit for bit: hidden states, residual stream and the KV cache it writes, on decode steps of one
-and of four sequences, for packed GGUF weights (the default: Q4_1, the default model's type; the
+and of four sequences, a speculative verify step and a short prompt beside a decode, for packed GGUF weights (the default: Q4_1, the default model's type; the
 Q4_K_M mix, whose layer 1 fuses a Q4_K and a Q6_K part into its QKV projection; a Qwen2 with QKV
 biases and a Qwen3 with QK-norm) and for the AVX2 int8 copy; and it runs only on the steps and models it was written for."""
 
@@ -15,7 +15,7 @@ from services.config.engine_args import EngineArgs
 from services.model_files import resolve
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import kv_cache_shape
-from services.worker.layers.attention_metadata import build_attention_metadata
+from services.worker.layers.attention_metadata import PrefillCaps, build_attention_metadata
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.model_loader import load_model
 from services.worker.models.lean_decode import ENV_SWITCH, LeanDecode
@@ -75,7 +75,7 @@ def any_model(request, packed_models):
     return request.getfixturevalue("model") if request.param == "int8-copy" else packed_models[request.param]
 
 
-def _step(contexts: list[int], query_lens: list[int] | None = None):
+def _step(contexts: list[int], query_lens: list[int] | None = None, prefill_caps=None):
     """Metadata of one step, each sequence in blocks of its own; ids and positions."""
     query_lens = query_lens or [1] * len(contexts)
     width = max(-(-(c + q) // BLOCK) for c, q in zip(contexts, query_lens))
@@ -95,6 +95,7 @@ def _step(contexts: list[int], query_lens: list[int] | None = None):
         slot_mapping=np.array(slots),
         block_size=BLOCK,
         paged_decodes=True,
+        prefill_caps=prefill_caps,
     )
     ids = torch.tensor([(7 * p + 3) % 256 for p in positions])
     return meta, ids, torch.tensor(positions)
@@ -107,11 +108,20 @@ def _caches(model, seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) for _ in range(args.num_layers)]
 
 
-@pytest.mark.parametrize("contexts", [CONTEXTS, [33]], ids=["four-rows", "one-row"])
+STEPS = {  # (tokens cached per sequence, new tokens per sequence)
+    "four-rows": (CONTEXTS, None),
+    "one-row": ([33], None),
+    "verify": ([20, 33], [5, 5]),  # four drafts and the token before them, per sequence
+    "prompt-beside-a-decode": ([0, 20], [6, 1]),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
 @torch.inference_mode()
-def test_lean_steps_give_the_module_paths_bits(any_model, contexts):
+def test_lean_steps_give_the_module_paths_bits(any_model, step):
     model = any_model
-    meta, ids, positions = _step(contexts)
+    contexts, query_lens = STEPS[step]
+    meta, ids, positions = _step(contexts, query_lens)
     inner = model.model
     caches = {name: _caches(model, 0) for name in ("modules", "lean")}
     with set_forward_context(meta, caches["modules"], backend="cpu"):
@@ -120,7 +130,7 @@ def test_lean_steps_give_the_module_paths_bits(any_model, contexts):
             x, residual = layer(positions, x, residual)
     with set_forward_context(meta, caches["lean"], backend="cpu") as context:
         embedded = inner.embed_tokens(ids)
-        assert inner.lean.runs(len(contexts), embedded, context)
+        assert inner.lean.runs(len(ids), embedded, context)
         lean_x, lean_residual = inner.lean.forward(embedded, positions, context)
     assert torch.equal(lean_x, x) and torch.equal(lean_residual, residual)
     for ours, theirs in zip(caches["lean"], caches["modules"]):
@@ -141,7 +151,7 @@ def test_the_packed_files_hold_what_the_cases_above_are_for(packed_models):
 
 
 @torch.inference_mode()
-def test_only_decode_steps_on_the_cpu_kernels_run_lean(model):
+def test_only_steps_on_the_paged_cpu_kernels_run_lean(model):
     inner = model.model
     meta, ids, _ = _step(CONTEXTS)
     x = inner.embed_tokens(ids)
@@ -154,7 +164,12 @@ def test_only_decode_steps_on_the_cpu_kernels_run_lean(model):
         assert not inner.lean.runs(len(ids), x, context)
     with set_forward_context(meta, _caches(model, 1), backend="cpu", kv_scales=[None]) as context:
         assert not inner.lean.runs(len(ids), x, context)  # an int8 cache
-    prefill, ids, _ = _step([0, 20], query_lens=[6, 1])  # a prompt beside a decode
+    # A prompt beside a decode: on the paged prefill kernel it runs lean; past its caps (SDPA), not.
+    prefill, ids, _ = _step([0, 20], query_lens=[6, 1])
+    with set_forward_context(prefill, _caches(model, 1), backend="cpu") as context:
+        assert inner.lean.runs(len(ids), inner.embed_tokens(ids), context)
+    prefill, ids, _ = _step([0, 20], query_lens=[6, 1], prefill_caps=PrefillCaps(fresh=1, chunk=1))
+    assert prefill.prefills
     with set_forward_context(prefill, _caches(model, 1), backend="cpu") as context:
         assert not inner.lean.runs(len(ids), inner.embed_tokens(ids), context)
 

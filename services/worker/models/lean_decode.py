@@ -1,20 +1,21 @@
-"""Decode steps of a Llama model on CPU with the Python between the kernels cut to the calls.
+"""Decode and verify steps of a Llama model on CPU with the Python between the kernels cut to the calls.
 
 At one sequence a step's kernels take about half of it on a 2-core CPU: 30 layers of a dozen
 modules each, their dispatch (which weight copy, which backend, which kernel, checks already
-made) and the wrappers around each op cost as much as the arithmetic. For a decode-only step
-whose every linear layer is one compiled call at its row count (the packed weight on the
+made) and the wrappers around each op cost as much as the arithmetic. For a step whose attention
+runs on the paged CPU kernels alone (decodes, speculative verify rows and short prefill chunks,
+none on the SDPA paths) and whose every linear layer is one compiled call at its row count (the packed weight on the
 integer-activation op, ``QuantizedWeight.one_call``, as by default; or the AVX2 int8 copy's
 one-call path, ``Int8Weight.one_call``), ``LeanDecode`` runs each layer as the same kernels on the
 same tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write of
-``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode kernel, the linear layers. The
+``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode and prefill kernels, the linear layers. The
 numbers are those of the module path bit for bit (a test compares them); only the Python between
 the calls goes.
 
 ``LeanDecode.qualifies`` decides once per model whether its layers are such (biases on packed
 weights alone, as Qwen2's QKV; QK-norm as Qwen3's, the module's own norm; no sliding window, one
-worker, the compiled kernels built); ``runs`` decides per step (a
-decode-only step on the CPU backend, fp32 activations, every linear one call at ``rows``). The first
+worker, the compiled kernels built); ``runs`` decides per step (the paged kernels alone on the CPU
+backend, fp32 activations, every linear one call at ``rows``). The first
 layer's attention call checks its arguments in full, as the module path's does; the kernels check
 the index values on every call.
 """
@@ -154,8 +155,7 @@ class LeanDecode:
             return False
         meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
         if (
-            meta.paged_decodes is None
-            or meta.paged_prefills is not None
+            (meta.paged_decodes is None and meta.paged_prefills is None)
             or meta.decode_groups
             or meta.prefills
         ):
@@ -216,7 +216,7 @@ class LeanDecode:
         rotary, silu_and_mul = fused.rotary_neox.default, fused.silu_and_mul.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
         meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
-        decodes, slots = meta.paged_decodes, meta.slot_mapping
+        decodes, prefills, slots = meta.paged_decodes, meta.paged_prefills, meta.slot_mapping
         t = x.shape[0]
         h, kvh, d, eps, scale = self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale
         q_size, kv_size = self.q_size, self.kv_size
@@ -239,7 +239,8 @@ class LeanDecode:
         o = torch.empty(t, first.o.out_features)
         gate_up = torch.empty(t, first.gate_up.out_features)
         act = torch.empty(t, first.intermediate)
-        table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
+        if decodes is not None:
+            table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # the first layer's, read once for the step
         for i, (layer, (keys, values)) in enumerate(zip(layers, self._cache_rows(context.kv_caches))):
             if i == 0:
@@ -254,10 +255,16 @@ class LeanDecode:
             keys.index_copy_(1, slots, new_keys)
             values.index_copy_(1, slots, new_values)
             cache = context.kv_caches[i]
-            if i == 0:  # the first layer checks the step's arguments in full (the module path's rule)
+            # The first layer checks the step's arguments in full (the module path's rule).
+            if decodes is not None and i == 0:
                 cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
-            else:
+            elif decodes is not None:
                 attention(heads, cache, token_idx, seq_lens, table, scale, attn, 0, None, bf16_dot, int8_fast)
+            if prefills is not None:  # verify rows and short chunks: few steps, so through the wrapper
+                cpu_attention.paged_prefill_attention(
+                    heads, cache, prefills.query_start, prefills.query_lens, prefills.context_lens,
+                    prefills.block_table, scale, attn, check=i == 0,
+                )  # fmt: skip
             layer.o.run(attn_rows, o)
             add_rms_norm(o, residual, layer.post_norm, eps)  # residual += o; o = norm(residual)
             layer.gate_up.run(o, gate_up)
