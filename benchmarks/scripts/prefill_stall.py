@@ -4,8 +4,8 @@ Starts ``weft serve`` on MODEL once per setting of ``--long-prefill-token-thresh
 not given), streams one request (its prompt short, ``--stream-tokens`` new tokens, ``ignore_eos``),
 and once that stream has its first tokens sends a prompt of ``--prompt-tokens`` tokens asking for
 one. Reports per setting: the stream's longest gap between two tokens while the prompt was in (how
-long a step holding the prompt's chunk kept it waiting) and its median gap, and the long prompt's
-time to its first token. The settings run one after the other on this machine (compare within a
+long a step holding the prompt's chunk kept it waiting) and its median gap until then, and the long
+prompt's time to its first token. The settings run one after the other on this machine (compare within a
 run); prefix caching is off so every run prefills the whole prompt.
 
     python benchmarks/scripts/prefill_stall.py --model llama-3.2-1b-q4_k_m.gguf --settings auto 0
@@ -95,12 +95,19 @@ async def _one_setting(args, setting: str) -> dict:
             prompt = [(37 * i + 11) % 30000 + 100 for i in range(args.prompt_tokens)]
             await _stream(client, model, prompt, 1, long_times)
             first_token = long_times[0]
-            await stream
+            while stream_times[-1] <= first_token:  # the gap the prompt's last step held it in, closed
+                if stream.done():
+                    stream.result()
+                    raise RuntimeError(
+                        "the stream ended before the prompt's first token: raise --stream-tokens"
+                    )
+                await asyncio.sleep(0.05)
+            stream.cancel()  # the server aborts it when the connection goes
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     during = [b - a for a, b in zip(stream_times, stream_times[1:]) if b > sent and a < first_token]
-    gaps = [b - a for a, b in zip(stream_times, stream_times[1:])]
+    gaps = [b - a for a, b in zip(stream_times, stream_times[1:]) if a < first_token]
     return {
         "setting": setting,
         "stream_max_gap_s": max(during) if during else float("nan"),
@@ -116,7 +123,7 @@ def main() -> None:
         "--settings", nargs="+", default=["auto", "0"], help="auto, or a threshold (0: no cap)"
     )
     parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--stream-tokens", type=int, default=512, help="enough to outlast the long prefill")
+    parser.add_argument("--stream-tokens", type=int, default=2000, help="enough to outlast the long prefill")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     args = parser.parse_args()
