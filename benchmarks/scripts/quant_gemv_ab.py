@@ -5,7 +5,7 @@
 Builds ``kernels/csrc/cpu_quant_linear.cpp`` as it is at ``--base`` under its own op namespace
 (``weft_quant_base_<isa>``) beside this tree's build, then, per weight shape of the Llama-3.2-1B
 model (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192 and the 49152 x 2048 LM head; ``--shapes``
-for others) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K as this
+for others, the ``smol-*`` ones the default model's) and GGUF format (``--formats``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K as this
 tree packs them, fp16 block scales, the K formats' per super-block; the base build gets every min
 stored and the K formats' scales and mins per group in fp32, as the kernels before implied mins and
 super-block scales read them, or with ``--same-packs`` this tree's tensors as they are, for a base
@@ -61,6 +61,12 @@ SHAPES = {
     "up": (8192, 2048),
     "down": (2048, 8192),
     "head": (49152, 2048),
+    # The default model's (SmolLM2-135M: hidden 576, MLP 1536): the fused QKV, o, gate-up, down, head.
+    "smol-qkv": (960, 576),
+    "smol-o": (576, 576),
+    "smol-up": (3072, 576),
+    "smol-down": (576, 1536),
+    "smol-head": (49152, 576),
 }
 
 
@@ -318,7 +324,9 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD", help="git revision of the base kernel source")
     parser.add_argument("--isa", default=None, help="build to compare (default: the fastest this CPU runs)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument(
+        "--shapes", nargs="+", default=["qkvo", "kv", "up", "down", "head"], choices=list(SHAPES)
+    )
     parser.add_argument(
         "--formats",
         nargs="+",
