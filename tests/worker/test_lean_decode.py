@@ -18,6 +18,7 @@ from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import PrefillCaps, build_attention_metadata
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.model_loader import load_model
+from services.worker.models import lean_decode
 from services.worker.models.lean_decode import ENV_SWITCH, LeanDecode
 from tests.utils import gguf_parsed_once
 
@@ -159,6 +160,12 @@ def test_only_steps_on_the_paged_cpu_kernels_run_lean(model):
         assert inner.lean.runs(len(ids), x, context)
         assert not inner.lean.runs(len(ids), x.bfloat16(), context)
     with set_forward_context(meta, _caches(model, 1), backend="torch") as context:
+        assert not inner.lean.runs(len(ids), x, context)
+    with (
+        set_forward_context(meta, _caches(model, 1), backend="cpu") as context,
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        mp.setattr(lean_decode, "MAX_ROWS", len(ids) - 1)  # a step larger than it: the modules
         assert not inner.lean.runs(len(ids), x, context)
     with set_forward_context(meta, None, backend="cpu") as context:  # profiling, before the cache
         assert not inner.lean.runs(len(ids), x, context)

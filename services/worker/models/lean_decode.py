@@ -33,6 +33,10 @@ from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.norm import RMSNorm
 
 ENV_SWITCH = "WEFT_LEAN_DECODE"  # "0": every step through the modules (to measure what this gains)
+# Larger steps take the modules: their kernels dwarf the Python between them, and the modules free
+# each layer's activations as they go where this path holds a step's buffers to its end (the
+# start-up profile measures the activation peak on the modules).
+MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class LeanDecode:
 
     def runs(self, rows: int, x: torch.Tensor, context) -> bool:
         """Whether this step (``rows`` tokens, embeddings ``x``) runs lean."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or context is None:
+        if rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or context is None:
             return False
         if context.backend != "cpu" or context.kv_scales is not None or context.kv_caches is None:
             return False
