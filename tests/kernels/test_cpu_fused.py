@@ -74,6 +74,28 @@ def test_fused_add_rms_norm_fp32_matches_torch_closely(generator):
     torch.testing.assert_close(x, x_ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 640), (7, 640), (5, 4, 256)], ids=["decode", "prefill", "per-head"])
+def test_gemmas_norm_runs_the_compiled_norm_by_one_plus_its_weight(generator, shape):
+    """An fp32 GemmaRMSNorm on CPU (Gemma 3's six a layer, per head for QK-norm) is the compiled
+    RMSNorm with ``1 + weight``: its torch path's numbers up to the order of one sum, whatever the
+    input's strides, and made again when the weight is written."""
+    from services.worker.layers.norm import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(shape[-1], 1e-6)
+    assert norm._cpu_fused
+    norm.weight.copy_(torch.randn(shape[-1], generator=generator) * 0.5)
+    x = torch.randn(*shape[:-1], shape[-1] + 24, generator=generator)[..., 8 : 8 + shape[-1]]  # strided
+    norm._cpu_fused = False
+    expected = norm(x)
+    norm._cpu_fused = True
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+    norm.weight.copy_(torch.randn(shape[-1], generator=generator))  # a reload: 1 + weight made again
+    norm._cpu_fused = False
+    expected = norm(x)
+    norm._cpu_fused = True
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("strided", [False, True])
