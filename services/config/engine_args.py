@@ -461,9 +461,10 @@ AVX2_STEP_BUDGET = 1024
 # running requests holds their tokens up as long as its multiply-adds take, so on a CPU a model of
 # n times as many caps each prompt's chunk at the budget / n (a multiple of PREFILL_CHUNK_GRAIN, at
 # least one): the 1B shape 96 tokens of the AVX2 budget of 1,024, the 3B shape 32, the 8B shape 16.
-# A step holding one then takes about as long at 3B as at 135M (at 3B a 1,024-token chunk took a
-# minute on two AVX2 cores); a prompt alone pays for the extra steps (a 1,024-token prompt at the 1B
-# shape: 3% more CPU time in 64-token chunks than in one).
+# A step holding one then takes about as long at 3B as at 135M. Measured on two AVX2 cores
+# (benchmarks/scripts/prefill_stall.py, r29): a stream beside a 2,048-token prompt at the 1B shape
+# waited at most 3.4 s for a token where it waited 34.3 s uncapped, beside a 1,024-token one at 3B
+# 3.0 s where 89.5 s; the prompts' own first tokens came 1% and 5% later.
 REFERENCE_LAYER_MULTIPLY_ADDS = 30 * 3_538_944
 PREFILL_CHUNK_GRAIN = 16
 
