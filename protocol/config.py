@@ -148,6 +148,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     long_prefill_token_threshold: Annotated[
         int, Meta(ge=0, description="Cap a prefill chunk at this many tokens (0: off).")
     ] = 0
+    prefill_tokens_beside_decodes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="Most prompt tokens a step takes, all prompts together, while it also carries "
+            "requests past their prompt (0: no limit beyond the budget). Set with the CPU's automatic "
+            "chunk cap, so several long prompts cannot stall the running streams between them.",
+        ),
+    ] = 0
     enable_chunked_prefill: Annotated[
         bool, Meta(description="Split prefills that do not fit the step's budget.")
     ] = True

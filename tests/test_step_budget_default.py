@@ -120,3 +120,10 @@ def test_the_default_models_chunks_are_not_capped_and_a_larger_ones_are(monkeypa
     assert _scheduler(device="cpu", long_prefill_token_threshold=0).long_prefill_token_threshold == 0
     assert _scheduler(device="cpu", long_prefill_token_threshold=50).long_prefill_token_threshold == 50
     assert _scheduler(device="cpu", enable_chunked_prefill=False).long_prefill_token_threshold == 0
+    # The automatic cap bounds a step's prompt tokens together while streams decode; given
+    # thresholds (and several partial prefills) keep vLLM's per-prompt meaning alone.
+    auto = _scheduler(device="cpu")
+    assert auto.prefill_tokens_beside_decodes == auto.long_prefill_token_threshold > 0
+    assert _scheduler(device="cpu", long_prefill_token_threshold=50).prefill_tokens_beside_decodes == 0
+    several = _scheduler(device="cpu", max_num_partial_prefills=2, max_long_partial_prefills=1)
+    assert several.prefill_tokens_beside_decodes == 0

@@ -3,10 +3,11 @@
 Starts ``weft serve`` on MODEL once per setting of ``--long-prefill-token-threshold`` (``auto``:
 not given), streams one request (its prompt short, ``--stream-tokens`` new tokens, ``ignore_eos``),
 and once that stream has its first tokens sends a prompt of ``--prompt-tokens`` tokens asking for
-one. Reports per setting: the stream's longest gap between two tokens while the prompt was in (how
-long a step holding the prompt's chunk kept it waiting) and its median gap until then, and the long
-prompt's time to its first token. The settings run one after the other on this machine (compare within a
-run); prefix caching is off so every run prefills the whole prompt.
+one (``--prompts``: that many such prompts at once, different tokens each). Reports per setting: the
+stream's longest gap between two tokens while the prompts were in (how long a step holding their
+chunks kept it waiting) and its median gap until then, and the time to the last prompt's first
+token. The settings run one after the other on this machine (compare within a run); prefix caching
+is off so every run prefills the whole prompt.
 
     python benchmarks/scripts/prefill_stall.py --model llama-3.2-1b-q4_k_m.gguf --settings auto 0
 """
@@ -90,11 +91,21 @@ async def _one_setting(args, setting: str) -> dict:
                     stream.result()
                     raise RuntimeError("the stream ended before it decoded")
                 await asyncio.sleep(0.05)
-            long_times: list[float] = []
             sent = time.monotonic()
-            prompt = [(37 * i + 11) % 30000 + 100 for i in range(args.prompt_tokens)]
-            await _stream(client, model, prompt, 1, long_times)
-            first_token = long_times[0]
+            firsts: list[list[float]] = [[] for _ in range(args.prompts)]
+            await asyncio.gather(
+                *(
+                    _stream(
+                        client,
+                        model,
+                        [(37 * i + 11 + 997 * k) % 30000 + 100 for i in range(args.prompt_tokens)],
+                        1,
+                        t,
+                    )
+                    for k, t in enumerate(firsts)
+                )
+            )
+            first_token = max(t[0] for t in firsts)  # the last prompt's first token
             while stream_times[-1] <= first_token:  # the gap the prompt's last step held it in, closed
                 if stream.done():
                     stream.result()
@@ -123,6 +134,9 @@ def main() -> None:
         "--settings", nargs="+", default=["auto", "0"], help="auto, or a threshold (0: no cap)"
     )
     parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--prompts", type=int, default=1, help="long prompts sent at once (TTFT: the last one's first token)"
+    )
     parser.add_argument("--stream-tokens", type=int, default=2000, help="enough to outlast the long prefill")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--start-timeout", type=float, default=300.0)

@@ -60,7 +60,8 @@ _EXTRA_HELP = {
     "--max-num-partial-prefills above 1, "
     f"{LONG_PREFILL_PERCENT}%% of --max-model-len; else on a CPU, for a model larger than the default one, "
     "the step budget scaled down by its multiply-adds a token, so a prompt's chunk holds up the running "
-    "requests' next tokens about as long at every model size; else no cap).",
+    "requests' next tokens about as long at every model size, and that cap bounds all prompts of a step "
+    "together while requests decode beside them; else no cap).",
     "max_long_partial_prefills": "Long prefills (over --long-prefill-token-threshold tokens left; default "
     f"{LONG_PREFILL_PERCENT}%% of --max-model-len) a step may carry when --max-num-partial-prefills is "
     "above 1.",

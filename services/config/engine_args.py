@@ -287,12 +287,12 @@ class EngineArgs:
                     "without chunked prefill: a longer prompt could never be scheduled. Raise it, lower "
                     "max_model_len, or leave chunked prefill on."
                 )
+        threshold = self._long_prefill_token_threshold(max_model_len, device, hf_config, budget)
         return SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            long_prefill_token_threshold=self._long_prefill_token_threshold(
-                max_model_len, device, hf_config, budget
-            ),
+            long_prefill_token_threshold=threshold,
+            prefill_tokens_beside_decodes=threshold if self._chunk_cap_is_auto() else 0,
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
@@ -323,6 +323,16 @@ class EngineArgs:
         if given is not None:
             return given
         return prefill_chunk_cap(device, hf_config, budget) if self.enable_chunked_prefill else 0
+
+    def _chunk_cap_is_auto(self) -> bool:
+        """Whether the threshold is prefill_chunk_cap's (none given, one partial prefill, chunked
+        prefill on): then it bounds a step's prompt tokens in all while streams decode beside them
+        too, so a burst of long prompts holds the streams up no longer than one does."""
+        return (
+            self.long_prefill_token_threshold is None
+            and self.max_num_partial_prefills == 1
+            and self.enable_chunked_prefill
+        )
 
 
 def default_long_prefill_threshold(max_model_len: int) -> int:

@@ -52,6 +52,9 @@ class _StepPlan:
 
     budget: int
     prefills: PrefillCount  # partial and long prefills so far
+    # Prompt tokens the step may still take, all prompts together (None: the budget's): set where
+    # the step carries requests past their prompt and the config bounds prompts beside them.
+    prefill_room: int | None = None
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)  # the worker does not hold them
     cached_reqs: list[Request] = field(default_factory=list)  # the worker holds them
@@ -69,11 +72,23 @@ class _StepPlan:
             [b.block_id for b in g] for g in new_blocks.groups[1:]
         ]
 
+    def clamp_prefill(self, request: Request, num_new: int) -> int:
+        """``num_new`` of ``request``'s tokens, fewer where they are prompt tokens past the room."""
+        if self.prefill_room is None or request.num_computed_tokens >= request.num_prompt_tokens:
+            return num_new
+        return min(num_new, self.prefill_room)
+
+    def take_prefill(self, request: Request, num_computed: int, num_tokens: int) -> None:
+        if self.prefill_room is not None and num_computed < request.num_prompt_tokens:
+            self.prefill_room -= num_tokens
+
     def drop(self, request: Request) -> None:
         """Undo ``add`` for a running request preempted later in the same step."""
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
         if num_tokens is None:
             return
+        if self.prefill_room is not None and request.num_computed_tokens < request.num_prompt_tokens:
+            self.prefill_room += num_tokens
         self.budget += num_tokens
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
@@ -109,6 +124,7 @@ class Scheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.prefill_tokens_beside_decodes = sched.prefill_tokens_beside_decodes
         self.enable_chunked_prefill = sched.enable_chunked_prefill
         self.policy = sched.scheduling_policy
         self.prefill_limits = PartialPrefillLimits(
@@ -204,6 +220,7 @@ class Scheduler:
         plan = _StepPlan(
             budget=0 if self.paused else self.max_num_batched_tokens,
             prefills=PrefillCount(self.prefill_limits),
+            prefill_room=self._prefill_room(),
         )
         self._admit_compiled_grammars()
         self.structured_output_manager.filter_drafts(self.running)
@@ -245,6 +262,15 @@ class Scheduler:
         self._iteration_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
         self._iteration_sum += num_tokens
 
+    def _prefill_room(self) -> int | None:
+        """The step's room for prompt tokens: ``prefill_tokens_beside_decodes`` where a running
+        request is past its prompt (its next token waits on this step), else the budget's."""
+        if self.prefill_tokens_beside_decodes and any(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
+        ):
+            return self.prefill_tokens_beside_decodes
+        return None
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
         while index < len(self.running) and plan.budget > 0:
@@ -260,6 +286,7 @@ class Scheduler:
                 - request.num_computed_tokens
             )
             num_new = self._clamp_to_budget(self._clamp_chunk(num_new), request.num_computed_tokens, plan)
+            num_new = plan.clamp_prefill(request, num_new)
             if num_new == 0:
                 # Its sampled token is not back yet; others may still run.
                 index += 1
@@ -276,6 +303,7 @@ class Scheduler:
                     return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             plan.add(request, num_new, new_blocks, is_new=False)
+            plan.take_prefill(request, request.num_computed_tokens, num_new)
             plan.prefills.add(request.num_tokens - request.num_computed_tokens, num_new)
             if num_drafts:
                 drafts = self.spec_decode.scheduled_drafts(request, num_new)
@@ -294,6 +322,8 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan, passed_over: list[Request]) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            if plan.prefill_room == 0:
+                break  # the step's prompt tokens are taken
             request = self.waiting.peek()
             if request.suspect and plan.num_scheduled_tokens:
                 break  # a suspect of a failed step runs alone
@@ -313,6 +343,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > plan.budget:
                 break  # wait for a step with room, keeping arrival order
             num_new = self._clamp_to_budget(num_new, num_computed, plan)
+            if plan.prefill_room is not None and num_computed < request.num_prompt_tokens:
+                num_new = min(num_new, plan.prefill_room)
             if not plan.prefills.admits(num_left, num_new):
                 passed_over.append(self.waiting.pop())
                 if len(passed_over) >= self.max_num_seqs:
@@ -324,6 +356,7 @@ class Scheduler:
             self.waiting.pop()
             self._admit(request, num_computed)
             plan.add(request, num_new, new_blocks, is_new=True)
+            plan.take_prefill(request, num_computed, num_new)
             plan.prefills.add(num_left, num_new)
             if request.suspect:
                 break  # alone

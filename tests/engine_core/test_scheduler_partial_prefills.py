@@ -150,3 +150,53 @@ def test_an_unknown_scheduling_policy_is_refused_naming_the_three():
     with pytest.raises(ValueError, match="fcfs, priority, shortest-first"):
         _config(scheduling_policy="sjf")
     assert _config(scheduling_policy="shortest-first").scheduling_policy == "shortest-first"
+
+
+def beside_decodes(room: int):
+    """The CPU's automatic chunk cap (32 here): a prompt's chunk and, while a request is past its
+    prompt, every prompt's tokens in a step together."""
+    scheduler = make_scheduler(
+        max_num_batched_tokens=256, long_prefill_token_threshold=32, prefill_tokens_beside_decodes=room
+    )
+    return scheduler, FakeWorker(16)
+
+
+def test_prompts_arriving_beside_a_stream_take_the_room_between_them():
+    s, w = beside_decodes(32)
+    add(s, "stream", 10, max_tokens=200, ignore_eos=True)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"stream": 10}  # nothing decodes yet: the budget's
+    for name in ("long1", "long2", "long3"):
+        add(s, name, 100)
+    so, _ = step(s, w)
+    # Without the room each long prompt would take a 32-token chunk (97 tokens in the step).
+    assert scheduled(so) == {"stream": 1, "long1": 32}
+    so, _ = step(s, w)
+    assert scheduled(so) == {"stream": 1, "long1": 32}
+    for _ in range(20):
+        so, _ = step(s, w)
+        # Past their prompts the long ones decode a token a step (no chunk here is 1 token).
+        prompt_tokens = sum(n for n in scheduled(so).values() if n > 1)
+        assert prompt_tokens <= 32 and scheduled(so).get("stream") == 1
+    run_to_completion(s, w)
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.all_blocks_free()
+
+
+def test_without_a_stream_past_its_prompt_a_burst_takes_the_budget():
+    s, w = beside_decodes(32)
+    for name in ("long1", "long2", "long3"):
+        add(s, name, 100)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long1": 32, "long2": 32, "long3": 32}  # each capped, none beside decodes
+    so, _ = step(s, w)
+    assert scheduled(so) == {"long1": 32, "long2": 32, "long3": 32}
+
+
+def test_no_room_set_keeps_each_prompts_own_chunk():
+    s, w = beside_decodes(0)
+    add(s, "stream", 10)
+    step(s, w)
+    for name in ("long1", "long2"):
+        add(s, name, 100)
+    so, _ = step(s, w)
+    assert scheduled(so) == {"stream": 1, "long1": 32, "long2": 32}
