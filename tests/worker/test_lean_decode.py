@@ -2,7 +2,9 @@
 bit for bit: hidden states, residual stream and the KV cache it writes, on decode steps of one
 and of four sequences, a speculative verify step and a short prompt beside a decode, for packed GGUF weights (the default: Q4_1, the default model's type; the
 Q4_K_M mix, whose layer 1 fuses a Q4_K and a Q6_K part into its QKV projection; a Qwen2 with QKV
-biases and a Qwen3 with QK-norm) and for the AVX2 int8 copy; and it runs only on the steps and models it was written for."""
+biases and a Qwen3 with QK-norm) and for the AVX2 int8 copy; Gemma 3's layers (``lean_gemma3``) on
+Gemma 3 270M as its Q4_K_M file holds it, window layers in their own KV cache group, contexts past
+the window included; and it runs only on the steps and models it was written for."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from kernels import cpu_avx2_int8, cpu_fused
 from services.config.engine_args import EngineArgs
-from services.model_files import resolve
+from services.model_files import models_dir, resolve
 from services.worker.forward_context import set_forward_context
 from services.worker.layers.attention import kv_cache_shape
 from services.worker.layers.attention_metadata import PrefillCaps, build_attention_metadata
@@ -216,3 +218,87 @@ def test_packed_weights_off_the_integer_op_run_the_modules(packed_models, monkey
         monkeypatch.setenv("WEFT_QUANT_ACTIVATIONS", "fp32")
         monkeypatch.setattr(quantized_linear, "_KERNEL", quantized_linear._Kernel())
         assert not LeanDecode(inner).runs(len(ids), x, context)
+
+
+GEMMA3 = models_dir() / "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_STEPS = {  # (tokens cached per sequence, new tokens per sequence)
+    **STEPS,
+    "past-the-window": ([600, 700], [1, 3]),  # the window layers read their last 512 keys only
+}
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """Gemma 3 270M at the defaults (packed, fp32), its layers in two KV cache groups as the model
+    runner sets them: the global layers group 0, the window layers group 1, the first layer of
+    each checking the attention call's arguments."""
+    assert GEMMA3.exists(), f"{GEMMA3} is missing: run `make model-gemma3` (make test does) first"
+    with gguf_parsed_once():
+        model = load_model(EngineArgs(model=str(GEMMA3), dtype="float32").create_engine_config().model)
+    seen: set[int] = set()
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        attn.kv_group = 1 if attn.sliding_window else 0
+        attn.checks_decode_args = attn.kv_group not in seen
+        seen.add(attn.kv_group)
+    assert seen == {0, 1}
+    return model
+
+
+@pytest.mark.parametrize("step", list(GEMMA3_STEPS))
+@torch.inference_mode()
+def test_gemma3s_lean_steps_give_the_module_paths_bits(gemma3, step):
+    contexts, query_lens = GEMMA3_STEPS[step]
+    meta, ids, positions = _step(contexts, query_lens)
+    tables = [t.block_table for t in (meta.paged_decodes, meta.paged_prefills) if t is not None]
+    blocks = 1 + max(int(t.max()) for t in tables)
+    inner, args = gemma3.model, gemma3.args
+    shape = kv_cache_shape(blocks, BLOCK, args.num_kv_heads, args.head_dim)
+    results = {}
+    for path in ("modules", "lean"):
+        generator = torch.Generator().manual_seed(0)
+        caches = [torch.randn(shape, generator=generator) for _ in range(args.num_layers)]
+        # Both groups on the same tables here: the layers read their own group's all the same.
+        with set_forward_context(meta, caches, backend="cpu", group_metadata=(meta, meta)) as context:
+            x = inner.embed_tokens(ids) * inner.embed_scale
+            if path == "modules":
+                for layer in inner.layers:
+                    x = layer(positions, x)
+            else:
+                assert inner.lean.runs(len(ids), x, context)
+                x = inner.lean.forward(x, positions, context)
+            hidden = gemma3(
+                ids, positions
+            )  # the model's forward (lean here): normed, on caches written again
+        results[path] = (x, caches, hidden)
+    (x, caches, hidden), (lean_x, lean_caches, lean_hidden) = results["modules"], results["lean"]
+    assert torch.equal(lean_x, x)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(lean_caches, caches))
+    assert torch.equal(lean_hidden, inner.norm(x))
+
+
+@torch.inference_mode()
+def test_gemma3_off_its_kernels_runs_the_modules(gemma3, monkeypatch):
+    from services.worker.models.lean_gemma3 import LeanGemma3
+
+    inner = gemma3.model
+    meta, ids, _ = _step(CONTEXTS)
+    x = inner.embed_tokens(ids) * inner.embed_scale
+    with set_forward_context(meta, _caches(gemma3, 4), backend="cpu", group_metadata=(meta, meta)) as context:
+        assert LeanGemma3(inner).runs(len(ids), x, context)
+        monkeypatch.setattr(inner.layers[3].pre_feedforward_layernorm, "_cpu_fused", False)
+        assert not LeanGemma3(inner).runs(len(ids), x, context)  # a torch norm
+        monkeypatch.undo()
+        monkeypatch.setattr(inner.layers[2].self_attn.rotary, "_cpu_fused", False)
+        assert not LeanGemma3(inner).runs(len(ids), x, context)  # the torch rotation
+        monkeypatch.undo()
+        monkeypatch.setenv(ENV_SWITCH, "0")
+        assert not LeanGemma3(inner).runs(len(ids), x, context)
+    # A window group whose step is not on the paged kernels alone (SDPA prefills): the modules.
+    prefill, ids, _ = _step([0, 20], query_lens=[6, 1], prefill_caps=PrefillCaps(fresh=1, chunk=1))
+    paged, _, _ = _step([0, 20], query_lens=[6, 1])
+    x = inner.embed_tokens(ids) * inner.embed_scale
+    with set_forward_context(
+        paged, _caches(gemma3, 4), backend="cpu", group_metadata=(paged, prefill)
+    ) as context:
+        assert not LeanGemma3(inner).runs(len(ids), x, context)

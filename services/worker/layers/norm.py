@@ -75,11 +75,16 @@ class GemmaRMSNorm(nn.Module):
             and x.dtype == torch.float32
             and current_backend() != "triton"
         ):
-            version = self.weight._version  # made after the weights load, again if they are written
-            if self._one_plus is None or self._one_plus[0] != version:
-                self._one_plus = (version, 1.0 + self.weight.detach())
             rows = x.reshape(-1, x.shape[-1])
-            return cpu_fused.rms_norm(rows, self._one_plus[1], self.eps).view(x.shape)
+            return cpu_fused.rms_norm(rows, self.one_plus_weight(), self.eps).view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def one_plus_weight(self) -> torch.Tensor:
+        """``1 + weight``, the compiled kernel's weight: made after the weights load, and again
+        if they are written."""
+        version = self.weight._version
+        if self._one_plus is None or self._one_plus[0] != version:
+            self._one_plus = (version, 1.0 + self.weight.detach())
+        return self._one_plus[1]

@@ -31,6 +31,7 @@ from services.config.gemma3_config import (
     gemma3_sliding_window,
 )
 from services.worker.distributed import TensorParallelGroup, get_tp_group
+from services.worker.forward_context import get_forward_context
 from services.worker.layers.activation import gelu_tanh_and_mul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
 from services.worker.layers.linear import (
@@ -42,6 +43,7 @@ from services.worker.layers.linear import (
 from services.worker.layers.norm import GemmaRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from services.worker.models.lean_gemma3 import LeanGemma3
 from services.worker.models.llama import LlamaForCausalLM, rank_args
 
 
@@ -221,11 +223,16 @@ class Gemma3Model(nn.Module):
             for i in range(args.num_layers)
         )
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.lean = LeanGemma3(self)  # decode-only steps as their kernels called straight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.layers:
-            x = layer(positions, x)
+        context = get_forward_context()
+        if self.lean.runs(x.shape[0], x, context):
+            x = self.lean.forward(x, positions, context)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x)
         return self.norm(x)
 
 

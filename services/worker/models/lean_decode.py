@@ -148,8 +148,11 @@ class LeanDecode:
     def qualifies(self) -> bool:
         """Whether the model's layers are the ones this path runs (see the module notes)."""
         if self._qualifies is None:
-            self._qualifies = switch_on(ENV_SWITCH) and _layers_qualify(self.model, self.eps)
+            self._qualifies = switch_on(ENV_SWITCH) and self._layers_qualify()
         return self._qualifies
+
+    def _layers_qualify(self) -> bool:
+        return _layers_qualify(self.model, self.eps)
 
     def runs(self, rows: int, x: torch.Tensor, context) -> bool:
         """Whether this step (``rows`` tokens, embeddings ``x``) runs lean."""
@@ -157,13 +160,13 @@ class LeanDecode:
             return False
         if context.backend != "cpu" or context.kv_scales is not None or context.kv_caches is None:
             return False
-        meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
-        if (
-            (meta.paged_decodes is None and meta.paged_prefills is None)
-            or meta.decode_groups
-            or meta.prefills
-        ):
-            return False
+        for meta in context.group_metadata or (context.attn_metadata,):  # each KV cache group's
+            if (
+                (meta.paged_decodes is None and meta.paged_prefills is None)
+                or meta.decode_groups
+                or meta.prefills
+            ):
+                return False
         if not self.qualifies():
             return False
         if rows not in self._by_rows:
@@ -182,7 +185,13 @@ class LeanDecode:
         calls = [_one_call(lin, rows) for lin in linears]
         if any(call is None for call in calls):
             return None
-        layers = [
+        layers = self._bind(calls)
+        self._by_weights[key] = layers
+        return layers
+
+    def _bind(self, calls: list[_Linear]) -> list:
+        """Each layer's tensors and its four linears' calls (``calls``, four a layer in order)."""
+        return [
             _Layer(
                 in_norm=layer.input_layernorm.weight,
                 post_norm=layer.post_attention_layernorm.weight,
@@ -196,8 +205,6 @@ class LeanDecode:
             )
             for i, layer in enumerate(self.model.layers)
         ]
-        self._by_weights[key] = layers
-        return layers
 
     def _cache_rows(self, caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cache as (keys, values) ``[KVH, slots, D]`` views, made again only when the

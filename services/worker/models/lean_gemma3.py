@@ -1,0 +1,161 @@
+"""Decode and verify steps of a Gemma 3 model on CPU, its layers run as their kernels called straight.
+
+``LeanDecode``'s path (``lean_decode.py``: which steps and weights qualify, the linear layers' one
+calls, the KV cache views) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
+``1 + weight`` (the compiled RMSNorm on ``GemmaRMSNorm.one_plus_weight``, as the module runs it in
+fp32), each sublayer's output normalized before it joins the residual stream; QK-norm per head;
+GeGLU; each layer's own rotation table (the window layers' local base); and the window layers'
+attention on their own KV cache group's tables with their window passed to the paged kernels. The
+same kernels and torch ops on the same tensors in the same order as the modules, so the same bits
+(``tests/worker/test_lean_decode.py``). Gemma 3 270M's decode step has six norms and 18 layers of
+modules around 73 kernel calls: through the modules about a third of a step went to the Python
+between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_attention
+from services.worker.layers.activation import gelu_tanh_and_mul
+from services.worker.layers.norm import GemmaRMSNorm
+from services.worker.models.lean_decode import LeanDecode, _Linear, _linears, _out_features
+
+
+@dataclass(frozen=True)
+class _GemmaLayer:
+    norms: tuple[GemmaRMSNorm, GemmaRMSNorm, GemmaRMSNorm, GemmaRMSNorm]  # in, post-attn, pre-/post-MLP
+    q_norm: GemmaRMSNorm
+    k_norm: GemmaRMSNorm
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    cos: torch.Tensor  # the layer's rotation table (window layers: the local base)
+    sin: torch.Tensor
+    window: int  # 0: global attention
+    group: int  # its KV cache group, whose metadata it reads
+    checks: bool  # the first layer of its group: the attention call checks its arguments in full
+
+
+def _norms(layer) -> tuple:
+    return (
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+        layer.self_attn.q_norm,
+        layer.self_attn.k_norm,
+    )
+
+
+class LeanGemma3(LeanDecode):
+    """The lean decode path of one ``Gemma3Model``."""
+
+    def _layers_qualify(self) -> bool:
+        """One worker, every linear packed or with an int8 copy, every norm and rotation the
+        compiled kernel, every layer's shapes alike."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(lin.quant is None and lin.int8 is None for lin in _linears(layer)):
+                return False
+            if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
+                return False
+            if any(
+                type(n) is not GemmaRMSNorm or not n._cpu_fused or n.eps != self.eps for n in _norms(layer)
+            ):
+                return False
+            if not attn.rotary._cpu_fused:
+                return False
+        shapes = {tuple(_out_features(lin) for lin in _linears(layer)) for layer in self.model.layers}
+        return len(shapes) == 1
+
+    def _bind(self, calls: list[_Linear]) -> list[_GemmaLayer]:
+        layers = []
+        for i, layer in enumerate(self.model.layers):
+            norms = _norms(layer)
+            attn = layer.self_attn.attn
+            layers.append(
+                _GemmaLayer(
+                    norms=norms[:4],
+                    q_norm=norms[4],
+                    k_norm=norms[5],
+                    qkv=calls[4 * i],
+                    o=calls[4 * i + 1],
+                    gate_up=calls[4 * i + 2],
+                    down=calls[4 * i + 3],
+                    cos=layer.self_attn.rotary.cos,
+                    sin=layer.self_attn.rotary.sin,
+                    window=attn.sliding_window or 0,
+                    group=attn.kv_group,
+                    checks=attn.checks_decode_args,
+                )
+            )
+        return layers
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:  # type: ignore[override]
+        """The decoder layers of a step ``runs`` accepted: the residual stream after the last
+        layer (``x``'s storage), as the layers leave it before the final norm."""
+        fused = torch.ops.weft_fused
+        rms_norm, rotary = fused.rms_norm.default, fused.rotary_neox.default
+        attention = torch.ops.weft_cpu.paged_decode_attention.default
+        metas = context.group_metadata or (context.attn_metadata,)
+        t = x.shape[0]
+        h, kvh, d, eps, scale = self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale
+        q_size, kv_size = self.q_size, self.kv_size
+        positions = positions.long()
+        layers = self._by_rows[t]
+        first = layers[0]
+        # One buffer per activation for the whole step (the layers are alike).
+        residual = x
+        normed = torch.empty_like(x)  # a norm's output: the next linear's input, or the sublayer's output
+        out = torch.empty_like(x)  # the attention's and the MLP's output projections
+        qkv = torch.empty(t, first.qkv.out_features)
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+        q_normed, k_normed = torch.empty(t, q_size), torch.empty(t, kv_size)
+        q_rows, k_rows = q_normed.view(t * h, d), k_normed.view(t * kvh, d)
+        heads = q_normed.view(t, h, d)
+        new_keys, new_values = k_normed.view(t, kvh, d).transpose(0, 1), v.view(t, kvh, d).transpose(0, 1)
+        attn = torch.empty(t, h, d)
+        attn_rows = attn.view(t, h * d)
+        gate_up = torch.empty(t, first.gate_up.out_features)
+        bf16_dot, int8_fast = cpu_attention.decode_switches()  # read once for the step
+        caches = context.kv_caches
+        for layer, (keys, values), cache in zip(layers, self._cache_rows(caches), caches):
+            norm_in, post_attn, pre_mlp, post_mlp = (n.one_plus_weight() for n in layer.norms)
+            rms_norm(normed, residual, norm_in, eps)
+            layer.qkv.run(normed, qkv)
+            # Per head, as the module's reshape gives them (a copy above one row), into the buffers.
+            rms_norm(q_rows, q.reshape(t * h, d), layer.q_norm.one_plus_weight(), eps)
+            rms_norm(k_rows, k.reshape(t * kvh, d), layer.k_norm.one_plus_weight(), eps)
+            rotary(positions, q_normed, k_normed, layer.cos, layer.sin, d)
+            meta = metas[layer.group]
+            keys.index_copy_(1, meta.slot_mapping, new_keys)
+            values.index_copy_(1, meta.slot_mapping, new_values)
+            decodes, prefills = meta.paged_decodes, meta.paged_prefills
+            if decodes is not None and layer.checks:
+                cpu_attention.paged_decode_attention(
+                    heads, cache, decodes.token_idx, decodes.seq_lens, decodes.block_table, scale, attn,
+                    window=layer.window,
+                )  # fmt: skip
+            elif decodes is not None:
+                attention(
+                    heads, cache, decodes.token_idx, decodes.seq_lens, decodes.block_table, scale, attn,
+                    layer.window, None, bf16_dot, int8_fast,
+                )  # fmt: skip
+            if prefills is not None:  # verify rows and short chunks
+                cpu_attention.paged_prefill_attention(
+                    heads, cache, prefills.query_start, prefills.query_lens, prefills.context_lens,
+                    prefills.block_table, scale, attn, check=layer.checks, window=layer.window,
+                )  # fmt: skip
+            layer.o.run(attn_rows, out)
+            rms_norm(normed, out, post_attn, eps)
+            residual.add_(normed)  # x + norm(attention), as the module adds them
+            rms_norm(normed, residual, pre_mlp, eps)
+            layer.gate_up.run(normed, gate_up)
+            layer.down.run(gelu_tanh_and_mul(gate_up), out)
+            rms_norm(normed, out, post_mlp, eps)
+            residual.add_(normed)
+        return residual
