@@ -14,7 +14,8 @@ the calls goes.
 
 ``LeanDecode.qualifies`` decides once per model whether its layers are such (biases on packed
 weights alone, as Qwen2's QKV; QK-norm as Qwen3's, the module's own norm; no sliding window, one
-worker, the compiled kernels built); ``runs`` decides per step (the paged kernels alone on the CPU
+worker, the compiled kernels built; Gemma 3's layers, window layers included, take the subclass in
+``lean_gemma3.py``); ``runs`` decides per step (the paged kernels alone on the CPU
 backend, fp32 activations, every linear one call at ``rows``). The first
 layer's attention call checks its arguments in full, as the module path's does; the kernels check
 the index values on every call.
