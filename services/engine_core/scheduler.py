@@ -72,9 +72,10 @@ class _StepPlan:
             [b.block_id for b in g] for g in new_blocks.groups[1:]
         ]
 
-    def clamp_prefill(self, request: Request, num_new: int) -> int:
-        """``num_new`` of ``request``'s tokens, fewer where they are prompt tokens past the room."""
-        if self.prefill_room is None or request.num_computed_tokens >= request.num_prompt_tokens:
+    def clamp_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
+        """``num_new`` of ``request``'s tokens from ``num_computed`` on, fewer where they are
+        prompt tokens past the room."""
+        if self.prefill_room is None or num_computed >= request.num_prompt_tokens:
             return num_new
         return min(num_new, self.prefill_room)
 
@@ -87,8 +88,7 @@ class _StepPlan:
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
         if num_tokens is None:
             return
-        if self.prefill_room is not None and request.num_computed_tokens < request.num_prompt_tokens:
-            self.prefill_room += num_tokens
+        self.take_prefill(request, request.num_computed_tokens, -num_tokens)
         self.budget += num_tokens
         self.cached_reqs.remove(request)
         del self.new_block_ids[request.request_id]
@@ -264,8 +264,9 @@ class Scheduler:
 
     def _prefill_room(self) -> int | None:
         """The step's room for prompt tokens: ``prefill_tokens_beside_decodes`` where a running
-        request is past its prompt (its next token waits on this step), else the budget's."""
-        if self.prefill_tokens_beside_decodes and any(
+        request is past its prompt (its next token waits on this step), else the budget's. Only
+        with chunked prefill: without it a prompt runs whole or waits."""
+        if self.prefill_tokens_beside_decodes and self.enable_chunked_prefill and any(
             r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
         ):
             return self.prefill_tokens_beside_decodes
@@ -286,7 +287,7 @@ class Scheduler:
                 - request.num_computed_tokens
             )
             num_new = self._clamp_to_budget(self._clamp_chunk(num_new), request.num_computed_tokens, plan)
-            num_new = plan.clamp_prefill(request, num_new)
+            num_new = plan.clamp_prefill(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 # Its sampled token is not back yet; others may still run.
                 index += 1
@@ -343,8 +344,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > plan.budget:
                 break  # wait for a step with room, keeping arrival order
             num_new = self._clamp_to_budget(num_new, num_computed, plan)
-            if plan.prefill_room is not None and num_computed < request.num_prompt_tokens:
-                num_new = min(num_new, plan.prefill_room)
+            num_new = plan.clamp_prefill(request, num_computed, num_new)
             if not plan.prefills.admits(num_left, num_new):
                 passed_over.append(self.waiting.pop())
                 if len(passed_over) >= self.max_num_seqs:

@@ -38,6 +38,7 @@ config_spec = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 6),
         "long_prefill_token_threshold": st.sampled_from([0, 8, 24]),
         "max_num_partial_prefills": st.sampled_from([1, 2, 3]),
+        "prefill_tokens_beside_decodes": st.sampled_from([0, 4, 16]),
         "caching": st.booleans(),
     }
 )
@@ -75,7 +76,16 @@ def test_random_workloads_finish_correctly_without_leaks(config, specs):
                 s.finish_requests(f"r{i}", RequestStatus.FINISHED_ABORTED)
         if step_index > 6 and not s.has_unfinished_requests():
             break
+        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in s.running)
+        computed = {rid: r.num_computed_tokens for rid, r in requests.items()}
         so, step_outputs = step(s, w)
+        if decoding and config["prefill_tokens_beside_decodes"] and config["enable_chunked_prefill"]:
+            prompt_tokens = sum(
+                n
+                for rid, n in so.num_scheduled_tokens.items()
+                if computed[rid] < requests[rid].num_prompt_tokens
+            )
+            assert prompt_tokens <= config["prefill_tokens_beside_decodes"]
         preemptions += len(so.preempted_req_ids)
         hits += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
         for output in step_outputs:
