@@ -266,8 +266,10 @@ class Scheduler:
         """The step's room for prompt tokens: ``prefill_tokens_beside_decodes`` where a running
         request is past its prompt (its next token waits on this step), else the budget's. Only
         with chunked prefill: without it a prompt runs whole or waits."""
-        if self.prefill_tokens_beside_decodes and self.enable_chunked_prefill and any(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running
+        if (
+            self.prefill_tokens_beside_decodes
+            and self.enable_chunked_prefill
+            and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         ):
             return self.prefill_tokens_beside_decodes
         return None
