@@ -7,9 +7,8 @@ fp32), each sublayer's output normalized before it joins the residual stream; QK
 GeGLU; each layer's own rotation table (the window layers' local base); and the window layers'
 attention on their own KV cache group's tables with their window passed to the paged kernels. The
 same kernels and torch ops on the same tensors in the same order as the modules, so the same bits
-(``tests/worker/test_lean_decode.py``). Gemma 3 270M's decode step has six norms and 18 layers of
-modules around 73 kernel calls: through the modules about a third of a step went to the Python
-between them.
+(``tests/worker/test_lean_decode.py``). Gemma 3 270M, one thread, 48 tokens after a short prompt:
+2.70-2.76 s through the modules (six norms a layer, 18 layers), 2.19-2.21 s here.
 """
 
 from __future__ import annotations
