@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=300.0)
     args = parser.parse_args()
     print(
-        "| threshold | stream's longest gap while the prompt was in | stream's median gap | prompt's TTFT |"
+        "| threshold | stream's longest gap while the prompts were in | stream's median gap | (last) prompt's TTFT |"
     )
     print("|---|---|---|---|")
     for setting in args.settings:

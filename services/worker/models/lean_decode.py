@@ -107,9 +107,7 @@ def _layers_qualify(model, eps: float) -> bool:
     # loading in the middle of serving made that a crash away.)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(lin.quant is None and lin.int8 is None for lin in _linears(layer)):
-            return False
-        if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
+        if not _linears_one_call_capable(layer):
             return False
         if hasattr(attn, "q_norm") and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm):
             return False
@@ -120,12 +118,21 @@ def _layers_qualify(model, eps: float) -> bool:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not RMSNorm or not n._cpu_fused or n.eps != eps for n in norms):
             return False
-    # Alike layers: a step's activation buffers serve them all.
-    shapes = {
-        (*(_out_features(lin) for lin in _linears(layer)), layer.mlp.intermediate_size)
-        for layer in model.layers
-    }
-    return len(shapes) == 1
+    return _layers_alike(model)
+
+
+def _linears_one_call_capable(layer) -> bool:
+    """Every linear of ``layer`` packed or with an int8 copy, on one worker (no tensor parallel)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if any(lin.quant is None and lin.int8 is None for lin in _linears(layer)):
+        return False
+    return attn.o_proj.tp.world_size == 1 and mlp.down_proj.tp.world_size == 1
+
+
+def _layers_alike(model) -> bool:
+    """Every layer's linears of the same shapes (the MLP's width with them): a step's activation
+    buffers serve them all."""
+    return len({tuple(_out_features(lin) for lin in _linears(layer)) for layer in model.layers}) == 1
 
 
 class LeanDecode:

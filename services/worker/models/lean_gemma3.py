@@ -20,7 +20,7 @@ import torch
 from kernels import cpu_attention
 from services.worker.layers.activation import gelu_tanh_and_mul
 from services.worker.layers.norm import GemmaRMSNorm
-from services.worker.models.lean_decode import LeanDecode, _Linear, _linears, _out_features
+from services.worker.models.lean_decode import LeanDecode, _layers_alike, _Linear, _linears_one_call_capable
 
 
 @dataclass(frozen=True)
@@ -57,19 +57,15 @@ class LeanGemma3(LeanDecode):
         """One worker, every linear packed or with an int8 copy, every norm and rotation the
         compiled kernel, every layer's shapes alike."""
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if any(lin.quant is None and lin.int8 is None for lin in _linears(layer)):
-                return False
-            if attn.o_proj.tp.world_size != 1 or mlp.down_proj.tp.world_size != 1:
+            if not _linears_one_call_capable(layer):
                 return False
             if any(
                 type(n) is not GemmaRMSNorm or not n._cpu_fused or n.eps != self.eps for n in _norms(layer)
             ):
                 return False
-            if not attn.rotary._cpu_fused:
+            if not layer.self_attn.rotary._cpu_fused:
                 return False
-        shapes = {tuple(_out_features(lin) for lin in _linears(layer)) for layer in self.model.layers}
-        return len(shapes) == 1
+        return _layers_alike(self.model)
 
     def _bind(self, calls: list[_Linear]) -> list[_GemmaLayer]:
         layers = []
