@@ -15,7 +15,8 @@ that row at its context length (the rule heads ``csrc/cpu_paged_attention.cpp``;
 the bf16 dot products of ``ENV_BF16_DOT`` and the int8 cache's AVX-512 decodes
 are not, and are opt-in). Caches are of the query's dtype, or int8 with fp32
 scales per (token, KV head) (``write_kv_int8`` writes them; twins
-``write_kv_int8_ref`` and ``dequantize_kv_cache`` in ``kernels.reference``).
+``write_kv_int8_ref`` and ``dequantize_kv_cache`` in ``kernels.reference``); ``write_kv`` writes
+a cache of the query's dtype (twin ``kernels.reference.write_kv_cache_ref``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import KernelUnavailable, amx_isa, build, cpu_flags, target_isa
-from kernels.reference import check_kv_int8_write_args, check_query_and_cache
+from kernels.reference import check_kv_int8_write_args, check_kv_write_args, check_query_and_cache
 from services import env
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "int8_fast_decodes",
     "check_decode_args",
     "check_prefill_args",
+    "check_write_kv_args",
     "check_write_kv_int8_args",
     "decode_switches",
     "load",
@@ -44,6 +46,7 @@ __all__ = [
     "paged_prefill_attention",
     "target_isa",
     "tile_prefills",
+    "write_kv",
     "write_kv_int8",
 ]
 
@@ -335,6 +338,51 @@ def check_prefill_args(
             f"query_start, query_lens and context_lens must all be [R]; got {tuple(query_start.shape)}, "
             f"{tuple(query_lens.shape)} and {tuple(context_lens.shape)}."
         )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
+    """Token ``t``'s key and value (``[T, KVH, D]``, contiguous in D) copied into slot
+    ``slot_mapping[t]`` (int64 ``[T]``) of ``kv_cache [2, KVH, num_blocks, block_size, D]`` of their
+    dtype (float32, bfloat16 or float16); a negative slot skips the token. One call for both, where
+    ``index_copy_`` takes two (``kernels.reference.write_kv_cache_ref``, its twin). The kernel checks
+    the slots against the cache on every call (ValueError); ``check=False`` skips the Python checks."""
+    if check:
+        check_write_kv_args(key, value, kv_cache, slot_mapping)
+    load()
+    torch.ops.weft_cpu.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def check_write_kv_args(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``write_kv``'s shapes, dtypes, strides and devices (no tensor op): the twin's checks, and a
+    cache of the key's dtype, contiguous, int64 slots, CPU tensors."""
+    check_kv_write_args(key, value, kv_cache, slot_mapping)
+    if key.dtype not in (torch.float32, torch.bfloat16, torch.float16) or value.dtype != key.dtype:
+        raise ValueError(
+            f"key and value must be float32, bfloat16 or float16 of one dtype, got {key.dtype}, {value.dtype}."
+        )
+    if (
+        kv_cache.dtype != key.dtype
+        or kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or not kv_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"kv_cache must be a contiguous {key.dtype} [2, KVH, num_blocks, block_size, D], got "
+            f"{kv_cache.dtype} {tuple(kv_cache.shape)}."
+        )
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be contiguous int64, got {slot_mapping.dtype}.")
+    if any(t.device.type != "cpu" for t in (key, value, kv_cache, slot_mapping)):
+        raise ValueError("write_kv takes CPU tensors only.")
 
 
 def write_kv_int8(

@@ -13,8 +13,10 @@ whether the CPU layers may use them: false, with a logged reason, when the
 build cannot happen, or when ``WEFT_CPU_FUSED=0`` turns them off (to
 measure what they gain).
 
+A row's argmax (greedy sampling's, ``argmax_rows``) is here too.
+
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``,
+``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
 ``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
@@ -119,6 +121,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         torch.ops.weft_fused.silu_and_mul(out, x)
     except (RuntimeError, IndexError) as exc:
         _refused(lambda: check_silu_and_mul_args(x, cpu=True), exc)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x [rows, n]`` (float32, contiguous in its rows) -> the index of its maximum,
+    int64 ``[rows]``: the first on ties, the first NaN where a row holds one, as torch's
+    ``max(dim=-1).indices`` (``kernels.reference.argmax_rows_ref``). The kernel refuses other
+    arguments with a ValueError."""
+    load()
+    out = torch.empty(x.shape[0] if x.dim() else 0, dtype=torch.int64)
+    torch.ops.weft_fused.argmax_rows(out, x)
     return out
 
 

@@ -302,6 +302,12 @@ def rotary_embedding_ref(
         heads.copy_(rotated.to(x.dtype))
 
 
+def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.cpu_fused.argmax_rows``: each row's index of its maximum, the first on ties,
+    the first NaN where a row holds one."""
+    return x.max(dim=-1).indices
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.activation.silu_and_mul``: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``."""
     gate, up = x.float().chunk(2, dim=-1)

@@ -67,6 +67,13 @@ SHAPES = {
     "smol-up": (3072, 576),
     "smol-down": (576, 1536),
     "smol-head": (49152, 576),
+    # Gemma 3 270M's (hidden 640, 4 query heads and 1 KV head of 256, MLP 2048): the fused QKV, o,
+    # gate-up, down and the output head (vocabulary 262,144; Q8_0 in its Q4_K_M file).
+    "gemma-qkv": (1536, 640),
+    "gemma-o": (640, 1024),
+    "gemma-up": (4096, 640),
+    "gemma-down": (640, 2048),
+    "gemma-head": (262144, 640),
 }
 
 

@@ -65,7 +65,7 @@
 // the kernel reads memory through them. The WEFT_ATTENTION_* switches above reach the kernel as
 // arguments of its ops (kernels/cpu_attention.py reads them); the kernel reads no environment.
 //
-// Files: this one (the rules, the int8 cache writes, the ops' registration); paged_attention.h
+// Files: this one (the rules, the cache writes, the ops' registration); paged_attention.h
 // (what decodes and prefills share: checks, dispatch, the register tiles of "one row's arithmetic");
 // simd_math.h (vector types and loads, the exponentials); cpu_attention_decode.cpp and
 // cpu_attention_prefill.cpp (the two kernels and their AVX-512 paths); amx_tiles.h (AMX set-up).
@@ -115,29 +115,68 @@ void quantize_row16(const scalar_t* x, int64_t D, int8_t* q, float* scale) {
 }
 #endif
 
-void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, at::Tensor kv_scales,
-                   const at::Tensor& slot_mapping) {
-  const char* op = "write_kv_int8";
+// The checks both cache writes make (cache_dtype: the cache's, int8 or the key's): key and value
+// [T, KVH, D] of one dtype, contiguous in D, a contiguous cache [2, KVH, num_blocks, block_size, D]
+// of theirs, every slot below num_blocks x block_size (a negative one skips its token).
+void check_kv_write(const char* op, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                    at::ScalarType cache_dtype, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type(), op,
                     ": key and value must be [T, KVH, D] of one dtype");
-  TORCH_CHECK_VALUE(kv_cache.scalar_type() == at::kChar && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+  TORCH_CHECK_VALUE(kv_cache.scalar_type() == cache_dtype && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                         kv_cache.is_contiguous(),
-                    op, ": kv_cache must be a contiguous int8 tensor [2, KVH, num_blocks, block_size, D]");
+                    op, ": kv_cache must be a contiguous ", cache_dtype == at::kChar ? "int8 tensor" : "tensor of the key's dtype",
+                    " [2, KVH, num_blocks, block_size, D]");
   TORCH_CHECK_VALUE(kv_cache.size(1) == key.size(1) && kv_cache.size(4) == key.size(2), op,
                     ": key and value [T, KVH, D] must match kv_cache's KV heads and head size");
-  check_scales(op, kv_cache, kv_scales);
   TORCH_CHECK_VALUE(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(), op,
                     ": CPU tensors expected");
   TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, op,
                     ": key and value must be contiguous in the head dimension");
   check_index(op, "slot_mapping", slot_mapping, at::kLong, 1);
-  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
-  TORCH_CHECK_VALUE(slot_mapping.size(0) == T, op, ": slot_mapping needs one entry per token");
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), op, ": slot_mapping needs one entry per token");
   const int64_t slots = kv_cache.size(2) * kv_cache.size(3);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < key.size(0); ++t)
     TORCH_CHECK_VALUE(slot[t] < slots, "slot_mapping entries must be below num_blocks x block_size = ", slots,
                       " (negative: skip the token), got ", slot[t], ".");
+}
+
+// Token t's key and value rows copied into slot slot_mapping[t] of a float cache of their dtype
+// (a negative slot skips the token): index_copy_'s result (kernels.reference.write_kv_ref) in one
+// call for both, where the torch ops cost 11-12 us each at one token (Zen 1), twice a layer.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
+  const char* op = "write_kv";
+  dispatch_dtype(op, key.scalar_type(), [](auto) {});  // a float dtype
+  check_kv_write(op, key, value, kv_cache, key.scalar_type(), slot_mapping);
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
+  const int64_t slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t elem = key.element_size(), bytes = D * elem;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  // About 64 KiB per task: a decode step's few tokens stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (2 * KVH * bytes));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t kr = h * slots + slot[t], vr = (KVH + h) * slots + slot[t];  // rows of [2 * KVH, slots]
+        std::memcpy(cache + kr * bytes, k + (t * key.stride(0) + h * key.stride(1)) * elem, bytes);
+        std::memcpy(cache + vr * bytes, v + (t * value.stride(0) + h * value.stride(1)) * elem, bytes);
+      }
+    }
+  });
+}
+
+void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, at::Tensor kv_scales,
+                   const at::Tensor& slot_mapping) {
+  const char* op = "write_kv_int8";
+  check_kv_write(op, key, value, kv_cache, at::kChar, slot_mapping);
+  check_scales(op, kv_cache, kv_scales);
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
+  const int64_t slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   int8_t* cache = kv_cache.data_ptr<int8_t>();
   float* scales = kv_scales.data_ptr<float>();
   dispatch_dtype(op, key.scalar_type(), [&](auto tag) {
@@ -182,4 +221,6 @@ TORCH_LIBRARY(weft_cpu, m) {
       "write_kv_int8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor(b!) kv_scales, Tensor slot_mapping) "
       "-> ()");
   m.impl("write_kv_int8", c10::DispatchKey::CPU, &write_kv_int8);
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
 }

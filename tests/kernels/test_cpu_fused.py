@@ -11,6 +11,7 @@ import torch
 
 from kernels import cpu_fused
 from kernels.reference import (
+    argmax_rows_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rotary_embedding_ref,
@@ -124,7 +125,63 @@ def test_rotary_matches_twin_on_views_of_one_projection(generator, close, dtype,
     assert torch.equal(v, v_before)  # the rest of the projection is untouched
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(
+    "cols", [1, 31, 32, 33, 95, 49152, 262144]
+)  # around the kernel's vectors; vocabularies
+@pytest.mark.parametrize("strided", [False, True])
+def test_argmax_rows_matches_twin(generator, rows, cols, strided):
+    if rows * cols > 5_000_000:
+        rows = 3
+    x = rows_view(generator, rows, cols, torch.float32, strided)
+    # Ties: a row's maximum copied later in it (the first wins), and a row of -inf.
+    x[0, cols // 2] = x[0].max() + 1.0
+    x[0, cols - 1] = x[0, cols // 2]
+    if rows > 1:
+        x[1] = float("-inf")
+    assert torch.equal(cpu_fused.argmax_rows(x), argmax_rows_ref(x))
+
+
+@pytest.mark.parametrize(
+    "special, want",
+    [
+        ({5: float("nan"), 40: float("nan"), 7: float("inf")}, 5),  # the first NaN, whatever else
+        ({70: float("inf"), 9: float("inf")}, 9),  # the first of two +inf
+        ({63: 100.0, 64: 100.0}, 63),  # a tie across the kernel's chunks of 32
+        ({99: float("nan")}, 99),  # a NaN in the scalar tail
+    ],
+)
+def test_argmax_rows_nan_inf_and_ties(generator, special, want):
+    x = torch.randn(2, 100, generator=generator)
+    for i, v in special.items():
+        x[1, i] = v
+    got = cpu_fused.argmax_rows(x)
+    assert got[1] == want and torch.equal(got, argmax_rows_ref(x))
+
+
+def test_argmax_rows_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="float32 CPU tensor"):
+        cpu_fused.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous in its rows"):
+        cpu_fused.argmax_rows(torch.zeros(8, 2).t())
+    with pytest.raises(ValueError, match=r"\[rows, n\], n > 0"):
+        cpu_fused.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match=r"\[rows, n\]"):
+        cpu_fused.argmax_rows(torch.zeros(8))
+
+
+def test_greedy_sampling_takes_the_kernel_on_cpu_rows(monkeypatch):
+    from services.worker import sampler
+
+    taken = []
+    monkeypatch.setattr(cpu_fused, "argmax_rows", lambda x: taken.append(x.shape) or argmax_rows_ref(x))
+    logits = torch.randn(3, 50)
+    assert torch.equal(sampler.argmax_rows(logits), logits.argmax(dim=-1)) and taken == [(3, 50)]
+    assert torch.equal(sampler.argmax_rows(logits.double()), logits.argmax(dim=-1)) and len(taken) == 1
+
+
 def test_empty_batches_are_no_ops():
+    assert cpu_fused.argmax_rows(torch.empty(0, 49152)).shape == (0,)
     x = torch.empty(0, 576)
     cpu_fused.fused_add_rms_norm(x, torch.empty(0, 576), torch.ones(576), 1e-5)
     assert cpu_fused.silu_and_mul(torch.empty(0, 8)).shape == (0, 4)

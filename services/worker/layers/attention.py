@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_attention import paged_decode_attention, paged_prefill_attention, write_kv_int8
+from kernels.cpu_attention import write_kv as write_kv_cpu
 from kernels.reference import dequantize_kv_rows, write_kv_int8_ref
 from services.worker.forward_context import get_forward_context
 from services.worker.layers.attention_metadata import DecodeGroup, PrefillSeq
@@ -193,6 +194,8 @@ class PagedAttention(nn.Module):
             write_kv_int8(k, v, cache, scales, meta.slot_mapping, check=self.checks_decode_args)
         elif scales is not None:  # the torch backend (no compiled kernels): the twin's torch ops
             write_kv_int8_ref(k, v, cache, scales, meta.slot_mapping)
+        elif cache is not None and context.backend == "cpu":  # index_copy_'s result in one call
+            write_kv_cpu(k, v, cache, meta.slot_mapping, check=self.checks_decode_args)
         elif cache is not None:
             write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)

@@ -7,8 +7,8 @@ runs on the paged CPU kernels alone (decodes, speculative verify rows and short 
 none on the SDPA paths) and whose every linear layer is one compiled call at its row count (the packed weight on the
 integer-activation op, ``QuantizedWeight.one_call``, as by default; or the AVX2 int8 copy's
 one-call path, ``Int8Weight.one_call``), ``LeanDecode`` runs each layer as the same kernels on the
-same tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write of
-``layers.attention.write_kv``, ``kernels.cpu_attention``'s decode and prefill kernels, the linear layers. The
+same tensors, called straight: the norms and the rotation of ``kernels.cpu_fused``, the KV write and
+the decode and prefill kernels of ``kernels.cpu_attention``, the linear layers. The
 numbers are those of the module path bit for bit (a test compares them); only the Python between
 the calls goes.
 
@@ -143,7 +143,6 @@ class LeanDecode:
         self._by_rows: dict[int, list[_Layer] | None] = {}  # None: a step of that many rows runs the modules
         self._by_weights: dict[tuple[str, ...], list[_Layer]] = {}  # keyed by the weight each linear runs
         self._qualifies: bool | None = None  # decided at the first step with a KV cache (copies made)
-        self._cache_views: tuple[list, list] = ([], [])
         first = model.layers[0]
         attn = first.self_attn
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -214,19 +213,6 @@ class LeanDecode:
             for i, layer in enumerate(self.model.layers)
         ]
 
-    def _cache_rows(self, caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cache as (keys, values) ``[KVH, slots, D]`` views, made again only when the
-        caches are other tensors (this keeps the ones it viewed, so their ids stay theirs)."""
-        kept, rows = self._cache_views
-        if len(kept) != len(caches) or any(a is not b for a, b in zip(kept, caches)):
-            rows = []
-            for cache in caches:
-                two, kvh, nb, bs, d = cache.shape
-                flat = cache.view(two, kvh, nb * bs, d)
-                rows.append((flat[0], flat[1]))
-            self._cache_views = (list(caches), rows)
-        return rows
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers of a step ``runs`` accepted: (the last layer's MLP output, the
         residual stream before it), as ``LlamaDecoderLayer`` returns them."""
@@ -234,6 +220,7 @@ class LeanDecode:
         rms_norm, add_rms_norm = fused.rms_norm.default, fused.fused_add_rms_norm.default
         rotary, silu_and_mul = fused.rotary_neox.default, fused.silu_and_mul.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
+        write_kv = torch.ops.weft_cpu.write_kv.default
         meta = context.group_metadata[0] if context.group_metadata else context.attn_metadata
         decodes, prefills, slots = meta.paged_decodes, meta.paged_prefills, meta.slot_mapping
         t = x.shape[0]
@@ -250,8 +237,8 @@ class LeanDecode:
         q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
         heads, new_keys, new_values = (
             q.view(t, h, d),
-            k.view(t, kvh, d).transpose(0, 1),
-            v.view(t, kvh, d).transpose(0, 1),
+            k.view(t, kvh, d),
+            v.view(t, kvh, d),
         )
         attn = torch.empty(t, h, d)
         attn_rows = attn.view(t, h * d)
@@ -261,7 +248,7 @@ class LeanDecode:
         if decodes is not None:
             table, seq_lens, token_idx = decodes.block_table, decodes.seq_lens, decodes.token_idx
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # the first layer's, read once for the step
-        for i, (layer, (keys, values)) in enumerate(zip(layers, self._cache_rows(context.kv_caches))):
+        for i, (layer, cache) in enumerate(zip(layers, context.kv_caches)):
             if i == 0:
                 rms_norm(x, residual, layer.in_norm, eps)
             else:
@@ -271,10 +258,11 @@ class LeanDecode:
                 q.copy_(layer.q_norm(heads).view(t, -1))
                 k.copy_(layer.k_norm(k.view(t, kvh, d)).view(t, -1))
             rotary(positions, q, k, cos, sin, d)
-            keys.index_copy_(1, slots, new_keys)
-            values.index_copy_(1, slots, new_values)
-            cache = context.kv_caches[i]
             # The first layer checks the step's arguments in full (the module path's rule).
+            if i == 0:
+                cpu_attention.write_kv(new_keys, new_values, cache, slots)
+            else:
+                write_kv(new_keys, new_values, cache, slots)
             if decodes is not None and i == 0:
                 cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
             elif decodes is not None:

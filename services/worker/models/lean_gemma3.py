@@ -1,7 +1,7 @@
 """Decode and verify steps of a Gemma 3 model on CPU, its layers run as their kernels called straight.
 
 ``LeanDecode``'s path (``lean_decode.py``: which steps and weights qualify, the linear layers' one
-calls, the KV cache views) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
+calls, the cache writes) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
 ``1 + weight`` (the compiled RMSNorm on ``GemmaRMSNorm.one_plus_weight``, as the module runs it in
 fp32), each sublayer's output normalized before it joins the residual stream; QK-norm per head;
 GeGLU; each layer's own rotation table (the window layers' local base); and the window layers'
@@ -96,6 +96,7 @@ class LeanGemma3(LeanDecode):
         fused = torch.ops.weft_fused
         rms_norm, rotary = fused.rms_norm.default, fused.rotary_neox.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
+        write_kv = torch.ops.weft_cpu.write_kv.default
         metas = context.group_metadata or (context.attn_metadata,)
         t = x.shape[0]
         h, kvh, d, eps, scale = self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale
@@ -112,13 +113,13 @@ class LeanGemma3(LeanDecode):
         q_normed, k_normed = torch.empty(t, q_size), torch.empty(t, kv_size)
         q_rows, k_rows = q_normed.view(t * h, d), k_normed.view(t * kvh, d)
         heads = q_normed.view(t, h, d)
-        new_keys, new_values = k_normed.view(t, kvh, d).transpose(0, 1), v.view(t, kvh, d).transpose(0, 1)
+        new_keys, new_values = k_normed.view(t, kvh, d), v.view(t, kvh, d)
         attn = torch.empty(t, h, d)
         attn_rows = attn.view(t, h * d)
         gate_up = torch.empty(t, first.gate_up.out_features)
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # read once for the step
         caches = context.kv_caches
-        for layer, (keys, values), cache in zip(layers, self._cache_rows(caches), caches):
+        for layer, cache in zip(layers, caches):
             norm_in, post_attn, pre_mlp, post_mlp = (n.one_plus_weight() for n in layer.norms)
             rms_norm(normed, residual, norm_in, eps)
             layer.qkv.run(normed, qkv)
@@ -127,8 +128,10 @@ class LeanGemma3(LeanDecode):
             rms_norm(k_rows, k.reshape(t * kvh, d), layer.k_norm.one_plus_weight(), eps)
             rotary(positions, q_normed, k_normed, layer.cos, layer.sin, d)
             meta = metas[layer.group]
-            keys.index_copy_(1, meta.slot_mapping, new_keys)
-            values.index_copy_(1, meta.slot_mapping, new_values)
+            if layer.checks:
+                cpu_attention.write_kv(new_keys, new_values, cache, meta.slot_mapping)
+            else:
+                write_kv(new_keys, new_values, cache, meta.slot_mapping)
             decodes, prefills = meta.paged_decodes, meta.paged_prefills
             if decodes is not None and layer.checks:
                 cpu_attention.paged_decode_attention(
