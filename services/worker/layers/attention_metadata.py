@@ -114,6 +114,17 @@ class AttentionMetadata:
     paged_prefills: PagedPrefills | None = None  # short prefills, not in prefills, with the CPU kernel
 
 
+_UNBOUNDED = np.iinfo(np.int64).max
+
+
+def _tensor(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``array`` as a tensor on ``device`` (its memory, on the CPU)."""
+    t = torch.from_numpy(array)
+    return (
+        t if device == "cpu" or (isinstance(device, torch.device) and device.type == "cpu") else t.to(device)
+    )
+
+
 def build_attention_metadata(
     *,
     query_lens: np.ndarray,
@@ -149,20 +160,23 @@ def build_attention_metadata(
             for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
         ]
     prefill_idx = np.flatnonzero(~is_decode)
-    pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
-    caps = prefill_caps or FP32_PREFILL_CAPS
-    unbounded = np.iinfo(np.int64).max
-    fresh, chunk = (unbounded if c is None else c for c in (caps.fresh, caps.chunk))
-    cap = np.where(context_lens[prefill_idx] == 0, fresh, chunk)
-    short = prefill_idx[pairs <= cap] if paged_decodes else prefill_idx[:0]
+    short = long = prefill_idx
+    if prefill_idx.size and paged_decodes:
+        pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
+        caps = prefill_caps or FP32_PREFILL_CAPS
+        fresh, chunk = (_UNBOUNDED if c is None else c for c in (caps.fresh, caps.chunk))
+        within = pairs <= np.where(context_lens[prefill_idx] == 0, fresh, chunk)
+        short, long = prefill_idx[within], prefill_idx[~within]
+    elif not paged_decodes:
+        short = prefill_idx[:0]
     prefills = [
         _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
-        for i in np.setdiff1d(prefill_idx, short)
+        for i in long
     ]
     return AttentionMetadata(
         num_tokens=int(query_start[-1]),
         block_size=block_size,
-        slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
+        slot_mapping=_tensor(np.asarray(slot_mapping, dtype=np.int64), device),
         decode_groups=groups,
         prefills=prefills,
         paged_decodes=paged,
@@ -197,9 +211,9 @@ def _decode_group(rows, query_start, seq_lens, block_table, block_size, device) 
     nb = int(-(-lens.max() // block_size))
     mask = np.arange(nb * block_size)[None, :] < lens[:, None]  # [n, nb * bs]
     return DecodeGroup(
-        token_idx=torch.from_numpy(query_start[rows]).to(device),
-        block_ids=torch.from_numpy(block_table[rows, :nb].astype(np.int64).reshape(-1)).to(device),
-        mask=torch.from_numpy(mask[None, :, None, :]).to(device),
+        token_idx=_tensor(query_start[rows], device),
+        block_ids=_tensor(block_table[rows, :nb].astype(np.int64).reshape(-1), device),
+        mask=_tensor(mask[None, :, None, :], device),
         num_blocks=nb,
     )
 
@@ -210,9 +224,9 @@ def _paged_decodes(rows, query_start, seq_lens, block_table, block_size, device)
     lens = seq_lens[rows]
     nb = int(-(-lens.max() // block_size))
     return PagedDecodes(
-        token_idx=torch.from_numpy(query_start[rows]).to(device),
-        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
-        block_table=torch.from_numpy(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)).to(device),
+        token_idx=_tensor(query_start[rows], device),
+        seq_lens=_tensor(lens.astype(np.int32), device),
+        block_table=_tensor(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32), device),
     )
 
 
@@ -223,10 +237,10 @@ def _paged_prefills(
         return None
     nb = int(-(-(context_lens[rows] + query_lens[rows]).max() // block_size))
     return PagedPrefills(
-        query_start=torch.from_numpy(query_start[rows]).to(device),
-        query_lens=torch.from_numpy(query_lens[rows].astype(np.int32)).to(device),
-        context_lens=torch.from_numpy(context_lens[rows].astype(np.int32)).to(device),
-        block_table=torch.from_numpy(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)).to(device),
+        query_start=_tensor(query_start[rows], device),
+        query_lens=_tensor(query_lens[rows].astype(np.int32), device),
+        context_lens=_tensor(context_lens[rows].astype(np.int32), device),
+        block_table=_tensor(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32), device),
     )
 
 
@@ -243,6 +257,6 @@ def _prefill_seq(i, query_start, context_lens, seq_lens, block_table, block_size
         start,
         end,
         context,
-        block_ids=torch.from_numpy(block_table[i, :nb].astype(np.int64)).to(device),
-        mask=torch.from_numpy(key_pos <= query_pos).to(device),
+        block_ids=_tensor(block_table[i, :nb].astype(np.int64), device),
+        mask=_tensor(key_pos <= query_pos, device),
     )
