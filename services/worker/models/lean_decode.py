@@ -258,11 +258,8 @@ class LeanDecode:
                 q.copy_(layer.q_norm(heads).view(t, -1))
                 k.copy_(layer.k_norm(k.view(t, kvh, d)).view(t, -1))
             rotary(positions, q, k, cos, sin, d)
+            write_kv(new_keys, new_values, cache, slots)  # the kernel checks every argument itself
             # The first layer checks the step's arguments in full (the module path's rule).
-            if i == 0:
-                cpu_attention.write_kv(new_keys, new_values, cache, slots)
-            else:
-                write_kv(new_keys, new_values, cache, slots)
             if decodes is not None and i == 0:
                 cpu_attention.paged_decode_attention(heads, cache, token_idx, seq_lens, table, scale, attn)
             elif decodes is not None:

@@ -128,10 +128,9 @@ class LeanGemma3(LeanDecode):
             rms_norm(k_rows, k.reshape(t * kvh, d), layer.k_norm.one_plus_weight(), eps)
             rotary(positions, q_normed, k_normed, layer.cos, layer.sin, d)
             meta = metas[layer.group]
-            if layer.checks:
-                cpu_attention.write_kv(new_keys, new_values, cache, meta.slot_mapping)
-            else:
-                write_kv(new_keys, new_values, cache, meta.slot_mapping)
+            write_kv(
+                new_keys, new_values, cache, meta.slot_mapping
+            )  # the kernel checks every argument itself
             decodes, prefills = meta.paged_decodes, meta.paged_prefills
             if decodes is not None and layer.checks:
                 cpu_attention.paged_decode_attention(
