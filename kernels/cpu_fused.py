@@ -1,5 +1,5 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
-with the residual add, plain RMSNorm, SiLU-and-mul and neox rotary, fp32 and bf16;
+with the residual add, plain RMSNorm, SiLU-and-mul, GeLU(tanh)-and-mul and neox rotary, fp32 and bf16;
 the two passes around an int8 GEMM (rows rounded to int8, the int32 result
 scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
 Q4_K's and Q5_K's super-blocks into weft's records and nibbles, and a field cut out
@@ -16,7 +16,7 @@ measure what they gain).
 A row's argmax (greedy sampling's, ``argmax_rows``) is here too.
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
+``rms_norm_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
 ``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
@@ -119,6 +119,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     try:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
         torch.ops.weft_fused.silu_and_mul(out, x)
+    except (RuntimeError, IndexError) as exc:
+        _refused(lambda: check_silu_and_mul_args(x, cpu=True), exc)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2I]`` (gate columns first) -> a new ``gelu_tanh(gate) * up`` ``[T, I]`` (Gemma's GeGLU,
+    the GeLU's tanh form as ``gate / (1 + exp(-2y))``, ``y`` its tanh's argument)."""
+    load()
+    try:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        torch.ops.weft_fused.gelu_tanh_and_mul(out, x)
     except (RuntimeError, IndexError) as exc:
         _refused(lambda: check_silu_and_mul_args(x, cpu=True), exc)
     return out

@@ -308,6 +308,12 @@ def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.cpu_fused.gelu_tanh_and_mul``: ``[T, 2I]`` (gate, up) -> ``gelu_tanh(gate) * up``."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.activation.silu_and_mul``: ``[T, 2I]`` (gate, up) -> ``silu(gate) * up`` ``[T, I]``."""
     gate, up = x.float().chunk(2, dim=-1)

@@ -148,18 +148,28 @@ inline void store_some(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(
 inline void store_some(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
 #endif
 
-// out[0, n) = silu(gate) * up, in fp32, rounded to T. SiLU-and-mul and the MLP's fused pass both
-// run this, so their results agree on every build.
-template <typename T>
-inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+// The GeLU's tanh form as a sigmoid: 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)), y = sqrt(2 / pi)
+// (g + 0.044715 g^3), so 2y = g (kGeluA + kGeluB g^2): the same pass as the SiLU's, with this argument
+// (no 1 - tanh cancellation near 0).
+constexpr float kGeluA = 1.59576912161f;   // 2 sqrt(2 / pi)
+constexpr float kGeluB = 0.0713548162726f;  // 2 sqrt(2 / pi) 0.044715
+
+// out[0, n) = act(gate) * up, in fp32, rounded to T: act SiLU, or (kGelu) the GeLU's tanh form.
+// SiLU-and-mul and the MLP's fused pass both run this, so their results agree on every build. Each
+// width takes the same operations (the argument's FMA written out), so a lane rounds as a float does.
+template <bool kGelu, typename T>
+inline void act_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #if defined(__AVX512F__)
   // Written out: the compiler's vectorization of the loop below ran about 3 cycles an element.
   const __m512 one = _mm512_set1_ps(1.0f), minus = _mm512_set1_ps(-1.0f);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
     const __m512 g = load_some(gate + j, m), u = load_some(up + j, m);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_clamped(_mm512_mul_ps(g, minus))));
-    store_some(out + j, _mm512_mul_ps(silu, u), m);
+    __m512 z = g;
+    if constexpr (kGelu)
+      z = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_set1_ps(kGeluB), _mm512_mul_ps(g, g), _mm512_set1_ps(kGeluA)));
+    const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp_clamped(_mm512_mul_ps(z, minus))));
+    store_some(out + j, _mm512_mul_ps(act, u), m);
   }
 #else
   int64_t j = 0;
@@ -170,16 +180,26 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
     const __m256 one = _mm256_set1_ps(1.0f), minus = _mm256_set1_ps(-1.0f);
     for (; j + 8 <= n; j += 8) {
       const __m256 g = _mm256_loadu_ps(gate + j), u = _mm256_loadu_ps(up + j);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, (__m256)exp_clamped((vf)_mm256_mul_ps(g, minus))));
-      _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, u));
+      __m256 z = g;
+      if constexpr (kGelu)
+        z = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_set1_ps(kGeluB), _mm256_mul_ps(g, g), _mm256_set1_ps(kGeluA)));
+      const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, (__m256)exp_clamped((vf)_mm256_mul_ps(z, minus))));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(act, u));
     }
   }
 #endif
   for (; j < n; ++j) {
     const float g = to_float(gate[j]);
-    out[j] = from_float<T>(g / (1.0f + exp_clamped(-g)) * to_float(up[j]));
+    float z = g;
+    if constexpr (kGelu) z = g * std::fma(kGeluB, g * g, kGeluA);
+    out[j] = from_float<T>(g / (1.0f + exp_clamped(-z)) * to_float(up[j]));
   }
 #endif
+}
+
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  act_mul_row<false>(gate, up, out, n);
 }
 
 #if defined(__AVX512F__)
@@ -206,14 +226,14 @@ inline void scale_int32_row(const A* acc, float r, const float* col, T* out, int
   for (; j < n; ++j) out[j] = from_float<T>(static_cast<float>(acc[j]) * r * col[j]);
 }
 
-template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+template <bool kGelu, typename T>
+void act_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = out.size(0), n = out.size(1);
   const int64_t sx = x.stride(0), so = out.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) silu_mul_row(xp + i * sx, xp + i * sx + n, op + i * so, n);
+    for (int64_t i = begin; i < end; ++i) act_mul_row<kGelu>(xp + i * sx, xp + i * sx + n, op + i * so, n);
   });
 }
 
@@ -361,13 +381,22 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   else rms_norm_impl<c10::BFloat16>(out, x, weight, eps);
 }
 
+template <bool kGelu>
+void act_and_mul(at::Tensor out, const at::Tensor& x, const char* op, const char* x_name, const char* out_name) {
+  check_dtype(x.scalar_type(), op);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, op, ": x [rows, 2n] expected");
+  check_rows(x, x.size(0), x.size(1), x.scalar_type(), x_name);
+  check_rows(out, x.size(0), x.size(1) / 2, x.scalar_type(), out_name);
+  if (x.scalar_type() == at::kFloat) act_and_mul_impl<kGelu, float>(out, x);
+  else act_and_mul_impl<kGelu, c10::BFloat16>(out, x);
+}
+
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
-  check_dtype(x.scalar_type(), "silu_and_mul");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [rows, 2n] expected");
-  check_rows(x, x.size(0), x.size(1), x.scalar_type(), "silu_and_mul x");
-  check_rows(out, x.size(0), x.size(1) / 2, x.scalar_type(), "silu_and_mul out");
-  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(out, x);
-  else silu_and_mul_impl<c10::BFloat16>(out, x);
+  act_and_mul<false>(out, x, "silu_and_mul", "silu_and_mul x", "silu_and_mul out");
+}
+
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
+  act_and_mul<true>(out, x, "gelu_tanh_and_mul", "gelu_tanh_and_mul x", "gelu_tanh_and_mul out");
 }
 
 void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos,
@@ -540,6 +569,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x, int hadamard_block) -> ()");
   m.def("scale_int32(Tensor(a!) out, Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> ()");
@@ -548,6 +578,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.impl("scale_int32", c10::DispatchKey::CPU, &scale_int32);

@@ -13,6 +13,7 @@ from kernels import cpu_fused
 from kernels.reference import (
     argmax_rows_ref,
     fused_add_rms_norm_ref,
+    gelu_tanh_and_mul_ref,
     rms_norm_ref,
     rotary_embedding_ref,
     silu_and_mul_ref,
@@ -105,6 +106,35 @@ def test_silu_and_mul_matches_twin(generator, close, dtype, rows, strided, inner
     x = rows_view(generator, rows, 2 * inner, dtype, strided, scale=4.0)  # large |gate| exercises both tails
     x[0, 0], x[0, 1] = -200.0, 200.0  # beyond the exponential's clamp
     close(cpu_fused.silu_and_mul(x), silu_and_mul_ref(x), dtype, scale=16.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("inner", [2048, 45])  # Gemma 3 270M's; a tail past the vectors
+def test_gelu_tanh_and_mul_matches_twin(generator, close, dtype, rows, strided, inner):
+    x = rows_view(generator, rows, 2 * inner, dtype, strided, scale=4.0)
+    x[0, 0], x[0, 1], x[0, 2] = -200.0, 200.0, 1e-30  # beyond the exponential's clamp; near 0
+    x[0, inner + 2] = 1e30
+    got, want = cpu_fused.gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x)
+    close(got, want, dtype, scale=float(want.float().abs().max()))  # within a few of the dtype's steps
+    if dtype == torch.float32:
+        # Relative to the exact value (float64), where torch's 1 + tanh cancels to 0 for gates below
+        # about -5 and the kernel's sigmoid form keeps its digits.
+        gate, up = x.double().chunk(2, dim=-1)
+        exact = gate * torch.sigmoid(2 * 0.7978845608028654 * (gate + 0.044715 * gate**3)) * up
+        assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-33)  # the clamp leaves |g u| e^-88
+
+
+def test_gemmas_mlp_runs_the_compiled_geglu(generator):
+    from services.worker.layers.activation import GeluTanhAndMul, gelu_tanh_and_mul
+
+    act = GeluTanhAndMul()
+    assert act._cpu_fused
+    x = torch.randn(3, 64, generator=generator)
+    assert torch.equal(act(x), cpu_fused.gelu_tanh_and_mul(x))
+    act._cpu_fused = False
+    assert torch.equal(act(x), gelu_tanh_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -211,11 +241,12 @@ def test_fused_add_rms_norm_refuses_bad_arguments(make, message):
         cpu_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
 
 
-def test_silu_and_mul_refuses_bad_arguments():
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_silu_and_mul_refuses_bad_arguments(op):
     with pytest.raises(ValueError, match=r"x must be \[T, 2I\]"):
-        cpu_fused.silu_and_mul(torch.zeros(4, 7))
+        getattr(cpu_fused, op)(torch.zeros(4, 7))
     with pytest.raises(ValueError, match="x must be one of"):
-        cpu_fused.silu_and_mul(torch.zeros(4, 8, dtype=torch.float64))
+        getattr(cpu_fused, op)(torch.zeros(4, 8, dtype=torch.float64))
 
 
 def test_rotary_refuses_bad_arguments():

@@ -292,6 +292,9 @@ def test_gemma3_off_its_kernels_runs_the_modules(gemma3, monkeypatch):
         monkeypatch.setattr(inner.layers[2].self_attn.rotary, "_cpu_fused", False)
         assert not LeanGemma3(inner).runs(len(ids), x, context)  # the torch rotation
         monkeypatch.undo()
+        monkeypatch.setattr(inner.layers[5].mlp.act, "_cpu_fused", False)
+        assert not LeanGemma3(inner).runs(len(ids), x, context)  # the torch GeGLU
+        monkeypatch.undo()
         monkeypatch.setenv(ENV_SWITCH, "0")
         assert not LeanGemma3(inner).runs(len(ids), x, context)
     # A window group whose step is not on the paged kernels alone (SDPA prefills): the modules.

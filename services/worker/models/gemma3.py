@@ -32,7 +32,7 @@ from services.config.gemma3_config import (
 )
 from services.worker.distributed import TensorParallelGroup, get_tp_group
 from services.worker.forward_context import get_forward_context
-from services.worker.layers.activation import gelu_tanh_and_mul
+from services.worker.layers.activation import GeluTanhAndMul
 from services.worker.layers.attention import GatherWorkspace, PagedAttention
 from services.worker.layers.linear import (
     ColumnParallelLinear,
@@ -166,9 +166,10 @@ class Gemma3MLP(nn.Module):
         slices = even_slices([size, size], tp, ["intermediate_size"] * 2)
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, slices, False, dtype)
         self.down_proj = RowParallelLinear(size, args.hidden_size, False, dtype, tp, "intermediate_size")
+        self.act = GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):

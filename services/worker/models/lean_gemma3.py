@@ -4,11 +4,12 @@
 calls, the cache writes) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
 ``1 + weight`` (the compiled RMSNorm on ``GemmaRMSNorm.one_plus_weight``, as the module runs it in
 fp32), each sublayer's output normalized before it joins the residual stream; QK-norm per head;
-GeGLU; each layer's own rotation table (the window layers' local base); and the window layers'
-attention on their own KV cache group's tables with their window passed to the paged kernels. The
-same kernels and torch ops on the same tensors in the same order as the modules, so the same bits
-(``tests/worker/test_lean_decode.py``). Gemma 3 270M, one thread, 48 tokens after a short prompt:
-2.70-2.76 s through the modules (six norms a layer, 18 layers), 2.19-2.21 s here.
+GeGLU (the compiled kernel, as the module's ``GeluTanhAndMul``); each layer's own rotation table
+(the window layers' local base); and the window layers' attention on their own KV cache group's
+tables with their window passed to the paged kernels. The same kernels and torch ops on the same
+tensors in the same order as the modules, so the same bits (``tests/worker/test_lean_decode.py``).
+Gemma 3 270M, one thread, 48 tokens after a short prompt: 2.70-2.76 s through the modules (six norms
+a layer, 18 layers), 2.19-2.21 s here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_attention
-from services.worker.layers.activation import gelu_tanh_and_mul
 from services.worker.layers.norm import GemmaRMSNorm
 from services.worker.models.lean_decode import LeanDecode, _layers_alike, _Linear, _linears_one_call_capable
 
@@ -54,7 +54,7 @@ class LeanGemma3(LeanDecode):
     """The lean decode path of one ``Gemma3Model``."""
 
     def _layers_qualify(self) -> bool:
-        """One worker, every linear packed or with an int8 copy, every norm and rotation the
+        """One worker, every linear packed or with an int8 copy, every norm, rotation and GeGLU the
         compiled kernel, every layer's shapes alike."""
         for layer in self.model.layers:
             if not _linears_one_call_capable(layer):
@@ -63,7 +63,7 @@ class LeanGemma3(LeanDecode):
                 type(n) is not GemmaRMSNorm or not n._cpu_fused or n.eps != self.eps for n in _norms(layer)
             ):
                 return False
-            if not layer.self_attn.rotary._cpu_fused:
+            if not layer.self_attn.rotary._cpu_fused or not layer.mlp.act._cpu_fused:
                 return False
         return _layers_alike(self.model)
 
@@ -94,7 +94,11 @@ class LeanGemma3(LeanDecode):
         """The decoder layers of a step ``runs`` accepted: the residual stream after the last
         layer (``x``'s storage), as the layers leave it before the final norm."""
         fused = torch.ops.weft_fused
-        rms_norm, rotary = fused.rms_norm.default, fused.rotary_neox.default
+        rms_norm, rotary, gelu_mul = (
+            fused.rms_norm.default,
+            fused.rotary_neox.default,
+            fused.gelu_tanh_and_mul.default,
+        )
         attention = torch.ops.weft_cpu.paged_decode_attention.default
         write_kv = torch.ops.weft_cpu.write_kv.default
         metas = context.group_metadata or (context.attn_metadata,)
@@ -117,6 +121,7 @@ class LeanGemma3(LeanDecode):
         attn = torch.empty(t, h, d)
         attn_rows = attn.view(t, h * d)
         gate_up = torch.empty(t, first.gate_up.out_features)
+        act = torch.empty(t, first.gate_up.out_features // 2)
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # read once for the step
         caches = context.kv_caches
         for layer, cache in zip(layers, caches):
@@ -152,7 +157,8 @@ class LeanGemma3(LeanDecode):
             residual.add_(normed)  # x + norm(attention), as the module adds them
             rms_norm(normed, residual, pre_mlp, eps)
             layer.gate_up.run(normed, gate_up)
-            layer.down.run(gelu_tanh_and_mul(gate_up), out)
+            gelu_mul(act, gate_up)
+            layer.down.run(act, out)
             rms_norm(normed, out, post_mlp, eps)
             residual.add_(normed)
         return residual
