@@ -1,5 +1,6 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
-with the residual add, plain RMSNorm, SiLU-and-mul, GeLU(tanh)-and-mul and neox rotary, fp32 and bf16;
+with the residual add (before it, Llama's; after it, and the next norm, Gemma 3's), plain RMSNorm,
+SiLU-and-mul, GeLU(tanh)-and-mul and neox rotary, fp32 and bf16;
 the two passes around an int8 GEMM (rows rounded to int8, the int32 result
 scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
 Q4_K's and Q5_K's super-blocks into weft's records and nibbles, and a field cut out
@@ -16,7 +17,7 @@ measure what they gain).
 A row's argmax (greedy sampling's, ``argmax_rows``) is here too.
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
+``rms_norm_ref``, ``norm_add_norm_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
 ``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
@@ -122,6 +123,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     except (RuntimeError, IndexError) as exc:
         _refused(lambda: check_silu_and_mul_args(x, cpu=True), exc)
     return out
+
+
+def norm_add_norm(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    w_post: torch.Tensor,
+    w_pre: torch.Tensor,
+    eps: float,
+) -> None:
+    """A post-norm sublayer's end and the next pre-norm (Gemma 3's layer), in place, ``[T, N]`` each:
+    ``residual += norm(x) * w_post``, then ``out = norm(residual) * w_pre``; the bits of
+    ``rms_norm``, ``add_`` and ``rms_norm`` (twin: ``kernels.reference.norm_add_norm_ref``). The
+    kernel refuses bad arguments (and overlapping tensors) with a ValueError."""
+    load()
+    try:
+        torch.ops.weft_fused.norm_add_norm(out, residual, x, w_post, w_pre, float(eps))
+    except RuntimeError as exc:  # the kernel's checks, which guard every byte it touches
+        raise ValueError(str(exc).splitlines()[0]) from exc
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ the same inputs with the same messages.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -306,6 +307,15 @@ def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.cpu_fused.argmax_rows``: each row's index of its maximum, the first on ties,
     the first NaN where a row holds one."""
     return x.max(dim=-1).indices
+
+
+def norm_add_norm_ref(
+    residual: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.cpu_fused.norm_add_norm``: (the residual plus ``norm(x) * w_post``, the norm
+    of that times ``w_pre``), new tensors."""
+    summed = residual + cast(torch.Tensor, rms_norm_ref(x, w_post, eps))
+    return summed, cast(torch.Tensor, rms_norm_ref(summed, w_pre, eps))
 
 
 def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

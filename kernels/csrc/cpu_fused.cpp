@@ -127,6 +127,33 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
+// A post-norm sublayer's end and the next pre-norm (Gemma 3's layer): per row, out = norm(x) * w_post,
+// residual += out, out = norm(residual) * w_pre. rms_norm_impl's steps and the residual add (as
+// torch's add_ rounds it) in that order, so the bits of the three calls it stands for.
+template <typename T>
+void norm_add_norm_impl(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& w_post,
+                        const at::Tensor& w_pre, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const int64_t sx = x.stride(0), sr = residual.stride(0), so = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* post = w_post.data_ptr<T>();
+  const T* pre = w_pre.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = xp + i * sx;
+      T* rr = rp + i * sr;
+      T* orow = op + i * so;
+      float rstd = 1.0f / std::sqrt(sum_of_squares(xr, n) / static_cast<float>(n) + eps);
+      scale_row(orow, xr, post, rstd, n);
+      for (int64_t j = 0; j < n; ++j) rr[j] = from_float<T>(to_float(rr[j]) + to_float(orow[j]));
+      rstd = 1.0f / std::sqrt(sum_of_squares(rr, n) / static_cast<float>(n) + eps);
+      scale_row(orow, rr, pre, rstd, n);
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 // Up to 16 values (the first m) in fp32, zeros past them.
 inline __m512 load_some(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -391,6 +418,30 @@ void act_and_mul(at::Tensor out, const at::Tensor& x, const char* op, const char
   else act_and_mul_impl<kGelu, c10::BFloat16>(out, x);
 }
 
+void norm_add_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, const at::Tensor& w_post,
+                   const at::Tensor& w_pre, double eps) {
+  check_dtype(x.scalar_type(), "norm_add_norm");
+  TORCH_CHECK(x.dim() == 2, "norm_add_norm: x [T, N] expected");
+  check_rows(x, x.size(0), x.size(1), x.scalar_type(), "norm_add_norm x");
+  check_rows(residual, x.size(0), x.size(1), x.scalar_type(), "norm_add_norm residual");
+  check_rows(out, x.size(0), x.size(1), x.scalar_type(), "norm_add_norm out");
+  for (const at::Tensor* w : {&w_post, &w_pre})
+    TORCH_CHECK(w->is_contiguous() && w->numel() == x.size(1) && w->scalar_type() == x.scalar_type() &&
+                    w->device().is_cpu(),
+                "norm_add_norm: weights [n] of the activation dtype");
+  const auto apart = [](const at::Tensor& a, const at::Tensor& b) {
+    const char* pa = static_cast<const char*>(a.data_ptr());
+    const char* pb = static_cast<const char*>(b.data_ptr());
+    const int64_t na = (a.size(0) - 1) * a.stride(0) * a.element_size() + a.size(1) * a.element_size();
+    const int64_t nb = (b.size(0) - 1) * b.stride(0) * b.element_size() + b.size(1) * b.element_size();
+    return a.size(0) == 0 || pa + na <= pb || pb + nb <= pa;
+  };
+  TORCH_CHECK(apart(out, x) && apart(out, residual) && apart(x, residual),
+              "norm_add_norm: out, residual and x must not overlap");
+  if (x.scalar_type() == at::kFloat) norm_add_norm_impl<float>(out, residual, x, w_post, w_pre, eps);
+  else norm_add_norm_impl<c10::BFloat16>(out, residual, x, w_post, w_pre, eps);
+}
+
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   act_and_mul<false>(out, x, "silu_and_mul", "silu_and_mul x", "silu_and_mul out");
 }
@@ -570,6 +621,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("norm_add_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor w_post, Tensor w_pre, float eps) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x, int hadamard_block) -> ()");
   m.def("scale_int32(Tensor(a!) out, Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> ()");
@@ -579,6 +631,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
+  m.impl("norm_add_norm", c10::DispatchKey::CPU, &norm_add_norm);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.impl("scale_int32", c10::DispatchKey::CPU, &scale_int32);

@@ -14,6 +14,7 @@ from kernels.reference import (
     argmax_rows_ref,
     fused_add_rms_norm_ref,
     gelu_tanh_and_mul_ref,
+    norm_add_norm_ref,
     rms_norm_ref,
     rotary_embedding_ref,
     silu_and_mul_ref,
@@ -106,6 +107,41 @@ def test_silu_and_mul_matches_twin(generator, close, dtype, rows, strided, inner
     x = rows_view(generator, rows, 2 * inner, dtype, strided, scale=4.0)  # large |gate| exercises both tails
     x[0, 0], x[0, 1] = -200.0, 200.0  # beyond the exponential's clamp
     close(cpu_fused.silu_and_mul(x), silu_and_mul_ref(x), dtype, scale=16.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("hidden", [640, 45])
+def test_norm_add_norm_gives_the_bits_of_its_three_calls(generator, close, dtype, rows, strided, hidden):
+    x = rows_view(generator, rows, hidden, dtype, strided, scale=3.0)
+    residual = rows_view(generator, rows, hidden, dtype, strided, scale=10.0)
+    w_post, w_pre = (1.0 + torch.randn(hidden, generator=generator)).to(dtype), torch.rand(hidden).to(dtype)
+    out = torch.full((rows, hidden), 7.0, dtype=dtype)
+    got_residual = residual.clone()
+    cpu_fused.norm_add_norm(out, got_residual, x, w_post, w_pre, 1e-6)
+    # The three calls it stands for: the compiled norm, torch's add, the compiled norm.
+    normed = cpu_fused.rms_norm(x, w_post, 1e-6)
+    want_residual = residual + normed
+    assert torch.equal(got_residual, want_residual)
+    assert torch.equal(out, cpu_fused.rms_norm(want_residual, w_pre, 1e-6))
+    twin_residual, twin_out = norm_add_norm_ref(residual, x, w_post, w_pre, 1e-6)
+    close(got_residual, twin_residual, dtype, scale=16.0)
+    close(out, twin_out, dtype, scale=4.0)
+
+
+def test_norm_add_norm_refuses_bad_arguments():
+    x, residual, out, w = torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="must not overlap"):
+        cpu_fused.norm_add_norm(x, residual, x, w, w, 1e-6)
+    with pytest.raises(ValueError, match="must not overlap"):
+        cpu_fused.norm_add_norm(out, residual, residual[:, :8], w, w, 1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        cpu_fused.norm_add_norm(out, residual, x, torch.ones(7), w, 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_fused.norm_add_norm(out, torch.zeros(3, 8), x, w, w, 1e-6)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_fused.norm_add_norm(out.double(), residual.double(), x.double(), w.double(), w.double(), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,11 +3,12 @@
 ``LeanDecode``'s path (``lean_decode.py``: which steps and weights qualify, the linear layers' one
 calls, the cache writes) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
 ``1 + weight`` (the compiled RMSNorm on ``GemmaRMSNorm.one_plus_weight``, as the module runs it in
-fp32), each sublayer's output normalized before it joins the residual stream; QK-norm per head;
+fp32), each sublayer's output normalized before it joins the residual stream (with the next norm, one
+``norm_add_norm`` call: the bits of the norm, the add and the norm); QK-norm per head;
 GeGLU (the compiled kernel, as the module's ``GeluTanhAndMul``); each layer's own rotation table
 (the window layers' local base); and the window layers' attention on their own KV cache group's
-tables with their window passed to the paged kernels. The same kernels and torch ops on the same
-tensors in the same order as the modules, so the same bits (``tests/worker/test_lean_decode.py``).
+tables with their window passed to the paged kernels. The same arithmetic on the same tensors in the
+same order as the modules, so the same bits (``tests/worker/test_lean_decode.py``).
 Gemma 3 270M, one thread, 48 tokens after a short prompt: 2.70-2.76 s through the modules (six norms
 a layer, 18 layers), 2.19-2.21 s here.
 """
@@ -94,11 +95,8 @@ class LeanGemma3(LeanDecode):
         """The decoder layers of a step ``runs`` accepted: the residual stream after the last
         layer (``x``'s storage), as the layers leave it before the final norm."""
         fused = torch.ops.weft_fused
-        rms_norm, rotary, gelu_mul = (
-            fused.rms_norm.default,
-            fused.rotary_neox.default,
-            fused.gelu_tanh_and_mul.default,
-        )
+        rms_norm, norm_add_norm = fused.rms_norm.default, fused.norm_add_norm.default
+        rotary, gelu_mul = fused.rotary_neox.default, fused.gelu_tanh_and_mul.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
         write_kv = torch.ops.weft_cpu.write_kv.default
         metas = context.group_metadata or (context.attn_metadata,)
@@ -124,18 +122,16 @@ class LeanGemma3(LeanDecode):
         act = torch.empty(t, first.gate_up.out_features // 2)
         bf16_dot, int8_fast = cpu_attention.decode_switches()  # read once for the step
         caches = context.kv_caches
-        for layer, cache in zip(layers, caches):
-            norm_in, post_attn, pre_mlp, post_mlp = (n.one_plus_weight() for n in layer.norms)
-            rms_norm(normed, residual, norm_in, eps)
+        rms_norm(normed, residual, first.norms[0].one_plus_weight(), eps)  # the first layer's input norm
+        for i, (layer, cache) in enumerate(zip(layers, caches)):
+            post_attn, pre_mlp, post_mlp = (n.one_plus_weight() for n in layer.norms[1:])
             layer.qkv.run(normed, qkv)
             # Per head, as the module's reshape gives them (a copy above one row), into the buffers.
             rms_norm(q_rows, q.reshape(t * h, d), layer.q_norm.one_plus_weight(), eps)
             rms_norm(k_rows, k.reshape(t * kvh, d), layer.k_norm.one_plus_weight(), eps)
             rotary(positions, q_normed, k_normed, layer.cos, layer.sin, d)
             meta = metas[layer.group]
-            write_kv(
-                new_keys, new_values, cache, meta.slot_mapping
-            )  # the kernel checks every argument itself
+            write_kv(new_keys, new_values, cache, meta.slot_mapping)  # the kernel checks every argument
             decodes, prefills = meta.paged_decodes, meta.paged_prefills
             if decodes is not None and layer.checks:
                 cpu_attention.paged_decode_attention(
@@ -153,12 +149,14 @@ class LeanGemma3(LeanDecode):
                     prefills.block_table, scale, attn, check=layer.checks, window=layer.window,
                 )  # fmt: skip
             layer.o.run(attn_rows, out)
-            rms_norm(normed, out, post_attn, eps)
-            residual.add_(normed)  # x + norm(attention), as the module adds them
-            rms_norm(normed, residual, pre_mlp, eps)
+            # residual += norm(attention), as the module adds them; normed = the MLP's input norm.
+            norm_add_norm(normed, residual, out, post_attn, pre_mlp, eps)
             layer.gate_up.run(normed, gate_up)
             gelu_mul(act, gate_up)
             layer.down.run(act, out)
-            rms_norm(normed, out, post_mlp, eps)
-            residual.add_(normed)
+            if i + 1 < len(layers):  # residual += norm(MLP); normed = the next layer's input norm
+                norm_add_norm(normed, residual, out, post_mlp, layers[i + 1].norms[0].one_plus_weight(), eps)
+            else:
+                rms_norm(normed, out, post_mlp, eps)
+                residual.add_(normed)
         return residual
