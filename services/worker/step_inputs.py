@@ -15,7 +15,7 @@ import torch
 
 from protocol import TokenLogprobs
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, build_attention_metadata
+from services.worker.layers.attention_metadata import AttentionMetadata, PrefillCaps, StepShape
 from services.worker.layers.triton_attention import (
     StepStaging,
     TritonAttentionMetadata,
@@ -72,6 +72,19 @@ def prepare_step(
     positions = np.repeat(context - query_start[:-1], query_lens) + np.arange(query_start[-1])
     bs = batch.block_size
 
+    # What every KV cache group's metadata shares (the CPU and torch backends), made once.
+    shape = None
+    if attention_backend != "triton":
+        shape = StepShape(
+            query_lens=query_lens,
+            context_lens=context,
+            block_size=bs,
+            device=device,
+            max_decode_group_tokens=max_decode_group_tokens,
+            paged_decodes=attention_backend == "cpu",
+            prefill_caps=prefill_caps,
+        )
+
     def metadata(table: np.ndarray, group: int) -> AttentionMetadata | TritonAttentionMetadata:
         slot_mapping = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         if attention_backend == "triton":
@@ -85,17 +98,8 @@ def prepare_step(
                 staging=staging,
                 staging_prefix=f"group{group}.",
             )
-        return build_attention_metadata(
-            query_lens=query_lens,
-            context_lens=context,
-            block_table=table[rows],
-            slot_mapping=slot_mapping,
-            block_size=bs,
-            device=device,
-            max_decode_group_tokens=max_decode_group_tokens,
-            paged_decodes=attention_backend == "cpu",
-            prefill_caps=prefill_caps,
-        )
+        assert shape is not None
+        return shape.metadata(table[rows], slot_mapping)
 
     groups = tuple(metadata(table, g) for g, table in enumerate(batch.block_tables))
     token_ids = batch.token_ids[token_rows, positions]

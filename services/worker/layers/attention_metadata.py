@@ -145,45 +145,108 @@ def build_attention_metadata(
     the decodes for the CPU kernel instead of grouping them, and the prefills
     within ``prefill_caps`` (``FP32_PREFILL_CAPS`` when None) for its prefill kernel.
     """
-    query_lens = np.asarray(query_lens, dtype=np.int64)
-    context_lens = np.asarray(context_lens, dtype=np.int64)
-    query_start = np.concatenate(([0], np.cumsum(query_lens)))
-    seq_lens = context_lens + query_lens
-    is_decode = (query_lens == 1) & (context_lens > 0)
-    decode_idx = np.flatnonzero(is_decode)
-    if paged_decodes:
-        groups, paged = [], _paged_decodes(decode_idx, query_start, seq_lens, block_table, block_size, device)
-    else:
-        paged = None
-        groups = [
-            _decode_group(rows, query_start, seq_lens, block_table, block_size, device)
-            for rows in _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
-        ]
-    prefill_idx = np.flatnonzero(~is_decode)
-    short = long = prefill_idx
-    if prefill_idx.size and paged_decodes:
-        pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
-        caps = prefill_caps or FP32_PREFILL_CAPS
-        fresh, chunk = (_UNBOUNDED if c is None else c for c in (caps.fresh, caps.chunk))
-        within = pairs <= np.where(context_lens[prefill_idx] == 0, fresh, chunk)
-        short, long = prefill_idx[within], prefill_idx[~within]
-    elif not paged_decodes:
-        short = prefill_idx[:0]
-    prefills = [
-        _prefill_seq(int(i), query_start, context_lens, seq_lens, block_table, block_size, device)
-        for i in long
-    ]
-    return AttentionMetadata(
-        num_tokens=int(query_start[-1]),
+    step = StepShape(
+        query_lens=query_lens,
+        context_lens=context_lens,
         block_size=block_size,
-        slot_mapping=_tensor(np.asarray(slot_mapping, dtype=np.int64), device),
-        decode_groups=groups,
-        prefills=prefills,
-        paged_decodes=paged,
-        paged_prefills=_paged_prefills(
-            short, query_start, query_lens, context_lens, block_table, block_size, device
-        ),
+        device=device,
+        max_decode_group_tokens=max_decode_group_tokens,
+        paged_decodes=paged_decodes,
+        prefill_caps=prefill_caps,
     )
+    return step.metadata(block_table, slot_mapping)
+
+
+class StepShape:
+    """What a step's attention metadata takes from its requests' lengths alone: which rows are
+    decodes and which prefills go to which kernel, and the tensors of lengths and starts. A model
+    with several KV cache groups (Gemma 3's window layers) builds it once a step and each group's
+    metadata from it (``metadata``), on its own block table and slots; the arguments are
+    ``build_attention_metadata``'s."""
+
+    def __init__(
+        self,
+        *,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        max_decode_group_tokens: int | None = None,
+        paged_decodes: bool = False,
+        prefill_caps: PrefillCaps | None = None,
+    ) -> None:
+        self.block_size, self.device, self.paged = block_size, device, paged_decodes
+        self.query_lens = query_lens = np.asarray(query_lens, dtype=np.int64)
+        self.context_lens = context_lens = np.asarray(context_lens, dtype=np.int64)
+        self.query_start = query_start = np.concatenate(([0], np.cumsum(query_lens)))
+        self.seq_lens = seq_lens = context_lens + query_lens
+        is_decode = (query_lens == 1) & (context_lens > 0)
+        self.decode_idx = decode_idx = np.flatnonzero(is_decode)
+        self.decode_split = (
+            []
+            if paged_decodes
+            else _split_by_length(decode_idx, seq_lens, block_size, max_decode_group_tokens)
+        )
+        prefill_idx = np.flatnonzero(~is_decode)
+        short = long = prefill_idx
+        if prefill_idx.size and paged_decodes:
+            pairs = query_lens[prefill_idx] * seq_lens[prefill_idx]
+            caps = prefill_caps or FP32_PREFILL_CAPS
+            fresh, chunk = (_UNBOUNDED if c is None else c for c in (caps.fresh, caps.chunk))
+            within = pairs <= np.where(context_lens[prefill_idx] == 0, fresh, chunk)
+            short, long = prefill_idx[within], prefill_idx[~within]
+        elif not paged_decodes:
+            short = prefill_idx[:0]
+        self.short, self.long = short, long
+        # The paged kernels' lengths and starts, the same for every group.
+        self._decodes: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        if paged_decodes and decode_idx.size:
+            lens = seq_lens[decode_idx]
+            self._decodes = (
+                int(-(-lens.max() // block_size)),
+                _tensor(query_start[decode_idx], device),
+                _tensor(lens.astype(np.int32), device),
+            )
+        self._prefills: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if short.size:
+            self._prefills = (
+                int(-(-(context_lens[short] + query_lens[short]).max() // block_size)),
+                _tensor(query_start[short], device),
+                _tensor(query_lens[short].astype(np.int32), device),
+                _tensor(context_lens[short].astype(np.int32), device),
+            )
+
+    def metadata(self, block_table: np.ndarray, slot_mapping: np.ndarray) -> AttentionMetadata:
+        """The metadata of the group whose block table (``[R, max_blocks]``) and slots these are."""
+        bs, device = self.block_size, self.device
+        paged = paged_prefills = None
+        if self._decodes is not None:
+            nb, token_idx, seq_lens = self._decodes
+            rows = self.decode_idx
+            paged = PagedDecodes(token_idx, seq_lens, _tensor(_table_rows(block_table, rows, nb), device))
+        if self._prefills is not None:
+            nb, query_start, query_lens, context_lens = self._prefills
+            table = _tensor(_table_rows(block_table, self.short, nb), device)
+            paged_prefills = PagedPrefills(query_start, query_lens, context_lens, table)
+        args = (self.query_start, self.seq_lens, block_table, bs, device)
+        return AttentionMetadata(
+            num_tokens=int(self.query_start[-1]),
+            block_size=bs,
+            slot_mapping=_tensor(np.asarray(slot_mapping, dtype=np.int64), device),
+            decode_groups=[_decode_group(rows, *args) for rows in self.decode_split],
+            prefills=[
+                _prefill_seq(
+                    int(i), self.query_start, self.context_lens, self.seq_lens, block_table, bs, device
+                )
+                for i in self.long
+            ],
+            paged_decodes=paged,
+            paged_prefills=paged_prefills,
+        )
+
+
+def _table_rows(block_table: np.ndarray, rows: np.ndarray, nb: int) -> np.ndarray:
+    return np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32)
 
 
 def _split_by_length(
@@ -215,32 +278,6 @@ def _decode_group(rows, query_start, seq_lens, block_table, block_size, device) 
         block_ids=_tensor(block_table[rows, :nb].astype(np.int64).reshape(-1), device),
         mask=_tensor(mask[None, :, None, :], device),
         num_blocks=nb,
-    )
-
-
-def _paged_decodes(rows, query_start, seq_lens, block_table, block_size, device) -> PagedDecodes | None:
-    if rows.size == 0:
-        return None
-    lens = seq_lens[rows]
-    nb = int(-(-lens.max() // block_size))
-    return PagedDecodes(
-        token_idx=_tensor(query_start[rows], device),
-        seq_lens=_tensor(lens.astype(np.int32), device),
-        block_table=_tensor(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32), device),
-    )
-
-
-def _paged_prefills(
-    rows, query_start, query_lens, context_lens, block_table, block_size, device
-) -> PagedPrefills | None:
-    if rows.size == 0:
-        return None
-    nb = int(-(-(context_lens[rows] + query_lens[rows]).max() // block_size))
-    return PagedPrefills(
-        query_start=_tensor(query_start[rows], device),
-        query_lens=_tensor(query_lens[rows].astype(np.int32), device),
-        context_lens=_tensor(context_lens[rows].astype(np.int32), device),
-        block_table=_tensor(np.ascontiguousarray(block_table[rows, :nb], dtype=np.int32), device),
     )
 
 
