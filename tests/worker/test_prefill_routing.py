@@ -4,6 +4,7 @@ fp32 and bf16."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -162,3 +163,61 @@ def test_a_step_of_mid_length_prompts_matches_dense_attention(backend, dtype):
         got = out[start : start + queries.shape[0]].float()
         assert (got - want).abs().max().item() <= tolerance, f"sequence {i}"
         start += queries.shape[0]
+
+
+def _same_tensors(a, b) -> bool:
+    return type(a) is type(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))
+    )
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_each_groups_metadata_from_one_step_shape_is_what_its_own_build_gives(paged, seed):
+    """Gemma 3's KV cache groups take their metadata from one ``StepShape`` a step: for a random step
+    of decodes, short and long prefills, each group's equals ``build_attention_metadata`` on its own
+    block table and slots."""
+    from services.worker.layers.attention_metadata import StepShape
+
+    rng = np.random.default_rng(seed)
+    n, bs = 9, 16
+    query_lens = rng.choice([1, 1, 1, 5, 40, 300], size=n)
+    context_lens = rng.integers(0, 200, size=n) * rng.integers(0, 2, size=n)
+    caps = PrefillCaps(fresh=2000, chunk=4000)
+    shape = StepShape(
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_size=bs,
+        paged_decodes=paged,
+        prefill_caps=caps,
+    )
+    for _ in range(3):  # three groups: their own block tables and slots
+        table = rng.integers(1, 500, size=(n, 40)).astype(np.int32)
+        slots = rng.integers(0, 500 * bs, size=int(query_lens.sum()))
+        shared = shape.metadata(table, slots)
+        alone = build_attention_metadata(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_table=table,
+            slot_mapping=slots,
+            block_size=bs,
+            paged_decodes=paged,
+            prefill_caps=caps,
+        )
+        assert shared.num_tokens == alone.num_tokens and torch.equal(shared.slot_mapping, alone.slot_mapping)
+        for a, b in (
+            (shared.paged_decodes, alone.paged_decodes),
+            (shared.paged_prefills, alone.paged_prefills),
+        ):
+            assert (a is None) == (b is None) and (a is None or _same_tensors(a, b))
+        assert len(shared.prefills) == len(alone.prefills) and len(shared.decode_groups) == len(
+            alone.decode_groups
+        )
+        assert all(_same_tensors(a, b) for a, b in zip(shared.prefills, alone.prefills))
+        assert all(_same_tensors(a, b) for a, b in zip(shared.decode_groups, alone.decode_groups))
+        # Each group's block tables are its own.
+        if shared.paged_decodes is not None:
+            rows = np.flatnonzero((query_lens == 1) & (context_lens > 0))
+            nb = shared.paged_decodes.block_table.shape[1]
+            assert np.array_equal(shared.paged_decodes.block_table.numpy(), table[rows, :nb])
