@@ -1,6 +1,6 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
 with the residual add (before it, Llama's; after it, and the next norm, Gemma 3's), plain RMSNorm,
-SiLU-and-mul, GeLU(tanh)-and-mul and neox rotary, fp32 and bf16;
+SiLU-and-mul, GeLU(tanh)-and-mul, neox rotary (alone, or after QK-norm), fp32 and bf16;
 the two passes around an int8 GEMM (rows rounded to int8, the int32 result
 scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
 Q4_K's and Q5_K's super-blocks into weft's records and nibbles, and a field cut out
@@ -17,7 +17,7 @@ measure what they gain).
 A row's argmax (greedy sampling's, ``argmax_rows``) is here too.
 
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``norm_add_norm_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
+``rms_norm_ref``, ``norm_add_norm_ref``, ``qk_norm_rotary_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
 ``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
 wrapper here refuses bad arguments with its twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
@@ -186,6 +186,33 @@ def rotary_embedding(
         check_rotary_args(positions, query, key, cos, sin, head_dim, cpu=True)
     load()
     torch.ops.weft_fused.rotary_neox(positions.long(), query, key, cos, sin, head_dim)
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    query_out: torch.Tensor,
+    key_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """QK-norm and the rotation in one pass: each head's row of ``query [T, H * D]`` and ``key
+    [T, KVH * D]`` normalized (``rms_norm`` by ``q_weight`` / ``k_weight``, ``[D]``) into
+    ``query_out`` and ``key_out``, which are then rotated in place (``rotary_embedding``); the bits of
+    those calls (twin: ``kernels.reference.qk_norm_rotary_ref``). An output is its input, or memory
+    apart from the other tensors. The kernel refuses bad arguments with a ValueError."""
+    load()
+    try:
+        torch.ops.weft_fused.qk_norm_rotary(
+            positions, query_out, key_out, query, key, q_weight, k_weight, float(eps), cos, sin, head_dim
+        )
+    except RuntimeError as exc:  # the kernel's checks, which guard every byte it touches
+        raise ValueError(str(exc).splitlines()[0]) from exc
 
 
 def quantize_rows_int8(x: torch.Tensor, hadamard_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

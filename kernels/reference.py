@@ -279,6 +279,26 @@ def rms_norm_ref(
     return out if residual is None else (out, x)
 
 
+def qk_norm_rotary_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.cpu_fused.qk_norm_rotary``: new tensors, each head's row normalized, then
+    rotated."""
+    t = query.shape[0]
+    q = cast(torch.Tensor, rms_norm_ref(query.reshape(-1, head_dim), q_weight, eps)).reshape(t, -1)
+    k = cast(torch.Tensor, rms_norm_ref(key.reshape(-1, head_dim), k_weight, eps)).reshape(t, -1)
+    rotary_embedding_ref(positions, q, k, cos, sin, head_dim)
+    return q, k
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor,
     query: torch.Tensor,

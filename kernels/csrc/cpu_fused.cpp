@@ -301,6 +301,45 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
 }
 
 
+// QK-norm and the rotation of one step (Qwen3's and Gemma 3's attention): each head's row of query
+// and key normalized (rms_norm_impl's steps, its weight per head) into the outputs, which are then
+// rotated in place (rotary_impl's). The bits of the norms and the rotation called apart.
+template <typename T>
+void qk_norm_rotary_impl(const at::Tensor& positions, at::Tensor& query_out, at::Tensor& key_out,
+                         const at::Tensor& query, const at::Tensor& key, const at::Tensor& q_weight,
+                         const at::Tensor& k_weight, float eps, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t head_dim) {
+  const int64_t tokens = query.size(0), d = head_dim;
+  const int64_t q_heads = query.size(1) / d, k_heads = key.size(1) / d;
+  const int64_t sq = query.stride(0), sk = key.stride(0), soq = query_out.stride(0), sok = key_out.stride(0);
+  const int64_t table_stride = cos.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* qp = query.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  T* oq = query_out.data_ptr<T>();
+  T* ok = key_out.data_ptr<T>();
+  const T* qw = q_weight.data_ptr<T>();
+  const T* kw = k_weight.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const auto norm_heads = [&](T* dst, const T* src, int64_t heads, const T* w) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float rstd = 1.0f / std::sqrt(sum_of_squares(src + h * d, d) / static_cast<float>(d) + eps);
+      scale_row(dst + h * d, src + h * d, w, rstd, d);
+    }
+  };
+  at::parallel_for(0, tokens, grain_rows(query.size(1) + key.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      norm_heads(oq + t * soq, qp + t * sq, q_heads, qw);
+      norm_heads(ok + t * sok, kp + t * sk, k_heads, kw);
+      const float* c = cp + pos[t] * table_stride;
+      const float* s = sp + pos[t] * table_stride;
+      rotate_heads(oq + t * soq, q_heads, d, c, s);
+      rotate_heads(ok + t * sok, k_heads, d, c, s);
+    }
+  });
+}
+
 template <typename T>
 void quantize_rows_int8_impl(at::Tensor& q, at::Tensor& scale, const at::Tensor& x, int64_t block) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -418,6 +457,16 @@ void act_and_mul(at::Tensor out, const at::Tensor& x, const char* op, const char
   else act_and_mul_impl<kGelu, c10::BFloat16>(out, x);
 }
 
+// Whether a and b ([rows, n] each, rows contiguous) share no byte.
+bool apart(const at::Tensor& a, const at::Tensor& b) {
+  if (a.size(0) == 0 || b.size(0) == 0) return true;
+  const char* pa = static_cast<const char*>(a.data_ptr());
+  const char* pb = static_cast<const char*>(b.data_ptr());
+  const int64_t na = ((a.size(0) - 1) * a.stride(0) + a.size(1)) * a.element_size();
+  const int64_t nb = ((b.size(0) - 1) * b.stride(0) + b.size(1)) * b.element_size();
+  return pa + na <= pb || pb + nb <= pa;
+}
+
 void norm_add_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, const at::Tensor& w_post,
                    const at::Tensor& w_pre, double eps) {
   check_dtype(x.scalar_type(), "norm_add_norm");
@@ -429,13 +478,6 @@ void norm_add_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, con
     TORCH_CHECK(w->is_contiguous() && w->numel() == x.size(1) && w->scalar_type() == x.scalar_type() &&
                     w->device().is_cpu(),
                 "norm_add_norm: weights [n] of the activation dtype");
-  const auto apart = [](const at::Tensor& a, const at::Tensor& b) {
-    const char* pa = static_cast<const char*>(a.data_ptr());
-    const char* pb = static_cast<const char*>(b.data_ptr());
-    const int64_t na = (a.size(0) - 1) * a.stride(0) * a.element_size() + a.size(1) * a.element_size();
-    const int64_t nb = (b.size(0) - 1) * b.stride(0) * b.element_size() + b.size(1) * b.element_size();
-    return a.size(0) == 0 || pa + na <= pb || pb + nb <= pa;
-  };
   TORCH_CHECK(apart(out, x) && apart(out, residual) && apart(x, residual),
               "norm_add_norm: out, residual and x must not overlap");
   if (x.scalar_type() == at::kFloat) norm_add_norm_impl<float>(out, residual, x, w_post, w_pre, eps);
@@ -450,30 +492,65 @@ void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
   act_and_mul<true>(out, x, "gelu_tanh_and_mul", "gelu_tanh_and_mul x", "gelu_tanh_and_mul out");
 }
 
-void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos,
-                 const at::Tensor& sin, int64_t head_dim) {
-  check_dtype(query.scalar_type(), "rotary_neox");
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "rotary_neox: an even head_dim expected");
+// rotary_neox's argument checks (op names the caller in the messages): false for an empty step.
+bool check_rotary(const char* op, const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                  const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  check_dtype(query.scalar_type(), op);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, op, ": an even head_dim expected");
   const int64_t tokens = query.size(0);
   TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.size(1) % head_dim == 0 && key.size(1) % head_dim == 0,
-              "rotary_neox: query [T, H * D] and key [T, KVH * D] expected");
-  check_rows(query, tokens, query.size(1), query.scalar_type(), "rotary_neox query");
-  check_rows(key, tokens, key.size(1), query.scalar_type(), "rotary_neox key");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens,
-              "rotary_neox: positions [T] int64, contiguous");
+              op, ": query [T, H * D] and key [T, KVH * D] expected");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && query.size(0) == key.size(0) &&
+                  query.stride(1) == 1 && key.stride(1) == 1 && key.scalar_type() == query.scalar_type(),
+              op, ": query and key: CPU [rows, n] tensors of the activation dtype, contiguous in their last dimension");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens, op,
+              ": positions [T] int64, contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
                   cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.stride(1) == 1 &&
                   cos.size(1) >= head_dim / 2,
-              "rotary_neox: cos and sin [P, >= D / 2] float32 tables of one layout");
-  if (tokens == 0) return;
+              op, ": cos and sin [P, >= D / 2] float32 tables of one layout");
+  if (tokens == 0) return false;
   // One plain loop: min() and max() as torch ops would cost four dispatches a layer.
   const int64_t* pos = positions.data_ptr<int64_t>();
   const uint64_t table_rows = static_cast<uint64_t>(cos.size(0));
   bool inside = true;
   for (int64_t t = 0; t < tokens; ++t) inside &= static_cast<uint64_t>(pos[t]) < table_rows;
-  TORCH_CHECK(inside, "rotary_neox: positions must lie in [0, ", cos.size(0), ")");
+  TORCH_CHECK(inside, op, ": positions must lie in [0, ", cos.size(0), ")");
+  return true;
+}
+
+void rotary_neox(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos,
+                 const at::Tensor& sin, int64_t head_dim) {
+  if (!check_rotary("rotary_neox", positions, query, key, cos, sin, head_dim)) return;
   if (query.scalar_type() == at::kFloat) rotary_impl<float>(positions, query, key, cos, sin, head_dim);
   else rotary_impl<c10::BFloat16>(positions, query, key, cos, sin, head_dim);
+}
+
+// Whether a and b ([rows, n] each, rows contiguous) are the same tensor.
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.strides() == b.strides() && a.sizes() == b.sizes();
+}
+
+void qk_norm_rotary(const at::Tensor& positions, at::Tensor query_out, at::Tensor key_out, const at::Tensor& query,
+                    const at::Tensor& key, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                    const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  const char* op = "qk_norm_rotary";
+  if (!check_rotary(op, positions, query, key, cos, sin, head_dim)) return;
+  const int64_t tokens = query.size(0);
+  check_rows(query_out, tokens, query.size(1), query.scalar_type(), "qk_norm_rotary query_out");
+  check_rows(key_out, tokens, key.size(1), query.scalar_type(), "qk_norm_rotary key_out");
+  for (const at::Tensor* w : {&q_weight, &k_weight})
+    TORCH_CHECK(w->is_contiguous() && w->numel() == head_dim && w->scalar_type() == query.scalar_type() &&
+                    w->device().is_cpu(),
+                op, ": weights [head_dim] of the activation dtype");
+  TORCH_CHECK((same(query_out, query) || apart(query_out, query)) && (same(key_out, key) || apart(key_out, key)) &&
+                  apart(query_out, key) && apart(key_out, query) && apart(query_out, key_out),
+              op, ": each output is its input or shares no memory with the other tensors");
+  if (query.scalar_type() == at::kFloat)
+    qk_norm_rotary_impl<float>(positions, query_out, key_out, query, key, q_weight, k_weight, eps, cos, sin, head_dim);
+  else
+    qk_norm_rotary_impl<c10::BFloat16>(positions, query_out, key_out, query, key, q_weight, k_weight, eps, cos, sin,
+                                       head_dim);
 }
 
 void quantize_rows_int8(at::Tensor q, at::Tensor scale, const at::Tensor& x, int64_t hadamard_block) {
@@ -621,6 +698,8 @@ TORCH_LIBRARY(weft_fused, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("qk_norm_rotary(Tensor positions, Tensor(a!) query_out, Tensor(b!) key_out, Tensor query, Tensor key, "
+        "Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin, int head_dim) -> ()");
   m.def("norm_add_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor w_post, Tensor w_pre, float eps) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, int head_dim) -> ()");
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scale, Tensor x, int hadamard_block) -> ()");
@@ -632,6 +711,7 @@ TORCH_LIBRARY(weft_fused, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
   m.impl("norm_add_norm", c10::DispatchKey::CPU, &norm_add_norm);
+  m.impl("qk_norm_rotary", c10::DispatchKey::CPU, &qk_norm_rotary);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.impl("scale_int32", c10::DispatchKey::CPU, &scale_int32);

@@ -15,6 +15,7 @@ from kernels.reference import (
     fused_add_rms_norm_ref,
     gelu_tanh_and_mul_ref,
     norm_add_norm_ref,
+    qk_norm_rotary_ref,
     rms_norm_ref,
     rotary_embedding_ref,
     silu_and_mul_ref,
@@ -128,6 +129,62 @@ def test_norm_add_norm_gives_the_bits_of_its_three_calls(generator, close, dtype
     twin_residual, twin_out = norm_add_norm_ref(residual, x, w_post, w_pre, 1e-6)
     close(got_residual, twin_residual, dtype, scale=16.0)
     close(out, twin_out, dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (16, 8, 128), (3, 1, 6)])
+def test_qk_norm_rotary_gives_the_bits_of_the_norms_and_the_rotation(
+    generator, close, dtype, rows, heads, kv_heads, head_dim
+):
+    rotary = RotaryEmbedding(head_dim, 1024, 10000.0)
+    positions = torch.randint(0, 1024, (rows,), generator=generator)
+    qkv = rows_view(generator, rows, (heads + 2 * kv_heads) * head_dim, dtype, True, scale=3.0)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    q_weight, k_weight = (1.0 + torch.randn(2, head_dim, generator=generator)).to(dtype)
+    q_out, k_out = (
+        torch.empty(rows, heads * head_dim, dtype=dtype),
+        torch.empty(rows, kv_heads * head_dim, dtype=dtype),
+    )
+    before = qkv.clone()
+    cpu_fused.qk_norm_rotary(
+        positions, q_out, k_out, q, k, q_weight, k_weight, 1e-6, rotary.cos, rotary.sin, head_dim
+    )
+    assert torch.equal(qkv, before)  # the inputs are read only
+    # The calls it stands for: the compiled norm per head, then the compiled rotation.
+    want_q = cpu_fused.rms_norm(q.reshape(-1, head_dim), q_weight, 1e-6).reshape(rows, -1)
+    want_k = cpu_fused.rms_norm(k.reshape(-1, head_dim), k_weight, 1e-6).reshape(rows, -1)
+    cpu_fused.rotary_embedding(positions, want_q, want_k, rotary.cos, rotary.sin, head_dim)
+    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    twin_q, twin_k = qk_norm_rotary_ref(
+        positions, q, k, q_weight, k_weight, 1e-6, rotary.cos, rotary.sin, head_dim
+    )  # fmt: skip
+    close(q_out, twin_q, dtype, scale=8.0)
+    close(k_out, twin_k, dtype, scale=8.0)
+
+
+def test_qk_norm_rotary_in_place_and_refusals():
+    rotary = RotaryEmbedding(8, 16, 10000.0)
+    q, k, w = torch.randn(1, 16), torch.randn(1, 8), torch.ones(8)
+    want_q, want_k = q.clone(), k.clone()
+    cpu_fused.qk_norm_rotary(
+        torch.tensor([3]), want_q, want_k, q.clone(), k.clone(), w, w, 1e-6, rotary.cos, rotary.sin, 8
+    )
+    cpu_fused.qk_norm_rotary(torch.tensor([3]), q, k, q, k, w, w, 1e-6, rotary.cos, rotary.sin, 8)  # in place
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    qkv = torch.randn(1, 24)
+    with pytest.raises(ValueError, match="shares no memory"):  # an output over the other input
+        cpu_fused.qk_norm_rotary(
+            torch.tensor([3]), qkv[:, 8:], k, qkv[:, :16], qkv[:, 16:], w, w, 1e-6, rotary.cos, rotary.sin, 8
+        )
+    with pytest.raises(ValueError, match="positions must lie"):
+        cpu_fused.qk_norm_rotary(torch.tensor([16]), q, k, q, k, w, w, 1e-6, rotary.cos, rotary.sin, 8)
+    with pytest.raises(ValueError, match="weights"):
+        cpu_fused.qk_norm_rotary(
+            torch.tensor([3]), q, k, q, k, torch.ones(7), w, 1e-6, rotary.cos, rotary.sin, 8
+        )
+    with pytest.raises(ValueError, match="even head_dim"):
+        cpu_fused.qk_norm_rotary(torch.tensor([3]), q, k, q, k, w, w, 1e-6, rotary.cos, rotary.sin, 7)
 
 
 def test_norm_add_norm_refuses_bad_arguments():

@@ -4,11 +4,12 @@
 calls, the cache writes) for Gemma 3's layer (``gemma3.py``): four norms a layer, each scaling by
 ``1 + weight`` (the compiled RMSNorm on ``GemmaRMSNorm.one_plus_weight``, as the module runs it in
 fp32), each sublayer's output normalized before it joins the residual stream (with the next norm, one
-``norm_add_norm`` call: the bits of the norm, the add and the norm); QK-norm per head;
-GeGLU (the compiled kernel, as the module's ``GeluTanhAndMul``); each layer's own rotation table
-(the window layers' local base); and the window layers' attention on their own KV cache group's
-tables with their window passed to the paged kernels. The same arithmetic on the same tensors in the
-same order as the modules, so the same bits (``tests/worker/test_lean_decode.py``).
+``norm_add_norm`` call: the bits of the norm, the add and the norm); QK-norm per head and the
+rotation in one call (``qk_norm_rotary``); GeGLU (the compiled kernel, as the module's
+``GeluTanhAndMul``); each layer's own rotation table (the window layers' local base); and the window
+layers' attention on their own KV cache group's tables with their window passed to the paged
+kernels. The same arithmetic on the same tensors in the same order as the modules, so the same bits
+(``tests/worker/test_lean_decode.py``).
 Gemma 3 270M, one thread, 48 tokens after a short prompt, the two alternated in one process: 53.0-54.3
 ms a token through the modules (six norms a layer, 18 layers), 41.4-43.5 ms here.
 """
@@ -96,7 +97,7 @@ class LeanGemma3(LeanDecode):
         layer (``x``'s storage), as the layers leave it before the final norm."""
         fused = torch.ops.weft_fused
         rms_norm, norm_add_norm = fused.rms_norm.default, fused.norm_add_norm.default
-        rotary, gelu_mul = fused.rotary_neox.default, fused.gelu_tanh_and_mul.default
+        qk_norm_rotary, gelu_mul = fused.qk_norm_rotary.default, fused.gelu_tanh_and_mul.default
         attention = torch.ops.weft_cpu.paged_decode_attention.default
         write_kv = torch.ops.weft_cpu.write_kv.default
         metas = context.group_metadata or (context.attn_metadata,)
@@ -113,7 +114,6 @@ class LeanGemma3(LeanDecode):
         qkv = torch.empty(t, first.qkv.out_features)
         q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
         q_normed, k_normed = torch.empty(t, q_size), torch.empty(t, kv_size)
-        q_rows, k_rows = q_normed.view(t * h, d), k_normed.view(t * kvh, d)
         heads = q_normed.view(t, h, d)
         new_keys, new_values = k_normed.view(t, kvh, d), v.view(t, kvh, d)
         attn = torch.empty(t, h, d)
@@ -126,10 +126,9 @@ class LeanGemma3(LeanDecode):
         for i, (layer, cache) in enumerate(zip(layers, caches)):
             post_attn, pre_mlp, post_mlp = (n.one_plus_weight() for n in layer.norms[1:])
             layer.qkv.run(normed, qkv)
-            # Per head, as the module's reshape gives them (a copy above one row), into the buffers.
-            rms_norm(q_rows, q.reshape(t * h, d), layer.q_norm.one_plus_weight(), eps)
-            rms_norm(k_rows, k.reshape(t * kvh, d), layer.k_norm.one_plus_weight(), eps)
-            rotary(positions, q_normed, k_normed, layer.cos, layer.sin, d)
+            # QK-norm per head into the buffers, then their rotation: one call, the module's bits.
+            q_w, k_w = layer.q_norm.one_plus_weight(), layer.k_norm.one_plus_weight()
+            qk_norm_rotary(positions, q_normed, k_normed, q, k, q_w, k_w, eps, layer.cos, layer.sin, d)
             meta = metas[layer.group]
             write_kv(new_keys, new_values, cache, meta.slot_mapping)  # the kernel checks every argument
             decodes, prefills = meta.paged_decodes, meta.paged_prefills
