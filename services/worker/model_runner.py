@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kernels import cpu_fused
 from protocol import EngineConfig, ModelRunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from protocol.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_placement
 from services.worker.cpu_threads import StepThreads
@@ -67,14 +68,16 @@ class ModelRunner:
         self.input_batch = InputBatch(
             config.scheduler.max_num_seqs, config.model.max_model_len, self.block_size, num_groups
         )
-        self.sampler = Sampler(config.model.seed, self.device)
+        # The compiled argmax where the layers take the compiled CPU kernels (chosen once, as theirs).
+        compiled_argmax = self.device.type == "cpu" and cpu_fused.available()
+        self.sampler = Sampler(config.model.seed, self.device, compiled_argmax=compiled_argmax)
         self.attention_backend = check_backend(config.device.attention_backend, self.device)
         self.cuda_graphs = None  # captured with the KV cache, on CUDA only
         # The Triton backend's step tensors go through pinned host buffers kept for the worker's life.
         self.staging = StepStaging(self.device) if self.attention_backend == "triton" else None
         self.step_threads = StepThreads(config.device.num_threads) if self.device.type == "cpu" else None
         self.spec_decoder = (
-            SpecDecoder(config, self.sampler.generator, self.device)
+            SpecDecoder(config, self.sampler.generator, self.device, self.sampler.compiled_argmax)
             if config.speculative is not None
             else None
         )

@@ -30,34 +30,30 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where not asked
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Each row's index of its maximum, the first one on ties (a NaN in a row is its maximum): what
-    ``argmax(dim=-1)`` returns. fp32 rows on the CPU take the compiled kernel
+    ``argmax(dim=-1)`` returns. With ``compiled`` (decided once by the sampler's owner, as the layers
+    decide theirs: ``cpu_fused_for_model``), fp32 rows on the CPU take the compiled kernel
     (``kernels.cpu_fused.argmax_rows``: Gemma 3's 262,144 logits in 62 us against torch's 331);
     others ``max(dim=-1)``, whose CPU kernel is vectorized where ``argmax``'s is not (a [64, 49,152]
     fp32 batch on 2 threads: 0.84 ms against 2.03)."""
-    if (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.dim() == 2
-        and x.shape[1] > 0
-        and x.stride(1) == 1
-        and cpu_fused.available()
-    ):
-        return cpu_fused.argmax_rows(x)
+    if compiled and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        if x.stride(1) == 1:
+            return cpu_fused.argmax_rows(x)
     return x.max(dim=-1).indices
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int, device: torch.device | str = "cpu", compiled_argmax: bool = False) -> None:
         # Noise for unseeded random requests; seeded ones bring their own.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.compiled_argmax = compiled_argmax  # argmax_rows's ``compiled``
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] fp32 -> sampled ids [N] and the logprobs rows asked for."""
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = adjusted_logits(logits, meta)
-        token_ids = argmax_rows(logits)  # [N]
+        token_ids = argmax_rows(logits, self.compiled_argmax)  # [N]
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)  # random rows only
             token_ids[rows] = self._sample_random(logits[rows], rows.tolist(), meta)
@@ -66,7 +62,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[int], meta: SamplingMetadata) -> torch.Tensor:
         """logits [R, V] of the random rows (batch rows ``rows``) -> token ids [R]."""
         probs = random_probs(logits, rows, meta)  # [R, V]
-        return argmax_rows(probs / self._exponential_noise(probs, rows, meta))
+        return argmax_rows(probs / self._exponential_noise(probs, rows, meta), self.compiled_argmax)
 
     def _exponential_noise(
         self, probs: torch.Tensor, rows: list[int], meta: SamplingMetadata

@@ -70,8 +70,8 @@ def test_fused_off_then_on_in_one_process(tmp_path, monkeypatch):
         groups_off = {g["group"]: g for g in shape_off["groups"]}
         groups_on = {g["group"]: g for g in shape_on["groups"]}
         assert "fused CPU kernels" not in groups_off
-        # Per step: 2 layers x (2 norms + rotary + SiLU-and-mul) + the final norm.
-        assert groups_on["fused CPU kernels"]["calls"] == 9 * shape_on["steps"]
+        # Per step: 2 layers x (2 norms + rotary + SiLU-and-mul) + the final norm + the greedy argmax.
+        assert groups_on["fused CPU kernels"]["calls"] == 10 * shape_on["steps"]
         norm_ops = "elementwise: RMSNorm (pow/mean/rsqrt)"
         assert groups_off[norm_ops]["calls"] >= 3 * 5 * shape_off["steps"]  # pow, mean, rsqrt of each norm
         assert groups_on.get(norm_ops, {"calls": 0})["calls"] < groups_off[norm_ops]["calls"]

@@ -293,14 +293,18 @@ def test_argmax_rows_refuses_bad_arguments():
         cpu_fused.argmax_rows(torch.zeros(8))
 
 
-def test_greedy_sampling_takes_the_kernel_on_cpu_rows(monkeypatch):
+def test_greedy_sampling_takes_the_kernel_where_its_owner_chose_it(monkeypatch):
     from services.worker import sampler
 
     taken = []
     monkeypatch.setattr(cpu_fused, "argmax_rows", lambda x: taken.append(x.shape) or argmax_rows_ref(x))
     logits = torch.randn(3, 50)
-    assert torch.equal(sampler.argmax_rows(logits), logits.argmax(dim=-1)) and taken == [(3, 50)]
-    assert torch.equal(sampler.argmax_rows(logits.double()), logits.argmax(dim=-1)) and len(taken) == 1
+    assert torch.equal(sampler.argmax_rows(logits, compiled=True), logits.argmax(dim=-1)) and taken == [
+        (3, 50)
+    ]
+    assert torch.equal(sampler.argmax_rows(logits.double(), compiled=True), logits.argmax(dim=-1))
+    assert torch.equal(sampler.argmax_rows(logits), logits.argmax(dim=-1))  # not chosen: torch's
+    assert len(taken) == 1
 
 
 def test_empty_batches_are_no_ops():

@@ -40,8 +40,9 @@ class RejectionOutput:
 
 
 class RejectionSampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, compiled_argmax: bool = False) -> None:
         self.generator = generator  # for unseeded random rows (the sampler's)
+        self.compiled_argmax = compiled_argmax  # argmax_rows's ``compiled`` (the sampler's)
 
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
@@ -60,7 +61,7 @@ class RejectionSampler:
 
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         adjusted = adjusted_logits(logits, meta)
-        emitted = argmax_rows(adjusted)  # [N]: greedy rows emit the argmax
+        emitted = argmax_rows(adjusted, self.compiled_argmax)  # [N]: greedy rows emit the argmax
         accepted = emitted == draft_of_row  # [N]: greedy acceptance (never on bonus rows)
         if not meta.all_greedy:
             rows = (~meta.greedy).nonzero().squeeze(1)
@@ -93,7 +94,7 @@ class RejectionSampler:
         # accepted (u < 1 = p(x) in exact arithmetic; guard the rounding).
         nothing_left = rest.sum(dim=-1) == 0
         accepted = has_draft & ((uniform < p_draft.double()) | nothing_left)
-        return accepted, argmax_rows(rest / noise)
+        return accepted, argmax_rows(rest / noise, self.compiled_argmax)
 
     def _draws(
         self, probs: torch.Tensor, rows: list[int], has_draft: torch.Tensor, meta: SamplingMetadata

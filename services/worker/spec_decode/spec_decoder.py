@@ -25,10 +25,16 @@ from services.worker.step_inputs import StepInputs, record_emitted, sampling_sta
 
 
 class SpecDecoder:
-    def __init__(self, config: EngineConfig, generator: torch.Generator, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        generator: torch.Generator,
+        device: torch.device,
+        compiled_argmax: bool = False,
+    ) -> None:
         assert config.speculative is not None, "built only when speculation is on"
         self.proposer = NgramProposer(config.speculative, config.model.max_model_len)
-        self.rejection_sampler = RejectionSampler(generator)
+        self.rejection_sampler = RejectionSampler(generator, compiled_argmax)
         self.eos_token_id = config.model.eos_token_id
         self.device = device
         k = config.speculative.num_speculative_tokens
