@@ -1,8 +1,8 @@
 """The compiled CPU element-wise kernels (``csrc/cpu_fused.cpp``): RMSNorm fused
 with the residual add (before it, Llama's; after it, and the next norm, Gemma 3's), plain RMSNorm,
 SiLU-and-mul, GeLU(tanh)-and-mul, neox rotary (alone, or after QK-norm), fp32 and bf16;
-the two passes around an int8 GEMM (rows rounded to int8, the int32 result
-scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
+a row's argmax (greedy sampling's); the two passes around an int8 GEMM (rows rounded to int8,
+the int32 result scaled back); and, in ``csrc/gguf_repack.cpp``, the load-time repack's byte moves:
 Q4_K's and Q5_K's super-blocks into weft's records and nibbles, and a field cut out
 of every block (twins: ``services.worker.gguf_repack.k_records_and_nibbles_ref``
 and ``quants_ref``).
@@ -14,12 +14,11 @@ whether the CPU layers may use them: false, with a logged reason, when the
 build cannot happen, or when ``WEFT_CPU_FUSED=0`` turns them off (to
 measure what they gain).
 
-A row's argmax (greedy sampling's, ``argmax_rows``) is here too.
-
 The torch twins are in ``kernels.reference`` (``fused_add_rms_norm_ref``,
-``rms_norm_ref``, ``norm_add_norm_ref``, ``qk_norm_rotary_ref``, ``silu_and_mul_ref``, ``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
+``rms_norm_ref``, ``norm_add_norm_ref``, ``qk_norm_rotary_ref``, ``silu_and_mul_ref``,
+``gelu_tanh_and_mul_ref``, ``rotary_embedding_ref``, ``argmax_rows_ref``,
 ``quantize_rows_int8_ref``, ``scale_int32_ref``, ``scale_silu_quantize_int8_ref``); each
-wrapper here refuses bad arguments with its twin's messages. The norm and
+wrapper here refuses bad arguments with a ValueError, most with their twin's messages. The norm and
 SiLU wrappers run those Python checks only once the kernel has refused the
 arguments (its checks guard every byte it touches): at one decode row the
 Python checks cost about as much as the kernel itself, 91 times a step.

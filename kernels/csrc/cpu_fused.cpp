@@ -177,7 +177,7 @@ inline void store_some(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_st
 
 // The GeLU's tanh form as a sigmoid: 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)), y = sqrt(2 / pi)
 // (g + 0.044715 g^3), so 2y = g (kGeluA + kGeluB g^2): the same pass as the SiLU's, with this argument
-// (no 1 - tanh cancellation near 0).
+// (where 1 + tanh(y) cancels to 0 for gates below about -5, this keeps its digits).
 constexpr float kGeluA = 1.59576912161f;   // 2 sqrt(2 / pi)
 constexpr float kGeluB = 0.0713548162726f;  // 2 sqrt(2 / pi) 0.044715
 
@@ -301,7 +301,7 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
 }
 
 
-// QK-norm and the rotation of one step (Qwen3's and Gemma 3's attention): each head's row of query
+// QK-norm and the rotation of one step (Gemma 3's lean path): each head's row of query
 // and key normalized (rms_norm_impl's steps, its weight per head) into the outputs, which are then
 // rotated in place (rotary_impl's). The bits of the norms and the rotation called apart.
 template <typename T>

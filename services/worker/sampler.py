@@ -32,14 +32,14 @@ class SamplerOutput:
 
 def argmax_rows(x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Each row's index of its maximum, the first one on ties (a NaN in a row is its maximum): what
-    ``argmax(dim=-1)`` returns. With ``compiled`` (decided once by the sampler's owner, as the layers
-    decide theirs: ``cpu_fused_for_model``), fp32 rows on the CPU take the compiled kernel
-    (``kernels.cpu_fused.argmax_rows``: Gemma 3's 262,144 logits in 62 us against torch's 331);
-    others ``max(dim=-1)``, whose CPU kernel is vectorized where ``argmax``'s is not (a [64, 49,152]
-    fp32 batch on 2 threads: 0.84 ms against 2.03)."""
-    if compiled and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
-        if x.stride(1) == 1:
-            return cpu_fused.argmax_rows(x)
+    ``argmax(dim=-1)`` returns. With ``compiled`` (decided once by the sampler's owner: a CPU model
+    runner with the compiled kernels available, as its layers take them), fp32 rows on the CPU take
+    the compiled kernel (``kernels.cpu_fused.argmax_rows``: Gemma 3's 262,144 logits in 62 us against
+    torch's 331); others ``max(dim=-1)``, whose CPU kernel is vectorized where ``argmax``'s is not (a
+    [64, 49,152] fp32 batch on 2 threads: 0.84 ms against 2.03)."""
+    on_kernel = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+    if compiled and on_kernel and x.stride(1) == 1:
+        return cpu_fused.argmax_rows(x)
     return x.max(dim=-1).indices
 
 
