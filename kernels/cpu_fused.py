@@ -87,6 +87,16 @@ def load() -> None:
     build("weft_cpu_fused", SOURCES, "the fused CPU kernels", isa=wide_isa())
 
 
+def _checked_call(op, *args) -> None:
+    """``op(*args)`` after ``load()``, the kernel's refusal (its checks guard every byte it touches)
+    raised as a ValueError with its first line."""
+    load()
+    try:
+        op(*args)
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from exc
+
+
 def _refused(check, error: Exception) -> None:
     """The kernel refused its arguments: raise ``check``'s clear ValueError, else the kernel's error."""
     check()
@@ -136,11 +146,7 @@ def norm_add_norm(
     ``residual += norm(x) * w_post``, then ``out = norm(residual) * w_pre``; the bits of
     ``rms_norm``, ``add_`` and ``rms_norm`` (twin: ``kernels.reference.norm_add_norm_ref``). The
     kernel refuses bad arguments (and overlapping tensors) with a ValueError."""
-    load()
-    try:
-        torch.ops.weft_fused.norm_add_norm(out, residual, x, w_post, w_pre, float(eps))
-    except RuntimeError as exc:  # the kernel's checks, which guard every byte it touches
-        raise ValueError(str(exc).splitlines()[0]) from exc
+    _checked_call(torch.ops.weft_fused.norm_add_norm, out, residual, x, w_post, w_pre, float(eps))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -205,13 +211,10 @@ def qk_norm_rotary(
     ``query_out`` and ``key_out``, which are then rotated in place (``rotary_embedding``); the bits of
     those calls (twin: ``kernels.reference.qk_norm_rotary_ref``). An output is its input, or memory
     apart from the other tensors. The kernel refuses bad arguments with a ValueError."""
-    load()
-    try:
-        torch.ops.weft_fused.qk_norm_rotary(
-            positions, query_out, key_out, query, key, q_weight, k_weight, float(eps), cos, sin, head_dim
-        )
-    except RuntimeError as exc:  # the kernel's checks, which guard every byte it touches
-        raise ValueError(str(exc).splitlines()[0]) from exc
+    _checked_call(
+        torch.ops.weft_fused.qk_norm_rotary,
+        *(positions, query_out, key_out, query, key, q_weight, k_weight, float(eps), cos, sin, head_dim),
+    )
 
 
 def quantize_rows_int8(x: torch.Tensor, hadamard_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
