@@ -157,13 +157,16 @@ def test_sigterm_on_an_engine_core_finishes_its_streams(stack):
             started = [asyncio.Event() for _ in range(6)]
             streams = [asyncio.create_task(stream(client, 60, e)) for e in started]
             await asyncio.gather(*(e.wait() for e in started))
-            assert all(r["num_in_flight"] > 0 for r in stack.health()["ranks"])  # both ranks hold some
-            stack.kill_engine(0, signal.SIGTERM)  # a graceful stop this time
+            # A rank that holds streams (usually both do; with the two engines time-sliced against
+            # another test worker, one rank's three once all ended before the last stream started).
+            busy = [r["rank"] for r in stack.health()["ranks"] if r["num_in_flight"] > 0]
+            assert busy  # the last stream to start has most of its tokens to go
+            stack.kill_engine(busy[0], signal.SIGTERM)  # a graceful stop this time
             return await asyncio.gather(*streams)
 
     results = asyncio.run(run())
     assert all(r["done"] and r["error"] is None and r["tokens"] == 60 for r in results), results
-    health = stack.wait_healthy(timeout_s=90)  # rank 0 drained, exited, and was started again
+    health = stack.wait_healthy(timeout_s=90)  # the rank drained, exited, and was started again
     assert health["ready"] == [0, 1]
 
 
