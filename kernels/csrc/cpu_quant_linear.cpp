@@ -72,7 +72,7 @@
 // integer vpmaddwd of the eight m with x's sums, times dmin times x's scale, once per super-block
 // (tile_i8_super, super_min_terms, tile_i8_super6; the scalar loop dot_row_scalar_super). The same
 // operations in the same order for a pair in every tile shape and build (the AVX-512 build runs
-// these 256-bit tiles): batch invariant. The fp32-scale fallback of the K formats (K past the
+// them two weight rows to a zmm, tile_i8_super_zmm and tile_i8_super6_zmm): batch invariant. The fp32-scale fallback of the K formats (K past the
 // records' reach, a tensor-parallel slice off super-blocks) keeps the per-group path.
 // quant_linear_i16: the same with x rounded to int16 (amax / 32767, 258 times finer), the
 // weights widened to int16 in registers and pairs multiplied and added in int32 (VNNI
@@ -93,8 +93,9 @@
 // rows (all but the 1 x 4 and 1 x 1 tails) two weight rows to a 512-bit vector: each
 // half is the 8-lane accumulator of the 256-bit tile, x's bytes and scales broadcast
 // into both halves, the same operations per lane, so the same bits as the AVX2 build
-// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x). The
-// super-block path has no zmm tiles: the AVX-512 build runs its 256-bit ones (4 x 4 above 3 rows).
+// (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x), and so
+// does the super-block path (tile_i8_super_zmm, tile_i8_super6_zmm; its min terms stay 256-bit,
+// one vpmaddwd and an add fused into one exact vpdpwssd).
 // Everything else (quant_linear_i16, the fp32 paths) is the AVX2 code with VNNI dots
 // on 256-bit vectors. Each build
 // registers its ops under its own namespace (QUANT_LIBRARY_NS), so a process can
@@ -1974,6 +1975,187 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   if (whole < a.blocks) step(whole, true);
   store_halves<RW, RX>(acc, out, ldo, [](int, int) { return 0.f; });
 }
+
+// The shuffle of pair_sc16 in both halves of a zmm (each half a row's super_sc16).
+inline __m512i pair_sc16_zmm(__m512i sc16, int j) {
+  const int16_t lo = static_cast<int16_t>((4 * j) | (4 * j + 1) << 8), hi = static_cast<int16_t>(lo + 0x0202);
+  return _mm512_shuffle_epi8(sc16, _mm512_broadcast_i64x4(_mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi,
+                                                                              hi, hi, hi, hi, hi, hi)));
+}
+
+// scaled_dot2 for two weight rows at once (lo and hi two rows' unpacked pairs, x broadcast into both
+// halves) added to sums: the same maddubs, add and vpmaddwd per lane; the add of the vpmaddwd into
+// the sums is vpdpwssd's (exact in int32, as the lanes' bounds in scaled_dot2 show).
+inline __m512i scaled_dot2_add(__m512i sums, __m512i lo, __m512i hi, const int8_t* x, __m512i sc) {
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, both(x)), _mm512_maddubs_epi16(hi, both(x + kBlock)));
+  return _mm512_dpwssd_epi32(sums, pairs, sc);
+}
+
+// tile_i8_super with weight rows two to a zmm: each half the 8 int32 sums and 8 fp32 lanes of the
+// 256-bit tile, the same operations per lane in the same order (a vpmaddwd and an add fused into
+// one exact vpdpwssd), the same min terms (super_min_terms) and the same hsum: the same bits.
+template <int RW, int RX, bool kInt5>
+void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                       const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* ahead_high = kInt5 && ahead != nullptr ? w.qhigh + (ahead - w.qweight) / 4 : nullptr;
+  const uint8_t* q[RW];
+  const uint8_t* h[RW];
+  const uint8_t* rec[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = w.qweight + (n + i) * w.row_bytes;
+    h[i] = kInt5 ? w.high_row(n + i) : nullptr;
+    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  }
+  const int8_t* xp[RX];
+  const float* xs[RX];
+  for (int r = 0; r < RX; ++r) {
+    xp[r] = a.paired_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  const int64_t supers = w.K / SuperScales::kWeights;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m512i sums[H][RX];
+    for (auto& per_w : sums) for (auto& v : per_w) v = _mm512_setzero_si512();
+    __m512i sc16[H], planes[H];
+    for (int k = 0; k < H; ++k) {
+      sc16[k] = rows2(super_sc16(rec[2 * k] + sb * kSuperRecord), super_sc16(rec[2 * k + 1] + sb * kSuperRecord));
+      if constexpr (kInt5) planes[k] = rows2(h[2 * k] + sb * 32, h[2 * k + 1] + sb * 32);
+    }
+    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(ahead_high, sb, 32);
+    auto pair_step = [&](auto pair) {
+      constexpr int j = decltype(pair)::value;
+      const int64_t p = sb * kSuperPairs + j;
+      prefetch_share<RW>(ahead, p, kBlock);
+      for (int k = 0; k < H; ++k) {
+        const __m512i bytes = rows2(q[2 * k] + p * kBlock, q[2 * k + 1] + p * kBlock);
+        __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+        if constexpr (kInt5) {
+          // fifth_bits_of_planes on both rows' planes at once: bit_as_0x10's shift and mask per lane.
+          constexpr int kLo = 2 * j, kHi = 2 * j + 1;
+          auto as_0x10 = [&](auto bit) {
+            constexpr int b = decltype(bit)::value;
+            __m512i moved = planes[k];
+            if constexpr (b < 4) moved = _mm512_slli_epi16(planes[k], 4 - b);
+            if constexpr (b > 4) moved = _mm512_srli_epi16(planes[k], b - 4);
+            return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+          };
+          lo = _mm512_or_si512(lo, as_0x10(std::integral_constant<int, kLo>{}));
+          hi = _mm512_or_si512(hi, as_0x10(std::integral_constant<int, kHi>{}));
+        }
+        const __m512i sc = pair_sc16_zmm(sc16[k], j);
+        for (int r = 0; r < RX; ++r) sums[k][r] = scaled_dot2_add(sums[k][r], lo, hi, xp[r] + p * 2 * kBlock, sc);
+      }
+    };
+    static_assert(kSuperPairs == 4, "a super-block is four pairs of groups");
+    pair_step(std::integral_constant<int, 0>{});
+    pair_step(std::integral_constant<int, 1>{});
+    pair_step(std::integral_constant<int, 2>{});
+    pair_step(std::integral_constant<int, 3>{});
+    for (int k = 0; k < H; ++k) {
+      const __m512 d = rows2(_mm256_set1_ps(SuperScales::half_at(rec[2 * k] + sb * kSuperRecord)),
+                             _mm256_set1_ps(SuperScales::half_at(rec[2 * k + 1] + sb * kSuperRecord)));
+      for (int r = 0; r < RX; ++r) {
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[r][sb]));
+        acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[k][r]), scale, acc[k][r]);
+      }
+    }
+  }
+  float mins[RW][RX];
+  super_min_terms<RW, RX>(rec, a, m0, supers, mins);
+  store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return -mins[i][r]; });
+}
+
+// tile_i8_super6 with weight rows two to a zmm: each row's blocks unpacked as the 256-bit tile
+// unpacks them and put side by side, x's bytes and pair biases broadcast into both halves, the
+// same maddubs, subtract and vpmaddwd per lane with the add fused into vpdpwssd (exact): the
+// same bits.
+template <int RW, int RX>
+void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
+                        const uint8_t* ahead) {
+  static_assert(RW % 2 == 0, "two weight rows a zmm");
+  constexpr int H = RW / 2;
+  constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
+  const uint8_t* q[RW];
+  const uint8_t* h[RW];
+  const uint8_t* rec[RW];
+  for (int i = 0; i < RW; ++i) {
+    q[i] = reinterpret_cast<const uint8_t*>(rows.q[i]);
+    h[i] = rows.h[i];
+    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+  }
+  const int8_t* xq[RX];
+  const int16_t* xb[RX];
+  const float* xs[RX];
+  const uint8_t* ahead_high = ahead == nullptr ? nullptr : w.qhigh + (ahead - w.qweight) / 2;
+  for (int r = 0; r < RX; ++r) {
+    xq[r] = a.qrow(m0 + r);
+    xb[r] = a.pair_bias_row(m0 + r);
+    xs[r] = a.srow(m0 + r);
+  }
+  const int64_t supers = w.K / SuperScales::kWeights;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    __m512i sums[H][RX];
+    for (auto& per_w : sums) for (auto& v : per_w) v = _mm512_setzero_si512();
+    __m512i sc16[H][2];  // groups 0-7 and 8-15 of the super-block, two rows side by side
+    for (int k = 0; k < H; ++k) {
+      for (int half = 0; half < 2; ++half) {
+        auto of = [&](int i) {
+          const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
+          return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+        };
+        sc16[k][half] = rows2(of(2 * k), of(2 * k + 1));
+      }
+    }
+    auto block = [&](int k, int64_t b, __m512i u, __m512i sc) {
+      for (int r = 0; r < RX; ++r) {
+        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(u, both(xq[r] + b * kBlock)),
+                                               both(xb[r] + b * kBlock / 2));
+        sums[k][r] = _mm512_dpwssd_epi32(sums[k][r], pairs, sc);
+      }
+    };
+    if constexpr (RX == 1) {
+      for (int half = 0; half < 2; ++half) {
+        const int64_t c = sb * 2 + half;
+        for (int j = 0; j < 2; ++j) prefetch_share<RW>(ahead, c * 2 + j, kBlock);
+        prefetch_share<RW>(ahead_high, c, kBlock);
+        for (int k = 0; k < H; ++k) {
+          __m256i u0[4], u1[4];
+          int6_vectors(q[2 * k], h[2 * k], c, u0);
+          int6_vectors(q[2 * k + 1], h[2 * k + 1], c, u1);
+          for (int j = 0; j < 4; ++j) block(k, c * 4 + j, rows2(u0[j], u1[j]), pair_sc16_zmm(sc16[k][half], j));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = sb * 8 + j;
+        prefetch_share<RW>(ahead, b, kBlock / 2);
+        if (j % 4 == 0) rows.unpack(b / 4);
+        for (int k = 0; k < H; ++k) {
+          block(k, b, rows2(rows.unsigned_block(2 * k, b), rows.unsigned_block(2 * k + 1, b)),
+                pair_sc16_zmm(sc16[k][j / 4], j % 4));
+        }
+      }
+    }
+    for (int k = 0; k < H; ++k) {
+      const __m512 d = rows2(_mm256_set1_ps(SuperScales::half_at(rec[2 * k] + sb * kRecord)),
+                             _mm256_set1_ps(SuperScales::half_at(rec[2 * k + 1] + sb * kRecord)));
+      for (int r = 0; r < RX; ++r) {
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[r][sb]));
+        acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[k][r]), scale, acc[k][r]);
+      }
+    }
+  }
+  store_halves<RW, RX>(acc, out, ldo, [](int, int) { return 0.f; });
+}
 #endif
 
 // ---- int16 activations in register tiles (quant_linear_i16) ----
@@ -2117,6 +2299,14 @@ struct TilesI8 {
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
                    const uint8_t* ahead) {
 #ifdef WEFT_ZMM
+    if constexpr (RW % 2 == 0 && kSuperBlocks) {
+      if constexpr (kInt4) {
+        tile_i8_super_zmm<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);
+      } else {
+        tile_i8_super6_zmm<RW, RX>(w, n, a, m0, out, ldo, ahead);
+      }
+      return;
+    }
     if constexpr (RW % 2 == 0 && !kSuperBlocks) {
       if constexpr (kInt4) {
         tile_i8_int4_zmm<RW, RX, kScales, kInt5>(w, n, a, m0, out, ldo, ahead);
@@ -2127,7 +2317,7 @@ struct TilesI8 {
     }
 #endif
     if constexpr (kSuperBlocks && kInt4) {
-      tile_i8_super<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);  // the 256-bit tiles in every build
+      tile_i8_super<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);  // AVX2, and AVX-512's one-row tails
     } else if constexpr (kSuperBlocks) {
       tile_i8_super6<RW, RX>(w, n, a, m0, out, ldo, ahead);
     } else if constexpr (kInt4) {

@@ -608,6 +608,23 @@ def test_super_block_path_matches_its_twin(isa, fmt, k, rows):
     )
 
 
+@pytest.mark.skipif(
+    not {"avx512vnni", "avx2"} <= set(ISAS), reason="needs a CPU that runs both the AVX-512 and AVX2 builds"
+)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 768, 2048])
+def test_the_avx512_super_block_tiles_give_the_bits_of_the_avx2_build(fmt, k):
+    """The super-block tiles with two weight rows a 512-bit vector do per lane what the 256-bit
+    tiles do: every tile shape (the batch-1 2 x 1, 4 x 4, 4 x 2, 4 x 1 and the one-row tails over
+    203 weight rows) gives the AVX2 build's bits."""
+    q, records, group, h = random_super(fmt, 203, k, seed=k + 1)
+    for rows in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        wide = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa="avx512vnni", qhigh=h)
+        narrow = cpu_quant_linear.quant_linear_i8(x, q, records, None, group, isa="avx2", qhigh=h)
+        assert torch.equal(wide, narrow), (rows, (wide - narrow).abs().max())
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_fp32_scales_of_k_formats_keep_the_per_group_path(isa, fmt):
