@@ -1,6 +1,7 @@
-// What the AVX2 vector pipes of this CPU issue per cycle, alone and in the instruction mixes of
-// int8 GEMMs: the evidence for what bounds weft's AVX2 int8 GEMM (kernels/csrc/cpu_avx2_int8.cpp)
-// and the packed kernel's int4 tiles on batched steps (kernels/csrc/cpu_quant_linear.cpp).
+// What the AVX2 (and, where the CPU has them, AVX-512 VNNI) vector pipes of this CPU issue per
+// cycle, alone and in the instruction mixes of int8 GEMMs: the evidence for what bounds weft's AVX2
+// int8 GEMM (kernels/csrc/cpu_avx2_int8.cpp) and the packed kernel's int4 and super-block tiles on
+// batched steps (kernels/csrc/cpu_quant_linear.cpp).
 // Built and run by benchmarks/scripts/vector_ops_bench.py; one thread, registers only (no memory traffic but
 // the broadcasts' L1 hits). Cycles are counted by a chain of dependent scalar adds (one a cycle) run
 // in the same process, so no clock speed is assumed.
@@ -36,13 +37,16 @@ static double seconds_of(void (*fn)(void)) {
   return best;
 }
 
-// Eight dependent adds an iteration: eight cycles.
+// Eight dependent adds an iteration: eight cycles. The addend is a register: cores that fold
+// chains of adds of an immediate at rename (Intel's since Golden Cove) ran the $1 form at about
+// three a cycle, which read as an 8 GHz clock.
 static void clock_chain(void) {
-  long x = 0, n = kIters;
+  long x = 0, n = kIters, one = 1;
   __asm__ volatile(
-      "1:\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
-      "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tdec %1\n\tjnz 1b"
-      : "+r"(x), "+r"(n));
+      "1:\n\tadd %2, %0\n\tadd %2, %0\n\tadd %2, %0\n\tadd %2, %0\n\t"
+      "add %2, %0\n\tadd %2, %0\n\tadd %2, %0\n\tadd %2, %0\n\tdec %1\n\tjnz 1b"
+      : "+r"(x), "+r"(n)
+      : "r"(one));
 }
 
 #define EIGHT(op) \
@@ -50,7 +54,37 @@ static void clock_chain(void) {
   op " %%ymm14, %%ymm15, %%ymm3\n\t" op " %%ymm14, %%ymm15, %%ymm4\n\t" op " %%ymm14, %%ymm15, %%ymm5\n\t" \
   op " %%ymm14, %%ymm15, %%ymm6\n\t" op " %%ymm14, %%ymm15, %%ymm7\n\t"
 
+// The same on 512-bit vectors (run only where the CPU has AVX-512 BW and VNNI: main's argument).
+#define EIGHT_Z(op) \
+  op " %%zmm14, %%zmm15, %%zmm0\n\t" op " %%zmm14, %%zmm15, %%zmm1\n\t" op " %%zmm14, %%zmm15, %%zmm2\n\t" \
+  op " %%zmm14, %%zmm15, %%zmm3\n\t" op " %%zmm14, %%zmm15, %%zmm4\n\t" op " %%zmm14, %%zmm15, %%zmm5\n\t" \
+  op " %%zmm14, %%zmm15, %%zmm6\n\t" op " %%zmm14, %%zmm15, %%zmm7\n\t"
+
 static void paddd(void) { LOOP(EIGHT("vpaddd")); }
+static void pmaddubsw_z(void) { LOOP(EIGHT_Z("vpmaddubsw")); }
+static void paddw_z(void) { LOOP(EIGHT_Z("vpaddw")); }
+// The accumulating dots into twelve accumulators, each its own chain: more than their latency
+// (5 cycles) times the two a cycle a core might issue, so the count is their issue rate.
+#define TWELVE(op, r)                                                                                  \
+  EIGHT_OF(op, r) op " %%" r "14, %%" r "15, %%" r "8\n\t" op " %%" r "14, %%" r "15, %%" r "9\n\t" \
+      op " %%" r "14, %%" r "15, %%" r "10\n\t" op " %%" r "14, %%" r "15, %%" r "11\n\t"
+#define EIGHT_OF(op, r)                                                                               \
+  op " %%" r "14, %%" r "15, %%" r "0\n\t" op " %%" r "14, %%" r "15, %%" r "1\n\t" op " %%" r "14, %%" r \
+     "15, %%" r "2\n\t" op " %%" r "14, %%" r "15, %%" r "3\n\t" op " %%" r "14, %%" r "15, %%" r      \
+     "4\n\t" op " %%" r "14, %%" r "15, %%" r "5\n\t" op " %%" r "14, %%" r "15, %%" r "6\n\t" op " %%" r \
+     "14, %%" r "15, %%" r "7\n\t"
+static void dpbusd_y(void) { LOOP(TWELVE("vpdpbusd", "ymm")); }
+static void dpbusd_z(void) { LOOP(TWELVE("vpdpbusd", "zmm")); }
+static void dpwssd_z(void) { LOOP(TWELVE("vpdpwssd", "zmm")); }
+// The AVX-512 super-block tile's work per (pair of weight rows, row of x, pair of groups): two
+// vpmaddubsw, a vpaddw and a vpdpwssd by the groups' scales into one of eight accumulators.
+#define SUPER_Z(acc)                                                                                \
+  "vpmaddubsw %%zmm14, %%zmm15, %%zmm10\n\tvpmaddubsw %%zmm13, %%zmm15, %%zmm11\n\t"                \
+  "vpaddw %%zmm10, %%zmm11, %%zmm10\n\tvpdpwssd %%zmm12, %%zmm10, " acc "\n\t"
+static void super_pairs_z(void) {
+  LOOP(SUPER_Z("%%zmm0") SUPER_Z("%%zmm1") SUPER_Z("%%zmm2") SUPER_Z("%%zmm3") SUPER_Z("%%zmm4") SUPER_Z("%%zmm5")
+           SUPER_Z("%%zmm6") SUPER_Z("%%zmm7"));
+}
 static void pmaddubsw(void) { LOOP(EIGHT("vpmaddubsw")); }
 static void pmaddwd(void) { LOOP(EIGHT("vpmaddwd")); }
 static void psignb(void) { LOOP(EIGHT("vpsignb")); }
@@ -124,7 +158,8 @@ static void packed_dots(void) {
                PACKED_INT("384", "416", "%%ymm6") PACKED_INT("448", "480", "%%ymm7"));
 }
 
-int main(void) {
+int main(int argc, char** argv) {
+  const int avx512 = argc > 1;  // the CPU has AVX-512 BW and VNNI (vector_ops_bench.py says so)
   const double cycle = seconds_of(clock_chain) / (8.0 * kIters);  // seconds a cycle
   printf("clock %.2f GHz (a chain of dependent adds)\n", 1e-9 / cycle);
   struct {
@@ -145,9 +180,19 @@ int main(void) {
       {"GEMM word, int16 pairs", gemm_int16, 2 + 4 * 5, 128},
       {"packed int4 pair (weft's tile)", packed_pairs, 8 * 6, 8 * 64},
       {"packed int4 pair, int dot only", packed_dots, 8 * 5, 8 * 64},
+      // AVX-512 from here (kAvx512First); MAC counts are int8 products (vpdpwssd's int16 ones for
+      // its line alone).
+      {"vpdpbusd ymm", dpbusd_y, 12, 12 * 32},
+      {"vpdpbusd zmm", dpbusd_z, 12, 12 * 64},
+      {"vpmaddubsw zmm", pmaddubsw_z, 8, 8 * 64},
+      {"vpdpwssd zmm (int16 products)", dpwssd_z, 12, 12 * 32},
+      {"vpaddw zmm", paddw_z, 8, 0},
+      {"super-block pair zmm (weft's)", super_pairs_z, 8 * 4, 8 * 128},
   };
+  const unsigned kAvx512First = 12;
   printf("%-30s %12s %12s %14s\n", "instructions", "ops/cycle", "MAC/cycle", "cycles/256 MAC");
   for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) {
+    if (i >= kAvx512First && !avx512) break;
     const double cycles = seconds_of(cases[i].fn) / cycle / kIters;  // an iteration's
     if (cases[i].macs)
       printf("%-30s %12.2f %12.1f %14.1f\n", cases[i].name, cases[i].ops / cycles, cases[i].macs / cycles,
