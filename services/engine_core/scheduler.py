@@ -74,13 +74,13 @@ class _StepPlan:
 
     def clamp_prefill(self, request: Request, num_computed: int, num_new: int) -> int:
         """``num_new`` of ``request``'s tokens from ``num_computed`` on, fewer where they are
-        prompt tokens past the room."""
-        if self.prefill_room is None or num_computed >= request.num_prompt_tokens:
+        catch-up tokens past the room."""
+        if self.prefill_room is None or num_computed >= catch_up_end(request):
             return num_new
         return min(num_new, self.prefill_room)
 
     def take_prefill(self, request: Request, num_computed: int, num_tokens: int) -> None:
-        if self.prefill_room is not None and num_computed < request.num_prompt_tokens:
+        if self.prefill_room is not None and num_computed < catch_up_end(request):
             self.prefill_room -= num_tokens
 
     def drop(self, request: Request) -> None:
@@ -94,6 +94,14 @@ class _StepPlan:
         del self.new_block_ids[request.request_id]
         del self.new_group_block_ids[request.request_id]
         self.spec_tokens.pop(request.request_id, None)
+
+
+def catch_up_end(request: Request) -> int:
+    """Where a request's catch-up ends: its prompt, and after a preemption the outputs it computes
+    again, all but the newest token (the input of its next decode). The room for prompt tokens
+    beside decodes (``_StepPlan.prefill_room``) bounds the tokens a step schedules below it: a
+    resumed request whose prompt is cached costs its neighbours as much as a prompt would."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

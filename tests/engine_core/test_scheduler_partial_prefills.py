@@ -200,3 +200,25 @@ def test_no_room_set_keeps_each_prompts_own_chunk():
         add(s, name, 100)
     so, _ = step(s, w)
     assert scheduled(so) == {"stream": 1, "long1": 32, "long2": 32}
+
+
+def test_a_resumed_request_computing_its_outputs_again_takes_the_room_too():
+    """After a preemption a request computes its outputs again: with its prompt (and some outputs)
+    found in the prefix cache it starts past its prompt, but those tokens cost the stream beside it
+    as much as a prompt's, so they are held to the room (catch_up_end) as prompt tokens are."""
+    s, w = beside_decodes(4)
+    add(s, "stream", 10, max_tokens=200, ignore_eos=True)
+    step(s, w)
+    resumed = add(s, "resumed", 32, max_tokens=200, ignore_eos=True)
+    while resumed.num_output_tokens < 40:
+        so, _ = step(s, w)
+        assert sum(n for rid, n in scheduled(so).items() if rid == "resumed" and n > 1) <= 4
+    s._requeue_at_front(resumed)  # what a preemption does to it (the victim of a short KV pool)
+    w.requests.pop("resumed")  # and the worker drops it, as the step's preempted_req_ids tell it
+    assert resumed.num_computed_tokens == 0 and resumed.num_tokens - 1 > 64
+    so, _ = step(s, w)
+    new = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    assert new["resumed"] >= 64 > resumed.num_prompt_tokens  # found cached past its prompt
+    assert scheduled(so) == {"stream": 1, "resumed": 4}  # 71 - 64 + 1 = 8 tokens left, 4 of room
+    run_to_completion(s, w)
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.all_blocks_free()

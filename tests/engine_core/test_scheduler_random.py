@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from protocol import FinishReason
 from services.engine_core.request import RequestStatus
+from services.engine_core.scheduler import catch_up_end
 from tests.engine_core.fakes import FakeWorker, make_request, make_scheduler, step, tokens_of
 
 MAX_MODEL_LEN = 96
@@ -77,15 +78,16 @@ def test_random_workloads_finish_correctly_without_leaks(config, specs):
         if step_index > 6 and not s.has_unfinished_requests():
             break
         decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in s.running)
-        computed = {rid: r.num_computed_tokens for rid, r in requests.items()}
+        # Catch-up: the prompt, and a resumed request's outputs but its newest (catch_up_end).
+        ends = {rid: catch_up_end(r) for rid, r in requests.items()}
         so, step_outputs = step(s, w)
         if decoding and config["prefill_tokens_beside_decodes"] and config["enable_chunked_prefill"]:
-            prompt_tokens = sum(
-                n
-                for rid, n in so.num_scheduled_tokens.items()
-                if computed[rid] < requests[rid].num_prompt_tokens
-            )
-            assert prompt_tokens <= config["prefill_tokens_beside_decodes"]
+            # Where each scheduled request starts, prefix-cache hits included.
+            cached = so.scheduled_cached_reqs
+            start = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            start.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs)
+            catch_up_tokens = sum(n for rid, n in so.num_scheduled_tokens.items() if start[rid] < ends[rid])
+            assert catch_up_tokens <= config["prefill_tokens_beside_decodes"]
         preemptions += len(so.preempted_req_ids)
         hits += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
         for output in step_outputs:
