@@ -1402,6 +1402,34 @@ void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t 
   }
 }
 
+// What a Q4_K or Q5_K super-block tile reads (weight rows [n, n + RW), rows [m0, m0 + RX) of x),
+// the same for the 256-bit tile and the 512-bit one.
+template <int RW, int RX, bool kInt5>
+struct SuperOperands {
+  const uint8_t* q[RW];    // nibbles
+  const uint8_t* h[RW];    // Q5_K's bit planes
+  const uint8_t* rec[RW];  // records
+  const int8_t* xp[RX];    // paired x
+  const float* xs[RX];     // x's scale per 256
+  // Q5_K: the fifth bits of the rows at ahead, a row holding a quarter as many bytes of them as of
+  // nibbles.
+  const uint8_t* ahead_high;
+  SuperOperands(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, const uint8_t* ahead)
+      : ahead_high(kInt5 && ahead != nullptr ? w.qhigh + (ahead - w.qweight) / 4 : nullptr) {
+    for (int i = 0; i < RW; ++i) {
+      q[i] = w.qweight + (n + i) * w.row_bytes;
+      h[i] = kInt5 ? w.high_row(n + i) : nullptr;
+      rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+    }
+    for (int r = 0; r < RX; ++r) {
+      xp[r] = a.paired_row(m0 + r);
+      xs[r] = a.srow(m0 + r);
+    }
+  }
+  __m256i sc16(int i, int64_t sb) const { return super_sc16(rec[i] + sb * kSuperRecord); }
+  float d(int i, int64_t sb) const { return SuperScales::half_at(rec[i] + sb * kSuperRecord); }
+};
+
 // Q4_K (kInt5: Q5_K, its fifth bits as bit planes) weight rows [n, n + RW) against rows
 // [m0, m0 + RX) of x rounded per 256.
 template <int RW, int RX, bool kInt5>
@@ -1410,40 +1438,24 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  // Q5_K: the fifth bits of the rows at ahead, a row holding a quarter as many bytes of them as of
-  // nibbles.
-  const uint8_t* ahead_high = kInt5 && ahead != nullptr ? w.qhigh + (ahead - w.qweight) / 4 : nullptr;
-  const uint8_t* q[RW];
-  const uint8_t* h[RW];
-  const uint8_t* rec[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = w.qweight + (n + i) * w.row_bytes;
-    h[i] = kInt5 ? w.high_row(n + i) : nullptr;
-    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
-  }
-  const int8_t* xp[RX];
-  const float* xs[RX];
-  for (int r = 0; r < RX; ++r) {
-    xp[r] = a.paired_row(m0 + r);
-    xs[r] = a.srow(m0 + r);
-  }
+  const SuperOperands<RW, RX, kInt5> op(w, n, a, m0, ahead);
   const int64_t supers = w.K / SuperScales::kWeights;
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m256i sums[RW][RX];
     for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
     __m256i sc16[RW], planes[RW];
     for (int i = 0; i < RW; ++i) {
-      sc16[i] = super_sc16(rec[i] + sb * kSuperRecord);
-      if constexpr (kInt5) planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h[i] + sb * 32));
+      sc16[i] = op.sc16(i, sb);
+      if constexpr (kInt5) planes[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.h[i] + sb * 32));
     }
-    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(ahead_high, sb, 32);  // the next rows' planes
+    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(op.ahead_high, sb, 32);  // the next rows' planes
     // Pair j of the super-block; j a constant, so the planes' shifts are immediates.
     auto pair_step = [&](auto pair) {
       constexpr int j = decltype(pair)::value;
       const int64_t p = sb * kSuperPairs + j;
       prefetch_share<RW>(ahead, p, kBlock);
       for (int i = 0; i < RW; ++i) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + p * kBlock));
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.q[i] + p * kBlock));
         __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
         if constexpr (kInt5) {
           __m256i lo5, hi5;
@@ -1453,7 +1465,7 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
         }
         const __m256i sc = pair_sc16(sc16[i], j);
         for (int r = 0; r < RX; ++r) {
-          sums[i][r] = _mm256_add_epi32(sums[i][r], scaled_dot2(lo, hi, xp[r] + p * 2 * kBlock, sc));
+          sums[i][r] = _mm256_add_epi32(sums[i][r], scaled_dot2(lo, hi, op.xp[r] + p * 2 * kBlock, sc));
         }
       }
     };
@@ -1464,15 +1476,15 @@ void tile_i8_super(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, flo
     pair_step(std::integral_constant<int, 3>{});
     // Four pairs a lane, at most 4 * 1984248 = 7936992 < 2^24: converted to fp32 exactly.
     for (int i = 0; i < RW; ++i) {
-      const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kSuperRecord));
+      const __m256 d = _mm256_set1_ps(op.d(i, sb));
       for (int r = 0; r < RX; ++r) {
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xs[r][sb]));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(op.xs[r][sb]));
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][r]), scale, acc[i][r]);
       }
     }
   }
   float mins[RW][RX];
-  super_min_terms<RW, RX>(rec, a, m0, supers, mins);
+  super_min_terms<RW, RX>(op.rec, a, m0, supers, mins);
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) out[r * ldo + i] = hsum(acc[i][r]) - mins[i][r];
   }
@@ -1692,48 +1704,62 @@ void tile_i8_int8(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, floa
 // lanes of at most 2 * 8128 * 128 = 2080768, and a super-block's eight blocks at most 16646144 <
 // 2^24 a lane: converted to fp32 exactly, once per super-block, and FMAed by d times x's scale. The
 // same operations in the same order for a pair in every tile shape.
+// What a Q6_K super-block tile reads (weight rows [n, n + RW), rows [m0, m0 + RX) of x), the same
+// for the 256-bit tile and the 512-bit one.
+template <int RW, int RX>
+struct Super6Operands {
+  static constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
+  Int8Rows<RW, ScaleKind::kSuper, 16> rows;
+  const uint8_t* q[RW];    // low bits
+  const uint8_t* h[RW];    // high bits
+  const uint8_t* rec[RW];  // records
+  const int8_t* xq[RX];    // x
+  const int16_t* xb[RX];   // x's pair biases
+  const float* xs[RX];     // x's scale per 256
+  // The high bits of the rows at ahead: a row holds half as many bytes of them as of low bits.
+  const uint8_t* ahead_high;
+  Super6Operands(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, const uint8_t* ahead)
+      : rows(w, n), ahead_high(ahead == nullptr ? nullptr : w.qhigh + (ahead - w.qweight) / 2) {
+    for (int i = 0; i < RW; ++i) {
+      q[i] = reinterpret_cast<const uint8_t*>(rows.q[i]);
+      h[i] = rows.h[i];
+      rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
+    }
+    for (int r = 0; r < RX; ++r) {
+      xq[r] = a.qrow(m0 + r);
+      xb[r] = a.pair_bias_row(m0 + r);
+      xs[r] = a.srow(m0 + r);
+    }
+  }
+  // Weight row i's sc of groups 0-7 (half 0) or 8-15 (half 1) of super-block sb, as int16 in both
+  // 128-bit halves.
+  __m256i sc16(int i, int64_t sb, int half) const {
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+  }
+  float d(int i, int64_t sb) const { return SuperScales::half_at(rec[i] + sb * kRecord); }
+};
+
 template <int RW, int RX>
 void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
                     const uint8_t* ahead) {
-  constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
   __m256 acc[RW][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm256_setzero_ps();
-  Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
-  const uint8_t* q[RW];
-  const uint8_t* h[RW];
-  const uint8_t* rec[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = reinterpret_cast<const uint8_t*>(rows.q[i]);
-    h[i] = rows.h[i];
-    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
-  }
-  const int8_t* xq[RX];
-  const int16_t* xb[RX];
-  const float* xs[RX];
-  // The high bits of the rows at ahead: a row holds half as many bytes of them as of low bits.
-  const uint8_t* ahead_high = ahead == nullptr ? nullptr : w.qhigh + (ahead - w.qweight) / 2;
-  for (int r = 0; r < RX; ++r) {
-    xq[r] = a.qrow(m0 + r);
-    xb[r] = a.pair_bias_row(m0 + r);
-    xs[r] = a.srow(m0 + r);
-  }
+  Super6Operands<RW, RX> op(w, n, a, m0, ahead);
   const int64_t supers = w.K / SuperScales::kWeights;
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m256i sums[RW][RX];
     for (auto& per_w : sums) for (auto& v : per_w) v = _mm256_setzero_si256();
     __m256i sc16[RW][2];  // groups 0-7 and 8-15 of the super-block, as int16 in both halves
     for (int i = 0; i < RW; ++i) {
-      for (int half = 0; half < 2; ++half) {
-        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
-        sc16[i][half] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-      }
+      for (int half = 0; half < 2; ++half) sc16[i][half] = op.sc16(i, sb, half);
     }
     // Block b of weight row i (its q in u, its pair's scales sc) against every row of x. Each
     // (weight row, x row) sum takes the blocks in order whichever way u comes.
     auto block = [&](int i, int64_t b, __m256i u, __m256i sc) {
       for (int r = 0; r < RX; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * kBlock));
-        const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[r] + b * kBlock / 2));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.xq[r] + b * kBlock));
+        const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.xb[r] + b * kBlock / 2));
         const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xv), bias);
         sums[i][r] = _mm256_add_epi32(sums[i][r], _mm256_madd_epi16(pairs, sc));
       }
@@ -1745,10 +1771,10 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
         const int64_t c = sb * 2 + half;
         // The next rows' share of this chunk: 64 bytes of low bits and 32 of high bits a row.
         for (int j = 0; j < 2; ++j) prefetch_share<RW>(ahead, c * 2 + j, kBlock);
-        prefetch_share<RW>(ahead_high, c, kBlock);
+        prefetch_share<RW>(op.ahead_high, c, kBlock);
         for (int i = 0; i < RW; ++i) {
           __m256i u[4];
-          int6_vectors(q[i], h[i], c, u);
+          int6_vectors(op.q[i], op.h[i], c, u);
           for (int j = 0; j < 4; ++j) block(i, c * 4 + j, u[j], pair_sc16(sc16[i][half], j));
         }
       }
@@ -1759,14 +1785,16 @@ void tile_i8_super6(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, fl
       for (int j = 0; j < 8; ++j) {
         const int64_t b = sb * 8 + j;
         prefetch_share<RW>(ahead, b, kBlock / 2);  // 16 bytes of low bits a block; high bits with the scales
-        if (j % 4 == 0) rows.unpack(b / 4);
-        for (int i = 0; i < RW; ++i) block(i, b, rows.unsigned_block(i, b), pair_sc16(sc16[i][j / 4], j % 4));
+        if (j % 4 == 0) op.rows.unpack(b / 4);
+        for (int i = 0; i < RW; ++i) {
+          block(i, b, op.rows.unsigned_block(i, b), pair_sc16(sc16[i][j / 4], j % 4));
+        }
       }
     }
     for (int i = 0; i < RW; ++i) {
-      const __m256 d = _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kRecord));
+      const __m256 d = _mm256_set1_ps(op.d(i, sb));
       for (int r = 0; r < RX; ++r) {
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xs[r][sb]));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(op.xs[r][sb]));
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][r]), scale, acc[i][r]);
       }
     }
@@ -2002,37 +2030,23 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const uint8_t* ahead_high = kInt5 && ahead != nullptr ? w.qhigh + (ahead - w.qweight) / 4 : nullptr;
-  const uint8_t* q[RW];
-  const uint8_t* h[RW];
-  const uint8_t* rec[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = w.qweight + (n + i) * w.row_bytes;
-    h[i] = kInt5 ? w.high_row(n + i) : nullptr;
-    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
-  }
-  const int8_t* xp[RX];
-  const float* xs[RX];
-  for (int r = 0; r < RX; ++r) {
-    xp[r] = a.paired_row(m0 + r);
-    xs[r] = a.srow(m0 + r);
-  }
+  const SuperOperands<RW, RX, kInt5> op(w, n, a, m0, ahead);
   const int64_t supers = w.K / SuperScales::kWeights;
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m512i sums[H][RX];
     for (auto& per_w : sums) for (auto& v : per_w) v = _mm512_setzero_si512();
     __m512i sc16[H], planes[H];
     for (int k = 0; k < H; ++k) {
-      sc16[k] = rows2(super_sc16(rec[2 * k] + sb * kSuperRecord), super_sc16(rec[2 * k + 1] + sb * kSuperRecord));
-      if constexpr (kInt5) planes[k] = rows2(h[2 * k] + sb * 32, h[2 * k + 1] + sb * 32);
+      sc16[k] = rows2(op.sc16(2 * k, sb), op.sc16(2 * k + 1, sb));
+      if constexpr (kInt5) planes[k] = rows2(op.h[2 * k] + sb * 32, op.h[2 * k + 1] + sb * 32);
     }
-    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(ahead_high, sb, 32);
+    if constexpr (kInt5 && RX == 1) prefetch_share<RW>(op.ahead_high, sb, 32);
     auto pair_step = [&](auto pair) {
       constexpr int j = decltype(pair)::value;
       const int64_t p = sb * kSuperPairs + j;
       prefetch_share<RW>(ahead, p, kBlock);
       for (int k = 0; k < H; ++k) {
-        const __m512i bytes = rows2(q[2 * k] + p * kBlock, q[2 * k + 1] + p * kBlock);
+        const __m512i bytes = rows2(op.q[2 * k] + p * kBlock, op.q[2 * k + 1] + p * kBlock);
         __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
         if constexpr (kInt5) {
           // fifth_bits_of_planes on both rows' planes at once: bit_as_0x10's shift and mask per lane.
@@ -2048,7 +2062,9 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
           hi = _mm512_or_si512(hi, as_0x10(std::integral_constant<int, kHi>{}));
         }
         const __m512i sc = pair_sc16_zmm(sc16[k], j);
-        for (int r = 0; r < RX; ++r) sums[k][r] = scaled_dot2_add(sums[k][r], lo, hi, xp[r] + p * 2 * kBlock, sc);
+        for (int r = 0; r < RX; ++r) {
+          sums[k][r] = scaled_dot2_add(sums[k][r], lo, hi, op.xp[r] + p * 2 * kBlock, sc);
+        }
       }
     };
     static_assert(kSuperPairs == 4, "a super-block is four pairs of groups");
@@ -2057,16 +2073,15 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
     pair_step(std::integral_constant<int, 2>{});
     pair_step(std::integral_constant<int, 3>{});
     for (int k = 0; k < H; ++k) {
-      const __m512 d = rows2(_mm256_set1_ps(SuperScales::half_at(rec[2 * k] + sb * kSuperRecord)),
-                             _mm256_set1_ps(SuperScales::half_at(rec[2 * k + 1] + sb * kSuperRecord)));
+      const __m512 d = rows2(_mm256_set1_ps(op.d(2 * k, sb)), _mm256_set1_ps(op.d(2 * k + 1, sb)));
       for (int r = 0; r < RX; ++r) {
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[r][sb]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(op.xs[r][sb]));
         acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[k][r]), scale, acc[k][r]);
       }
     }
   }
   float mins[RW][RX];
-  super_min_terms<RW, RX>(rec, a, m0, supers, mins);
+  super_min_terms<RW, RX>(op.rec, a, m0, supers, mins);
   store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return -mins[i][r]; });
 }
 
@@ -2079,27 +2094,9 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
                         const uint8_t* ahead) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
   constexpr int H = RW / 2;
-  constexpr int64_t kRecord = 18;  // fp16 d, 16 int8 sc
   __m512 acc[H][RX];
   for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
-  Int8Rows<RW, ScaleKind::kSuper, 16> rows(w, n);
-  const uint8_t* q[RW];
-  const uint8_t* h[RW];
-  const uint8_t* rec[RW];
-  for (int i = 0; i < RW; ++i) {
-    q[i] = reinterpret_cast<const uint8_t*>(rows.q[i]);
-    h[i] = rows.h[i];
-    rec[i] = static_cast<const uint8_t*>(w.scale_row(n + i));
-  }
-  const int8_t* xq[RX];
-  const int16_t* xb[RX];
-  const float* xs[RX];
-  const uint8_t* ahead_high = ahead == nullptr ? nullptr : w.qhigh + (ahead - w.qweight) / 2;
-  for (int r = 0; r < RX; ++r) {
-    xq[r] = a.qrow(m0 + r);
-    xb[r] = a.pair_bias_row(m0 + r);
-    xs[r] = a.srow(m0 + r);
-  }
+  Super6Operands<RW, RX> op(w, n, a, m0, ahead);
   const int64_t supers = w.K / SuperScales::kWeights;
   for (int64_t sb = 0; sb < supers; ++sb) {
     __m512i sums[H][RX];
@@ -2107,17 +2104,13 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
     __m512i sc16[H][2];  // groups 0-7 and 8-15 of the super-block, two rows side by side
     for (int k = 0; k < H; ++k) {
       for (int half = 0; half < 2; ++half) {
-        auto of = [&](int i) {
-          const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[i] + sb * kRecord + 2 + 8 * half));
-          return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-        };
-        sc16[k][half] = rows2(of(2 * k), of(2 * k + 1));
+        sc16[k][half] = rows2(op.sc16(2 * k, sb, half), op.sc16(2 * k + 1, sb, half));
       }
     }
     auto block = [&](int k, int64_t b, __m512i u, __m512i sc) {
       for (int r = 0; r < RX; ++r) {
-        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(u, both(xq[r] + b * kBlock)),
-                                               both(xb[r] + b * kBlock / 2));
+        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(u, both(op.xq[r] + b * kBlock)),
+                                               both(op.xb[r] + b * kBlock / 2));
         sums[k][r] = _mm512_dpwssd_epi32(sums[k][r], pairs, sc);
       }
     };
@@ -2125,11 +2118,11 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
       for (int half = 0; half < 2; ++half) {
         const int64_t c = sb * 2 + half;
         for (int j = 0; j < 2; ++j) prefetch_share<RW>(ahead, c * 2 + j, kBlock);
-        prefetch_share<RW>(ahead_high, c, kBlock);
+        prefetch_share<RW>(op.ahead_high, c, kBlock);
         for (int k = 0; k < H; ++k) {
           __m256i u0[4], u1[4];
-          int6_vectors(q[2 * k], h[2 * k], c, u0);
-          int6_vectors(q[2 * k + 1], h[2 * k + 1], c, u1);
+          int6_vectors(op.q[2 * k], op.h[2 * k], c, u0);
+          int6_vectors(op.q[2 * k + 1], op.h[2 * k + 1], c, u1);
           for (int j = 0; j < 4; ++j) block(k, c * 4 + j, rows2(u0[j], u1[j]), pair_sc16_zmm(sc16[k][half], j));
         }
       }
@@ -2138,18 +2131,17 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
       for (int j = 0; j < 8; ++j) {
         const int64_t b = sb * 8 + j;
         prefetch_share<RW>(ahead, b, kBlock / 2);
-        if (j % 4 == 0) rows.unpack(b / 4);
+        if (j % 4 == 0) op.rows.unpack(b / 4);
         for (int k = 0; k < H; ++k) {
-          block(k, b, rows2(rows.unsigned_block(2 * k, b), rows.unsigned_block(2 * k + 1, b)),
+          block(k, b, rows2(op.rows.unsigned_block(2 * k, b), op.rows.unsigned_block(2 * k + 1, b)),
                 pair_sc16_zmm(sc16[k][j / 4], j % 4));
         }
       }
     }
     for (int k = 0; k < H; ++k) {
-      const __m512 d = rows2(_mm256_set1_ps(SuperScales::half_at(rec[2 * k] + sb * kRecord)),
-                             _mm256_set1_ps(SuperScales::half_at(rec[2 * k + 1] + sb * kRecord)));
+      const __m512 d = rows2(_mm256_set1_ps(op.d(2 * k, sb)), _mm256_set1_ps(op.d(2 * k + 1, sb)));
       for (int r = 0; r < RX; ++r) {
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[r][sb]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(op.xs[r][sb]));
         acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[k][r]), scale, acc[k][r]);
       }
     }
