@@ -408,6 +408,28 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// out[i] = hsum(v[i]) for i < count, the same adds of the same lanes (each a sum of its halves, then
+// lanes 0 + 2 and 1 + 3, then those two), eight vectors at a time transposed into one: 7 shuffles
+// and 7 adds for eight sums where hsum takes 3 and 3 for each.
+inline void hsums(const __m256* v, int count, float* out) {
+  int i = 0;
+  for (; i + 8 <= count; i += 8) {
+    // Lane j of the result holds vector j's sum when the pairs below take (0, 4), (1, 5), (2, 6), (3, 7).
+    auto halves_added = [&](int a, int b) {  // [a's halves added | b's]
+      return _mm256_add_ps(_mm256_permute2f128_ps(v[i + a], v[i + b], 0x20),
+                           _mm256_permute2f128_ps(v[i + a], v[i + b], 0x31));
+    };
+    const __m256 p0 = halves_added(0, 4), p1 = halves_added(1, 5), p2 = halves_added(2, 6), p3 = halves_added(3, 7);
+    auto pairs_added = [](__m256 x, __m256 y) {  // per 128 bits: x's lanes 0 + 2, 1 + 3, then y's
+      return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    const __m256 t01 = pairs_added(p0, p1), t23 = pairs_added(p2, p3);
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                            _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1))));
+  }
+  for (; i < count; ++i) out[i] = hsum(v[i]);
+}
 #endif
 
 // out[m][r] = dot(x[m], w[r]) for the kTileRows rows of w (K floats apart), rows m0..m0+count of x.
@@ -746,6 +768,9 @@ struct ActInt8 {
   // The super-block path only (group 256), Q4_K and Q5_K: [M, K / 32], the integer sums of the
   // rounded x per 32 (at most 32 * 127 in magnitude), for the min term in integers.
   std::vector<int16_t> bsums;
+  // The super-block path only, Q4_K and Q5_K: [M, ceil(K / 512) * 8], x's scales as the min terms
+  // take them, two super-blocks a step: lanes 0-3 super-block 2p's, 4-7 2p + 1's (0 past K).
+  std::vector<float> super_lanes;
   // The super-block path only, Q6_K: [M, K / 2], 32 times the sum of each pair of rounded x (at most
   // 32 * 2 * 127 = 8128), what tile_i8_super6 takes off each maddubs pair of q and x to make the
   // pairs of q - 32.
@@ -760,6 +785,8 @@ struct ActInt8 {
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
   const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
   const int16_t* bsums_row(int64_t m) const { return bsums.data() + m * blocks; }
+  int64_t super_pairs() const { return (row_scales() + 1) / 2; }
+  const float* super_lanes_row(int64_t m) const { return super_lanes.data() + m * super_pairs() * 8; }
   const int16_t* pair_bias_row(int64_t m) const { return pair_bias.data() + m * blocks * kBlock / 2; }
 };
 
@@ -836,9 +863,11 @@ void pair_biases(ActInt8& a, int64_t M) {
   });
 }
 
-// Fills a.bsums from a.q (the super-block path's; see ActInt8).
+// Fills a.bsums from a.q and a.super_lanes from a.scales (the super-block path's; see ActInt8).
 void block_sums(ActInt8& a, int64_t M) {
   a.bsums.assign(M * a.blocks, 0);
+  const int64_t supers = a.row_scales(), pairs = a.super_pairs();
+  a.super_lanes.assign(M * pairs * 8, 0.f);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int8_t* q = a.qrow(m);
@@ -847,6 +876,8 @@ void block_sums(ActInt8& a, int64_t M) {
         for (int64_t j = 0; j < kBlock; ++j) sum += q[b * kBlock + j];
         a.bsums[m * a.blocks + b] = static_cast<int16_t>(sum);
       }
+      float* lanes = a.super_lanes.data() + m * pairs * 8;
+      for (int64_t sb = 0; sb < supers; ++sb) std::fill_n(lanes + sb / 2 * 8 + sb % 2 * 4, 4, a.srow(m)[sb]);
     }
   });
 }
@@ -1830,11 +1861,17 @@ inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_
 // Out[r * ldo + i] for the RW weight rows (even) of a tile: each half's hsum plus its row's tail.
 template <int RW, int RX, class Tail>
 inline void store_halves(const __m512 (&acc)[RW / 2][RX], float* out, int64_t ldo, Tail&& tail) {
-  for (int h = 0; h < RW / 2; ++h) {
-    for (int r = 0; r < RX; ++r) {
-      out[r * ldo + 2 * h] = hsum(_mm512_castps512_ps256(acc[h][r])) + tail(2 * h, r);
-      out[r * ldo + 2 * h + 1] = hsum(high_half(acc[h][r])) + tail(2 * h + 1, r);
+  __m256 halves[RX][RW];  // weight row 2h's lanes, then 2h + 1's
+  for (int r = 0; r < RX; ++r) {
+    for (int h = 0; h < RW / 2; ++h) {
+      halves[r][2 * h] = _mm512_castps512_ps256(acc[h][r]);
+      halves[r][2 * h + 1] = high_half(acc[h][r]);
     }
+  }
+  float sums[RX][RW];
+  hsums(&halves[0][0], RX * RW, &sums[0][0]);
+  for (int r = 0; r < RX; ++r) {
+    for (int i = 0; i < RW; ++i) out[r * ldo + i] = sums[r][i] + tail(i, r);
   }
 }
 
@@ -2019,12 +2056,107 @@ inline __m512i scaled_dot2_add(__m512i sums, __m512i lo, __m512i hi, const int8_
   return _mm512_dpwssd_epi32(sums, pairs, sc);
 }
 
+// The weight side of a block of four Q4_K or Q5_K weight rows that the zmm super-block tiles read
+// (tile_i8_super_zmm, super_min_terms_zmm), formed once per block of rows_tiles for all the tiles
+// against it rather than by each tile: the shuffles that form it issue on one port where the
+// tiles' multiplies issue on two, and at 16 rows of x four tiles share a block (the min terms had
+// taken about a fifth of a 16-row call). Per pair of weight rows k (rows 2k and 2k + 1 of the
+// block, a half each): d of each super-block in eight lanes; per pair of super-blocks p the m as
+// int16 and dmin in super_min_terms' lanes (0-3 super-block 2p's, 4-7 2p + 1's; 0 past the last).
+struct SuperRows {
+  int64_t supers = 0, pairs = 0;
+  std::vector<float> d;       // [2, supers, 16]
+  std::vector<int16_t> mins;  // [2, pairs, 32]
+  std::vector<float> dmin;    // [2, pairs, 16]
+  void fill(const Packed& w, int64_t n) {
+    supers = w.K / SuperScales::kWeights;
+    pairs = (supers + 1) / 2;
+    d.resize(2 * supers * 16);
+    mins.resize(2 * pairs * 32);
+    dmin.resize(2 * pairs * 16);
+    for (int k = 0; k < 2; ++k) {
+      const uint8_t* rec[2] = {static_cast<const uint8_t*>(w.scale_row(n + 2 * k)),
+                               static_cast<const uint8_t*>(w.scale_row(n + 2 * k + 1))};
+      for (int64_t sb = 0; sb < supers; ++sb) {
+        auto d8 = [&](int i) { return _mm256_set1_ps(SuperScales::half_at(rec[i] + sb * kSuperRecord)); };
+        _mm512_storeu_ps(&d[(k * supers + sb) * 16], rows2(d8(0), d8(1)));
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        const bool lone = 2 * p + 1 == supers;
+        auto m16 = [](const uint8_t* r) {  // a record's eight m as int16
+          return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
+        };
+        auto row_mins = [&](int i) {
+          const uint8_t* r0 = rec[i] + 2 * p * kSuperRecord;
+          return _mm256_inserti128_si256(_mm256_castsi128_si256(m16(r0)),
+                                         lone ? _mm_setzero_si128() : m16(r0 + kSuperRecord), 1);
+        };
+        auto row_dmin = [&](int i) {
+          const uint8_t* r0 = rec[i] + 2 * p * kSuperRecord;
+          return halves(SuperScales::half_at(r0 + 2), lone ? 0.f : SuperScales::half_at(r0 + kSuperRecord + 2));
+        };
+        _mm512_storeu_si512(&mins[(k * pairs + p) * 32], rows2(row_mins(0), row_mins(1)));
+        _mm512_storeu_ps(&dmin[(k * pairs + p) * 16], rows2(row_dmin(0), row_dmin(1)));
+      }
+    }
+  }
+  __m512 d_of(int k, int64_t sb) const { return _mm512_loadu_ps(&d[(k * supers + sb) * 16]); }
+  __m512i mins_of(int k, int64_t p) const { return _mm512_loadu_si512(&mins[(k * pairs + p) * 32]); }
+  __m512 dmin_of(int k, int64_t p) const { return _mm512_loadu_ps(&dmin[(k * pairs + p) * 16]); }
+};
+
+// super_min_terms with weight rows two to a zmm, pairs k0, k0 + 1, ... of the block's SuperRows:
+// each half the 256-bit lanes of one row (the same vpmaddwd of its m by x's sums, conversion,
+// product of dmin and x's scales and FMA, over the same super-blocks in the same order, the same
+// hsum), x's sums and scales (ActInt8::super_lanes) broadcast into both halves: the same bits.
+template <int RW, int RX>
+void super_min_terms_zmm(const SuperRows& sr, int k0, const ActInt8& a, int64_t m0, float (&out)[RW][RX]) {
+  constexpr int H = RW / 2;
+  __m512 acc[H][RX];
+  for (auto& per_w : acc) for (auto& v : per_w) v = _mm512_setzero_ps();
+  const int16_t* bs[RX];
+  const float* lanes[RX];
+  for (int r = 0; r < RX; ++r) {
+    bs[r] = a.bsums_row(m0 + r);
+    lanes[r] = a.super_lanes_row(m0 + r);
+  }
+  auto step = [&](int64_t p, bool lone) {
+    __m512i sums[RX];
+    __m512 xscale[RX];
+    for (int r = 0; r < RX; ++r) {
+      const int16_t* b = bs[r] + p * 16;
+      sums[r] = lone ? _mm512_broadcast_i64x4(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))))
+                     : both(b);
+      xscale[r] = both(_mm256_loadu_ps(lanes[r] + p * 8));
+    }
+    for (int k = 0; k < H; ++k) {
+      const __m512i mins = sr.mins_of(k0 + k, p);
+      const __m512 dmin = sr.dmin_of(k0 + k, p);
+      for (int r = 0; r < RX; ++r) {
+        const __m512 scale = _mm512_mul_ps(dmin, xscale[r]);
+        acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(mins, sums[r])), scale, acc[k][r]);
+      }
+    }
+  };
+  const int64_t whole = sr.supers / 2;
+  for (int64_t p = 0; p < whole; ++p) step(p, false);
+  if (whole < sr.pairs) step(whole, true);
+  __m256 halves[RW][RX];
+  for (int k = 0; k < H; ++k) {
+    for (int r = 0; r < RX; ++r) {
+      halves[2 * k][r] = _mm512_castps512_ps256(acc[k][r]);
+      halves[2 * k + 1][r] = high_half(acc[k][r]);
+    }
+  }
+  hsums(&halves[0][0], RW * RX, &out[0][0]);
+}
+
 // tile_i8_super with weight rows two to a zmm: each half the 8 int32 sums and 8 fp32 lanes of the
 // 256-bit tile, the same operations per lane in the same order (a vpmaddwd and an add fused into
 // one exact vpdpwssd), the same min terms (super_min_terms) and the same hsum: the same bits.
 template <int RW, int RX, bool kInt5>
 void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
-                       const uint8_t* ahead) {
+                       const uint8_t* ahead, const SuperRows* sr, int k0) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
@@ -2073,7 +2205,8 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
     pair_step(std::integral_constant<int, 2>{});
     pair_step(std::integral_constant<int, 3>{});
     for (int k = 0; k < H; ++k) {
-      const __m512 d = rows2(_mm256_set1_ps(op.d(2 * k, sb)), _mm256_set1_ps(op.d(2 * k + 1, sb)));
+      const __m512 d = sr != nullptr ? sr->d_of(k0 + k, sb)
+                                     : rows2(_mm256_set1_ps(op.d(2 * k, sb)), _mm256_set1_ps(op.d(2 * k + 1, sb)));
       for (int r = 0; r < RX; ++r) {
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(op.xs[r][sb]));
         acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[k][r]), scale, acc[k][r]);
@@ -2081,7 +2214,11 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
     }
   }
   float mins[RW][RX];
-  super_min_terms<RW, RX>(op.rec, a, m0, supers, mins);
+  if (sr != nullptr) {
+    super_min_terms_zmm<RW, RX>(*sr, k0, a, m0, mins);
+  } else {
+    super_min_terms<RW, RX>(op.rec, a, m0, supers, mins);
+  }
   store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return -mins[i][r]; });
 }
 
@@ -2266,6 +2403,11 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
   }
 }
 
+// What the tiles of a layout without a per-block weight side (rows_tiles' Block) get.
+struct NoBlock {
+  void fill(const Packed&, int64_t) {}
+};
+
 // The int8-activation tile of a layout (kInt5: int4 with fifth bits; kInt6: int8 unpacked from
 // nibbles and two high bits; kScales: where its scales are read from).
 template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
@@ -2273,6 +2415,12 @@ struct TilesI8 {
   using Act = ActInt8;
   // Q4_K, Q5_K (tile_i8_super) and Q6_K (tile_i8_super6) with their records: x rounded per 256.
   static constexpr bool kSuperBlocks = (kInt4 || kInt6) && kScales == ScaleKind::kSuper;
+#ifdef WEFT_ZMM
+  // The weight side the zmm Q4_K and Q5_K tiles of a block of four weight rows share (SuperRows).
+  using Block = std::conditional_t<kSuperBlocks && kInt4, SuperRows, NoBlock>;
+#else
+  using Block = NoBlock;
+#endif
 #ifdef WEFT_ZMM
   static constexpr int kWide = 4;  // 4 x 4: two rows a zmm, 8 zmm accumulators
 #else
@@ -2287,13 +2435,14 @@ struct TilesI8 {
 #else
   static constexpr bool kSpreadsRows = false;
 #endif
+  // k0: the tile's first pair of weight rows within its block of four (block).
   template <int RW, int RX>
   static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo,
-                   const uint8_t* ahead) {
+                   const uint8_t* ahead, [[maybe_unused]] const Block* block, [[maybe_unused]] int k0) {
 #ifdef WEFT_ZMM
     if constexpr (RW % 2 == 0 && kSuperBlocks) {
       if constexpr (kInt4) {
-        tile_i8_super_zmm<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_super_zmm<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead, block, k0);
       } else {
         tile_i8_super6_zmm<RW, RX>(w, n, a, m0, out, ldo, ahead);
       }
@@ -2324,12 +2473,14 @@ struct TilesI8 {
 template <bool kInt4, bool kInt5, bool kInt6, ScaleKind kScales, int G>
 struct TilesI16 {
   using Act = ActInt16;
+  using Block = NoBlock;
   static constexpr int kWide = 1;  // two accumulators a pair: 1 x 4 keeps 8
   static constexpr bool kSpreads = false;
   static constexpr bool kSpreadsHigh = false;
   static constexpr bool kSpreadsRows = false;
   template <int RW, int RX>
-  static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*) {
+  static void tile(const Packed& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ldo, const uint8_t*,
+                   const Block*, int) {
     // Q5_K's records come with its fifth bits as bit planes.
     tile_i16<RW, RX, kInt4, kInt5, kInt6, G, kInt5 && kScales == ScaleKind::kSuper>(w, n, a, m0, out, ldo);
   }
@@ -2355,8 +2506,14 @@ constexpr int64_t kSpreadRowBytes = 4096;
 template <class Tiles>
 void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tiles::Act& a, int64_t m0, int64_t m1,
                 float* op, int64_t ldo, bool row_blocks) {
+  // The weight side of a block of four rows, formed once for its tiles where two or more tiles of
+  // rows of x share it (8 rows and more; below, each tile forms its own as it goes).
+  typename Tiles::Block block;
+  const bool share = m1 - m0 >= 8;
+  int64_t block_n = begin;
   auto tile = [&](auto rw, auto rx, int64_t n, int64_t m, const uint8_t* ahead = nullptr) {
-    Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(w, n, a, m, op + m * ldo + n, ldo, ahead);
+    Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(
+        w, n, a, m, op + m * ldo + n, ldo, ahead, share ? &block : nullptr, static_cast<int>((n - block_n) / 2));
   };
   const bool spread = Tiles::kSpreads && m1 - m0 == 1;
   const bool spread_rows = Tiles::kSpreadsRows && m1 - m0 > 1 && w.row_bytes <= kSpreadRowBytes;
@@ -2377,6 +2534,8 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   int64_t n = begin;
   for (; row_blocks && n + 4 <= end; n += 4) {
     prefetch(n, 4);
+    if (share) block.fill(w, n);
+    block_n = n;
     // Above one row of x (AVX-512, rows up to kSpreadRowBytes): the block's first tile prefetches
     // the four weight rows kPrefetchRows ahead a share per step, the other tiles none.
     const uint8_t* ahead = spread_rows ? w.qweight + std::min(n + kPrefetchRows, w.N - 4) * w.row_bytes : nullptr;
