@@ -61,6 +61,10 @@ SHAPES = {
     "up": (8192, 2048),
     "down": (2048, 8192),
     "head": (49152, 2048),
+    # The Llama-3.2-3B shape's (hidden 3072, MLP 8192): q and o, gate and up, down.
+    "3b-qkvo": (3072, 3072),
+    "3b-up": (8192, 3072),
+    "3b-down": (3072, 8192),
     # The default model's (SmolLM2-135M: hidden 576, MLP 1536): the fused QKV, o, gate-up, down, head.
     "smol-qkv": (960, 576),
     "smol-o": (576, 576),

@@ -2068,6 +2068,7 @@ struct SuperRows {
   std::vector<float> d;       // [2, supers, 16]
   std::vector<int16_t> mins;  // [2, pairs, 32]
   std::vector<float> dmin;    // [2, pairs, 16]
+  static bool shares(const Packed&) { return true; }  // 8 KiB at K = 8192
   void fill(const Packed& w, int64_t n) {
     supers = w.K / SuperScales::kWeights;
     pairs = (supers + 1) / 2;
@@ -2222,13 +2223,34 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
   store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return -mins[i][r]; });
 }
 
+// The weights of a block of four Q6_K weight rows unpacked (int6_chunk: q in [0, 64)) once for all
+// the zmm tiles against them (tile_i8_super6_zmm above one row of x), as SuperRows is for Q4_K:
+// at 16 rows of x each tile unpacked them again, about two-fifths of its vector operations.
+struct Super6Rows {
+  int64_t K = 0;
+  std::vector<uint8_t> q;  // [4, K]
+  // Up to 16 KiB: at K = 8192 (32 KiB) the tiles read it back from L2 slower than they unpack it
+  // (0.83-0.98x at 8 and 16 rows of x; 1.11-1.17x at K = 2048 and 3072).
+  static bool shares(const Packed& w) { return w.K <= 4096; }
+  void fill(const Packed& w, int64_t n) {
+    K = w.K;
+    q.resize(4 * K);
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* low = w.qweight + (n + i) * w.row_bytes;
+      for (int64_t c = 0; c < K / 128; ++c) int6_chunk(low, w.high_row(n + i), c, &q[i * K + c * 128]);
+    }
+  }
+  // Block b of rows 2k and 2k + 1, a half each.
+  __m512i block_of(int k, int64_t b) const { return rows2(&q[2 * k * K + b * kBlock], &q[(2 * k + 1) * K + b * kBlock]); }
+};
+
 // tile_i8_super6 with weight rows two to a zmm: each row's blocks unpacked as the 256-bit tile
 // unpacks them and put side by side, x's bytes and pair biases broadcast into both halves, the
 // same maddubs, subtract and vpmaddwd per lane with the add fused into vpdpwssd (exact): the
 // same bits.
 template <int RW, int RX>
 void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
-                        const uint8_t* ahead) {
+                        const uint8_t* ahead, const Super6Rows* sr, int k0) {
   static_assert(RW % 2 == 0, "two weight rows a zmm");
   constexpr int H = RW / 2;
   __m512 acc[H][RX];
@@ -2268,9 +2290,11 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
       for (int j = 0; j < 8; ++j) {
         const int64_t b = sb * 8 + j;
         prefetch_share<RW>(ahead, b, kBlock / 2);
-        if (j % 4 == 0) op.rows.unpack(b / 4);
+        if (sr == nullptr && j % 4 == 0) op.rows.unpack(b / 4);
         for (int k = 0; k < H; ++k) {
-          block(k, b, rows2(op.rows.unsigned_block(2 * k, b), op.rows.unsigned_block(2 * k + 1, b)),
+          block(k, b,
+                sr != nullptr ? sr->block_of(k0 + k, b)
+                              : rows2(op.rows.unsigned_block(2 * k, b), op.rows.unsigned_block(2 * k + 1, b)),
                 pair_sc16_zmm(sc16[k][j / 4], j % 4));
         }
       }
@@ -2405,6 +2429,7 @@ void tile_i16(const Packed& w, int64_t n, const ActInt16& a, int64_t m0, float* 
 
 // What the tiles of a layout without a per-block weight side (rows_tiles' Block) get.
 struct NoBlock {
+  static bool shares(const Packed&) { return false; }
   void fill(const Packed&, int64_t) {}
 };
 
@@ -2417,7 +2442,8 @@ struct TilesI8 {
   static constexpr bool kSuperBlocks = (kInt4 || kInt6) && kScales == ScaleKind::kSuper;
 #ifdef WEFT_ZMM
   // The weight side the zmm Q4_K and Q5_K tiles of a block of four weight rows share (SuperRows).
-  using Block = std::conditional_t<kSuperBlocks && kInt4, SuperRows, NoBlock>;
+  using Block = std::conditional_t<kSuperBlocks && kInt4, SuperRows,
+                                   std::conditional_t<kSuperBlocks && kInt6, Super6Rows, NoBlock>>;
 #else
   using Block = NoBlock;
 #endif
@@ -2444,7 +2470,7 @@ struct TilesI8 {
       if constexpr (kInt4) {
         tile_i8_super_zmm<RW, RX, kInt5>(w, n, a, m0, out, ldo, ahead, block, k0);
       } else {
-        tile_i8_super6_zmm<RW, RX>(w, n, a, m0, out, ldo, ahead);
+        tile_i8_super6_zmm<RW, RX>(w, n, a, m0, out, ldo, ahead, block, k0);
       }
       return;
     }
@@ -2509,7 +2535,7 @@ void rows_tiles(const Packed& w, int64_t begin, int64_t end, const typename Tile
   // The weight side of a block of four rows, formed once for its tiles where two or more tiles of
   // rows of x share it (8 rows and more; below, each tile forms its own as it goes).
   typename Tiles::Block block;
-  const bool share = m1 - m0 >= 8;
+  const bool share = m1 - m0 >= 8 && Tiles::Block::shares(w);
   int64_t block_n = begin;
   auto tile = [&](auto rw, auto rx, int64_t n, int64_t m, const uint8_t* ahead = nullptr) {
     Tiles::template tile<decltype(rw)::value, decltype(rx)::value>(
