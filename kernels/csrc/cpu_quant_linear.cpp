@@ -778,8 +778,11 @@ struct ActInt8 {
   // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
   // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
   std::vector<int32_t> bias;
+  // The int8 layout on AVX-512 (tile_i8_int8_zmm): [M, blocks * 32], q + 128 as unsigned bytes.
+  std::vector<uint8_t> qu;
   int64_t row_scales() const { return blocks * kBlock / group; }
   const int8_t* qrow(int64_t m) const { return q.data() + m * blocks * kBlock; }
+  const uint8_t* qu_row(int64_t m) const { return qu.data() + m * blocks * kBlock; }
   const float* srow(int64_t m) const { return scales.data() + m * row_scales(); }
   const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
@@ -962,6 +965,12 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
   } else if (bias) {
     bias_blocks(a, M);
   }
+#ifdef WEFT_ZMM
+  if (!sums && !bias && !super) {
+    a.qu.resize(a.q.size());
+    for (size_t i = 0; i < a.q.size(); ++i) a.qu[i] = static_cast<uint8_t>(a.q[i] + 128);
+  }
+#endif
   return a;
 }
 
@@ -1985,9 +1994,11 @@ void tile_i8_int4_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   store_halves<RW, RX>(acc, out, ldo, [&](int i, int r) { return mins[i][r]; });
 }
 
-// tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: x is negated where the
-// weight is negative (a masked subtract), which gives the same int32 dot as vpsignb (it differs
-// only where the weight is 0, whose |w| makes the product 0 either way). kInt6: each row's blocks
+// tile_i8_int8 with weight rows two to a zmm. vpsignb has no 512-bit form: vpdpbusd takes x + 128
+// (ActInt8::qu) as its unsigned bytes and the weights as they are, from an accumulator of -128
+// times each lane's four weights (one per weight row and block, for every row of x), which leaves
+// the exact integer sum w x, the same int32 dot as vpsignb's route, so the same bits; one
+// instruction a (weight row, x row) pair where moving the signs onto x took two. kInt6: each row's blocks
 // unpacked and their dots less x's bias, as the 256-bit tile does, put side by side.
 template <int RW, int RX, ScaleKind kScales, int G, bool kInt6>
 void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, float* out, int64_t ldo,
@@ -2006,18 +2017,16 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
       if (b % 4 == 0) rows.unpack(b / 4);
     }
     for (int h = 0; h < H; ++h) {
-      __m512i sgn, u;
-      __mmask64 neg = 0;
+      __m512i wv, less;  // int8: the weights, and -128 times each lane's four
       if constexpr (kInt6) {
-        u = rows2(rows.unsigned_block(2 * h, b), rows.unsigned_block(2 * h + 1, b));
+        wv = rows2(rows.unsigned_block(2 * h, b), rows.unsigned_block(2 * h + 1, b));
       } else {
-        sgn = rows2(rows.block(2 * h, b, half), rows.block(2 * h + 1, b, half));
-        u = _mm512_abs_epi8(sgn);  // -128 becomes 0x80, which is 128 as unsigned
-        neg = _mm512_movepi8_mask(sgn);
+        wv = rows2(rows.block(2 * h, b, half), rows.block(2 * h + 1, b, half));
+        less = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), wv));
       }
       const __m512 ws = rows2(sc[2 * h].block(b, half), sc[2 * h + 1].block(b, half));
       for (int r = 0; r < RX; ++r) {
-        const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
         const float* xs = a.srow(m0 + r);
         __m512 scale;
         if constexpr (G == 16) {
@@ -2027,10 +2036,10 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
         }
         __m512i dot;
         if constexpr (kInt6) {
-          dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv), both(a.bias_row(m0 + r) + b * 8));
+          const __m512i xv = both(a.qrow(m0 + r) + b * kBlock);
+          dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv), both(a.bias_row(m0 + r) + b * 8));
         } else {
-          const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-          dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx);
+          dot = _mm512_dpbusd_epi32(less, both(a.qu_row(m0 + r) + b * kBlock), wv);
         }
         acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[h][r]);
       }
