@@ -780,6 +780,9 @@ struct ActInt8 {
   // int6 only: [M, blocks * 8], lane i of block b 32 times the sum of its rounded x 4i..4i + 3: what
   // the int6 tiles take off dot_u8s8(q, x) to make the dots of q - 32
   std::vector<int32_t> bias;
+  // The super-block path on AVX-512, Q6_K: [M, blocks * 8], -32 times the sum of each lane's four
+  // rounded x (bias negated), where tile_i8_super6_zmm's vpdpbusd starts.
+  std::vector<int32_t> minus_bias;
   // The int8 layout on AVX-512 (tile_i8_int8_zmm): [M, blocks * 32], q + 128 as unsigned bytes.
   std::vector<uint8_t> qu;
   int64_t row_scales() const { return blocks * kBlock / group; }
@@ -789,6 +792,7 @@ struct ActInt8 {
   const int8_t* paired_row(int64_t m) const { return paired.data() + m * (blocks / 2) * 2 * kBlock; }
   const float* lanes_row(int64_t m) const { return lanes.data() + m * (blocks / 2) * 8; }
   const int32_t* bias_row(int64_t m) const { return bias.data() + m * blocks * 8; }
+  const int32_t* minus_bias_row(int64_t m) const { return minus_bias.data() + m * blocks * 8; }
   const int16_t* bsums_row(int64_t m) const { return bsums.data() + m * blocks; }
   int64_t super_pairs() const { return (row_scales() + 1) / 2; }
   const float* super_lanes_row(int64_t m) const { return super_lanes.data() + m * super_pairs() * 8; }
@@ -929,15 +933,16 @@ void round_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group
   });
 }
 
-// Fills a.bias from a.q (the int6 layout's; see ActInt8).
-void bias_blocks(ActInt8& a, int64_t M) {
+// Fills out (a.bias, or with factor -32 a.minus_bias) from a.q: factor times the sum of each lane's
+// four rounded x (the int6 layout's; see ActInt8).
+void bias_blocks(ActInt8& a, int64_t M, std::vector<int32_t>& out, int32_t factor = 32) {
   const int64_t lanes = a.blocks * 8;
-  a.bias.assign(M * lanes, 0);
+  out.assign(M * lanes, 0);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int8_t* q = a.qrow(m);
-      int32_t* bias = a.bias.data() + m * lanes;
-      for (int64_t i = 0; i < lanes; ++i) bias[i] = 32 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+      int32_t* bias = out.data() + m * lanes;
+      for (int64_t i = 0; i < lanes; ++i) bias[i] = factor * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
     }
   });
 }
@@ -962,10 +967,13 @@ ActInt8 quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, 
     block_sums(a, M);
   } else if (super && bias) {
     pair_biases(a, M);
+#ifdef WEFT_ZMM
+    bias_blocks(a, M, a.minus_bias, -32);
+#endif
   } else if (sums) {
     pair_blocks(a, M, /*lanes=*/true);
   } else if (bias) {
-    bias_blocks(a, M);
+    bias_blocks(a, M, a.bias);
   }
 #ifdef WEFT_ZMM
   if (!sums && !bias && !super) {
@@ -1757,6 +1765,7 @@ struct Super6Operands {
   const uint8_t* rec[RW];  // records
   const int8_t* xq[RX];    // x
   const int16_t* xb[RX];   // x's pair biases
+  const int32_t* xm[RX];   // the zmm tile's: x's lane biases, negated (ActInt8::minus_bias)
   const float* xs[RX];     // x's scale per 256
   // The high bits of the rows at ahead: a row holds half as many bytes of them as of low bits.
   const uint8_t* ahead_high;
@@ -1770,6 +1779,7 @@ struct Super6Operands {
     for (int r = 0; r < RX; ++r) {
       xq[r] = a.qrow(m0 + r);
       xb[r] = a.pair_bias_row(m0 + r);
+      xm[r] = a.minus_bias.empty() ? nullptr : a.minus_bias_row(m0 + r);
       xs[r] = a.srow(m0 + r);
     }
   }
@@ -2059,6 +2069,14 @@ inline __m512i pair_sc16_zmm(__m512i sc16, int j) {
                                                                               hi, hi, hi, hi, hi, hi)));
 }
 
+// Q6_K's scales for block j of a half super-block (sc16 as pair_sc16_zmm takes it) one to an int32
+// lane, sc[2j] in lanes 0-3 of each half and sc[2j + 1] in lanes 4-7, as int16 over a zero high
+// word: vpdpwssd of a lane holding an int32 t in int16 range by it adds t * sc.
+inline __m512i lane_sc_zmm(__m512i sc16, int j) {
+  const int32_t lo = (4 * j) | (4 * j + 1) << 8 | 0x80 << 16 | static_cast<int32_t>(0x80u << 24), hi = lo + 0x0202;
+  return _mm512_shuffle_epi8(sc16, _mm512_broadcast_i64x4(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)));
+}
+
 // scaled_dot2 for two weight rows at once (lo and hi two rows' unpacked pairs, x broadcast into both
 // halves) added to sums: the same maddubs, add and vpmaddwd per lane; the add of the vpmaddwd into
 // the sums is vpdpwssd's (exact in int32, as the lanes' bounds in scaled_dot2 show).
@@ -2277,11 +2295,14 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
         sc16[k][half] = rows2(op.sc16(2 * k, sb, half), op.sc16(2 * k + 1, sb, half));
       }
     }
+    // Each lane's four (q - 32) x in one vpdpbusd from x's negated lane bias (at most 4 * 32 * 127 =
+    // 16256 in magnitude: an int16 in the lane's low word, its high word the sign), then times the
+    // lane's group scale by vpdpwssd against lane_sc_zmm: the int32 the 256-bit tile's maddubs pairs,
+    // subtract and vpmaddwd give each lane, so the same bits, in two instructions where those are three.
     auto block = [&](int k, int64_t b, __m512i u, __m512i sc) {
       for (int r = 0; r < RX; ++r) {
-        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(u, both(op.xq[r] + b * kBlock)),
-                                               both(op.xb[r] + b * kBlock / 2));
-        sums[k][r] = _mm512_dpwssd_epi32(sums[k][r], pairs, sc);
+        const __m512i dots = _mm512_dpbusd_epi32(both(op.xm[r] + b * 8), u, both(op.xq[r] + b * kBlock));
+        sums[k][r] = _mm512_dpwssd_epi32(sums[k][r], dots, sc);
       }
     };
     if constexpr (RX == 1) {
@@ -2293,7 +2314,7 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
           __m256i u0[4], u1[4];
           int6_vectors(op.q[2 * k], op.h[2 * k], c, u0);
           int6_vectors(op.q[2 * k + 1], op.h[2 * k + 1], c, u1);
-          for (int j = 0; j < 4; ++j) block(k, c * 4 + j, rows2(u0[j], u1[j]), pair_sc16_zmm(sc16[k][half], j));
+          for (int j = 0; j < 4; ++j) block(k, c * 4 + j, rows2(u0[j], u1[j]), lane_sc_zmm(sc16[k][half], j));
         }
       }
     } else {
@@ -2306,7 +2327,7 @@ void tile_i8_super6_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0
           block(k, b,
                 sr != nullptr ? sr->block_of(k0 + k, b)
                               : rows2(op.rows.unsigned_block(2 * k, b), op.rows.unsigned_block(2 * k + 1, b)),
-                pair_sc16_zmm(sc16[k][j / 4], j % 4));
+                lane_sc_zmm(sc16[k][j / 4], j % 4));
         }
       }
     }
