@@ -2062,27 +2062,25 @@ void tile_i8_int8_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0, 
   store_halves<RW, RX>(acc, out, ldo, [](int, int) { return 0.f; });
 }
 
-// The shuffle of pair_sc16 in both halves of a zmm (each half a row's super_sc16).
-inline __m512i pair_sc16_zmm(__m512i sc16, int j) {
-  const int16_t lo = static_cast<int16_t>((4 * j) | (4 * j + 1) << 8), hi = static_cast<int16_t>(lo + 0x0202);
-  return _mm512_shuffle_epi8(sc16, _mm512_broadcast_i64x4(_mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi,
-                                                                              hi, hi, hi, hi, hi, hi)));
-}
-
-// Q6_K's scales for block j of a half super-block (sc16 as pair_sc16_zmm takes it) one to an int32
-// lane, sc[2j] in lanes 0-3 of each half and sc[2j + 1] in lanes 4-7, as int16 over a zero high
-// word: vpdpwssd of a lane holding an int32 t in int16 range by it adds t * sc.
+// The scales of pair_sc16 (Q4_K, Q5_K) or of block j of a half super-block (Q6_K), from sc16 in
+// both halves of a zmm (each half a row's super_sc16 or Super6Operands::sc16), one to an int32
+// lane: sc[2j] in lanes 0-3 of each half and sc[2j + 1] in lanes 4-7, as int16 over a zero high
+// word, so vpdpwssd of a lane holding an int32 t in int16 range by it adds t * sc.
 inline __m512i lane_sc_zmm(__m512i sc16, int j) {
   const int32_t lo = (4 * j) | (4 * j + 1) << 8 | 0x80 << 16 | static_cast<int32_t>(0x80u << 24), hi = lo + 0x0202;
   return _mm512_shuffle_epi8(sc16, _mm512_broadcast_i64x4(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)));
 }
 
 // scaled_dot2 for two weight rows at once (lo and hi two rows' unpacked pairs, x broadcast into both
-// halves) added to sums: the same maddubs, add and vpmaddwd per lane; the add of the vpmaddwd into
-// the sums is vpdpwssd's (exact in int32, as the lanes' bounds in scaled_dot2 show).
+// halves) added to sums, sc from lane_sc_zmm: each lane's eight products (its four bytes of lo by x,
+// of hi by x's next block) in two vpdpbusd (at most 8 * 31 * 127 = 31496: an int16 in the lane's
+// low word), then times its group scale by vpdpwssd: the int32 the 256-bit tile's two maddubs, add
+// and vpmaddwd give the lane (exact, as the lanes' bounds in scaled_dot2 show), in three instructions
+// where those are four.
 inline __m512i scaled_dot2_add(__m512i sums, __m512i lo, __m512i hi, const int8_t* x, __m512i sc) {
-  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, both(x)), _mm512_maddubs_epi16(hi, both(x + kBlock)));
-  return _mm512_dpwssd_epi32(sums, pairs, sc);
+  const __m512i dots =
+      _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, both(x)), hi, both(x + kBlock));
+  return _mm512_dpwssd_epi32(sums, dots, sc);
 }
 
 // The weight side of a block of four Q4_K or Q5_K weight rows that the zmm super-block tiles read
@@ -2223,7 +2221,7 @@ void tile_i8_super_zmm(const Packed& w, int64_t n, const ActInt8& a, int64_t m0,
           lo = _mm512_or_si512(lo, as_0x10(std::integral_constant<int, kLo>{}));
           hi = _mm512_or_si512(hi, as_0x10(std::integral_constant<int, kHi>{}));
         }
-        const __m512i sc = pair_sc16_zmm(sc16[k], j);
+        const __m512i sc = lane_sc_zmm(sc16[k], j);
         for (int r = 0; r < RX; ++r) {
           sums[k][r] = scaled_dot2_add(sums[k][r], lo, hi, op.xp[r] + p * 2 * kBlock, sc);
         }
