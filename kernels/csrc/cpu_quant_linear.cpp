@@ -94,8 +94,8 @@
 // half is the 8-lane accumulator of the 256-bit tile, x's bytes and scales broadcast
 // into both halves, the same operations per lane, so the same bits as the AVX2 build
 // (tile_i8_int4_zmm, tile_i8_int8_zmm, min_terms_zmm; 4 x 4 tiles above 3 rows of x), and so
-// does the super-block path (tile_i8_super_zmm, tile_i8_super6_zmm: one vpmaddwd and an add fused
-// into one exact vpdpwssd). From 8 rows of x the tiles of a block of four weight rows share its
+// does the super-block path (tile_i8_super_zmm, tile_i8_super6_zmm: each int32 lane's products
+// from vpdpbusd, scaled by one exact vpdpwssd, lane_sc_zmm). From 8 rows of x the tiles of a block of four weight rows share its
 // weight side, formed once (rows_tiles' Block: SuperRows, Super6Rows), and every zmm tile sums its
 // accumulators eight at a time (hsums).
 // Everything else (quant_linear_i16, the fp32 paths) is the AVX2 code with VNNI dots
