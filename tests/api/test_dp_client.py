@@ -96,7 +96,9 @@ async def test_invalid_request_errors_only_itself(client):
 
 
 async def test_duplicate_request_id_is_refused(client):
-    gen = client.generate(make_request("dup", max_tokens=50))
+    # Long enough that it is still in flight when the second arrives: with 50 tokens the tiny model
+    # finished between the first output and the next line when two busy cores starved this task.
+    gen = client.generate(make_request("dup", max_tokens=400))
     await anext(gen)
     with pytest.raises(ValueError, match="already in flight"):
         await anext(client.generate(make_request("dup")))
