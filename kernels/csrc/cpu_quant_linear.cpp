@@ -1409,6 +1409,20 @@ inline __m256i scaled_dot2(__m256i lo, __m256i hi, const int8_t* x, __m256i sc) 
   return _mm256_madd_epi16(pairs, sc);
 }
 
+// The min terms' weight lanes of super-blocks sb and sb + 1 of a row (r0 its record of sb; lone:
+// sb the last, the second's lanes 0): the eight m of each as int16 (lanes 0-7, 8-15), and dmin
+// (fp32 lanes 0-3, 4-7).
+inline __m256i super_pair_mins(const uint8_t* r0, bool lone) {
+  auto m16 = [](const uint8_t* r) {
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
+  };
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(m16(r0)), lone ? _mm_setzero_si128() : m16(r0 + kSuperRecord),
+                                 1);
+}
+inline __m256 super_pair_dmin(const uint8_t* r0, bool lone) {
+  return halves(SuperScales::half_at(r0 + 2), lone ? 0.f : SuperScales::half_at(r0 + kSuperRecord + 2));
+}
+
 // The min terms of a super-block tile, sum over super-blocks of dmin * xs * sum_g m_g * bsum_g,
 // into out[i][r]: two super-blocks a step (lanes 0-3 the first, 4-7 the second, each lane an exact
 // vpmaddwd of two m <= 63 by two x sums |bsum| <= 32 * 127: at most 512064), converted and FMAed
@@ -1424,16 +1438,11 @@ void super_min_terms(const uint8_t* const (&rec)[RW], const ActInt8& a, int64_t 
     bs[r] = a.bsums_row(m0 + r);
     xs[r] = a.srow(m0 + r);
   }
-  auto m16 = [](const uint8_t* r) {  // a record's eight m as int16
-    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
-  };
   auto step = [&](int64_t sb, bool lone) {
     for (int i = 0; i < RW; ++i) {
       const uint8_t* r0 = rec[i] + sb * kSuperRecord;
-      const __m128i high = lone ? _mm_setzero_si128() : m16(r0 + kSuperRecord);
-      const __m256i mins = _mm256_inserti128_si256(_mm256_castsi128_si256(m16(r0)), high, 1);
-      const __m256 dmin =
-          halves(SuperScales::half_at(r0 + 2), lone ? 0.f : SuperScales::half_at(r0 + kSuperRecord + 2));
+      const __m256i mins = super_pair_mins(r0, lone);
+      const __m256 dmin = super_pair_dmin(r0, lone);
       for (int r = 0; r < RX; ++r) {
         const int16_t* b = bs[r] + sb * 8;
         const __m256i sums = lone ? _mm256_inserti128_si256(_mm256_setzero_si256(),
@@ -2111,20 +2120,9 @@ struct SuperRows {
       }
       for (int64_t p = 0; p < pairs; ++p) {
         const bool lone = 2 * p + 1 == supers;
-        auto m16 = [](const uint8_t* r) {  // a record's eight m as int16
-          return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 12)));
-        };
-        auto row_mins = [&](int i) {
-          const uint8_t* r0 = rec[i] + 2 * p * kSuperRecord;
-          return _mm256_inserti128_si256(_mm256_castsi128_si256(m16(r0)),
-                                         lone ? _mm_setzero_si128() : m16(r0 + kSuperRecord), 1);
-        };
-        auto row_dmin = [&](int i) {
-          const uint8_t* r0 = rec[i] + 2 * p * kSuperRecord;
-          return halves(SuperScales::half_at(r0 + 2), lone ? 0.f : SuperScales::half_at(r0 + kSuperRecord + 2));
-        };
-        _mm512_storeu_si512(&mins[(k * pairs + p) * 32], rows2(row_mins(0), row_mins(1)));
-        _mm512_storeu_ps(&dmin[(k * pairs + p) * 16], rows2(row_dmin(0), row_dmin(1)));
+        const uint8_t* r0[2] = {rec[0] + 2 * p * kSuperRecord, rec[1] + 2 * p * kSuperRecord};
+        _mm512_storeu_si512(&mins[(k * pairs + p) * 32], rows2(super_pair_mins(r0[0], lone), super_pair_mins(r0[1], lone)));
+        _mm512_storeu_ps(&dmin[(k * pairs + p) * 16], rows2(super_pair_dmin(r0[0], lone), super_pair_dmin(r0[1], lone)));
       }
     }
   }
